@@ -1,0 +1,170 @@
+"""Loading, validating and rendering kvasird.toml.
+
+Validation is driven by the dataclass fields in ``model``: their type and metadata
+(range, choices, pattern, multiaddr, loopback). Every error names the file, the key
+and what is allowed, because the operator fixing it has only the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+import sys
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from kvasird.config.model import Config, sections
+from kvasird.errors import ConfigError
+
+_REPO_DEFAULT = Path(__file__).resolve().parents[2] / "config" / "kvasird.toml"
+_INSTALLED_DEFAULT = Path(sys.prefix) / "share" / "kvasird" / "kvasird.toml"
+
+
+def default_text() -> str:
+    """The commented default kvasird.toml (from the source tree, else the installed copy)."""
+    for path in (_REPO_DEFAULT, _INSTALLED_DEFAULT):
+        if path.is_file():
+            return path.read_text()
+    raise ConfigError(f"the default kvasird.toml is missing (looked in {_REPO_DEFAULT} and "
+                      f"{_INSTALLED_DEFAULT}): reinstall kvasird")
+
+
+def load(path: Path) -> Config:
+    """Read and validate ``path``; defaults fill keys the file leaves out."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist: run `kvasird init` first") from None
+    return load_text(text, source=str(path))
+
+
+def load_text(text: str, source: str = "kvasird.toml") -> Config:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source} is not valid TOML ({exc}): fix the file or re-create it "
+                          "with `kvasird init` in an empty directory") from None
+    defaults = tomllib.loads(default_text())
+    known = sections()
+    for name in data:
+        if name not in known:
+            raise ConfigError(f"{source}: unknown section [{name}]; known sections are "
+                              + ", ".join(f"[{s}]" for s in known))
+    built = {}
+    for name, cls in known.items():
+        merged = {**defaults.get(name, {}), **_table(data.get(name, {}), source, name)}
+        built[name] = _section(cls, merged, source, name)
+    return Config(**built)
+
+
+def _table(value: Any, source: str, name: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: [{name}] must be a table")
+    return value
+
+
+def _section(cls: type, values: dict[str, Any], source: str, section: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in values:
+        if key not in fields:
+            raise ConfigError(f"{source}: unknown key {section}.{key}; known keys are "
+                              + ", ".join(fields))
+    out = {}
+    for key, f in fields.items():
+        where = f"{source}: {section}.{key}"
+        out[key] = _check(values.get(key, f.default), hints[key], dict(f.metadata), where)
+    return cls(**out)
+
+
+def _check(value: Any, hint: Any, meta: dict[str, Any], where: str) -> Any:
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+        return tuple(_check_str(v, meta, where) for v in value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if hint in (int, float):
+        ok = isinstance(value, int) if hint is int else isinstance(value, int | float)
+        if not ok or isinstance(value, bool):
+            raise ConfigError(f"{where} must be {'an integer' if hint is int else 'a number'}, "
+                              f"got {value!r}")
+        lo, hi = meta.get("range", (float("-inf"), float("inf")))
+        if not lo <= value <= hi:
+            raise ConfigError(f"{where} = {value} is out of range: allowed {lo}..{hi}")
+        return hint(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    return _check_str(value, meta, where)
+
+
+def _check_str(value: str, meta: dict[str, Any], where: str) -> str:
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{where} = {value!r} is not allowed: use one of "
+                          + ", ".join(repr(c) for c in meta["choices"]))
+    if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
+        raise ConfigError(f"{where} = {value!r} must match {meta['pattern']}")
+    if meta.get("multiaddr"):
+        _check_multiaddr(value, meta.get("p2p", False), where)
+    if meta.get("loopback"):
+        _check_loopback(value, where)
+    return value
+
+
+def _check_multiaddr(value: str, needs_peer_id: bool, where: str) -> None:
+    import multiaddr  # deferred: importing it pulls in a few hundred ms of libp2p helpers
+
+    try:
+        addr = multiaddr.Multiaddr(value)
+    except Exception as exc:  # noqa: BLE001 - the library raises a zoo of types
+        raise ConfigError(f"{where}: {value!r} is not a multiaddr ({exc}); "
+                          "example: /ip4/127.0.0.1/tcp/4001") from None
+    if needs_peer_id and "p2p" not in [p.name for p in addr.protocols()]:
+        raise ConfigError(f"{where}: {value!r} lacks /p2p/<peer id>; copy the full join "
+                          "address from the other node's banner or `kvasird id`")
+
+
+def _check_loopback(value: str, where: str) -> None:
+    host, sep, port = value.rpartition(":")
+    try:
+        ok = sep and ipaddress.ip_address(host.strip("[]")).is_loopback and 0 <= int(port) < 65536
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"{where} = {value!r} must be a loopback host:port such as "
+                          "127.0.0.1:5101 (the admin API is never exposed)")
+
+
+def render(text: str, values: dict[str, Any]) -> str:
+    """``text`` with the values of ``{"section.key": value}`` replaced, comments kept."""
+    lines = text.splitlines(keepends=True)
+    section = ""
+    todo = dict(values)
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped.startswith("[") and stripped.endswith("]"):
+            section = stripped[1:-1]
+            continue
+        m = re.match(r"([A-Za-z0-9_]+)\s*=", stripped)
+        if m and f"{section}.{m.group(1)}" in todo:
+            lines[i] = f"{m.group(1)} = {_toml(todo.pop(f'{section}.{m.group(1)}'))}\n"
+    if todo:
+        raise ConfigError(f"cannot set {', '.join(todo)}: no such key in the config file")
+    return "".join(lines)
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} to TOML")

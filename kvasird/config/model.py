@@ -1,0 +1,75 @@
+"""The typed configuration. Each field's metadata says what values are allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _range(lo: float, hi: float) -> dict[str, Any]:
+    return {"range": (lo, hi)}
+
+
+def _choice(*values: str) -> dict[str, Any]:
+    return {"choices": values}
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    network: str = field(default="kvasir-local", metadata={"pattern": r"[a-z0-9][a-z0-9._-]{0,63}"})
+    """Network name; gossip topics are kvasir/<network>/..."""
+    log_level: str = field(default="info", metadata=_choice("debug", "info", "warning", "error"))
+    """Minimum level logged."""
+
+
+@dataclass(frozen=True)
+class P2PConfig:
+    listen: tuple[str, ...] = field(default=("/ip4/0.0.0.0/tcp/4001",), metadata={"multiaddr": True})
+    """Multiaddrs to listen on."""
+    announce: tuple[str, ...] = field(default=(), metadata={"multiaddr": True})
+    """Addresses announced instead of the listen addresses."""
+    bootstrap: tuple[str, ...] = field(default=(), metadata={"multiaddr": True, "p2p": True})
+    """Peers to join through; each ends in /p2p/<peer id>."""
+    heartbeat_interval_s: float = field(default=5.0, metadata=_range(0.2, 60))
+    """Seconds between heartbeats to each peer."""
+    liveness_timeout_s: float = field(default=15.0, metadata=_range(2, 120))
+    """A peer silent this long is dropped."""
+    peer_exchange_interval_s: float = field(default=10.0, metadata=_range(0.5, 600))
+    """Seconds between peer-exchange rounds."""
+    max_peers: int = field(default=64, metadata=_range(1, 4096))
+    """Upper bound on connected peers."""
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    listen: str = field(default="127.0.0.1:5101", metadata={"loopback": True})
+    """host:port of the local admin API; the host must be a loopback address."""
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    threads: int = field(default=0, metadata=_range(0, 1024))
+    """ggml compute threads; 0 = one per physical core."""
+
+
+@dataclass(frozen=True)
+class Config:
+    node: NodeConfig = NodeConfig()
+    """[node]"""
+    p2p: P2PConfig = P2PConfig()
+    """[p2p]"""
+    admin: AdminConfig = AdminConfig()
+    """[admin]"""
+    compute: ComputeConfig = ComputeConfig()
+    """[compute]"""
+
+    def replace(self, **sections: Any) -> Config:
+        """A copy with whole sections replaced (used by tests and the launcher)."""
+        return dataclasses.replace(self, **sections)
+
+
+def sections() -> dict[str, type]:
+    """Section name -> its dataclass, in file order."""
+    return dict(typing.get_type_hints(Config))

@@ -1,0 +1,67 @@
+"""The state directory (``--home``, ``$KVASIRD_HOME``, else ``~/.kvasird``).
+
+    <home>/kvasird.toml     configuration (from config/kvasird.toml at init)
+    <home>/node.key         Ed25519 node key, mode 0600; peer id = node id
+    <home>/state.db         SQLite: peers, and every subsystem's durable state
+    <home>/admin.json       where the running daemon's admin API listens (removed on exit)
+    <home>/shards/          model shard store (model subsystem)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvasird.errors import HomeError
+
+
+def default_home() -> Path:
+    env = os.environ.get("KVASIRD_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".kvasird"
+
+
+@dataclass(frozen=True)
+class Home:
+    root: Path
+    """The state directory itself."""
+
+    @property
+    def config(self) -> Path:
+        return self.root / "kvasird.toml"
+
+    @property
+    def node_key(self) -> Path:
+        return self.root / "node.key"
+
+    @property
+    def db(self) -> Path:
+        return self.root / "state.db"
+
+    @property
+    def admin_file(self) -> Path:
+        return self.root / "admin.json"
+
+    @property
+    def shards(self) -> Path:
+        return self.root / "shards"
+
+    def require_initialised(self) -> None:
+        if not self.node_key.exists() or not self.config.exists():
+            raise HomeError(f"{self.root} is not a kvasird home: run `kvasird --home {self.root} init`")
+
+    def write_admin_address(self, url: str, pid: int) -> None:
+        """Publish where the admin API listens, atomically (CLI commands read it)."""
+        tmp = self.admin_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"url": url, "pid": pid}))
+        tmp.replace(self.admin_file)
+
+    def admin_address(self) -> str | None:
+        try:
+            return str(json.loads(self.admin_file.read_text())["url"])
+        except (FileNotFoundError, ValueError, KeyError):
+            return None
+
+    def clear_admin_address(self) -> None:
+        self.admin_file.unlink(missing_ok=True)

@@ -1,0 +1,13 @@
+"""Bytes on the wire: msgpack frames with hard limits, shared by every stream protocol.
+
+    framing    length-prefixed msgpack frames over any byte stream (libp2p or trio)
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack. The
+length is checked against the protocol's limit *before* reading the body, so an
+oversized or malicious length costs nothing. Decoded values are plain msgpack types;
+each protocol validates them into its own frozen records before use.
+"""
+
+from kvasird.wire.framing import ByteStream, FrameReader, read_frame, write_frame, pack, unpack
+
+__all__ = ["ByteStream", "FrameReader", "pack", "read_frame", "unpack", "write_frame"]
