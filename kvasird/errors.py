@@ -40,3 +40,14 @@ class PeerError(KvasirError):
 
 class NativeError(KvasirError):
     """The native (ggml) runtime is missing or lacks a capability."""
+
+
+def first_kvasir_error(exc: BaseException) -> KvasirError | None:
+    """The first KvasirError inside ``exc`` (trio nurseries wrap errors in groups)."""
+    if isinstance(exc, KvasirError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := first_kvasir_error(inner)) is not None:
+                return found
+    return None

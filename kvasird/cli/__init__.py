@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from kvasird import __version__
-from kvasird.errors import KvasirError
+from kvasird.errors import first_kvasir_error
 from kvasird.home import Home, default_home
 
 COMMANDS = (
@@ -25,6 +25,7 @@ COMMANDS = (
     "bootstrap",
     "native",
     "localnet",
+    "dev",
 )
 
 
@@ -47,8 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except KvasirError as exc:
-        print(f"kvasird: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except BaseException as exc:  # noqa: BLE001 - KvasirErrors may arrive inside exception groups
+        found = first_kvasir_error(exc)
+        if found is None:
+            raise
+        print(f"kvasird: {found}", file=sys.stderr)
+        return 1

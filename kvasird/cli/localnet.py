@@ -1,2 +1,122 @@
-def register(sub):
-    pass
+"""``kvasird localnet up|down|status``: a local network of daemons on 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from kvasird.errors import KvasirError
+from kvasird.localnet import LocalNet
+from kvasird.localnet.launcher import LocalNetError
+
+
+def _default_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "kvasird" / "localnet"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("localnet", help="run a local network of daemons on 127.0.0.1")
+    cmds = p.add_subparsers(dest="localnet_command", metavar="ACTION", required=True)
+    up = cmds.add_parser("up", help="start N daemons and wait until they all see each other")
+    up.add_argument("--nodes", type=int, default=3, help="number of daemons (default 3)")
+    up.add_argument("--dir", type=Path, default=None, help="where their homes live")
+    mode = up.add_mutually_exclusive_group()
+    mode.add_argument("--detach", action="store_true", help="leave them running; stop with `down`")
+    mode.add_argument("--once", action="store_true", help="stop them again once all are joined")
+    up.set_defaults(func=_up)
+    for name, func, text in (("down", _down, "stop a detached local network"),
+                             ("status", _status, "peers of each local daemon")):
+        c = cmds.add_parser(name, help=text)
+        c.add_argument("--dir", type=Path, default=None, help="where their homes live")
+        c.set_defaults(func=func)
+
+
+def _up(args: argparse.Namespace) -> int:
+    root = (args.dir or _default_dir()).resolve()
+    if (root / "localnet.json").exists():
+        raise LocalNetError(f"a local network already runs from {root}: "
+                            "stop it with `kvasird localnet down` first")
+    if not 1 <= args.nodes <= 32:
+        raise KvasirError("--nodes must be between 1 and 32")
+    net = LocalNet(root, args.nodes)
+    try:
+        print(f"starting {args.nodes} daemons under {root} ...", flush=True)
+        net.up()
+        took = net.wait_until("every daemon lists every other one as a peer",
+                              net.fully_connected, timeout=30 + 5 * args.nodes)
+        print(f"all {args.nodes} daemons joined in {took:.1f} s\n")
+        _print_table(net)
+        if args.detach:
+            print(f"\nleft running; stop with: kvasird localnet down --dir {root}")
+            return 0
+        if not args.once:
+            print("\nrunning; press Ctrl-C to stop", flush=True)
+            while all(n.alive() for n in net.nodes):
+                time.sleep(1)
+            raise LocalNetError(f"a daemon exited unexpectedly; logs are in {root}")
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if not args.detach:
+            codes = net.down()
+            print(f"stopped {len(codes)} daemons")
+
+
+def _print_table(net: LocalNet) -> None:
+    print(f"{'node':5} {'peer id':54} peers")
+    for node in net.nodes:
+        peers = sorted(node.peer_ids())
+        names = [f"node{m.index}" for m in net.nodes if m.peer_id in peers]
+        print(f"node{node.index:<1} {node.peer_id:54} {', '.join(names)}")
+
+
+def _state(args: argparse.Namespace) -> tuple[Path, dict]:
+    root = (args.dir or _default_dir()).resolve()
+    try:
+        return root, json.loads((root / "localnet.json").read_text())
+    except FileNotFoundError:
+        raise LocalNetError(f"no detached local network runs from {root}") from None
+
+
+def _down(args: argparse.Namespace) -> int:
+    root, state = _state(args)
+    pids = [n["pid"] for n in state["nodes"] if n["pid"]]
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_signal(pid, 0) for pid in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+    (root / "localnet.json").unlink(missing_ok=True)
+    print(f"stopped {len(pids)} daemons")
+    return 0
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvasird.admin import client
+    from kvasird.home import Home
+
+    _, state = _state(args)
+    for n in state["nodes"]:
+        try:
+            status = client.get(Home(Path(n["home"])), "/v0/status")
+            print(f"node{n['index']} {status['peer_id']} peers={status['peers']} "
+                  f"uptime={status['uptime_s']:.0f}s")
+        except KvasirError as exc:
+            print(f"node{n['index']} {n['peer_id']} not answering: {exc}")
+    return 0

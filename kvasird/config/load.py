@@ -141,20 +141,31 @@ def _check_loopback(value: str, where: str) -> None:
 
 
 def render(text: str, values: dict[str, Any]) -> str:
-    """``text`` with the values of ``{"section.key": value}`` replaced, comments kept."""
+    """``text`` with the values of ``{"section.key": value}`` set, comments kept.
+
+    A key the file lacks is added at the end of its section (the section is added
+    at the end of the file when missing).
+    """
     lines = text.splitlines(keepends=True)
-    section = ""
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
     todo = dict(values)
+    section, section_end = "", {}
     for i, line in enumerate(lines):
         stripped = line.strip()
         if stripped.startswith("[") and stripped.endswith("]"):
             section = stripped[1:-1]
-            continue
-        m = re.match(r"([A-Za-z0-9_]+)\s*=", stripped)
-        if m and f"{section}.{m.group(1)}" in todo:
+        elif (m := re.match(r"([A-Za-z0-9_]+)\s*=", stripped)) and f"{section}.{m.group(1)}" in todo:
             lines[i] = f"{m.group(1)} = {_toml(todo.pop(f'{section}.{m.group(1)}'))}\n"
-    if todo:
-        raise ConfigError(f"cannot set {', '.join(todo)}: no such key in the config file")
+        if stripped and not stripped.startswith("#"):
+            section_end[section] = i + 1
+    for dotted, value in reversed(list(todo.items())):
+        name, key = dotted.split(".", 1)
+        entry = f"{key} = {_toml(value)}\n"
+        if name in section_end:
+            lines.insert(section_end[name], entry)
+        else:
+            lines.extend([f"\n[{name}]\n", entry])
     return "".join(lines)
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from kvasird.cli import main
+
+sys.exit(main())

@@ -1,0 +1,8 @@
+"""The local admin API: JSON over HTTP on a loopback address only.
+
+    server   the ASGI app and its routes (status, peers); served by hypercorn in trio mode
+    client   what the CLI uses to reach a running daemon (address from <home>/admin.json)
+
+The API never carries secrets and is never bound beyond loopback (config validation
+refuses anything else), like kubo's RPC API.
+"""

@@ -1,0 +1,42 @@
+"""``kvasird dev``: developer tools (generated test models)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvasird.model.testmodels import ARCHS, DTYPES, TestModelSpec, write_model
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("dev", help="developer tools")
+    cmds = p.add_subparsers(dest="dev_command", metavar="ACTION", required=True)
+    mk = cmds.add_parser("make-model", help="write a small random-weight GGUF (llama.cpp loads it)")
+    mk.add_argument("out", type=Path, help="output .gguf path")
+    mk.add_argument("--arch", choices=ARCHS, default="qwen3moe")
+    mk.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
+    mk.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    mk.add_argument("--embd", type=int, default=64, help="hidden size")
+    mk.add_argument("--heads", type=int, default=4, help="attention heads")
+    mk.add_argument("--heads-kv", type=int, default=2, help="key/value heads")
+    mk.add_argument("--head-dim", type=int, default=16, help="per-head size")
+    mk.add_argument("--ff", type=int, default=128, help="dense FFN size (llama)")
+    mk.add_argument("--experts", type=int, default=8, help="experts per layer (qwen3moe)")
+    mk.add_argument("--experts-used", type=int, default=2, help="top-k experts per token")
+    mk.add_argument("--ff-exp", type=int, default=32, help="expert FFN size (qwen3moe)")
+    mk.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
+                    help="omit `output` and reuse token_embd (default: llama tied, qwen3moe not)")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=_make_model)
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    spec = TestModelSpec(
+        arch=args.arch, n_layer=args.layers, n_embd=args.embd, n_head=args.heads,
+        n_head_kv=args.heads_kv, head_dim=args.head_dim, n_ff=args.ff, n_expert=args.experts,
+        n_expert_used=args.experts_used, n_ff_exp=args.ff_exp, dtype=args.dtype,
+        tied_output=args.tied, seed=args.seed,
+    )
+    path = write_model(args.out, spec)
+    print(f"{path}  {spec.arch} {spec.dtype} {spec.n_layer} layers, {path.stat().st_size} bytes")
+    return 0

@@ -1,0 +1,117 @@
+"""Node: a running kvasird, and the signal handling around it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import trio
+
+from kvasird import PROTOCOL_VERSION, __version__
+from kvasird.admin.server import build_app
+from kvasird.config import Config
+from kvasird.daemon import systemd
+from kvasird.daemon.banner import print_banner
+from kvasird.db import connect
+from kvasird.home import Home
+from kvasird.http import serve_asgi
+from kvasird.identity import load_node_key
+from kvasird.logs import get_logger
+from kvasird.p2p import P2PNode
+
+log = get_logger("kvasird.daemon")
+
+NO_PEERS_DIAGNOSIS_S = 60.0
+DRAIN_TIMEOUT_S = 8.0
+
+
+class Node:
+    def __init__(self, home: Home, config: Config) -> None:
+        self.home = home
+        self.config = config
+        self.db = connect(home.db)
+        self.key = load_node_key(home.node_key)
+        self.p2p = P2PNode(self.key, config.p2p, config.node.network, self.db)
+        self.started_at = time.monotonic()
+
+    def status(self) -> dict[str, Any]:
+        addrs = self.p2p.addrs()
+        return {
+            "peer_id": self.p2p.peer_id,
+            "network": self.config.node.network,
+            "listen_addrs": addrs,
+            "join_addr": _preferred_join(addrs),
+            "peers": len(self.p2p.peers),
+            "uptime_s": round(time.monotonic() - self.started_at, 1),
+            "version": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+        }
+
+    async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run every service; report the admin URL once all listen. Cancel to drain."""
+        try:
+            async with self.p2p.running(), trio.open_nursery() as nursery:
+                admin_url = await nursery.start(lambda task_status: serve_asgi(
+                    build_app(self), self.config.admin.listen, what="admin API",
+                    config_hint=f"[admin] listen in {self.home.config}", task_status=task_status))
+                self.home.write_admin_address(admin_url, os.getpid())
+                nursery.start_soon(self._diagnose_loneliness)
+                if (interval := systemd.watchdog_interval_s()) is not None:
+                    nursery.start_soon(systemd.keep_watchdog_fed, interval)
+                print_banner(self.status(), admin_url, str(self.home.config))
+                log.info("ready", peer_id=self.p2p.peer_id, admin=admin_url)
+                systemd.notify("READY=1")
+                task_status.started(admin_url)
+                await trio.sleep_forever()
+        finally:
+            self.home.clear_admin_address()
+            self.db.close()
+
+    async def _diagnose_loneliness(self) -> None:
+        """Like Syncthing: say what to check when a node with a bootstrap list stays alone."""
+        if not self.config.p2p.bootstrap:
+            return
+        await trio.sleep(NO_PEERS_DIAGNOSIS_S)
+        while True:
+            if len(self.p2p.peers) == 0:
+                log.warning(
+                    f"no peers after {NO_PEERS_DIAGNOSIS_S:g} s: check that the bootstrap "
+                    f"addresses in {self.home.config} are reachable from this machine, that "
+                    "the other node runs on the same network name, and that no firewall "
+                    "blocks its port", bootstrap=list(self.config.p2p.bootstrap))
+            await trio.sleep(300)
+
+
+def _preferred_join(addrs: list[str]) -> str:
+    """A TCP address other machines can use: non-loopback first, loopback as a last resort."""
+    tcp = [a for a in addrs if "/tcp/" in a and "/ws" not in a] or addrs
+    outside = [a for a in tcp if "/ip4/127." not in a and "/ip6/::1/" not in a]
+    return (outside or tcp or [""])[0]
+
+
+async def run_until_signal(node: Node) -> None:
+    """Run the node; the first SIGTERM/SIGINT drains it, a second SIGINT exits at once."""
+    node_scope = trio.CancelScope()
+
+    async def watch(signals: trio.abc.ReceiveChannel[int]) -> None:
+        draining = False
+        async for signum in signals:
+            if not draining:
+                draining = True
+                log.info("stopping: closing peers and flushing state",
+                         signal=signal.Signals(signum).name)
+                systemd.notify("STOPPING=1")
+                node_scope.cancel()
+            elif signum == signal.SIGINT:
+                log.warning("second interrupt: exiting without draining")
+                os._exit(130)
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, signals)
+            with node_scope:
+                await node.run()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,181 @@
+"""Starting and stopping daemons as real processes, with bounded waits and full cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvasird.cli.init import init_home
+from kvasird.config import render
+from kvasird.errors import KvasirError
+from kvasird.home import Home
+
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+# A loopback network can afford fast heartbeats: dead peers vanish within ~6 s.
+LOCAL_P2P = {"p2p.heartbeat_interval_s": 1.0, "p2p.liveness_timeout_s": 5.0,
+             "p2p.peer_exchange_interval_s": 1.0}
+
+
+class LocalNetError(KvasirError):
+    """A local daemon did not start or stop as expected; its log path is in the message."""
+
+
+@dataclass
+class LocalNode:
+    index: int
+    """Position in the chain (node i bootstraps from node i-1)."""
+    home: Home
+    """The node's own state directory."""
+    proc: subprocess.Popen[bytes] | None = None
+    """The running `kvasird run` process."""
+    peer_id: str = ""
+    """Known once the node is ready."""
+    join_addr: str = ""
+    """Its TCP join address (ends in /p2p/<peer id>)."""
+    log: Path = field(default=Path())
+    """stdout+stderr of the process."""
+
+    def get(self, path: str, timeout: float = 5.0) -> Any:
+        url = self.home.admin_address()
+        if url is None:
+            raise LocalNetError(f"node {self.index} has no admin API address (see {self.log})")
+        return httpx.get(url + path, timeout=timeout).json()
+
+    def status(self) -> dict[str, Any]:
+        return self.get("/v0/status")
+
+    def peer_ids(self) -> set[str]:
+        return {p["peer_id"] for p in self.get("/v0/peers")}
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, ready_timeout: float = READY_TIMEOUT_S) -> None:
+        self.home.clear_admin_address()
+        out = open(self.log, "ab")  # noqa: SIM115 - handed to the child process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvasird", "--home", str(self.home.root), "run"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        out.close()
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LocalNetError(f"node {self.index} exited with status {self.proc.returncode} "
+                                    f"before it was ready; its log: {self.log}\n{self.tail()}")
+            if self.home.admin_address():
+                try:
+                    status = self.status()
+                except httpx.HTTPError:
+                    pass
+                else:
+                    self.peer_id, self.join_addr = status["peer_id"], status["join_addr"]
+                    return
+            time.sleep(0.1)
+        self.stop()
+        raise LocalNetError(f"node {self.index} was not ready within {ready_timeout:g} s; "
+                            f"its log: {self.log}\n{self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, wait, then SIGKILL; return the exit status."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+class LocalNet:
+    """N daemons on loopback under ``root``; use as a context manager to always clean up."""
+
+    def __init__(self, root: Path, n: int, network: str = "localnet",
+                 settings: dict[str, Any] | None = None) -> None:
+        self.root = root
+        self.network = network
+        self.settings = {**LOCAL_P2P, **(settings or {})}
+        self.nodes = [LocalNode(i, Home(root / f"node{i}"), log=root / f"node{i}.log")
+                      for i in range(n)]
+
+    def __enter__(self) -> LocalNet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def configure(self, node: LocalNode, bootstrap: list[str]) -> None:
+        """Init the node's home, or point an existing one (same key) at the new bootstrap."""
+        values = {
+            "node.network": self.network,
+            "p2p.listen": ["/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/tcp/0/ws"],
+            "p2p.bootstrap": bootstrap,
+            "admin.listen": "127.0.0.1:0",
+            **self.settings,
+        }
+        if node.home.node_key.exists():
+            node.home.config.write_text(render(node.home.config.read_text(), values))
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
+            init_home(node.home, values)
+
+    def up(self) -> None:
+        """Start every node in a chain: node i bootstraps from node i-1."""
+        previous = ""
+        for node in self.nodes:
+            self.configure(node, [previous] if previous else [])
+            node.start()
+            previous = node.join_addr
+        self.write_state()
+
+    def wait_until(self, what: str, predicate: Callable[[], bool], timeout: float) -> float:
+        """Poll ``predicate`` until true; return seconds taken; fail naming ``what``."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            try:
+                if predicate():
+                    return time.monotonic() - start
+            except (httpx.HTTPError, LocalNetError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise LocalNetError(f"timed out after {timeout:g} s waiting until {what}; logs in {self.root}")
+
+    def fully_connected(self) -> bool:
+        live = [n for n in self.nodes if n.alive()]
+        ids = {n.peer_id for n in live}
+        return all(n.peer_ids() == ids - {n.peer_id} for n in live)
+
+    def down(self) -> dict[int, int | None]:
+        codes = {n.index: n.stop() for n in reversed(self.nodes)}
+        (self.root / "localnet.json").unlink(missing_ok=True)
+        return codes
+
+    def write_state(self) -> None:
+        state = {"network": self.network, "nodes": [
+            {"index": n.index, "home": str(n.home.root), "pid": n.proc.pid if n.proc else None,
+             "peer_id": n.peer_id, "log": str(n.log)} for n in self.nodes]}
+        (self.root / "localnet.json").write_text(json.dumps(state, indent=2))

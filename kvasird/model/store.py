@@ -1,0 +1,392 @@
+"""The shard store: verified model pieces on disk, content-addressed, and which units we hold.
+
+    <home>/shards/manifests/<model id>.msgpack   canonical manifest bytes (hash = model id)
+    <home>/shards/blobs/<ab>/<sha256>            one piece (a tensor or an expert slab)
+    <home>/shards/partial/<sha256>.part          a multi-chunk piece being downloaded
+    state.db  shard_models, shard_units, shard_refs
+
+Every byte enters through ``put_piece`` or ``accept_chunk``, which hash it against the
+manifest before it lands (verified on write); ``read_piece`` hashes again (verified on
+load) and a blob that went bad is deleted. A unit is *pending* while it downloads and
+*held* once all its pieces are in; both protect its blobs from ``gc``, which deletes
+blobs no unit refers to once a unit or model is dropped. Identical pieces (e.g. equal
+norm vectors) are stored once.
+
+SQLite is used from one thread (the trio thread); the file and hashing methods
+(``accept_chunk``, ``read_range``, ``read_piece``...) are safe to run in worker threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvasird.errors import KvasirError
+from kvasird.home import Home
+from kvasird.model import bundled
+from kvasird.model.manifest import Manifest, ManifestError, Piece, Unit
+from kvasird.model.slice import SliceSpec, gguf_pieces, units_of, verify_slice, write_slice
+
+BUNDLED_PREFIX = "bundled:"
+BUNDLED = {"smollm2": bundled.bundled_path}
+"""Models `kvasird model add bundled:NAME` knows how to obtain."""
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS shard_models (
+    model_id TEXT PRIMARY KEY, name TEXT NOT NULL, arch TEXT NOT NULL,
+    total_bytes INTEGER NOT NULL, source TEXT NOT NULL, added_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS shard_units (
+    model_id TEXT NOT NULL, unit TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('pending', 'held')),
+    PRIMARY KEY (model_id, unit));
+CREATE TABLE IF NOT EXISTS shard_refs (
+    model_id TEXT NOT NULL, unit TEXT NOT NULL, sha256 BLOB NOT NULL,
+    PRIMARY KEY (model_id, unit, sha256));
+CREATE INDEX IF NOT EXISTS shard_refs_by_sha ON shard_refs (sha256);
+"""
+
+
+class StoreError(KvasirError):
+    """The shard store cannot do what was asked (unknown model, missing or corrupt piece)."""
+
+
+class CorruptPiece(StoreError):
+    """Stored bytes no longer match their hash; the blob has been deleted."""
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """A model the store knows, with how much of it we hold."""
+
+    model_id: str
+    """sha256 of the manifest."""
+    name: str
+    """Human name (general.name, or the file name)."""
+    arch: str
+    """GGUF architecture, e.g. llama, qwen3moe."""
+    total_bytes: int
+    """Tensor bytes of the whole model."""
+    held_bytes: int
+    """Tensor bytes of the units held here."""
+    held_units: int
+    """Number of units held."""
+    source: str
+    """Where it came from: a path, bundled:NAME, or peer."""
+
+
+class ShardStore:
+    """The store under one home; use as a context manager or call close()."""
+
+    def __init__(self, root: Path, db_path: Path) -> None:
+        self.root = root
+        for sub in ("manifests", "blobs", "partial"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(db_path, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+        self._manifests: dict[str, Manifest] = {}
+        self._checked: set[bytes] = set()
+
+    @classmethod
+    def open(cls, home: Home) -> ShardStore:
+        return cls(home.shards, home.db)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> ShardStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # models
+
+    def add_manifest(self, manifest: Manifest, name: str = "", source: str = "peer") -> None:
+        path = self._manifest_path(manifest.model_id)
+        if not path.exists():
+            _write_atomic(path, manifest.raw)
+        self._manifests[manifest.model_id] = manifest
+        self._db.execute(
+            "INSERT OR IGNORE INTO shard_models VALUES (?, ?, ?, ?, ?, ?)",
+            (manifest.model_id, name or str(manifest.meta("general.name", "")) or manifest.arch,
+             manifest.arch, manifest.total_bytes, source, time.time()))
+
+    def manifest(self, model_id: str) -> Manifest:
+        if model_id not in self._manifests:
+            try:
+                raw = self._manifest_path(model_id).read_bytes()
+            except FileNotFoundError:
+                raise StoreError(f"no model {model_id[:16]} in {self.root}: see "
+                                 "`kvasird model list`, or add it with `kvasird model add`") from None
+            self._manifests[model_id] = Manifest.from_bytes(raw, model_id)
+        return self._manifests[model_id]
+
+    def manifest_bytes(self, model_id: str) -> bytes | None:
+        try:
+            return self.manifest(model_id).raw
+        except (StoreError, ManifestError):
+            return None
+
+    def resolve(self, ref: str) -> str:
+        """A model id from a full id, a unique id prefix (4+ chars) or a name."""
+        rows = self._db.execute(
+            "SELECT model_id FROM shard_models WHERE model_id = ? OR name = ? "
+            "OR (length(?) >= 4 AND model_id LIKE ? || '%')", (ref, ref, ref, ref)).fetchall()
+        ids = sorted({r[0] for r in rows})
+        if len(ids) != 1:
+            raise StoreError(f"{'no model' if not ids else 'several models'} match {ref!r}: "
+                             "see `kvasird model list`")
+        return ids[0]
+
+    def models(self) -> list[ModelRecord]:
+        out = []
+        for mid, name, arch, total, source in self._db.execute(
+                "SELECT model_id, name, arch, total_bytes, source FROM shard_models ORDER BY added_at"):
+            held = self.held_units(mid)
+            sizes = self.manifest(mid).unit_sizes
+            out.append(ModelRecord(mid, name, arch, total, sum(sizes.get(u, 0) for u in held),
+                                   len(held), source))
+        return out
+
+    def import_gguf(self, path: Path, name: str = "", source: str = "") -> Manifest:
+        """Import a full GGUF: every unit of the model becomes held here."""
+        manifest = Manifest.from_gguf(path)
+        self.add_manifest(manifest, name, source or str(path))
+        units = list(manifest.unit_sizes)
+        self.begin(manifest.model_id, units)
+        with gguf_pieces(path, manifest) as read:
+            for piece in manifest.all_pieces:
+                if not self.has_piece(piece):
+                    self.put_piece(piece, read(piece))
+        self.mark_held(manifest.model_id, units)
+        return manifest
+
+    def add(self, what: str) -> Manifest:
+        """`kvasird model add`: a GGUF path or bundled:NAME."""
+        if what.startswith(BUNDLED_PREFIX):
+            key = what.removeprefix(BUNDLED_PREFIX)
+            if key not in BUNDLED:
+                raise StoreError(f"unknown bundled model {key!r}: use one of "
+                                 f"{', '.join(BUNDLED_PREFIX + k for k in BUNDLED)}")
+            return self.import_gguf(BUNDLED[key](), source=what)
+        path = Path(what).expanduser()
+        if not path.is_file():
+            raise StoreError(f"{path} is not a file: give the path of a .gguf file or bundled:smollm2")
+        return self.import_gguf(path.resolve())
+
+    def drop_model(self, model_id: str) -> int:
+        """Forget a model and delete its pieces; returns bytes freed."""
+        freed = self.drop(model_id, [Unit.parse(u) for u in self._units(model_id, None)])
+        self._db.execute("DELETE FROM shard_models WHERE model_id = ?", (model_id,))
+        self._manifest_path(model_id).unlink(missing_ok=True)
+        self._manifests.pop(model_id, None)
+        return freed
+
+    # units
+
+    def held_units(self, model_id: str) -> list[Unit]:
+        return sorted(Unit.parse(u) for u in self._units(model_id, "held"))
+
+    def begin(self, model_id: str, units: Iterable[Unit]) -> None:
+        """Record that these units are being obtained, so gc keeps their pieces."""
+        manifest = self.manifest(model_id)
+        units = list(units)
+        with self._tx():
+            for u in units:
+                self._db.execute("INSERT OR IGNORE INTO shard_units VALUES (?, ?, 'pending')",
+                                 (model_id, str(u)))
+            self._db.executemany("INSERT OR IGNORE INTO shard_refs VALUES (?, ?, ?)",
+                                 [(model_id, str(p.unit), p.sha256) for p in manifest.pieces(units)])
+
+    def mark_held(self, model_id: str, units: Iterable[Unit]) -> None:
+        units = list(units)
+        missing = [p for p in self.manifest(model_id).pieces(units) if not self.has_piece(p)]
+        if missing:
+            raise StoreError(f"cannot hold {len(units)} units of {model_id[:16]}: "
+                             f"{len(missing)} pieces are missing (first: {missing[0].tensor})")
+        with self._tx():
+            self._db.executemany("UPDATE shard_units SET state = 'held' WHERE model_id = ? AND unit = ?",
+                                 [(model_id, str(u)) for u in units])
+
+    def drop(self, model_id: str, units: Iterable[Unit]) -> int:
+        """Stop holding units; deletes pieces no other unit refers to. Returns bytes freed."""
+        keys = [(model_id, str(u)) for u in units]
+        with self._tx():
+            shas = {r[0] for k in keys for r in self._db.execute(
+                "SELECT sha256 FROM shard_refs WHERE model_id = ? AND unit = ?", k)}
+            self._db.executemany("DELETE FROM shard_refs WHERE model_id = ? AND unit = ?", keys)
+            self._db.executemany("DELETE FROM shard_units WHERE model_id = ? AND unit = ?", keys)
+        return self._delete_unreferenced(shas)
+
+    def gc(self) -> int:
+        """Delete every blob and partial file no unit refers to; returns bytes freed."""
+        found = {bytes.fromhex(p.name) for p in (self.root / "blobs").glob("*/*") if len(p.name) == 64}
+        found |= {bytes.fromhex(p.name[:64]) for p in (self.root / "partial").glob("*.part")}
+        return self._delete_unreferenced(found)
+
+    # pieces
+
+    def has_piece(self, piece: Piece) -> bool:
+        return self._blob(piece.sha256).exists()
+
+    def put_piece(self, piece: Piece, data: bytes | memoryview) -> None:
+        """Store a whole piece after checking its hash."""
+        if len(data) != piece.length or hashlib.sha256(data).digest() != piece.sha256:
+            raise CorruptPiece(f"bytes for {piece.tensor} piece {piece.expert} do not match "
+                               "the manifest; they were not stored")
+        _write_atomic(self._blob(piece.sha256), data)
+
+    def accept_chunk(self, piece: Piece, offset: int, data: bytes, expected: bytes) -> bool:
+        """Check one downloaded chunk against its hash and keep it; False if it is wrong.
+
+        A single-chunk piece goes straight to its blob; chunks of a longer piece are
+        written into its partial file until ``finish_piece``.
+        """
+        if hashlib.sha256(data).digest() != expected:
+            return False
+        if offset == 0 and len(data) == piece.length:
+            _write_atomic(self._blob(piece.sha256), data)
+            return True
+        fd = os.open(self._partial(piece.sha256), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+        return True
+
+    def finish_piece(self, piece: Piece) -> None:
+        """Move a fully downloaded multi-chunk piece into the store after a final check."""
+        part = self._partial(piece.sha256)
+        if _file_sha256(part) != piece.sha256:
+            part.unlink(missing_ok=True)
+            raise CorruptPiece(f"{piece.tensor} piece {piece.expert} did not verify as a whole; "
+                               "its partial file was deleted, download it again")
+        self._blob(piece.sha256).parent.mkdir(exist_ok=True)
+        part.replace(self._blob(piece.sha256))
+
+    def resume_point(self, piece: Piece, chunk_size: int) -> set[int]:
+        """Indexes of chunks of a partially downloaded piece that are already good."""
+        part = self._partial(piece.sha256)
+        if not part.exists():
+            return set()
+        done = set()
+        with open(part, "rb") as f:
+            for i, (off, length, sha) in enumerate(piece.spans(chunk_size)):
+                data = os.pread(f.fileno(), length, off)
+                if len(data) == length and hashlib.sha256(data).digest() == sha:
+                    done.add(i)
+        return done
+
+    def read_piece(self, piece: Piece) -> bytes:
+        """A piece's bytes, verified (a corrupt blob is deleted and CorruptPiece raised)."""
+        try:
+            data = self._blob(piece.sha256).read_bytes()
+        except FileNotFoundError:
+            raise StoreError(f"{piece.tensor} piece {piece.expert} is not in the store: "
+                             "download its unit first") from None
+        if hashlib.sha256(data).digest() != piece.sha256:
+            self._blob(piece.sha256).unlink(missing_ok=True)
+            raise CorruptPiece(f"stored {piece.tensor} piece {piece.expert} is corrupt and was "
+                               "deleted: download its unit again")
+        self._checked.add(piece.sha256)
+        return data
+
+    def read_range(self, model_id: str, tensor: str, expert: int, offset: int,
+                   length: int) -> bytes | None:
+        """Bytes of a piece for a peer; None if we do not have it. Each blob is re-verified
+        the first time it is served by this process, so bit rot is not passed on."""
+        manifest = self._manifests.get(model_id) or self._try_manifest(model_id)
+        if manifest is None:
+            return None
+        piece = manifest.piece(tensor, expert)
+        if not 0 <= offset <= offset + length <= piece.length:
+            raise StoreError(f"range {offset}+{length} is outside {tensor} piece {expert}")
+        if not self.has_piece(piece):
+            return None
+        if piece.sha256 not in self._checked:
+            self.read_piece(piece)
+        with open(self._blob(piece.sha256), "rb") as f:
+            return os.pread(f.fileno(), length, offset)
+
+    def write_slice(self, model_id: str, spec: SliceSpec, path: Path) -> Path:
+        """Assemble a slice we hold as a mini-GGUF for the compute engine, verified."""
+        manifest = self.manifest(model_id)
+        held = set(self.held_units(model_id))
+        missing = [u for u in units_of(manifest, spec) if u not in held]
+        if missing:
+            raise StoreError(f"{spec} of {model_id[:16]} is not held here (missing {missing[0]}): "
+                             "add the model or download the slice first")
+        tmp = path.with_name(path.name + ".tmp")
+        write_slice(manifest, spec, tmp, self.read_piece)
+        verify_slice(tmp, manifest)
+        tmp.replace(path)
+        return path
+
+    # internals
+
+    def _try_manifest(self, model_id: str) -> Manifest | None:
+        try:
+            return self.manifest(model_id)
+        except (StoreError, ManifestError):
+            return None
+
+    def _units(self, model_id: str, state: str | None) -> list[str]:
+        rows = self._db.execute("SELECT unit FROM shard_units WHERE model_id = ? "
+                                "AND (? IS NULL OR state = ?)", (model_id, state, state))
+        return [r[0] for r in rows]
+
+    def _delete_unreferenced(self, shas: set[bytes]) -> int:
+        freed = 0
+        for sha in shas:
+            if self._db.execute("SELECT 1 FROM shard_refs WHERE sha256 = ? LIMIT 1", (sha,)).fetchone():
+                continue
+            for path in (self._blob(sha), self._partial(sha)):
+                with contextlib.suppress(FileNotFoundError):
+                    freed += path.stat().st_size
+                    path.unlink()
+        return freed
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[None]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _manifest_path(self, model_id: str) -> Path:
+        if len(model_id) != 64 or not all(c in "0123456789abcdef" for c in model_id):
+            raise StoreError(f"{model_id!r} is not a model id (64 hex digits)")
+        return self.root / "manifests" / f"{model_id}.msgpack"
+
+    def _blob(self, sha: bytes) -> Path:
+        h = sha.hex()
+        return self.root / "blobs" / h[:2] / h
+
+    def _partial(self, sha: bytes) -> Path:
+        return self.root / "partial" / f"{sha.hex()}.part"
+
+
+def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{id(data):x}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    tmp.replace(path)
+
+
+def _file_sha256(path: Path) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.digest()

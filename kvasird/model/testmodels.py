@@ -1,0 +1,263 @@
+"""Small GGUF models with random weights and real llama.cpp metadata, for tests and benchmarks.
+
+No MoE model small enough for CI is published (STACK.md), so MoE paths are tested on
+generated files. They carry the real architecture keys and tensor names of llama.cpp
+(``qwen3moe`` and ``llama``) and the bundled SmolLM2 tokenizer, so llama.cpp itself
+loads them and vocab sizes match the bundled model. A file is a pure function of its
+arguments: the same seed gives the same bytes.
+
+Weight types: ``f32``, ``f16``, ``q8_0``, ``q4_0``, ``q4_1`` and the K-quants ``q4_k``,
+``q6_k`` (quantized by ggml's own ``ggml_quantize_chunk``, the kernels llama.cpp uses).
+As llama.cpp's quantizer does, norms and the MoE router stay F32. In K-quant files the
+embedding and output matrices are Q8_0: a 49152-row K-quant takes ggml most of a second,
+and a mixed-type file is a better test anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import GGML_QUANT_SIZES
+
+from kvasird.errors import KvasirError
+from kvasird.model import bundled
+
+ARCHS = ("qwen3moe", "llama")
+
+DTYPES: dict[str, GGMLQuantizationType] = {
+    "f32": GGMLQuantizationType.F32,
+    "f16": GGMLQuantizationType.F16,
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "q4_1": GGMLQuantizationType.Q4_1,
+    "q4_k": GGMLQuantizationType.Q4_K,
+    "q6_k": GGMLQuantizationType.Q6_K,
+}
+
+_K_QUANTS = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K}
+
+
+class TestModelError(KvasirError):
+    """The requested test model cannot be built (bad dimensions for the chosen type)."""
+
+    __test__ = False  # not a pytest class despite the name
+
+
+@dataclass(frozen=True)
+class TestModelSpec:
+    """Everything that determines a generated model's bytes."""
+
+    __test__ = False
+
+    arch: str = "qwen3moe"
+    """llama.cpp architecture name: "qwen3moe" or "llama"."""
+    n_layer: int = 2
+    """Number of transformer blocks."""
+    n_embd: int = 64
+    """Hidden size (a multiple of 256 for K-quants, of 32 for other quants)."""
+    n_head: int = 4
+    """Attention (query) heads."""
+    n_head_kv: int = 2
+    """Key/value heads (grouped-query attention when fewer than n_head)."""
+    head_dim: int = 16
+    """Per-head size; qwen3moe stores it as key_length/value_length."""
+    n_ff: int = 128
+    """Dense FFN size (llama); qwen3moe records it as feed_forward_length only."""
+    n_expert: int = 8
+    """Experts per MoE layer (qwen3moe)."""
+    n_expert_used: int = 2
+    """Experts each token is routed to (top-k)."""
+    n_ff_exp: int = 32
+    """Hidden size of one expert's FFN."""
+    dtype: str = "f32"
+    """Type of the weight matrices, a key of DTYPES."""
+    tied_output: bool | None = None
+    """Omit `output` so the head reuses token_embd; None = the arch's usual (llama tied)."""
+    rope_base: float = 10000.0
+    """RoPE frequency base."""
+    rms_eps: float = 1e-6
+    """RMS-norm epsilon."""
+    context_length: int = 4096
+    """Trained context recorded in the metadata."""
+    seed: int = 0
+    """Seed of every random weight."""
+    name: str = field(default="", compare=False)
+    """general.name; derived from the other fields when empty."""
+
+    @property
+    def tied(self) -> bool:
+        return self.arch == "llama" if self.tied_output is None else self.tied_output
+
+
+def make_model(path: str | Path, arch: str = "qwen3moe", **dims: Any) -> Path:
+    """Write a random-weight GGUF for `arch` at `path` and return the path.
+
+    Keyword arguments are TestModelSpec fields (n_layer, n_embd, n_expert, dtype, seed...).
+    """
+    return write_model(Path(path), TestModelSpec(arch=arch, **dims))
+
+
+def write_model(path: Path, spec: TestModelSpec) -> Path:
+    """Write `spec` as a GGUF file; deterministic for a spec."""
+    _check(spec)
+    tok = bundled_tokenizer()
+    n_vocab = len(tok["tokenizer.ggml.tokens"][2])
+    writer = GGUFWriter(str(path), spec.arch)
+    _write_metadata(writer, spec, n_vocab)
+    for key, (vtype, sub, value) in tok.items():
+        writer.add_key_value(key, value, GGUFValueType(vtype), GGUFValueType(sub) if sub else None)
+    rng = np.random.default_rng(spec.seed)
+    for name, data, qtype in _tensors(spec, n_vocab, rng):
+        _add_tensor(writer, name, data, qtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _check(spec: TestModelSpec) -> None:
+    if spec.arch not in ARCHS:
+        raise TestModelError(f"unknown arch {spec.arch!r}: use one of {', '.join(ARCHS)}")
+    if spec.dtype not in DTYPES:
+        raise TestModelError(f"unknown dtype {spec.dtype!r}: use one of {', '.join(DTYPES)}")
+    if spec.n_head % spec.n_head_kv:
+        raise TestModelError(f"n_head {spec.n_head} must be a multiple of n_head_kv {spec.n_head_kv}")
+    if spec.head_dim % 2:
+        raise TestModelError(f"head_dim {spec.head_dim} must be even (RoPE rotates pairs)")
+    if spec.arch == "qwen3moe" and not 0 < spec.n_expert_used <= spec.n_expert:
+        raise TestModelError(f"n_expert_used {spec.n_expert_used} must be in 1..n_expert {spec.n_expert}")
+    block = GGML_QUANT_SIZES[DTYPES[spec.dtype]][0]
+    rows = {"n_embd": spec.n_embd, "n_head*head_dim": spec.n_head * spec.head_dim}
+    rows.update({"n_ff_exp": spec.n_ff_exp} if spec.arch == "qwen3moe" else {"n_ff": spec.n_ff})
+    for what, n in rows.items():
+        if n % block:
+            raise TestModelError(f"{what} = {n} must be a multiple of {block} for {spec.dtype}")
+
+
+def _write_metadata(w: GGUFWriter, s: TestModelSpec, n_vocab: int) -> None:
+    w.add_name(s.name or f"kvasir-test {s.arch} {s.dtype} seed {s.seed}")
+    w.add_type("model")
+    w.add_block_count(s.n_layer)
+    w.add_context_length(s.context_length)
+    w.add_embedding_length(s.n_embd)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_rope_freq_base(s.rope_base)
+    w.add_layer_norm_rms_eps(s.rms_eps)
+    w.add_vocab_size(n_vocab)
+    if s.arch == "qwen3moe":
+        w.add_feed_forward_length(s.n_ff)
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+        w.add_expert_feed_forward_length(s.n_ff_exp)
+    else:
+        w.add_feed_forward_length(s.n_ff)
+        w.add_rope_dimension_count(s.head_dim)
+
+
+def _tensors(s: TestModelSpec, n_vocab: int, rng: np.random.Generator):
+    """(name, float32 array in numpy order, type) in file order; draws rng in a fixed order."""
+    mat = DTYPES[s.dtype]
+    big = GGMLQuantizationType.Q8_0 if mat in _K_QUANTS else mat
+    f32 = GGMLQuantizationType.F32
+    e, q, kv = s.n_embd, s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+
+    def w(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(1 / math.sqrt(shape[-1]))
+
+    def norm(n: int) -> np.ndarray:
+        return 1 + np.float32(0.1) * rng.standard_normal(n, dtype=np.float32)
+
+    yield "token_embd.weight", rng.standard_normal((n_vocab, e), dtype=np.float32), big
+    for i in range(s.n_layer):
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", norm(e), f32
+        yield b + "attn_q.weight", w(q, e), mat
+        yield b + "attn_k.weight", w(kv, e), mat
+        yield b + "attn_v.weight", w(kv, e), mat
+        if s.arch == "qwen3moe":
+            yield b + "attn_q_norm.weight", norm(s.head_dim), f32
+            yield b + "attn_k_norm.weight", norm(s.head_dim), f32
+        yield b + "attn_output.weight", w(e, q), mat
+        yield b + "ffn_norm.weight", norm(e), f32
+        if s.arch == "qwen3moe":
+            yield b + "ffn_gate_inp.weight", np.float32(4) * w(s.n_expert, e), f32
+            yield b + "ffn_gate_exps.weight", w(s.n_expert, s.n_ff_exp, e), mat
+            yield b + "ffn_up_exps.weight", w(s.n_expert, s.n_ff_exp, e), mat
+            yield b + "ffn_down_exps.weight", w(s.n_expert, e, s.n_ff_exp), mat
+        else:
+            yield b + "ffn_gate.weight", w(s.n_ff, e), mat
+            yield b + "ffn_up.weight", w(s.n_ff, e), mat
+            yield b + "ffn_down.weight", w(e, s.n_ff), mat
+    yield "output_norm.weight", norm(e), f32
+    if not s.tied:
+        yield "output.weight", w(n_vocab, e), big
+
+
+def _add_tensor(w: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    if qtype == GGMLQuantizationType.F32:
+        w.add_tensor(name, data)
+    elif qtype == GGMLQuantizationType.F16:
+        w.add_tensor(name, data.astype(np.float16))
+    else:
+        w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+
+
+def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Quantize float32 rows with ggml's own kernels: uint8 of shape (..., rows, row_bytes)."""
+    import ggml
+
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows = np.ascontiguousarray(data, dtype=np.float32).reshape(-1, data.shape[-1])
+    n_per_row = rows.shape[1]
+    out = np.empty((rows.shape[0], n_per_row // block * type_size), dtype=np.uint8)
+    src = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    ggml.ggml_quantize_chunk(int(qtype), src, out.ctypes.data, 0, rows.shape[0], n_per_row, None)
+    return out.reshape(*data.shape[:-1], out.shape[1])
+
+
+_TOKENIZER_CACHE_VERSION = 1
+
+
+@lru_cache(maxsize=1)
+def bundled_tokenizer() -> dict[str, tuple[int, int, Any]]:
+    """The bundled model's `tokenizer.*` keys as {key: (type, array sub-type or 0, value)}.
+
+    Parsing the 98 MB GGUF takes over a second, so the keys are cached as JSON beside it.
+    """
+    cache = bundled.cache_dir() / f"{bundled.SHA256[:16]}.tokenizer.json"
+    if cache.exists():
+        doc = json.loads(cache.read_text())
+        if doc.get("version") == _TOKENIZER_CACHE_VERSION:
+            return {k: tuple(v) for k, v in doc["keys"].items()}  # type: ignore[misc]
+    keys = _read_tokenizer(bundled.bundled_path())
+    part = cache.with_suffix(".part")
+    part.write_text(json.dumps({"version": _TOKENIZER_CACHE_VERSION, "keys": keys}))
+    part.replace(cache)
+    return keys
+
+
+def _read_tokenizer(path: Path) -> dict[str, tuple[int, int, Any]]:
+    reader = GGUFReader(path)
+    keys: dict[str, tuple[int, int, Any]] = {}
+    for key, fld in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        sub = int(fld.types[-1]) if fld.types[0] == GGUFValueType.ARRAY else 0
+        value = fld.contents()
+        if isinstance(value, bool | int | float):
+            value = value if not isinstance(value, np.generic) else value.item()
+        keys[key] = (int(fld.types[0]), sub, value)
+    return keys

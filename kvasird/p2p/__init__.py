@@ -1,0 +1,17 @@
+"""The peer-to-peer layer: one libp2p host and the services around it.
+
+    host       build the host (Noise only, yamux, TCP + WebSocket, no auto-dialer)
+    hello      the first message on a heartbeat stream: network, protocol, addresses
+    liveness   heartbeats; the single writer of the peer table; drops dead peers
+    peers      the peer table (in memory) and known peers (persisted in state.db)
+    dialer     bootstrap peers with backoff, known peers at start, exchanged peers
+    exchange   peer exchange: learn peers from peers
+    gossip     gossipsub for the control plane (topics kvasir/<network>/...)
+    node       P2PNode: all of the above in one nursery
+
+Data flow: connections -> liveness (hello validated) -> peer table -> exchange/status.
+"""
+
+from kvasird.p2p.node import P2PNode
+
+__all__ = ["P2PNode"]

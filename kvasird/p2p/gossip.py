@@ -1,0 +1,59 @@
+"""Gossipsub for the control plane, configured so it does not silently drop.
+
+Topics are ``kvasir/<network>/<name>`` (coverage, models, governance, ...). py-libp2p's
+defaults drop messages at normal rates (a 10 msg/s per-topic spam limit per forwarding
+peer) and keep every message forever for equivocation detection (STACK.md): the limit is
+raised to what a network of heartbeating nodes produces, and the map is cleared on a timer.
+Messages are signed (strict signing) by the libp2p key; topic validators are the place
+where records are checked before anyone uses them (the market subsystem installs them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.id import ID
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.tools.anyio_service import background_trio_service
+
+GOSSIPSUB = "/meshsub/1.1.0"
+MAX_MESSAGES_PER_TOPIC_PER_S = 500.0
+EQUIVOCATION_SWEEP_S = 60.0
+
+Validator = Callable[[ID, rpc_pb2.Message], Awaitable[bool]]
+
+
+class Gossip:
+    def __init__(self, host: IHost, network: str, heartbeat_s: float = 1.0) -> None:
+        self.network = network
+        self.router = GossipSub(
+            [GOSSIPSUB], degree=6, degree_low=4, degree_high=12,
+            heartbeat_interval=max(1, int(heartbeat_s)),
+            spam_protection_enabled=True,
+            max_messages_per_topic_per_second=MAX_MESSAGES_PER_TOPIC_PER_S,
+        )
+        self.pubsub = Pubsub(host, self.router, strict_signing=True)
+
+    def topic(self, name: str) -> str:
+        return f"kvasir/{self.network}/{name}"
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with background_trio_service(self.pubsub), background_trio_service(self.router):
+            await self.pubsub.wait_until_ready()
+            task_status.started()
+            while True:
+                await trio.sleep(EQUIVOCATION_SWEEP_S)
+                self.router.equivocation_detection.clear()
+
+    def set_validator(self, name: str, validator: Validator) -> None:
+        self.pubsub.set_topic_validator(self.topic(name), validator, True)
+
+    async def subscribe(self, name: str):  # noqa: ANN201 - libp2p's subscription type
+        return await self.pubsub.subscribe(self.topic(name))
+
+    async def publish(self, name: str, data: bytes) -> None:
+        await self.pubsub.publish(self.topic(name), data)

@@ -1,0 +1,152 @@
+"""Liveness: an application heartbeat, because py-libp2p never notices a dead peer.
+
+A peer whose process dies stays "connected" in py-libp2p forever (STACK.md). So each
+node keeps one heartbeat stream to every connected peer:
+
+    dialer  --hello-->  listener        (both directions: each side runs its own client)
+            <--hello--
+            --ping n--> / <--pong n--   every heartbeat_interval_s
+
+A peer that has not answered for liveness_timeout_s is closed and dropped from the
+peer table. So the bound on noticing a dead peer is liveness_timeout_s plus at most
+one heartbeat interval.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
+
+from kvasird.errors import WireError
+from kvasird.logs import get_logger
+from kvasird.p2p.hello import Hello
+from kvasird.p2p.peers import PeerTable
+from kvasird.wire import FrameReader, write_frame
+
+PROTOCOL = "/kvasir/heartbeat/1"
+_MAX_FRAME = 16 * 1024
+log = get_logger("kvasird.p2p.liveness")
+
+
+class Liveness:
+    def __init__(self, host: IHost, peers: PeerTable, hello: Callable[[], Hello],
+                 interval_s: float, timeout_s: float) -> None:
+        self._host = host
+        self._peers = peers
+        self._hello = hello
+        self._interval = interval_s
+        self._timeout = timeout_s
+        self._tracked: set[str] = set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._host.set_stream_handler(PROTOCOL, self._serve)
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                for pid in self._host.get_connected_peers():
+                    key = pid.to_string()
+                    if key not in self._tracked:
+                        self._tracked.add(key)
+                        self._peers.connected(key)
+                        nursery.start_soon(self._watch, pid)
+                await trio.sleep(min(self._interval, 1.0))
+
+    async def _watch(self, pid: ID) -> None:
+        key = pid.to_string()
+        reason = "node stopping"
+        try:
+            reason = await self._heartbeat(pid)
+        finally:
+            self._tracked.discard(key)
+            gone = self._peers.dropped(key)
+            if gone is not None and reason != "node stopping":
+                log.info("peer dropped", peer=key, reason=reason,
+                         silent_s=round(time.time() - gone.last_seen, 1))
+            with trio.move_on_after(2) as scope:
+                scope.shield = True
+                await self._close(pid)
+
+    async def _close(self, pid: ID) -> None:
+        try:
+            await self._host.get_network().close_peer(pid)
+        except Exception as exc:  # noqa: BLE001 - closing a dead connection may fail any way
+            log.debug("close_peer failed", peer=pid.to_string(), error=repr(exc))
+
+    async def _heartbeat(self, pid: ID) -> str:
+        """Run the heartbeat client until the peer fails; return why it was dropped."""
+        key = pid.to_string()
+        try:
+            with trio.fail_after(self._timeout):
+                stream = await self._host.new_stream(pid, [PROTOCOL])
+                reader = FrameReader(stream, _MAX_FRAME)
+                await write_frame(stream, self._hello().to_wire())
+                their = Hello.from_wire(await reader.read(), key)
+        except trio.TooSlowError:
+            return f"no hello within {self._timeout:g} s"
+        except Exception as exc:  # noqa: BLE001 - any failure here means "not reachable"
+            return f"heartbeat stream failed: {exc!r}"
+        if reason := self._check(key, their):
+            return reason
+        self._peers.hello(key, their.addrs, their.version)
+        for n in itertools.count(1):
+            await trio.sleep(self._interval)
+            sent = time.monotonic()
+            # Heard from in either direction counts: the peer's own pings refresh last_seen.
+            left = self._peers.last_seen(key) + self._timeout - time.time()
+            try:
+                with trio.fail_after(max(left, 0.1)):
+                    await write_frame(stream, {"t": "ping", "n": n})
+                    while await reader.read() != {"t": "pong", "n": n}:
+                        pass
+            except trio.TooSlowError:
+                return f"no heartbeat answer for {self._timeout:g} s"
+            except Exception as exc:  # noqa: BLE001
+                return f"heartbeat failed: {exc!r}"
+            self._peers.seen(key, rtt_ms=(time.monotonic() - sent) * 1000)
+        raise AssertionError("unreachable")
+
+    def _check(self, key: str, their: Hello) -> str:
+        ours = self._hello()
+        if their.network != ours.network:
+            log.warning("peer is on another network", peer=key, theirs=their.network,
+                        ours=ours.network)
+            return f"peer is on network {their.network!r}, we are on {ours.network!r}"
+        if their.protocol != ours.protocol:
+            log.warning("peer speaks another wire protocol version", peer=key,
+                        theirs=their.protocol, ours=ours.protocol)
+            return f"peer speaks protocol {their.protocol}, we speak {ours.protocol}"
+        return ""
+
+    async def _serve(self, stream: INetStream) -> None:
+        """Answer a peer's heartbeat stream; a silent peer is cut off after the timeout."""
+        key = stream.muxed_conn.peer_id.to_string()
+        reader = FrameReader(stream, _MAX_FRAME)
+        try:
+            with trio.fail_after(self._timeout):
+                their = Hello.from_wire(await reader.read(), key)
+                await write_frame(stream, self._hello().to_wire())
+            if self._check(key, their):
+                return
+            self._peers.hello(key, their.addrs, their.version)
+            while True:
+                with trio.fail_after(self._timeout + self._interval):
+                    msg = await reader.read()
+                if isinstance(msg, dict) and msg.get("t") == "ping" and isinstance(msg.get("n"), int):
+                    self._peers.seen(key)
+                    await write_frame(stream, {"t": "pong", "n": msg["n"]})
+        except (trio.TooSlowError, WireError) as exc:
+            log.debug("heartbeat stream ended", peer=key, reason=repr(exc))
+        except Exception as exc:  # noqa: BLE001 - the stream layer raises many types on reset
+            log.debug("heartbeat stream failed", peer=key, reason=repr(exc))
+        finally:
+            with trio.move_on_after(1) as scope:
+                scope.shield = True
+                try:
+                    await stream.reset()
+                except Exception:  # noqa: BLE001
+                    pass

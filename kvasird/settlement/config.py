@@ -1,0 +1,75 @@
+"""Settlement settings an operator may choose.
+
+Network economics (the price band and the controller gains) are deliberately absent:
+they are network parameters, changed only by a governance message signed by the
+genesis wallet (see ``governance``), never by a config file or environment variable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TierThresholds:
+    """Per-token latency the gateway itself measured (ms) at or under which a peer earns a tier."""
+
+    s_ms: float = 25.0
+    """At or under: tier S (x1.5)."""
+    a_ms: float = 60.0
+    """At or under: tier A (x1.25)."""
+    b_ms: float = 150.0
+    """At or under: tier B (x1.0); slower is tier C (x0.7)."""
+
+
+@dataclass(frozen=True)
+class RevenueSplit:
+    """How each paid inference is divided, in basis points (sum 10000)."""
+
+    workers_bps: int = 8000
+    """Share paid to the peers that did the work, by measured units x tier."""
+    operator_bps: int = 1500
+    """The gateway operator's fee (also receives rounding remainders)."""
+    insurance_bps: int = 500
+    """The insurance pool that refunds failed inferences."""
+
+    def __post_init__(self) -> None:
+        if self.workers_bps + self.operator_bps + self.insurance_bps != 10_000:
+            raise ValueError("revenue split must sum to 10000 basis points")
+
+
+@dataclass(frozen=True)
+class SettlementConfig:
+    """What the daemon passes to the settlement subsystem ([settlement] in kvasird.toml)."""
+
+    rpc_url: str = ""
+    """Solana JSON-RPC URL; empty starts the embedded local chain on 127.0.0.1."""
+    local_chain_data: Path | None = None
+    """Data directory of the embedded local chain (default <home>/localchain)."""
+    local_chain_listen: str = "127.0.0.1:0"
+    """host:port of the embedded local chain's RPC; port 0 picks a free one."""
+    wallet: Path | None = None
+    """Operator keypair file (Solana JSON keypair format); None with ``wallet_address`` = receive only."""
+    wallet_address: str = ""
+    """Public address to be paid at when no keypair file is held (cannot run a gateway vault)."""
+    kvr_mint: str = ""
+    """KVR mint address; empty = the local chain's genesis mint."""
+    genesis_wallet: str = ""
+    """The network's genesis wallet, the only signer of governance messages; empty = local chain's."""
+    commitment: str = "finalized"
+    """Commitment required before anything is credited or debited."""
+    confirm_timeout_s: float = 60.0
+    """How long to wait for a payout to reach ``commitment`` before reconciling later."""
+    poll_interval_s: float = 0.05
+    """Interval between signature-status polls."""
+    quote_ttl_s: float = 300.0
+    """How long a quote can be paid."""
+    exposure_limit: int = 50_000_000
+    """Base units of unpaid receipts after which a peer stops serving a gateway."""
+    free_local: bool = True
+    """Requests from this node's own local API are served without payment."""
+    tiers: TierThresholds = TierThresholds()
+    """Thresholds of the measured performance tiers."""
+    split: RevenueSplit = RevenueSplit()
+    """Division of each payment between workers, operator and insurance."""

@@ -1,0 +1,58 @@
+"""Errors of the settlement subsystem.
+
+    KvasirError
+    └── SettlementError              anything settlement refuses; str() says what to do
+        ├── ChainError               the RPC endpoint failed, refused a transaction, or timed out
+        ├── WalletError              a keypair file is missing, malformed, or only an address is held
+        ├── PaymentRejected          the chain does not prove what a payment claims (never credited)
+        │   └── SignatureAlreadyUsed the transaction signature was consumed by an earlier credit
+        ├── QuoteError               the quote is unknown, expired, or already settled differently
+        ├── ClaimError               nothing to claim, or a payout failed (the balance stays intact)
+        ├── ReceiptRejected          a receipt is not signed by the gateway it names, or goes backwards
+        ├── GovernanceRejected       a governance message is not signed by the genesis wallet, or is stale
+        └── AdminAuthError           wallet sign-in or TOTP failed
+"""
+
+from __future__ import annotations
+
+from kvasird.errors import KvasirError
+
+
+class SettlementError(KvasirError):
+    """Base of every settlement refusal."""
+
+
+class ChainError(SettlementError):
+    """The chain (RPC endpoint) failed or refused; nothing was credited or debited."""
+
+
+class WalletError(SettlementError):
+    """The operator wallet cannot be used for what was asked."""
+
+
+class PaymentRejected(SettlementError):
+    """The transaction does not prove the payment; the message says which check failed."""
+
+
+class SignatureAlreadyUsed(PaymentRejected):
+    """This signature already paid for something; a signature is consumed once."""
+
+
+class QuoteError(SettlementError):
+    """The quote cannot be paid: unknown request id, expired, or settled by another signature."""
+
+
+class ClaimError(SettlementError):
+    """A claim cannot be paid; no money moved and the balance is unchanged."""
+
+
+class ReceiptRejected(SettlementError):
+    """A receipt failed its signature or monotonicity check."""
+
+
+class GovernanceRejected(SettlementError):
+    """A governance message was not applied; network parameters are unchanged."""
+
+
+class AdminAuthError(SettlementError):
+    """Admin sign-in failed; sign a fresh nonce with the operator wallet and use a new TOTP code."""

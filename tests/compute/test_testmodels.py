@@ -1,0 +1,103 @@
+"""Generated test models: real llama.cpp metadata, deterministic, readable by ggml's loader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from kvasird.cli import main
+from kvasird.model.testmodels import TestModelError, bundled_tokenizer, make_model
+
+
+def _fields(path):
+    reader = GGUFReader(path)
+    return reader, {k: f.contents() for k, f in reader.fields.items()
+                    if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+
+
+def test_same_seed_gives_identical_bytes(tmp_path):
+    a = make_model(tmp_path / "a.gguf", dtype="q8_0", seed=3)
+    b = make_model(tmp_path / "b.gguf", dtype="q8_0", seed=3)
+    c = make_model(tmp_path / "c.gguf", dtype="q8_0", seed=4)
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() != c.read_bytes()
+
+
+def test_qwen3moe_carries_llama_cpp_keys_and_tensor_shapes(tmp_path):
+    path = make_model(tmp_path / "m.gguf", n_layer=3, n_embd=64, n_head=4, n_head_kv=2,
+                      head_dim=16, n_expert=8, n_expert_used=2, n_ff_exp=32)
+    reader, kv = _fields(path)
+    assert kv["general.architecture"] == "qwen3moe"
+    assert kv["qwen3moe.block_count"] == 3
+    assert kv["qwen3moe.expert_count"] == 8
+    assert kv["qwen3moe.expert_used_count"] == 2
+    assert kv["qwen3moe.expert_feed_forward_length"] == 32
+    assert kv["qwen3moe.attention.key_length"] == kv["qwen3moe.attention.value_length"] == 16
+    ne = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
+    assert ne["blk.2.ffn_gate_inp.weight"] == [64, 8]
+    assert ne["blk.2.ffn_up_exps.weight"] == [64, 32, 8]
+    assert ne["blk.2.ffn_down_exps.weight"] == [32, 64, 8]
+    assert ne["blk.0.attn_q_norm.weight"] == [16]
+    assert ne["output.weight"] == ne["token_embd.weight"]
+
+
+def test_llama_is_tied_and_dense(tmp_path):
+    reader, kv = _fields(make_model(tmp_path / "l.gguf", arch="llama", n_layer=1))
+    names = {t.name for t in reader.tensors}
+    assert kv["general.architecture"] == "llama"
+    assert "output.weight" not in names
+    assert {"blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"} <= names
+    assert not any("exps" in n or "q_norm" in n for n in names)
+
+
+def test_vocab_matches_bundled_tokenizer(tmp_path):
+    reader, kv = _fields(make_model(tmp_path / "m.gguf"))
+    n_vocab = len(bundled_tokenizer()["tokenizer.ggml.tokens"][2])
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert int(embd.shape[1]) == n_vocab == kv["qwen3moe.vocab_size"]
+    assert kv["tokenizer.ggml.eos_token_id"] == bundled_tokenizer()["tokenizer.ggml.eos_token_id"][2]
+
+
+@pytest.mark.parametrize("dtype, tol", [("f16", 2e-3), ("q8_0", 2e-2), ("q4_k", 0.2)])
+def test_quantized_file_holds_the_same_weights_as_f32(tmp_path, dtype, tol):
+    dims = dict(n_layer=1, n_embd=256, head_dim=64, n_ff_exp=256, tied_output=True)
+    ref, _ = _fields(make_model(tmp_path / "f.gguf", dtype="f32", **dims))
+    got, _ = _fields(make_model(tmp_path / "q.gguf", dtype=dtype, **dims))
+    want = next(t for t in ref.tensors if t.name == "blk.0.ffn_up_exps.weight")
+    have = next(t for t in got.tensors if t.name == "blk.0.ffn_up_exps.weight")
+    assert have.tensor_type.name == dtype.upper()
+    deq = dequantize(have.data, have.tensor_type)
+    scale = np.abs(want.data).max()
+    assert np.abs(deq - want.data).max() < tol * scale
+
+
+def test_ggml_own_loader_reads_the_file(tmp_path):
+    import ggml
+
+    path = make_model(tmp_path / "m.gguf", dtype="q8_0")
+    params = ggml.gguf_init_params(no_alloc=True, ctx=None)
+    ctx = ggml.gguf_init_from_file(str(path).encode(), params)
+    assert ctx
+    try:
+        assert ggml.gguf_get_n_tensors(ctx) == len(GGUFReader(path).tensors)
+    finally:
+        ggml.gguf_free(ctx)
+
+
+@pytest.mark.parametrize("dims", [dict(dtype="q8_0", n_embd=48), dict(dtype="q4_k", n_embd=64),
+                                  dict(n_head=4, n_head_kv=3), dict(n_expert_used=9),
+                                  dict(arch="gpt9"), dict(dtype="q3_z")])
+def test_impossible_dimensions_raise_a_clear_error(tmp_path, dims):
+    with pytest.raises(TestModelError):
+        make_model(tmp_path / "x.gguf", **dims)
+
+
+def test_cli_writes_a_model(tmp_path, capsys):
+    out = tmp_path / "cli.gguf"
+    assert main(["dev", "make-model", str(out), "--arch", "llama", "--dtype", "q8_0",
+                 "--layers", "1"]) == 0
+    _, kv = _fields(out)
+    assert kv["llama.block_count"] == 1
+    assert str(out) in capsys.readouterr().out
