@@ -26,6 +26,10 @@ COMMANDS = (
     "native",
     "localnet",
     "dev",
+    "verify",
+    "model",
+    "localchain",
+    "wallet",
 )
 
 

@@ -42,40 +42,65 @@ class Liveness:
         self._interval = interval_s
         self._timeout = timeout_s
         self._tracked: set[str] = set()
+        self._closing: set[str] = set()
+        self._nursery: trio.Nursery
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._host.set_stream_handler(PROTOCOL, self._serve)
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             task_status.started()
             while True:
                 for pid in self._host.get_connected_peers():
                     key = pid.to_string()
-                    if key not in self._tracked:
+                    if key not in self._tracked and key not in self._closing:
                         self._tracked.add(key)
                         self._peers.connected(key)
                         nursery.start_soon(self._watch, pid)
                 await trio.sleep(min(self._interval, 1.0))
 
     async def _watch(self, pid: ID) -> None:
+        """Drop the peer when its heartbeat fails or it is silent past the timeout.
+
+        The heartbeat I/O runs in its own task: py-libp2p has shielded cleanup paths that
+        can block on a dead connection, so the decision to drop a peer is made here, on
+        the clock alone, and never waits for a libp2p call to return.
+        """
         key = pid.to_string()
-        reason = "node stopping"
+        io_scope = trio.CancelScope()
+        ended = trio.Event()
+        reason = ["node stopping"]
+
+        async def io() -> None:
+            with io_scope:
+                reason[0] = await self._heartbeat(pid)
+            ended.set()
+
+        self._nursery.start_soon(io)
         try:
-            reason = await self._heartbeat(pid)
+            while not ended.is_set():
+                with trio.move_on_after(self._interval):
+                    await ended.wait()
+                if not ended.is_set() and time.time() - self._peers.last_seen(key) > self._timeout:
+                    reason[0] = f"silent for more than {self._timeout:g} s"
+                    break
         finally:
+            io_scope.cancel()
             self._tracked.discard(key)
             gone = self._peers.dropped(key)
-            if gone is not None and reason != "node stopping":
-                log.info("peer dropped", peer=key, reason=reason,
+            if gone is not None and reason[0] != "node stopping":
+                log.info("peer dropped", peer=key, reason=reason[0],
                          silent_s=round(time.time() - gone.last_seen, 1))
-            with trio.move_on_after(2) as scope:
-                scope.shield = True
-                await self._close(pid)
+                self._closing.add(key)
+                self._nursery.start_soon(self._close, pid)
 
     async def _close(self, pid: ID) -> None:
         try:
             await self._host.get_network().close_peer(pid)
         except Exception as exc:  # noqa: BLE001 - closing a dead connection may fail any way
             log.debug("close_peer failed", peer=pid.to_string(), error=repr(exc))
+        finally:
+            self._closing.discard(pid.to_string())
 
     async def _heartbeat(self, pid: ID) -> str:
         """Run the heartbeat client until the peer fails; return why it was dropped."""
@@ -132,7 +157,8 @@ class Liveness:
                 await write_frame(stream, self._hello().to_wire())
             if self._check(key, their):
                 return
-            self._peers.hello(key, their.addrs, their.version)
+            # Only the peer's watcher adds or removes table entries; this side just
+            # refreshes last_seen, so a dropped peer cannot linger through its old stream.
             while True:
                 with trio.fail_after(self._timeout + self._interval):
                     msg = await reader.read()

@@ -69,9 +69,11 @@ class PeerTable:
             self._peers[peer_id] = PeerInfo(peer_id, (), now, now, None, "")
 
     def hello(self, peer_id: str, addrs: tuple[str, ...], version: str) -> None:
-        self.connected(peer_id)
-        self._peers[peer_id] = replace(self._peers[peer_id], addrs=addrs, version=version,
-                                       last_seen=time.time())
+        """Record a watched peer's hello (ignored for a peer that was dropped meanwhile)."""
+        p = self._peers.get(peer_id)
+        if p is None:
+            return
+        self._peers[peer_id] = replace(p, addrs=addrs, version=version, last_seen=time.time())
         if addrs:
             with self._db:
                 self._db.execute(

@@ -1,0 +1,86 @@
+"""The CLI's offline commands, run in-process through ``main`` as a user would type them."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from kvasird.cli import main
+from kvasird.config import load
+
+PEER = "12D3KooWESNwYUkewwdrtKoRqtf8HD43B1fEcnjCzBuQyw2qh5av"
+ADDR = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"
+
+
+def kvasird(home: Path, *args: str) -> int:
+    return main(["--home", str(home), *args])
+
+
+def test_init_creates_home_key_config_and_db(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    home = tmp_path / "home"
+    assert kvasird(home, "init", "--network", "demo", "--bootstrap", ADDR) == 0
+    assert stat.S_IMODE((home / "node.key").stat().st_mode) == 0o600
+    assert (home / "state.db").exists()
+    config = load(home / "kvasird.toml")
+    assert config.node.network == "demo"
+    assert config.p2p.bootstrap == (ADDR,)
+    assert "12D3KooW" in capsys.readouterr().out
+
+
+def test_init_refuses_to_overwrite_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvasird(tmp_path, "init") == 0
+    key = (tmp_path / "node.key").read_bytes()
+    assert kvasird(tmp_path, "init") == 1
+    assert "refusing to overwrite" in capsys.readouterr().err
+    assert (tmp_path / "node.key").read_bytes() == key
+
+
+def test_init_with_a_bad_bootstrap_address_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvasird(tmp_path / "h", "init", "--bootstrap", "/ip4/127.0.0.1/tcp/4001") == 1
+    assert "/p2p/<peer id>" in capsys.readouterr().err
+    assert not (tmp_path / "h").exists()
+
+
+def test_id_prints_the_peer_id_without_a_daemon(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kvasird(tmp_path, "init")
+    capsys.readouterr()
+    assert kvasird(tmp_path, "id") == 0
+    assert capsys.readouterr().out.strip().startswith("12D3KooW")
+
+
+def test_bootstrap_add_list_rm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kvasird(tmp_path, "init")
+    assert kvasird(tmp_path, "bootstrap", "add", ADDR) == 0
+    assert kvasird(tmp_path, "bootstrap", "add", ADDR) == 0  # idempotent
+    capsys.readouterr()
+    kvasird(tmp_path, "bootstrap", "list")
+    assert capsys.readouterr().out.split() == [ADDR]
+    assert kvasird(tmp_path, "bootstrap", "rm", PEER) == 0
+    assert load(tmp_path / "kvasird.toml").p2p.bootstrap == ()
+    assert kvasird(tmp_path, "bootstrap", "rm", PEER) == 1
+
+
+def test_bootstrap_add_rejects_an_address_without_peer_id(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kvasird(tmp_path, "init")
+    assert kvasird(tmp_path, "bootstrap", "add", "/ip4/127.0.0.1/tcp/4001") == 1
+    assert "lacks /p2p/" in capsys.readouterr().err
+    assert load(tmp_path / "kvasird.toml").p2p.bootstrap == ()
+
+
+def test_status_without_a_daemon_says_how_to_start_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kvasird(tmp_path, "init")
+    assert kvasird(tmp_path, "status") == 1
+    assert "kvasird --home" in capsys.readouterr().err
+
+
+def test_commands_on_an_uninitialised_home_say_to_init(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert kvasird(tmp_path / "nothing", "run") == 1
+    assert "init" in capsys.readouterr().err
+
+
+def test_native_info_reports_the_cpu_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["native", "info", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert '"CPU"' in out and '"threads"' in out
