@@ -11,9 +11,9 @@ never ``uiAmount``. The same code talks to the embedded local chain and to any c
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
+from typing import TypeVar
 
 import httpx
 import trio
@@ -21,7 +21,7 @@ from solana.exceptions import SolanaRpcException
 from solana.rpc.async_api import AsyncClient
 from solana.rpc.commitment import Commitment
 from solana.rpc.core import RPCException
-from solana.rpc.types import TxOpts
+from solana.rpc.models import TxOpts
 from solders.hash import Hash
 from solders.instruction import Instruction
 from solders.keypair import Keypair
@@ -29,10 +29,12 @@ from solders.message import Message
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 from solders.transaction import Transaction, VersionedTransaction
+from solders.transaction_status import EncodedTransactionWithStatusMeta, UiTransactionStatusMeta
 
-from kvasird.settlement.errors import ChainError
+from kvasird.settlement.errors import ChainError, ChainRefused
 from kvasird.settlement.token import memos, token_account
 
+T = TypeVar("T")
 _COMMITMENT_RANK = {"processed": 0, "confirmed": 1, "finalized": 2}
 
 
@@ -89,8 +91,13 @@ class SignatureState:
 class ChainClient:
     """One RPC endpoint. Use ``async with ChainClient(url) as chain``."""
 
-    def __init__(self, url: str, commitment: str = "finalized", poll_interval_s: float = 0.05,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        commitment: str = "finalized",
+        poll_interval_s: float = 0.05,
+        timeout_s: float = 30.0,
+    ) -> None:
         self.url = url
         self._commitment = Commitment(commitment)
         self._poll = poll_interval_s
@@ -101,7 +108,7 @@ class ChainClient:
     async def __aenter__(self) -> ChainClient:
         return self
 
-    async def __aexit__(self, *exc: tuple[type[BaseException], BaseException, TracebackType]) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -119,7 +126,11 @@ class ChainClient:
         return resp.value.blockhash, resp.value.last_valid_block_height
 
     async def blockhash_valid(self, blockhash: Hash) -> bool:
-        return bool((await self._call(self._rpc.is_blockhash_valid(blockhash))).value)
+        """Whether a transaction on ``blockhash`` could still land (solana-py lacks this call)."""
+        reply = await self.request(
+            "isBlockhashValid", [str(blockhash), {"commitment": str(self._commitment)}]
+        )
+        return bool(reply["value"])  # type: ignore[index]
 
     async def lamports(self, key: Pubkey) -> int:
         return int((await self._call(self._rpc.get_balance(key))).value)
@@ -134,20 +145,31 @@ class ChainClient:
             raise ChainError(f"RPC {self.url} failed: {exc}: check that it is reachable") from None
         return int(resp.value.amount)
 
-    async def sign(self, signers: Sequence[Keypair], instructions: Sequence[Instruction]) -> Transaction:
+    async def sign(
+        self, signers: Sequence[Keypair], instructions: Sequence[Instruction]
+    ) -> Transaction:
         """A transaction on the latest blockhash; its signature is known before it is sent."""
         blockhash, _ = await self.latest_blockhash()
         message = Message.new_with_blockhash(list(instructions), signers[0].pubkey(), blockhash)
         return Transaction(list(signers), message, blockhash)
 
-    async def send(self, tx: Transaction | VersionedTransaction, preflight: bool = True) -> Signature:
+    async def send(
+        self, tx: Transaction | VersionedTransaction, preflight: bool = True
+    ) -> Signature:
         """Submit; returns the signature without waiting for it to land."""
-        opts = TxOpts(skip_confirmation=True, skip_preflight=not preflight,
-                      preflight_commitment=self._commitment)
+        opts = TxOpts(
+            skip_confirmation=True,
+            skip_preflight=not preflight,
+            preflight_commitment=self._commitment,
+        )
         return (await self._call(self._rpc.send_raw_transaction(bytes(tx), opts))).value
 
-    async def send_and_confirm(self, signers: Sequence[Keypair], instructions: Sequence[Instruction],
-                               timeout_s: float = 30.0) -> Signature:
+    async def send_and_confirm(
+        self,
+        signers: Sequence[Keypair],
+        instructions: Sequence[Instruction],
+        timeout_s: float = 30.0,
+    ) -> Signature:
         sig = await self.send(await self.sign(signers, instructions))
         state = await self.wait(sig, timeout_s)
         if state.error is not None:
@@ -155,11 +177,17 @@ class ChainClient:
         return sig
 
     async def state(self, sig: Signature) -> SignatureState:
-        resp = await self._call(self._rpc.get_signature_statuses([sig], search_transaction_history=True))
+        resp = await self._call(
+            self._rpc.get_signature_statuses([sig], search_transaction_history=True)
+        )
         status = resp.value[0]
         if status is None:
             return SignatureState(False, False, None)
-        level = str(status.confirmation_status).rsplit(".", 1)[-1].lower() if status.confirmation_status else ""
+        level = (
+            str(status.confirmation_status).rsplit(".", 1)[-1].lower()
+            if status.confirmation_status
+            else ""
+        )
         reached = _COMMITMENT_RANK.get(level, -1) >= _COMMITMENT_RANK[str(self._commitment)]
         return SignatureState(True, reached, None if status.err is None else str(status.err))
 
@@ -171,27 +199,38 @@ class ChainClient:
                 if state.reached:
                     return state
                 await trio.sleep(self._poll)
-        raise ChainError(f"transaction {sig} did not reach {self._commitment} within {timeout_s:.0f} s: "
-                         "the RPC endpoint may be congested; it is reconciled later")
+        raise ChainError(
+            f"transaction {sig} did not reach {self._commitment} within {timeout_s:.0f} s: "
+            "the RPC endpoint may be congested; it is reconciled later"
+        )
 
     async def transaction(self, sig: Signature) -> ChainTransaction | None:
-        """The landed transaction at the required commitment, or None if the chain has not got it."""
-        resp = await self._call(self._rpc.get_transaction(
-            sig, encoding="base64", commitment=self._commitment, max_supported_transaction_version=0))
+        """The transaction at the required commitment, or None if the chain has not got it."""
+        resp = await self._call(
+            self._rpc.get_transaction(
+                sig,
+                encoding="base64",
+                commitment=self._commitment,
+                max_supported_transaction_version=0,
+            )
+        )
         if resp.value is None:
             return None
         return _parse_transaction(sig, resp.value.slot, resp.value.transaction)
 
-    async def local_request(self, method: str, params: list[object]) -> object:
-        """A method only the embedded local chain answers (faucet, genesis info)."""
+    async def request(self, method: str, params: list[object]) -> object:
+        """A raw JSON-RPC call, for methods solana-py lacks and the local chain's own
+        (``kvasir_requestTokens``, ``kvasir_localChain``)."""
         body = {"jsonrpc": "2.0", "id": next(self._ids), "method": method, "params": params}
         try:
             reply = (await self._http.post(self.url, json=body)).json()
         except (httpx.HTTPError, ValueError) as exc:
-            raise ChainError(f"RPC {self.url} failed: {exc}") from None
+            raise ChainError(
+                f"RPC {self.url} failed: {exc}: check that it is reachable "
+                "(for a local network: is `kvasird localchain` running?)"
+            ) from None
         if "error" in reply:
-            raise ChainError(f"{method} refused by {self.url}: {reply['error'].get('message')} "
-                             "(faucets exist only on the local chain)")
+            raise ChainRefused(f"{method} refused by {self.url}: {reply['error'].get('message')}")
         return reply["result"]
 
     async def faucet(self, owner: Pubkey, kvr: int = 0, lamports: int = 0) -> None:
@@ -200,19 +239,23 @@ class ChainClient:
         if lamports:
             sigs.append((await self._call(self._rpc.request_airdrop(owner, lamports))).value)
         if kvr:
-            sigs.append(Signature.from_string(str(await self.local_request("kvasir_requestTokens",
-                                                                           [str(owner), kvr]))))
+            sigs.append(
+                Signature.from_string(
+                    str(await self.request("kvasir_requestTokens", [str(owner), kvr]))
+                )
+            )
         for sig in sigs:
             await self.wait(sig, 10.0)
 
-    async def _call(self, coro):  # type: ignore[no-untyped-def]
+    async def _call(self, coro: Awaitable[T]) -> T:
         try:
             return await coro
         except RPCException as exc:
-            raise ChainError(f"RPC {self.url} refused: {_rpc_message(exc)}") from None
+            raise ChainRefused(f"RPC {self.url} refused: {_rpc_message(exc)}") from None
         except (SolanaRpcException, httpx.HTTPError) as exc:
-            raise ChainError(f"RPC {self.url} failed: {exc.__cause__ or exc}: "
-                             "check that it is reachable") from None
+            raise ChainError(
+                f"RPC {self.url} failed: {exc.__cause__ or exc}: check that it is reachable"
+            ) from None
 
 
 def _rpc_message(exc: RPCException) -> str:
@@ -220,7 +263,9 @@ def _rpc_message(exc: RPCException) -> str:
     return str(getattr(arg, "message", arg))
 
 
-def _parse_transaction(sig: Signature, slot: int, encoded) -> ChainTransaction:  # type: ignore[no-untyped-def]
+def _parse_transaction(
+    sig: Signature, slot: int, encoded: EncodedTransactionWithStatusMeta
+) -> ChainTransaction:
     tx = encoded.transaction
     if not isinstance(tx, VersionedTransaction):
         raise ChainError(f"RPC returned transaction {sig} in an unexpected encoding")
@@ -231,12 +276,20 @@ def _parse_transaction(sig: Signature, slot: int, encoded) -> ChainTransaction: 
     if meta.loaded_addresses is not None:
         keys += list(meta.loaded_addresses.writable) + list(meta.loaded_addresses.readonly)
     instructions = tx.message.instructions
-    memo_data = memos([keys[ix.program_id_index] for ix in instructions], [bytes(ix.data) for ix in instructions])
-    return ChainTransaction(sig, slot, None if meta.err is None else str(meta.err), keys[0],
-                            tuple(memo_data), _token_deltas(keys, meta))
+    memo_data = memos(
+        [keys[ix.program_id_index] for ix in instructions], [bytes(ix.data) for ix in instructions]
+    )
+    return ChainTransaction(
+        sig,
+        slot,
+        None if meta.err is None else str(meta.err),
+        keys[0],
+        tuple(memo_data),
+        _token_deltas(keys, meta),
+    )
 
 
-def _token_deltas(keys: list[Pubkey], meta) -> tuple[TokenDelta, ...]:  # type: ignore[no-untyped-def]
+def _token_deltas(keys: list[Pubkey], meta: UiTransactionStatusMeta) -> tuple[TokenDelta, ...]:
     rows: dict[int, list] = {}  # account index -> [owner, mint, pre, post]
     for balances, slot in ((meta.pre_token_balances or [], 2), (meta.post_token_balances or [], 3)):
         for b in balances:

@@ -50,13 +50,13 @@ class SettlementConfig:
     local_chain_listen: str = "127.0.0.1:0"
     """host:port of the embedded local chain's RPC; port 0 picks a free one."""
     wallet: Path | None = None
-    """Operator keypair file (Solana JSON keypair format); None with ``wallet_address`` = receive only."""
+    """Operator keypair file (Solana JSON format); None + ``wallet_address`` = receive only."""
     wallet_address: str = ""
     """Public address to be paid at when no keypair file is held (cannot run a gateway vault)."""
     kvr_mint: str = ""
     """KVR mint address; empty = the local chain's genesis mint."""
     genesis_wallet: str = ""
-    """The network's genesis wallet, the only signer of governance messages; empty = local chain's."""
+    """The network's genesis wallet, sole signer of governance messages; empty = local chain's."""
     commitment: str = "finalized"
     """Commitment required before anything is credited or debited."""
     confirm_timeout_s: float = 60.0

@@ -1,16 +1,16 @@
 """Errors of the settlement subsystem.
 
-    KvasirError
-    └── SettlementError              anything settlement refuses; str() says what to do
-        ├── ChainError               the RPC endpoint failed, refused a transaction, or timed out
-        ├── WalletError              a keypair file is missing, malformed, or only an address is held
-        ├── PaymentRejected          the chain does not prove what a payment claims (never credited)
-        │   └── SignatureAlreadyUsed the transaction signature was consumed by an earlier credit
-        ├── QuoteError               the quote is unknown, expired, or already settled differently
-        ├── ClaimError               nothing to claim, or a payout failed (the balance stays intact)
-        ├── ReceiptRejected          a receipt is not signed by the gateway it names, or goes backwards
-        ├── GovernanceRejected       a governance message is not signed by the genesis wallet, or is stale
-        └── AdminAuthError           wallet sign-in or TOTP failed
+KvasirError
+└── SettlementError              anything settlement refuses; str() says what to do
+    ├── ChainError               the RPC endpoint failed, refused a transaction, or timed out
+    ├── WalletError              a keypair file is missing, malformed, or only an address is held
+    ├── PaymentRejected          the chain does not prove what a payment claims (never credited)
+    │   └── SignatureAlreadyUsed the transaction signature was consumed by an earlier credit
+    ├── QuoteError               the quote is unknown, expired, or already settled differently
+    ├── ClaimError               nothing to claim, or a payout failed (the balance stays intact)
+    ├── ReceiptRejected          a receipt is not signed by the gateway it names, or goes backwards
+    ├── GovernanceRejected       governance message not signed by the genesis wallet, or stale
+    └── AdminAuthError           wallet sign-in or TOTP failed
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ class SettlementError(KvasirError):
 
 class ChainError(SettlementError):
     """The chain (RPC endpoint) failed or refused; nothing was credited or debited."""
+
+
+class ChainRefused(ChainError):
+    """The RPC endpoint answered with an error: the request (or transaction) was not accepted."""
 
 
 class WalletError(SettlementError):

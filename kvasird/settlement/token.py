@@ -29,26 +29,44 @@ def token_account(owner: Pubkey, mint: Pubkey) -> Pubkey:
     return get_associated_token_address(owner, mint)
 
 
-def transfer_instructions(sender: Pubkey, recipient: Pubkey, mint: Pubkey, amount: int,
-                          memo: bytes | None = None) -> list[Instruction]:
+def transfer_instructions(
+    sender: Pubkey, recipient: Pubkey, mint: Pubkey, amount: int, memo: bytes | None = None
+) -> list[Instruction]:
     """Create the recipient's account if needed, transfer, and optionally attach a memo."""
     ixs = [
         create_idempotent_associated_token_account(sender, recipient, mint),
-        transfer_checked(TransferCheckedParams(
-            program_id=TOKEN_PROGRAM_ID, source=token_account(sender, mint), mint=mint,
-            dest=token_account(recipient, mint), owner=sender, amount=amount, decimals=KVR_DECIMALS)),
+        transfer_checked(
+            TransferCheckedParams(
+                program_id=TOKEN_PROGRAM_ID,
+                source=token_account(sender, mint),
+                mint=mint,
+                dest=token_account(recipient, mint),
+                owner=sender,
+                amount=amount,
+                decimals=KVR_DECIMALS,
+            )
+        ),
     ]
     if memo is not None:
         ixs.append(memo_instruction(sender, memo))
     return ixs
 
 
-def mint_instructions(authority: Pubkey, recipient: Pubkey, mint: Pubkey, amount: int) -> list[Instruction]:
+def mint_instructions(
+    authority: Pubkey, recipient: Pubkey, mint: Pubkey, amount: int
+) -> list[Instruction]:
     return [
         create_idempotent_associated_token_account(authority, recipient, mint),
-        mint_to_checked(MintToCheckedParams(
-            program_id=TOKEN_PROGRAM_ID, mint=mint, dest=token_account(recipient, mint),
-            mint_authority=authority, amount=amount, decimals=KVR_DECIMALS)),
+        mint_to_checked(
+            MintToCheckedParams(
+                program_id=TOKEN_PROGRAM_ID,
+                mint=mint,
+                dest=token_account(recipient, mint),
+                mint_authority=authority,
+                amount=amount,
+                decimals=KVR_DECIMALS,
+            )
+        ),
     ]
 
 
@@ -57,5 +75,5 @@ def memo_instruction(signer: Pubkey, memo: bytes) -> Instruction:
 
 
 def memos(program_ids: list[Pubkey], data: list[bytes]) -> list[bytes]:
-    """The memo payloads among a transaction's top-level instructions (program ids aligned with data)."""
+    """Memo payloads among top-level instructions (program ids aligned with their data)."""
     return [d for p, d in zip(program_ids, data, strict=True) if p == MEMO_PROGRAM_ID]

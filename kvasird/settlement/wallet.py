@@ -35,8 +35,10 @@ def write_keypair(path: Path, keypair: Keypair) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise WalletError(f"{path} already exists: refusing to replace a wallet "
-                          "(it may hold funds); choose another path") from None
+        raise WalletError(
+            f"{path} already exists: refusing to replace a wallet "
+            "(it may hold funds); choose another path"
+        ) from None
     with os.fdopen(fd, "w") as f:
         json.dump(list(bytes(keypair)), f)
 
@@ -46,13 +48,21 @@ def read_keypair(path: Path) -> Keypair:
         mode = path.stat().st_mode
         values = json.loads(path.read_text())
     except FileNotFoundError:
-        raise WalletError(f"{path} is missing: create it with `kvasird wallet new` "
-                          "or point [settlement] wallet at your Solana keypair file") from None
+        raise WalletError(
+            f"{path} is missing: create it with `kvasird wallet new` "
+            "or point [settlement] wallet at your Solana keypair file"
+        ) from None
     except ValueError:
-        raise WalletError(f"{path} is not JSON: a Solana keypair file is a list of 64 numbers") from None
+        raise WalletError(
+            f"{path} is not JSON: a Solana keypair file is a list of 64 numbers"
+        ) from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise WalletError(f"{path} is readable by others (mode {oct(mode & 0o777)}): run `chmod 600 {path}`")
-    if not (isinstance(values, list) and len(values) == 64 and all(isinstance(v, int) for v in values)):
+        raise WalletError(
+            f"{path} is readable by others (mode {oct(mode & 0o777)}): run `chmod 600 {path}`"
+        )
+    if not (
+        isinstance(values, list) and len(values) == 64 and all(isinstance(v, int) for v in values)
+    ):
         raise WalletError(f"{path} is not a Solana keypair file (expected a list of 64 numbers)")
     try:
         return Keypair.from_bytes(bytes(values))
@@ -79,13 +89,17 @@ class Wallet:
             return cls.from_keypair(read_keypair(path))
         if address:
             return cls(parse_address(address))
-        raise WalletError("no wallet configured: set [settlement] wallet (a keypair file) "
-                          "or wallet_address (receive only)")
+        raise WalletError(
+            "no wallet configured: set [settlement] wallet (a keypair file) "
+            "or wallet_address (receive only)"
+        )
 
     def signer(self) -> Keypair:
         if self.keypair is None:
-            raise WalletError(f"only the address {self.address} is known: this needs the keypair; "
-                              "set [settlement] wallet to its keypair file")
+            raise WalletError(
+                f"only the address {self.address} is known: this needs the keypair; "
+                "set [settlement] wallet to its keypair file"
+            )
         return self.keypair
 
 
@@ -109,15 +123,23 @@ class WalletLink:
         return self.signature.verify(self.wallet, self.message())
 
     def to_wire(self) -> dict[str, str]:
-        return {"peer_id": self.peer_id, "network": self.network,
-                "wallet": str(self.wallet), "signature": str(self.signature)}
+        return {
+            "peer_id": self.peer_id,
+            "network": self.network,
+            "wallet": str(self.wallet),
+            "signature": str(self.signature),
+        }
 
     @classmethod
     def from_wire(cls, data: dict[str, str]) -> WalletLink:
         """Parse and verify; a link that does not verify never leaves this function."""
         try:
-            link = cls(str(data["peer_id"]), str(data["network"]),
-                       Pubkey.from_string(data["wallet"]), Signature.from_string(data["signature"]))
+            link = cls(
+                str(data["peer_id"]),
+                str(data["network"]),
+                Pubkey.from_string(data["wallet"]),
+                Signature.from_string(data["signature"]),
+            )
         except (KeyError, ValueError, TypeError) as exc:
             raise WalletError(f"malformed wallet link: {exc}") from None
         if not link.verify():

@@ -1,11 +1,11 @@
 """The embedded local chain: LiteSVM behind a Solana JSON-RPC facade on 127.0.0.1.
 
-    genesis.py   the authority (mint authority, faucet, genesis wallet) and KVR mint keys
-    store.py     SQLite persistence: touched accounts, transaction history, blockhashes
-    chain.py     LocalChain: executes transactions, records token balances, slots
-    rpc.py       JSON-RPC methods in a cluster's shapes (+ kvasir_requestTokens faucet)
-    http.py      the small trio/h11 HTTP server
-    service.py   serve_local_chain(): run it in a nursery
+genesis.py   the authority (mint authority, faucet, genesis wallet) and KVR mint keys
+store.py     SQLite persistence: touched accounts, transaction history, blockhashes
+chain.py     LocalChain: executes transactions, records token balances, slots
+rpc.py       JSON-RPC methods in a cluster's shapes (+ kvasir_requestTokens faucet)
+http.py      the small trio/h11 HTTP server
+service.py   serve_local_chain(): run it in a nursery
 """
 
 from kvasird.settlement.localchain.service import LocalChainInfo, serve_local_chain

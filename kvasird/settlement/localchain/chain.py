@@ -40,7 +40,7 @@ from spl.token.instructions import initialize_mint2
 from spl.token.models import InitializeMint2Params
 
 from kvasird.settlement.localchain.base58 import b58encode
-from kvasird.settlement.localchain.genesis import Genesis, load_or_create_genesis
+from kvasird.settlement.localchain.genesis import load_or_create_genesis
 from kvasird.settlement.localchain.store import ChainStore, TransactionRecord
 from kvasird.settlement.token import KVR_DECIMALS, mint_instructions
 
@@ -81,7 +81,9 @@ class LocalChain:
         self._store = ChainStore(data_dir / "chain.db")
         self._svm = LiteSVM().with_blockhash_check(False)
         self._decimals: dict[Pubkey, int] = {}
-        self._recent: list[Blockhash] = [Blockhash(h, s) for s, h in self._store.blockhashes(BLOCKHASH_VALIDITY)]
+        self._recent: list[Blockhash] = [
+            Blockhash(h, s) for s, h in self._store.blockhashes(BLOCKHASH_VALIDITY)
+        ]
         for key, account in self._store.accounts():
             self._svm.set_account(key, account)
         if fresh or not self._recent:
@@ -133,19 +135,31 @@ class LocalChain:
             sim = self._svm.simulate_transaction(tx)
             if isinstance(sim, FailedTransactionMetadata):
                 meta = sim.meta()
-                raise RpcFailure(-32002, f"Transaction simulation failed: {sim.err()}",
-                                 {"err": error_json(sim.err()), "logs": list(meta.logs()),
-                                  "accounts": None, "unitsConsumed": meta.compute_units_consumed(),
-                                  "returnData": None})
+                raise RpcFailure(
+                    -32002,
+                    f"Transaction simulation failed: {sim.err()}",
+                    {
+                        "err": error_json(sim.err()),
+                        "logs": list(meta.logs()),
+                        "accounts": None,
+                        "unitsConsumed": meta.compute_units_consumed(),
+                        "returnData": None,
+                    },
+                )
         return self._execute(tx, wire)
 
     def simulate(self, wire: bytes) -> dict[str, Any]:
         tx = VersionedTransaction.from_bytes(wire)
         sim = self._svm.simulate_transaction(tx)
-        failed = isinstance(sim, FailedTransactionMetadata)
+        err = error_json(sim.err()) if isinstance(sim, FailedTransactionMetadata) else None
         meta = sim.meta()
-        return {"err": error_json(sim.err()) if failed else None, "logs": list(meta.logs()),
-                "accounts": None, "unitsConsumed": meta.compute_units_consumed(), "returnData": None}
+        return {
+            "err": err,
+            "logs": list(meta.logs()),
+            "accounts": None,
+            "unitsConsumed": meta.compute_units_consumed(),
+            "returnData": None,
+        }
 
     def airdrop(self, to: Pubkey, lamports: int) -> Signature:
         """Lamports from the genesis authority (the faucet), as a real transaction."""
@@ -154,38 +168,74 @@ class LocalChain:
 
     def faucet_kvr(self, owner: Pubkey, amount: int) -> Signature:
         """Mint ``amount`` base units of KVR to ``owner``'s token account (local networks only)."""
-        return self._sign_and_execute(mint_instructions(self.authority, owner, self.mint, amount),
-                                      [self.genesis.authority])
+        return self._sign_and_execute(
+            mint_instructions(self.authority, owner, self.mint, amount), [self.genesis.authority]
+        )
 
     def _sign_and_execute(self, ixs: list[Any], signers: list[Keypair]) -> Signature:
         blockhash = self.latest_blockhash().hash
-        tx = Transaction(signers, Message.new_with_blockhash(ixs, signers[0].pubkey(), blockhash), blockhash)
+        tx = Transaction(
+            signers, Message.new_with_blockhash(ixs, signers[0].pubkey(), blockhash), blockhash
+        )
         wire = bytes(tx)
         return self._execute(VersionedTransaction.from_bytes(wire), wire)
 
     def _create_genesis(self) -> None:
-        self._svm.set_account(self.authority, Account(FAUCET_LAMPORTS, b"", SYSTEM_PROGRAM_ID, False, 0))
+        self._svm.set_account(
+            self.authority, Account(FAUCET_LAMPORTS, b"", SYSTEM_PROGRAM_ID, False, 0)
+        )
         self._advance({self.authority: self.account(self.authority)}, None, Hash.default())
         mint = self.genesis.mint
-        self._sign_and_execute([
-            create_account(CreateAccountParams(
-                from_pubkey=self.authority, to_pubkey=mint.pubkey(),
-                lamports=self.minimum_balance(_MINT_SIZE), space=_MINT_SIZE, owner=TOKEN_PROGRAM_ID)),
-            initialize_mint2(InitializeMint2Params(
-                decimals=KVR_DECIMALS, program_id=TOKEN_PROGRAM_ID, mint=mint.pubkey(),
-                mint_authority=self.authority, freeze_authority=None)),
-        ], [self.genesis.authority, mint])
+        self._sign_and_execute(
+            [
+                create_account(
+                    CreateAccountParams(
+                        from_pubkey=self.authority,
+                        to_pubkey=mint.pubkey(),
+                        lamports=self.minimum_balance(_MINT_SIZE),
+                        space=_MINT_SIZE,
+                        owner=TOKEN_PROGRAM_ID,
+                    )
+                ),
+                initialize_mint2(
+                    InitializeMint2Params(
+                        decimals=KVR_DECIMALS,
+                        program_id=TOKEN_PROGRAM_ID,
+                        mint=mint.pubkey(),
+                        mint_authority=self.authority,
+                        freeze_authority=None,
+                    )
+                ),
+            ],
+            [self.genesis.authority, mint],
+        )
 
     def _execute(self, tx: VersionedTransaction, wire: bytes) -> Signature:
         signature = tx.signatures[0]
         if self._store.transaction(str(signature)) is not None:
-            raise RpcFailure(-32002, "Transaction simulation failed: This transaction has already "
-                             "been processed", {"err": "AlreadyProcessed", "logs": [], "accounts": None,
-                                                "unitsConsumed": 0, "returnData": None})
+            raise RpcFailure(
+                -32002,
+                "Transaction simulation failed: This transaction has already been processed",
+                {
+                    "err": "AlreadyProcessed",
+                    "logs": [],
+                    "accounts": None,
+                    "unitsConsumed": 0,
+                    "returnData": None,
+                },
+            )
         if not self.blockhash_valid(tx.message.recent_blockhash):
-            raise RpcFailure(-32002, "Transaction simulation failed: Blockhash not found",
-                             {"err": "BlockhashNotFound", "logs": [], "accounts": None,
-                              "unitsConsumed": 0, "returnData": None})
+            raise RpcFailure(
+                -32002,
+                "Transaction simulation failed: Blockhash not found",
+                {
+                    "err": "BlockhashNotFound",
+                    "logs": [],
+                    "accounts": None,
+                    "unitsConsumed": 0,
+                    "returnData": None,
+                },
+            )
         keys = list(tx.message.account_keys)
         pre_lamports, pre_tokens = self._balances(keys)
         result = self._svm.send_transaction(tx)
@@ -202,13 +252,17 @@ class LocalChain:
         self._advance({k: self.account(k) for k in keys}, record, self.latest_blockhash().hash)
         return signature
 
-    def _advance(self, accounts: dict[Pubkey, Account | None], record: TransactionRecord | None,
-                 previous: Hash) -> None:
+    def _advance(
+        self,
+        accounts: dict[Pubkey, Account | None],
+        record: TransactionRecord | None,
+        previous: Hash,
+    ) -> None:
         """Close the current slot: persist its effects and hand out the next blockhash."""
         slot = self.slot + 1 if self._recent else 0
         blockhash = Hash(hashlib.sha256(bytes(previous) + slot.to_bytes(8, "little")).digest())
         self._store.commit(slot, blockhash, accounts, record)
-        self._recent = [*self._recent[-(BLOCKHASH_VALIDITY - 1):], Blockhash(blockhash, slot)]
+        self._recent = [*self._recent[-(BLOCKHASH_VALIDITY - 1) :], Blockhash(blockhash, slot)]
 
     def _balances(self, keys: list[Pubkey]) -> tuple[list[int], list[dict[str, Any]]]:
         lamports, tokens = [], []
@@ -222,7 +276,11 @@ class LocalChain:
 
     @staticmethod
     def _token_account(account: Account | None) -> TokenAccount | None:
-        if account is None or account.owner != TOKEN_PROGRAM_ID or len(account.data) != _TOKEN_ACCOUNT_SIZE:
+        if (
+            account is None
+            or account.owner != TOKEN_PROGRAM_ID
+            or len(account.data) != _TOKEN_ACCOUNT_SIZE
+        ):
             return None
         return TokenAccount.from_bytes(bytes(account.data))
 
@@ -236,12 +294,22 @@ class LocalChain:
 def ui_amount_json(amount: int, decimals: int) -> dict[str, Any]:
     text = str(amount).rjust(decimals + 1, "0")
     ui = f"{text[:-decimals]}.{text[-decimals:]}".rstrip("0").rstrip(".") if decimals else text
-    return {"amount": str(amount), "decimals": decimals, "uiAmount": float(ui), "uiAmountString": ui}
+    return {
+        "amount": str(amount),
+        "decimals": decimals,
+        "uiAmount": float(ui),
+        "uiAmountString": ui,
+    }
 
 
 def token_balance_json(index: int, account: TokenAccount, decimals: int) -> dict[str, Any]:
-    return {"accountIndex": index, "mint": str(account.mint), "owner": str(account.owner),
-            "programId": str(TOKEN_PROGRAM_ID), "uiTokenAmount": ui_amount_json(account.amount, decimals)}
+    return {
+        "accountIndex": index,
+        "mint": str(account.mint),
+        "owner": str(account.owner),
+        "programId": str(TOKEN_PROGRAM_ID),
+        "uiTokenAmount": ui_amount_json(account.amount, decimals),
+    }
 
 
 def error_json(err: Any) -> Any:
@@ -258,18 +326,41 @@ def error_json(err: Any) -> Any:
     return str(err)
 
 
-def _meta_json(meta: TransactionMetadata, err: Any, pre_lamports: list[int], post_lamports: list[int],
-               pre_tokens: list[dict[str, Any]], post_tokens: list[dict[str, Any]]) -> dict[str, Any]:
+def _meta_json(
+    meta: TransactionMetadata,
+    err: Any,
+    pre_lamports: list[int],
+    post_lamports: list[int],
+    pre_tokens: list[dict[str, Any]],
+    post_tokens: list[dict[str, Any]],
+) -> dict[str, Any]:
     inner = [
-        {"index": i, "instructions": [
-            {"programIdIndex": ix.instruction().program_id_index, "accounts": list(ix.instruction().accounts),
-             "data": b58encode(bytes(ix.instruction().data)), "stackHeight": ix.stack_height()}
-            for ix in group]}
-        for i, group in enumerate(meta.inner_instructions()) if group
+        {
+            "index": i,
+            "instructions": [
+                {
+                    "programIdIndex": ix.instruction().program_id_index,
+                    "accounts": list(ix.instruction().accounts),
+                    "data": b58encode(bytes(ix.instruction().data)),
+                    "stackHeight": ix.stack_height(),
+                }
+                for ix in group
+            ],
+        }
+        for i, group in enumerate(meta.inner_instructions())
+        if group
     ]
-    return {"err": err, "status": {"Ok": None} if err is None else {"Err": err}, "fee": meta.fee(),
-            "preBalances": pre_lamports, "postBalances": post_lamports, "innerInstructions": inner,
-            "logMessages": list(meta.logs()), "preTokenBalances": pre_tokens,
-            "postTokenBalances": post_tokens, "rewards": [],
-            "loadedAddresses": {"writable": [], "readonly": []},
-            "computeUnitsConsumed": meta.compute_units_consumed()}
+    return {
+        "err": err,
+        "status": {"Ok": None} if err is None else {"Err": err},
+        "fee": meta.fee(),
+        "preBalances": pre_lamports,
+        "postBalances": post_lamports,
+        "innerInstructions": inner,
+        "logMessages": list(meta.logs()),
+        "preTokenBalances": pre_tokens,
+        "postTokenBalances": post_tokens,
+        "rewards": [],
+        "loadedAddresses": {"writable": [], "readonly": []},
+        "computeUnitsConsumed": meta.compute_units_consumed(),
+    }

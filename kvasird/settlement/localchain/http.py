@@ -19,8 +19,13 @@ _IDLE_TIMEOUT_S = 60.0
 Handler = Callable[[bytes], bytes]
 
 
-async def serve_http(handler: Handler, host: str, port: int, *,
-                     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_http(
+    handler: Handler,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Serve ``handler`` on host:port; ``started`` reports the bound port once listening."""
     listeners = await trio.open_tcp_listeners(port, host=host)
     task_status.started(listeners[0].socket.getsockname()[1])
@@ -30,23 +35,32 @@ async def serve_http(handler: Handler, host: str, port: int, *,
 async def _connection(handler: Handler, stream: trio.SocketStream) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=16384)
     async with stream:
-        while True:
-            with trio.move_on_after(_IDLE_TIMEOUT_S):
-                request = await _read_request(conn, stream)
-            if request is None:
-                return
-            target, body = request
-            status, payload = _route(handler, target, body)
-            headers = [("content-type", "application/json"), ("content-length", str(len(payload)))]
-            await stream.send_all(conn.send(h11.Response(status_code=status, headers=headers))
-                                  + conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))
-            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                return
-            conn.start_next_cycle()
+        try:
+            while await _serve_one(handler, conn, stream):
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
+            return  # the client went away or spoke bad HTTP: drop only this connection
 
 
-def _route(handler: Handler, target: tuple[bytes, bytes],
-           body: bytes | None) -> tuple[int, bytes]:
+async def _serve_one(handler: Handler, conn: h11.Connection, stream: trio.SocketStream) -> bool:
+    """Answer one request; False when the connection should close."""
+    request = None
+    with trio.move_on_after(_IDLE_TIMEOUT_S):
+        request = await _read_request(conn, stream)
+    if request is None:
+        return False
+    target, body = request
+    status, payload = _route(handler, target, body)
+    headers = [("content-type", "application/json"), ("content-length", str(len(payload)))]
+    await stream.send_all(
+        conn.send(h11.Response(status_code=status, headers=headers))
+        + conn.send(h11.Data(data=payload))
+        + conn.send(h11.EndOfMessage())
+    )
+    return conn.our_state is h11.DONE and conn.their_state is h11.DONE
+
+
+def _route(handler: Handler, target: tuple[bytes, bytes], body: bytes | None) -> tuple[int, bytes]:
     method, path = target
     if method == b"GET" and path == b"/health":
         return 200, b'"ok"'
@@ -57,8 +71,9 @@ def _route(handler: Handler, target: tuple[bytes, bytes],
     return 200, handler(body)
 
 
-async def _read_request(conn: h11.Connection,
-                        stream: trio.SocketStream) -> tuple[tuple[bytes, bytes], bytes | None] | None:
+async def _read_request(
+    conn: h11.Connection, stream: trio.SocketStream
+) -> tuple[tuple[bytes, bytes], bytes | None] | None:
     """The next request's (method, path) and body (None when over the limit), or None at close."""
     target: tuple[bytes, bytes] | None = None
     chunks: list[bytes] = []

@@ -19,7 +19,12 @@ from solders.signature import Signature
 from solders.transaction import VersionedTransaction
 
 from kvasird.settlement.localchain.base58 import b58encode
-from kvasird.settlement.localchain.chain import BLOCKHASH_VALIDITY, LocalChain, RpcFailure, ui_amount_json
+from kvasird.settlement.localchain.chain import (
+    BLOCKHASH_VALIDITY,
+    LocalChain,
+    RpcFailure,
+    ui_amount_json,
+)
 
 _VERSION = {"solana-core": "2.2.0-kvasird-localchain", "feature-set": 0}
 MAX_REQUEST_BYTES = 4 << 20
@@ -49,7 +54,10 @@ class RpcHandler:
             "getMinimumBalanceForRentExemption": lambda p: chain.minimum_balance(int(p[0])),
             "requestAirdrop": lambda p: str(chain.airdrop(_pubkey(p, 0), _amount(p, 1))),
             "kvasir_requestTokens": lambda p: str(chain.faucet_kvr(_pubkey(p, 0), _amount(p, 1))),
-            "kvasir_localChain": lambda _: {"mint": str(chain.mint), "genesisWallet": str(chain.authority)},
+            "kvasir_localChain": lambda _: {
+                "mint": str(chain.mint),
+                "genesisWallet": str(chain.authority),
+            },
         }
 
     def handle(self, body: bytes) -> bytes:
@@ -70,15 +78,23 @@ class RpcHandler:
             return _error(rid, -32601, "Method not found")
         params = request.get("params") or []
         try:
-            return {"jsonrpc": "2.0", "result": method(params if isinstance(params, list) else [params]),
-                    "id": rid}
+            return {
+                "jsonrpc": "2.0",
+                "result": method(params if isinstance(params, list) else [params]),
+                "id": rid,
+            }
         except RpcFailure as exc:
             return _error(rid, exc.code, exc.message, exc.data)
         except (ValueError, TypeError, IndexError, KeyError) as exc:
             return _error(rid, -32602, f"Invalid params: {exc}")
+        except Exception as exc:  # one bad request must not stop the chain for everyone
+            return _error(rid, -32603, f"Internal error: {type(exc).__name__}: {exc}")
 
     def _context(self, value: Any) -> dict[str, Any]:
-        return {"context": {"slot": self._chain.slot, "apiVersion": _VERSION["solana-core"]}, "value": value}
+        return {
+            "context": {"slot": self._chain.slot, "apiVersion": _VERSION["solana-core"]},
+            "value": value,
+        }
 
     def _lamports(self, key: Pubkey) -> int:
         account = self._chain.account(key)
@@ -86,8 +102,12 @@ class RpcHandler:
 
     def _latest_blockhash(self, _: list[Any]) -> dict[str, Any]:
         latest = self._chain.latest_blockhash()
-        return self._context({"blockhash": str(latest.hash),
-                              "lastValidBlockHeight": latest.slot + BLOCKHASH_VALIDITY})
+        return self._context(
+            {
+                "blockhash": str(latest.hash),
+                "lastValidBlockHeight": latest.slot + BLOCKHASH_VALIDITY,
+            }
+        )
 
     def _blockhash_valid(self, params: list[Any]) -> dict[str, Any]:
         return self._context(self._chain.blockhash_valid(Hash.from_string(params[0])))
@@ -99,7 +119,9 @@ class RpcHandler:
 
     def _simulate(self, params: list[Any]) -> dict[str, Any]:
         config = _config(params)
-        return self._context(self._chain.simulate(_decode_wire(params[0], config.get("encoding", "base58"))))
+        return self._context(
+            self._chain.simulate(_decode_wire(params[0], config.get("encoding", "base58")))
+        )
 
     def _transaction(self, params: list[Any]) -> dict[str, Any] | None:
         config = _config(params)
@@ -113,8 +135,12 @@ class RpcHandler:
             transaction = _transaction_json(VersionedTransaction.from_bytes(record.tx))
         else:
             raise ValueError(f"unsupported encoding {encoding!r} (use base64 or json)")
-        result = {"slot": record.slot, "blockTime": record.block_time, "meta": record.meta,
-                  "transaction": transaction}
+        result = {
+            "slot": record.slot,
+            "blockTime": record.block_time,
+            "meta": record.meta,
+            "transaction": transaction,
+        }
         if "maxSupportedTransactionVersion" in config:
             legacy = isinstance(VersionedTransaction.from_bytes(record.tx).message, Message)
             result["version"] = "legacy" if legacy else 0
@@ -124,19 +150,33 @@ class RpcHandler:
         values = []
         for text in params[0]:
             record = self._chain.transaction(str(Signature.from_string(text)))
-            values.append(None if record is None else {
-                "slot": record.slot, "confirmations": None, "err": record.meta["err"],
-                "status": record.meta["status"], "confirmationStatus": "finalized"})
+            values.append(
+                None
+                if record is None
+                else {
+                    "slot": record.slot,
+                    "confirmations": None,
+                    "err": record.meta["err"],
+                    "status": record.meta["status"],
+                    "confirmationStatus": "finalized",
+                }
+            )
         return self._context(values)
 
     def _account_info(self, params: list[Any]) -> dict[str, Any]:
         account = self._chain.account(_pubkey(params, 0))
         if account is None:
             return self._context(None)
-        return self._context({"data": [base64.b64encode(bytes(account.data)).decode(), "base64"],
-                              "executable": account.executable, "lamports": account.lamports,
-                              "owner": str(account.owner), "rentEpoch": account.rent_epoch,
-                              "space": len(account.data)})
+        return self._context(
+            {
+                "data": [base64.b64encode(bytes(account.data)).decode(), "base64"],
+                "executable": account.executable,
+                "lamports": account.lamports,
+                "owner": str(account.owner),
+                "rentEpoch": account.rent_epoch,
+                "space": len(account.data),
+            }
+        )
 
     def _token_balance(self, params: list[Any]) -> dict[str, Any]:
         found = self._chain.token_amount(_pubkey(params, 0))
@@ -171,13 +211,21 @@ def _transaction_json(tx: VersionedTransaction) -> dict[str, Any]:
     header = msg.header
     message: dict[str, Any] = {
         "accountKeys": [str(k) for k in msg.account_keys],
-        "header": {"numRequiredSignatures": header.num_required_signatures,
-                   "numReadonlySignedAccounts": header.num_readonly_signed_accounts,
-                   "numReadonlyUnsignedAccounts": header.num_readonly_unsigned_accounts},
+        "header": {
+            "numRequiredSignatures": header.num_required_signatures,
+            "numReadonlySignedAccounts": header.num_readonly_signed_accounts,
+            "numReadonlyUnsignedAccounts": header.num_readonly_unsigned_accounts,
+        },
         "recentBlockhash": str(msg.recent_blockhash),
-        "instructions": [{"programIdIndex": ix.program_id_index, "accounts": list(ix.accounts),
-                          "data": b58encode(bytes(ix.data)), "stackHeight": None}
-                         for ix in msg.instructions],
+        "instructions": [
+            {
+                "programIdIndex": ix.program_id_index,
+                "accounts": list(ix.accounts),
+                "data": b58encode(bytes(ix.data)),
+                "stackHeight": None,
+            }
+            for ix in msg.instructions
+        ],
     }
     if hasattr(msg, "address_table_lookups"):
         message["addressTableLookups"] = []

@@ -36,13 +36,19 @@ def parse_listen(listen: str) -> tuple[str, int]:
         if not sep or not ipaddress.ip_address(host).is_loopback or not 0 <= int(port) < 65536:
             raise ValueError
     except ValueError:
-        raise ChainError(f"local chain listen address {listen!r} must be a loopback host:port, "
-                         "e.g. 127.0.0.1:8899 (port 0 picks a free one)") from None
+        raise ChainError(
+            f"local chain listen address {listen!r} must be a loopback host:port, "
+            "e.g. 127.0.0.1:8899 (port 0 picks a free one)"
+        ) from None
     return host, int(port)
 
 
-async def serve_local_chain(data_dir: Path, listen: str = "127.0.0.1:0", *,
-                            task_status: trio.TaskStatus[LocalChainInfo] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_local_chain(
+    data_dir: Path,
+    listen: str = "127.0.0.1:0",
+    *,
+    task_status: trio.TaskStatus[LocalChainInfo] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Run the local chain until cancelled; ``started`` once its RPC port accepts connections."""
     host, port = parse_listen(listen)
     chain = LocalChain(data_dir)
@@ -51,9 +57,12 @@ async def serve_local_chain(data_dir: Path, listen: str = "127.0.0.1:0", *,
             try:
                 bound = await nursery.start(serve_http, RpcHandler(chain).handle, host, port)
             except OSError as exc:
-                raise ChainError(f"cannot listen on {listen} ({exc.strerror}): choose another port "
-                                 "with --listen or [settlement] local_chain_listen") from None
-            task_status.started(LocalChainInfo(f"http://{host}:{bound}", chain.mint, chain.authority,
-                                               data_dir))
+                raise ChainError(
+                    f"cannot listen on {listen} ({exc.strerror}): choose another port "
+                    "with --listen or [settlement] local_chain_listen"
+                ) from None
+            task_status.started(
+                LocalChainInfo(f"http://{host}:{bound}", chain.mint, chain.authority, data_dir)
+            )
     finally:
         chain.close()

@@ -58,19 +58,27 @@ class ChainStore:
             yield Pubkey.from_string(key), Account.from_bytes(blob)
 
     def blockhashes(self, limit: int) -> list[tuple[int, Hash]]:
-        rows = self._db.execute("SELECT slot, blockhash FROM blockhashes ORDER BY slot DESC LIMIT ?",
-                                (limit,)).fetchall()
+        rows = self._db.execute(
+            "SELECT slot, blockhash FROM blockhashes ORDER BY slot DESC LIMIT ?", (limit,)
+        ).fetchall()
         return [(slot, Hash.from_string(h)) for slot, h in reversed(rows)]
 
     def transaction(self, signature: str) -> TransactionRecord | None:
-        row = self._db.execute("SELECT signature, slot, block_time, tx, meta FROM transactions "
-                               "WHERE signature = ?", (signature,)).fetchone()
+        row = self._db.execute(
+            "SELECT signature, slot, block_time, tx, meta FROM transactions WHERE signature = ?",
+            (signature,),
+        ).fetchone()
         if row is None:
             return None
         return TransactionRecord(row[0], row[1], row[2], row[3], json.loads(row[4]))
 
-    def commit(self, slot: int, blockhash: Hash, accounts: dict[Pubkey, Account | None],
-               record: TransactionRecord | None) -> None:
+    def commit(
+        self,
+        slot: int,
+        blockhash: Hash,
+        accounts: dict[Pubkey, Account | None],
+        record: TransactionRecord | None,
+    ) -> None:
         """Atomically: the accounts as they are now, the new slot's blockhash, the record."""
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
@@ -78,10 +86,18 @@ class ChainStore:
                 if account is None:
                     self._db.execute("DELETE FROM accounts WHERE pubkey = ?", (str(key),))
                 else:
-                    self._db.execute("INSERT OR REPLACE INTO accounts VALUES (?, ?)",
-                                     (str(key), bytes(account)))
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO accounts VALUES (?, ?)", (str(key), bytes(account))
+                    )
             self._db.execute("INSERT INTO blockhashes VALUES (?, ?)", (slot, str(blockhash)))
             if record is not None:
-                self._db.execute("INSERT INTO transactions VALUES (?, ?, ?, ?, ?)",
-                                 (record.signature, record.slot, record.block_time, record.tx,
-                                  json.dumps(record.meta)))
+                self._db.execute(
+                    "INSERT INTO transactions VALUES (?, ?, ?, ?, ?)",
+                    (
+                        record.signature,
+                        record.slot,
+                        record.block_time,
+                        record.tx,
+                        json.dumps(record.meta),
+                    ),
+                )

@@ -1,0 +1,144 @@
+"""``kvasird wallet``: the operator wallet — address, balances, pending earnings, link, faucet."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import trio
+from solders.keypair import Keypair
+from solders.pubkey import Pubkey
+
+from kvasird.cli import home_of
+from kvasird.errors import ConfigError, HomeError
+from kvasird.home import Home
+from kvasird.settlement.chain import ChainClient
+from kvasird.settlement.ledger import Ledger
+from kvasird.settlement.receipts import ReceiptBook
+from kvasird.settlement.token import KVR_DECIMALS
+from kvasird.settlement.wallet import Wallet, parse_address, read_keypair, sign_link, write_keypair
+
+_LAMPORTS_PER_SOL = 10**9
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "wallet", help="operator wallet: address, SOL/KVR balances, pending earnings"
+    )
+    p.add_argument(
+        "--keypair", type=Path, default=None, help="keypair file (default: <home>/wallet.json)"
+    )
+    p.add_argument("--address", default="", help="show this address instead of a keypair file's")
+    p.add_argument("--rpc", default="http://127.0.0.1:8899", help="Solana JSON-RPC URL")
+    p.add_argument("--mint", default="", help="KVR mint (default: ask the local chain)")
+    p.set_defaults(func=_show)
+    cmds = p.add_subparsers(dest="wallet_command", metavar="ACTION")
+    new = cmds.add_parser("new", help="create a keypair file (Solana JSON format, mode 0600)")
+    new.set_defaults(func=_new)
+    link = cmds.add_parser("link", help="print this wallet's signed link to a peer id (JSON)")
+    link.add_argument("peer_id", nargs="?", default="", help="peer id (default: this node's)")
+    link.add_argument("--network", default="", help="network name (default: from kvasird.toml)")
+    link.set_defaults(func=_link)
+    faucet = cmds.add_parser("faucet", help="get SOL and KVR from the local chain's faucet")
+    faucet.add_argument("--kvr", type=float, default=100.0, help="KVR to mint (default 100)")
+    faucet.add_argument("--sol", type=float, default=1.0, help="SOL for fees (default 1)")
+    faucet.set_defaults(func=_faucet)
+
+
+def _keypair_path(args: argparse.Namespace) -> Path:
+    return (args.keypair or home_of(args).root / "wallet.json").expanduser()
+
+
+def _wallet(args: argparse.Namespace) -> Wallet:
+    if args.address:
+        return Wallet(parse_address(args.address))
+    return Wallet.load(_keypair_path(args))
+
+
+def _show(args: argparse.Namespace) -> int:
+    wallet = _wallet(args)
+    sol, kvr = trio.run(_balances, args.rpc, args.mint, wallet.address)
+    print(f"address           {wallet.address}")
+    print(f"SOL               {sol / _LAMPORTS_PER_SOL:.9f}")
+    print(f"KVR               {_kvr(kvr)}")
+    print(f"pending earnings  {_kvr(_pending(home_of(args)))} KVR (receipts not yet paid)")
+    return 0
+
+
+async def _balances(rpc: str, mint: str, address: Pubkey) -> tuple[int, int]:
+    async with ChainClient(rpc) as chain:
+        mint_key = parse_address(mint) if mint else await _local_mint(chain)
+        return await chain.lamports(address), await chain.token_balance(address, mint_key)
+
+
+async def _local_mint(chain: ChainClient) -> Pubkey:
+    info = await chain.request("kvasir_localChain", [])
+    return parse_address(info["mint"])  # type: ignore[index]
+
+
+def _pending(home: Home) -> int:
+    if not home.db.exists():
+        return 0
+    ledger = Ledger(home.db)
+    try:
+        return ReceiptBook(ledger, "", "").unpaid()
+    finally:
+        ledger.close()
+
+
+def _new(args: argparse.Namespace) -> int:
+    path = _keypair_path(args)
+    keypair = Keypair()
+    write_keypair(path, keypair)
+    print(f"address  {keypair.pubkey()}")
+    print(f"keypair  {path} (back it up: it controls the funds)")
+    return 0
+
+
+def _link(args: argparse.Namespace) -> int:
+    home = home_of(args)
+    keypair = read_keypair(_keypair_path(args))
+    peer_id = args.peer_id or _node_peer_id(home)
+    network = args.network or _network(home)
+    print(json.dumps(sign_link(keypair, peer_id, network).to_wire(), indent=2))
+    return 0
+
+
+def _node_peer_id(home: Home) -> str:
+    from kvasird.identity import load_node_key
+
+    home.require_initialised()
+    return load_node_key(home.node_key).peer_id.to_string()
+
+
+def _network(home: Home) -> str:
+    from kvasird.config.load import load
+
+    try:
+        return load(home.config).node.network
+    except (ConfigError, HomeError):
+        return "kvasir-local"
+
+
+def _faucet(args: argparse.Namespace) -> int:
+    wallet = _wallet(args)
+    trio.run(
+        _fund,
+        args.rpc,
+        wallet.address,
+        int(args.kvr * 10**KVR_DECIMALS),
+        int(args.sol * _LAMPORTS_PER_SOL),
+    )
+    print(f"funded {wallet.address}: {args.kvr} KVR, {args.sol} SOL")
+    return 0
+
+
+async def _fund(rpc: str, address: Pubkey, kvr: int, lamports: int) -> None:
+    async with ChainClient(rpc) as chain:
+        await chain.faucet(address, kvr=kvr, lamports=lamports)
+
+
+def _kvr(base_units: int) -> str:
+    whole, frac = divmod(base_units, 10**KVR_DECIMALS)
+    return f"{whole}.{frac:0{KVR_DECIMALS}d}"

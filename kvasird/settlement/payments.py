@@ -1,0 +1,237 @@
+"""Quote → payment → inference, and prepaid deposits.
+
+A quote gives the consumer a private request id and a public payment reference (a
+hash of the id) to put in the transfer's memo. Settling a quote checks the chain
+(see ``verify``) and consumes the signature in the same SQLite transaction that marks
+the quote paid; the UNIQUE key on used signatures, not a prior lookup, is what makes a
+signature pay once. Settling an already-paid quote again returns the same proof.
+Deposits credit a wallet's prepaid balance and additionally require sender binding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from solders.pubkey import Pubkey
+from solders.signature import Signature
+
+from kvasird.settlement.chain import ChainClient
+from kvasird.settlement.errors import PaymentRejected, QuoteError, SignatureAlreadyUsed
+from kvasird.settlement.ledger import Ledger
+from kvasird.settlement.locks import KeyedLocks
+from kvasird.settlement.pricing import PriceController
+from kvasird.settlement.verify import check_payment, debited_owners
+
+
+def payment_reference(request_id: str) -> str:
+    """The public memo for a private request id (the id cannot be recovered from it)."""
+    return "kvasir:" + hashlib.sha256(b"kvasir-quote-v1\n" + request_id.encode()).hexdigest()[:40]
+
+
+@dataclass(frozen=True)
+class Quote:
+    """A price offer for one request; ``request_id`` is a secret between consumer and gateway."""
+
+    request_id: str
+    """Private id; whoever holds it can use the paid request, so it is never published."""
+    reference: str
+    """Public payment reference the transfer must carry as its memo."""
+    amount: int
+    """Base units of KVR due."""
+    max_tokens: int
+    """Tokens this quote covers."""
+    price: int
+    """Price used, base units per 1000 tokens."""
+    vault: Pubkey
+    """Owner of the vault token account to pay (the gateway's wallet)."""
+    mint: Pubkey
+    """KVR mint."""
+    expires_at: float
+    """Unix time after which the quote is no longer honoured."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "memo": self.reference,
+            "amount": str(self.amount),
+            "max_tokens": self.max_tokens,
+            "price_per_1k_tokens": str(self.price),
+            "vault": str(self.vault),
+            "mint": str(self.mint),
+            "expires_at": self.expires_at,
+        }
+
+
+@dataclass(frozen=True)
+class PaymentProof:
+    """A payment the chain proved and the ledger consumed."""
+
+    key: str
+    """The request id (quote) or the credited wallet (deposit)."""
+    signature: str
+    """The consumed transaction signature."""
+    amount: int
+    """Base units credited."""
+    payer: str
+    """Wallet whose tokens moved (refunds go back to it)."""
+
+
+class Payments:
+    def __init__(
+        self,
+        ledger: Ledger,
+        chain: ChainClient,
+        *,
+        vault: Pubkey,
+        mint: Pubkey,
+        prices: PriceController,
+        locks: KeyedLocks,
+        quote_ttl_s: float = 300.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._ledger = ledger
+        self._chain = chain
+        self.vault = vault
+        self.mint = mint
+        self._prices = prices
+        self._locks = locks
+        self._ttl = quote_ttl_s
+        self._clock = clock
+
+    def quote(self, max_tokens: int) -> Quote:
+        if not 0 < max_tokens <= 1_000_000:
+            raise QuoteError(f"max_tokens {max_tokens} out of range: ask for 1..1000000 tokens")
+        request_id = secrets.token_urlsafe(24)
+        quote = Quote(
+            request_id,
+            payment_reference(request_id),
+            self._prices.amount_for(max_tokens),
+            max_tokens,
+            self._prices.price,
+            self.vault,
+            self.mint,
+            self._clock() + self._ttl,
+        )
+        with self._ledger.transaction() as db:
+            db.execute(
+                "INSERT INTO settlement_quotes (request_id, memo, amount, max_tokens, price, "
+                "expires_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    quote.request_id,
+                    quote.reference,
+                    quote.amount,
+                    max_tokens,
+                    quote.price,
+                    quote.expires_at,
+                ),
+            )
+        return quote
+
+    async def settle_quote(self, request_id: str, signature: Signature) -> PaymentProof:
+        """Prove that ``signature`` paid quote ``request_id``; idempotent for a paid quote."""
+        async with self._locks.hold(f"quote:{request_id}"):
+            row = self._ledger.one(
+                "SELECT memo, amount, expires_at, state, signature, payer "
+                "FROM settlement_quotes WHERE request_id = ?",
+                request_id,
+            )
+            if row is None:
+                raise QuoteError("unknown request id: ask for a new quote")
+            memo, amount, expires_at, state, paid_sig, payer = row
+            if state != "open":
+                return PaymentProof(request_id, paid_sig or "", amount, payer or "")
+            if self._clock() > expires_at + self._ttl:
+                raise QuoteError(f"quote {memo} expired: ask for a new quote")
+            tx = await self._chain.transaction(signature)
+            check_payment(
+                tx,
+                signature=str(signature),
+                vault_owner=self.vault,
+                mint=self.mint,
+                amount=amount,
+                memo=memo.encode(),
+            )
+            assert tx is not None
+            payer = str((debited_owners(tx, self.mint) or [tx.fee_payer])[0])
+            with self._ledger.transaction() as db:
+                self._consume(db, signature, "quote", request_id, amount)
+                db.execute(
+                    "UPDATE settlement_quotes SET state = 'paid', signature = ?, payer = ? "
+                    "WHERE request_id = ?",
+                    (str(signature), payer, request_id),
+                )
+            return PaymentProof(request_id, str(signature), amount, payer)
+
+    async def deposit(self, owner: Pubkey, signature: Signature, amount: int) -> PaymentProof:
+        """Credit ``amount`` to ``owner``'s prepaid balance if ``owner`` sent it to the vault."""
+        if amount <= 0:
+            raise PaymentRejected("deposit amount must be positive")
+        async with self._locks.hold(f"wallet:{owner}"):
+            tx = await self._chain.transaction(signature)
+            check_payment(
+                tx,
+                signature=str(signature),
+                vault_owner=self.vault,
+                mint=self.mint,
+                amount=amount,
+                owner=owner,
+            )
+            with self._ledger.transaction() as db:
+                self._consume(db, signature, "deposit", str(owner), amount)
+                db.execute(
+                    "INSERT INTO settlement_deposits VALUES (?, ?) ON CONFLICT (owner) "
+                    "DO UPDATE SET balance = balance + excluded.balance",
+                    (str(owner), amount),
+                )
+            return PaymentProof(str(owner), str(signature), amount, str(owner))
+
+    async def pay_quote_from_deposit(self, owner: Pubkey, request_id: str) -> PaymentProof:
+        """Use ``owner``'s prepaid balance for a quote (the caller authenticated ``owner``)."""
+        async with self._locks.hold(f"wallet:{owner}"), self._locks.hold(f"quote:{request_id}"):
+            row = self._ledger.one(
+                "SELECT amount, state FROM settlement_quotes WHERE request_id = ?", request_id
+            )
+            if row is None or row[1] != "open":
+                raise QuoteError("unknown or already settled request id: ask for a new quote")
+            amount = row[0]
+            with self._ledger.transaction() as db:
+                updated = db.execute(
+                    "UPDATE settlement_deposits SET balance = balance - ? "
+                    "WHERE owner = ? AND balance >= ?",
+                    (amount, str(owner), amount),
+                )
+                if updated.rowcount != 1:
+                    raise PaymentRejected(
+                        f"prepaid balance of {owner} is below {amount}: deposit more"
+                    )
+                db.execute(
+                    "UPDATE settlement_quotes SET state = 'paid', payer = ? WHERE request_id = ?",
+                    (str(owner), request_id),
+                )
+            return PaymentProof(request_id, "", amount, str(owner))
+
+    def deposit_balance(self, owner: Pubkey) -> int:
+        return self._ledger.value(
+            "SELECT balance FROM settlement_deposits WHERE owner = ?", str(owner)
+        )
+
+    @staticmethod
+    def _consume(
+        db: sqlite3.Connection, signature: Signature, purpose: str, key: str, amount: int
+    ) -> None:
+        try:
+            db.execute(
+                "INSERT INTO settlement_used_signatures VALUES (?, ?, ?, ?)",
+                (str(signature), purpose, key, amount),
+            )
+        except sqlite3.IntegrityError:
+            raise SignatureAlreadyUsed(
+                f"transaction {signature} was already used for a payment: "
+                "each transfer pays once; send a new one"
+            ) from None

@@ -1,0 +1,120 @@
+"""The floating price: utilization moves it inside a band set by governance.
+
+Price is in KVR base units per 1000 tokens. Each observation of utilization (busy
+capacity / offered capacity, 0..1) is smoothed (EMA) and the price is multiplied by
+exp(gain × (smoothed − target)): idle supply pulls it toward the floor, congestion
+toward the ceiling, and it never leaves [floor, ceiling]. The band and the gains are
+``NetworkParams``; only ``governance`` changes them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvasird.settlement.errors import GovernanceRejected
+
+
+@dataclass(frozen=True)
+class NetworkParams:
+    """Economic parameters of a network, versioned and signed by its genesis wallet."""
+
+    version: int
+    """Monotonic version; a message with a version not above the current one is stale."""
+    floor: int
+    """Lowest price (base units per 1000 tokens); kept above node marginal cost."""
+    ceiling: int
+    """Highest price; kept below centralized alternatives."""
+    target_utilization: float
+    """Utilization at which the price holds still."""
+    gain: float
+    """Log-price change per unit of utilization error per observation."""
+    smoothing: float
+    """EMA weight of each new utilization observation (0 < smoothing <= 1)."""
+
+    def __post_init__(self) -> None:
+        problems = [
+            text
+            for bad, text in (
+                (self.version < 0, "version must be >= 0"),
+                (not 0 < self.floor <= self.ceiling, "need 0 < floor <= ceiling"),
+                (not 0 < self.target_utilization < 1, "target_utilization must be in (0, 1)"),
+                (not 0 < self.gain <= 5, "gain must be in (0, 5]"),
+                (not 0 < self.smoothing <= 1, "smoothing must be in (0, 1]"),
+            )
+            if bad
+        ]
+        if problems:
+            raise GovernanceRejected(f"invalid network parameters: {'; '.join(problems)}")
+
+    def to_wire(self) -> dict[str, Any]:
+        """Canonical form (ints as ints, floats as floats): signatures are over these bytes."""
+        return {
+            "version": int(self.version),
+            "floor": int(self.floor),
+            "ceiling": int(self.ceiling),
+            "target_utilization": float(self.target_utilization),
+            "gain": float(self.gain),
+            "smoothing": float(self.smoothing),
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> NetworkParams:
+        try:
+            return cls(
+                int(data["version"]),
+                int(data["floor"]),
+                int(data["ceiling"]),
+                float(data["target_utilization"]),
+                float(data["gain"]),
+                float(data["smoothing"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise GovernanceRejected(f"malformed network parameters: {exc}") from None
+
+
+GENESIS_PARAMS = NetworkParams(
+    version=0, floor=200, ceiling=20_000, target_utilization=0.7, gain=0.5, smoothing=0.3
+)
+"""The parameters every network starts with until its genesis wallet signs others."""
+
+
+class PriceController:
+    def __init__(self, params: NetworkParams = GENESIS_PARAMS, price: float | None = None) -> None:
+        self._params = params
+        self._utilization = params.target_utilization
+        self._price = float(
+            price if price is not None else math.sqrt(params.floor * params.ceiling)
+        )
+        self._clamp()
+
+    @property
+    def params(self) -> NetworkParams:
+        return self._params
+
+    @property
+    def price(self) -> int:
+        """Current price, base units per 1000 tokens."""
+        return round(self._price)
+
+    def observe(self, utilization: float) -> int:
+        """Feed one utilization sample (clipped to [0, 1]); returns the new price."""
+        p = self._params
+        sample = min(max(utilization, 0.0), 1.0)
+        self._utilization += p.smoothing * (sample - self._utilization)
+        self._price *= math.exp(p.gain * (self._utilization - p.target_utilization))
+        self._clamp()
+        return self.price
+
+    def retune(self, params: NetworkParams) -> None:
+        """Adopt new governance parameters, keeping the price inside the new band."""
+        self._params = params
+        self._clamp()
+
+    def amount_for(self, tokens: int) -> int:
+        """Base units due for ``tokens`` tokens at the current price (rounded up)."""
+        return -(-self.price * tokens // 1000)
+
+    def _clamp(self) -> None:
+        self._price = min(max(self._price, self._params.floor), self._params.ceiling)

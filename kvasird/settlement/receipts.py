@@ -1,0 +1,185 @@
+"""Receipts: the gateway's signed, cumulative statement of what it owes a peer.
+
+One receipt per (gateway, peer, epoch), re-issued with a higher ``seq`` as work
+accrues; amounts only grow. The peer keeps the latest valid one per gateway and epoch
+(``ReceiptBook``), verifies payouts on chain (sent by the gateway, to its own token
+account, each signature once), and stops serving a gateway whose unpaid total exceeds
+its exposure limit.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+from typing import Any
+
+from solders.pubkey import Pubkey
+from solders.signature import Signature
+
+from kvasird.settlement.chain import ChainClient
+from kvasird.settlement.errors import PaymentRejected, ReceiptRejected, SignatureAlreadyUsed
+from kvasird.settlement.ledger import Ledger
+from kvasird.settlement.token import token_account
+from kvasird.settlement.verify import net_debit
+
+_DOMAIN = b"kvasir-receipt-v1\n"
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What gateway ``gateway`` measured and owes ``peer_id`` in ``epoch``, cumulatively."""
+
+    network: str
+    """Network name (a receipt is not valid on another network)."""
+    gateway: Pubkey
+    """The gateway's wallet, which signs and pays."""
+    peer_id: str
+    """The peer that did the work."""
+    epoch: int
+    """Accounting period."""
+    units: int
+    """Tier-weighted work units measured by the gateway, cumulative in the epoch."""
+    amount: int
+    """KVR base units earned, cumulative in the epoch."""
+    seq: int
+    """Increases with every re-issue."""
+    signature: Signature
+    """The gateway wallet's signature over ``body()``."""
+
+    def body(self) -> bytes:
+        return receipt_body(
+            self.network, self.gateway, self.peer_id, self.epoch, self.units, self.amount, self.seq
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "network": self.network,
+            "gateway": str(self.gateway),
+            "peer_id": self.peer_id,
+            "epoch": self.epoch,
+            "units": self.units,
+            "amount": self.amount,
+            "seq": self.seq,
+            "signature": str(self.signature),
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Receipt:
+        """Parse and verify the signature; an unsigned or forged receipt never leaves here."""
+        try:
+            receipt = cls(
+                str(data["network"]),
+                Pubkey.from_string(data["gateway"]),
+                str(data["peer_id"]),
+                int(data["epoch"]),
+                int(data["units"]),
+                int(data["amount"]),
+                int(data["seq"]),
+                Signature.from_string(data["signature"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ReceiptRejected(f"malformed receipt: {exc}") from None
+        if not receipt.signature.verify(receipt.gateway, receipt.body()):
+            raise ReceiptRejected(f"receipt is not signed by gateway {receipt.gateway}: ignored")
+        return receipt
+
+
+def receipt_body(
+    network: str, gateway: Pubkey, peer_id: str, epoch: int, units: int, amount: int, seq: int
+) -> bytes:
+    return (
+        _DOMAIN
+        + json.dumps(
+            {
+                "network": network,
+                "gateway": str(gateway),
+                "peer_id": peer_id,
+                "epoch": epoch,
+                "units": units,
+                "amount": amount,
+                "seq": seq,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
+    )
+
+
+class ReceiptBook:
+    """The peer's side: receipts it holds and payouts it has seen land."""
+
+    def __init__(self, ledger: Ledger, peer_id: str, network: str) -> None:
+        self._ledger = ledger
+        self._peer_id = peer_id
+        self._network = network
+
+    def accept(self, wire: dict[str, Any]) -> Receipt:
+        receipt = Receipt.from_wire(wire)
+        if receipt.peer_id != self._peer_id or receipt.network != self._network:
+            raise ReceiptRejected(
+                f"receipt is for {receipt.peer_id} on {receipt.network}, not this node"
+            )
+        with self._ledger.transaction() as db:
+            row = db.execute(
+                "SELECT amount, seq FROM settlement_peer_receipts WHERE gateway = ? AND epoch = ?",
+                (str(receipt.gateway), receipt.epoch),
+            ).fetchone()
+            if row is not None and (receipt.seq <= row[1] or receipt.amount < row[0]):
+                raise ReceiptRejected(
+                    f"receipt seq {receipt.seq} from {receipt.gateway} is not newer "
+                    "than the one held, or lowers the amount: ignored"
+                )
+            db.execute(
+                "INSERT OR REPLACE INTO settlement_peer_receipts VALUES (?, ?, ?, ?, ?)",
+                (
+                    str(receipt.gateway),
+                    receipt.epoch,
+                    receipt.amount,
+                    receipt.seq,
+                    json.dumps(receipt.to_wire()),
+                ),
+            )
+        return receipt
+
+    def unpaid(self, gateway: Pubkey | None = None) -> int:
+        """Receipts not yet matched by verified payouts, from one gateway or (None) all."""
+        where, args = ("WHERE gateway = ?", (str(gateway),)) if gateway is not None else ("", ())
+        owed = self._ledger.value(
+            f"SELECT SUM(amount) FROM settlement_peer_receipts {where}", *args
+        )
+        paid = self._ledger.value(f"SELECT SUM(amount) FROM settlement_peer_payouts {where}", *args)
+        return max(owed - paid, 0)
+
+    def should_serve(self, gateway: Pubkey, exposure_limit: int) -> bool:
+        return self.unpaid(gateway) <= exposure_limit
+
+    async def verify_payout(
+        self,
+        chain: ChainClient,
+        gateway: Pubkey,
+        wallet: Pubkey,
+        mint: Pubkey,
+        signature: Signature,
+    ) -> int:
+        """Count a payout only if the chain shows ``gateway`` paid KVR into ``wallet``'s account."""
+        tx = await chain.transaction(signature)
+        if tx is None or tx.error is not None:
+            raise PaymentRejected(
+                f"payout {signature} is unknown or failed on chain: claim again later"
+            )
+        mine = token_account(wallet, mint)
+        received = sum(d.change for d in tx.token_deltas if d.account == mine and d.mint == mint)
+        if received <= 0 or net_debit(tx, gateway, mint) < received:
+            raise PaymentRejected(
+                f"transaction {signature} is not a payout from {gateway} to {wallet}"
+            )
+        try:
+            with self._ledger.transaction() as db:
+                db.execute(
+                    "INSERT INTO settlement_peer_payouts VALUES (?, ?, ?)",
+                    (str(signature), str(gateway), received),
+                )
+        except sqlite3.IntegrityError:
+            raise SignatureAlreadyUsed(f"payout {signature} was already counted") from None
+        return received

@@ -1,0 +1,196 @@
+"""Rewards from the gateway's own measurements, and the revenue split.
+
+The gateway counts each peer's units (tokens served × layers for a stage, rows ×
+experts for a worker) and times the peer itself; the tier comes from those timings.
+There is no parameter through which a peer's own claims (units, role, tier) could
+enter: ``MeasuredWork`` is built by the gateway only. Each paid request is settled
+once: workers' share by weighted units, the operator's fee (plus rounding), and the
+insurance pool; every peer's cumulative receipt for the epoch grows in the same
+SQLite transaction.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from solders.keypair import Keypair
+
+from kvasird.settlement.config import RevenueSplit, TierThresholds
+from kvasird.settlement.errors import QuoteError, ReceiptRejected
+from kvasird.settlement.ledger import Ledger
+from kvasird.settlement.receipts import Receipt, receipt_body
+
+TIER_PERCENT = {"S": 150, "A": 125, "B": 100, "C": 70}
+"""Reward multiplier per performance tier, in percent."""
+
+
+def tier_for(ms_per_token: float, thresholds: TierThresholds) -> str:
+    """The tier a peer earns from latency the gateway measured itself."""
+    for tier, limit in (("S", thresholds.s_ms), ("A", thresholds.a_ms), ("B", thresholds.b_ms)):
+        if ms_per_token <= limit:
+            return tier
+    return "C"
+
+
+@dataclass(frozen=True)
+class MeasuredWork:
+    """Work the gateway observed one peer do for one request."""
+
+    peer_id: str
+    """The peer (authenticated by its libp2p connection, not by anything it said)."""
+    units: int
+    """Units counted by the gateway: ``stage_units`` or ``worker_units``."""
+    ms_per_token: float
+    """The peer's per-token latency as the gateway timed it."""
+
+    @staticmethod
+    def stage_units(tokens: int, layers: int) -> int:
+        return tokens * layers
+
+    @staticmethod
+    def worker_units(rows: int, experts: int) -> int:
+        return rows * experts
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    """How one paid request was divided."""
+
+    workers: dict[str, int]
+    """Peer id → base units earned."""
+    operator: int
+    """Gateway operator's fee, including rounding remainders."""
+    insurance: int
+    """Into the insurance pool."""
+
+
+def split_revenue(
+    amount: int, work: Sequence[MeasuredWork], split: RevenueSplit, tiers: TierThresholds
+) -> SplitResult:
+    insurance = amount * split.insurance_bps // 10_000
+    pool = amount * split.workers_bps // 10_000
+    weights: dict[str, int] = {}
+    for w in work:
+        if w.units < 0:
+            raise ValueError("measured units cannot be negative")
+        weights[w.peer_id] = (
+            weights.get(w.peer_id, 0) + w.units * TIER_PERCENT[tier_for(w.ms_per_token, tiers)]
+        )
+    total = sum(weights.values())
+    workers = {p: pool * wt // total for p, wt in weights.items()} if total else {}
+    return SplitResult(workers, amount - insurance - sum(workers.values()), insurance)
+
+
+class Rewards:
+    """The gateway's side: settle paid requests into earnings, issue receipts."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        gateway: Keypair,
+        network: str,
+        split: RevenueSplit,
+        tiers: TierThresholds,
+    ) -> None:
+        self._ledger = ledger
+        self._gateway = gateway
+        self._network = network
+        self._split = split
+        self._tiers = tiers
+
+    def settle(self, request_id: str, work: Sequence[MeasuredWork], epoch: int) -> SplitResult:
+        """Divide a paid request's amount; each request is settled (or failed) once."""
+        with self._ledger.transaction() as db:
+            row = db.execute(
+                "SELECT amount FROM settlement_quotes WHERE request_id = ? AND state = 'paid'",
+                (request_id,),
+            ).fetchone()
+            if row is None:
+                raise QuoteError("request is not paid, or was already settled or refunded")
+            result = split_revenue(row[0], work, self._split, self._tiers)
+            db.execute(
+                "UPDATE settlement_quotes SET state = 'settled' WHERE request_id = ?", (request_id,)
+            )
+            for w in work:
+                tier = tier_for(w.ms_per_token, self._tiers)
+                db.execute(
+                    "INSERT INTO settlement_work VALUES (?, ?, ?, ?, ?) ON CONFLICT DO UPDATE SET "
+                    "units = units + excluded.units",
+                    (request_id, w.peer_id, w.units, tier, result.workers.get(w.peer_id, 0)),
+                )
+            for peer, amount in result.workers.items():
+                units = sum(
+                    w.units * TIER_PERCENT[tier_for(w.ms_per_token, self._tiers)] // 100
+                    for w in work
+                    if w.peer_id == peer
+                )
+                db.execute(
+                    "INSERT INTO settlement_earnings (peer_id, earned) VALUES (?, ?) ON CONFLICT "
+                    "DO UPDATE SET earned = earned + excluded.earned",
+                    (peer, amount),
+                )
+                db.execute(
+                    "INSERT INTO settlement_receipts VALUES (?, ?, ?, ?, 1) ON CONFLICT DO UPDATE "
+                    "SET units = units + excluded.units, amount = amount + excluded.amount, "
+                    "seq = seq + 1",
+                    (peer, epoch, units, amount),
+                )
+            for pool, amount in (("operator", result.operator), ("insurance", result.insurance)):
+                _add_to_pool(db, pool, amount)
+        return result
+
+    def fail(self, request_id: str) -> int:
+        """A paid request that could not be served: its amount moves to the insurance pool,
+        from which ``Payouts.refund`` pays the consumer back."""
+        with self._ledger.transaction() as db:
+            row = db.execute(
+                "SELECT amount FROM settlement_quotes WHERE request_id = ? AND state = 'paid'",
+                (request_id,),
+            ).fetchone()
+            if row is None:
+                raise QuoteError("request is not paid, or was already settled or refunded")
+            db.execute(
+                "UPDATE settlement_quotes SET state = 'failed' WHERE request_id = ?", (request_id,)
+            )
+            _add_to_pool(db, "insurance", row[0])
+        return int(row[0])
+
+    def receipt(self, peer_id: str, epoch: int) -> Receipt:
+        row = self._ledger.one(
+            "SELECT units, amount, seq FROM settlement_receipts WHERE peer_id = ? AND epoch = ?",
+            peer_id,
+            epoch,
+        )
+        if row is None:
+            raise ReceiptRejected(f"no work recorded for {peer_id} in epoch {epoch}")
+        units, amount, seq = row
+        gateway = self._gateway.pubkey()
+        body = receipt_body(self._network, gateway, peer_id, epoch, units, amount, seq)
+        return Receipt(
+            self._network,
+            gateway,
+            peer_id,
+            epoch,
+            units,
+            amount,
+            seq,
+            self._gateway.sign_message(body),
+        )
+
+    def earned(self, peer_id: str) -> int:
+        return self._ledger.value(
+            "SELECT earned FROM settlement_earnings WHERE peer_id = ?", peer_id
+        )
+
+    def pool(self, name: str) -> int:
+        return self._ledger.value("SELECT balance FROM settlement_pools WHERE name = ?", name)
+
+
+def _add_to_pool(db: sqlite3.Connection, name: str, amount: int) -> None:
+    db.execute(
+        "INSERT INTO settlement_pools VALUES (?, ?) ON CONFLICT DO UPDATE SET "
+        "balance = balance + excluded.balance",
+        (name, amount),
+    )

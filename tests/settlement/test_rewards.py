@@ -1,0 +1,108 @@
+"""Rewards follow the gateway's measurements; receipts are signed, cumulative, checked by peers."""
+
+from __future__ import annotations
+
+import pytest
+from solders.keypair import Keypair
+from solders.signature import Signature
+
+from kvasird.settlement.chain import ChainClient
+from kvasird.settlement.config import RevenueSplit, TierThresholds
+from kvasird.settlement.errors import (
+    PaymentRejected,
+    QuoteError,
+    ReceiptRejected,
+    SignatureAlreadyUsed,
+)
+from kvasird.settlement.ledger import Ledger
+from kvasird.settlement.localchain import LocalChainInfo
+from kvasird.settlement.receipts import Receipt, ReceiptBook, receipt_body
+from kvasird.settlement.rewards import MeasuredWork, split_revenue, tier_for
+
+from .conftest import KVR, NETWORK, PEER, Economy, earn_100_kvr
+
+TIERS = TierThresholds(s_ms=25, a_ms=60, b_ms=150)
+
+
+def test_tier_comes_from_measured_latency() -> None:
+    assert [tier_for(ms, TIERS) for ms in (10, 25, 40, 150, 151)] == ["S", "S", "A", "B", "C"]
+
+
+def test_split_weights_measured_units_by_tier_and_accounts_for_every_unit() -> None:
+    work = [
+        MeasuredWork("fast", MeasuredWork.stage_units(tokens=100, layers=10), ms_per_token=10),
+        MeasuredWork("slow", MeasuredWork.worker_units(rows=100, experts=10), ms_per_token=500),
+    ]
+    result = split_revenue(1_000_003, work, RevenueSplit(), TIERS)
+    assert result.workers["fast"] * 70 == pytest.approx(result.workers["slow"] * 150, rel=1e-5)
+    assert result.insurance == 1_000_003 * 500 // 10_000
+    assert sum(result.workers.values()) + result.operator + result.insurance == 1_000_003
+
+
+def test_split_without_work_goes_to_operator_and_insurance() -> None:
+    result = split_revenue(1000, [], RevenueSplit(), TIERS)
+    assert (result.workers, result.operator, result.insurance) == ({}, 950, 50)
+
+
+async def test_request_is_settled_once(
+    chain: ChainClient, local_chain: LocalChainInfo, economy: Economy
+) -> None:
+    request = await economy.paid_request(chain, local_chain.mint, 5)
+    economy.rewards.settle(request, [MeasuredWork(PEER, 10, 20.0)], epoch=1)
+    with pytest.raises(QuoteError):
+        economy.rewards.settle(request, [MeasuredWork(PEER, 10, 20.0)], epoch=1)
+    assert economy.rewards.earned(PEER) == 4 * KVR
+
+
+async def test_unpaid_request_earns_nothing(economy: Economy) -> None:
+    quote = economy.payments.quote(1000)
+    with pytest.raises(QuoteError):
+        economy.rewards.settle(quote.request_id, [MeasuredWork(PEER, 10**9, 1.0)], epoch=1)
+    assert economy.rewards.earned(PEER) == 0
+
+
+async def test_peer_accepts_gateway_receipts_and_rejects_forged_or_stale_ones(
+    chain: ChainClient, local_chain: LocalChainInfo, economy: Economy, ledger: Ledger
+) -> None:
+    await earn_100_kvr(economy, chain, local_chain.mint)
+    book = ReceiptBook(ledger, PEER, NETWORK)
+    first = economy.rewards.receipt(PEER, epoch=1)
+    assert book.accept(first.to_wire()).amount == 100 * KVR
+
+    forger = Keypair()
+    forged = first.to_wire() | {"amount": 10**12}
+    with pytest.raises(ReceiptRejected, match="not signed"):
+        book.accept(forged)
+    self_signed = Receipt(
+        NETWORK,
+        forger.pubkey(),
+        PEER,
+        1,
+        1,
+        10**12,
+        9,
+        forger.sign_message(receipt_body(NETWORK, forger.pubkey(), PEER, 1, 1, 10**12, 9)),
+    )
+    book.accept(self_signed.to_wire())  # a valid receipt, but from a "gateway" nobody serves for
+    assert book.unpaid(economy.vault.pubkey()) == 100 * KVR
+    with pytest.raises(ReceiptRejected, match="not newer"):
+        book.accept(first.to_wire())
+
+
+async def test_peer_stops_serving_past_the_exposure_limit_until_paid(
+    chain: ChainClient, local_chain: LocalChainInfo, economy: Economy, ledger: Ledger
+) -> None:
+    await earn_100_kvr(economy, chain, local_chain.mint)
+    book = ReceiptBook(ledger, PEER, NETWORK)
+    book.accept(economy.rewards.receipt(PEER, epoch=1).to_wire())
+    gateway = economy.vault.pubkey()
+    assert not book.should_serve(gateway, exposure_limit=50 * KVR)
+    wallet = Keypair().pubkey()
+    payout = await economy.payouts.claim(PEER, wallet)
+    sig = Signature.from_string(payout.signature)
+    with pytest.raises(PaymentRejected, match="not a payout"):
+        await book.verify_payout(chain, Keypair().pubkey(), wallet, local_chain.mint, sig)
+    assert await book.verify_payout(chain, gateway, wallet, local_chain.mint, sig) == 100 * KVR
+    with pytest.raises(SignatureAlreadyUsed):
+        await book.verify_payout(chain, gateway, wallet, local_chain.mint, sig)
+    assert book.should_serve(gateway, exposure_limit=50 * KVR)
