@@ -1,4 +1,26 @@
 """Compute: the ggml runtime and the engine built on it.
 
-    runtime    what the installed ggml build offers (backends, devices, version, threads)
+    runtime     what the installed ggml build offers (backends, devices, version, threads)
+    errors      ComputeError and its kinds: WeightsError, InputError, KVCacheFull
+    gguffile    GGUF header and tensor table through ggml's own parser; tensor bytes memory-mapped
+    hparams     a model's hyper-parameters from its metadata
+    graph       Backend (CPU, threads, lock), TensorArena (weights/KV buffers), cached Graphs
+    weights     load named tensors (and expert ranges) from a GGUF or slice mini-GGUFs
+    kvcache     the bounded KV pool of a stage, handed to Sessions in pages
+    blocks      graph building blocks: norms, attention over the pool, FFNs, router, experts
+    arch/       one module per architecture (llama, qwen3moe) composing the blocks
+    experts     ExpertWorker (the pure expert function) and split / dispatch / combine
+    stage       Stage: a layer window [a, b) with optional embedding and head; generate()
+    sampling    greedy / temperature / top-k / top-p / repetition penalty, seeded
+
+Data flow of one forward on a stage:
+
+    token ids or hidden rows ─▶ validate ─▶ Session.reserve (KV pages)
+      ─▶ segment graph (embed?, layers, [router]) ─┬▶ hidden / logits
+                                                   └▶ router out ─▶ experts.dispatch ─▶ shards
+                                                        (ExpertWorker locally, or a remote hook)
+                                                      ◀─ combine ◀─┘ ─▶ next segment ...
+
+Nothing reaches ggml before Python has checked it: ggml aborts or segfaults on bad
+shapes and ids, and a peer's request must never take the node down.
 """

@@ -25,7 +25,7 @@ class HParams:
     head_dim: int
     """Per-head size of queries and keys (= of values for the supported archs)."""
     n_vocab: int
-    """Vocabulary size (rows of token_embd)."""
+    """Vocabulary size; 0 when a slice without head or tokenizer cannot tell (not needed then)."""
     n_ff: int
     """Dense FFN size (0 when unused)."""
     n_expert: int
@@ -55,11 +55,9 @@ class HParams:
         k = f"{arch}."
         n_embd = int(f.require(k + "embedding_length"))
         n_head = int(f.require(k + "attention.head_count"))
-        n_vocab = f.get(k + "vocab_size") or f.get("tokenizer.ggml.tokens")
+        n_vocab = f.get(k + "vocab_size") or f.get("tokenizer.ggml.tokens") or 0
         if not n_vocab and "token_embd.weight" in f.tensors:
             n_vocab = f.tensors["token_embd.weight"].ne[1]
-        if not n_vocab:
-            raise WeightsError(f"{f.path}: cannot tell the vocabulary size")
         hp = cls(
             arch=arch,
             n_layer=int(f.require(k + "block_count")),

@@ -98,3 +98,8 @@ def probe(threads: int = 0) -> RuntimeInfo:
         threads=threads or default_threads(),
         openmp_wait_policy=os.environ.get("OMP_WAIT_POLICY", ""),
     )
+
+
+def compute_threads(configured: int) -> int:
+    """Threads for the engine: `[compute] threads` when set, else one per physical core."""
+    return configured if configured > 0 else default_threads()

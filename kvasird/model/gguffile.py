@@ -97,7 +97,8 @@ class _Cursor:
 
     def take(self, n: int) -> memoryview:
         if self.pos + n > len(self.buf):
-            raise GGUFFormatError("GGUF header is truncated: the file is incomplete, fetch it again")
+            raise GGUFFormatError("GGUF header is truncated: the file is incomplete, "
+                                  "fetch it again")
         out = self.buf[self.pos:self.pos + n]
         self.pos += n
         return out

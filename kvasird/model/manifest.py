@@ -211,7 +211,7 @@ class Manifest:
         return cls(metadata, tensors, alignment, chunk_size, raw)
 
     @classmethod
-    def from_bytes(cls, raw: bytes, model_id: str | None = None) -> Manifest:
+    def from_bytes(cls, raw: bytes | bytearray, model_id: str | None = None) -> Manifest:
         """Decode and validate manifest bytes, e.g. from a peer; checks them against model_id."""
         if model_id is not None and hashlib.sha256(raw).hexdigest() != model_id:
             raise ManifestError(f"manifest bytes do not hash to model id {model_id[:16]}…: "
@@ -255,13 +255,17 @@ class Manifest:
     def all_pieces(self) -> tuple[Piece, ...]:
         return tuple(p for t in self.tensors for p in t.pieces())
 
+    @cached_property
+    def _by_key(self) -> dict[tuple[str, int], Piece]:
+        return {p.key: p for p in self.all_pieces}
+
     def piece(self, tensor: str, expert: int) -> Piece:
-        entry = self.tensor(tensor)
-        pieces = entry.pieces()
-        index = expert if entry.is_expert else (0 if expert == -1 else -2)
-        if not 0 <= index < len(pieces):
-            raise ManifestError(f"tensor {tensor!r} has no piece {expert}")
-        return pieces[index]
+        """A tensor's piece: expert slab `expert`, or the whole tensor when expert is -1."""
+        try:
+            return self._by_key[(tensor, expert)]
+        except KeyError:
+            raise ManifestError(f"model {self.model_id[:16]} has no piece {expert} "
+                                f"of tensor {tensor!r}") from None
 
     def pieces(self, units: Iterable[Unit] | None = None) -> list[Piece]:
         """The pieces of the given units (all pieces when None), in file order."""
@@ -325,7 +329,7 @@ def _tensor_doc(t: TensorEntry) -> dict[str, Any]:
     }
 
 
-def _decode(raw: bytes) -> Manifest:
+def _decode(raw: bytes | bytearray) -> Manifest:
     doc = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=len(raw),
                           max_str_len=len(raw), max_array_len=len(raw), max_map_len=64)
     if doc["format"] != FORMAT:
@@ -335,6 +339,8 @@ def _decode(raw: bytes) -> Manifest:
         raise ValueError("chunk_size or alignment out of range")
     metadata = [(_text(k), int(t), _canonical_value(int(t), v)) for k, t, v in doc["metadata"]]
     tensors = [_decode_tensor(d, chunk_size) for d in doc["tensors"]]
+    if len({t.name for t in tensors}) != len(tensors):
+        raise ValueError("two tensors share a name")
     manifest = Manifest.build(metadata, tensors, alignment, chunk_size)
     if manifest.raw != raw:
         raise ValueError("not in canonical form")

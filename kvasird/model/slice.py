@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
@@ -32,7 +33,7 @@ from kvasird.model.manifest import HEAD, Manifest, Piece, TensorEntry, Unit
 KEY_MODEL_ID = "kvasir.model_id"
 KEY_SLICE = "kvasir.slice"
 
-PieceReader = Callable[[Piece], "bytes | memoryview | np.ndarray"]
+PieceReader = Callable[[Piece], "bytes | memoryview"]
 """Returns the bytes of one piece (from a full GGUF, the store, or a download)."""
 
 
@@ -181,7 +182,8 @@ def verify_slice(path: Path, manifest: Manifest) -> SliceFile:
     """Read a slice and check every piece of it against the manifest."""
     got = read_slice(path)
     if got.model_id != manifest.model_id:
-        raise SliceError(f"{path} belongs to model {got.model_id[:16]}, not {manifest.model_id[:16]}")
+        raise SliceError(f"{path} belongs to model {got.model_id[:16]}, "
+                         f"not {manifest.model_id[:16]}")
     expected = slice_tensors(manifest, got.spec)
     if sorted(got.tensors) != sorted(t.name for t, _ in expected):
         raise SliceError(f"{path} does not hold the tensors of {got.spec}: delete it and re-slice")
@@ -189,7 +191,8 @@ def verify_slice(path: Path, manifest: Manifest) -> SliceFile:
         data, pos = memoryview(got.tensors[t.name]), 0
         for p in pieces:
             if hashlib.sha256(data[pos:pos + p.length]).digest() != p.sha256:
-                raise SliceError(f"{path}: {t.name} piece {p.expert} is corrupt: delete it and re-slice")
+                raise SliceError(f"{path}: {t.name} piece {p.expert} is corrupt: "
+                                 "delete it and re-slice")
             pos += p.length
         if pos != len(data):
             raise SliceError(f"{path}: {t.name} has {len(data)} bytes, expected {pos}")
@@ -238,7 +241,8 @@ def _add_metadata(writer: GGUFWriter, key: str, vtype: int, value: object) -> No
     if vtype != GGUFValueType.ARRAY:
         writer.add_key_value(key, value, GGUFValueType(vtype))
         return
-    sub, items = value  # type: ignore[misc]
+    sub: int = value[0]  # type: ignore[index]
+    items: Any = value[1]  # type: ignore[index]
     if isinstance(items, bytes):
         items = np.frombuffer(items, dtype="<" + SCALAR_FORMATS[sub]).tolist()
     elif sub == GGUFValueType.ARRAY:

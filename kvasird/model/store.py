@@ -21,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import sqlite3
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvasird import db
 from kvasird.errors import KvasirError
 from kvasird.home import Home
 from kvasird.model import bundled
@@ -87,9 +88,8 @@ class ShardStore:
         self.root = root
         for sub in ("manifests", "blobs", "partial"):
             (root / sub).mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(db_path, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
+        self._db = db.connect(db_path)
+        db.ensure_schema(self._db, _SCHEMA)
         self._manifests: dict[str, Manifest] = {}
         self._checked: set[bytes] = set()
 
@@ -113,18 +113,22 @@ class ShardStore:
         if not path.exists():
             _write_atomic(path, manifest.raw)
         self._manifests[manifest.model_id] = manifest
-        self._db.execute(
-            "INSERT OR IGNORE INTO shard_models VALUES (?, ?, ?, ?, ?, ?)",
-            (manifest.model_id, name or str(manifest.meta("general.name", "")) or manifest.arch,
-             manifest.arch, manifest.total_bytes, source, time.time()))
+        with self._db:
+            self._db.execute(
+                "INSERT OR IGNORE INTO shard_models VALUES (?, ?, ?, ?, ?, ?)",
+                (manifest.model_id, name or str(manifest.meta("general.name", "")) or manifest.arch,
+                 manifest.arch, manifest.total_bytes, source, time.time()))
+            if name:
+                self._db.execute("UPDATE shard_models SET name = ? WHERE model_id = ?",
+                                 (name, manifest.model_id))
 
     def manifest(self, model_id: str) -> Manifest:
         if model_id not in self._manifests:
             try:
                 raw = self._manifest_path(model_id).read_bytes()
             except FileNotFoundError:
-                raise StoreError(f"no model {model_id[:16]} in {self.root}: see "
-                                 "`kvasird model list`, or add it with `kvasird model add`") from None
+                raise StoreError(f"no model {model_id[:16]} in {self.root}: see `kvasird model "
+                                 "list`, or add it with `kvasird model add`") from None
             self._manifests[model_id] = Manifest.from_bytes(raw, model_id)
         return self._manifests[model_id]
 
@@ -147,8 +151,9 @@ class ShardStore:
 
     def models(self) -> list[ModelRecord]:
         out = []
-        for mid, name, arch, total, source in self._db.execute(
-                "SELECT model_id, name, arch, total_bytes, source FROM shard_models ORDER BY added_at"):
+        rows = self._db.execute("SELECT model_id, name, arch, total_bytes, source "
+                                "FROM shard_models ORDER BY added_at").fetchall()
+        for mid, name, arch, total, source in rows:
             held = self.held_units(mid)
             sizes = self.manifest(mid).unit_sizes
             out.append(ModelRecord(mid, name, arch, total, sum(sizes.get(u, 0) for u in held),
@@ -168,23 +173,25 @@ class ShardStore:
         self.mark_held(manifest.model_id, units)
         return manifest
 
-    def add(self, what: str) -> Manifest:
+    def add(self, what: str, name: str = "") -> Manifest:
         """`kvasird model add`: a GGUF path or bundled:NAME."""
         if what.startswith(BUNDLED_PREFIX):
             key = what.removeprefix(BUNDLED_PREFIX)
             if key not in BUNDLED:
                 raise StoreError(f"unknown bundled model {key!r}: use one of "
                                  f"{', '.join(BUNDLED_PREFIX + k for k in BUNDLED)}")
-            return self.import_gguf(BUNDLED[key](), source=what)
+            return self.import_gguf(BUNDLED[key](), name, source=what)
         path = Path(what).expanduser()
         if not path.is_file():
-            raise StoreError(f"{path} is not a file: give the path of a .gguf file or bundled:smollm2")
-        return self.import_gguf(path.resolve())
+            raise StoreError(f"{path} is not a file: give the path of a .gguf file "
+                             "or bundled:smollm2")
+        return self.import_gguf(path.resolve(), name)
 
     def drop_model(self, model_id: str) -> int:
         """Forget a model and delete its pieces; returns bytes freed."""
         freed = self.drop(model_id, [Unit.parse(u) for u in self._units(model_id, None)])
-        self._db.execute("DELETE FROM shard_models WHERE model_id = ?", (model_id,))
+        with self._db:
+            self._db.execute("DELETE FROM shard_models WHERE model_id = ?", (model_id,))
         self._manifest_path(model_id).unlink(missing_ok=True)
         self._manifests.pop(model_id, None)
         return freed
@@ -198,12 +205,12 @@ class ShardStore:
         """Record that these units are being obtained, so gc keeps their pieces."""
         manifest = self.manifest(model_id)
         units = list(units)
-        with self._tx():
+        with self._db:
             for u in units:
                 self._db.execute("INSERT OR IGNORE INTO shard_units VALUES (?, ?, 'pending')",
                                  (model_id, str(u)))
-            self._db.executemany("INSERT OR IGNORE INTO shard_refs VALUES (?, ?, ?)",
-                                 [(model_id, str(p.unit), p.sha256) for p in manifest.pieces(units)])
+            refs = [(model_id, str(p.unit), p.sha256) for p in manifest.pieces(units)]
+            self._db.executemany("INSERT OR IGNORE INTO shard_refs VALUES (?, ?, ?)", refs)
 
     def mark_held(self, model_id: str, units: Iterable[Unit]) -> None:
         units = list(units)
@@ -211,14 +218,15 @@ class ShardStore:
         if missing:
             raise StoreError(f"cannot hold {len(units)} units of {model_id[:16]}: "
                              f"{len(missing)} pieces are missing (first: {missing[0].tensor})")
-        with self._tx():
-            self._db.executemany("UPDATE shard_units SET state = 'held' WHERE model_id = ? AND unit = ?",
-                                 [(model_id, str(u)) for u in units])
+        with self._db:
+            self._db.executemany(
+                "UPDATE shard_units SET state = 'held' WHERE model_id = ? AND unit = ?",
+                [(model_id, str(u)) for u in units])
 
     def drop(self, model_id: str, units: Iterable[Unit]) -> int:
         """Stop holding units; deletes pieces no other unit refers to. Returns bytes freed."""
         keys = [(model_id, str(u)) for u in units]
-        with self._tx():
+        with self._db:
             shas = {r[0] for k in keys for r in self._db.execute(
                 "SELECT sha256 FROM shard_refs WHERE model_id = ? AND unit = ?", k)}
             self._db.executemany("DELETE FROM shard_refs WHERE model_id = ? AND unit = ?", keys)
@@ -227,7 +235,8 @@ class ShardStore:
 
     def gc(self) -> int:
         """Delete every blob and partial file no unit refers to; returns bytes freed."""
-        found = {bytes.fromhex(p.name) for p in (self.root / "blobs").glob("*/*") if len(p.name) == 64}
+        found = {bytes.fromhex(p.name) for p in (self.root / "blobs").glob("*/*")
+                 if len(p.name) == 64}
         found |= {bytes.fromhex(p.name[:64]) for p in (self.root / "partial").glob("*.part")}
         return self._delete_unreferenced(found)
 
@@ -242,8 +251,10 @@ class ShardStore:
             raise CorruptPiece(f"bytes for {piece.tensor} piece {piece.expert} do not match "
                                "the manifest; they were not stored")
         _write_atomic(self._blob(piece.sha256), data)
+        self._checked.add(piece.sha256)
 
-    def accept_chunk(self, piece: Piece, offset: int, data: bytes, expected: bytes) -> bool:
+    def accept_chunk(self, piece: Piece, offset: int, data: bytes | memoryview,
+                     expected: bytes) -> bool:
         """Check one downloaded chunk against its hash and keep it; False if it is wrong.
 
         A single-chunk piece goes straight to its blob; chunks of a longer piece are
@@ -253,6 +264,7 @@ class ShardStore:
             return False
         if offset == 0 and len(data) == piece.length:
             _write_atomic(self._blob(piece.sha256), data)
+            self._checked.add(piece.sha256)
             return True
         fd = os.open(self._partial(piece.sha256), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
@@ -270,6 +282,7 @@ class ShardStore:
                                "its partial file was deleted, download it again")
         self._blob(piece.sha256).parent.mkdir(exist_ok=True)
         part.replace(self._blob(piece.sha256))
+        self._checked.add(piece.sha256)
 
     def resume_point(self, piece: Piece, chunk_size: int) -> set[int]:
         """Indexes of chunks of a partially downloaded piece that are already good."""
@@ -300,8 +313,9 @@ class ShardStore:
 
     def read_range(self, model_id: str, tensor: str, expert: int, offset: int,
                    length: int) -> bytes | None:
-        """Bytes of a piece for a peer; None if we do not have it. Each blob is re-verified
-        the first time it is served by this process, so bit rot is not passed on."""
+        """Bytes of a piece for a peer; None if we do not have it. A blob this process did
+        not write itself is re-verified the first time it is served, so bit rot on disk is
+        not passed on (and peers do not take us for a liar)."""
         manifest = self._manifests.get(model_id) or self._try_manifest(model_id)
         if manifest is None:
             return None
@@ -345,23 +359,14 @@ class ShardStore:
     def _delete_unreferenced(self, shas: set[bytes]) -> int:
         freed = 0
         for sha in shas:
-            if self._db.execute("SELECT 1 FROM shard_refs WHERE sha256 = ? LIMIT 1", (sha,)).fetchone():
+            if self._db.execute("SELECT 1 FROM shard_refs WHERE sha256 = ? LIMIT 1",
+                                (sha,)).fetchone():
                 continue
             for path in (self._blob(sha), self._partial(sha)):
                 with contextlib.suppress(FileNotFoundError):
                     freed += path.stat().st_size
                     path.unlink()
         return freed
-
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[None]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
 
     def _manifest_path(self, model_id: str) -> Path:
         if len(model_id) != 64 or not all(c in "0123456789abcdef" for c in model_id):
@@ -378,7 +383,7 @@ class ShardStore:
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{id(data):x}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
     tmp.replace(path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -131,11 +132,13 @@ def _check(spec: TestModelSpec) -> None:
     if spec.dtype not in DTYPES:
         raise TestModelError(f"unknown dtype {spec.dtype!r}: use one of {', '.join(DTYPES)}")
     if spec.n_head % spec.n_head_kv:
-        raise TestModelError(f"n_head {spec.n_head} must be a multiple of n_head_kv {spec.n_head_kv}")
+        raise TestModelError(f"n_head {spec.n_head} must be a multiple of "
+                             f"n_head_kv {spec.n_head_kv}")
     if spec.head_dim % 2:
         raise TestModelError(f"head_dim {spec.head_dim} must be even (RoPE rotates pairs)")
     if spec.arch == "qwen3moe" and not 0 < spec.n_expert_used <= spec.n_expert:
-        raise TestModelError(f"n_expert_used {spec.n_expert_used} must be in 1..n_expert {spec.n_expert}")
+        raise TestModelError(f"n_expert_used {spec.n_expert_used} must be in "
+                             f"1..n_expert {spec.n_expert}")
     block = GGML_QUANT_SIZES[DTYPES[spec.dtype]][0]
     rows = {"n_embd": spec.n_embd, "n_head*head_dim": spec.n_head * spec.head_dim}
     rows.update({"n_ff_exp": spec.n_ff_exp} if spec.arch == "qwen3moe" else {"n_ff": spec.n_ff})
@@ -243,7 +246,7 @@ def bundled_tokenizer() -> dict[str, tuple[int, int, Any]]:
         if doc.get("version") == _TOKENIZER_CACHE_VERSION:
             return {k: tuple(v) for k, v in doc["keys"].items()}  # type: ignore[misc]
     keys = _read_tokenizer(bundled.bundled_path())
-    part = cache.with_suffix(".part")
+    part = cache.with_suffix(f".{os.getpid()}.part")  # concurrent writers never share a file
     part.write_text(json.dumps({"version": _TOKENIZER_CACHE_VERSION, "keys": keys}))
     part.replace(cache)
     return keys

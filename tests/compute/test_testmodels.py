@@ -5,16 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf import GGUFReader
-from gguf.quants import dequantize
 
 from kvasird.cli import main
-from kvasird.model.testmodels import TestModelError, bundled_tokenizer, make_model
+from kvasird.compute.gguffile import GGUFFile
+from kvasird.numerics.oracle import Oracle
+from kvasird.model.testmodels import DTYPES, TestModelError, bundled_tokenizer, make_model
+
+UP = "blk.0.ffn_up_exps.weight"
 
 
 def _fields(path):
-    reader = GGUFReader(path)
-    return reader, {k: f.contents() for k, f in reader.fields.items()
-                    if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+    f = GGUFFile(path)
+    return f, f.metadata
 
 
 def test_same_seed_gives_identical_bytes(tmp_path):
@@ -35,7 +37,7 @@ def test_qwen3moe_carries_llama_cpp_keys_and_tensor_shapes(tmp_path):
     assert kv["qwen3moe.expert_used_count"] == 2
     assert kv["qwen3moe.expert_feed_forward_length"] == 32
     assert kv["qwen3moe.attention.key_length"] == kv["qwen3moe.attention.value_length"] == 16
-    ne = {t.name: [int(x) for x in t.shape] for t in reader.tensors}
+    ne = {name: list(t.ne) for name, t in reader.tensors.items()}
     assert ne["blk.2.ffn_gate_inp.weight"] == [64, 8]
     assert ne["blk.2.ffn_up_exps.weight"] == [64, 32, 8]
     assert ne["blk.2.ffn_down_exps.weight"] == [32, 64, 8]
@@ -45,45 +47,31 @@ def test_qwen3moe_carries_llama_cpp_keys_and_tensor_shapes(tmp_path):
 
 def test_llama_is_tied_and_dense(tmp_path):
     reader, kv = _fields(make_model(tmp_path / "l.gguf", arch="llama", n_layer=1))
-    names = {t.name for t in reader.tensors}
+    names = set(reader.tensors)
     assert kv["general.architecture"] == "llama"
     assert "output.weight" not in names
     assert {"blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"} <= names
     assert not any("exps" in n or "q_norm" in n for n in names)
 
 
-def test_vocab_matches_bundled_tokenizer(tmp_path):
-    reader, kv = _fields(make_model(tmp_path / "m.gguf"))
-    n_vocab = len(bundled_tokenizer()["tokenizer.ggml.tokens"][2])
+def test_tokenizer_is_the_bundled_one_and_gguf_py_reads_it(tmp_path, bundled):
+    reader = GGUFReader(make_model(tmp_path / "m.gguf", n_layer=1))
+    ref = bundled_tokenizer()
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert tokens == ref["tokenizer.ggml.tokens"][2]
+    assert len(tokens) == reader.fields["qwen3moe.vocab_size"].contents()
+    assert reader.fields["tokenizer.ggml.merges"].contents() == ref["tokenizer.ggml.merges"][2]
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    assert int(embd.shape[1]) == n_vocab == kv["qwen3moe.vocab_size"]
-    assert kv["tokenizer.ggml.eos_token_id"] == bundled_tokenizer()["tokenizer.ggml.eos_token_id"][2]
+    assert int(embd.shape[1]) == len(tokens)
 
 
 @pytest.mark.parametrize("dtype, tol", [("f16", 2e-3), ("q8_0", 2e-2), ("q4_k", 0.2)])
 def test_quantized_file_holds_the_same_weights_as_f32(tmp_path, dtype, tol):
     dims = dict(n_layer=1, n_embd=256, head_dim=64, n_ff_exp=256, tied_output=True)
-    ref, _ = _fields(make_model(tmp_path / "f.gguf", dtype="f32", **dims))
-    got, _ = _fields(make_model(tmp_path / "q.gguf", dtype=dtype, **dims))
-    want = next(t for t in ref.tensors if t.name == "blk.0.ffn_up_exps.weight")
-    have = next(t for t in got.tensors if t.name == "blk.0.ffn_up_exps.weight")
-    assert have.tensor_type.name == dtype.upper()
-    deq = dequantize(have.data, have.tensor_type)
-    scale = np.abs(want.data).max()
-    assert np.abs(deq - want.data).max() < tol * scale
-
-
-def test_ggml_own_loader_reads_the_file(tmp_path):
-    import ggml
-
-    path = make_model(tmp_path / "m.gguf", dtype="q8_0")
-    params = ggml.gguf_init_params(no_alloc=True, ctx=None)
-    ctx = ggml.gguf_init_from_file(str(path).encode(), params)
-    assert ctx
-    try:
-        assert ggml.gguf_get_n_tensors(ctx) == len(GGUFReader(path).tensors)
-    finally:
-        ggml.gguf_free(ctx)
+    want = Oracle(make_model(tmp_path / "f.gguf", dtype="f32", **dims)).w(UP)
+    got = Oracle(make_model(tmp_path / "q.gguf", dtype=dtype, **dims))
+    assert got.file.info(UP).type == DTYPES[dtype]
+    assert np.abs(got.w(UP) - want).max() < tol * np.abs(want).max()
 
 
 @pytest.mark.parametrize("dims", [dict(dtype="q8_0", n_embd=48), dict(dtype="q4_k", n_embd=64),

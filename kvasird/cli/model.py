@@ -1,0 +1,155 @@
+"""``kvasird model list|add|inspect|slice|drop``: the models and shards in this home."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from kvasird.cli import home_of
+from kvasird.model.manifest import Manifest
+from kvasird.model.slice import gguf_pieces, parse_spec, write_slice
+from kvasird.model.store import ShardStore
+from kvasird.model.transfer import Progress
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="models and shards held by this node")
+    cmds = p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    ls = cmds.add_parser("list", help="models known here and how much of each is held")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.set_defaults(func=_list)
+    add = cmds.add_parser("add", help="import a full GGUF (a path, or bundled:smollm2)")
+    add.add_argument("source", help="path of a .gguf file, or bundled:smollm2")
+    add.add_argument("--name", default="", help="name to list it under (default: general.name)")
+    add.set_defaults(func=_add)
+    ins = cmds.add_parser("inspect", help="manifest summary of a held model or a GGUF file")
+    ins.add_argument("model", help="model id (or a unique prefix), name, or path of a .gguf file")
+    ins.add_argument("--units", action="store_true", help="list every unit with its size")
+    ins.add_argument("--json", action="store_true", help="print JSON")
+    ins.set_defaults(func=_inspect)
+    sl = cmds.add_parser("slice", help="write a slice as a mini-GGUF")
+    sl.add_argument("model", help="model id, name, or path of a .gguf file")
+    sl.add_argument("spec", help="layers=A:B, layers=A:B,no-experts, experts=L:E0:E1 or head")
+    sl.add_argument("-o", "--output", type=Path, required=True, help="file to write")
+    sl.set_defaults(func=_slice)
+    drop = cmds.add_parser("drop", help="forget a model and delete its shards")
+    drop.add_argument("model", help="model id (or a unique prefix) or name")
+    drop.set_defaults(func=_drop)
+
+
+def _store(args: argparse.Namespace) -> ShardStore:
+    return ShardStore.open(home_of(args))
+
+
+def _list(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        models = store.models()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(m) for m in models], indent=2))
+        return 0
+    if not models:
+        print("no models yet: `kvasird model add bundled:smollm2` or `kvasird model add FILE.gguf`")
+        return 0
+    print(f"{'model id':18} {'name':32} {'arch':10} {'held':>10} {'of':>10} {'units':>6}")
+    for m in models:
+        print(f"{m.model_id[:16]:18} {m.name[:32]:32} {m.arch:10} {_mb(m.held_bytes):>10} "
+              f"{_mb(m.total_bytes):>10} {m.held_units:>6}")
+    return 0
+
+
+def _add(args: argparse.Namespace) -> int:
+    t = time.perf_counter()
+    with _store(args) as store:
+        manifest = store.add(args.source, args.name)
+    print(f"added {manifest.model_id}")
+    print(f"  {manifest.arch}, {manifest.n_layer} layers, {manifest.n_expert} experts, "
+          f"{_mb(manifest.total_bytes)} in {len(manifest.unit_sizes)} units "
+          f"({time.perf_counter() - t:.1f} s)")
+    return 0
+
+
+def _manifest_of(args: argparse.Namespace, ref: str) -> tuple[Manifest, Path | None]:
+    path = Path(ref).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return Manifest.from_gguf(path), path
+    with _store(args) as store:
+        return store.manifest(store.resolve(ref)), None
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    manifest, _ = _manifest_of(args, args.model)
+    sizes = manifest.unit_sizes
+    if args.json:
+        print(json.dumps({
+            "model_id": manifest.model_id, "arch": manifest.arch,
+            "name": manifest.meta("general.name"),
+            "n_layer": manifest.n_layer, "n_expert": manifest.n_expert,
+            "total_bytes": manifest.total_bytes, "tensors": len(manifest.tensors),
+            "units": {str(u): n for u, n in sizes.items()},
+        }, indent=2))
+        return 0
+    kinds: dict[str, list[int]] = {}
+    for u, n in sizes.items():
+        kinds.setdefault(u.kind, []).append(n)
+    print(f"model id   {manifest.model_id}")
+    print(f"name       {manifest.meta('general.name', '-')}")
+    print(f"arch       {manifest.arch}, {manifest.n_layer} layers, {manifest.n_expert} experts")
+    print(f"tensors    {len(manifest.tensors)}, {_mb(manifest.total_bytes)}")
+    for kind, ns in sorted(kinds.items()):
+        print(f"{kind:10} {len(ns)} units × {_mb(min(ns))}"
+              + (f"..{_mb(max(ns))}" if max(ns) != min(ns) else "") + f" = {_mb(sum(ns))}")
+    if args.units:
+        for u, n in sizes.items():
+            print(f"  {str(u):16} {n:>14,}")
+    return 0
+
+
+def _slice(args: argparse.Namespace) -> int:
+    spec = parse_spec(args.spec)
+    manifest, path = _manifest_of(args, args.model)
+    if path is not None:
+        with gguf_pieces(path, manifest) as read:
+            write_slice(manifest, spec, args.output, read)
+    else:
+        with _store(args) as store:
+            store.write_slice(manifest.model_id, spec, args.output)
+    print(f"wrote {args.output} ({spec}, {_mb(args.output.stat().st_size)})")
+    return 0
+
+
+def _drop(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        model_id = store.resolve(args.model)
+        freed = store.drop_model(model_id)
+    print(f"dropped {model_id[:16]}, freed {_mb(freed)}")
+    return 0
+
+
+class ProgressBar:
+    """A one-line download bar on a terminal (bytes, rate, ETA); silent elsewhere."""
+
+    def __init__(self, out: TextIO = sys.stderr, width: int = 30) -> None:
+        self._out, self._width = out, width
+
+    def __call__(self, p: Progress) -> None:
+        if self._out.isatty():
+            end = "\n" if p.done_bytes >= p.total_bytes else ""
+            self._out.write("\r" + format_progress(p, self._width) + end)
+            self._out.flush()
+
+
+def format_progress(p: Progress, width: int = 30) -> str:
+    frac = p.done_bytes / p.total_bytes if p.total_bytes else 1.0
+    bar = "#" * int(frac * width)
+    eta = "-" if p.eta_s is None else f"{p.eta_s:.0f}s"
+    return (f"[{bar:{width}}] {_mb(p.done_bytes)}/{_mb(p.total_bytes)} "
+            f"{p.rate / 1e6:.1f} MB/s ETA {eta} ({p.holders} holders)")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"

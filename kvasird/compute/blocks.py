@@ -1,0 +1,171 @@
+"""Building blocks shared by every architecture: norms, attention with the KV pool, FFNs, router.
+
+Architectures (kvasird/compute/arch/) compose these into a layer. Shapes are in ggml
+order: a hidden state is [n_embd, n_tokens]. The per-call inputs every layer of a
+graph shares (positions, KV slots, the gather index and the mask) are created once by
+`Blocks` and set by the stage before each compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvasird.compute.graph import F32, I32, I64, Builder, Tensor, ggml
+from kvasird.compute.kvcache import KVPool
+from kvasird.compute.weights import Weights
+
+ROPE_NORMAL = 0
+"""Rotate adjacent pairs (llama)."""
+ROPE_NEOX = ggml.GGML_ROPE_TYPE_NEOX
+"""Rotate the two halves of each head (qwen3, gpt-neox)."""
+
+
+@dataclass(frozen=True)
+class RouterOut:
+    """What a MoE layer's dense part hands to expert dispatch (all ggml tensors)."""
+
+    resid: Tensor
+    """Hidden state after attention, [n_embd, T]: the MoE output is added to it."""
+    cur: Tensor
+    """FFN-normed hidden state, [n_embd, T]: the rows sent to experts."""
+    ids: Tensor
+    """Selected global expert ids, [k, T] int32."""
+    weights: Tensor
+    """Their router weights, [k, T] float32, already normalised by the architecture's rule."""
+
+
+class Blocks:
+    """Graph-building context for one forward graph over a stage's weights and KV pool."""
+
+    def __init__(self, b: Builder, w: Weights, kv: KVPool | None, n_tokens: int, n_kv: int) -> None:
+        self.b, self.ctx, self.w, self.hp, self.kv = b, b.ctx, w, w.hparams, kv
+        self.T, self.n_kv = n_tokens, n_kv
+        self._shared: dict[str, Tensor] = {}
+
+    def _input(self, name: str, type_: int, *ne: int) -> Tensor:
+        # Created on first use: an input no op reads is never allocated, and setting it would crash.
+        if name not in self._shared:
+            self._shared[name] = self.b.input(name, type_, *ne)
+        return self._shared[name]
+
+    @property
+    def pos(self) -> Tensor:
+        return self._input("pos", I32, self.T)
+
+    @property
+    def slots(self) -> Tensor:
+        return self._input("slots", I64, self.T)
+
+    @property
+    def kv_idx(self) -> Tensor:
+        return self._input("kv_idx", I32, self.n_kv)
+
+    @property
+    def mask(self) -> Tensor:
+        return self._input("mask", F32, self.n_kv, self.T)
+
+    def t(self, name: str) -> Tensor:
+        return self.w.get(name)
+
+    def norm(self, x: Tensor, weight: str) -> Tensor:
+        normed = ggml.ggml_rms_norm(self.ctx, x, self.hp.rms_eps)
+        return ggml.ggml_mul(self.ctx, normed, self.t(weight))
+
+    def mm(self, weight: str, x: Tensor) -> Tensor:
+        return ggml.ggml_mul_mat(self.ctx, self.t(weight), x)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        return ggml.ggml_get_rows(self.ctx, self.t("token_embd.weight"), tokens)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm and output matrix (token_embd when `output` is absent: tied)."""
+        out = "output.weight" if self.w.has("output.weight") else "token_embd.weight"
+        return self.mm(out, self.norm(x, "output_norm.weight"))
+
+    def last_column(self, x: Tensor) -> Tensor:
+        c = x.contents
+        row = int(c.nb[1])
+        return ggml.ggml_view_2d(self.ctx, x, int(c.ne[0]), 1, row, row * (self.T - 1))
+
+    def attention(self, layer: int, x: Tensor, rope_mode: int, qk_norm: bool) -> Tensor:
+        """x + attn(norm(x)): GQA, RoPE, causal over the session's cached and new tokens."""
+        hp, ctx, p = self.hp, self.ctx, f"blk.{layer}."
+        cur = self.norm(x, p + "attn_norm.weight")
+        d, T = hp.head_dim, self.T
+        q = ggml.ggml_reshape_3d(ctx, self.mm(p + "attn_q.weight", cur), d, hp.n_head, T)
+        k = ggml.ggml_reshape_3d(ctx, self.mm(p + "attn_k.weight", cur), d, hp.n_head_kv, T)
+        v = self.mm(p + "attn_v.weight", cur)
+        if qk_norm:
+            q = self.norm(q, p + "attn_q_norm.weight")
+            k = self.norm(k, p + "attn_k_norm.weight")
+        q = self.rope(q, rope_mode)
+        k = self.rope(k, rope_mode)
+        out = self.attend(layer, q, k, v)
+        return ggml.ggml_add(ctx, x, self.mm(p + "attn_output.weight", out))
+
+    def rope(self, x: Tensor, mode: int) -> Tensor:
+        return ggml.ggml_rope_ext(self.ctx, x, self.pos, None, self.hp.head_dim, mode,
+                                  self.hp.n_ctx_train, self.hp.rope_base, 1.0, 0.0, 1.0, 32.0, 1.0)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Write k, v to the pool, gather the session's rows, softmax(qK^T/sqrt(d) + mask) V."""
+        hp, ctx, T, n_kv = self.hp, self.ctx, self.T, self.n_kv
+        assert self.kv is not None
+        k2 = ggml.ggml_reshape_2d(ctx, k, hp.kv_dim, T)
+        # set_rows returns a view of the cache: reading through it orders the gather after it
+        k_all = ggml.ggml_set_rows(ctx, self.kv.k[layer], k2, self.slots)
+        v_all = ggml.ggml_set_rows(ctx, self.kv.v[layer], v, self.slots)
+        kk = ggml.ggml_get_rows(ctx, k_all, self.kv_idx)               # [kv_dim, n_kv] float32
+        vv = ggml.ggml_get_rows(ctx, v_all, self.kv_idx)
+        kk = ggml.ggml_reshape_3d(ctx, kk, hp.head_dim, hp.n_head_kv, n_kv)
+        vv = ggml.ggml_reshape_3d(ctx, vv, hp.head_dim, hp.n_head_kv, n_kv)
+        kk = ggml.ggml_permute(ctx, kk, 0, 2, 1, 3)                    # [d, n_kv, h_kv]
+        vt = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, vv, 1, 2, 0, 3))  # [n_kv, d, h_kv]
+        qq = ggml.ggml_permute(ctx, q, 0, 2, 1, 3)                     # [d, T, h]
+        kq = ggml.ggml_mul_mat(ctx, kk, qq)                            # [n_kv, T, h]
+        kq = ggml.ggml_soft_max_ext(ctx, kq, self.mask, 1.0 / math.sqrt(hp.head_dim), 0.0)
+        kqv = ggml.ggml_mul_mat(ctx, vt, kq)                           # [d, T, h]
+        merged = ggml.ggml_permute(ctx, kqv, 0, 2, 1, 3)               # [d, h, T]
+        return ggml.ggml_cont_2d(ctx, merged, hp.head_dim * hp.n_head, T)
+
+    def swiglu_ffn(self, layer: int, x: Tensor) -> Tensor:
+        """x + down(silu(gate(norm x)) * up(norm x)): the dense llama FFN."""
+        p, ctx = f"blk.{layer}.", self.ctx
+        cur = self.norm(x, p + "ffn_norm.weight")
+        gate, up = self.mm(p + "ffn_gate.weight", cur), self.mm(p + "ffn_up.weight", cur)
+        h = ggml.ggml_swiglu_split(ctx, gate, up)
+        return ggml.ggml_add(ctx, x, self.mm(p + "ffn_down.weight", h))
+
+    def router(self, layer: int, x: Tensor, normalise: bool) -> RouterOut:
+        """Router authority: softmax over all experts, top-k, optionally renormalise the k."""
+        hp, ctx, p, T = self.hp, self.ctx, f"blk.{layer}.", self.T
+        cur = self.norm(x, p + "ffn_norm.weight")
+        probs = ggml.ggml_soft_max(ctx, self.mm(p + "ffn_gate_inp.weight", cur))  # [n_exp, T]
+        ids = ggml.ggml_argsort_top_k(ctx, probs, hp.n_expert_used)               # [k, T]
+        w = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, hp.n_expert, T), ids)
+        w = ggml.ggml_reshape_2d(ctx, w, hp.n_expert_used, T)
+        if normalise:
+            w = ggml.ggml_div(ctx, w, ggml.ggml_sum_rows(ctx, w))
+        return RouterOut(resid=x, cur=cur, ids=ids, weights=w)
+
+    def experts(self, layer: int, cur: Tensor, ids: Tensor) -> Tensor:
+        """Per (token, slot) expert FFN outputs [n_embd, k, T] for local ids [k, T]."""
+        p, ctx, T = f"blk.{layer}.", self.ctx, int(cur.contents.ne[1])
+        x3 = ggml.ggml_reshape_3d(ctx, cur, int(cur.contents.ne[0]), 1, T)
+        gate = ggml.ggml_mul_mat_id(ctx, self.t(p + "ffn_gate_exps.weight"), x3, ids)
+        up = ggml.ggml_mul_mat_id(ctx, self.t(p + "ffn_up_exps.weight"), x3, ids)
+        return ggml.ggml_mul_mat_id(ctx, self.t(p + "ffn_down_exps.weight"),
+                                    ggml.ggml_swiglu_split(ctx, gate, up), ids)
+
+    def combine(self, r: RouterOut, outs: Tensor) -> Tensor:
+        """resid + sum_k weight_k * expert_k, summed in slot order (as `combine_rows` does)."""
+        ctx, k, T = self.ctx, self.hp.n_expert_used, self.T
+        weighted = ggml.ggml_mul(ctx, outs, ggml.ggml_reshape_3d(ctx, r.weights, 1, k, T))
+        c = weighted.contents
+        n_embd, nb1, nb2 = int(c.ne[0]), int(c.nb[1]), int(c.nb[2])
+        total = None
+        for j in range(k):
+            part = ggml.ggml_view_2d(ctx, weighted, n_embd, T, nb2, j * nb1)
+            total = part if total is None else ggml.ggml_add(ctx, total, part)
+        return ggml.ggml_add(ctx, r.resid, total)

@@ -1,0 +1,225 @@
+"""The ggml plumbing every part of the engine shares: a backend, weight buffers, cached graphs.
+
+A ggml graph here is built once for a shape key (segment, tokens, KV bucket...) and
+allocated once; later calls only copy inputs in, compute, and copy outputs out.
+Building costs tens of microseconds per op through ctypes, so rebuilding per token
+would cost more than a small model's compute (STACK.md). `GraphCache` keeps the most
+recent graphs (LRU) and frees the rest, so memory stays bounded.
+
+ggml shapes are written in ggml order (ne0 = contiguous row length) throughout the
+engine; numpy arrays cross the boundary in C order, i.e. reversed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import numpy as np
+
+from kvasird.compute.errors import ComputeError
+
+os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+
+import ggml  # noqa: E402  (the environment variable must be set before the library loads)
+
+F32, F16, I32, I64 = ggml.GGML_TYPE_F32, ggml.GGML_TYPE_F16, ggml.GGML_TYPE_I32, ggml.GGML_TYPE_I64
+_NP_TYPES = {F32: np.float32, F16: np.float16, I32: np.int32, I64: np.int64}
+
+Tensor = Any
+"""A ggml tensor pointer (ctypes); kept untyped because ggml-python's types are not exported."""
+
+
+class Backend:
+    """A ggml compute backend (the CPU one) and the thread count it runs with."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ComputeError(f"threads must be at least 1, got {threads}")
+        self.threads = threads
+        self.handle = ggml.ggml_backend_cpu_init()
+        if not self.handle:
+            raise ComputeError("ggml could not start its CPU backend")
+        ggml.ggml_backend_cpu_set_n_threads(self.handle, threads)
+        self.buffer_type = ggml.ggml_backend_get_default_buffer_type(self.handle)
+        self.name = ggml.ggml_backend_name(self.handle).decode()
+        self.lock = threading.Lock()
+        """Held for a whole set-compute-get: one backend computing two graphs at once gives
+        wrong results (STACK.md), so everything sharing a backend shares this lock."""
+
+    def compute(self, graph: Any) -> None:
+        if not self.handle:
+            raise ComputeError("the compute backend was closed (its stage was closed)")
+        status = ggml.ggml_backend_graph_compute(self.handle, graph)
+        if status != 0:
+            raise ComputeError(f"ggml graph compute failed with status {status}")
+
+    def close(self) -> None:
+        if self.handle:
+            ggml.ggml_backend_free(self.handle)
+            self.handle = None
+
+
+class TensorArena:
+    """A ggml context of tensors that live in one backend buffer (weights, a KV pool)."""
+
+    def __init__(self, n_tensors: int) -> None:
+        params = ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * (n_tensors + 8),
+                                       mem_buffer=None, no_alloc=True)
+        self.ctx = ggml.ggml_init(params)
+        self.buffer: Any = None
+        self.tensors: dict[str, Tensor] = {}
+
+    def new(self, name: str, type_: int, ne: tuple[int, ...]) -> Tensor:
+        makers = {1: ggml.ggml_new_tensor_1d, 2: ggml.ggml_new_tensor_2d,
+                  3: ggml.ggml_new_tensor_3d, 4: ggml.ggml_new_tensor_4d}
+        t = makers[len(ne)](self.ctx, type_, *ne)
+        ggml.ggml_set_name(t, name.encode()[:63])
+        self.tensors[name] = t
+        return t
+
+    def allocate(self, backend: Backend) -> None:
+        self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend.handle)
+        if not self.buffer:
+            raise ComputeError("ggml could not allocate the backend buffer (out of memory?)")
+        ggml.ggml_backend_buffer_clear(self.buffer, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return int(ggml.ggml_backend_buffer_get_size(self.buffer)) if self.buffer else 0
+
+    def close(self) -> None:
+        if self.buffer:
+            ggml.ggml_backend_buffer_free(self.buffer)
+            self.buffer = None
+        if self.ctx:
+            ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+
+def set_bytes(t: Tensor, data: np.ndarray, offset: int = 0) -> None:
+    """Copy `data` (any dtype, C-contiguous) into tensor `t` at byte `offset`."""
+    data = np.ascontiguousarray(data)
+    ggml.ggml_backend_tensor_set(t, data.ctypes.data, offset, data.nbytes)
+
+
+class Builder:
+    """What a graph-building function receives: the context, and a way to declare inputs."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.inputs: dict[str, Tensor] = {}
+
+    def input(self, name: str, type_: int, *ne: int) -> Tensor:
+        makers = {1: ggml.ggml_new_tensor_1d, 2: ggml.ggml_new_tensor_2d,
+                  3: ggml.ggml_new_tensor_3d}
+        t = makers[len(ne)](self.ctx, type_, *ne)
+        ggml.ggml_set_name(t, name.encode())
+        ggml.ggml_set_input(t)
+        self.inputs[name] = t
+        return t
+
+
+BuildFn = Callable[[Builder], dict[str, Tensor]]
+
+
+class Graph:
+    """One built and allocated graph; `run` sets inputs, computes and returns outputs."""
+
+    def __init__(self, backend: Backend, build: BuildFn, max_nodes: int = 16384) -> None:
+        overhead = ggml.ggml_tensor_overhead() * max_nodes * 2
+        overhead += ggml.ggml_graph_overhead_custom(max_nodes, False)
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=overhead, mem_buffer=None,
+                                                        no_alloc=True))
+        self.backend = backend
+        builder = Builder(self.ctx)
+        self.outputs = build(builder)
+        self.inputs = builder.inputs
+        self.graph = ggml.ggml_new_graph_custom(self.ctx, max_nodes, False)
+        for t in self.outputs.values():
+            ggml.ggml_set_output(t)
+            ggml.ggml_build_forward_expand(self.graph, t)
+        self.allocr = ggml.ggml_gallocr_new(backend.buffer_type)
+        if not ggml.ggml_gallocr_alloc_graph(self.allocr, self.graph):
+            self.close()
+            raise ComputeError("ggml could not allocate a compute graph (out of memory?)")
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.ctx is None:
+            raise ComputeError("internal: this graph was freed")
+        with self.backend.lock:
+            for name, t in self.inputs.items():
+                set_bytes(t, inputs[name])
+            self.backend.compute(self.graph)
+            return {name: read(t) for name, t in self.outputs.items()}
+
+    def close(self) -> None:
+        if self.allocr:
+            ggml.ggml_gallocr_free(self.allocr)
+            self.allocr = None
+        if self.ctx:
+            ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+
+def read(t: Tensor) -> np.ndarray:
+    """A tensor's contents as a new 4-D numpy array (ne3, ne2, ne1, ne0): callers reshape,
+    because ggml cannot tell a [k, 1] tensor from a [k] one."""
+    c = t.contents
+    shape = tuple(int(c.ne[d]) for d in (3, 2, 1, 0))
+    out = np.empty(shape, dtype=_NP_TYPES[c.type])
+    if not ggml.ggml_is_contiguous(t):
+        raise ComputeError("internal: graph output is not contiguous")
+    ggml.ggml_backend_tensor_get(t, out.ctypes.data, 0, out.nbytes)
+    return out
+
+
+class GraphCache:
+    """Graphs by shape key, least recently used evicted past `capacity`."""
+
+    def __init__(self, backend: Backend, capacity: int = 16) -> None:
+        self.backend = backend
+        self.capacity = capacity
+        self._graphs: OrderedDict[Hashable, Graph] = OrderedDict()
+        self._lock = threading.Lock()
+        self.builds = 0
+        """Graphs built so far (a test counts them to prove reuse)."""
+
+    def get(self, key: Hashable, build: Callable[[], BuildFn]) -> Graph:
+        with self._lock:
+            return self._get(key, build)
+
+    def _get(self, key: Hashable, build: Callable[[], BuildFn]) -> Graph:
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            return graph
+        graph = Graph(self.backend, build())
+        self.builds += 1
+        self._graphs[key] = graph
+        while len(self._graphs) > self.capacity:
+            _, old = self._graphs.popitem(last=False)
+            old.close()
+        return graph
+
+    def items(self) -> list[tuple[Hashable, Graph]]:
+        """(key, graph) pairs, least recently used first (benchmarks time one graph alone)."""
+        with self._lock:
+            return list(self._graphs.items())
+
+    def close(self) -> None:
+        for g in self._graphs.values():
+            g.close()
+        self._graphs.clear()
+
+
+def ne_of(t: Tensor) -> tuple[int, ...]:
+    c = t.contents
+    return tuple(int(c.ne[d]) for d in range(ggml.ggml_n_dims(t)))
+
+
+__all__ = ["Backend", "Builder", "Graph", "GraphCache", "TensorArena", "ggml", "ne_of",
+           "read", "set_bytes", "F32", "F16", "I32", "I64"]

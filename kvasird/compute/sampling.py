@@ -1,0 +1,86 @@
+"""Turning the head's logits into the next token: greedy, or seeded random sampling.
+
+The stage holding the head samples, so only a token id travels back to the gateway.
+Order of the transforms (as llama.cpp and HF apply them): repetition penalty, then
+temperature, top-k, top-p, draw. Temperature 0 is greedy. A sampler with a seed
+draws the same tokens for the same logits every time, on every node: a replayed
+generation after failover reproduces its tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvasird.compute.errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A request's sampling settings, validated on construction."""
+
+    temperature: float = 0.0
+    """0 = greedy (argmax); otherwise logits are divided by it before the softmax."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 = no limit."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p; 1 = no limit."""
+    repetition_penalty: float = 1.0
+    """>1 discourages tokens already in the history (positive logits divided, negative
+    multiplied)."""
+    seed: int | None = None
+    """Seed of the draw; None = fresh entropy (not reproducible)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+class Sampler:
+    """Draws tokens for one generation; holds the seeded random state between steps."""
+
+    def __init__(self, params: SamplingParams = SamplingParams()) -> None:
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: Iterable[int] = ()) -> int:
+        p = self.params
+        z = np.array(logits, dtype=np.float64).reshape(-1)
+        if z.size == 0 or not np.isfinite(z).all():
+            raise InputError("logits must be a non-empty vector of finite numbers")
+        if p.repetition_penalty != 1.0:
+            seen = np.unique(np.fromiter(history, dtype=np.int64))
+            seen = seen[(seen >= 0) & (seen < z.size)]
+            z[seen] = np.where(z[seen] > 0, z[seen] / p.repetition_penalty,
+                               z[seen] * p.repetition_penalty)
+        if p.temperature == 0:
+            return int(np.argmax(z))
+        order = np.argsort(-z, kind="stable")
+        if p.top_k:
+            order = order[: p.top_k]
+        probs = softmax(z[order] / p.temperature)
+        if p.top_p < 1:
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+        return int(order[self._rng.choice(len(order), p=probs)])
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities (float64), for requests that ask for logprobs."""
+    z = np.asarray(logits, np.float64)
+    m = z.max(axis=-1, keepdims=True)
+    return z - m - np.log(np.exp(z - m).sum(axis=-1, keepdims=True))

@@ -1,0 +1,297 @@
+"""A stage: the layer window [a, b) a node serves, optionally with the embedding and the head.
+
+    tokens ─▶ [embed] ─▶ layer a … layer b-1 ─▶ [final norm + output] ─▶ logits
+    hidden ─┘                                                          └▶ hidden
+
+A forward is a chain of segments. A segment is one cached ggml graph over whole layers;
+it ends early at a MoE layer whose experts are not all held here (or are explicitly
+dispatched): the graph stops at the router, Python sends the routed rows to the expert
+shards, adds the combined result to the residual, and the next segment continues from
+the following layer. With every expert local the window is a single graph.
+
+Every input is validated before any graph runs (token ids, shapes, positions, KV room);
+a session's KV lives in the stage's pool and advances only when a forward succeeds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvasird.compute import arch as archs
+from kvasird.compute.blocks import Blocks
+from kvasird.compute.errors import InputError, WeightsError
+from kvasird.compute.experts import ExpertShard, ExpertWorker, check_shards, combine, dispatch
+from kvasird.compute.graph import F32, I32, Backend, Builder, GraphCache, ggml, ne_of
+from kvasird.compute.hparams import HParams
+from kvasird.compute.kvcache import KVPool, KVSpec, Session
+from kvasird.compute.runtime import compute_threads
+from kvasird.compute.sampling import Sampler
+from kvasird.compute.weights import Source, Weights, load_weights, open_sources, slice_expert_ranges
+
+KV_BUCKET = 256
+"""Attention gathers the session's KV rounded up to this many slots (masked), so a
+decode graph is rebuilt only every KV_BUCKET tokens."""
+
+MAX_CHUNK = 512
+"""Longest run of tokens one graph computes; longer prefills go in chunks."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Layers [first, end) computed in one graph, plus what comes before and after them."""
+
+    first: int
+    """First layer computed whole."""
+    end: int
+    """One past the last layer computed whole."""
+    embed: bool
+    """Starts from token ids (the embedding lookup is in this graph)."""
+    router: int | None
+    """Layer whose attention and router end the graph (its experts are dispatched)."""
+    head: bool
+    """Ends with the final norm and output matrix."""
+
+
+class Stage:
+    """Weights, KV pool and cached graphs for one window; `forward` runs tokens through it."""
+
+    def __init__(self, weights: Weights, backend: Backend, window: tuple[int, int], *,
+                 embed: bool, head: bool, kv: KVSpec = KVSpec(),
+                 experts: Mapping[int, Sequence[ExpertShard]] | None = None,
+                 graph_capacity: int = 16) -> None:
+        hp = weights.hparams
+        a, b = _check_window(window, hp)
+        self.weights, self.hp, self.backend = weights, hp, backend
+        self.arch = archs.get(hp.arch)
+        self.window, self.embed, self.head = (a, b), embed, head
+        self.n_vocab = ne_of(weights.get("token_embd.weight"))[1] if embed else hp.n_vocab
+        self.shards = {int(k): check_shards(int(k), v, hp.n_expert)
+                       for k, v in (experts or {}).items()}
+        self.segments = self._plan()
+        self.kv = KVPool(backend, hp, range(a, b), kv)
+        self.graphs = GraphCache(backend, graph_capacity)
+        self._lock = threading.Lock()
+        self._owns_backend = False
+
+    @classmethod
+    def load(cls, sources: Source | Sequence[Source], window: tuple[int, int] | None = None, *,
+             embed: bool | None = None, head: bool | None = None,
+             experts: Mapping[int, Sequence[ExpertShard]] | None = None,
+             expert_ranges: Mapping[int, tuple[int, int]] | None = None,
+             kv: KVSpec = KVSpec(), threads: int = 0, backend: Backend | None = None) -> Stage:
+        """Load what a window needs from a GGUF, or from several (a node's slices).
+
+        embed/head default to "the window touches that end of the model". A MoE layer
+        loads its experts unless `experts` dispatches it; `expert_ranges` loads only
+        [e0, e1) of a layer's experts (then that layer must be dispatched, e.g. through
+        `local_worker()`'s shard plus remote ones). `threads` is `[compute] threads`
+        (0 = one per physical core); pass `backend` instead to share one between stages.
+        """
+        files = open_sources(sources)
+        hp = HParams.from_gguf(files[0])
+        a, b = _check_window(window or (0, hp.n_layer), hp)
+        embed = a == 0 if embed is None else embed
+        head = b == hp.n_layer if head is None else head
+        ranged = {**slice_expert_ranges(files), **(expert_ranges or {})}
+        tied = not any("output.weight" in f.tensors for f in files)
+        names = tensor_names(hp.arch, (a, b), embed=embed, head=head, tied=tied,
+                             skip_experts=set(experts or ()) - set(ranged))
+        own = backend is None
+        backend = backend or Backend(compute_threads(threads))
+        try:
+            weights = load_weights(files, backend, names, expert_ranges)
+        except BaseException:
+            if own:
+                backend.close()
+            raise
+        try:
+            stage = cls(weights, backend, (a, b), embed=embed, head=head, kv=kv, experts=experts)
+        except BaseException:
+            weights.close()
+            if own:
+                backend.close()
+            raise
+        stage._owns_backend = own
+        return stage
+
+    @property
+    def nbytes(self) -> int:
+        """Backend memory held: weights plus the KV pool (graphs' work buffers excluded)."""
+        return self.weights.nbytes + self.kv.arena.nbytes
+
+    def local_worker(self) -> ExpertWorker:
+        """An expert worker over the experts this stage loaded (sharing its backend and lock)."""
+        return ExpertWorker(self.weights, self.backend)
+
+    def set_experts(self, layer: int, shards: Sequence[ExpertShard]) -> None:
+        """Route `layer`'s experts through `shards` from now on (the remote wiring hook)."""
+        with self._lock:
+            self.shards[layer] = check_shards(layer, shards, self.hp.n_expert)
+            self.segments = self._plan()
+            self.graphs.close()
+
+    def open_session(self) -> Session:
+        return self.kv.open()
+
+    def forward(self, session: Session, inputs: np.ndarray, start: int | None = None,
+                logits: str = "last") -> np.ndarray:
+        """Run tokens (or hidden rows) at positions start.. through the window.
+
+        Returns logits [n, n_vocab] when the stage holds the head (n = 1 for "last",
+        all tokens for "all"), else hidden states [T, n_embd] float32.
+        """
+        if logits not in ("last", "all"):
+            raise InputError(f"logits must be 'last' or 'all', got {logits!r}")
+        x = self._check_inputs(inputs)
+        if session.pool is not self.kv:
+            raise InputError("this session belongs to another stage (or is closed): open one "
+                             "with this stage's open_session()")
+        with self._lock:
+            start = session.n_past if start is None else int(start)
+            session.reserve(start, len(x))
+            outs = []
+            for c in range(0, len(x), MAX_CHUNK):
+                chunk = x[c:c + MAX_CHUNK]
+                last = c + MAX_CHUNK >= len(x)
+                mode = logits if last or logits == "all" or not self.head else "skip"
+                out = self._forward_chunk(session, chunk, start + c, mode)
+                session.advance(start + c + len(chunk))
+                if mode != "skip":
+                    outs.append(out)
+            return np.concatenate(outs) if len(outs) > 1 else outs[0]
+
+    def _forward_chunk(self, session: Session, x: np.ndarray, start: int, mode: str) -> np.ndarray:
+        T, n_kv = len(x), start + len(x)
+        n_kv_b = -(-n_kv // KV_BUCKET) * KV_BUCKET
+        idx = np.full(n_kv_b, session.slots(0, 1)[0], np.int32)
+        idx[:n_kv] = session.slots(0, n_kv)
+        j = np.arange(n_kv_b)[None, :]
+        q = np.arange(start, start + T)[:, None]
+        mask = np.where((j <= q) & (j < n_kv), 0.0, -np.inf).astype(np.float32)
+        shared = {"pos": np.arange(start, start + T, dtype=np.int32),
+                  "slots": session.slots(start, start + T), "kv_idx": idx, "mask": mask}
+        for i, seg in enumerate(self.segments):
+            key = (i, T, n_kv_b, mode)
+            graph = self.graphs.get(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode))
+            feed = {name: shared[name] for name in graph.inputs if name in shared}
+            feed["x"] = x
+            out = graph.run(feed)
+            if seg.router is None:
+                x = out["out"]
+                x = x.reshape(-1, x.shape[-1])
+                continue
+            layer, E, k = seg.router, self.hp.n_embd, self.hp.n_expert_used
+            cur, ids = out["cur"].reshape(T, E), out["ids"].reshape(T, k)
+            y = dispatch(layer, cur, ids, self.shards[layer])
+            x = combine(out["resid"].reshape(T, E), y, out["weights"].reshape(T, k))
+        return x
+
+    def _build(self, seg: Segment, T: int, n_kv: int, mode: str):
+        hp, arch = self.hp, self.arch
+
+        def build(b: Builder) -> dict:
+            blocks = Blocks(b, self.weights, self.kv, T, n_kv)
+            if seg.embed:
+                x = blocks.embed(b.input("x", I32, T))
+            else:
+                x = b.input("x", F32, hp.n_embd, T)
+            for layer in range(seg.first, seg.end):
+                x = arch.layer(blocks, layer, x)
+            if seg.router is not None:
+                assert arch.dense is not None
+                r = arch.dense(blocks, seg.router, x)
+                return {"resid": r.resid, "cur": r.cur, "ids": ggml.ggml_cont(b.ctx, r.ids),
+                        "weights": ggml.ggml_cont(b.ctx, r.weights)}
+            if seg.head and mode != "skip":
+                x = blocks.head(blocks.last_column(x) if mode == "last" else x)
+            return {"out": x}
+        return build
+
+    def _plan(self) -> tuple[Segment, ...]:
+        a, b = self.window
+        segs, first, embed = [], a, self.embed
+        for layer in range(a, b):
+            if not self.arch.is_moe or not self._dispatched(layer):
+                continue
+            segs.append(Segment(first, layer, embed, router=layer, head=False))
+            first, embed = layer + 1, False
+        segs.append(Segment(first, b, embed, router=None, head=self.head))
+        return tuple(segs)
+
+    def _dispatched(self, layer: int) -> bool:
+        if layer in self.shards:
+            return True
+        held = self.weights.experts.get(layer)
+        if held is None or held.count != self.hp.n_expert:
+            raise WeightsError(f"layer {layer}'s experts are neither all loaded here nor "
+                               "dispatched: pass expert shards for it")
+        return False
+
+    def _check_inputs(self, inputs: np.ndarray) -> np.ndarray:
+        x = np.asarray(inputs)
+        if self.embed:
+            if x.ndim != 1 or x.dtype.kind not in "iu" or len(x) == 0:
+                raise InputError(f"this stage starts at the embedding: send a non-empty 1-D array "
+                                 f"of token ids, got {x.dtype} {list(x.shape)}")
+            if x.min() < 0 or x.max() >= self.n_vocab:
+                raise InputError(f"token id {int(x.max() if x.max() >= self.n_vocab else x.min())} "
+                                 f"is outside the vocabulary 0..{self.n_vocab - 1}")
+            return x.astype(np.int32)
+        if x.ndim != 2 or x.shape[1] != self.hp.n_embd or x.dtype.kind != "f" or len(x) == 0:
+            raise InputError(f"this stage takes hidden states float [n_tokens, {self.hp.n_embd}], "
+                             f"got {x.dtype} {list(x.shape)}")
+        return np.ascontiguousarray(x, np.float32)
+
+    def close(self) -> None:
+        self.graphs.close()
+        self.kv.close()
+        self.weights.close()
+        if self._owns_backend:
+            self.backend.close()
+
+
+def _check_window(window: tuple[int, int], hp: HParams) -> tuple[int, int]:
+    a, b = int(window[0]), int(window[1])
+    if not 0 <= a <= b <= hp.n_layer:
+        raise InputError(f"window [{a}, {b}) is outside the model's layers 0..{hp.n_layer}")
+    return a, b
+
+
+def tensor_names(arch_name: str, window: tuple[int, int], *, embed: bool, head: bool,
+                 tied: bool, skip_experts: Iterable[int] = ()) -> list[str]:
+    """Names of every tensor a window needs (the head's output is token_embd when tied)."""
+    arch, skip = archs.get(arch_name), set(skip_experts)
+    names = []
+    for layer in range(*window):
+        names += [f"blk.{layer}.{s}" for s in arch.dense_tensors]
+        if layer not in skip:
+            names += [f"blk.{layer}.{s}" for s in arch.expert_tensors]
+    if embed:
+        names.append("token_embd.weight")
+    if head:
+        names.append("output_norm.weight")
+        names.append("token_embd.weight" if tied else "output.weight")
+    return list(dict.fromkeys(names))
+
+
+def generate(stage: Stage, prompt: Sequence[int], n_new: int, sampler: Sampler | None = None,
+             stop: Iterable[int] = ()) -> list[int]:
+    """Prompt in, up to n_new sampled tokens out, on a stage holding the whole model."""
+    if not (stage.embed and stage.head):
+        raise InputError("generate needs a stage holding the embedding and the head")
+    sample = sampler or Sampler()
+    stops, history, out = set(stop), list(prompt), []
+    with stage.open_session() as session:
+        logits = stage.forward(session, np.asarray(prompt, np.int64))
+        for _ in range(n_new):
+            token = sample(logits[-1], history)
+            out.append(token)
+            history.append(token)
+            if token in stops or len(out) == n_new:
+                break
+            logits = stage.forward(session, np.array([token]))
+    return out

@@ -1,0 +1,146 @@
+"""Load chosen tensors of a GGUF (a whole model or a slice mini-GGUF) into a backend buffer.
+
+A node holds only its units: a layer window, expert ranges, the head. The loader is
+told *by tensor name* what to load, so it serves a full GGUF and a slice alike. For
+3-D expert tensors it is also told the expert range held: from a full file it copies
+just that range's slab (expert e's bytes are one contiguous block); from a slice whose
+tensor already holds exactly that many experts it copies the tensor whole. Inside the
+engine experts are addressed by *local* id, 0 .. e1-e0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvasird.compute.errors import WeightsError
+from kvasird.compute.gguffile import GGUFFile
+from kvasird.compute.graph import Backend, TensorArena, Tensor, set_bytes
+from kvasird.compute.hparams import HParams
+from kvasird.model.slice import KEY_SLICE, parse_spec
+from kvasird.model.slice import ExpertRange as SliceExperts
+
+EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    """Experts [first, end) of one layer, held as local ids 0 .. end-first."""
+
+    first: int
+    """Global id of local expert 0."""
+    end: int
+    """One past the last global id held."""
+
+    @property
+    def count(self) -> int:
+        return self.end - self.first
+
+
+@dataclass
+class Weights:
+    """Tensors resident in one backend buffer, by GGUF name, plus the model's hparams."""
+
+    hparams: HParams
+    """Hyper-parameters of the whole model (from the file's metadata)."""
+    source: Path
+    """File the tensors came from."""
+    arena: TensorArena
+    """The ggml context and buffer that own the tensors."""
+    experts: dict[int, ExpertRange] = field(default_factory=dict)
+    """Expert range held per layer (only layers whose expert tensors were loaded)."""
+
+    def has(self, name: str) -> bool:
+        return name in self.arena.tensors
+
+    def get(self, name: str) -> Tensor:
+        try:
+            return self.arena.tensors[name]
+        except KeyError:
+            raise WeightsError(f"tensor {name!r} was not loaded from {self.source}") from None
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.nbytes
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+Source = str | Path | GGUFFile
+
+
+def open_sources(sources: Source | Sequence[Source]) -> list[GGUFFile]:
+    """One GGUF or several (a node's slices: window, head, expert ranges), opened."""
+    items = [sources] if isinstance(sources, str | Path | GGUFFile) else list(sources)
+    if not items:
+        raise WeightsError("no weights file given")
+    return [s if isinstance(s, GGUFFile) else GGUFFile(s) for s in items]
+
+
+def slice_expert_ranges(files: Sequence[GGUFFile]) -> dict[int, tuple[int, int]]:
+    """Expert ranges recorded by kvasird.model.slice in `kvasir.slice` ("experts=L:E0:E1")."""
+    out = {}
+    for f in files:
+        text = f.get(KEY_SLICE)
+        if isinstance(text, str) and text.startswith("experts="):
+            spec = parse_spec(text)
+            if isinstance(spec, SliceExperts):
+                out[spec.layer] = (spec.start, spec.stop)
+    return out
+
+
+def load_weights(sources: Source | Sequence[Source], backend: Backend,
+                 names: Iterable[str] | None = None,
+                 experts: Mapping[int, tuple[int, int]] | None = None) -> Weights:
+    """Load `names` (default: every tensor) from the first source holding each.
+
+    `experts` maps layer -> [e0, e1) held; ranges recorded in slice files are added.
+    """
+    files = open_sources(sources)
+    hp = HParams.from_gguf(files[0])
+    where = {}
+    for f in files:
+        for n in f.tensors:
+            where.setdefault(n, f)
+    wanted = list(where) if names is None else list(dict.fromkeys(names))
+    missing = [n for n in wanted if n not in where]
+    if missing:
+        raise WeightsError(f"{', '.join(str(f.path) for f in files)} hold no tensor {missing[0]!r}"
+                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    given = {**slice_expert_ranges(files), **(experts or {})}
+    ranges = {int(layer): ExpertRange(*map(int, r)) for layer, r in given.items()}
+    plan = [_plan(where[name], hp, name, ranges) for name in wanted]
+    arena = TensorArena(len(plan))
+    for name, type_, ne, _, _ in plan:
+        arena.new(name, type_, ne)
+    arena.allocate(backend)
+    for name, _, _, start, size in plan:
+        set_bytes(arena.tensors[name], where[name].data(name)[start:start + size])
+    held: dict[int, ExpertRange] = {}
+    for name, _, ne, _, _ in plan:
+        if name.endswith(EXPERT_SUFFIXES):
+            layer = int(name.split(".")[1])
+            held[layer] = ranges.get(layer, ExpertRange(0, ne[2]))
+    return Weights(hparams=hp, source=files[0].path, arena=arena, experts=held)
+
+
+def _plan(f: GGUFFile, hp: HParams, name: str, ranges: Mapping[int, ExpertRange]):
+    """(name, type, ne, byte start, byte size) of what to copy for one tensor."""
+    info = f.info(name)
+    if not name.endswith(EXPERT_SUFFIXES):
+        return name, info.type, info.ne, 0, info.nbytes
+    layer = int(name.split(".")[1])
+    n_file = info.ne[2]
+    r = ranges.get(layer, ExpertRange(0, n_file))
+    if not 0 <= r.first < r.end <= hp.n_expert:
+        raise WeightsError(f"expert range [{r.first}, {r.end}) of layer {layer} is outside "
+                           f"0..{hp.n_expert}")
+    slab = info.nbytes // n_file
+    if n_file == r.count:
+        return name, info.type, info.ne, 0, info.nbytes
+    if n_file == hp.n_expert:
+        return name, info.type, (info.ne[0], info.ne[1], r.count), r.first * slab, r.count * slab
+    raise WeightsError(f"{f.path}: {name} holds {n_file} experts, neither the whole layer "
+                       f"({hp.n_expert}) nor the requested range [{r.first}, {r.end})")

@@ -1,0 +1,105 @@
+"""Single ggml ops against their float64 definitions: the per-op part of the contract.
+
+Each probe builds a one-op graph on the engine's backend, feeds seeded random inputs,
+and compares with the oracle's formula. Matmul is probed once per weight type found in
+the model, with a real tensor of that type, twice: against exact float64 math (what
+quantizing the activations costs) and against the oracle rounding activations as ggml's
+CPU kernels do (which must agree to float rounding: any other difference is a bug).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from kvasird.compute.gguffile import GGUFFile
+from kvasird.compute.graph import F32, I32, Backend, Builder, Graph, ggml
+from kvasird.compute.weights import load_weights
+from kvasird.numerics import oracle
+from kvasird.numerics.metrics import Delta, compare
+
+
+@dataclass(frozen=True)
+class OpDelta:
+    """One op's engine-vs-oracle distance."""
+
+    op: str
+    """Op name, e.g. "rms_norm", "rope_neox", "matmul[Q4_1]"."""
+    delta: Delta
+    """Its distance from the float64 definition."""
+    weight_type: str
+    """GGML type of the weight involved ("F32" for activation-only ops)."""
+
+
+def _run(backend: Backend, inputs: dict[str, tuple[np.ndarray, int]],
+         op: Callable[[Builder, dict], object]) -> np.ndarray:
+    def build(b: Builder) -> dict:
+        ts = {k: b.input(k, t, *reversed(a.shape)) for k, (a, t) in inputs.items()}
+        return {"out": op(b, ts)}
+    g = Graph(backend, build, max_nodes=64)
+    try:
+        out = g.run({k: a for k, (a, _) in inputs.items()})["out"]
+    finally:
+        g.close()
+    return out
+
+
+def probe_ops(path: str, backend: Backend, seed: int = 0) -> list[OpDelta]:
+    f = GGUFFile(path)
+    o = oracle.Oracle(path)
+    emulated = oracle.Oracle(path, emulate=True)
+    rng = np.random.default_rng(seed)
+    T, E = 7, o.hp.n_embd
+    x = rng.standard_normal((T, E)).astype(np.float32) * 3
+    out = []
+
+    def add(name: str, got: np.ndarray, want: np.ndarray, wtype: str = "F32") -> None:
+        out.append(OpDelta(name, compare(got.reshape(want.shape), want), wtype))
+
+    got = _run(backend, {"x": (x, F32)},
+               lambda b, t: ggml.ggml_rms_norm(b.ctx, t["x"], o.hp.rms_eps))
+    add("rms_norm", got, oracle.rms_norm(x.astype(np.float64), o.hp.rms_eps))
+    got = _run(backend, {"x": (x, F32)}, lambda b, t: ggml.ggml_soft_max(b.ctx, t["x"]))
+    add("softmax", got, oracle.softmax(x.astype(np.float64)))
+    u = rng.standard_normal((T, E)).astype(np.float32)
+    got = _run(backend, {"g": (x, F32), "u": (u, F32)},
+               lambda b, t: ggml.ggml_swiglu_split(b.ctx, t["g"], t["u"]))
+    add("swiglu", got, oracle.swiglu(x.astype(np.float64), u.astype(np.float64)))
+    d, heads = o.hp.head_dim, o.hp.n_head
+    q = rng.standard_normal((T, heads, d)).astype(np.float32)
+    pos = np.sort(rng.integers(0, 4096, T)).astype(np.int32)
+    for name, mode in (("rope_normal", 0), ("rope_neox", ggml.GGML_ROPE_TYPE_NEOX)):
+        got = _run(backend, {"q": (q, F32), "pos": (pos, I32)},
+                   lambda b, t, mode=mode: ggml.ggml_rope_ext(
+                       b.ctx, t["q"], t["pos"], None, d, mode, o.hp.n_ctx_train, o.hp.rope_base,
+                       1.0, 0.0, 1.0, 32.0, 1.0))
+        add(name, got, oracle.rope(q.astype(np.float64), pos, o.hp.rope_base, neox=bool(mode)))
+    for wname in _one_matrix_per_type(f):
+        wt = load_weights(f, backend, [wname])
+        try:
+            tensor = wt.get(wname)
+            xin = rng.standard_normal((T, f.info(wname).ne[0])).astype(np.float32)
+            got = _run(backend, {"x": (xin, F32)},
+                       lambda b, t, tensor=tensor: ggml.ggml_mul_mat(b.ctx, tensor, t["x"]))
+            want = xin.astype(np.float64) @ o.w(wname).T
+            tname = GGMLQuantizationType(f.info(wname).type).name
+            add(f"matmul[{tname}]", got, want, tname)
+            add(f"matmul[{tname}] ggml-rounded", got, emulated.mm(xin, wname), tname)
+        finally:
+            wt.close()
+    return out
+
+
+def _one_matrix_per_type(f: GGUFFile) -> list[str]:
+    """The first 2-D matrix of each type; token_embd only when no other has its type
+    (a tied head multiplies by it, but its 49k rows make the probe slower)."""
+    names = [n for n in f.tensors if n != "token_embd.weight"] + ["token_embd.weight"]
+    seen: dict[int, str] = {}
+    for name in names:
+        info = f.tensors.get(name)
+        if info is not None and len(info.ne) == 2 and info.type not in seen:
+            seen[info.type] = name
+    return list(seen.values())

@@ -1,0 +1,262 @@
+"""The float64 oracle: llama and qwen3moe in plain numpy, from dequantized weights.
+
+Independent of the engine on purpose: no ggml op, no shared block code. Weights are
+dequantized by gguf-py (only the GGUF header is read through ggml's parser, for speed).
+It is the reference the tests and `kvasird verify` measure the engine against; it is
+slow (minutes per token on a large model) and never serves requests.
+
+Shapes are numpy order: a hidden state is [T, n_embd]; a weight W of ggml shape
+[n_in, n_out] is a numpy [n_out, n_in] matrix, applied as x @ W.T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kvasird.compute.gguffile import GGUFFile
+from kvasird.compute.hparams import HParams
+
+
+@dataclass
+class OracleCache:
+    """Keys and values per layer, [n_past, n_head_kv, head_dim] float64."""
+
+    k: dict[int, np.ndarray] = field(default_factory=dict)
+    """Cached keys (after RoPE) per layer."""
+    v: dict[int, np.ndarray] = field(default_factory=dict)
+    """Cached values per layer."""
+
+
+class Oracle:
+    """A whole model in float64; every step is a method so tests can compare any boundary."""
+
+    def __init__(self, path: str | Path, emulate: bool = False, kv_f16: bool = False) -> None:
+        self.file = GGUFFile(path)
+        self.hp = HParams.from_gguf(self.file)
+        self.emulate = emulate
+        """Round activations as ggml's CPU matmuls do (to the weight type's dot-product type)."""
+        self.kv_f16 = kv_f16
+        """Round cached keys and values to float16, as an F16 KV cache does."""
+        self._w: dict[str, np.ndarray] = {}
+
+    def mm(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ W.T, with x rounded as ggml would round it for W's type when emulating."""
+        out = self.act(x, name) @ self.w(name).T
+        if self.emulate and GGMLQuantizationType(self.file.info(name).type) in _MIN_TYPES:
+            out += self._q8_1_sum_term(x, name)
+        return out
+
+    def _q8_1_sum_term(self, x: np.ndarray, name: str) -> np.ndarray:
+        """Q4_1/Q5_1 dot products add min·s with s = fp16(d·Σq) of the Q8_1 block, not the
+        exact d16·Σq the dequantized product implies: the difference, per output."""
+        b = np.asarray(x, np.float32).reshape(*x.shape[:-1], -1, 32)
+        amax = np.abs(b).max(axis=-1)
+        d = amax / np.float32(127)
+        inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+        qsum = np.round(b * inv[..., None]).sum(axis=-1)
+        s16 = (d * qsum).astype(np.float16).astype(np.float64)
+        exact = d.astype(np.float16).astype(np.float64) * qsum
+        return (s16 - exact) @ self._block_mins(name).T
+
+    def _block_mins(self, name: str) -> np.ndarray:
+        key = name + "#mins"
+        if key not in self._w:
+            info = self.file.info(name)
+            block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.type)][1]
+            raw = np.array(self.file.data(name)).reshape(info.ne[1], -1, block_bytes)
+            self._w[key] = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        return self._w[key]
+
+    def act(self, x: np.ndarray, name: str) -> np.ndarray:
+        if not self.emulate:
+            return x
+        return round_activations(x, GGMLQuantizationType(self.file.info(name).type))
+
+    def w(self, name: str) -> np.ndarray:
+        if name not in self._w:
+            info = self.file.info(name)
+            raw = np.array(self.file.data(name))
+            qtype = GGMLQuantizationType(info.type)
+            shape = tuple(reversed(info.ne))
+            if qtype == GGMLQuantizationType.F32:
+                arr = raw.view(np.float32).reshape(shape)
+            elif qtype == GGMLQuantizationType.F16:
+                arr = raw.view(np.float16).reshape(shape)
+            else:
+                row_bytes = info.nbytes // int(np.prod(shape[:-1]))
+                arr = dequantize(raw.reshape(*shape[:-1], row_bytes), qtype)
+            self._w[name] = arr.astype(np.float64)
+        return self._w[name]
+
+    @cached_property
+    def moe(self) -> bool:
+        return self.hp.arch == "qwen3moe"
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        return self.w("token_embd.weight")[np.asarray(tokens)]
+
+    def rms_norm(self, x: np.ndarray, weight: str | None = None) -> np.ndarray:
+        y = rms_norm(x, self.hp.rms_eps)
+        return y * self.w(weight) if weight else y
+
+    def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """x [T, heads, d]: NEOX (halves) for qwen3moe, adjacent pairs for llama."""
+        return rope(x, positions, self.hp.rope_base, neox=self.moe)
+
+    def attention(self, layer: int, x: np.ndarray, start: int, cache: OracleCache) -> np.ndarray:
+        hp, p, T = self.hp, f"blk.{layer}.", len(x)
+        h = self.rms_norm(x, p + "attn_norm.weight")
+        q = self.mm(h, p + "attn_q.weight").reshape(T, hp.n_head, hp.head_dim)
+        k = self.mm(h, p + "attn_k.weight").reshape(T, hp.n_head_kv, hp.head_dim)
+        v = self.mm(h, p + "attn_v.weight").reshape(T, hp.n_head_kv, hp.head_dim)
+        if self.moe:
+            q = self.rms_norm(q, p + "attn_q_norm.weight")
+            k = self.rms_norm(k, p + "attn_k_norm.weight")
+        pos = np.arange(start, start + T)
+        q, k = self.rope(q, pos), self.rope(k, pos)
+        if self.kv_f16:
+            k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
+        ks = np.concatenate([cache.k.get(layer, k[:0])[:start], k])
+        vs = np.concatenate([cache.v.get(layer, v[:0])[:start], v])
+        cache.k[layer], cache.v[layer] = ks, vs
+        group = hp.n_head // hp.n_head_kv
+        kh = np.repeat(ks, group, axis=1)                         # [S, H, d]
+        vh = np.repeat(vs, group, axis=1)
+        scores = np.einsum("thd,shd->hts", q, kh) / np.sqrt(hp.head_dim)
+        allowed = np.arange(len(ks))[None, :] <= pos[:, None]
+        scores = np.where(allowed[None], scores, -np.inf)
+        probs = softmax(scores)
+        out = np.einsum("hts,shd->thd", probs, vh).reshape(T, hp.n_head * hp.head_dim)
+        return x + self.mm(out, p + "attn_output.weight")
+
+    def dense_ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        p = f"blk.{layer}."
+        h = self.rms_norm(x, p + "ffn_norm.weight")
+        g, u = self.mm(h, p + "ffn_gate.weight"), self.mm(h, p + "ffn_up.weight")
+        return x + self.mm(swiglu(g, u), p + "ffn_down.weight")
+
+    def route(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(normed rows, top-k ids [T, k] best first, renormalised weights [T, k])."""
+        h = self.rms_norm(x, f"blk.{layer}.ffn_norm.weight")
+        probs = softmax(self.mm(h, f"blk.{layer}.ffn_gate_inp.weight"))
+        ids = np.argsort(-probs, axis=-1, kind="stable")[:, : self.hp.n_expert_used]
+        w = np.take_along_axis(probs, ids, axis=-1)
+        return h, ids, w / w.sum(axis=-1, keepdims=True)
+
+    def experts(self, layer: int, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """[T, k, n_embd]: expert ids[t, j]'s FFN applied to rows[t] (ids are global)."""
+        p = f"blk.{layer}."
+        gate, up, down = (self.w(p + n) for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight",
+                                                   "ffn_down_exps.weight"))
+        xq = self.act(rows, p + "ffn_gate_exps.weight")
+        g = np.einsum("tkfe,te->tkf", gate[ids], xq)
+        u = np.einsum("tkfe,te->tkf", up[ids], xq)
+        par = self.act(swiglu(g, u), p + "ffn_down_exps.weight")
+        return np.einsum("tkef,tkf->tke", down[ids], par)
+
+    def moe_ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        h, ids, w = self.route(layer, x)
+        return x + np.einsum("tk,tke->te", w, self.experts(layer, h, ids))
+
+    def layer(self, layer: int, x: np.ndarray, start: int, cache: OracleCache) -> np.ndarray:
+        x = self.attention(layer, x, start, cache)
+        return self.moe_ffn(layer, x) if self.moe else self.dense_ffn(layer, x)
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        out = "output.weight" if "output.weight" in self.file.tensors else "token_embd.weight"
+        return self.mm(self.rms_norm(x, "output_norm.weight"), out)
+
+    def hidden(self, tokens: np.ndarray, layers: int | None = None) -> list[np.ndarray]:
+        """Hidden states after the embedding and after each layer (prefill from position 0)."""
+        cache = OracleCache()
+        xs = [self.embed(tokens)]
+        for layer in range(self.hp.n_layer if layers is None else layers):
+            xs.append(self.layer(layer, xs[-1], 0, cache))
+        return xs
+
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """Logits [T, n_vocab] for a prompt (prefill)."""
+        return self.head(self.hidden(tokens)[-1])
+
+    def generate(self, tokens: np.ndarray, n: int) -> tuple[list[int], np.ndarray]:
+        """Greedy continuation with a KV cache: (tokens, last-position logits per step)."""
+        cache, out, steps = OracleCache(), [], []
+        x, start = np.asarray(tokens), 0
+        for _ in range(n):
+            h = self.embed(x)
+            for layer in range(self.hp.n_layer):
+                h = self.layer(layer, h, start, cache)
+            logits = self.head(h[-1:])[0]
+            start += len(x)
+            steps.append(logits)
+            out.append(int(np.argmax(logits)))
+            x = np.array([out[-1]])
+        return out, np.array(steps)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    m = np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x - m)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, base: float, neox: bool) -> np.ndarray:
+    """Rotate x [T, heads, d] by position: halves paired (neox) or adjacent pairs (normal)."""
+    d = x.shape[-1]
+    inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = np.asarray(positions, np.float64)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    if neox:
+        a, b = x[..., : d // 2], x[..., d // 2:]
+        return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty(np.broadcast_shapes(x.shape), np.float64)
+    out[..., 0::2] = a * cos - b * sin
+    out[..., 1::2] = a * sin + b * cos
+    return out
+
+
+_MIN_TYPES = {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1}
+_Q8_0_FAMILY = {GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
+_Q8_K_FAMILY = {GGMLQuantizationType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
+
+
+def round_activations(x: np.ndarray, weight_type: GGMLQuantizationType) -> np.ndarray:
+    """What ggml's CPU matmul turns activations into before the dot product with `weight_type`.
+
+    F16 weights: activations in float16. Q4/Q5/Q8 blocks of 32: Q8_0/Q8_1 (scale amax/127
+    stored as float16). K-quants: Q8_K blocks of 256 (scale max/-127 kept in float32).
+    """
+    x = np.asarray(x, np.float64)
+    if weight_type == GGMLQuantizationType.F16:
+        return x.astype(np.float32).astype(np.float16).astype(np.float64)
+    if weight_type in _Q8_0_FAMILY:
+        b = x.astype(np.float32).reshape(-1, 32)
+        amax = np.abs(b).max(axis=1, keepdims=True)
+        d = amax / np.float32(127)
+        inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+        q = np.round(b * inv)
+        return (q * d.astype(np.float16).astype(np.float32)).astype(np.float64).reshape(x.shape)
+    if weight_type in _Q8_K_FAMILY:
+        b = x.astype(np.float32).reshape(-1, 256)
+        at = np.abs(b).argmax(axis=1)
+        mx = b[np.arange(len(b)), at][:, None]
+        iscale = np.divide(np.float32(-127), mx, out=np.zeros_like(mx), where=mx != 0)
+        q = np.minimum(np.round(iscale * b), 127)
+        d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
+        return (q * d).astype(np.float64).reshape(x.shape)
+    return x

@@ -1,0 +1,109 @@
+"""Side by side with llama.cpp (optional environment built by native/llamacpp; skipped without it).
+
+llama.cpp runs in its own virtual environment, so each check runs a short script there
+and compares the JSON it prints with our engine on the same GGUF and token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.stage import Stage, generate
+from kvasird.numerics.metrics import compare, first_divergence
+
+EXACT_KV = KVSpec(n_slots=512, dtype="f32")
+"""F32 KV: the engine then differs from the float64 oracle only by float32 rounding."""
+
+LLAMACPP_PYTHON = Path(__file__).resolve().parents[2] / ".cache/llamacpp-venv/bin/python"
+
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.skipif(not LLAMACPP_PYTHON.exists(),
+                       reason="run native/llamacpp to build llama.cpp"),
+]
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "2 + 2 =",
+    "List three primary colors.", "Translate 'good morning' into Spanish.",
+    "Who wrote Romeo and Juliet?", "def fibonacci(n):", "The quick brown fox",
+    "Explain photosynthesis in one sentence.", "Once upon a time, in a small village,",
+    "What is the boiling point of water in Celsius?", "Name a famous physicist.",
+    "import numpy as np\n", "The meaning of life is", "Give me a synonym for happy.",
+    "How many legs does a spider have?", "SELECT * FROM users WHERE", "Dear Sir or Madam,",
+    "The three laws of motion are", "Why is the sky blue?", "In 1492, Columbus",
+    "A recipe for pancakes: first,",
+]
+
+_SCRIPT = """
+import json, sys
+from llama_cpp import Llama
+path, mode, n_new = sys.argv[1], sys.argv[2], int(sys.argv[3])
+items = json.loads(sys.stdin.read())
+llm = Llama(model_path=path, n_ctx=512, n_threads=2, n_batch=512, verbose=False)
+out = []
+for item in items:
+    if mode == "chat":
+        text = "<|im_start|>user\\n" + item + "<|im_end|>\\n<|im_start|>assistant\\n"
+        tokens = llm.tokenize(text.encode(), add_bos=False, special=True)
+    else:
+        tokens = item
+    llm.reset()
+    llm.eval(tokens)
+    logits = llm.scores[llm.n_tokens - 1].tolist()
+    gen = []
+    for _ in range(n_new):
+        gen.append(int(llm.scores[llm.n_tokens - 1].argmax()))
+        llm.eval([gen[-1]])
+    out.append({"tokens": list(tokens), "logits": logits, "greedy": gen})
+print(json.dumps(out))
+"""
+
+
+def run_llamacpp(path: Path, mode: str, items: list, n_new: int) -> list[dict]:
+    done = subprocess.run([str(LLAMACPP_PYTHON), "-c", _SCRIPT, str(path), mode, str(n_new)],
+                          input=json.dumps(items), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_greedy_tokens_equal_llamacpp_on_the_bundled_model(bundled, capsys):
+    ref = run_llamacpp(bundled, "chat", PROMPTS, 32)
+    stage = Stage.load(bundled, threads=2, kv=KVSpec(n_slots=1024, dtype="f16"))
+    agree, divergences, cosines = 0, [], []
+    for r in ref:
+        ours = generate(stage, r["tokens"], 32)
+        d = first_divergence(ours, r["greedy"])
+        divergences.append(d)
+        agree += d is None
+        with stage.open_session() as s:
+            cosines.append(compare(stage.forward(s, np.array(r["tokens"]))[0],
+                                   np.array(r["logits"])).cosine)
+    with capsys.disabled():
+        print(f"\nllama.cpp greedy agreement {agree}/{len(ref)}, first divergence {divergences}, "
+              f"prompt logits cosine min {min(cosines):.6f}")
+    assert min(cosines) > 0.999
+    assert agree >= 0.8 * len(ref)
+
+
+def test_llamacpp_runs_generated_qwen3moe_with_our_logits(models, capsys):
+    prompts = [list(np.random.default_rng(i).integers(0, 49152, 12)) for i in range(5)]
+    prompts = [[int(t) for t in p] for p in prompts]
+    for name in ("moe", "moe_q8"):
+        ref = run_llamacpp(models[name], "tokens", prompts, 0)
+        stage = Stage.load(models[name], threads=1, kv=EXACT_KV)
+        got, want = [], []
+        for p, r in zip(prompts, ref, strict=True):
+            with stage.open_session() as s:
+                got.append(stage.forward(s, np.array(p))[0])
+            want.append(np.array(r["logits"]))
+        m = compare(np.array(got), np.array(want))
+        with capsys.disabled():
+            print(f"\n{name}: llama.cpp vs kvasird logits cosine {m.cosine:.6f}, "
+                  f"top-1 {m.top1:.2f}")
+        assert m.cosine > 0.999

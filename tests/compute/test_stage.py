@@ -1,0 +1,242 @@
+"""Layer windows against the float64 oracle, window splits, KV cache behaviour, graph reuse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvasird.compute.errors import InputError, KVCacheFull, WeightsError
+from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.stage import Stage, generate
+from kvasird.numerics.metrics import compare
+from kvasird.numerics.oracle import Oracle
+
+EXACT_KV = KVSpec(n_slots=512, dtype="f32")
+"""F32 KV: the engine then differs from the float64 oracle only by float32 rounding."""
+
+PROMPT = np.array([1, 504, 3458, 314, 4649, 282, 4649, 30, 7000, 12])
+
+
+@pytest.mark.parametrize("model", ["moe", "llama"])
+def test_f32_layers_match_oracle_at_float_rounding(models, model):
+    oracle = Oracle(models[model])
+    hidden = oracle.hidden(PROMPT)
+    for k in range(1, oracle.hp.n_layer + 1):
+        stage = Stage.load(models[model], (0, k), head=False, threads=1, kv=EXACT_KV)
+        with stage.open_session() as s:
+            got = stage.forward(s, PROMPT)
+        stage.close()
+        assert compare(got, hidden[k]).rel_linf < 1e-5, f"layer {k - 1}"
+
+
+@pytest.mark.parametrize("model", ["moe", "llama"])
+def test_f32_logits_match_oracle_at_float_rounding(models, model):
+    stage = Stage.load(models[model], threads=1, kv=EXACT_KV)
+    with stage.open_session() as s:
+        got = stage.forward(s, PROMPT, logits="all")
+    m = compare(got, Oracle(models[model]).logits(PROMPT))
+    assert m.rel_linf < 1e-5 and m.top1 == 1.0
+
+
+@pytest.mark.parametrize("model, min_cos", [("moe_q8", 0.9995), ("moe_q4k", 0.999)])
+def test_quantized_logits_within_tolerance(models, model, min_cos):
+    stage = Stage.load(models[model], threads=1, kv=EXACT_KV)
+    with stage.open_session() as s:
+        got = stage.forward(s, PROMPT, logits="all")
+    assert compare(got, Oracle(models[model]).logits(PROMPT)).cosine > min_cos
+
+
+def test_bundled_model_matches_oracle(bundled, bundled_stage):
+    prompt = PROMPT[:6]
+    with bundled_stage.open_session() as s:
+        got = bundled_stage.forward(s, prompt, logits="all")
+    m = compare(got, Oracle(bundled).logits(prompt))
+    assert m.cosine > 0.999 and m.top1 == 1.0
+
+
+@pytest.mark.parametrize("model, k", [("moe", 1), ("moe", 2), ("llama", 2)])
+def test_window_split_gives_the_same_logits(models, model, k):
+    whole = Stage.load(models[model], threads=1, kv=EXACT_KV)
+    first = Stage.load(models[model], (0, k), threads=1, kv=EXACT_KV)
+    rest = Stage.load(models[model], (k, whole.hp.n_layer), threads=1, kv=EXACT_KV)
+    assert not first.head and not rest.embed
+    with whole.open_session() as a, first.open_session() as b, rest.open_session() as c:
+        want = whole.forward(a, PROMPT, logits="all")
+        got = rest.forward(c, first.forward(b, PROMPT), logits="all")
+        step_want = whole.forward(a, np.array([42]))
+        step_got = rest.forward(c, first.forward(b, np.array([42])))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(step_got, step_want)
+
+
+def test_bundled_window_split_gives_the_same_logits(bundled, bundled_stage):
+    first = Stage.load(bundled, (0, 13), threads=2, kv=EXACT_KV)
+    rest = Stage.load(bundled, (13, 30), threads=2, kv=EXACT_KV)
+    with bundled_stage.open_session() as a, first.open_session() as b, rest.open_session() as c:
+        want = bundled_stage.forward(a, PROMPT)
+        got = rest.forward(c, first.forward(b, PROMPT))
+    np.testing.assert_array_equal(got, want)
+    first.close()
+    rest.close()
+
+
+def test_decode_steps_match_one_prefill(models):
+    stage = Stage.load(models["moe"], threads=1, kv=EXACT_KV)
+    with stage.open_session() as a, stage.open_session() as b:
+        want = stage.forward(a, PROMPT, logits="all")
+        stage.forward(b, PROMPT[:4])
+        steps = [stage.forward(b, PROMPT[i:i + 1])[0] for i in range(4, len(PROMPT))]
+    assert compare(np.array(steps), want[4:]).rel_linf < 1e-5
+
+
+def test_long_prefill_is_chunked_and_matches_oracle(models):
+    stage = Stage.load(models["llama"], threads=1, kv=KVSpec(n_slots=1024, dtype="f32"))
+    prompt = np.random.default_rng(0).integers(0, stage.hp.n_vocab, 600)
+    with stage.open_session() as s:
+        got = stage.forward(s, prompt, logits="all")
+        assert s.n_past == 600
+    assert got.shape == (600, stage.n_vocab)
+    assert compare(got[-3:], Oracle(models["llama"]).logits(prompt)[-3:]).rel_linf < 1e-4
+
+
+def test_decode_reuses_its_graph(models):
+    stage = Stage.load(models["moe"], threads=1, kv=EXACT_KV)
+    with stage.open_session() as s:
+        stage.forward(s, PROMPT)
+        stage.forward(s, np.array([5]))
+        built = stage.graphs.builds
+        for t in range(20):
+            stage.forward(s, np.array([t]))
+    assert stage.graphs.builds == built
+
+
+def test_rewinding_a_session_replays_the_same_logits(models):
+    stage = Stage.load(models["moe"], threads=1, kv=EXACT_KV)
+    with stage.open_session() as s:
+        want = stage.forward(s, PROMPT)
+        stage.forward(s, np.array([9, 9, 9]))
+        got = stage.forward(s, PROMPT[5:], start=5)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_sessions_do_not_see_each_other(models):
+    stage = Stage.load(models["llama"], threads=1, kv=EXACT_KV)
+    with stage.open_session() as a, stage.open_session() as b:
+        want = stage.forward(a, PROMPT)
+        stage.forward(b, PROMPT[::-1])
+        stage.forward(b, np.array([3, 4, 5]))
+        with stage.open_session() as c:
+            again = stage.forward(c, PROMPT)
+    np.testing.assert_array_equal(again, want)
+
+
+def test_kv_pool_is_bounded_and_pages_come_back(models):
+    stage = Stage.load(models["llama"], threads=1, kv=KVSpec(n_slots=128, dtype="f16"))
+    a = stage.open_session()
+    stage.forward(a, np.arange(100))
+    b = stage.open_session()
+    with pytest.raises(KVCacheFull):
+        stage.forward(b, np.arange(40))
+    assert b.n_past == 0
+    a.close()
+    stage.forward(b, np.arange(40))
+    with pytest.raises(KVCacheFull):
+        stage.forward(b, np.arange(100))
+
+
+@pytest.mark.parametrize("bad", [np.array([-1]), np.array([49152]), np.array([], np.int64),
+                                 np.array([[1, 2]]), np.array([1.5])])
+def test_bad_token_ids_raise_before_ggml(models, bad):
+    stage = Stage.load(models["llama"], threads=1, kv=EXACT_KV)
+    with stage.open_session() as s, pytest.raises(InputError):
+        stage.forward(s, bad)
+    with stage.open_session() as s:
+        assert stage.forward(s, PROMPT).shape == (1, stage.n_vocab)
+
+
+@pytest.mark.parametrize("shape", [(3, 63), (3,), (0, 64), (2, 3, 64)])
+def test_bad_hidden_shapes_raise_before_ggml(models, shape):
+    stage = Stage.load(models["moe"], (1, 3), threads=1, kv=EXACT_KV)
+    with stage.open_session() as s, pytest.raises(InputError):
+        stage.forward(s, np.zeros(shape, np.float32))
+
+
+def test_session_of_another_stage_is_refused(models):
+    a = Stage.load(models["llama"], threads=1, kv=EXACT_KV)
+    b = Stage.load(models["llama"], threads=1, kv=KVSpec(n_slots=64, dtype="f32"))
+    with a.open_session() as s:
+        a.forward(s, np.arange(100))
+        with pytest.raises(InputError):
+            b.forward(s, PROMPT)
+
+
+def test_position_gap_and_closed_session_raise(models):
+    stage = Stage.load(models["llama"], threads=1, kv=EXACT_KV)
+    s = stage.open_session()
+    stage.forward(s, PROMPT[:3])
+    with pytest.raises(InputError):
+        stage.forward(s, PROMPT[:1], start=5)
+    s.close()
+    with pytest.raises(InputError):
+        stage.forward(s, PROMPT[:1])
+
+
+def test_window_outside_model_or_missing_tensors_raise(models):
+    with pytest.raises(InputError):
+        Stage.load(models["llama"], (2, 9), threads=1)
+    with pytest.raises(WeightsError):
+        Stage.load(models["llama"].with_name("missing.gguf"), threads=1)
+
+
+def test_generate_is_greedy_and_stops(bundled_stage):
+    out = generate(bundled_stage, PROMPT[:6], 8)
+    assert len(out) == 8
+    with bundled_stage.open_session() as s:
+        logits = bundled_stage.forward(s, np.concatenate([PROMPT[:6], out[:-1]]), logits="all")
+    assert list(logits[5:].argmax(-1)) == out
+    assert generate(bundled_stage, PROMPT[:6], 8, stop={out[2]}) == out[:3]
+
+
+def test_embedding_body_and_head_as_three_stages_equal_one(models):
+    kv = EXACT_KV
+    whole = Stage.load(models["moe"], threads=1, kv=kv)
+    embed = Stage.load(models["moe"], (0, 0), threads=1, kv=kv)
+    body = Stage.load(models["moe"], (0, 3), embed=False, head=False, threads=1, kv=kv)
+    head = Stage.load(models["moe"], (3, 3), threads=1, kv=kv)
+    assert (embed.embed, embed.head, head.embed, head.head) == (True, False, False, True)
+    with whole.open_session() as a, embed.open_session() as b, body.open_session() as c, \
+            head.open_session() as d:
+        want = whole.forward(a, PROMPT, logits="all")
+        got = head.forward(d, body.forward(c, embed.forward(b, PROMPT)), logits="all")
+    np.testing.assert_array_equal(got, want)
+
+
+def test_threads_default_to_one_per_core_and_memory_is_reported(models):
+    from kvasird.compute.runtime import default_threads
+
+    stage = Stage.load(models["llama"], threads=0, kv=KVSpec(n_slots=128, dtype="f16"))
+    assert stage.backend.threads == default_threads()
+    kv_bytes = 2 * 3 * stage.hp.kv_dim * 128 * 2
+    assert stage.nbytes >= stage.weights.nbytes + kv_bytes
+    shared = Stage.load(models["llama"], (0, 1), threads=1, backend=stage.backend)
+    assert shared.backend is stage.backend
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", "f16"), ("llama", "q4_0"), ("llama", "q4_1"),
+                                         ("llama", "q8_0"), ("llama", "q4_k"), ("llama", "q6_k"),
+                                         ("qwen3moe", "q4_0"), ("qwen3moe", "q6_k")])
+def test_every_weight_type_matches_an_oracle_that_rounds_like_ggml(tmp_path, arch, dtype):
+    """Quantized matmuls round activations (Q8_0/Q8_1/Q8_K, F16): an oracle doing the same
+    agrees to float rounding, which pins down every kernel path the engine uses."""
+    from kvasird.model.testmodels import make_model
+
+    dims = dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff=256) if dtype.endswith("_k") else {}
+    path = make_model(tmp_path / "m.gguf", arch=arch, n_layer=2, dtype=dtype, tied_output=True,
+                      **dims)
+    stage = Stage.load(path, threads=1, kv=EXACT_KV)
+    with stage.open_session() as s:
+        got = stage.forward(s, PROMPT, logits="all")
+    rounded = compare(got, Oracle(path, emulate=True).logits(PROMPT))
+    exact = compare(got, Oracle(path).logits(PROMPT))
+    assert rounded.rel_l2 < 1e-5
+    assert exact.rel_l2 > 10 * rounded.rel_l2
