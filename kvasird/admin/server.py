@@ -20,7 +20,11 @@ def build_app(node: Node) -> Starlette:
     async def peers(_: Request) -> JSONResponse:
         return JSONResponse([p.to_json() for p in node.p2p.peers.snapshot()])
 
+    async def coverage(_: Request) -> JSONResponse:
+        return JSONResponse(node.market.coverage())
+
     return Starlette(routes=[
         Route("/v0/status", status),
         Route("/v0/peers", peers),
+        Route("/v0/coverage", coverage),
     ])

@@ -25,6 +25,7 @@ COMMANDS = (
     "bootstrap",
     "native",
     "localnet",
+    "coverage",
     "dev",
     "verify",
     "model",

@@ -11,6 +11,7 @@ from kvasird.config.model import (
     AdminConfig,
     ComputeConfig,
     Config,
+    MarketConfig,
     NodeConfig,
     P2PConfig,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "AdminConfig",
     "ComputeConfig",
     "Config",
+    "MarketConfig",
     "NodeConfig",
     "P2PConfig",
     "default_text",

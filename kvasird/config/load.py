@@ -113,6 +113,13 @@ def _check_str(value: str, meta: dict[str, Any], where: str) -> str:
         _check_multiaddr(value, meta.get("p2p", False), where)
     if meta.get("loopback"):
         _check_loopback(value, where)
+    if meta.get("holdings"):
+        from kvasird.market.pinning import parse_hold  # deferred: the market imports numpy
+
+        try:
+            parse_hold(value)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     return value
 
 

@@ -49,6 +49,24 @@ class AdminConfig:
 
 
 @dataclass(frozen=True)
+class MarketConfig:
+    model: str = field(default="")
+    """Path of the GGUF whose units this node offers to hold ("" = hold nothing)."""
+    memory_budget_mb: int = field(default=0, metadata=_range(0, 1 << 24))
+    """Megabytes of model units this node may hold; 0 = none (gateway/client only)."""
+    hold: tuple[str, ...] = field(default=(), metadata={"holdings": True})
+    """Pinned units: "head", "layers:A-B", "experts:L:E0-E1"; always held."""
+    target_replicas: int = field(default=2, metadata=_range(1, 64))
+    """Replicas wanted per unit (the network's parameter; governance may override it)."""
+    heartbeat_s: float = field(default=5.0, metadata=_range(0.2, 300))
+    """Seconds between coverage records; a record lives 3 heartbeats."""
+    rebalance_s: float = field(default=15.0, metadata=_range(0.5, 3600))
+    """Seconds between enrollment decisions (jittered)."""
+    enroll_delay_s: float = field(default=10.0, metadata=_range(0, 600))
+    """Upper bound of the random delay before the first enrollment (no pile-ups)."""
+
+
+@dataclass(frozen=True)
 class ComputeConfig:
     threads: int = field(default=0, metadata=_range(0, 1024))
     """ggml compute threads; 0 = one per physical core."""
@@ -62,6 +80,8 @@ class Config:
     """[p2p]"""
     admin: AdminConfig = AdminConfig()
     """[admin]"""
+    market: MarketConfig = MarketConfig()
+    """[market]"""
     compute: ComputeConfig = ComputeConfig()
     """[compute]"""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from kvasird.cli.init import init_home
 from kvasird.config import render
 from kvasird.errors import KvasirError
 from kvasird.home import Home
+from kvasird.identity import load_node_key
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -62,6 +64,10 @@ class LocalNode:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self, ready_timeout: float = READY_TIMEOUT_S) -> None:
+        self.spawn()
+        self.wait_ready(ready_timeout)
+
+    def spawn(self) -> None:
         self.home.clear_admin_address()
         out = open(self.log, "ab")  # noqa: SIM115 - handed to the child process
         self.proc = subprocess.Popen(
@@ -70,6 +76,9 @@ class LocalNode:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         out.close()
+
+    def wait_ready(self, ready_timeout: float = READY_TIMEOUT_S) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -111,6 +120,12 @@ class LocalNode:
             return ""
 
 
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 class LocalNet:
     """N daemons on loopback under ``root``; use as a context manager to always clean up."""
 
@@ -128,11 +143,16 @@ class LocalNet:
     def __exit__(self, *exc: object) -> None:
         self.down()
 
-    def configure(self, node: LocalNode, bootstrap: list[str]) -> None:
-        """Init the node's home, or point an existing one (same key) at the new bootstrap."""
+    def configure(self, node: LocalNode, bootstrap: list[str]) -> str:
+        """Init the node's home (or update an existing one, same key); return its join address.
+
+        Ports are chosen here, so every join address is known before any node starts
+        and the whole network can start at once.
+        """
+        port, ws_port = free_port(), free_port()
         values = {
             "node.network": self.network,
-            "p2p.listen": ["/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/tcp/0/ws"],
+            "p2p.listen": [f"/ip4/127.0.0.1/tcp/{port}", f"/ip4/127.0.0.1/tcp/{ws_port}/ws"],
             "p2p.bootstrap": bootstrap,
             "admin.listen": "127.0.0.1:0",
             **self.settings,
@@ -142,14 +162,17 @@ class LocalNet:
         else:
             self.root.mkdir(parents=True, exist_ok=True)
             init_home(node.home, values)
+        return f"/ip4/127.0.0.1/tcp/{port}/p2p/{load_node_key(node.home.node_key).peer_id}"
 
     def up(self) -> None:
-        """Start every node in a chain: node i bootstraps from node i-1."""
+        """Start every node at once, joined in a chain: node i bootstraps from node i-1."""
         previous = ""
         for node in self.nodes:
-            self.configure(node, [previous] if previous else [])
-            node.start()
-            previous = node.join_addr
+            previous = self.configure(node, [previous] if previous else [])
+        for node in self.nodes:
+            node.spawn()
+        for node in self.nodes:
+            node.wait_ready()
         self.write_state()
 
     def wait_until(self, what: str, predicate: Callable[[], bool], timeout: float) -> float:

@@ -18,11 +18,22 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.score import ScoreParams, TopicScoreParams
 from libp2p.tools.anyio_service import background_trio_service
 
 GOSSIPSUB = "/meshsub/1.1.0"
 MAX_MESSAGES_PER_TOPIC_PER_S = 500.0
 EQUIVOCATION_SWEEP_S = 60.0
+PUBLISH_TIMEOUT_S = 2.0
+
+# Scoring is on (py-libp2p leaves it off): every record a topic validator refuses costs
+# the forwarder 10 points, decaying by 1% a heartbeat; below -100 a peer is graylisted
+# (its RPCs are ignored), below -50 we stop publishing to it, below -20 gossiping to it.
+SCORE_PARAMS = ScoreParams(
+    p4_invalid_messages=TopicScoreParams(weight=10.0, cap=1000.0, decay=0.99),
+    publish_threshold=-50.0, gossip_threshold=-20.0, graylist_threshold=-100.0,
+    accept_px_threshold=0.0,
+)
 
 Validator = Callable[[ID, rpc_pb2.Message], Awaitable[bool]]
 
@@ -35,6 +46,7 @@ class Gossip:
             heartbeat_interval=max(1, int(heartbeat_s)),
             spam_protection_enabled=True,
             max_messages_per_topic_per_second=MAX_MESSAGES_PER_TOPIC_PER_S,
+            score_params=SCORE_PARAMS,
         )
         self.pubsub = Pubsub(host, self.router, strict_signing=True)
 
@@ -55,5 +67,13 @@ class Gossip:
     async def subscribe(self, name: str):  # noqa: ANN201 - libp2p's subscription type
         return await self.pubsub.subscribe(self.topic(name))
 
-    async def publish(self, name: str, data: bytes) -> None:
-        await self.pubsub.publish(self.topic(name), data)
+    async def publish(self, name: str, data: bytes, timeout_s: float = PUBLISH_TIMEOUT_S) -> bool:
+        """Publish; False when it did not finish in time.
+
+        py-libp2p writes to each mesh peer in turn, and a write to a peer that died
+        unnoticed can block; a record that misses some peers is resent next heartbeat.
+        """
+        with trio.move_on_after(timeout_s):
+            await self.pubsub.publish(self.topic(name), data)
+            return True
+        return False

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,3 +22,7 @@ def localnet(tmp_path: Path) -> Iterator[Callable[..., LocalNet]]:
     yield make
     for net in made:
         net.down()
+
+
+# Test helpers (gossip_peer.py) are imported by name from this directory.
+sys.path.insert(0, str(Path(__file__).parent))

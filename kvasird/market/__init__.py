@@ -1,0 +1,21 @@
+"""The coverage market: no scheduler, every node computes the same map and enrolls itself.
+
+    model      MarketModel: a model as the market sees it (layers, experts, bytes per unit)
+    records    CoverageRecord / LoadReport: the gossip records, strict wire validation
+    gate       RecordGate: per-peer sequence, clock skew and rate checks; misbehaviour counts
+    coverage   CoverageMap: live holders and replica counts per unit, TTL expiry (pure)
+    demand     targets from observed load, scarcity per unit, scarce segments (pure)
+    enroll     decide(): which units a node should hold within its budget (pure)
+    service    MarketService: gossip in and out, the enrollment loop, unit state machine
+    sim        a gossip-level simulator of thousands of virtual nodes over the pure code
+
+Data flow (one way):
+
+    gossip bytes ─► records.from_wire ─► gate ─► CoverageMap ─► demand.scarcity ─► enroll.decide
+                                                   ▲                                   │
+                          LoadReports ─► Demand ───┘             own CoverageRecord ◄──┘
+                                                                  (joining → loading → online)
+
+Everything from `coverage` to `enroll` is pure (no I/O, no clock reads: time is passed in),
+so the daemon and the simulator run the very same decisions.
+"""

@@ -1,0 +1,113 @@
+"""Targets from observed load, scarcity per unit, and scarce segments. Pure.
+
+Target replicas start at the network's ``target_replicas`` for every unit. Stages gossip
+how often each expert was selected; an expert selected k times the layer's mean gets
+``ceil(base * k)`` replicas (capped at ``base * max_factor``), so hot experts attract
+more holders than cold ones. Scarcity of a unit is ``max(0, target - replicas) / target``.
+"""
+
+from __future__ import annotations
+
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvasird.market.coverage import Counts
+from kvasird.market.model import MarketModel
+from kvasird.market.records import LoadReport
+
+HALF_LIFE_S = 600.0
+MAX_FACTOR = 3.0
+
+
+@dataclass
+class Targets:
+    layer: np.ndarray
+    """Target replicas per layer's dense path, [n_layer]."""
+    expert: np.ndarray
+    """Target replicas per expert, [n_layer, n_expert]."""
+    head: int
+    """Target replicas of the head."""
+
+
+class Demand:
+    """Exponentially decayed expert-selection counts from stages' load reports."""
+
+    def __init__(self, model: MarketModel, half_life_s: float = HALF_LIFE_S) -> None:
+        self.model = model
+        self.half_life_s = half_life_s
+        self.selections = np.zeros((model.n_layer, model.n_expert), dtype=np.float64)
+        self._at = 0.0
+
+    def _decay_to(self, now: float) -> None:
+        if self._at:
+            self.selections *= 0.5 ** (max(0.0, now - self._at) / self.half_life_s)
+        self._at = now
+
+    def add(self, report: LoadReport, now: float) -> None:
+        self._decay_to(now)
+        for layer, expert, count in report.experts:
+            if layer < self.model.n_layer and expert < self.model.n_expert:
+                self.selections[layer, expert] += count
+
+    def targets(self, base: int, max_factor: float = MAX_FACTOR) -> Targets:
+        expert = np.full((self.model.n_layer, self.model.n_expert), base, dtype=np.int32)
+        if self.model.n_expert:
+            mean = self.selections.mean(axis=1, keepdims=True)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(mean > 0, self.selections / mean, 1.0)
+            factor = np.clip(ratio, 1.0, max_factor)
+            expert = np.ceil(base * factor - 1e-9).astype(np.int32)
+        return Targets(np.full(self.model.n_layer, base, dtype=np.int32), expert, base)
+
+
+def scarcity(counts: Counts, targets: Targets) -> tuple[np.ndarray, np.ndarray, float]:
+    """(layer, expert, head) scarcity in [0, 1]: the missing fraction of each target."""
+    def s(c: np.ndarray, t: np.ndarray) -> np.ndarray:
+        return np.clip(t - c, 0, None) / np.maximum(t, 1)
+    head = max(0, targets.head - counts.head) / max(targets.head, 1)
+    return s(counts.layer, targets.layer), s(counts.expert, targets.expert), head
+
+
+def segments(model: MarketModel, counts: Counts, targets: Targets) -> list[dict[str, Any]]:
+    """Contiguous runs of units with equal replicas and target, like the seeds' expert-demand.
+
+    ``{"unit": "experts", "layer": 0, "experts": [128, 192], "replicas": 1, "target": 2,
+    "scarcity": 0.5}``; layers merge into ``{"unit": "layers", "layers": [a, b], ...}``.
+    """
+    out: list[dict[str, Any]] = [{
+        "unit": "head", "replicas": counts.head, "target": targets.head,
+        "scarcity": round(max(0, targets.head - counts.head) / max(targets.head, 1), 4)}]
+    for a, b, r, t in _runs(counts.layer, targets.layer):
+        out.append({"unit": "layers", "layers": [a, b], "replicas": r, "target": t,
+                    "scarcity": _s(r, t)})
+    for layer in range(model.n_layer if model.n_expert else 0):
+        for a, b, r, t in _runs(counts.expert[layer], targets.expert[layer]):
+            out.append({"unit": "experts", "layer": layer, "experts": [a, b], "replicas": r,
+                        "target": t, "scarcity": _s(r, t)})
+    return out
+
+
+def _s(r: int, t: int) -> float:
+    return round(max(0, t - r) / max(t, 1), 4)
+
+
+def _runs(c: np.ndarray, t: np.ndarray) -> list[tuple[int, int, int, int]]:
+    out: list[tuple[int, int, int, int]] = []
+    start = 0
+    for i in range(1, len(c) + 1):
+        if i == len(c) or c[i] != c[start] or t[i] != t[start]:
+            out.append((start, i, int(c[start]), int(t[start])))
+            start = i
+    return out
+
+
+def fully_covered(counts: Counts, targets: Targets) -> bool:
+    return (counts.head >= targets.head and bool((counts.layer >= targets.layer).all())
+            and bool((counts.expert >= targets.expert).all()))
+
+
+
+

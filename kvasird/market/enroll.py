@@ -1,0 +1,138 @@
+"""decide(): which units this node should hold, from the map it sees. Pure.
+
+Scarcest first: fill the budget with units whose replicas are short of their target,
+taking contiguous runs (one range per layer keeps records small and dispatch cheap),
+starting at a random offset so nodes deciding at the same moment spread out.
+Hysteresis: a node gives a unit up only to make room for a scarcer one, only where the
+unit has more holders than its target, and only if it is one of the designated surplus
+holders (the same deterministic choice on every node), so a unit is never left uncovered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvasird.market.coverage import Counts
+from kvasird.market.demand import Targets, scarcity
+from kvasird.market.model import MarketModel
+from kvasird.model.manifest import HEAD, Unit
+
+
+@dataclass(frozen=True)
+class Plan:
+    add: tuple[Unit, ...]
+    """Units to start holding (announced as joining, then loaded)."""
+    drop: tuple[Unit, ...]
+    """Units to give up (announced as draining, then removed)."""
+
+
+def decide(model: MarketModel, counts: Counts, targets: Targets, me: str, budget: int,
+           held: set[Unit], pinned: set[Unit], holders: Callable[[Unit], list[str]],
+           rng: np.random.Generator) -> Plan:
+    """``counts`` include our own holdings; ``holders(unit)`` lists the active holders."""
+    add = [u for u in sorted(pinned) if u not in held]
+    used = sum(model.size(u) for u in held | set(add))
+    counts = _copy(counts)
+    for u in add:
+        _bump(counts, u)
+    wanted = _scarce_runs(model, counts, targets, held | set(add), rng)
+    droppable = _surplus(model, counts, targets, me, held - pinned, holders)
+    drop: list[Unit] = []
+    for run in wanted:
+        for u in run:
+            size = model.size(u)
+            while used + size > budget and droppable:
+                victim = droppable.pop()
+                drop.append(victim)
+                used -= model.size(victim)
+            if used + size > budget:
+                break
+            add.append(u)
+            used += size
+    return Plan(tuple(add), tuple(drop))
+
+
+def _copy(c: Counts) -> Counts:
+    return Counts(c.layer.copy(), c.expert.copy(), c.head)
+
+
+def _bump(c: Counts, u: Unit) -> None:
+    if u.kind == "head":
+        c.head += 1
+    elif u.kind == "layer":
+        c.layer[u.layer] += 1
+    else:
+        c.expert[u.layer, u.expert] += 1
+
+
+def _scarce_runs(model: MarketModel, counts: Counts, targets: Targets, held: set[Unit],
+                 rng: np.random.Generator) -> list[list[Unit]]:
+    """Runs of scarce units we don't hold, scarcest first, each rotated to a random start."""
+    s_layer, s_expert, s_head = scarcity(counts, targets)
+    runs: list[tuple[float, float, list[Unit]]] = []
+    if s_head > 0 and HEAD not in held:
+        runs.append((s_head, rng.random(), [HEAD]))
+    for s, units in _group(s_layer, lambda i: Unit("layer", i), held):
+        runs.append((s, rng.random(), units))
+    for layer in range(model.n_layer if model.n_expert else 0):
+        for s, units in _group(s_expert[layer], lambda e, l=layer: Unit("expert", l, e), held):
+            runs.append((s, rng.random(), units))
+    runs.sort(key=lambda r: (-r[0], r[1]))
+    out = []
+    for _, _, units in runs:
+        k = int(rng.integers(len(units)))
+        out.append(units[k:] + units[:k])
+    return out
+
+
+def _group(s: np.ndarray, unit: Callable[[int], Unit], held: set[Unit]) -> list[tuple[float, list[Unit]]]:
+    """Contiguous runs of equal positive scarcity, skipping units already held."""
+    out: list[tuple[float, list[Unit]]] = []
+    current: list[Unit] = []
+    level = 0.0
+    for i, v in enumerate(s):
+        u = unit(i)
+        if v > 0 and u not in held and (not current or v == level):
+            current.append(u)
+            level = float(v)
+            continue
+        if current:
+            out.append((level, current))
+        current, level = ([u], float(v)) if v > 0 and u not in held else ([], 0.0)
+    if current:
+        out.append((level, current))
+    return out
+
+
+def _surplus(model: MarketModel, counts: Counts, targets: Targets, me: str, held: set[Unit],
+             holders: Callable[[Unit], list[str]]) -> list[Unit]:
+    """Units we hold beyond their target where we are a designated surplus holder.
+
+    Ordered so that ``pop()`` yields the most over-covered first.
+    """
+    out: list[tuple[float, Unit]] = []
+    for u in held:
+        have, want = counts.of(u), _target(targets, u)
+        if have <= want:
+            continue
+        ranked = sorted(holders(u), key=lambda p, u=u: _rank(u, p))
+        if me in ranked[want:]:
+            out.append((have / max(want, 1), u))
+    out.sort()
+    return [u for _, u in out]
+
+
+def _target(t: Targets, u: Unit) -> int:
+    if u.kind == "head":
+        return t.head
+    if u.kind == "layer":
+        return int(t.layer[u.layer])
+    return int(t.expert[u.layer, u.expert])
+
+
+def _rank(u: Unit, peer: str) -> bytes:
+    return hashlib.sha256(f"{u}|{peer}".encode()).digest()

@@ -1,0 +1,233 @@
+"""MarketService: gossip in and out, and the enrollment loop that drives this node's holdings.
+
+Incoming records are decoded, validated and applied inside the gossipsub topic
+validator, the one entry point for peer input: a record that fails is refused there,
+which both keeps it out of the map and lowers the forwarder's gossipsub score.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import trio
+from libp2p.peer.id import ID
+from libp2p.pubsub.pb import rpc_pb2
+
+from kvasird import PROTOCOL_VERSION, __version__
+from kvasird.config import MarketConfig
+from kvasird.errors import WireError
+from kvasird.logs import get_logger
+from kvasird.market.coverage import CoverageMap
+from kvasird.market.demand import Demand, fully_covered, segments
+from kvasird.market.enroll import decide
+from kvasird.market.gate import RecordGate, Stale
+from kvasird.market.model import MarketModel
+from kvasird.market.pinning import parse_hold
+from kvasird.market.records import (
+    MAX_RECORD_BYTES,
+    Capabilities,
+    CoverageRecord,
+    LoadReport,
+    compress,
+)
+from kvasird.model.manifest import Unit
+from kvasird.p2p import P2PNode
+from kvasird.wire import pack, unpack
+
+log = get_logger("kvasird.market")
+
+COVERAGE = "coverage"
+LOAD = "load"
+TTL_HEARTBEATS = 3
+Loader = Callable[[list[Unit]], Awaitable[None]]
+
+
+async def metadata_only(units: list[Unit]) -> None:
+    """The loader while a node has no shard source: units count as held at once."""
+
+
+class MarketService:
+    def __init__(self, p2p: P2PNode, config: MarketConfig, model: MarketModel | None,
+                 caps: Capabilities, loader: Loader = metadata_only,
+                 seed: int | None = None) -> None:
+        self.p2p = p2p
+        self.config = config
+        self.model = model
+        self.caps = caps
+        self.loader = loader
+        self.map = CoverageMap(model) if model else None
+        self.demand = Demand(model) if model else None
+        self.gate = RecordGate()
+        self.held: dict[Unit, str] = {}
+        self.state = "joining"
+        self.pinned = {u for pin in config.hold for u in parse_hold(pin)}
+        self.rng = np.random.default_rng(seed)
+        self._seq = 0
+        self.budget = config.memory_budget_mb * 1024 * 1024 if model else 0
+
+    # --- gossip in -------------------------------------------------------------------
+
+    async def _validate_coverage(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
+        return self._admit(msg, self._apply_coverage)
+
+    async def _validate_load(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
+        return self._admit(msg, self._apply_load)
+
+    def _admit(self, msg: rpc_pb2.Message, apply: Callable[[Any, str, float], None]) -> bool:
+        signer = ID(msg.from_id).to_string()
+        now = time.time()
+        try:
+            if len(msg.data) > MAX_RECORD_BYTES:
+                raise WireError(f"record of {len(msg.data)} bytes exceeds {MAX_RECORD_BYTES}")
+            apply(unpack(msg.data, MAX_RECORD_BYTES), signer, now)
+        except Stale:
+            return True  # out of order via another path: not applied, not punished
+        except WireError as exc:
+            self.gate.rejected[signer] += 1
+            log.info("gossip record refused", signer=signer, reason=str(exc)[:200])
+            return False
+        return True
+
+    def _apply_coverage(self, value: Any, signer: str, now: float) -> None:
+        record = CoverageRecord.from_wire(value)
+        if self.map is not None and record.model == self.map.model.model_id:
+            self.map.check(record)
+        self.gate.check(COVERAGE, signer, record.peer, record.seq, record.ts, now)
+        if self.map is not None:
+            self.map.apply(record, now)
+
+    def _apply_load(self, value: Any, signer: str, now: float) -> None:
+        report = LoadReport.from_wire(value)
+        self.gate.check(LOAD, signer, report.peer, report.seq, report.ts, now)
+        if self.demand is not None and report.model == self.demand.model.model_id:
+            self.demand.add(report, now)
+
+    # --- gossip out ------------------------------------------------------------------
+
+    def next_seq(self) -> int:
+        self._seq = max(self._seq + 1, time.time_ns() // 1_000_000)
+        return self._seq
+
+    def record(self) -> CoverageRecord:
+        return CoverageRecord(
+            peer=self.p2p.peer_id, seq=self.next_seq(), ts=time.time(),
+            ttl=self.config.heartbeat_s * TTL_HEARTBEATS, state=self.state,
+            protocol=PROTOCOL_VERSION, version=__version__, addrs=tuple(self.p2p.addrs()[:16]),
+            model=self.model.model_id if self.model and self.held else "",
+            budget=self.budget, holdings=compress(self.held), caps=self.caps)
+
+    async def publish(self) -> None:
+        data = pack(self.record().to_wire())
+        try:
+            await self.p2p.gossip.publish(COVERAGE, data)
+        except Exception as exc:  # noqa: BLE001 - no peers yet, or a peer died mid-send
+            log.debug("publishing the coverage record failed", error=repr(exc))
+
+    async def publish_load(self, report: LoadReport) -> None:
+        await self.p2p.gossip.publish(LOAD, pack(report.to_wire()))
+
+    # --- the loops -------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        gossip = self.p2p.gossip
+        gossip.set_validator(COVERAGE, self._validate_coverage)
+        gossip.set_validator(LOAD, self._validate_load)
+        subs = [await gossip.subscribe(COVERAGE), await gossip.subscribe(LOAD)]
+        try:
+            async with trio.open_nursery() as nursery:
+                for sub in subs:
+                    nursery.start_soon(_drain, sub)
+                nursery.start_soon(self._heartbeat)
+                if self.model is not None and self.budget > 0:
+                    nursery.start_soon(self._enroll_loop)
+                else:
+                    self.state = "online"
+                task_status.started()
+        finally:
+            with trio.move_on_after(2) as scope:
+                scope.shield = True
+                self.state = "offline"
+                self.held.clear()
+                await self.publish()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            if self.map is not None:
+                for peer in self.map.expire(time.time()):
+                    self.gate.forget(peer)
+            await self.publish()
+            await trio.sleep(self.config.heartbeat_s)
+
+    async def _enroll_loop(self) -> None:
+        # Listen first (one record lifetime minus a beat), then a random delay.
+        await trio.sleep(self.config.heartbeat_s * (TTL_HEARTBEATS - 1))
+        await trio.sleep(float(self.rng.uniform(0, self.config.enroll_delay_s)))
+        while True:
+            await self.rebalance()
+            await trio.sleep(self.config.rebalance_s * float(self.rng.uniform(0.7, 1.3)))
+
+    async def rebalance(self) -> None:
+        assert self.map is not None and self.model is not None and self.demand is not None
+        self.map.expire(time.time())
+        plan = decide(self.model, self.map.active, self.demand.targets(self.config.target_replicas),
+                      self.p2p.peer_id, self.budget, set(self.held), self.pinned,
+                      self.map.holders, self.rng)
+        if plan.drop:
+            for u in plan.drop:
+                self.held[u] = "draining"
+            await self.publish()
+            for u in plan.drop:
+                del self.held[u]
+        if plan.add:
+            log.info("enrolling", units=len(plan.add), dropping=len(plan.drop),
+                     bytes=sum(self.model.size(u) for u in plan.add))
+            for u in plan.add:
+                self.held[u] = "joining"
+            await self.publish()
+            for u in plan.add:
+                self.held[u] = "loading"
+            await self.publish()
+            await self.loader(list(plan.add))
+            for u in plan.add:
+                self.held[u] = "online"
+        self.state = "online"
+        if plan.add or plan.drop:
+            await self.publish()
+
+    # --- views -----------------------------------------------------------------------
+
+    def coverage(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"peer_id": self.p2p.peer_id, "state": self.state,
+                               "held": [str(u) for u in sorted(self.held)],
+                               "held_bytes": sum(self.model.size(u) for u in self.held) if self.model else 0,
+                               "budget_bytes": self.budget,
+                               "rejected": dict(self.gate.rejected),
+                               "gossip_scores": self._scores()}
+        if self.map is None or self.model is None or self.demand is None:
+            return {**out, "model": None}
+        targets = self.demand.targets(self.config.target_replicas)
+        out.update({
+            "model": {"id": self.model.model_id, "n_layer": self.model.n_layer,
+                      "n_expert": self.model.n_expert, "bytes": self.model.total_bytes},
+            "holders": {p: {"state": e.record.state, "budget": e.record.budget,
+                            "holdings": [h.to_wire() for h in e.record.holdings]}
+                        for p, e in self.map.entries.items()},
+            "segments": segments(self.model, self.map.active, targets),
+            "fully_covered": fully_covered(self.map.active, targets),
+        })
+        return out
+
+    def _scores(self) -> dict[str, float]:
+        router = self.p2p.gossip.router
+        topics = [self.p2p.gossip.topic(COVERAGE), self.p2p.gossip.topic(LOAD)]
+        return {pid.to_string(): round(router.scorer.score(pid, topics), 3)
+                for pid in list(router.peer_protocol)}
+
+
+async def _drain(sub: Any) -> None:
+    """Records are applied in the validator; empty the subscription so it never backs up."""
+    while True:
+        await sub.get()

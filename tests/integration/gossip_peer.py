@@ -1,0 +1,70 @@
+"""A bare py-libp2p gossip peer for tests: not a kvasird, just enough to talk to one.
+
+It answers kvasird's heartbeat (hello + pong) so it is not dropped as dead, and
+publishes whatever bytes a test gives it on a network's gossip topics: load reports
+of a pretend stage, or garbage and lies of an adversary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as new_x25519
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
+
+from kvasird import PROTOCOL_VERSION
+from kvasird.wire import FrameReader, write_frame
+
+
+class GossipPeer:
+    def __init__(self, network: str) -> None:
+        key = create_new_key_pair()
+        self.network = network
+        self.host = new_host(key_pair=key, muxer_preference="YAMUX",
+                             sec_opt={NOISE_ID: NoiseTransport(key, noise_privkey=new_x25519().private_key)})
+        self.router = GossipSub(["/meshsub/1.1.0"], 6, 4, 12, heartbeat_interval=1,
+                                spam_protection_enabled=False)
+        self.pubsub = Pubsub(self.host, self.router, strict_signing=True)
+        self.peer_id = self.host.get_id().to_string()
+
+    async def _heartbeat(self, stream) -> None:  # noqa: ANN001
+        reader = FrameReader(stream)
+        try:
+            await reader.read()
+            await write_frame(stream, {"t": "hello", "network": self.network,
+                                       "protocol": PROTOCOL_VERSION, "version": "test",
+                                       "addrs": []})
+            while True:
+                msg = await reader.read()
+                await write_frame(stream, {"t": "pong", "n": msg["n"]})
+        except Exception:  # noqa: BLE001 - the daemon hung up
+            return
+
+    @asynccontextmanager
+    async def running(self, join: str) -> AsyncIterator[GossipPeer]:
+        self.host.set_stream_handler("/kvasir/heartbeat/1", self._heartbeat)
+        async with self.host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]), \
+                background_trio_service(self.pubsub), background_trio_service(self.router):
+            await self.pubsub.wait_until_ready()
+            await self.host.connect(info_from_p2p_addr(multiaddr.Multiaddr(join)))
+            for name in ("coverage", "load"):
+                await self.pubsub.subscribe(f"kvasir/{self.network}/{name}")
+            await trio.sleep(2)  # let the mesh form
+            yield self
+            for pid in list(self.host.get_connected_peers()):
+                with trio.move_on_after(1):
+                    await self.host.get_network().close_peer(pid)
+
+    async def publish(self, name: str, data: bytes) -> None:
+        with trio.move_on_after(5):
+            await self.pubsub.publish(f"kvasir/{self.network}/{name}", data)

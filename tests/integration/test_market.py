@@ -1,0 +1,168 @@
+"""The coverage market across ten real daemons on 127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from kvasird.localnet import LocalNet
+from kvasird.market.model import MarketModel
+from kvasird.market.records import CoverageRecord, Holding, LoadReport
+from kvasird.model.manifest import Manifest
+from kvasird.model.testmodels import make_model
+from kvasird.wire import pack
+
+from gossip_peer import GossipPeer  # type: ignore[import-not-found]
+
+pytestmark = pytest.mark.slow
+
+N_NODES = 10
+HEARTBEAT_S = 1.0  # records live 3 s
+CONVERGE_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, MarketModel]:
+    """8 layers x 64 experts, Q8_0, tied head: about 58 MiB."""
+    path = make_model(tmp_path_factory.mktemp("moe") / "moe.gguf", n_layer=8, n_expert=64,
+                      n_embd=128, n_ff_exp=256, dtype="q8_0", tied_output=True)
+    return path, MarketModel.from_manifest(Manifest.from_gguf(path))
+
+
+def market_net(localnet: Callable[..., LocalNet], moe: tuple[Path, MarketModel], n: int,
+               budget_mb: int) -> LocalNet:
+    path, _ = moe
+    return localnet(n, settings={
+        "market.model": str(path), "market.memory_budget_mb": budget_mb,
+        "market.heartbeat_s": HEARTBEAT_S, "market.rebalance_s": 2.0,
+        "market.enroll_delay_s": 3.0, "market.target_replicas": 2})
+
+
+def covered(net: LocalNet) -> bool:
+    return all(n.get("/v0/coverage")["fully_covered"] for n in net.nodes if n.alive())
+
+
+def budget_for(model: MarketModel, survivors: int) -> int:
+    """Enough for `survivors` nodes to hold 2 replicas of everything, with 25% slack."""
+    return int(2 * model.total_bytes * 1.25 / survivors / 2**20) + 1
+
+
+@pytest.mark.parametrize("run", [1, 2])
+def test_ten_daemons_cover_every_unit_within_their_budgets(
+        localnet: Callable[..., LocalNet], moe: tuple[Path, MarketModel], run: int) -> None:
+    _, model = moe
+    net = market_net(localnet, moe, N_NODES, budget_for(model, N_NODES))
+    net.up()
+    took = net.wait_until("every unit reaches 2 replicas on every node's map",
+                          lambda: covered(net), timeout=CONVERGE_S)
+    print(f"run {run}: converged {took:.1f} s after all were ready")
+    for node in net.nodes:
+        view = node.get("/v0/coverage")
+        assert view["held_bytes"] <= view["budget_bytes"]
+        assert len(view["holders"]) == N_NODES
+        assert view["rejected"] == {}
+
+
+def test_killed_holders_expire_and_their_units_are_recovered(
+        localnet: Callable[..., LocalNet], moe: tuple[Path, MarketModel]) -> None:
+    _, model = moe
+    net = market_net(localnet, moe, N_NODES, budget_for(model, N_NODES - 3))
+    net.up()
+    net.wait_until("the market converges", lambda: covered(net), timeout=CONVERGE_S)
+    victims = net.nodes[2:5]
+    dead = {v.peer_id for v in victims}
+    for v in victims:
+        v.signal(signal.SIGKILL)
+    survivors = [n for n in net.nodes if n not in victims]
+    gone = net.wait_until(
+        "the survivors' maps drop the killed nodes",
+        lambda: all(not dead & set(n.get("/v0/coverage")["holders"]) for n in survivors),
+        timeout=3 * HEARTBEAT_S + 10)
+    recovered = net.wait_until("the survivors re-cover every unit", lambda: covered(net),
+                               timeout=CONVERGE_S)
+    print(f"dead holders expired after {gone:.1f} s; units re-covered {recovered:.1f} s later")
+    for node in survivors:
+        view = node.get("/v0/coverage")
+        assert view["held_bytes"] <= view["budget_bytes"]
+
+
+def test_hot_experts_end_with_more_replicas_than_cold_ones(
+        localnet: Callable[..., LocalNet], moe: tuple[Path, MarketModel]) -> None:
+    _, model = moe
+    net = market_net(localnet, moe, N_NODES, budget_for(model, N_NODES - 3))
+    net.up()
+    hot = range(0, 4)
+    counts = tuple((layer, e, 400 if e in hot else 10) for layer in range(8) for e in range(64))
+
+    async def stage() -> None:
+        peer = GossipPeer("localnet")
+        async with peer.running(net.nodes[0].join_addr):
+            for seq in range(1, 4):
+                report = LoadReport(peer.peer_id, seq, time.time(), model.model_id, 60.0,
+                                    10_000, counts)
+                await peer.publish("load", pack(report.to_wire()))
+                await trio.sleep(1)
+
+    trio.run(stage)
+
+    def hot_have_more() -> bool:
+        segs = net.nodes[-1].get("/v0/coverage")["segments"]
+        experts = [s for s in segs if s["unit"] == "experts"]
+        hot_min = min(s["replicas"] for s in experts if s["experts"][0] < 4)
+        cold_max = max(s["replicas"] for s in experts if s["experts"][1] > 4)
+        return hot_min > cold_max and covered(net)
+
+    net.wait_until("hot experts have more replicas than any cold one", hot_have_more,
+                   timeout=CONVERGE_S)
+
+
+def test_adversarial_gossip_never_enters_an_honest_map(
+        localnet: Callable[..., LocalNet], moe: tuple[Path, MarketModel]) -> None:
+    _, model = moe
+    net = market_net(localnet, moe, 3, budget_for(model, 2))
+    net.up()
+    net.wait_until("the market converges", lambda: covered(net), timeout=CONVERGE_S)
+    honest = net.nodes[1].peer_id
+    before = {n.peer_id: n.get("/v0/coverage")["holders"] for n in net.nodes}
+
+    def forged(**over: object) -> bytes:
+        r = CoverageRecord(rogue.peer_id, 10, time.time(), 3.0, "online", 1, "evil", (),
+                           model.model_id, 2**40, (Holding("H", 0, 0, 1, "online"),))
+        return pack({**r.to_wire(), **over})
+
+    rogue = GossipPeer("localnet")
+
+    async def attack() -> None:
+        async with rogue.running(net.nodes[0].join_addr):
+            bad = [
+                b"\xc1 this is not msgpack",
+                pack({"v": 1, "peer": rogue.peer_id, "blob": "x" * 300_000}),  # oversized
+                forged(peer=honest),                                           # forged peer id
+                forged(holdings=[["L", 0, 5000, "online"]]),                   # absurd holdings
+                forged(holdings=[["E", 7, 0, 64, "online"]] * 4000),  # too many holdings
+                forged(ts=time.time() - 3600),                                 # stale clock
+                forged(budget=1, holdings=[["L", 0, 8, "online"]]),            # beyond its budget
+                pack({"v": 1, "peer": rogue.peer_id, "seq": 1, "ts": time.time(), "model": "zz",
+                      "window_s": 1, "tokens": 1, "experts": []}),             # bad load report
+            ]
+            for data in bad:
+                await rogue.publish("coverage" if b"blob" in data or b"holdings" in data
+                                    or data.startswith(b"\xc1") else "load", data)
+                await trio.sleep(0.2)
+            await trio.sleep(3)
+
+    trio.run(attack)
+    time.sleep(2 * HEARTBEAT_S)
+    for node in net.nodes:
+        assert node.alive()
+        view = node.get("/v0/coverage")
+        assert rogue.peer_id not in view["holders"]
+        assert set(view["holders"]) == set(before[node.peer_id])
+    target = net.nodes[0].get("/v0/coverage")
+    assert target["rejected"].get(rogue.peer_id, 0) >= 6
+    assert target["gossip_scores"].get(rogue.peer_id, 0) < 0

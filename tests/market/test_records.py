@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import pytest
+
+from kvasird.errors import WireError
+from kvasird.market.records import CoverageRecord, Holding, LoadReport, compress
+from kvasird.model.manifest import HEAD, Unit
+
+MODEL = "ab" * 32
+
+
+def record(**over: object) -> dict:
+    base = CoverageRecord(peer="12D3KooWpeer", seq=5, ts=1000.0, ttl=15.0, state="online",
+                          protocol=1, version="0.1.0", addrs=("/ip4/127.0.0.1/tcp/1/p2p/x",),
+                          model=MODEL, budget=10_000,
+                          holdings=(Holding("L", 0, 0, 2, "online"),)).to_wire()
+    base.update(over)
+    return base
+
+
+def test_round_trip() -> None:
+    r = CoverageRecord.from_wire(record())
+    assert CoverageRecord.from_wire(r.to_wire()) == r
+    assert r.units() == {Unit("layer", 0): "online", Unit("layer", 1): "online"}
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    ({"v": 2}, "schema version"),
+    ({"seq": -1}, "coverage.seq"),
+    ({"seq": "5"}, "coverage.seq"),
+    ({"state": "asleep"}, "coverage.state"),
+    ({"model": "xyz"}, "hex sha256"),
+    ({"holdings": [["L", 3, 1, "online"]]}, "bad layer range"),
+    ({"holdings": [["E", 0, 0, 10**9, "online"]]}, "bad range"),
+    ({"holdings": [["L", 0, 1, "sleeping"]]}, "state must be"),
+    ({"holdings": [["Q"]]}, "holding"),
+    ({"holdings": [["L", 0, 1, "online"]] * 5000}, "at most 4096"),
+    ({"addrs": ["x" * 300]}, "coverage.addrs"),
+    ({"caps": {"backend": "CPU", "precision": "f32", "verdict": "maybe", "threads": 1}}, "verdict"),
+    ({"model": "", "holdings": [["H", "online"]]}, "without a model id"),
+])
+def test_malformed_records_are_refused_naming_the_field(change: dict, fragment: str) -> None:
+    with pytest.raises(WireError, match=fragment):
+        CoverageRecord.from_wire(record(**change))
+
+
+def test_not_a_map_is_refused() -> None:
+    with pytest.raises(WireError):
+        CoverageRecord.from_wire([1, 2, 3])
+
+
+def test_compress_merges_consecutive_units_in_the_same_state() -> None:
+    units = {HEAD: "online", Unit("layer", 0): "online", Unit("layer", 1): "online",
+             Unit("layer", 3): "online", Unit("expert", 2, 0): "joining",
+             Unit("expert", 2, 1): "joining", Unit("expert", 2, 2): "online"}
+    out = compress(units)
+    assert [h.to_wire() for h in out] == [
+        ["E", 2, 0, 2, "joining"], ["E", 2, 2, 3, "online"], ["H", "online"],
+        ["L", 0, 2, "online"], ["L", 3, 4, "online"]]
+    assert {u: h.state for h in out for u in h.units()} == units
+
+
+def test_load_report_validation() -> None:
+    ok = LoadReport("p", 1, 1.0, MODEL, 60.0, 100, ((0, 1, 5),))
+    assert LoadReport.from_wire(ok.to_wire()) == ok
+    bad = ok.to_wire() | {"experts": [[0, -1, 5]]}
+    with pytest.raises(WireError, match="load.experts"):
+        LoadReport.from_wire(bad)
