@@ -1,0 +1,106 @@
+"""The generation contract: what the gateway asks for and the events it gets back.
+
+The gateway tokenizes, applies the chat template and detects text-level stop sequences;
+a Generator only ever sees token ids. Events are plain frozen values so the same stream
+can be rendered as OpenAI chunks, Anthropic events, or a CLI's output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvasird.errors import KvasirError
+
+
+class GenerationError(KvasirError):
+    """A generation could not start or was cut short."""
+
+
+class NoRoute(GenerationError):
+    """No set of live peers covers the model right now (HTTP 503)."""
+
+
+class Busy(GenerationError):
+    """The route exists but has no capacity left, e.g. KV cache full everywhere (HTTP 429)."""
+
+
+class UnknownModel(GenerationError):
+    """No model by that id or label is known (HTTP 404)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus mass kept."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 = off."""
+    repetition_penalty: float = 1.0
+    """1.0 = off."""
+    seed: int | None = None
+    """Fixed seed: the same request gives the same tokens."""
+    max_tokens: int = 256
+    """Upper bound on generated tokens (finish reason "length")."""
+    logprobs: int = 0
+    """How many top alternatives to report per token (0 = none; the chosen token's
+    logprob is reported whenever this is > 0)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    model: str
+    """Model id (hex) or its label."""
+    prompt: tuple[int, ...]
+    """Prompt token ids (chat template already applied)."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """How to pick tokens."""
+    stop_tokens: frozenset[int] = frozenset()
+    """Token ids that end the generation (EOS, end-of-turn); not emitted."""
+    request_id: str = ""
+    """Caller's id for logs and receipts."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    """The sampled token id."""
+    logprob: float | None = None
+    """Its log probability, when asked for."""
+    top: tuple[tuple[int, float], ...] = ()
+    """The top alternatives (token id, logprob), when asked for."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str
+    """"stop" (a stop token), "length" (max_tokens) or "cancelled"."""
+    prompt_tokens: int
+    """Tokens in the prompt."""
+    completion_tokens: int
+    """Tokens generated."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    """sha256 of the manifest (hex)."""
+    label: str
+    """Human name (general.name of the GGUF)."""
+    context_length: int
+    """Longest prompt + completion the route accepts."""
+
+
+class Generator(Protocol):
+    """Anything that turns a GenerationRequest into events: a local engine or a swarm route.
+
+    ``generate`` yields TokenEvents then exactly one Finished; it raises NoRoute, Busy or
+    UnknownModel before the first event when it cannot start. Cancelling the consumer
+    (client disconnect) must free every KV cache the generation holds.
+    """
+
+    def models(self) -> list[ModelInfo]: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]: ...
