@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from kvasird.errors import WireError
 
 MAX_SKEW_S = 30.0
-"""A record stamped further than this from our clock is refused (replays, broken clocks)."""
+"""A record stamped further than this from our clock is not used (replays, broken clocks)."""
+STALE_LIMIT_S = 600.0
+"""Records older than this are refused as replays (counted); between MAX_SKEW_S and this
+they are merely late (ignored, not counted)."""
 RATE_BURST = 30.0
 RATE_PER_S = 2.0
 
@@ -43,9 +46,11 @@ class RecordGate:
         """Raise WireError unless the record may be used (the caller counts the refusal)."""
         if peer != signer:
             raise WireError(f"record claims peer {peer} but is signed by {signer}")
-        if abs(ts - now) > self._skew:
-            raise WireError(f"record time is {ts - now:+.0f} s off our clock "
-                            f"(limit {self._skew:g} s)")
+        if ts - now > self._skew or now - ts > STALE_LIMIT_S:
+            raise WireError(f"record time is {ts - now:+.0f} s off our clock")
+        if now - ts > self._skew:
+            # Late, not forged: a busy relay or a slow path. Too old to use, not punished.
+            raise Stale(f"record is {now - ts:.0f} s old (limit {self._skew:g} s)")
         key = (topic, peer)
         if seq <= self._last_seq.get(key, -1):
             raise Stale(f"sequence number {seq} is not newer than {self._last_seq[key]}")

@@ -122,3 +122,10 @@ def test_bundled_model_hashes_in_under_a_second_or_so():
     elapsed = time.perf_counter() - t
     assert manifest.n_layer == 30 and manifest.arch == "llama"
     assert elapsed < 2.0, f"hashing 98 MB took {elapsed:.2f} s"
+
+
+def test_a_truncated_gguf_says_to_fetch_it_again(moe_path, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(moe_path.read_bytes()[:-1000])
+    with pytest.raises(GGUFFormatError, match="fetch it again"):
+        Manifest.from_gguf(cut)
