@@ -23,7 +23,11 @@ def build_app(node: Node) -> Starlette:
     async def coverage(_: Request) -> JSONResponse:
         return JSONResponse(node.market.coverage())
 
+    async def shards(_: Request) -> JSONResponse:
+        return JSONResponse(node.shards.view())
+
     return Starlette(routes=[
+        Route("/v0/shards", shards),
         Route("/v0/status", status),
         Route("/v0/peers", peers),
         Route("/v0/coverage", coverage),

@@ -31,6 +31,7 @@ COMMANDS = (
     "model",
     "localchain",
     "wallet",
+    "chat",
 )
 
 

@@ -73,6 +73,55 @@ class ComputeConfig:
 
 
 @dataclass(frozen=True)
+class InferenceConfig:
+    wire_dtype: str = field(default="f32", metadata=_choice("f32", "f16"))
+    """Hidden states and expert rows on the wire: "f32" (exact) or "f16" (half the bytes)."""
+    max_sessions: int = field(default=64, metadata=_range(1, 65536))
+    """Sessions this node serves at once; more are refused as busy."""
+    kv_slots: int = field(default=8192, metadata=_range(64, 1 << 22))
+    """KV cache slots (tokens, all sessions together) of each layer window served."""
+    session_idle_s: float = field(default=120.0, metadata=_range(1, 86400))
+    """A session untouched this long is closed and its KV freed."""
+    step_timeout_s: float = field(default=20.0, metadata=_range(0.1, 600))
+    """A stage that does not answer one step in this time is replaced (failover)."""
+    expert_timeout_s: float = field(default=5.0, metadata=_range(0.05, 600))
+    """An expert worker that does not answer in this time is replaced."""
+    batch_window_ms: float = field(default=1.0, metadata=_range(0, 1000))
+    """A worker waits this long to batch concurrent requests for one layer into one call."""
+    spot_check: float = field(default=0.0, metadata=_range(0, 1))
+    """Fraction of remote expert calls recomputed on a second replica and compared."""
+    spot_tolerance: float = field(default=1e-3, metadata=_range(0, 1e6))
+    """Largest relative difference (max |a-b| / max |b|) a spot check accepts."""
+    unfit_s: float = field(default=300.0, metadata=_range(1, 86400))
+    """How long a peer that failed or failed a spot check receives no work."""
+    max_failovers: int = field(default=4, metadata=_range(0, 64))
+    """Route rebuilds one generation may go through before it gives up."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    enabled: bool = True
+    """Serve the OpenAI/Anthropic-compatible HTTP gateway and the status page."""
+    listen: str = field(default="127.0.0.1:8080",
+                        metadata={"pattern": r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}"})
+    """host:port of the gateway; port 0 picks a free port. Loopback unless you mean to expose it."""
+    local: bool = False
+    """Generate with the whole [market] model loaded on this node (a one-node network)."""
+    kv_tokens: int = field(default=8192, metadata=_range(256, 1 << 22))
+    """KV cache slots of the local model, shared by all concurrent requests."""
+    max_body_bytes: int = field(default=1 << 20, metadata=_range(1024, 1 << 30))
+    """Largest request body accepted (HTTP 413 above)."""
+    max_prompt_tokens: int = field(default=4096, metadata=_range(1, 1 << 22))
+    """Longest prompt accepted, after the chat template (HTTP 400 above)."""
+    max_tokens: int = field(default=1024, metadata=_range(1, 1 << 22))
+    """Largest max_tokens a request may ask for; also the default when it asks for none."""
+    max_concurrent: int = field(default=16, metadata=_range(1, 4096))
+    """Generations in flight at once; more get HTTP 429."""
+    ping_s: float = field(default=10.0, metadata=_range(0.01, 300))
+    """Seconds without output after which a streaming response sends a keep-alive ping."""
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeConfig = NodeConfig()
     """[node]"""
@@ -84,6 +133,10 @@ class Config:
     """[market]"""
     compute: ComputeConfig = ComputeConfig()
     """[compute]"""
+    inference: InferenceConfig = InferenceConfig()
+    """[inference]"""
+    gateway: GatewayConfig = GatewayConfig()
+    """[gateway]"""
 
     def replace(self, **sections: Any) -> Config:
         """A copy with whole sections replaced (used by tests and the launcher)."""

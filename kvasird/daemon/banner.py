@@ -14,6 +14,7 @@ def print_banner(status: dict[str, Any], admin_url: str, config_path: str) -> No
         f"network      {status['network']}",
         *(f"listening    {a}" for a in status["listen_addrs"]),
         f"admin API    {admin_url}",
+        *([f"gateway      {status['gateway']}"] if status.get("gateway") else []),
         f"config       {config_path}",
         f"join this node from another one with:",
         f"    kvasird init --network {status['network']} --bootstrap {join}" if join else

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -16,15 +15,16 @@ from kvasird.config import Config
 from kvasird.daemon import systemd
 from kvasird.daemon.banner import print_banner
 from kvasird.db import connect
-from kvasird.errors import ConfigError
+from kvasird.gateway import Gateway
 from kvasird.home import Home
 from kvasird.http import serve_asgi
 from kvasird.identity import load_node_key
+from kvasird.inference.service import InferenceService
 from kvasird.logs import get_logger
-from kvasird.market.model import MarketModel
 from kvasird.market.records import Capabilities
 from kvasird.market.service import MarketService
-from kvasird.model.manifest import Manifest
+from kvasird.model.store import ShardStore
+from kvasird.daemon.shards import ShardService
 from kvasird.p2p import P2PNode
 
 log = get_logger("kvasird.daemon")
@@ -40,8 +40,13 @@ class Node:
         self.db = connect(home.db)
         self.key = load_node_key(home.node_key)
         self.p2p = P2PNode(self.key, config.p2p, config.node.network, self.db)
-        self.market = MarketService(self.p2p, config.market, _market_model(config),
-                                    Capabilities(threads=config.compute.threads or 1))
+        self.shards = ShardService(self.p2p, ShardStore.open(home))
+        self.market = MarketService(self.p2p, config.market, None,
+                                    Capabilities(threads=config.compute.threads or 1),
+                                    shards=self.shards,
+                                    loader=lambda units: self.inference.load(units))
+        self.inference = InferenceService(self.p2p, self.market, config)
+        self.gateway = Gateway.for_node(self)
         self.started_at = time.monotonic()
 
     def status(self) -> dict[str, Any]:
@@ -56,16 +61,22 @@ class Node:
             "version": __version__,
             "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
+            "gateway": self.gateway.url,
         }
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Run every service; report the admin URL once all listen. Cancel to drain."""
         try:
             async with self.p2p.running(), trio.open_nursery() as nursery:
+                await nursery.start(self.shards.run)
+                await nursery.start(self.inference.run)
                 await nursery.start(self.market.run)
+                app = build_app(self)
+                app.router.routes.extend(self.inference.routes())
                 admin_url = await nursery.start(lambda task_status: serve_asgi(
-                    build_app(self), self.config.admin.listen, what="admin API",
+                    app, self.config.admin.listen, what="admin API",
                     config_hint=f"[admin] listen in {self.home.config}", task_status=task_status))
+                await nursery.start(self.gateway.run)
                 self.home.write_admin_address(admin_url, os.getpid())
                 nursery.start_soon(self._diagnose_loneliness)
                 if (interval := systemd.watchdog_interval_s()) is not None:
@@ -92,16 +103,6 @@ class Node:
                     "the other node runs on the same network name, and that no firewall "
                     "blocks its port", bootstrap=list(self.config.p2p.bootstrap))
             await trio.sleep(300)
-
-
-def _market_model(config: Config) -> MarketModel | None:
-    if not config.market.model:
-        return None
-    path = Path(config.market.model).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"market.model = {config.market.model!r}: no such file; give the path "
-                          "of a GGUF model, or \"\" to serve nothing")
-    return MarketModel.from_manifest(Manifest.from_gguf(path))
 
 
 def _preferred_join(addrs: list[str]) -> str:

@@ -47,6 +47,8 @@ class LocalNode:
     """Its TCP join address (ends in /p2p/<peer id>)."""
     log: Path = field(default=Path())
     """stdout+stderr of the process."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for the process (tests' fault-injection flags)."""
 
     def get(self, path: str, timeout: float = 5.0) -> Any:
         url = self.home.admin_address()
@@ -73,7 +75,7 @@ class LocalNode:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvasird", "--home", str(self.home.root), "run"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
         )
         out.close()
 
@@ -155,6 +157,7 @@ class LocalNet:
             "p2p.listen": [f"/ip4/127.0.0.1/tcp/{port}", f"/ip4/127.0.0.1/tcp/{ws_port}/ws"],
             "p2p.bootstrap": bootstrap,
             "admin.listen": "127.0.0.1:0",
+            "gateway.listen": "127.0.0.1:0",
             **self.settings,
         }
         if node.home.node_key.exists():

@@ -165,9 +165,12 @@ class CoverageRecord:
     """Backend, precision, numerics verdict."""
     wallet: str = ""
     """Payout wallet (base58), "" if none linked."""
+    has_all: bool = False
+    """The node stores every byte of ``model`` and serves any shard of it."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "peer": self.peer, "seq": self.seq, "ts": self.ts,
+                "all": self.has_all,
                 "ttl": self.ttl, "state": self.state, "protocol": self.protocol,
                 "version": self.version, "addrs": list(self.addrs), "model": self.model,
                 "budget": self.budget, "holdings": [h.to_wire() for h in self.holdings],
@@ -202,10 +205,18 @@ class CoverageRecord:
             holdings=holdings,
             caps=Capabilities.from_wire(d.get("caps")),
             wallet=schema.text(d, "wallet", 64, "coverage"),
+            has_all=_flag(d, "all"),
         )
 
     def units(self) -> dict[Unit, str]:
         return {u: h.state for h in self.holdings for u in h.units()}
+
+
+def _flag(d: dict[str, Any], key: str) -> bool:
+    v = d.get(key, False)
+    if not isinstance(v, bool):
+        raise WireError(f"coverage.{key}: expected true or false")
+    return v
 
 
 @dataclass(frozen=True)

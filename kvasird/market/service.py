@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -35,6 +35,9 @@ from kvasird.market.records import (
 )
 from kvasird.model.manifest import Unit
 from kvasird.p2p import P2PNode
+
+if TYPE_CHECKING:
+    from kvasird.daemon.shards import ShardService
 from kvasird.wire import pack, unpack
 
 log = get_logger("kvasird.market")
@@ -52,21 +55,32 @@ async def metadata_only(units: list[Unit]) -> None:
 class MarketService:
     def __init__(self, p2p: P2PNode, config: MarketConfig, model: MarketModel | None,
                  caps: Capabilities, loader: Loader = metadata_only,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, shards: ShardService | None = None) -> None:
         self.p2p = p2p
         self.config = config
-        self.model = model
         self.caps = caps
         self.loader = loader
-        self.map = CoverageMap(model) if model else None
-        self.demand = Demand(model) if model else None
+        self.shards = shards
+        self.model: MarketModel | None = None
+        self.map: CoverageMap | None = None
+        self.demand: Demand | None = None
+        self.budget = 0
+        if model is not None:
+            self._use(model)
+        self.announcers: dict[str, set[str]] = {}
+        """Peers whose records name a model: where to fetch a manifest we lack."""
         self.gate = RecordGate()
         self.held: dict[Unit, str] = {}
         self.state = "joining"
         self.pinned = {u for pin in config.hold for u in parse_hold(pin)}
         self.rng = np.random.default_rng(seed)
         self._seq = 0
-        self.budget = config.memory_budget_mb * 1024 * 1024 if model else 0
+
+    def _use(self, model: MarketModel) -> None:
+        self.model = model
+        self.map = CoverageMap(model)
+        self.demand = Demand(model)
+        self.budget = self.config.memory_budget_mb * 1024 * 1024
 
     # --- gossip in -------------------------------------------------------------------
 
@@ -96,6 +110,8 @@ class MarketService:
         if self.map is not None and record.model == self.map.model.model_id:
             self.map.check(record)
         self.gate.check(COVERAGE, signer, record.peer, record.seq, record.ts, now)
+        if record.model and record.peer != self.p2p.peer_id:
+            self.announcers.setdefault(record.model, set()).add(record.peer)
         if self.map is not None:
             self.map.apply(record, now)
 
@@ -112,12 +128,13 @@ class MarketService:
         return self._seq
 
     def record(self) -> CoverageRecord:
+        has_all = bool(self.model and self.shards and self.shards.has_all(self.model.model_id))
         return CoverageRecord(
             peer=self.p2p.peer_id, seq=self.next_seq(), ts=time.time(),
             ttl=self.config.heartbeat_s * TTL_HEARTBEATS, state=self.state,
             protocol=PROTOCOL_VERSION, version=__version__, addrs=tuple(self.p2p.addrs()[:16]),
-            model=self.model.model_id if self.model and self.held else "",
-            budget=self.budget, holdings=compress(self.held), caps=self.caps)
+            model=self.model.model_id if self.model and (self.held or has_all) else "",
+            budget=self.budget, holdings=compress(self.held), caps=self.caps, has_all=has_all)
 
     async def publish(self) -> None:
         data = pack(self.record().to_wire())
@@ -141,7 +158,9 @@ class MarketService:
                 for sub in subs:
                     nursery.start_soon(_drain, sub)
                 nursery.start_soon(self._heartbeat)
-                if self.model is not None and self.budget > 0:
+                if self.model is None and self.config.model and self.shards is not None:
+                    nursery.start_soon(self._resolve_then_enroll)
+                elif self.model is not None and (self.budget > 0 or self.pinned):
                     nursery.start_soon(self._enroll_loop)
                 else:
                     self.state = "online"
@@ -160,6 +179,23 @@ class MarketService:
                     self.gate.forget(peer)
             await self.publish()
             await trio.sleep(self.config.heartbeat_s)
+
+    async def _resolve_then_enroll(self) -> None:
+        assert self.shards is not None
+        manifest = await self.shards.resolve(
+            self.config.model, lambda m: sorted(self.announcers.get(m, ())))
+        self._use(MarketModel.from_manifest(manifest))
+        if self.budget > 0 or self.pinned:
+            await self._enroll_loop()
+        else:
+            self.state = "online"
+
+    def sources(self, units: tuple[Unit, ...]) -> list[str]:
+        """Peers to download ``units`` from: full copies first, then online holders."""
+        assert self.map is not None
+        full = [p for p, e in self.map.entries.items() if e.record.has_all]
+        partial = {p for u in units for p in self.map.holders(u, frozenset({"online"}))}
+        return [p for p in full + sorted(partial - set(full)) if p != self.p2p.peer_id]
 
     async def _enroll_loop(self) -> None:
         # Listen first (one record lifetime minus a beat), then a random delay.
@@ -190,7 +226,17 @@ class MarketService:
             for u in plan.add:
                 self.held[u] = "loading"
             await self.publish()
-            await self.loader(list(plan.add))
+            try:
+                if self.shards is not None:
+                    await self.shards.fetch(self.model.model_id, plan.add, self.sources(plan.add))
+                await self.loader(list(plan.add))
+            except Exception as exc:  # noqa: BLE001 - a failed download or load gives the units up
+                log.warning("could not obtain or load enrolled units; giving them up",
+                            units=len(plan.add), error=str(exc)[:300])
+                for u in plan.add:
+                    del self.held[u]
+                await self.publish()
+                return
             for u in plan.add:
                 self.held[u] = "online"
         self.state = "online"

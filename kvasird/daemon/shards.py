@@ -1,0 +1,160 @@
+"""ShardService: this node's shard store on the network.
+
+Serves pieces of every model in the store over /kvasir/shard/1 (a few streams at once),
+downloads the units the market enrolled this node into from the peers that hold them,
+and resolves the configured model (a GGUF path, ``bundled:NAME``, or a model id that
+peers announce) into a manifest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from kvasird.logs import get_logger
+from kvasird.model.manifest import Manifest, Unit
+from kvasird.model.store import ShardStore
+from kvasird.model.transfer import (
+    PROTOCOL_ID,
+    Progress,
+    TransferReport,
+    download,
+    ensure_manifest,
+    serve_shards,
+)
+from kvasird.p2p import P2PNode
+
+log = get_logger("kvasird.shards")
+
+MAX_SERVING_STREAMS = 4
+OPEN_TIMEOUT_S = 10.0
+_MODEL_ID = re.compile(r"[0-9a-f]{64}")
+
+
+class ShardService:
+    def __init__(self, p2p: P2PNode, store: ShardStore) -> None:
+        self.p2p = p2p
+        self.store = store
+        self.source = _test_source(store)
+        self._serving = trio.CapacityLimiter(MAX_SERVING_STREAMS)
+        self.last_report: TransferReport | None = None
+        self.progress: Progress | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.p2p.host.set_stream_handler(PROTOCOL_ID, self._serve)
+        task_status.started()
+        await trio.sleep_forever()
+
+    async def _serve(self, stream: Any) -> None:
+        async with self._serving:
+            await serve_shards(stream, self.source)
+
+    async def open_stream(self, peer: str) -> Any:
+        with trio.fail_after(OPEN_TIMEOUT_S):
+            return await self.p2p.host.new_stream(ID.from_base58(peer), [PROTOCOL_ID])
+
+    async def resolve(self, ref: str, announcers: Callable[[str], list[str]]) -> Manifest:
+        """The manifest of the configured model, importing or fetching it as needed."""
+        if _MODEL_ID.fullmatch(ref):
+            while True:
+                try:
+                    return self.store.manifest(ref)
+                except Exception:  # noqa: BLE001 - not in the store yet
+                    pass
+                peers = announcers(ref)
+                if peers:
+                    try:
+                        return await ensure_manifest(self.store, ref, peers, self.open_stream)
+                    except Exception as exc:  # noqa: BLE001 - try again with whoever announces it
+                        log.warning("fetching the model manifest failed", model=ref[:16],
+                                    error=str(exc)[:200])
+                await trio.sleep(1.0)
+        if not ref.startswith("bundled:") and not Path(ref).expanduser().is_file():
+            from kvasird.errors import ConfigError
+            raise ConfigError(f"market.model = {ref!r}: no such file; give a GGUF path, "
+                              "bundled:smollm2, or a model id that peers announce")
+        log.info("importing model into the shard store", model=ref)
+        manifest = await trio.to_thread.run_sync(self.store.add, str(Path(ref).expanduser())
+                                                 if not ref.startswith("bundled:") else ref)
+        log.info("model imported", model_id=manifest.model_id, bytes=manifest.total_bytes)
+        return manifest
+
+    def has_all(self, model_id: str) -> bool:
+        """Whether this node holds every byte of the model (it can seed any unit)."""
+        try:
+            return set(self.store.held_units(model_id)) >= set(self.store.manifest(model_id).unit_sizes)
+        except Exception:  # noqa: BLE001 - unknown model
+            return False
+
+    async def fetch(self, model_id: str, units: Iterable[Unit], holders: list[str]) -> TransferReport | None:
+        """Download the units not yet on disk from ``holders``; None when nothing was missing."""
+        held = set(self.store.held_units(model_id))
+        missing = [u for u in units if u not in held]
+        if not missing:
+            return None
+        report = await download(self.store, model_id, missing, holders, self.open_stream,
+                                progress=self._progress)
+        self.last_report = report
+        log.info("units downloaded", model=model_id[:16], units=len(report.units),
+                 bytes=report.total_bytes, received=report.received_bytes,
+                 resumed=report.resumed_bytes, bad_holders=list(report.bad_holders),
+                 seconds=round(report.seconds, 2))
+        return report
+
+    def _progress(self, p: Progress) -> None:
+        self.progress = p
+
+    def view(self) -> dict[str, Any]:
+        r, p = self.last_report, self.progress
+        return {
+            "models": [{"model_id": m.model_id, "name": m.name, "held_bytes": m.held_bytes,
+                        "total_bytes": m.total_bytes} for m in self.store.models()],
+            "progress": None if p is None else {"done_bytes": p.done_bytes,
+                                                "total_bytes": p.total_bytes, "rate": p.rate},
+            "last_download": None if r is None else {
+                "units": len(r.units), "total_bytes": r.total_bytes,
+                "received_bytes": r.received_bytes, "resumed_bytes": r.resumed_bytes,
+                "rejected_bytes": r.rejected_bytes, "bad_holders": list(r.bad_holders),
+                "seconds": r.seconds},
+        }
+
+
+class _Throttled:
+    """Test-only (KVASIRD_TEST_SHARD_RATE=bytes/s): a slow holder, to kill mid-transfer."""
+
+    def __init__(self, store: ShardStore, rate: float) -> None:
+        self.store, self.rate = store, rate
+
+    def manifest_bytes(self, model_id: str) -> bytes | None:
+        return self.store.manifest_bytes(model_id)
+
+    def read_range(self, model_id: str, tensor: str, expert: int, offset: int,
+                   length: int) -> bytes | None:
+        import time
+        time.sleep(length / self.rate)  # runs in the server's worker thread
+        return self.store.read_range(model_id, tensor, expert, offset, length)
+
+
+class _Flipping(_Throttled):
+    """Test-only (KVASIRD_TEST_FLIP_SHARD_BYTES=1): a holder that serves corrupted bytes."""
+
+    def read_range(self, model_id: str, tensor: str, expert: int, offset: int,
+                   length: int) -> bytes | None:
+        data = self.store.read_range(model_id, tensor, expert, offset, length)
+        return None if data is None else bytes([data[0] ^ 0xFF]) + data[1:]
+
+
+def _test_source(store: ShardStore) -> Any:
+    if os.environ.get("KVASIRD_TEST_FLIP_SHARD_BYTES"):
+        log.warning("test mode: serving corrupted shard bytes")
+        return _Flipping(store, 0)
+    if rate := float(os.environ.get("KVASIRD_TEST_SHARD_RATE", "0")):
+        log.warning("test mode: throttling shard serving", bytes_per_s=rate)
+        return _Throttled(store, rate)
+    return store

@@ -1,0 +1,28 @@
+"""The gateway: OpenAI- and Anthropic-compatible HTTP on any peer, and the node's status page.
+
+    service     Gateway (the HTTP service in the daemon's nursery) and Job (a checked request)
+    app         the Starlette routes; errors rendered in the calling API's shape
+    body        reading a body within the size limit; typed fields, errors naming the field
+    openai      /v1/chat/completions, /v1/completions, /v1/models: parsing and rendering
+    anthropic   /v1/messages, /v1/messages/count_tokens: parsing and rendering
+    generation  a Generator's token events -> text pieces (whole characters, stop sequences)
+    stops       text-level stop sequences with held-back partial matches
+    response    the ASGI response that runs a generation: SSE or JSON, pings, disconnects
+    stats       admission (concurrency limit) and what was served: requests, tokens, speeds
+    status      /health, /status and the HTML page with the coverage picture
+    errors      ApiError and its statuses (400, 404, 413, 429, 503)
+
+Data flow of one request:
+
+    HTTP body ─▶ body.read_json (413/400) ─▶ openai|anthropic parse ─▶ Gateway.resolve (404/503)
+      ─▶ chat template + tokenizer ─▶ limits (400) ─▶ Job
+      ─▶ GenerationResponse: admit (429) ─▶ Generator.generate ─▶ generation.pieces
+      ─▶ renderer ─▶ SSE events or one JSON body          (client gone ─▶ cancel ─▶ KV freed)
+
+The gateway only ever talks to a Generator through kvasird.inference.api, so a node
+holding the whole model (inference.local) and a route across the swarm plug in alike.
+"""
+
+from kvasird.gateway.service import Gateway, Job
+
+__all__ = ["Gateway", "Job"]

@@ -1,0 +1,77 @@
+"""The Starlette app: routes bound to one Gateway, and errors in each API's own shape."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from kvasird.gateway import anthropic, openai, status
+from kvasird.gateway.errors import ApiError, BadRequest, NotFound
+from kvasird.gateway.service import Gateway
+from kvasird.logs import get_logger
+
+log = get_logger("kvasird.gateway")
+
+Handler = Callable[[Gateway, Request], Awaitable[Any]]
+
+
+def build_app(gw: Gateway) -> Starlette:
+    def bind(handler: Handler) -> Callable[[Request], Awaitable[Any]]:
+        async def endpoint(request: Request) -> Any:
+            return await handler(gw, request)
+        return endpoint
+
+    async def health(_: Request) -> JSONResponse:
+        code, body = status.health(gw)
+        return JSONResponse(body, status_code=code)
+
+    async def status_json(_: Request) -> JSONResponse:
+        return JSONResponse(status.snapshot(gw))
+
+    async def status_page(_: Request) -> HTMLResponse:
+        return HTMLResponse(status.page(status.snapshot(gw)))
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", bind(openai.chat_completions), methods=["POST"]),
+        Route("/v1/completions", bind(openai.completions), methods=["POST"]),
+        Route("/v1/models", bind(openai.models), methods=["GET"]),
+        Route("/v1/messages", bind(anthropic.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", bind(anthropic.count_tokens), methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/status", status_json, methods=["GET"]),
+        Route("/", status_page, methods=["GET"]),
+    ], exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                           Exception: _unexpected})
+
+
+def _render(request: Request, err: ApiError) -> JSONResponse:
+    anthropic_shape = request.url.path.startswith("/v1/messages")
+    return JSONResponse(err.anthropic() if anthropic_shape else err.openai(),
+                        status_code=err.status)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return _render(request, exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        err: ApiError = NotFound(f"no such endpoint: {request.method} {request.url.path}")
+    else:
+        err = BadRequest(f"{request.method} {request.url.path}: {exc.detail}")
+        err.status = exc.status_code
+    return _render(request, err)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("gateway handler failed", path=request.url.path, error=repr(exc))
+    return _render(request, ApiError("the gateway failed on this request (a bug; see the node's "
+                                     "log); the request may be retried"))

@@ -1,0 +1,139 @@
+"""Request bodies: read within the size limit, decode strictly, check every field's type.
+
+Nothing a client sends reaches tokenizer or generator before it passed here, so bad
+input ends as a 4xx naming the field (``messages[1].content``), never as a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from starlette.requests import Request
+
+from kvasird.gateway.errors import BadRequest, BodyTooLarge
+
+_MISSING: Any = object()
+
+
+async def read_json(request: Request, limit: int) -> Fields:
+    """The body as a JSON object; 413 past ``limit`` bytes, 400 when not UTF-8 JSON."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(_too_large(int(declared), limit))
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(_too_large(len(body), limit))
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not valid UTF-8 (bad byte at offset {exc.start})") \
+            from None
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} "
+                         f"column {exc.colno}") from None
+    if not isinstance(value, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return Fields(value)
+
+
+def _too_large(n: int, limit: int) -> str:
+    return (f"the request body of {n} bytes exceeds the gateway's limit of {limit} bytes "
+            "([gateway] max_body_bytes)")
+
+
+def _no_constant(name: str) -> None:
+    raise BadRequest(f"the request body contains {name}, which is not a JSON number")
+
+
+class Fields:
+    """A JSON object whose fields are taken by name and type; errors name the full path."""
+
+    def __init__(self, value: dict[str, Any], path: str = "") -> None:
+        self.value = value
+        self.path = path
+
+    def where(self, name: str | int) -> str:
+        if isinstance(name, int):
+            return f"{self.path}[{name}]"
+        return f"{self.path}.{name}" if self.path else name
+
+    def has(self, name: str) -> bool:
+        return self.value.get(name) is not None
+
+    def string(self, name: str, default: Any = _MISSING) -> Any:
+        return text(self._get(name, default, str, "a string"), self.where(name))
+
+    def integer(self, name: str, default: Any = _MISSING, lo: float = -math.inf,
+            hi: float = math.inf) -> Any:
+        value = self._get(name, default, int, "an integer")
+        return _in_range(value, lo, hi, self.where(name))
+
+    def number(self, name: str, default: Any = _MISSING, lo: float = -math.inf,
+               hi: float = math.inf) -> Any:
+        value = self._get(name, default, (int, float), "a number")
+        return _in_range(float(value) if value is not None else None, lo, hi, self.where(name))
+
+    def boolean(self, name: str, default: Any = _MISSING) -> Any:
+        return self._get(name, default, bool, "true or false")
+
+    def array(self, name: str, default: Any = _MISSING) -> Any:
+        return self._get(name, default, list, "an array")
+
+    def obj(self, name: str) -> Fields:
+        value = self._get(name, {}, dict, "an object")
+        return Fields(value, self.where(name))
+
+    def _get(self, name: str, default: Any, kind: type | tuple[type, ...], what: str) -> Any:
+        value = self.value.get(name)
+        if value is None:
+            if default is _MISSING:
+                raise BadRequest(f"`{self.where(name)}` is required", self.where(name))
+            return default
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise BadRequest(f"`{self.where(name)}` must be {what}, got {_json_type(value)}",
+                             self.where(name))
+        return value
+
+
+def objects(values: list[Any], path: str) -> list[Fields]:
+    """Each item of a JSON array as Fields; 400 naming the first that is not an object."""
+    out = []
+    for i, v in enumerate(values):
+        if not isinstance(v, dict):
+            raise BadRequest(f"`{path}[{i}]` must be an object, got {_json_type(v)}", f"{path}[{i}]")
+        out.append(Fields(v, f"{path}[{i}]"))
+    return out
+
+
+def text(value: Any, where: str) -> Any:
+    """``value`` unchanged if it is encodable text (JSON allows lone surrogates; we do not)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest(f"`{where}` contains a lone UTF-16 surrogate (\\ud800-\\udfff): "
+                             "send valid Unicode text", where) from None
+    return value
+
+
+def _in_range(value: Any, lo: float, hi: float, where: str) -> Any:
+    if value is not None and not lo <= value <= hi:
+        bounds = (f"between {_n(lo)} and {_n(hi)}" if math.isfinite(lo) and math.isfinite(hi)
+                  else f">= {_n(lo)}" if math.isfinite(lo) else f"<= {_n(hi)}")
+        raise BadRequest(f"`{where}` must be {bounds}, got {_n(value)}", where)
+    return value
+
+
+def _n(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(value), type(value).__name__)

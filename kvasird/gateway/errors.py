@@ -1,0 +1,79 @@
+"""Errors the gateway answers with: an HTTP status, the offending field, a message to act on.
+
+    KvasirError
+    └── ApiError                 rendered in the calling API's own error JSON
+        ├── BadRequest           400: a field is missing, of the wrong type or out of range
+        ├── NotFound             404: unknown model or path
+        ├── BodyTooLarge         413: the body exceeds [gateway] max_body_bytes
+        ├── TooManyRequests      429: [gateway] max_concurrent reached, or no capacity
+        └── Unavailable          503: no route serves the model (yet)
+
+Generation errors from the Generator contract (NoRoute, Busy, UnknownModel) become
+the matching ApiError through ``from_generation``; anything else a generator raises
+on purpose is a 500 that says the request itself was fine.
+"""
+
+from __future__ import annotations
+
+from kvasird.errors import KvasirError
+from kvasird.inference.api import Busy, GenerationError, NoRoute, UnknownModel
+
+
+class ApiError(KvasirError):
+    status = 500
+    openai_type = "server_error"
+    anthropic_type = "api_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        """The request field at fault (OpenAI's ``param``), when one is."""
+        self.code = code
+        """A machine-readable reason (OpenAI's ``code``), e.g. "context_length_exceeded"."""
+
+    def openai(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.openai_type,
+                          "param": self.param, "code": self.code}}
+
+    def anthropic(self) -> dict[str, object]:
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+
+
+class BadRequest(ApiError):
+    status = 400
+    openai_type = anthropic_type = "invalid_request_error"
+
+
+class NotFound(ApiError):
+    status = 404
+    openai_type = "invalid_request_error"
+    anthropic_type = "not_found_error"
+
+
+class BodyTooLarge(ApiError):
+    status = 413
+    openai_type = "invalid_request_error"
+    anthropic_type = "request_too_large"
+
+
+class TooManyRequests(ApiError):
+    status = 429
+    openai_type = "rate_limit_error"
+    anthropic_type = "rate_limit_error"
+
+
+class Unavailable(ApiError):
+    status = 503
+    openai_type = "server_error"
+    anthropic_type = "overloaded_error"
+
+
+def from_generation(exc: GenerationError) -> ApiError:
+    if isinstance(exc, UnknownModel):
+        return NotFound(str(exc), "model", "model_not_found")
+    if isinstance(exc, Busy):
+        return TooManyRequests(str(exc), code="busy")
+    if isinstance(exc, NoRoute):
+        return Unavailable(str(exc), code="no_route")
+    return ApiError(f"the generation failed: {exc} (the request itself was fine; retry)")

@@ -1,0 +1,273 @@
+"""OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models.
+
+Streams exactly as the official client parses them: ``data: {chunk}`` events, the
+first chat delta carrying the role, a last chunk with ``finish_reason``, then (with
+``stream_options.include_usage``) a chunk with empty ``choices`` and the usage, and
+``data: [DONE]`` always last, after an error too. Keep-alives are SSE comments.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from kvasird import __version__
+from kvasird.gateway.body import Fields, objects, read_json, text
+from kvasird.gateway.errors import ApiError, BadRequest
+from kvasird.gateway.generation import Done, Piece
+from kvasird.gateway.response import GenerationResponse, sse
+from kvasird.gateway.service import Gateway, Job
+from kvasird.inference.api import Sampling, TokenEvent
+from kvasird.inference.chat import Message
+from kvasird.inference.tokenizer import Tokenizer
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOPS = 16
+FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length"}
+DONE = b"data: [DONE]\n\n"
+
+
+async def chat_completions(gw: Gateway, request: Request) -> GenerationResponse:
+    f = await read_json(request, gw.config.max_body_bytes)
+    name = f.string("model")
+    info, tok, template = gw.resolve(name)
+    prompt = gw.chat_prompt(template, tok, messages(f), "messages")
+    logprobs = f.boolean("logprobs", False)
+    top = f.integer("top_logprobs", 0, 0, 20)
+    if top and not logprobs:
+        raise BadRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+    field = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
+    max_tokens = gw.max_tokens(f.integer(field, None), field)
+    job = gw.job(info, tok, name, prompt, sampling(f, max_tokens, top if logprobs else -1),
+                 stops=stops(f), stream=f.boolean("stream", False),
+                 include_usage=f.obj("stream_options").boolean("include_usage", False),
+                 top_logprobs=top if logprobs else -1)
+    return GenerationResponse(gw, job, ChatRenderer(job))
+
+
+async def completions(gw: Gateway, request: Request) -> GenerationResponse:
+    f = await read_json(request, gw.config.max_body_bytes)
+    name = f.string("model")
+    info, tok, _ = gw.resolve(name)
+    prompt = gw.check_prompt(prompt_tokens(f, tok), "prompt")
+    if f.boolean("echo", False):
+        raise BadRequest("`echo` is not supported by this gateway", "echo")
+    if f.has("suffix"):
+        raise BadRequest("`suffix` is not supported by this gateway", "suffix")
+    f.integer("best_of", 1, 1, 1)
+    top = f.integer("logprobs", -1, 0, 20)
+    max_tokens = gw.max_tokens(f.integer("max_tokens", 16), "max_tokens")
+    job = gw.job(info, tok, name, prompt, sampling(f, max_tokens, top), stops=stops(f),
+                 stream=f.boolean("stream", False),
+                 include_usage=f.obj("stream_options").boolean("include_usage", False),
+                 top_logprobs=top)
+    return GenerationResponse(gw, job, CompletionRenderer(job))
+
+
+async def models(gw: Gateway, _: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [
+        {"id": m.model_id, "object": "model", "created": 0, "owned_by": "kvasir",
+         "label": m.label, "context_length": m.context_length} for m in gw.models()]})
+
+
+def messages(f: Fields) -> list[Message]:
+    raw = f.array("messages")
+    if not raw:
+        raise BadRequest("`messages` must hold at least one message", "messages")
+    out = []
+    for m in objects(raw, "messages"):
+        role = m.string("role")
+        if role not in ROLES:
+            raise BadRequest(f"`{m.where('role')}` must be one of {', '.join(ROLES)}, got "
+                             f"{role!r}", m.where("role"))
+        content = m.value.get("content")
+        if content is None and role != "assistant":
+            raise BadRequest(f"`{m.where('content')}` is required", m.where("content"))
+        out.append(Message(ROLES[role], content_text(content, m.where("content"))))
+    return out
+
+
+def content_text(content: Any, where: str) -> str:
+    """A message's text: a string, or the text parts of a content array (both APIs)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return str(text(content, where))
+    if not isinstance(content, list):
+        raise BadRequest(f"`{where}` must be a string or an array of text parts", where)
+    parts = []
+    for part in objects(content, where):
+        kind = part.string("type")
+        if kind != "text":
+            raise BadRequest(f"`{part.where('type')}` is {kind!r}: only text content is "
+                             "supported", part.where("type"))
+        parts.append(part.string("text"))
+    return "".join(parts)
+
+
+def prompt_tokens(f: Fields, tok: Tokenizer) -> list[int]:
+    """A completion prompt: a string, one-string array, token ids, or one array of ids."""
+    raw = f.value.get("prompt")
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
+        raw = raw[0]
+    if isinstance(raw, str):
+        return tok.encode(text(raw, "prompt"))
+    if isinstance(raw, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        bad = [t for t in raw if not 0 <= t < tok.n_vocab]
+        if bad:
+            raise BadRequest(f"`prompt` holds token id {bad[0]}, outside the vocabulary "
+                             f"0..{tok.n_vocab - 1}", "prompt")
+        return list(raw)
+    raise BadRequest("`prompt` must be a string or an array of token ids (one prompt: n = 1)",
+                     "prompt")
+
+
+def sampling(f: Fields, max_tokens: int, top_logprobs: int) -> Sampling:
+    if f.integer("n", 1) != 1:
+        raise BadRequest("`n` must be 1: this gateway generates one choice per request", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if f.number(name, 0.0, -2, 2) != 0:
+            raise BadRequest(f"`{name}` is not supported (only 0); use `repetition_penalty`", name)
+    for name in ("tools", "functions", "logit_bias"):
+        if f.value.get(name):
+            raise BadRequest(f"`{name}` is not supported by this gateway", name)
+    if f.obj("response_format").string("type", "text") != "text":
+        raise BadRequest("only `response_format: {\"type\": \"text\"}` is supported",
+                         "response_format")
+    seed = f.integer("seed", None)
+    return Sampling(temperature=f.number("temperature", 1.0, 0, 2),
+                    top_p=_top_p(f), top_k=f.integer("top_k", 0, 0, 1 << 20),
+                    repetition_penalty=f.number("repetition_penalty", 1.0, 0.01, 10),
+                    seed=None if seed is None else seed % (1 << 64), max_tokens=max_tokens,
+                    logprobs=max(top_logprobs, 1) if top_logprobs >= 0 else 0)
+
+
+def _top_p(f: Fields) -> float:
+    value = float(f.number("top_p", 1.0, 0, 1))
+    if value == 0:
+        raise BadRequest("`top_p` must be greater than 0", "top_p")
+    return value
+
+
+def stops(f: Fields, name: str = "stop") -> tuple[str, ...]:
+    raw = f.value.get(name)
+    if raw is None:
+        return ()
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise BadRequest(f"`{name}` must be a string or an array of strings", name)
+    if len(items) > MAX_STOPS or any(not s or len(s) > 256 for s in items):
+        raise BadRequest(f"`{name}` takes up to {MAX_STOPS} non-empty sequences of at most 256 "
+                         "characters", name)
+    return tuple(text(s, name) for s in items)
+
+
+class _OpenAIRenderer:
+    ping = b": ping\n\n"
+    kind = ""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.id = f"{self.prefix}-{job.request.request_id}"
+        self.created = int(time.time())
+
+    prefix = ""
+
+    def error(self, err: ApiError) -> dict[str, Any]:
+        return err.openai()
+
+    def stream_error(self, err: ApiError) -> list[bytes]:
+        return [sse(err.openai()), DONE]
+
+    def usage(self, done: Done) -> dict[str, int]:
+        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+    def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        out = {"id": self.id, "object": self.kind, "created": self.created,
+               "model": self.job.model_name, "system_fingerprint": f"kvasird-{__version__}",
+               "choices": choices, **extra}
+        if self.job.stream and self.job.include_usage:
+            out.setdefault("usage", None)
+        return out
+
+    def stream_end(self, done: Done) -> list[bytes]:
+        out = [sse(self.envelope([self.final_choice(done)]))]
+        if self.job.include_usage:
+            out.append(sse(self.envelope([], usage=self.usage(done))))
+        return [*out, DONE]
+
+    def final_choice(self, done: Done) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatRenderer(_OpenAIRenderer):
+    prefix, kind = "chatcmpl", "chat.completion.chunk"
+
+    def body(self, text: str, tokens: list[TokenEvent], done: Done) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                  "logprobs": self.logprobs(tokens), "finish_reason": FINISH[done.reason]}
+        return {**self.envelope([choice]), "object": "chat.completion", "usage": self.usage(done)}
+
+    def stream_start(self) -> list[bytes]:
+        return [sse(self.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]))]
+
+    def stream_piece(self, piece: Piece) -> list[bytes]:
+        if not piece.text and self.job.top_logprobs < 0:
+            return []
+        return [sse(self.envelope([{"index": 0, "delta": {"content": piece.text},
+                                    "logprobs": self.logprobs(list(piece.tokens)),
+                                    "finish_reason": None}]))]
+
+    def final_choice(self, done: Done) -> dict[str, Any]:
+        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": FINISH[done.reason]}
+
+    def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
+        if self.job.top_logprobs < 0:
+            return None
+        tok, n = self.job.tokenizer, self.job.top_logprobs
+        return {"content": [{**_token(tok, t.token, t.logprob),
+                             "top_logprobs": [_token(tok, i, lp) for i, lp in t.top[:n]]}
+                            for t in tokens], "refusal": None}
+
+
+class CompletionRenderer(_OpenAIRenderer):
+    prefix, kind = "cmpl", "text_completion"
+
+    def body(self, text: str, tokens: list[TokenEvent], done: Done) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": self.logprobs(tokens),
+                  "finish_reason": FINISH[done.reason]}
+        return {**self.envelope([choice]), "usage": self.usage(done)}
+
+    def stream_start(self) -> list[bytes]:
+        return []
+
+    def stream_piece(self, piece: Piece) -> list[bytes]:
+        if not piece.text and self.job.top_logprobs < 0:
+            return []
+        return [sse(self.envelope([{"index": 0, "text": piece.text,
+                                    "logprobs": self.logprobs(list(piece.tokens)),
+                                    "finish_reason": None}]))]
+
+    def final_choice(self, done: Done) -> dict[str, Any]:
+        return {"index": 0, "text": "", "logprobs": None, "finish_reason": FINISH[done.reason]}
+
+    def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
+        if self.job.top_logprobs < 0:
+            return None
+        tok, n = self.job.tokenizer, self.job.top_logprobs
+        texts = [tok.token_bytes(t.token).decode("utf-8", "replace") for t in tokens]
+        offsets = [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{tok.token_bytes(i).decode("utf-8", "replace"): lp
+                                  for i, lp in t.top[:n]} for t in tokens],
+                "text_offset": offsets}
+
+
+def _token(tok: Tokenizer, token: int, logprob: float | None) -> dict[str, Any]:
+    raw = tok.token_bytes(token)
+    return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}

@@ -1,0 +1,176 @@
+"""The ASGI response that runs a generation, streamed (SSE) or answered whole (JSON).
+
+It owns the request's lifetime: admission (the concurrency limit), a watcher that
+cancels everything when the client disconnects (which closes the Generator's stream
+and frees its KV cache), the first event awaited *before* any header is sent (so a
+generator that cannot start still gets its own status: 404, 429, 503), then either
+SSE events with keep-alive pings while nothing else is sent, or one JSON body.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+
+from kvasird.gateway.errors import ApiError, from_generation
+from kvasird.gateway.generation import Done, Piece, pieces
+from kvasird.gateway.stats import Slot
+from kvasird.inference.api import GenerationError, TokenEvent
+from kvasird.logs import get_logger
+
+if TYPE_CHECKING:
+    from kvasird.gateway.service import Gateway, Job
+
+log = get_logger("kvasird.gateway")
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class Renderer(Protocol):
+    """One API's rendering of the internal stream (openai.py, anthropic.py)."""
+
+    ping: bytes
+    """The SSE keep-alive this API's clients ignore."""
+
+    def error(self, err: ApiError) -> dict[str, Any]: ...
+
+    def body(self, text: str, tokens: list[TokenEvent], done: Done) -> dict[str, Any]: ...
+
+    def stream_start(self) -> list[bytes]: ...
+
+    def stream_piece(self, piece: Piece) -> list[bytes]: ...
+
+    def stream_end(self, done: Done) -> list[bytes]: ...
+
+    def stream_error(self, err: ApiError) -> list[bytes]: ...
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event; ``data`` is JSON-encoded unless already text."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                             separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body, ensure_ascii=False).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class GenerationResponse:
+    def __init__(self, gateway: Gateway, job: Job, renderer: Renderer) -> None:
+        self.gateway, self.job, self.renderer = gateway, job, renderer
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        try:
+            slot = self.gateway.stats.admit(self.gateway.config.max_concurrent)
+        except ApiError as err:
+            await send_json(send, err.status, self.renderer.error(err))
+            return
+        with slot:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                await self._run(send, slot)
+                nursery.cancel_scope.cancel()
+            if nursery.cancel_scope.cancelled_caught and not slot.finished:
+                log.info("client disconnected: generation cancelled",
+                         request_id=self.job.request.request_id)
+
+    async def _run(self, send: Send, slot: Slot) -> None:
+        job = self.job
+        stream = pieces(job.generator, job.tokenizer, job.request, job.stops)
+        async with aclosing(stream) as items:
+            try:
+                first = await anext(items)
+            except GenerationError as exc:
+                err = from_generation(exc)
+                await send_json(send, err.status, self.renderer.error(err))
+                slot.finish(err.status)
+                return
+            slot.first_token()
+            if job.stream:
+                await self._stream(first, items, send, slot)
+            else:
+                await self._whole(first, items, send, slot)
+
+    async def _whole(self, first: Piece | Done, items: AsyncIterator[Piece | Done], send: Send,
+                     slot: Slot) -> None:
+        texts: list[str] = []
+        tokens: list[TokenEvent] = []
+        item: Piece | Done = first
+        try:
+            while isinstance(item, Piece):
+                texts.append(item.text)
+                tokens.extend(item.tokens)
+                item = await anext(items)
+        except GenerationError as exc:
+            err = from_generation(exc)
+            await send_json(send, err.status, self.renderer.error(err))
+            slot.finish(err.status)
+            return
+        await send_json(send, 200, self.renderer.body("".join(texts), tokens, item))
+        slot.finish(200, item.completion_tokens)
+
+    async def _stream(self, first: Piece | Done, items: AsyncIterator[Piece | Done], send: Send,
+                      slot: Slot) -> None:
+        r = self.renderer
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        out = _Writer(send)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(out.keep_alive, r.ping, self.gateway.config.ping_s)
+            await out.write(r.stream_start())
+            item: Piece | Done = first
+            try:
+                while isinstance(item, Piece):
+                    await out.write(r.stream_piece(item))
+                    item = await anext(items)
+                await out.write(r.stream_end(item))
+                slot.finish(200, item.completion_tokens)
+            except GenerationError as exc:
+                err = from_generation(exc)
+                await out.write(r.stream_error(err))
+                slot.finish(err.status)
+            nursery.cancel_scope.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Writer:
+    """Serialises body writes of the event loop and the pinger; remembers the last one."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._lock = trio.Lock()
+        self.last = trio.current_time()
+
+    async def write(self, chunks: list[bytes]) -> None:
+        if not chunks:
+            return
+        async with self._lock:
+            await self._send({"type": "http.response.body", "body": b"".join(chunks),
+                              "more_body": True})
+            self.last = trio.current_time()
+
+    async def keep_alive(self, ping: bytes, every_s: float) -> None:
+        while True:
+            await trio.sleep_until(self.last + every_s)
+            if trio.current_time() >= self.last + every_s:
+                await self.write([ping])
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return

@@ -1,0 +1,197 @@
+"""Routes through the swarm, computed from the coverage map and our own measurements. Pure.
+
+A route is a chain of hops that turns token ids into the next token:
+
+    tokens ─▶ [embed][layers a0..a1) ─▶ [layers a1..a2) ─▶ … ─▶ [layers ..L)[head] ─▶ token
+
+Each hop is one peer computing a contiguous part: optionally the embedding (it holds the
+head unit), one of its held layer windows, optionally the output head. A peer holding
+the head and the first window does both in one hop; the head at the end may come back
+to a head holder (a ring). Routing is a shortest path over layer boundaries 0..L with
+a start (tokens) and an end (sampled token): an edge per usable hop, weighted by the
+expected time of that hop — our measured latency to the peer (the EWMA of step times
+we saw, else the heartbeat RTT) plus a per-layer compute estimate. Unfit peers (failed,
+timed out, caught by a spot check) get no edges. Windows are used whole: a peer serves
+exactly the runs it loaded.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvasird.market.records import CoverageRecord
+
+DEFAULT_LATENCY_MS = 25.0
+"""Assumed for a peer we have no measurement of yet."""
+EWMA = 0.3
+
+
+@dataclass(frozen=True)
+class PeerHoldings:
+    """What one peer serves now (its online holdings only)."""
+
+    peer: str
+    """Peer id."""
+    head: bool
+    """Holds the head (embedding and output)."""
+    windows: tuple[tuple[int, int], ...]
+    """Layer runs [a, b) it serves as stages."""
+    experts: tuple[tuple[int, int, int], ...]
+    """(layer, e0, e1) expert ranges it serves as a worker."""
+
+    @classmethod
+    def of_record(cls, record: CoverageRecord) -> PeerHoldings:
+        online = [h for h in record.holdings if h.state == "online"]
+        windows = _merge([(h.lo, h.hi) for h in online if h.kind == "L"])
+        experts = tuple((h.start, h.lo, h.hi) for h in online if h.kind == "E")
+        return cls(record.peer, any(h.kind == "H" for h in online), windows, experts)
+
+
+def _merge(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One peer's part of a route."""
+
+    peer: str
+    """Who computes it."""
+    first: int
+    """First layer of its window (== end when it computes no layers)."""
+    end: int
+    """One past its last layer."""
+    embed: bool
+    """Starts from token ids."""
+    head: bool
+    """Ends with the output head and samples."""
+
+
+@dataclass(frozen=True)
+class Route:
+    hops: tuple[Hop, ...]
+    """In order; the first embeds, the last samples."""
+    cost_ms: float
+    """Expected time of one decode step along it."""
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(h.peer for h in self.hops)
+
+
+def plan_route(n_layer: int, holders: Sequence[PeerHoldings], cost: Callable[[str], float],
+               per_layer_ms: float = 0.1) -> Route | None:
+    """The cheapest route over `holders`, or None when they do not cover the model."""
+    start, end = -1, n_layer + 1
+    edges: dict[int, list[tuple[float, int, Hop]]] = {}
+
+    def edge(a: int, b: int, hop: Hop) -> None:
+        w = cost(hop.peer) + per_layer_ms * (hop.end - hop.first)
+        edges.setdefault(a, []).append((w, b, hop))
+
+    for h in holders:
+        if h.head:
+            edge(start, 0, Hop(h.peer, 0, 0, True, False))
+            edge(n_layer, end, Hop(h.peer, n_layer, n_layer, False, True))
+        for a, b in h.windows:
+            edge(a, b, Hop(h.peer, a, b, False, False))
+            if h.head and a == 0:
+                edge(start, b, Hop(h.peer, 0, b, True, False))
+            if h.head and b == n_layer:
+                edge(a, end, Hop(h.peer, a, b, False, True))
+            if h.head and a == 0 and b == n_layer:
+                edge(start, end, Hop(h.peer, 0, b, True, True))
+    best: dict[int, tuple[float, tuple[Hop, ...]]] = {start: (0.0, ())}
+    heap: list[tuple[float, int, int]] = [(0.0, 0, start)]
+    tie = 0
+    while heap:
+        d, _, node = heapq.heappop(heap)
+        if node == end:
+            return Route(best[end][1], d)
+        if d > best[node][0]:
+            continue
+        for w, nxt, hop in edges.get(node, ()):
+            nd = d + w
+            if nxt not in best or nd < best[nxt][0]:
+                best[nxt] = (nd, best[node][1] + (hop,))
+                tie += 1
+                heapq.heappush(heap, (nd, tie, nxt))
+    return None
+
+
+def expert_holders(holders: Iterable[PeerHoldings], layer: int, lo: int, hi: int
+                   ) -> list[tuple[str, int, int]]:
+    """(peer, e0, e1) of every advertised range of `layer` overlapping [lo, hi)."""
+    return [(h.peer, e0, e1) for h in holders for lay, e0, e1 in h.experts
+            if lay == layer and e0 < hi and lo < e1]
+
+
+def cover_experts(ranges: Sequence[tuple[str, int, int]], lo: int, hi: int,
+                  cost: Callable[[str], float]) -> list[tuple[str, int, int, int, int]] | None:
+    """Pieces (peer, piece_lo, piece_hi, peer_e0, peer_e1) covering [lo, hi), cheapest first.
+
+    Greedy left to right: at each expert, the cheapest holder covering it takes as much
+    as it holds. None when some expert has no holder.
+    """
+    out, e = [], lo
+    while e < hi:
+        here = [r for r in ranges if r[1] <= e < r[2]]
+        if not here:
+            return None
+        peer, e0, e1 = min(here, key=lambda r: (cost(r[0]), -r[2]))
+        out.append((peer, e, min(e1, hi), e0, e1))
+        e = min(e1, hi)
+    return out
+
+
+class Fitness:
+    """Peers that failed or were caught lying get no work until their sentence ends."""
+
+    def __init__(self, unfit_s: float) -> None:
+        self.unfit_s = unfit_s
+        self._until: dict[str, tuple[float, str]] = {}
+
+    def mark(self, peer: str, reason: str, for_s: float | None = None) -> None:
+        self._until[peer] = (time.monotonic() + (self.unfit_s if for_s is None else for_s), reason)
+
+    def fit(self, peer: str) -> bool:
+        until = self._until.get(peer)
+        if until is None:
+            return True
+        if until[0] < time.monotonic():
+            del self._until[peer]
+            return True
+        return False
+
+    def snapshot(self) -> dict[str, str]:
+        now = time.monotonic()
+        return {p: r for p, (until, r) in list(self._until.items()) if until >= now}
+
+
+class Latency:
+    """Our own measurements of each peer: EWMA of answered requests, else heartbeat RTT."""
+
+    def __init__(self, me: str, rtt: Callable[[str], float | None]) -> None:
+        self.me, self.rtt = me, rtt
+        self._ewma: dict[str, float] = {}
+
+    def observe(self, peer: str, ms: float) -> None:
+        old = self._ewma.get(peer)
+        self._ewma[peer] = ms if old is None else (1 - EWMA) * old + EWMA * ms
+
+    def __call__(self, peer: str) -> float:
+        if peer == self.me:
+            return 0.0
+        if (seen := self._ewma.get(peer)) is not None:
+            return seen
+        rtt = self.rtt(peer)
+        return DEFAULT_LATENCY_MS if rtt is None else rtt

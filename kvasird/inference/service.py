@@ -1,0 +1,272 @@
+"""InferenceService: this node's part in the data plane, wired into the daemon.
+
+    market loader ──units──▶ Served (stages + expert workers, built in a thread)
+    "/kvasir/stage/1"   ──▶ StageServer   (sessions on our stages)
+    "/kvasir/experts/1" ──▶ ExpertServer  (batched expert rows for other stages)
+    SwarmGenerator ── routes over the coverage map ──▶ peers' StageServers (or ours, in process)
+    admin API: POST /v0/generate (NDJSON token stream), GET /v0/inference (routes, sessions, unfit)
+    every few heartbeats: a LoadReport (tokens computed, experts selected) on gossip
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as HttpRoute
+
+from kvasird.compute.gguffile import GGUFFile
+from kvasird.compute.hparams import HParams
+from kvasird.config import Config
+from kvasird.inference.api import (
+    Busy,
+    Finished,
+    GenerationError,
+    GenerationRequest,
+    ModelInfo,
+    NoRoute,
+    Sampling,
+    TokenEvent,
+    UnknownModel,
+)
+from kvasird.inference.channel import Channels, serve
+from kvasird.inference.experts import ExpertDispatcher
+from kvasird.inference.routing import Fitness, Latency, PeerHoldings
+from kvasird.inference.serving import (
+    EXPERT_PROTOCOL,
+    STAGE_PROTOCOL,
+    ExpertServer,
+    Holdings,
+    Served,
+    StageServer,
+)
+from kvasird.inference.swarm import SwarmGenerator
+from kvasird.logs import get_logger
+from kvasird.market.records import LoadReport
+from kvasird.market.service import MarketService
+from kvasird.model.manifest import Unit
+from kvasird.p2p import P2PNode
+
+RETIRE_AFTER_S = 60.0
+"""An engine replaced by a reload is freed this long later (steps still running finish)."""
+REPORT_HEARTBEATS = 3
+STATUS = {NoRoute: 503, Busy: 429, UnknownModel: 404}
+log = get_logger("kvasird.inference")
+
+
+class InferenceService:
+    def __init__(self, p2p: P2PNode, market: MarketService, config: Config) -> None:
+        self.p2p, self.market, self.config = p2p, market, config
+        c = config.inference
+        self.path = Path(config.market.model).expanduser() if config.market.model else None
+        self.served: Served | None = None
+        self.holdings = Holdings()
+        self.channels = Channels(p2p.host)
+        self.fitness = Fitness(c.unfit_s)
+        self.latency = Latency(p2p.peer_id, self._rtt)
+        self.stages = StageServer(self._model_id, lambda: self.served,
+                                  max_sessions=c.max_sessions, idle_s=c.session_idle_s,
+                                  wire_dtype=c.wire_dtype)
+        self.experts = ExpertServer(lambda: self.served, window_s=c.batch_window_ms / 1000,
+                                    wire_dtype=c.wire_dtype)
+        self.dispatcher = ExpertDispatcher(
+            p2p.peer_id, self.holders, self.channels, self.latency, self.fitness,
+            timeout_s=c.expert_timeout_s, wire_dtype=c.wire_dtype, spot_check=c.spot_check,
+            tolerance=c.spot_tolerance)
+        self.generator = SwarmGenerator(p2p.peer_id, self._info, self._n_layer, self.holders,
+                                        self.channels, self.stages.handle, self.latency,
+                                        self.fitness, c)
+        self._info_cache: ModelInfo | None = None
+        self._hp: HParams | None = None
+        self._nursery: trio.Nursery | None = None
+        self._load_lock = trio.Lock()
+
+    # --- what we know of the model and the swarm ----------------------------------------
+
+    def _model_id(self) -> str:
+        return self.market.model.model_id if self.market.model else ""
+
+    def _hparams(self) -> HParams | None:
+        if self._hp is None and self.path is not None:
+            self._hp = HParams.from_gguf(GGUFFile(self.path))
+        return self._hp
+
+    def _n_layer(self) -> int:
+        hp = self._hparams()
+        return hp.n_layer if hp else 0
+
+    def _info(self) -> ModelInfo | None:
+        if self._info_cache is None and self.path is not None and self.market.model:
+            hp = self._hparams()
+            assert hp is not None
+            label = GGUFFile(self.path).get("general.name") or self.path.stem
+            self._info_cache = ModelInfo(self._model_id(), str(label),
+                                         min(hp.n_ctx_train, self.config.inference.kv_slots))
+        return self._info_cache
+
+    def _rtt(self, peer: str) -> float | None:
+        info = self.p2p.peers.get(peer)
+        return info.rtt_ms if info is not None else None
+
+    def holders(self) -> list[PeerHoldings]:
+        """Every peer serving this model now, ourselves included (from what we loaded)."""
+        out: list[PeerHoldings] = []
+        if self.market.map is not None:
+            out = [PeerHoldings.of_record(e.record) for p, e in self.market.map.entries.items()
+                   if p != self.p2p.peer_id and e.record.state != "offline"]
+        if self.served is not None:
+            h = self.holdings
+            out.append(PeerHoldings(self.p2p.peer_id, h.head, h.windows, h.experts))
+        return out
+
+    # --- loading what the market enrolled us into ---------------------------------------
+
+    async def load(self, units: list[Unit]) -> None:
+        """The market's loader: (re)build the engine for everything we hold now."""
+        if self.path is None:
+            return
+        async with self._load_lock:
+            wanted = Holdings.of(u for u, s in self.market.held.items() if s != "draining")
+            if wanted == self.holdings:
+                return
+            c = self.config
+            began = time.monotonic()
+            served = await trio.to_thread.run_sync(lambda: Served.build(
+                self.path, wanted, threads=c.compute.threads, kv_slots=c.inference.kv_slots,
+                remote=self.dispatcher.shard))
+            old, self.served, self.holdings = self.served, served, wanted
+            self.stages.close_all()
+            if old is not None and self._nursery is not None:
+                self._nursery.start_soon(_retire, old)
+            log.info("serving", head=wanted.head, windows=list(wanted.windows),
+                     experts=len(wanted.experts), seconds=round(time.monotonic() - began, 2))
+
+    # --- running -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        idle = self.config.inference.session_idle_s
+        host = self.p2p.host
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                await nursery.start(self.channels.run)
+                host.set_stream_handler(STAGE_PROTOCOL,
+                                        lambda s: serve(s, self.stages.handle, idle))
+                host.set_stream_handler(EXPERT_PROTOCOL,
+                                        lambda s: serve(s, self.experts.handle, idle))
+                nursery.start_soon(self._housekeeping)
+                task_status.started()
+        finally:
+            self.stages.close_all()
+            if self.served is not None:
+                self.served.close()
+                self.served = None
+
+    async def _housekeeping(self) -> None:
+        period = self.config.market.heartbeat_s * REPORT_HEARTBEATS
+        last = time.time()
+        while True:
+            await trio.sleep(period)
+            self.stages.expire()
+            now = time.time()
+            await self._report(now - last)
+            last = now
+
+    async def _report(self, window_s: float) -> None:
+        tokens, selected = self.stages.tokens, self.dispatcher.selected
+        self.stages.tokens = 0
+        self.dispatcher.selected = type(selected)()
+        if not self.market.model or (tokens == 0 and not selected):
+            return
+        report = LoadReport(self.p2p.peer_id, self.market.next_seq(), time.time(),
+                            self._model_id(), max(window_s, 0.1), tokens,
+                            tuple((layer, e, n) for (layer, e), n in sorted(selected.items())))
+        try:
+            await self.market.publish_load(report)
+        except Exception as exc:  # noqa: BLE001 - no peers to publish to
+            log.debug("load report not published", error=repr(exc))
+
+    # --- admin API -----------------------------------------------------------------------
+
+    def routes(self) -> list[HttpRoute]:
+        return [HttpRoute("/v0/generate", self._http_generate, methods=["POST"]),
+                HttpRoute("/v0/inference", self._http_status)]
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "serving": {"head": self.holdings.head, "windows": list(self.holdings.windows),
+                        "experts": list(self.holdings.experts),
+                        "sessions": len(self.stages.sessions),
+                        "expert_rows": self.experts.rows, "expert_calls": self.experts.calls},
+            "generations": {rid: {"route": list(p.route), "tokens": p.tokens,
+                                  "failovers": p.failovers, "hop_ms": p.hop_ms}
+                            for rid, p in self.generator.active.items()},
+            "dispatch": dict(self.dispatcher.stats),
+            "unfit": self.fitness.snapshot(),
+        }
+
+    async def _http_status(self, _: Request) -> JSONResponse:
+        return JSONResponse(self.status())
+
+    async def _http_generate(self, request: Request) -> Response:
+        try:
+            req = parse_request(await request.json())
+        except (ValueError, TypeError, KeyError) as exc:
+            return JSONResponse({"error": f"bad request: {exc}"}, status_code=400)
+        events = self.generator.generate(req)
+        try:
+            first = await events.__anext__()
+        except GenerationError as exc:
+            return JSONResponse({"error": str(exc), "kind": type(exc).__name__},
+                                status_code=STATUS.get(type(exc), 500))
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                yield _line(first)
+                async for event in events:
+                    yield _line(event)
+            except GenerationError as exc:
+                yield (json.dumps({"error": str(exc), "kind": type(exc).__name__}) + "\n").encode()
+            finally:
+                await events.aclose()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def parse_request(body: Any) -> GenerationRequest:
+    """The admin API's generate body: token ids in (the CLI tokenizes)."""
+    if not isinstance(body, dict):
+        raise ValueError("expected a JSON object")
+    prompt = body["prompt"]
+    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        raise ValueError("prompt must be a list of token ids")
+    sampling = Sampling(temperature=float(body.get("temperature", 0.0)),
+                        top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0)),
+                        repetition_penalty=float(body.get("repetition_penalty", 1.0)),
+                        seed=body.get("seed"), max_tokens=int(body.get("max_tokens", 32)),
+                        logprobs=int(body.get("logprobs", 0)))
+    return GenerationRequest(str(body.get("model", "")), tuple(prompt), sampling,
+                             frozenset(int(t) for t in body.get("stop", ())),
+                             str(body.get("request_id", "")))
+
+
+def _line(event: TokenEvent | Finished) -> bytes:
+    if isinstance(event, TokenEvent):
+        d: dict[str, Any] = {"token": event.token}
+        if event.logprob is not None:
+            d.update(logprob=event.logprob, top=[list(t) for t in event.top])
+    else:
+        d = {"finished": event.reason, "prompt_tokens": event.prompt_tokens,
+             "completion_tokens": event.completion_tokens}
+    return (json.dumps(d) + "\n").encode()
+
+
+async def _retire(served: Served) -> None:
+    await trio.sleep(RETIRE_AFTER_S)
+    served.close()

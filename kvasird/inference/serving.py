@@ -1,0 +1,442 @@
+"""What a node serves: compute stages for the units it holds, sessions on them, expert rows.
+
+The market's loader hands us the units this node enrolled into; ``Served.build`` turns
+them into engine objects (blocking; run in a thread), all on one ggml backend:
+
+    head unit          ─▶ embed stage (token ids ─▶ hidden) and head stage (hidden ─▶ logits)
+    layers [a, b)      ─▶ one window stage per contiguous run (KV pool of its own)
+    experts (l, e0:e1) ─▶ loaded into the window stage when l is in a window, else into a
+                          worker-only weight set; both are served to other stages as workers
+
+A window stage dispatches the experts of its MoE layers that it does not hold through
+the RemoteExperts hooks the caller provides (kvasird.inference.experts).
+
+``StageServer`` answers "/kvasir/stage/1": open (a session on [first, end) with embed/head),
+step (token ids or hidden rows at positions start.. ─▶ hidden rows, or the sampled token
+at the last stage), close. Sessions are keyed by (caller, session id), bounded in
+number and KV room (admission refuses with "busy" and a reason), and closed when idle.
+``ExpertServer`` answers "/kvasir/experts/1": (layer, rows, local ids) ─▶ outputs, with
+concurrent requests for one layer batched into one ggml call.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from kvasird.compute.errors import ComputeError, KVCacheFull
+from kvasird.compute.experts import ExpertShard, ExpertWorker
+from kvasird.compute.gguffile import GGUFFile
+from kvasird.compute.graph import Backend
+from kvasird.compute.hparams import HParams
+from kvasird.compute.kvcache import PAGE, KVSpec, Session
+from kvasird.compute.runtime import compute_threads
+from kvasird.compute.sampling import Sampler, SamplingParams, log_softmax
+from kvasird.compute.stage import Stage
+from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
+from kvasird.errors import WireError
+from kvasird.inference import tensors
+from kvasird.inference.errors import Refused
+from kvasird.logs import get_logger
+from kvasird.model.manifest import Unit
+from kvasird.wire import schema
+
+STAGE_PROTOCOL = "/kvasir/stage/1"
+EXPERT_PROTOCOL = "/kvasir/experts/1"
+PERTURB_ENV = "KVASIRD_TEST_PERTURB_EXPERTS"
+"""Test-only: a worker started with this set to 1 returns wrong expert outputs."""
+MAX_TOP = 20
+log = get_logger("kvasird.inference.serving")
+
+RemoteHook = Callable[[int, int, int], ExpertShard]
+"""(layer, first, end) -> a shard computing those experts on other peers."""
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """The units of one model a node holds, as the ranges the engine loads."""
+
+    head: bool = False
+    """Token embedding, output norm and output matrix."""
+    windows: tuple[tuple[int, int], ...] = ()
+    """Contiguous layer runs [a, b) (dense paths)."""
+    experts: tuple[tuple[int, int, int], ...] = ()
+    """(layer, e0, e1): the largest contiguous run of held experts per layer."""
+
+    @classmethod
+    def of(cls, units: Iterable[Unit]) -> Holdings:
+        units = set(units)
+        layers = sorted(u.layer for u in units if u.kind == "layer")
+        by_layer: dict[int, list[int]] = {}
+        for u in units:
+            if u.kind == "expert":
+                by_layer.setdefault(u.layer, []).append(u.expert)
+        experts = tuple((layer, *_longest_run(sorted(es))) for layer, es in sorted(by_layer.items()))
+        return cls(any(u.kind == "head" for u in units), tuple(_runs(layers)), experts)
+
+    def expert_range(self, layer: int) -> tuple[int, int] | None:
+        return next(((e0, e1) for lay, e0, e1 in self.experts if lay == layer), None)
+
+
+def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for v in values:
+        if out and out[-1][1] == v:
+            out[-1] = (out[-1][0], v + 1)
+        else:
+            out.append((v, v + 1))
+    return out
+
+
+def _longest_run(values: Sequence[int]) -> tuple[int, int]:
+    return max(_runs(values), key=lambda r: r[1] - r[0])
+
+
+class Served:
+    """The engine objects for a Holdings: stages and expert workers on one backend."""
+
+    def __init__(self, path: Path, holdings: Holdings, backend: Backend, hp: HParams) -> None:
+        self.path, self.holdings, self.backend, self.hp = path, holdings, backend, hp
+        self.embed: Stage | None = None
+        self.head: Stage | None = None
+        self.windows: dict[tuple[int, int], Stage] = {}
+        self.workers: dict[int, ExpertWorker] = {}
+        """Layer -> the worker computing this node's held experts of it."""
+        self.expert_first: dict[int, int] = {}
+        """Layer -> global id of the first expert held (local ids count from here)."""
+        self._extra = None
+
+    @classmethod
+    def build(cls, path: Path, holdings: Holdings, *, threads: int, kv_slots: int,
+              remote: RemoteHook) -> Served:
+        """Load everything `holdings` names from the GGUF at `path` (blocking)."""
+        hp = HParams.from_gguf(GGUFFile(path))
+        served = cls(path, holdings, Backend(compute_threads(threads)), hp)
+        try:
+            served._load(kv_slots, remote)
+        except BaseException:
+            served.close()
+            raise
+        return served
+
+    def _load(self, kv_slots: int, remote: RemoteHook) -> None:
+        hp, h, be = self.hp, self.holdings, self.backend
+        positions = KVSpec(n_slots=1 << 20)  # embed/head stages hold no KV: positions only
+        if h.head:
+            self.embed = Stage.load(self.path, (0, 0), embed=True, head=False, backend=be, kv=positions)
+            self.head = Stage.load(self.path, (hp.n_layer, hp.n_layer), embed=False, head=True,
+                                   backend=be, kv=positions)
+        in_window: set[int] = set()
+        for a, b in h.windows:
+            shards: dict[int, list[ExpertShard]] = {}
+            ranges: dict[int, tuple[int, int]] = {}
+            for layer in range(a, b) if hp.is_moe else ():
+                held = h.expert_range(layer)
+                if held == (0, hp.n_expert):
+                    continue
+                if held is not None:
+                    ranges[layer] = held
+                shards[layer] = [remote(layer, lo, hi) for lo, hi in _complement(held, hp.n_expert)]
+            stage = Stage.load(self.path, (a, b), embed=False, head=False, backend=be,
+                               kv=KVSpec(n_slots=kv_slots, dtype="f32"), experts=shards,
+                               expert_ranges=ranges)
+            self.windows[(a, b)] = stage
+            local = stage.local_worker()
+            for layer in ranges:
+                stage.set_experts(layer, [*shards[layer], local.shard(layer)])
+            for layer, r in stage.weights.experts.items():
+                self.workers[layer], self.expert_first[layer] = local, r.first
+                in_window.add(layer)
+        rest = {layer: (e0, e1) for layer, e0, e1 in h.experts if layer not in in_window}
+        if rest:
+            names = [f"blk.{layer}.{s}" for layer in rest for s in EXPERT_SUFFIXES]
+            self._extra = load_weights(self.path, be, names, rest)
+            worker = ExpertWorker(self._extra, be)
+            for layer, r in self._extra.experts.items():
+                self.workers[layer], self.expert_first[layer] = worker, r.first
+
+    def stages_for(self, first: int, end: int, embed: bool, head: bool) -> list[Stage]:
+        """The chain of stages that computes one hop, or Refused when we lack a part."""
+        chain: list[Stage] = []
+        if embed:
+            if self.embed is None:
+                raise Refused("", "bad", "this node does not hold the head (embedding)")
+            chain.append(self.embed)
+        if first < end:
+            window = self.windows.get((first, end))
+            if window is None:
+                raise Refused("", "bad", f"this node serves no layer window [{first}, {end}); "
+                                         f"it serves {sorted(self.windows)}")
+            chain.append(window)
+        if head:
+            if self.head is None:
+                raise Refused("", "bad", "this node does not hold the head (output)")
+            chain.append(self.head)
+        if not chain:
+            raise Refused("", "bad", "an empty hop computes nothing")
+        return chain
+
+    def close(self) -> None:
+        for stage in [self.embed, self.head, *self.windows.values()]:
+            if stage is not None:
+                stage.graphs.close()
+                stage.kv.close()
+                stage.weights.close()
+        for worker in set(self.workers.values()):
+            worker.close()
+        if self._extra is not None:
+            self._extra.close()
+        self.backend.close()
+
+
+def _complement(held: tuple[int, int] | None, n: int) -> list[tuple[int, int]]:
+    if held is None:
+        return [(0, n)]
+    return [(lo, hi) for lo, hi in ((0, held[0]), (held[1], n)) if lo < hi]
+
+
+@dataclass
+class ServedSession:
+    """One caller's session on a hop: a KV session per stage of the chain, and the sampler."""
+
+    chain: list[Stage]
+    """The stages the hop runs through, in order."""
+    sessions: list[Session]
+    """One per stage."""
+    sampler: Sampler | None
+    """Present when the hop ends at the head."""
+    logprobs: int
+    """Top alternatives to report per token (0 = none)."""
+    max_tokens: int
+    """Positions this session may reach (prompt + completion)."""
+    history: list[int] = field(default_factory=list)
+    """Token ids seen so far (the head's repetition penalty needs them)."""
+    used: float = field(default_factory=time.monotonic)
+    """Last use, for idle expiry."""
+
+    def close(self) -> None:
+        for s in self.sessions:
+            s.close()
+
+
+class StageServer:
+    """Sessions on this node's stages, and the stage protocol's request handler."""
+
+    def __init__(self, model_id: Callable[[], str], served: Callable[[], Served | None], *,
+                 max_sessions: int, idle_s: float, wire_dtype: str) -> None:
+        self.model_id, self.served = model_id, served
+        self.max_sessions, self.idle_s, self.wire_dtype = max_sessions, idle_s, wire_dtype
+        self.sessions: dict[tuple[str, str], ServedSession] = {}
+        self.tokens = 0
+        """Token positions computed since the last load report."""
+
+    async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg.get("op")
+        if op == "open":
+            return self._open(caller, msg)
+        key = (caller, schema.text(msg, "sid", 64, "stage"))
+        if op == "close":
+            if (s := self.sessions.pop(key, None)) is not None:
+                s.close()
+            return {}
+        if op == "step":
+            s = self.sessions.get(key)
+            if s is None:
+                raise Refused("", "gone", "no such session (expired, or this node restarted)")
+            return await self._step(s, msg)
+        raise WireError(f"stage: unknown op {op!r}")
+
+    def _open(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+        served = self.served()
+        if served is None or schema.text(msg, "model", 64, "stage") != self.model_id():
+            raise Refused("", "bad", "this node serves no stage of that model")
+        sid = schema.text(msg, "sid", 64, "stage")
+        n = served.hp.n_layer
+        first = schema.integer(msg, "first", 0, n, "stage")
+        end = schema.integer(msg, "end", first, n, "stage")
+        max_tokens = schema.integer(msg, "max_tokens", 1, 1 << 22, "stage")
+        chain = served.stages_for(first, end, bool(msg.get("embed")), bool(msg.get("head")))
+        self.expire()
+        if len(self.sessions) >= self.max_sessions and (caller, sid) not in self.sessions:
+            raise Refused("", "busy", f"serving {len(self.sessions)} sessions, the limit")
+        need = -(-max_tokens // PAGE) * PAGE
+        for stage in chain:
+            if stage.kv.max_session_tokens < max_tokens or stage.kv.free_tokens < need:
+                raise Refused("", "busy", f"KV cache has {stage.kv.free_tokens} free slots, "
+                                          f"the session needs {need}")
+        sampler = None
+        if msg.get("head"):
+            params = _sampling(schema.mapping(msg.get("sampling"), "stage.sampling"))
+            sampler = Sampler(params)
+            if params.temperature > 0:  # a replay continues the seeded stream where it was
+                for _ in range(schema.integer(msg, "draws", 0, 1 << 22, "stage")):
+                    sampler(np.zeros(2))
+        if (old := self.sessions.pop((caller, sid), None)) is not None:
+            old.close()
+        self.sessions[(caller, sid)] = ServedSession(
+            chain, [st.open_session() for st in chain], sampler,
+            schema.integer(msg, "logprobs", 0, MAX_TOP, "stage"), max_tokens)
+        return {}
+
+    async def _step(self, s: ServedSession, msg: dict[str, Any]) -> dict[str, Any]:
+        start = schema.integer(msg, "start", 0, s.max_tokens, "stage")
+        first = s.chain[0]
+        if first.embed:
+            x = tensors.decode(msg.get("x"), "stage.x", ("i32",), (None,))
+        else:
+            x = tensors.decode(msg.get("x"), "stage.x", ("f32", "f16"), (None, first.hp.n_embd))
+        if start + len(x) > s.max_tokens:
+            raise Refused("", "bad", f"positions up to {start + len(x)} exceed the session's "
+                                     f"{s.max_tokens}")
+        if s.sampler is not None:
+            ids = msg.get("ids")
+            if (not isinstance(ids, list) or len(ids) != len(x)
+                    or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+                raise WireError("stage.ids: expected the token ids of the positions sent")
+            del s.history[start:]
+            s.history += ids
+        s.used = time.monotonic()
+        try:
+            out = await trio.to_thread.run_sync(_run_chain, s, x, start)
+        except KVCacheFull as exc:
+            raise Refused("", "busy", str(exc)) from None
+        except ComputeError as exc:
+            raise Refused("", "bad", str(exc)) from None
+        finally:
+            s.used = time.monotonic()
+        self.tokens += len(x)
+        if s.sampler is None:
+            return {"x": tensors.encode(out, self.wire_dtype)}
+        token = s.sampler(out[-1], s.history)
+        reply: dict[str, Any] = {"token": token}
+        if s.logprobs:
+            lp = log_softmax(out[-1])
+            top = np.argsort(-lp, kind="stable")[:s.logprobs]
+            reply.update(logprob=float(lp[token]), top=[[int(i), float(lp[i])] for i in top])
+        return reply
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, s in self.sessions.items() if now - s.used > self.idle_s]:
+            self.sessions.pop(key).close()
+
+    def close_all(self) -> None:
+        for s in self.sessions.values():
+            s.close()
+        self.sessions.clear()
+
+
+def _run_chain(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
+    for stage, session in zip(s.chain, s.sessions, strict=True):
+        x = stage.forward(session, x, start)
+    return x
+
+
+def _sampling(d: dict[str, Any]) -> SamplingParams:
+    seed = d.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise WireError("stage.sampling.seed: expected an integer or nil")
+    try:
+        return SamplingParams(
+            temperature=schema.number(d, "temperature", 0, 1e6, "stage.sampling"),
+            top_k=schema.integer(d, "top_k", 0, 1 << 24, "stage.sampling"),
+            top_p=schema.number(d, "top_p", 0, 1, "stage.sampling"),
+            repetition_penalty=schema.number(d, "repetition_penalty", 1e-6, 1e6, "stage.sampling"),
+            seed=seed)
+    except ComputeError as exc:
+        raise WireError(f"stage.sampling: {exc}") from None
+
+
+class ExpertServer:
+    """Answers expert requests with this node's workers, batching per layer."""
+
+    def __init__(self, served: Callable[[], Served | None], *, window_s: float,
+                 wire_dtype: str) -> None:
+        self.served, self.window_s, self.wire_dtype = served, window_s, wire_dtype
+        self.perturb = os.environ.get(PERTURB_ENV) == "1"
+        self._queues: dict[tuple[int, int], list[_Job]] = {}
+        self.rows = 0
+        """Rows computed (for the bench and load reports)."""
+        self.calls = 0
+        """ggml calls made (rows / calls = the batch size achieved)."""
+
+    async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+        served = self.served()
+        if msg.get("op") != "experts":
+            raise WireError(f"experts: unknown op {msg.get('op')!r}")
+        if served is None:
+            raise Refused("", "bad", "this node holds no experts")
+        layer = schema.integer(msg, "layer", 0, served.hp.n_layer - 1, "experts")
+        worker = served.workers.get(layer)
+        if worker is None:
+            raise Refused("", "bad", f"this node holds no experts of layer {layer}")
+        rows = tensors.decode(msg.get("rows"), "experts.rows", ("f32", "f16"),
+                              (None, served.hp.n_embd))
+        ids = tensors.decode(msg.get("ids"), "experts.ids", ("i32",), (len(rows), None))
+        rows, ids = worker.validate(layer, rows, ids)
+        out = await self._batched(worker, layer, rows, ids)
+        if self.perturb:
+            out = out * 1.5 + 0.01
+        return {"out": tensors.encode(out, self.wire_dtype)}
+
+    async def _batched(self, worker: ExpertWorker, layer: int, rows: np.ndarray,
+                       ids: np.ndarray) -> np.ndarray:
+        key = (id(worker), layer)
+        job = _Job(rows, ids)
+        queue = self._queues.setdefault(key, [])
+        queue.append(job)
+        if len(queue) > 1:
+            await job.done.wait()
+        else:
+            await trio.sleep(self.window_s)
+            batch = self._queues.pop(key)
+            try:
+                outs = await trio.to_thread.run_sync(_run_batch, worker, layer, batch)
+                for j, o in zip(batch, outs, strict=True):
+                    j.out = o
+            except ComputeError as exc:
+                for j in batch:
+                    j.error = exc
+            finally:
+                for j in batch:
+                    j.done.set()
+            self.calls += 1
+        self.rows += len(rows)
+        if job.error is not None:
+            raise Refused("", "bad", str(job.error))
+        assert job.out is not None
+        return job.out
+
+
+@dataclass
+class _Job:
+    rows: np.ndarray
+    ids: np.ndarray
+    done: trio.Event = field(default_factory=trio.Event)
+    out: np.ndarray | None = None
+    error: Exception | None = None
+
+
+def _run_batch(worker: ExpertWorker, layer: int, batch: list[_Job]) -> list[np.ndarray]:
+    """One ggml call for every job: ids padded to the widest (repeating the first id)."""
+    width = max(j.ids.shape[1] for j in batch)
+    ids = np.concatenate([np.pad(j.ids, ((0, 0), (0, width - j.ids.shape[1])), mode="edge")
+                          for j in batch])
+    out = worker(layer, np.concatenate([j.rows for j in batch]), ids)
+    outs, at = [], 0
+    for j in batch:
+        outs.append(out[at:at + len(j.rows), :j.ids.shape[1]])
+        at += len(j.rows)
+    return outs
+
+
+def holdings_units(held: Mapping[Unit, str]) -> list[Unit]:
+    """Units the loader must serve: all held ones except those being dropped."""
+    return [u for u, state in held.items() if state != "draining"]

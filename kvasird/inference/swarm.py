@@ -1,0 +1,253 @@
+"""SwarmGenerator: the Generator that runs a request along a route of peers.
+
+    plan route (routing.plan_route over online holders, our latencies, fit peers only)
+      ─▶ open a session on every hop ─▶ prefill the prompt ─▶ decode token by token
+      each step: gateway ─x─▶ hop 1 ─h─▶ gateway ─h─▶ hop 2 … ─▶ last hop samples ─▶ token
+
+The gateway relays the boundaries (hidden rows) from hop to hop rather than having
+stages forward to each other. Measured on loopback (bench/bench_swarm.py) a relayed
+hop costs one more message than a forwarded one, but it keeps every timeout, every
+failure and every measurement at the one place that can act on them: the gateway
+sees which hop failed, marks it unfit, and rebuilds the route. A hop on this node
+itself is a direct call (no serialization, no network).
+
+Failover: when a hop fails, times out or refuses, its peer is marked unfit for
+`unfit_s`, sessions on the old route are closed, a new route is planned, and the
+token history (prompt + tokens already emitted) is replayed there as a prefill. The
+new route's head continues the seeded sampling stream where the old one stopped, so
+greedy and seeded generations continue with the same tokens.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from kvasird.config import InferenceConfig
+from kvasird.inference import tensors
+from kvasird.inference.api import (
+    Busy,
+    Finished,
+    GenerationError,
+    GenerationRequest,
+    ModelInfo,
+    NoRoute,
+    TokenEvent,
+    UnknownModel,
+)
+from kvasird.inference.channel import Channels
+from kvasird.inference.errors import HopFailed, Refused
+from kvasird.inference.routing import Fitness, Hop, Latency, PeerHoldings, Route, plan_route
+from kvasird.inference.serving import STAGE_PROTOCOL
+from kvasird.logs import get_logger
+
+PREFILL_CHUNK = 256
+"""Tokens per prefill message: bounds one frame (256 × n_embd × 4 B)."""
+BUSY_BACKOFF_S = 5.0
+"""A peer that refused for lack of capacity is avoided this long."""
+log = get_logger("kvasird.inference.swarm")
+
+LocalHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+@dataclass
+class Progress:
+    """A generation in flight, as the admin API shows it."""
+
+    route: tuple[str, ...] = ()
+    """Peers of the current route."""
+    tokens: int = 0
+    """Tokens emitted so far."""
+    failovers: int = 0
+    """Routes rebuilt so far."""
+    hop_ms: dict[str, float] = field(default_factory=dict)
+    """Last step time per hop peer (ms), the local one included."""
+
+
+class SwarmGenerator:
+    """Generates across the peers that hold the model, from this node's coverage map."""
+
+    def __init__(self, me: str, info: Callable[[], ModelInfo | None], n_layer: Callable[[], int],
+                 holders: Callable[[], list[PeerHoldings]], channels: Channels,
+                 local: LocalHandler, latency: Latency, fitness: Fitness,
+                 config: InferenceConfig) -> None:
+        self.me, self.info, self.n_layer, self.holders = me, info, n_layer, holders
+        self.channels, self.local = channels, local
+        self.latency, self.fitness, self.config = latency, fitness, config
+        self.active: dict[str, Progress] = {}
+
+    def models(self) -> list[ModelInfo]:
+        info = self.info()
+        return [info] if info is not None else []
+
+    def resolve(self, name: str) -> ModelInfo:
+        info = self.info()
+        if info is not None and (name in ("", info.model_id, info.label) or (
+                len(name) >= 8 and info.model_id.startswith(name.lower()))):
+            return info
+        known = f"{info.model_id} ({info.label})" if info else "none (set [market] model)"
+        raise UnknownModel(f"model {name!r} is not known here; this node routes {known}")
+
+    def plan(self) -> Route:
+        fit = [h for h in self.holders() if self.fitness.fit(h.peer)]
+        route = plan_route(self.n_layer(), fit, self.latency)
+        if route is None:
+            raise NoRoute("the online peers do not cover every layer and the head of the model "
+                          "(see `kvasird coverage`); retry when the market has filled the gaps")
+        return route
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:
+        info = self.resolve(request.model)
+        s = request.sampling
+        n_prompt = len(request.prompt)
+        budget = min(s.max_tokens, info.context_length - n_prompt)
+        if n_prompt == 0 or budget < 1:
+            raise Busy(f"the prompt of {n_prompt} tokens leaves no room in the context of "
+                       f"{info.context_length}: shorten it")
+        rid = request.request_id or secrets.token_hex(8)
+        progress = self.active[rid] = Progress()
+        seed = s.seed if s.seed is not None else secrets.randbits(62)
+        sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                    "repetition_penalty": s.repetition_penalty, "seed": seed}
+        run = _Run(self, info.model_id, n_prompt + budget, sampling, s.logprobs, progress)
+        history, produced, reason = list(request.prompt), 0, "length"
+        try:
+            reply = await run.begin(history)
+            while True:
+                token = int(reply["token"])
+                if token in request.stop_tokens:
+                    reason = "stop"
+                    break
+                top = tuple((int(t), float(lp)) for t, lp in reply.get("top", ()))
+                yield TokenEvent(token, reply.get("logprob"), top)
+                produced += 1
+                progress.tokens = produced
+                history.append(token)
+                if produced >= budget:
+                    break
+                reply = await run.step(history, len(history) - 1, produced)
+            yield Finished(reason, n_prompt, produced)
+        finally:
+            self.active.pop(rid, None)
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                await run.close()
+
+
+class _Run:
+    """The route of one generation, rebuilt on failure."""
+
+    def __init__(self, gen: SwarmGenerator, model: str, max_tokens: int,
+                 sampling: dict[str, Any], logprobs: int, progress: Progress) -> None:
+        self.gen, self.model, self.max_tokens = gen, model, max_tokens
+        self.sampling, self.logprobs, self.progress = sampling, logprobs, progress
+        self.route: Route | None = None
+        self.sid = ""
+        self.busy = ""
+
+    async def begin(self, history: list[int]) -> dict[str, Any]:
+        """Open the first route and prefill the prompt (failing over like a step)."""
+        try:
+            return await self.start(history, 0, first=True)
+        except HopFailed as exc:
+            return await self._failover(exc, history, 0)
+
+    async def start(self, history: list[int], produced: int, first: bool = False) -> dict[str, Any]:
+        """Plan a route, open its sessions and prefill `history`; return the head's reply."""
+        try:
+            self.route = self.gen.plan()
+        except NoRoute:
+            if self.busy:
+                raise Busy(f"every route is out of capacity right now ({self.busy}): "
+                           "retry shortly") from None
+            if first:
+                raise
+            raise GenerationError("the route failed and no other peers cover the model now; "
+                                  "the generation stopped") from None
+        self.sid = secrets.token_hex(8)
+        self.progress.route = self.route.peers
+        for i, hop in enumerate(self.route.hops):
+            await self._call(hop, {
+                "op": "open", "sid": f"{self.sid}.{i}", "model": self.model, "first": hop.first,
+                "end": hop.end, "embed": hop.embed, "head": hop.head,
+                "max_tokens": self.max_tokens, "sampling": self.sampling,
+                "logprobs": self.logprobs, "draws": produced})
+        reply: dict[str, Any] = {}
+        for c in range(0, len(history), PREFILL_CHUNK):
+            reply = await self._forward(history, c, min(c + PREFILL_CHUNK, len(history)))
+        return reply
+
+    async def step(self, history: list[int], start: int, produced: int) -> dict[str, Any]:
+        """The next token after `history`, failing over to a new route when a hop fails."""
+        try:
+            return await self._forward(history, start, len(history))
+        except HopFailed as exc:
+            return await self._failover(exc, history, produced)
+
+    async def _failover(self, exc: HopFailed, history: list[int], produced: int) -> dict[str, Any]:
+        while True:
+            self.progress.failovers += 1
+            if self.progress.failovers > self.gen.config.max_failovers:
+                raise GenerationError(f"gave up after {self.gen.config.max_failovers} route "
+                                      f"rebuilds; last failure: {exc}") from exc
+            if isinstance(exc, Refused) and exc.code == "busy":
+                self.busy = exc.detail
+                self.gen.fitness.mark(exc.peer, exc.reason, BUSY_BACKOFF_S)
+            else:
+                self.gen.fitness.mark(exc.peer, exc.reason)
+            log.warning("hop failed: rebuilding the route and replaying", peer=exc.peer,
+                        reason=exc.reason[:200], tokens=len(history))
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                await self.close()
+            try:
+                return await self.start(history, produced, first=produced == 0)
+            except HopFailed as again:
+                exc = again
+
+    async def _forward(self, history: list[int], start: int, end: int) -> dict[str, Any]:
+        assert self.route is not None
+        x: dict[str, Any] = tensors.encode(np.asarray(history[start:end]), "i32")
+        reply: dict[str, Any] = {}
+        for i, hop in enumerate(self.route.hops):
+            msg: dict[str, Any] = {"op": "step", "sid": f"{self.sid}.{i}", "start": start, "x": x}
+            if hop.head:
+                msg["ids"] = history[start:end]
+            reply = await self._call(hop, msg)
+            if not hop.head:
+                x = reply.get("x")
+        if "token" not in reply or not isinstance(reply["token"], int):
+            raise HopFailed(self.route.hops[-1].peer, "the last stage returned no token")
+        return reply
+
+    async def _call(self, hop: Hop, msg: dict[str, Any]) -> dict[str, Any]:
+        began = time.perf_counter()
+        if hop.peer == self.gen.me:
+            try:
+                reply = await self.gen.local(self.gen.me, msg)
+            except Refused as exc:
+                raise Refused(hop.peer, exc.code, exc.detail) from None
+        else:
+            timeout = self.gen.config.step_timeout_s
+            reply = await self.gen.channels.request(hop.peer, STAGE_PROTOCOL, msg, timeout)
+        ms = (time.perf_counter() - began) * 1000
+        if msg["op"] == "step":
+            self.progress.hop_ms[hop.peer] = round(ms, 2)
+            if hop.peer != self.gen.me:
+                self.gen.latency.observe(hop.peer, ms)
+        return reply
+
+    async def close(self) -> None:
+        if self.route is None:
+            return
+        route, self.route = self.route, None
+        for i, hop in enumerate(route.hops):
+            try:
+                with trio.move_on_after(1):
+                    await self._call(hop, {"op": "close", "sid": f"{self.sid}.{i}"})
+            except HopFailed:
+                pass

@@ -1,0 +1,52 @@
+"""Arrays on the wire: raw little-endian bytes in a msgpack bin field, with dtype and shape.
+
+    {"dt": "f32" | "f16" | "i32", "shape": [d0, d1, ...], "data": <bin>}
+
+Decoding checks everything against the receiver's expectations (dtype set, rank, fixed
+dimensions, element limit, byte length) before numpy sees the bytes, and always hands
+back float32 or int32, so f16 is a wire format only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvasird.errors import WireError
+
+DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "i32": np.dtype("<i4")}
+MAX_ELEMENTS = 1 << 26
+
+
+def encode(x: np.ndarray, dt: str) -> dict[str, Any]:
+    """`x` as `dt` ("f32", "f16" or "i32") bytes; floats are rounded to f16 when asked."""
+    data = np.ascontiguousarray(x, DTYPES[dt])
+    return {"dt": dt, "shape": list(data.shape), "data": data.tobytes()}
+
+
+def decode(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | None]) -> np.ndarray:
+    """A validated array; `shape` gives the rank, with None for a free dimension (>= 1)."""
+    if not isinstance(value, dict):
+        raise WireError(f"{what}: expected an array map")
+    dt, dims, data = value.get("dt"), value.get("shape"), value.get("data")
+    if dt not in kinds:
+        raise WireError(f"{what}.dt: expected one of {list(kinds)}, got {dt!r}")
+    if (not isinstance(dims, list) or len(dims) != len(shape)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims)
+            or any(want is not None and d != want for d, want in zip(dims, shape, strict=True))):
+        raise WireError(f"{what}.shape: expected {list(shape)}, got {dims!r}")
+    n = int(np.prod(dims))
+    if n > MAX_ELEMENTS:
+        raise WireError(f"{what}: {n} elements exceed the limit of {MAX_ELEMENTS}")
+    dtype = DTYPES[dt]
+    if not isinstance(data, bytes) or len(data) != n * dtype.itemsize:
+        raise WireError(f"{what}.data: expected {n * dtype.itemsize} bytes")
+    x = np.frombuffer(data, dtype).reshape(dims)
+    if dt == "i32":
+        return x
+    x = x.astype(np.float32)
+    if not np.isfinite(x).all():
+        raise WireError(f"{what}: contains NaN or infinity")
+    return x

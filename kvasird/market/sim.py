@@ -1,0 +1,651 @@
+"""A gossip-level simulator of the coverage market: thousands of virtual nodes, the real decisions.
+
+The market's decision code is pure, so a simulation can run exactly what a daemon runs:
+every virtual node builds its CoverageRecord with ``compress``, the record is encoded
+with ``to_wire`` + ``pack`` and validated with ``from_wire``, ``CoverageMap.check`` and
+the ``RecordGate`` as every receiver would, applied to a real ``CoverageMap``, and the
+node decides with the real ``decide`` against targets from a real ``Demand`` fed with
+real ``LoadReport``s. Only the network and the clock are simulated (discrete events):
+
+- **Latency.** A record reaches others after ``hops`` gossip hops (``log(N)/log(D)``
+  for a gossipsub mesh of degree D), each hop lognormal around ``hop_latency_s``.
+- **Loss.** With probability ``loss`` a viewer misses the latest records and sees them
+  one heartbeat later, when the sender republishes its full state.
+- **Churn.** Nodes leave without notice (no ``offline`` record) at ``churn_per_hour``;
+  their records expire by TTL. New nodes arrive at the same rate.
+- **Heterogeneous nodes.** Budgets lognormal around ``budget_median``; download
+  bandwidth lognormal (a unit is ``joining``/``loading`` until its bytes are in).
+- **Joining delays.** Nodes boot spread over ``boot_s`` (a model announcement reaching
+  a running network), then listen ``TTL_HEARTBEATS - 1`` heartbeats and wait a random
+  enrollment delay, like ``MarketService``; afterwards they rebalance every
+  ``rebalance_s`` (jittered), the next decision only after their download finished.
+- **Load.** One stage per layer gossips a LoadReport every ``load_interval_s`` with
+  expert selections drawn from a Zipf law per layer (exponent ``skew``), so hot experts
+  get higher targets.
+
+The approximation, and why. A full-mesh view per node costs N records per heartbeat
+per node: 10,000 nodes would apply 2 x 10^7 records per simulated second in Python.
+The simulator keeps **one** real CoverageMap, the map every honest node converges to
+(records applied when published, expired by the real TTL), and keeps snapshots of its
+replica counts. A node deciding at time t sees the snapshot of ``t - delay``, with its
+delay drawn per decision from the latency and loss model above; so nodes deciding within
+one latency of each other do not see each other's ``joining`` announcements and may pile
+onto the same units, which is the race the random delay, the random run order and the
+joining state exist for. What this does not capture: two viewers missing *different*
+records at the same moment (loss here delays the whole view by a heartbeat, which is
+pessimistic), and a live peer expiring from one viewer's map after three lost heartbeats
+in a row (probability ``loss**3``, 10^-6 at 1%; gossipsub's IWANT recovery makes it
+rarer still). ``holders(unit)`` (which ``decide`` uses to pick the designated surplus
+holders) is answered from the same map through a range index that returns exactly what
+``CoverageMap.holders`` returns, in O(ranges) numpy instead of O(peers) Python.
+
+Gossip bytes are counted from the real encodings: each record's msgpack size, plus the
+gossipsub envelope (protobuf Message with signer, seqno, topic, 64-byte signature and
+public key, RPC framing, yamux and Noise framing), times the copies a node receives in
+a mesh of degree D (D - 1 on average), plus IHAVE announcements (each gossipsub
+heartbeat, the ids of the last ``gossip_window`` heartbeats' messages to D peers).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import cache
+
+import numpy as np
+
+from kvasird import PROTOCOL_VERSION, __version__
+from kvasird.errors import WireError
+from kvasird.market.coverage import Counts, CoverageMap
+from kvasird.market.demand import Demand, Targets, fully_covered
+from kvasird.market.enroll import decide
+from kvasird.market.gate import RecordGate, Stale
+from kvasird.market.model import MarketModel
+from kvasird.market.records import (
+    ACTIVE_STATES,
+    MAX_RECORD_BYTES,
+    Capabilities,
+    CoverageRecord,
+    Holding,
+    LoadReport,
+    compress,
+)
+from kvasird.market.service import COVERAGE, TTL_HEARTBEATS
+from kvasird.model.manifest import Unit
+from kvasird.wire import pack, unpack
+
+MB = 10**6
+GB = 10**9
+EPOCH = 1_800_000_000.0
+"""Simulated clock origin (unix seconds): seq and ts encode as they will on real nodes."""
+PEER_ID_BYTES = 38
+"""An Ed25519 libp2p peer id (identity multihash): the gossip message's ``from`` field."""
+_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+def qwen122b(model_id: str = "5e" * 32) -> MarketModel:
+    """The seeds' Qwen3.5-122B MoE as the market sees it: 49 layers x 256 experts, ~79 GB."""
+    return MarketModel.uniform(model_id, n_layer=49, n_expert=256, layer_bytes=200 * MB,
+                               expert_bytes=int(5.3 * MB), head_bytes=1 * GB)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    nodes: int = 1000
+    """Nodes at the start; churn keeps the population around this size."""
+    duration_s: float = 1800.0
+    """Simulated seconds."""
+    seed: int = 0
+    """Seed of every random draw: same config, same run."""
+    target_replicas: int = 2
+    """The network's base target per unit (hot experts get up to 3x)."""
+    heartbeat_s: float = 5.0
+    """Seconds between a node's coverage records (the [market] default)."""
+    rebalance_s: float = 15.0
+    """Seconds between a node's enrollment decisions, jittered x0.7..1.3."""
+    enroll_delay_s: float = 10.0
+    """Upper bound of the random delay before a node's first decision."""
+    boot_s: float = 60.0
+    """The initial nodes start spread uniformly over this many seconds."""
+    budget_median: float = 2 * GB
+    """Median memory budget in bytes (lognormal)."""
+    budget_sigma: float = 1.0
+    """Sigma of the budget's lognormal (1.0: a tenth of nodes hold 3.6x the median)."""
+    budget_max: float = 64 * GB
+    """Budgets are capped here (a big GPU box)."""
+    bandwidth_median: float = 25 * MB
+    """Median shard download rate in bytes/s (lognormal, sigma 0.7)."""
+    hop_latency_s: float = 0.1
+    """Median latency of one gossip hop (lognormal, sigma 0.5)."""
+    loss: float = 0.01
+    """Probability that a viewer misses the latest records until the next heartbeat."""
+    churn_per_hour: float = 0.05
+    """Fraction of nodes leaving (silently) per hour; as many arrive."""
+    skew: float = 1.0
+    """Zipf exponent of expert selection per layer; 0 = uniform load (no hot experts)."""
+    load_interval_s: float = 60.0
+    """Seconds between each stage's LoadReport."""
+    tokens_per_min: int = 20_000
+    """Tokens routed through each layer per minute (each selects top_k experts)."""
+    top_k: int = 8
+    """Experts selected per token per layer."""
+    mesh_degree: int = 6
+    """gossipsub D (kvasird.p2p.gossip): mesh peers each message is forwarded to."""
+    gossip_window: int = 3
+    """gossipsub heartbeats whose message ids are announced in IHAVE."""
+    sample_s: float = 5.0
+    """Seconds between samples of the coverage time series."""
+    herd_guard: bool = False
+    """A proposed fix, not in the daemon: see ``MarketSim._joins_round``."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    """Simulated seconds since start."""
+    covered: float
+    """Fraction of units at their target, counting joining/loading/online holders."""
+    online: float
+    """Fraction of units at their target with online holders only."""
+    nodes: int
+    """Live nodes."""
+    holding: int
+    """Live nodes that hold at least one unit."""
+
+
+@dataclass(frozen=True)
+class Gossip:
+    """Control-plane traffic, network-wide per minute and what one node sees of it."""
+
+    records_per_min: float
+    """Coverage records published per minute by the whole network."""
+    changes_per_min: float
+    """Of which carry a change of holdings (the rest are heartbeats)."""
+    record_bytes: float
+    """Mean msgpack size of a coverage record."""
+    envelope_bytes: float
+    """Mean gossipsub + yamux + Noise bytes around one record."""
+    unique_per_node_min: float
+    """Bytes of one copy of every coverage and load message, per node per minute."""
+    mesh_per_node_min: float
+    """Bytes a node receives in a mesh of degree D (D - 1 copies), per minute."""
+    ihave_per_node_min: float
+    """Bytes of IHAVE announcements a node receives per minute."""
+    load_per_min: float
+    """LoadReport bytes per minute (one copy)."""
+    change_bytes: float
+    """Mean bytes (record + envelope) of a record that changes holdings."""
+
+    @property
+    def total_per_node_min(self) -> float:
+        return self.mesh_per_node_min + self.ihave_per_node_min
+
+
+@dataclass(frozen=True)
+class SimResult:
+    config: SimConfig
+    """What was simulated."""
+    samples: tuple[Sample, ...]
+    """The coverage time series."""
+    t_covered: float | None
+    """First time every unit was at its target (active holders), None if never."""
+    t_online: float | None
+    """First time every unit was at its target with online holders, None if never."""
+    expert_replicas: np.ndarray
+    """Active replicas per expert at the end, [n_layer, n_expert]."""
+    expert_targets: np.ndarray
+    """Targets per expert at the end (from the load)."""
+    layer_replicas: np.ndarray
+    """Active replicas per layer's dense path at the end."""
+    head_replicas: int
+    """Active replicas of the head at the end."""
+    gossip: Gossip
+    """Traffic over the second half of the run (steady state)."""
+    gossip_peak_per_node_min: float
+    """Mesh + IHAVE bytes per node in the busiest minute."""
+    decisions: int
+    """decide() calls (decisions skipped on a fully covered view not counted)."""
+    decide_s: float
+    """CPU seconds spent in decide()."""
+    validate_us: float
+    """Mean CPU microseconds to decode and validate a changed record (from_wire, check)."""
+    apply_us: float
+    """Mean CPU microseconds of CoverageMap.apply per record (what each receiver pays)."""
+    max_holdings: int
+    """Most ranges in one record."""
+    max_record_bytes: int
+    """Largest record (msgpack bytes)."""
+    rejected: int
+    """Records honest receivers would refuse (limits, budget); must be 0."""
+    over_budget: int
+    """Nodes holding more than their budget at the end; must be 0."""
+    left: int
+    """Nodes that left silently."""
+    arrived: int
+    """Nodes that joined after the start."""
+    wall_s: float
+    """Wall seconds the simulation took."""
+
+
+@dataclass(slots=True)
+class _Node:
+    peer: str
+    budget: int
+    bandwidth: float
+    held: dict[Unit, str] = field(default_factory=dict)
+    state: str = "joining"
+    seq: int = 0
+    record: CoverageRecord | None = None
+    wire_bytes: int = 0
+    alive: bool = True
+
+
+class _Holders:
+    """Active holders per unit as numpy range arrays; answers like CoverageMap.holders."""
+
+    _KIND = {"H": 0, "L": 1, "E": 2}
+
+    def __init__(self) -> None:
+        self._rows: dict[str, np.ndarray] = {}
+        self._table: tuple[np.ndarray, list[str]] | None = None
+
+    def set(self, peer: str, holdings: tuple[Holding, ...]) -> None:
+        rows = [(self._KIND[h.kind], h.start, h.lo, h.hi) for h in holdings
+                if h.state in ACTIVE_STATES]
+        if rows:
+            self._rows[peer] = np.array(rows, dtype=np.int32)
+        else:
+            self._rows.pop(peer, None)
+        self._table = None
+
+    def remove(self, peer: str) -> None:
+        if self._rows.pop(peer, None) is not None:
+            self._table = None
+
+    def __call__(self, unit: Unit) -> list[str]:
+        if self._table is None:
+            peers = list(self._rows)
+            if not peers:
+                return []
+            rows = np.concatenate([self._rows[p] for p in peers])
+            owner = np.repeat(np.arange(len(peers)), [len(self._rows[p]) for p in peers])
+            self._table = (np.column_stack([rows, owner]), peers)
+        table, peers = self._table
+        k, s, lo, hi, owner = table.T
+        if unit.kind == "head":
+            hit = k == 0
+        elif unit.kind == "layer":
+            hit = (k == 1) & (lo <= unit.layer) & (unit.layer < hi)
+        else:
+            hit = (k == 2) & (s == unit.layer) & (lo <= unit.expert) & (unit.expert < hi)
+        return [peers[i] for i in np.unique(owner[hit])]
+
+
+@cache
+def envelope_bytes(data_len: int, topic: str = f"kvasir/mainnet/{COVERAGE}") -> int:
+    """Bytes around a gossip payload of ``data_len``: pubsub Message + RPC, yamux, Noise."""
+    from libp2p.pubsub.pb import rpc_pb2
+
+    msg = rpc_pb2.Message(from_id=b"\0" * PEER_ID_BYTES, data=b"\0" * data_len,
+                          seqno=b"\0" * 8, topicIDs=[topic], signature=b"\0" * 64,
+                          key=b"\0" * 36)
+    rpc = len(rpc_pb2.RPC(publish=[msg]).SerializeToString())
+    varint = 1 if rpc < 128 else 2 if rpc < 16384 else 3
+    return rpc - data_len + varint + 12 + 16 + 2  # length prefix, yamux header, Noise tag+len
+
+
+IHAVE_ID_BYTES = PEER_ID_BYTES + 8 + 2
+"""One message id in an IHAVE (signer + seqno, protobuf framing)."""
+
+
+class MarketSim:
+    """Run with ``MarketSim(config, model).run()``; see the module docstring."""
+
+    def __init__(self, config: SimConfig, model: MarketModel | None = None) -> None:
+        self.cfg = config
+        self.model = model or qwen122b()
+        self.rng = np.random.default_rng(config.seed)
+        self.truth = CoverageMap(self.model)
+        self.gate = RecordGate()
+        self.index = _Holders()
+        self.demand = Demand(self.model)
+        self.targets = self.demand.targets(config.target_replicas)
+        self.nodes: list[_Node] = []
+        self.by_peer: dict[str, _Node] = {}
+        self.events: list[tuple[float, int, str, int]] = []
+        self._n_events = 0
+        self._snap_t: deque[float] = deque()
+        self._snap: deque[Counts] = deque()
+        self._dirty = True
+        self._hops = max(1, math.ceil(math.log(max(config.nodes, 2)) / math.log(config.mesh_degree)))
+        self._ttl = config.heartbeat_s * TTL_HEARTBEATS
+        self._popularity = self._zipf()
+        # per-minute traffic bins: records, changes, record bytes, envelope bytes, load
+        # bytes, bytes of the changes (record + envelope), nodes holding something
+        self._bins: dict[int, np.ndarray] = {}
+        self.samples: list[Sample] = []
+        self.decisions = 0
+        self.decide_s = 0.0
+        self.max_holdings = 0
+        self.max_record_bytes = 0
+        self.rejected = 0
+        self.validate_s = self.apply_s = 0.0
+        self.validated = self.applied = 0
+        self.left = 0
+        self.arrived = 0
+
+    # --- the event loop -----------------------------------------------------------------
+
+    def at(self, t: float, kind: str, node: int = -1) -> None:
+        self._n_events += 1
+        heapq.heappush(self.events, (t, self._n_events, kind, node))
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        cfg = self.cfg
+        for _ in range(cfg.nodes):
+            self.at(float(self.rng.uniform(0, cfg.boot_s)), "boot", self._new_node())
+        self.at(0.0, "sample")
+        self.at(1.0, "expire")
+        if cfg.skew >= 0 and cfg.tokens_per_min > 0:
+            self.at(cfg.load_interval_s / 2, "load")
+        if cfg.churn_per_hour > 0:
+            self.at(self._next_churn(), "churn")
+        handlers = {"boot": self._boot, "beat": self._beat, "decide": self._decide,
+                    "loaded": self._loaded, "expire": self._expire, "sample": self._sample,
+                    "load": self._load, "churn": self._churn}
+        while self.events and self.events[0][0] <= cfg.duration_s:
+            t, _, kind, node = heapq.heappop(self.events)
+            self._snapshot(t)
+            handlers[kind](t, node)
+        return self._result(time.perf_counter() - started)
+
+    # --- nodes --------------------------------------------------------------------------
+
+    def _new_node(self) -> int:
+        cfg = self.cfg
+        budget = min(cfg.budget_max, cfg.budget_median * math.exp(cfg.budget_sigma * self.rng.normal()))
+        peer = "12D3KooW" + "".join(_B58[i] for i in self.rng.integers(0, 58, 44))
+        node = _Node(peer, int(budget), cfg.bandwidth_median * math.exp(0.7 * self.rng.normal()))
+        self.nodes.append(node)
+        self.by_peer[peer] = node
+        return len(self.nodes) - 1
+
+    def _boot(self, t: float, i: int) -> None:
+        self._publish(t, i, changed=True)
+        self.at(t + self.cfg.heartbeat_s, "beat", i)
+        listen = self.cfg.heartbeat_s * (TTL_HEARTBEATS - 1)
+        self.at(t + listen + float(self.rng.uniform(0, self.cfg.enroll_delay_s)), "decide", i)
+
+    def _beat(self, t: float, i: int) -> None:
+        if self.nodes[i].alive:
+            self._publish(t, i, changed=False)
+            self.at(t + self.cfg.heartbeat_s, "beat", i)
+
+    def _decide(self, t: float, i: int) -> None:
+        node = self.nodes[i]
+        if not node.alive:
+            return
+        view = self._view(t)
+        plan_add: tuple[Unit, ...] = ()
+        if not fully_covered(view, self.targets) and self._joins_round(view):
+            began = time.process_time()
+            plan = decide(self.model, view, self.targets, node.peer, node.budget,
+                          set(node.held), set(), self.index, self.rng)
+            self.decide_s += time.process_time() - began
+            self.decisions += 1
+            if plan.drop:
+                for u in plan.drop:
+                    node.held[u] = "draining"
+                self._publish(t, i, changed=True)
+                for u in plan.drop:
+                    del node.held[u]
+            plan_add = plan.add
+            if plan.add:
+                for u in plan.add:
+                    node.held[u] = "joining"
+                self._publish(t, i, changed=True)
+                for u in plan.add:
+                    node.held[u] = "loading"
+                self._publish(t, i, changed=True)
+                loading = sum(self.model.size(u) for u in plan.add) / node.bandwidth
+                self.at(t + loading, "loaded", i)
+            elif plan.drop:
+                self._publish(t, i, changed=True)
+        if node.state != "online":
+            node.state = "online"
+            if not plan_add:
+                self._publish(t, i, changed=True)
+        if not plan_add:
+            self.at(t + self._rebalance_wait(), "decide", i)
+
+    def _joins_round(self, view: Counts) -> bool:
+        """The herd guard (proposal): enroll only with probability ~ missing / deciders.
+
+        Every node deciding within one propagation window sees the same scarcest unit
+        and takes it. With the guard a node decides with probability
+        ``missing * rebalance_s / (nodes * heartbeat_s)`` (capped at 1), where
+        ``missing`` is the replicas short of target in its view and ``nodes`` the live
+        entries of its map: about as many nodes enroll per heartbeat as replicas are
+        missing. Both numbers are in every node's map, so a daemon can do the same.
+        """
+        if not self.cfg.herd_guard:
+            return True
+        t = self.targets
+        missing = max(0, t.head - view.head) + int(np.clip(t.layer - view.layer, 0, None).sum())
+        missing += int(np.clip(t.expert - view.expert, 0, None).sum())
+        nodes = max(1, len(self.truth.entries))
+        p = missing * self.cfg.rebalance_s / (nodes * self.cfg.heartbeat_s)
+        return bool(self.rng.random() < p)
+
+    def _loaded(self, t: float, i: int) -> None:
+        node = self.nodes[i]
+        if not node.alive:
+            return
+        for u, state in node.held.items():
+            if state == "loading":
+                node.held[u] = "online"
+        self._publish(t, i, changed=True)
+        self.at(t + self._rebalance_wait(), "decide", i)
+
+    def _rebalance_wait(self) -> float:
+        return self.cfg.rebalance_s * float(self.rng.uniform(0.7, 1.3))
+
+    def _churn(self, t: float, _: int) -> None:
+        alive = [i for i, n in enumerate(self.nodes) if n.alive]
+        victim = self.nodes[alive[int(self.rng.integers(len(alive)))]]
+        victim.alive = False  # silently: its record expires by TTL
+        self.left += 1
+        self.arrived += 1
+        self.at(t, "boot", self._new_node())
+        self.at(t + self._next_churn(), "churn")
+
+    def _next_churn(self) -> float:
+        return float(self.rng.exponential(3600.0 / (self.cfg.churn_per_hour * self.cfg.nodes)))
+
+    # --- gossip -------------------------------------------------------------------------
+
+    def _publish(self, t: float, i: int, changed: bool) -> None:
+        """The node publishes its record; every receiver validates it and applies it."""
+        node = self.nodes[i]
+        node.seq = max(node.seq + 1, int((EPOCH + t) * 1000))
+        if changed or node.record is None:
+            record = CoverageRecord(
+                peer=node.peer, seq=node.seq, ts=EPOCH + t, ttl=self._ttl, state=node.state,
+                protocol=PROTOCOL_VERSION, version=__version__,
+                addrs=(f"/ip4/203.0.113.{i % 250}/tcp/4001/p2p/{node.peer}",
+                       f"/ip4/203.0.113.{i % 250}/tcp/4002/ws/p2p/{node.peer}"),
+                model=self.model.model_id if node.held else "", budget=node.budget,
+                holdings=compress(node.held), caps=Capabilities())
+            data = pack(record.to_wire())
+            node.wire_bytes = len(data)
+            self.max_holdings = max(self.max_holdings, len(record.holdings))
+            self.max_record_bytes = max(self.max_record_bytes, len(data))
+            began = time.process_time()
+            try:
+                if len(data) > MAX_RECORD_BYTES:
+                    raise WireError(f"record of {len(data)} bytes")
+                record = CoverageRecord.from_wire(unpack(data, MAX_RECORD_BYTES))
+                if record.model:
+                    self.truth.check(record)
+            except WireError:
+                self.rejected += 1
+                node.record = None
+                return
+            finally:
+                self.validate_s += time.process_time() - began
+                self.validated += 1
+            node.record = record
+        else:
+            record = dataclasses.replace(node.record, seq=node.seq, ts=EPOCH + t)
+            node.record = record
+        self._count(t, node.wire_bytes, changed)
+        try:
+            self.gate.check(COVERAGE, node.peer, node.peer, record.seq, record.ts, EPOCH + t)
+        except Stale:
+            return
+        except WireError:
+            self.rejected += 1
+            return
+        began = time.process_time()
+        self.truth.apply(record, t)
+        self.apply_s += time.process_time() - began
+        self.applied += 1
+        if changed:
+            self.index.set(node.peer, record.holdings)
+            self._dirty = True
+
+    def _count(self, t: float, size: int, changed: bool, load: int = 0) -> None:
+        row = self._bins.setdefault(int(t // 60), np.zeros(6))
+        if load:
+            row[4] += load + envelope_bytes(load, "kvasir/mainnet/load")
+            return
+        row[0] += 1
+        row[2] += size
+        row[3] += envelope_bytes(size)
+        if changed:
+            row[1] += 1
+            row[5] += size + envelope_bytes(size)
+
+    def _expire(self, t: float, _: int) -> None:
+        for peer in self.truth.expire(t):
+            self.gate.forget(peer)
+            self.index.remove(peer)
+            self._dirty = True
+        self.at(t + 1.0, "expire")
+
+    # --- what a deciding node sees -------------------------------------------------------
+
+    def _snapshot(self, t: float) -> None:
+        """Keep the replica counts as they were at ``t`` (before this event).
+
+        Snapshots are at least a tenth of a hop's latency apart (bounded memory), so
+        the quantisation stays well below the delays being simulated.
+        """
+        spacing = 0.1 * self.cfg.hop_latency_s
+        if self._dirty and (not self._snap_t or t - self._snap_t[-1] >= spacing):
+            active = self.truth.active
+            self._snap_t.append(t)
+            self._snap.append(Counts(active.layer.copy(), active.expert.copy(), active.head))
+            self._dirty = False
+            horizon = t - (self.cfg.heartbeat_s + 10 * self.cfg.hop_latency_s * self._hops)
+            while len(self._snap_t) > 1 and self._snap_t[1] <= horizon:
+                self._snap_t.popleft()
+                self._snap.popleft()
+
+    def _view(self, t: float) -> Counts:
+        """The counts a node deciding at ``t`` has received: latency and loss delayed."""
+        delay = float(self.rng.lognormal(math.log(self.cfg.hop_latency_s), 0.5, self._hops).sum())
+        if self.rng.random() < self.cfg.loss:
+            delay += self.cfg.heartbeat_s
+        if not self._snap:
+            return self.truth.active
+        return self._snap[max(0, bisect.bisect_right(self._snap_t, t - delay) - 1)]
+
+    # --- load ---------------------------------------------------------------------------
+
+    def _zipf(self) -> np.ndarray:
+        """Selection probability per expert, [n_layer, n_expert]: Zipf over a random order."""
+        n_layer, n_expert = self.model.n_layer, self.model.n_expert
+        weights = 1.0 / np.arange(1, n_expert + 1) ** self.cfg.skew
+        out = np.empty((n_layer, n_expert))
+        for layer in range(n_layer):
+            out[layer, self.rng.permutation(n_expert)] = weights / weights.sum()
+        return out
+
+    def _load(self, t: float, _: int) -> None:
+        """Each layer's stage reports the experts its tokens selected, through Demand."""
+        cfg = self.cfg
+        picks = int(cfg.tokens_per_min * cfg.load_interval_s / 60) * cfg.top_k
+        for layer in range(self.model.n_layer):
+            counts = self.rng.multinomial(picks, self._popularity[layer])
+            report = LoadReport(
+                peer=f"stage-{layer}", seq=int((EPOCH + t) * 1000), ts=EPOCH + t,
+                model=self.model.model_id, window_s=cfg.load_interval_s,
+                tokens=picks // cfg.top_k,
+                experts=tuple((layer, int(e), int(c)) for e, c in enumerate(counts) if c))
+            self._count(t, 0, False, load=len(pack(report.to_wire())))
+            self.demand.add(report, t)
+        self.targets = self.demand.targets(cfg.target_replicas)
+        self.at(t + cfg.load_interval_s, "load")
+
+    # --- measurements -------------------------------------------------------------------
+
+    def _sample(self, t: float, _: int) -> None:
+        alive = [n for n in self.nodes if n.alive]
+        self.samples.append(Sample(
+            t, covered_fraction(self.truth.active, self.targets),
+            covered_fraction(self.truth.online, self.targets), len(alive),
+            sum(1 for n in alive if n.held)))
+        self.at(t + self.cfg.sample_s, "sample")
+
+    def _gossip(self, minutes: list[int]) -> Gossip:
+        cfg = self.cfg
+        rows = np.array([self._bins.get(m, np.zeros(6)) for m in minutes]).mean(axis=0)
+        records, changes, rec_bytes, env_bytes, load_bytes, change_bytes = rows
+        unique = rec_bytes + env_bytes + load_bytes
+        # IHAVE: each gossipsub heartbeat (1 s), ids of the last window's messages, D peers.
+        ihave = cfg.mesh_degree * records * cfg.gossip_window * IHAVE_ID_BYTES
+        return Gossip(
+            records_per_min=records, changes_per_min=changes,
+            record_bytes=rec_bytes / max(records, 1), envelope_bytes=env_bytes / max(records, 1),
+            unique_per_node_min=unique, mesh_per_node_min=unique * (cfg.mesh_degree - 1),
+            ihave_per_node_min=ihave, load_per_min=load_bytes,
+            change_bytes=change_bytes / max(changes, 1))
+
+    def _result(self, wall_s: float) -> SimResult:
+        cfg = self.cfg
+        last = int(cfg.duration_s // 60)
+        steady = list(range(max(0, last // 2), max(1, last)))
+        peak = max((self._gossip([m]).total_per_node_min for m in self._bins), default=0.0)
+        over = sum(1 for n in self.nodes if n.alive
+                   and sum(self.model.size(u) for u in n.held) > n.budget)
+        return SimResult(
+            config=cfg, samples=tuple(self.samples),
+            t_covered=next((s.t for s in self.samples if s.covered >= 1.0), None),
+            t_online=next((s.t for s in self.samples if s.online >= 1.0), None),
+            expert_replicas=self.truth.active.expert.copy(),
+            expert_targets=self.targets.expert.copy(),
+            layer_replicas=self.truth.active.layer.copy(), head_replicas=self.truth.active.head,
+            gossip=self._gossip(steady), gossip_peak_per_node_min=peak,
+            decisions=self.decisions, decide_s=self.decide_s,
+            validate_us=1e6 * self.validate_s / max(self.validated, 1),
+            apply_us=1e6 * self.apply_s / max(self.applied, 1), max_holdings=self.max_holdings,
+            max_record_bytes=self.max_record_bytes, rejected=self.rejected, over_budget=over,
+            left=self.left, arrived=self.arrived, wall_s=wall_s)
+
+
+def covered_fraction(counts: Counts, targets: Targets) -> float:
+    """Fraction of all units (head, layers, experts) at or above their target."""
+    ok = int(counts.head >= targets.head) + int((counts.layer >= targets.layer).sum())
+    ok += int((counts.expert >= targets.expert).sum())
+    return ok / (1 + targets.layer.size + targets.expert.size)
+
+
+def simulate(config: SimConfig, model: MarketModel | None = None) -> SimResult:
+    return MarketSim(config, model).run()

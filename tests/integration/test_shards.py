@@ -1,0 +1,105 @@
+"""Shards between real daemons: each downloads only the slice it enrolled into."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvasird.localnet import LocalNet
+from kvasird.model.bundled import bundled_path
+from kvasird.model.manifest import Manifest
+from kvasird.market.pinning import parse_hold
+
+pytestmark = pytest.mark.slow
+
+FAST = {"market.heartbeat_s": 1.0, "market.rebalance_s": 2.0, "market.enroll_delay_s": 0.5,
+        "gateway.enabled": False}
+
+
+@pytest.fixture(scope="module")
+def bundled() -> tuple[Path, Manifest]:
+    path = bundled_path()
+    return path, Manifest.from_gguf(path)
+
+
+def configure(net: LocalNet, index: int, **settings: object) -> None:
+    """Set up node ``index`` with its own market settings, joined to node 0."""
+    net.settings = {**FAST, **settings}
+    seed = net.nodes[0]
+    net.configure(net.nodes[index], [seed.join_addr] if index else [])
+
+
+def slice_bytes(manifest: Manifest, pins: list[str]) -> int:
+    units = {u for pin in pins for u in parse_hold(pin)}
+    return sum(manifest.unit_sizes[u] for u in units)
+
+
+def held(node) -> int:  # noqa: ANN001
+    return sum(m["held_bytes"] for m in node.get("/v0/shards")["models"])
+
+
+def test_nodes_download_only_their_windows_from_the_seed(
+        localnet: Callable[..., LocalNet], bundled: tuple[Path, Manifest]) -> None:
+    path, manifest = bundled
+    net = localnet(3)
+    seed, a, b = net.nodes
+    configure(net, 0, **{"market.model": str(path)})
+    seed.start()
+    pins = {1: ["head", "layers:0-15"], 2: ["layers:15-30"]}
+    for i, node in ((1, a), (2, b)):
+        configure(net, i, **{"market.model": manifest.model_id, "market.hold": pins[i]})
+        node.start()
+    for node in (a, b):
+        want = slice_bytes(manifest, pins[node.index])
+        net.wait_until(f"node {node.index} holds its {want} bytes",
+                       lambda node=node, want=want: held(node) >= want, timeout=90)
+        report = node.get("/v0/shards")["last_download"]
+        assert want <= report["received_bytes"] <= want * 1.02
+        assert report["bad_holders"] == []
+        assert held(node) < 0.7 * manifest.total_bytes  # a slice, not the model
+    assert held(seed) == manifest.total_bytes
+
+
+def test_download_resumes_from_another_holder_when_the_source_dies(
+        localnet: Callable[..., LocalNet], bundled: tuple[Path, Manifest]) -> None:
+    path, manifest = bundled
+    net = localnet(3)
+    slow, other, learner = net.nodes
+    slow.env = {"KVASIRD_TEST_SHARD_RATE": str(20 * 2**20)}   # 20 MB/s: ~5 s for the model
+    other.env = {"KVASIRD_TEST_SHARD_RATE": str(10 * 2**20)}
+    for i in (0, 1):
+        configure(net, i, **{"market.model": str(path)})
+        net.nodes[i].start()
+    configure(net, 2, **{"market.model": manifest.model_id, "market.hold": ["head", "layers:0-30"]})
+    learner.start()
+    net.wait_until("the download is under way",
+                   lambda: (learner.get("/v0/shards")["progress"] or {}).get("done_bytes", 0) > 10 * 2**20,
+                   timeout=60)
+    slow.signal(signal.SIGKILL)
+    net.wait_until("the learner holds the whole model",
+                   lambda: held(learner) >= manifest.total_bytes, timeout=120)
+    report = learner.get("/v0/shards")["last_download"]
+    assert report["bad_holders"] == []
+
+
+def test_holder_that_flips_bytes_is_detected_and_avoided(
+        localnet: Callable[..., LocalNet], bundled: tuple[Path, Manifest]) -> None:
+    path, manifest = bundled
+    net = localnet(3)
+    liar, honest, learner = net.nodes
+    liar.env = {"KVASIRD_TEST_FLIP_SHARD_BYTES": "1"}
+    for i in (0, 1):
+        configure(net, i, **{"market.model": str(path)})
+        net.nodes[i].start()
+    pins = ["layers:0-10"]
+    configure(net, 2, **{"market.model": manifest.model_id, "market.hold": pins})
+    learner.start()
+    want = slice_bytes(manifest, pins)
+    net.wait_until("the learner holds its window", lambda: held(learner) >= want, timeout=90)
+    report = learner.get("/v0/shards")["last_download"]
+    assert report["bad_holders"] == [liar.peer_id]
+    assert report["rejected_bytes"] > 0
+    assert "shard holder sent wrong bytes" in learner.log.read_text()

@@ -1,0 +1,203 @@
+"""Generation across real daemons on 127.0.0.1: ring routes, remote experts, failover.
+
+Placement is pinned with ``market.hold`` (and a budget just big enough for the pins),
+so every run routes the same way. The reference is one daemon holding everything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvasird.inference.serving import PERTURB_ENV
+from kvasird.localnet import LocalNet
+from kvasird.localnet.launcher import LocalNode
+from kvasird.market.model import MarketModel
+from kvasird.market.pinning import parse_hold
+from kvasird.model.bundled import bundled_path
+from kvasird.model.manifest import Manifest
+from kvasird.model.testmodels import make_model
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[1, 504, 3458, 282, 4649, 314], [28, 1834, 253, 2145, 30], [46, 9, 3, 812, 1147, 288, 2]]
+N_TOKENS = 12
+ROUTED_S = 60.0
+
+
+def settings(model: Path, pins: list[str], **extra: Any) -> dict[str, Any]:
+    mm = MarketModel.from_manifest(Manifest.from_gguf(model))
+    held = {u for p in pins for u in parse_hold(p)}
+    budget = math.ceil(sum(mm.size(u) for u in held) / 2**20) if held else 0
+    return {"market.model": str(model), "market.hold": pins, "market.memory_budget_mb": budget,
+            "market.heartbeat_s": 0.5, "market.rebalance_s": 2.0, "market.enroll_delay_s": 0.0,
+            "market.target_replicas": 1, "compute.threads": 1, "inference.kv_slots": 1024,
+            "inference.step_timeout_s": 4.0, "inference.expert_timeout_s": 3.0, **extra}
+
+
+def start(localnet: Callable[..., LocalNet], model: Path, placement: list[list[str]],
+          perturb: frozenset[int] = frozenset(), **extra: Any) -> LocalNet:
+    """A net whose node i holds placement[i]; nodes in `perturb` return wrong expert outputs."""
+    net = localnet(len(placement))
+    previous = ""
+    for node, pins in zip(net.nodes, placement, strict=True):
+        net.settings = {**net.settings, **settings(model, pins, **extra)}
+        previous = net.configure(node, [previous] if previous else [])
+    for node in net.nodes:
+        if node.index in perturb:
+            os.environ[PERTURB_ENV] = "1"
+        try:
+            node.spawn()
+        finally:
+            os.environ.pop(PERTURB_ENV, None)
+    for node in net.nodes:
+        node.wait_ready()
+    net.wait_until("the gateway has a route", lambda: routable(net.nodes[0]), ROUTED_S)
+    return net
+
+
+def routable(node: LocalNode) -> bool:
+    body = {"prompt": [1], "max_tokens": 1}
+    return httpx.post(node.home.admin_address() + "/v0/generate", json=body, timeout=30).status_code == 200
+
+
+def generate(node: LocalNode, prompt: list[int], n: int = N_TOKENS,
+             on_token: Callable[[int], None] | None = None) -> list[int]:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0}
+    out: list[int] = []
+    with httpx.stream("POST", node.home.admin_address() + "/v0/generate", json=body,
+                      timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            event = json.loads(line)
+            assert "error" not in event, event
+            if "token" in event:
+                out.append(event["token"])
+                if on_token:
+                    on_token(len(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bundled() -> Path:
+    return bundled_path()
+
+
+@pytest.fixture(scope="module")
+def reference(bundled: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """Greedy tokens of one daemon holding the whole bundled model."""
+    net = LocalNet(tmp_path_factory.mktemp("one"), 1)
+    with net:
+        start(lambda n: net, bundled, [["head", "layers:0-30"]])
+        return [generate(net.nodes[0], p) for p in PROMPTS]
+
+
+def test_three_stage_ring_generates_the_tokens_of_one_node(
+        localnet: Callable[..., LocalNet], bundled: Path, reference: list[list[int]]) -> None:
+    net = start(localnet, bundled, [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"]])
+    got = [generate(net.nodes[0], p) for p in PROMPTS]
+    assert got == reference
+    route = net.nodes[0].get("/v0/inference")
+    assert route["generations"] == {}
+    assert route["serving"]["sessions"] == 0
+
+
+def test_killed_stage_is_replaced_and_the_output_is_unchanged(
+        localnet: Callable[..., LocalNet], bundled: Path, reference: list[list[int]]) -> None:
+    net = start(localnet, bundled, [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"],
+                                    ["layers:10-20"]])
+    gateway = net.nodes[0]
+    killed: list[str] = []
+
+    def kill_after(n: int) -> None:
+        if n == 3 and not killed:
+            route = next(iter(gateway.get("/v0/inference")["generations"].values()))["route"]
+            victim = next(x for x in net.nodes[1:] if x.peer_id in route and x.index in (1, 3))
+            killed.append(victim.peer_id)
+            victim.signal(signal.SIGKILL)
+
+    got = generate(gateway, PROMPTS[0], on_token=kill_after)
+    assert got == reference[0]
+    assert killed and killed[0] in gateway.get("/v0/inference")["unfit"]
+
+
+# --- qwen3moe: stages hold the dense paths, other daemons the experts --------------------
+
+MOE_LAYERS, MOE_EXPERTS = 4, 16
+MOE_PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7, 7, 7, 7]]
+
+
+def experts(lo: int, hi: int) -> list[str]:
+    return [f"experts:{layer}:{lo}-{hi}" for layer in range(MOE_LAYERS)]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("moe") / "moe.gguf", n_layer=MOE_LAYERS,
+                      n_expert=MOE_EXPERTS, n_expert_used=4, n_embd=64, n_ff_exp=32,
+                      dtype="f32", tied_output=False)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(moe: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    net = LocalNet(tmp_path_factory.mktemp("moe-one"), 1)
+    with net:
+        start(lambda n: net, moe, [["head", f"layers:0-{MOE_LAYERS}", *experts(0, MOE_EXPERTS)]])
+        return [generate(net.nodes[0], p) for p in MOE_PROMPTS]
+
+
+def expert_rows(node: LocalNode) -> int:
+    return int(node.get("/v0/inference")["serving"]["expert_rows"])
+
+
+def test_moe_stages_with_remote_experts_generate_the_tokens_of_one_node(
+        localnet: Callable[..., LocalNet], moe: Path, moe_reference: list[list[int]]) -> None:
+    net = start(localnet, moe, [["head", "layers:0-2"], ["layers:2-4"], experts(0, 8),
+                                experts(8, 16)])
+    got = [generate(net.nodes[0], p) for p in MOE_PROMPTS]
+    assert got == moe_reference
+    assert expert_rows(net.nodes[2]) > 0 and expert_rows(net.nodes[3]) > 0
+    assert net.nodes[0].get("/v0/inference")["dispatch"]["calls"] > 0
+
+
+def test_killed_expert_worker_is_replaced_and_the_output_is_unchanged(
+        localnet: Callable[..., LocalNet], moe: Path, moe_reference: list[list[int]]) -> None:
+    net = start(localnet, moe, [["head", "layers:0-4"], experts(0, 8), experts(0, 8),
+                                experts(8, 16)])
+    gateway = net.nodes[0]
+    killed: list[LocalNode] = []
+
+    def kill_after(n: int) -> None:
+        if n == 3 and not killed:
+            victim = max(net.nodes[1:3], key=expert_rows)
+            killed.append(victim)
+            victim.signal(signal.SIGKILL)
+
+    got = generate(gateway, MOE_PROMPTS[0], on_token=kill_after)
+    assert got == moe_reference[0]
+    assert killed[0].peer_id in gateway.get("/v0/inference")["unfit"]
+
+
+def test_perturbing_worker_is_caught_by_spot_checks_and_routed_around(
+        localnet: Callable[..., LocalNet], moe: Path, moe_reference: list[list[int]]) -> None:
+    net = start(localnet, moe, [["head", "layers:0-4"], experts(0, 8), experts(0, 8),
+                                experts(0, 8), experts(8, 16)],
+                perturb=frozenset({1}), **{"inference.spot_check": 1.0})
+    gateway = net.nodes[0]
+    got = [generate(gateway, p) for p in MOE_PROMPTS]
+    assert got == moe_reference
+    view = gateway.get("/v0/inference")
+    assert net.nodes[1].peer_id in view["unfit"]
+    assert view["dispatch"]["caught"] >= 1
+    rows = expert_rows(net.nodes[1])
+    generate(gateway, MOE_PROMPTS[0])
+    assert expert_rows(net.nodes[1]) == rows
