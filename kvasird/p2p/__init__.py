@@ -6,6 +6,7 @@
     peers      the peer table (in memory) and known peers (persisted in state.db)
     dialer     bootstrap peers with backoff, known peers at start, exchanged peers
     exchange   peer exchange: learn peers from peers
+    streams    served(): the bounded, always-closed life of a served stream
     gossip     gossipsub for the control plane (topics kvasir/<network>/...)
     node       P2PNode: all of the above in one nursery
 

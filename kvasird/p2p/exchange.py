@@ -13,11 +13,11 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
-from kvasird.errors import WireError
 from kvasird.logs import get_logger
 from kvasird.p2p.dialer import Dialer
 from kvasird.p2p.hello import MAX_ADDR_LEN, MAX_ADDRS
 from kvasird.p2p.peers import PeerTable
+from kvasird.p2p.streams import served
 from kvasird.wire import read_frame, schema, write_frame
 
 PROTOCOL = "/kvasir/px/1"
@@ -79,20 +79,9 @@ class PeerExchange:
 
     async def _serve(self, stream: INetStream) -> None:
         asker = stream.muxed_conn.peer_id.to_string()
-        try:
+        async with served(stream, "peer exchange", asker):
             with trio.fail_after(TIMEOUT_S):
                 await read_frame(stream, 1024)
                 peers = [{"id": p.peer_id, "addrs": list(p.addrs)}
                          for p in self._peers.snapshot() if p.addrs and p.peer_id != asker]
                 await write_frame(stream, {"peers": peers[:MAX_PEERS_PER_REPLY]}, _MAX_FRAME)
-        except (trio.TooSlowError, WireError) as exc:
-            log.debug("peer exchange request dropped", peer=asker, reason=repr(exc))
-        except Exception as exc:  # noqa: BLE001 - stream resets surface as many types
-            log.debug("peer exchange stream failed", peer=asker, reason=repr(exc))
-        finally:
-            with trio.move_on_after(1) as scope:
-                scope.shield = True
-                try:
-                    await stream.close()
-                except Exception:  # noqa: BLE001
-                    pass

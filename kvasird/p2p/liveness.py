@@ -22,10 +22,10 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
-from kvasird.errors import WireError
 from kvasird.logs import get_logger
 from kvasird.p2p.hello import Hello
 from kvasird.p2p.peers import PeerTable
+from kvasird.p2p.streams import served
 from kvasird.wire import FrameReader, write_frame
 
 PROTOCOL = "/kvasir/heartbeat/1"
@@ -151,7 +151,7 @@ class Liveness:
         """Answer a peer's heartbeat stream; a silent peer is cut off after the timeout."""
         key = stream.muxed_conn.peer_id.to_string()
         reader = FrameReader(stream, _MAX_FRAME)
-        try:
+        async with served(stream, "heartbeat", key, reset=True):
             with trio.fail_after(self._timeout):
                 their = Hello.from_wire(await reader.read(), key)
                 await write_frame(stream, self._hello().to_wire())
@@ -165,14 +165,3 @@ class Liveness:
                 if isinstance(msg, dict) and msg.get("t") == "ping" and isinstance(msg.get("n"), int):
                     self._peers.seen(key)
                     await write_frame(stream, {"t": "pong", "n": msg["n"]})
-        except (trio.TooSlowError, WireError) as exc:
-            log.debug("heartbeat stream ended", peer=key, reason=repr(exc))
-        except Exception as exc:  # noqa: BLE001 - the stream layer raises many types on reset
-            log.debug("heartbeat stream failed", peer=key, reason=repr(exc))
-        finally:
-            with trio.move_on_after(1) as scope:
-                scope.shield = True
-                try:
-                    await stream.reset()
-                except Exception:  # noqa: BLE001
-                    pass
