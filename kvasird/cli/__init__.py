@@ -26,6 +26,7 @@ COMMANDS = (
     "native",
     "localnet",
     "coverage",
+    "service",
     "dev",
     "verify",
     "model",

@@ -9,17 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from kvasird.cli import main
+from kvasird.cli.service import render_unit
 from kvasird.daemon import systemd
 
 UNIT = Path(__file__).resolve().parents[2] / "systemd" / "kvasird.service"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-def test_unit_file_verifies(tmp_path: Path) -> None:
-    # verify checks that ExecStart exists: point it at this checkout's interpreter.
+def test_unit_that_service_install_writes_verifies(tmp_path: Path) -> None:
+    # The unit `kvasird service install` writes points at this installation's kvasird,
+    # which systemd-analyze checks exists.
     unit = tmp_path / "kvasird.service"
-    unit.write_text(UNIT.read_text().replace("/opt/kvasird/.venv/bin/kvasird",
-                                             str(Path(sys.prefix) / "bin" / "kvasird")))
+    unit.write_text(render_unit("kvasird", str(Path(sys.prefix) / "bin" / "kvasird")))
     done = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
     problems = [line for line in done.stderr.splitlines() if "kvasird.service" in line]
     assert done.returncode == 0 and not problems, done.stderr
@@ -52,3 +54,10 @@ def test_watchdog_interval_is_half_the_period(monkeypatch: pytest.MonkeyPatch) -
     assert systemd.watchdog_interval_s() == 30.0
     monkeypatch.setenv("WATCHDOG_PID", "1")
     assert systemd.watchdog_interval_s() is None
+
+
+def test_service_install_dry_run_shows_unit_and_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["service", "install", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"ExecStart={Path(sys.prefix) / 'bin' / 'kvasird'} run" in out
+    assert "useradd --system" in out and "systemctl enable kvasird --now" in out
