@@ -19,6 +19,7 @@ from libp2p.peer.id import ID
 
 from kvasird.logs import get_logger
 from kvasird.model.manifest import Manifest, Unit
+from kvasird.model.slice import parse_spec
 from kvasird.model.store import ShardStore
 from kvasird.model.transfer import (
     PROTOCOL_ID,
@@ -107,6 +108,26 @@ class ShardService:
                  seconds=round(report.seconds, 2))
         return report
 
+    def model_files(self, model_id: str, units: Iterable[Unit]) -> list[Path]:
+        """GGUF files holding ``units`` for the compute engine.
+
+        The imported original when it is still on disk (no copy), else mini-GGUF slices
+        assembled from the verified pieces in the store (written once, reused).
+        """
+        record = next((m for m in self.store.models() if m.model_id == model_id), None)
+        if record and record.source and Path(record.source).is_file() and self.has_all(model_id):
+            return [Path(record.source)]
+        folder = self.store.root.parent / "slices" / model_id
+        folder.mkdir(parents=True, exist_ok=True)
+        out = []
+        for spec in slice_specs(units):
+            name = spec.replace("=", "-").replace(":", "_").replace(",", "+")
+            path = folder / f"{name}.gguf"
+            if not path.exists():
+                self.store.write_slice(model_id, parse_spec(spec), path)
+            out.append(path)
+        return out
+
     def _progress(self, p: Progress) -> None:
         self.progress = p
 
@@ -123,6 +144,31 @@ class ShardService:
                 "rejected_bytes": r.rejected_bytes, "bad_holders": list(r.bad_holders),
                 "seconds": r.seconds},
         }
+
+
+def slice_specs(units: Iterable[Unit]) -> list[str]:
+    """The fewest slice specs covering ``units``: layer runs (dense paths), expert runs, head."""
+    layers = sorted(u.layer for u in units if u.kind == "layer")
+    experts = sorted((u.layer, u.expert) for u in units if u.kind == "expert")
+    specs = ["head"] if any(u.kind == "head" for u in units) else []
+    for a, b in _runs(layers):
+        specs.append(f"layers={a}:{b},no-experts")
+    by_layer: dict[int, list[int]] = {}
+    for layer, e in experts:
+        by_layer.setdefault(layer, []).append(e)
+    for layer, es in sorted(by_layer.items()):
+        specs += [f"experts={layer}:{a}:{b}" for a, b in _runs(es)]
+    return specs
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for v in values:
+        if out and out[-1][1] == v:
+            out[-1] = (out[-1][0], v + 1)
+        else:
+            out.append((v, v + 1))
+    return out
 
 
 class _Throttled:
