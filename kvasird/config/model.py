@@ -40,6 +40,20 @@ class P2PConfig:
     """Seconds between peer-exchange rounds."""
     max_peers: int = field(default=64, metadata=_range(1, 4096))
     """Upper bound on connected peers."""
+    peer_exchange: bool = True
+    """Ask connected peers whom they know (off: rely on bootstrap, DHT and mDNS alone)."""
+    psk_file: str = ""
+    """Pre-shared key file of a private swarm ("" = the open network of this name)."""
+    dht: bool = True
+    """Kademlia DHT for peer routing (server mode when public, client mode when private)."""
+    mdns: bool = True
+    """Find peers of this network on the local network by mDNS."""
+    relay_service: str = field(default="auto", metadata=_choice("auto", "on", "off"))
+    """Offer circuit relay v2 to private peers: "auto" only while publicly reachable."""
+    relay_reservations: int = field(default=2, metadata=_range(0, 8))
+    """Relays a private node keeps a reservation on (its /p2p-circuit addresses)."""
+    reachability_interval_s: float = field(default=300.0, metadata=_range(1, 86400))
+    """Seconds between dial-back checks of our addresses (the first runs once peers answer)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,28 @@ class GatewayConfig:
 
 
 @dataclass(frozen=True)
+class SettlementSection:
+    enabled: bool = False
+    """Take KVR payments and pay peers; off = a free node (local use, tests)."""
+    rpc_url: str = ""
+    """Solana JSON-RPC URL of the network's chain; "" runs an embedded local chain."""
+    wallet: str = ""
+    """Operator keypair file (Solana JSON), relative to the home; "" = receive-only."""
+    wallet_address: str = ""
+    """Payout address when no keypair file is held."""
+    kvr_mint: str = ""
+    """KVR mint address; "" = the local chain's genesis mint."""
+    genesis_wallet: str = ""
+    """The network's genesis wallet (signer of governance); "" = the local chain's."""
+    commitment: str = field(default="finalized", metadata=_choice("processed", "confirmed", "finalized"))
+    """Commitment required before crediting."""
+    quote_ttl_s: float = field(default=300.0, metadata=_range(5, 86400))
+    """How long a quote can be paid."""
+    free_local: bool = True
+    """Serve requests from this machine (127.0.0.1) without payment."""
+
+
+@dataclass(frozen=True)
 class Config:
     node: NodeConfig = NodeConfig()
     """[node]"""
@@ -133,6 +169,8 @@ class Config:
     """[market]"""
     compute: ComputeConfig = ComputeConfig()
     """[compute]"""
+    settlement: SettlementSection = SettlementSection()
+    """[settlement]"""
     inference: InferenceConfig = InferenceConfig()
     """[inference]"""
     gateway: GatewayConfig = GatewayConfig()

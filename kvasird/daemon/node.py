@@ -12,6 +12,8 @@ import trio
 from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.admin.server import build_app
 from kvasird.config import Config
+from kvasird.config.model import SettlementSection
+from kvasird.settlement.config import SettlementConfig
 from kvasird.daemon import systemd
 from kvasird.daemon.banner import print_banner
 from kvasird.db import connect
@@ -25,6 +27,7 @@ from kvasird.market.records import Capabilities
 from kvasird.market.service import MarketService
 from kvasird.model.store import ShardStore
 from kvasird.daemon.shards import ShardService
+from kvasird.settlement.service import Settlement, run_settlement
 from kvasird.p2p import P2PNode
 
 log = get_logger("kvasird.daemon")
@@ -47,6 +50,8 @@ class Node:
                                     loader=lambda units: self.inference.load(units))
         self.inference = InferenceService(self.p2p, self.market, config)
         self.gateway = Gateway.for_node(self)
+        self.settlement: Settlement | None = None
+        """Payments and rewards, once started (None while [settlement] is off)."""
         self.started_at = time.monotonic()
 
     def status(self) -> dict[str, Any]:
@@ -69,6 +74,10 @@ class Node:
         try:
             async with self.p2p.running(), trio.open_nursery() as nursery:
                 await nursery.start(self.shards.run)
+                if self.config.settlement.enabled:
+                    self.settlement = await nursery.start(
+                        run_settlement, settlement_config(self.config.settlement, self.home),
+                        self.home, self.p2p.peer_id, self.config.node.network)
                 await nursery.start(self.inference.run)
                 await nursery.start(self.market.run)
                 app = build_app(self)
@@ -103,6 +112,15 @@ class Node:
                     "the other node runs on the same network name, and that no firewall "
                     "blocks its port", bootstrap=list(self.config.p2p.bootstrap))
             await trio.sleep(300)
+
+
+def settlement_config(section: SettlementSection, home: Home) -> SettlementConfig:
+    """[settlement] of kvasird.toml as the settlement subsystem's config."""
+    return SettlementConfig(
+        rpc_url=section.rpc_url, wallet=home.root / section.wallet if section.wallet else None,
+        wallet_address=section.wallet_address, kvr_mint=section.kvr_mint,
+        genesis_wallet=section.genesis_wallet, commitment=section.commitment,
+        quote_ttl_s=section.quote_ttl_s, free_local=section.free_local)
 
 
 def _preferred_join(addrs: list[str]) -> str:

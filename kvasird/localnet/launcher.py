@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from solders.keypair import Keypair
 
 from kvasird.cli.init import init_home
 from kvasird.config import render
 from kvasird.errors import KvasirError
 from kvasird.home import Home
 from kvasird.identity import load_node_key
+from kvasird.settlement.wallet import write_keypair
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -160,11 +162,15 @@ class LocalNet:
             "gateway.listen": "127.0.0.1:0",
             **self.settings,
         }
+        if values.get("settlement.enabled"):
+            values["settlement.wallet"] = "wallet.json"
         if node.home.node_key.exists():
             node.home.config.write_text(render(node.home.config.read_text(), values))
         else:
             self.root.mkdir(parents=True, exist_ok=True)
             init_home(node.home, values)
+        if values.get("settlement.enabled") and not (node.home.root / "wallet.json").exists():
+            write_keypair(node.home.root / "wallet.json", Keypair())  # the node's gateway vault
         return f"/ip4/127.0.0.1/tcp/{port}/p2p/{load_node_key(node.home.node_key).peer_id}"
 
     def up(self) -> None:
