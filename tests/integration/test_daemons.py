@@ -32,7 +32,8 @@ LIVENESS_BOUND_S = LOCAL_P2P["p2p.liveness_timeout_s"] + LOCAL_P2P["p2p.heartbea
 def test_five_daemons_joined_in_a_chain_all_see_each_other(localnet: Callable[..., LocalNet]) -> None:
     net = localnet(5)
     net.up()
-    net.wait_until("all five list the other four", net.fully_connected, timeout=40)
+    took = net.wait_until("all five list the other four", net.fully_connected, timeout=40)
+    print(f"five daemons in a chain fully connected {took:.1f} s after all were ready")
     for node in net.nodes:
         status = node.status()
         assert status["peers"] == 4
@@ -54,6 +55,24 @@ def test_killed_daemon_disappears_from_peer_lists_within_the_liveness_bound(
         timeout=LIVENESS_BOUND_S + 10)
     print(f"killed peer dropped after {took:.1f} s (bound {LIVENESS_BOUND_S:g} s)")
     assert took <= LIVENESS_BOUND_S + 3
+
+
+def test_frozen_daemon_is_dropped_by_the_heartbeat_timeout(localnet: Callable[..., LocalNet]) -> None:
+    """SIGSTOP keeps its sockets open but silent: only the liveness timeout can notice."""
+    net = localnet(3)
+    net.up()
+    net.wait_until("all three are connected", net.fully_connected, timeout=30)
+    victim = net.nodes[1]
+    victim.signal(signal.SIGSTOP)
+    try:
+        took = net.wait_until(
+            "the frozen node is gone from both survivors' peer lists",
+            lambda: all(victim.peer_id not in n.peer_ids() for n in (net.nodes[0], net.nodes[2])),
+            timeout=LIVENESS_BOUND_S + 10)
+    finally:
+        victim.signal(signal.SIGCONT)
+    print(f"frozen peer dropped after {took:.1f} s (bound {LIVENESS_BOUND_S:g} s)")
+    assert LOCAL_P2P["p2p.liveness_timeout_s"] - 1 <= took <= LIVENESS_BOUND_S + 3
 
 
 def test_sigterm_exits_zero_quickly_and_restart_keeps_the_peer_id(
