@@ -26,7 +26,15 @@ def build_app(node: Node) -> Starlette:
     async def shards(_: Request) -> JSONResponse:
         return JSONResponse(node.shards.view())
 
+    async def settlement(_: Request) -> JSONResponse:
+        s = node.settlement
+        if s is None:
+            return JSONResponse({"enabled": False})
+        return JSONResponse({"enabled": True, "params": s.governance.params().to_wire(),
+                             "price_per_1k_tokens": s.prices.price})
+
     return Starlette(routes=[
+        Route("/v0/settlement", settlement),
         Route("/v0/shards", shards),
         Route("/v0/status", status),
         Route("/v0/peers", peers),

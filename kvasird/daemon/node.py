@@ -26,6 +26,7 @@ from kvasird.logs import get_logger
 from kvasird.market.records import Capabilities
 from kvasird.market.service import MarketService
 from kvasird.model.store import ShardStore
+from kvasird.daemon.governance import GovernanceGossip
 from kvasird.daemon.shards import ShardService
 from kvasird.settlement.service import Settlement, run_settlement
 from kvasird.p2p import P2PNode
@@ -42,7 +43,7 @@ class Node:
         self.config = config
         self.db = connect(home.db)
         self.key = load_node_key(home.node_key)
-        self.p2p = P2PNode(self.key, config.p2p, config.node.network, self.db)
+        self.p2p = P2PNode(self.key, config.p2p, config.node.network, self.db, str(home.config))
         self.shards = ShardService(self.p2p, ShardStore.open(home))
         self.market = MarketService(self.p2p, config.market, None,
                                     Capabilities(threads=config.compute.threads or 1),
@@ -52,6 +53,7 @@ class Node:
         self.gateway = Gateway.for_node(self)
         self.settlement: Settlement | None = None
         """Payments and rewards, once started (None while [settlement] is off)."""
+        self.governance = GovernanceGossip(self)
         self.started_at = time.monotonic()
 
     def status(self) -> dict[str, Any]:
@@ -62,6 +64,7 @@ class Node:
             "listen_addrs": addrs,
             "join_addr": _preferred_join(addrs),
             "peers": len(self.p2p.peers),
+            "reachability": self.p2p.reach_status(),
             "uptime_s": round(time.monotonic() - self.started_at, 1),
             "version": __version__,
             "protocol": PROTOCOL_VERSION,
@@ -78,6 +81,7 @@ class Node:
                     self.settlement = await nursery.start(
                         run_settlement, settlement_config(self.config.settlement, self.home),
                         self.home, self.p2p.peer_id, self.config.node.network)
+                await nursery.start(self.governance.run)
                 await nursery.start(self.inference.run)
                 await nursery.start(self.market.run)
                 app = build_app(self)

@@ -28,7 +28,9 @@ READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 # A loopback network can afford fast heartbeats: dead peers vanish within ~6 s.
 LOCAL_P2P = {"p2p.heartbeat_interval_s": 1.0, "p2p.liveness_timeout_s": 5.0,
-             "p2p.peer_exchange_interval_s": 1.0}
+             "p2p.peer_exchange_interval_s": 1.0,
+             # Loopback networks must not find each other (or the LAN) by multicast.
+             "p2p.mdns": False}
 
 
 class LocalNetError(KvasirError):
@@ -124,6 +126,57 @@ class LocalNode:
             return ""
 
 
+@dataclass
+class LocalChainProcess:
+    """`kvasird localchain` as a process: the one chain every node of a local network uses."""
+
+    data: Path
+    """Its data directory (genesis keys, accounts, transactions)."""
+    log: Path
+    """Its stdout+stderr."""
+    proc: subprocess.Popen[bytes] | None = None
+    """The running process."""
+    info: dict[str, str] = field(default_factory=dict)
+    """What it printed: "RPC URL", "KVR mint", "genesis wallet"."""
+
+    def start(self, timeout: float = READY_TIMEOUT_S) -> None:
+        out = open(self.log, "ab")  # noqa: SIM115 - handed to the child process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvasird", "localchain", "--data", str(self.data),
+             "--listen", "127.0.0.1:0"], stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log.read_text(errors="replace") if self.log.exists() else ""
+            if "Local chain is ready" in text:
+                for line in text.splitlines():
+                    key, _, value = line.partition("  ")
+                    if value.strip():
+                        self.info[key.strip()] = value.strip()
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise LocalNetError(f"the local chain did not start; its log: {self.log}")
+
+    def settings(self) -> dict[str, Any]:
+        return {"settlement.enabled": True, "settlement.rpc_url": self.info["RPC URL"],
+                "settlement.kvr_mint": self.info["KVR mint"],
+                "settlement.genesis_wallet": self.info["genesis wallet"],
+                "settlement.commitment": "confirmed"}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -134,10 +187,11 @@ class LocalNet:
     """N daemons on loopback under ``root``; use as a context manager to always clean up."""
 
     def __init__(self, root: Path, n: int, network: str = "localnet",
-                 settings: dict[str, Any] | None = None) -> None:
+                 settings: dict[str, Any] | None = None, chain: bool = False) -> None:
         self.root = root
         self.network = network
         self.settings = {**LOCAL_P2P, **(settings or {})}
+        self.chain = LocalChainProcess(root / "chain", root / "chain.log") if chain else None
         self.nodes = [LocalNode(i, Home(root / f"node{i}"), log=root / f"node{i}.log")
                       for i in range(n)]
 
@@ -175,6 +229,10 @@ class LocalNet:
 
     def up(self) -> None:
         """Start every node at once, joined in a chain: node i bootstraps from node i-1."""
+        if self.chain is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.chain.start()
+            self.settings = {**self.settings, **self.chain.settings()}
         previous = ""
         for node in self.nodes:
             previous = self.configure(node, [previous] if previous else [])
@@ -203,6 +261,8 @@ class LocalNet:
 
     def down(self) -> dict[int, int | None]:
         codes = {n.index: n.stop() for n in reversed(self.nodes)}
+        if self.chain is not None:
+            self.chain.stop()
         (self.root / "localnet.json").unlink(missing_ok=True)
         return codes
 
