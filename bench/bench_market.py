@@ -9,15 +9,17 @@ rebalance every 2 s, enrollment delay up to 3 s).
 
 Convergence is the time from "every daemon is ready" until node 0's GET /v0/coverage
 says ``fully_covered``, then until every node's does (each bounded by 180 s; a row
-says how many nodes still see full coverage after the bandwidth window). Bandwidth is then measured over
-a steady-state window with nothing else talking to the daemons: the TCP payload bytes
-each daemon's established sockets sent and received (``ss -tinp``: ``bytes_sent`` /
-``bytes_received`` of the kernel's tcp_info, so Noise and yamux framing included, TCP/IP
-headers not). That is *all* p2p traffic of the daemon: coverage records, gossipsub
-control (GRAFT/PRUNE/IHAVE/IWANT every gossipsub heartbeat), liveness pings and peer
-exchange, each every second on a loopback network. The coverage-record payload alone is
-shown beside it: the msgpack size of each node's current record (rebuilt from the
-holdings node 0 sees), times records per minute, times the copies one node receives.
+says how many nodes still see full coverage after the bandwidth window).
+
+Bandwidth is then measured over a steady-state window with nothing else talking to the
+daemons: the TCP payload bytes each daemon's established sockets sent and received
+(``ss -tinp``: ``bytes_sent`` / ``bytes_received`` of the kernel's tcp_info, so Noise
+and yamux framing included, TCP/IP headers not). That is *all* p2p traffic of the
+daemon: coverage records, gossipsub control (GRAFT/PRUNE/IHAVE/IWANT each gossipsub
+heartbeat), liveness pings and peer exchange, each every second on a loopback network.
+The coverage-record payload alone is shown beside it: the msgpack size of each node's
+current record (rebuilt from the holdings node 0 sees) times records per minute, one
+copy of each (gossipsub delivers up to D copies, plus envelopes).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvasird import PROTOCOL_VERSION, __version__
-from kvasird.localnet import LocalNet, LocalNetError
+from kvasird.localnet import LocalNet
+from kvasird.localnet.launcher import LocalNetError, LocalNode
 from kvasird.market.model import MarketModel
 from kvasird.market.records import Capabilities, CoverageRecord, Holding
 from kvasird.model.manifest import Manifest
@@ -41,6 +44,7 @@ from kvasird.wire import pack
 
 HEARTBEAT_S = 1.0
 CONVERGE_TIMEOUT_S = 180.0
+READY_TIMEOUT_S = 180.0
 SETTLE_S = 10.0
 _SS_BYTES = re.compile(r"bytes_(sent|received):(\d+)")
 _SS_PID = re.compile(r"pid=(\d+)")
@@ -68,6 +72,26 @@ class Result:
     """Coverage-record payload one node receives per minute (one copy of each), KiB."""
     max_held_fraction: float
     """Largest held/budget ratio over the nodes (must stay <= 1)."""
+
+
+def up(net: LocalNet) -> None:
+    """LocalNet.up, with a longer wait for readiness.
+
+    Each daemon imports (hashes) the model at start; on a shared 2-core machine ten of
+    them at once take longer than the launcher's 30 s.
+    """
+    previous = ""
+    for node in net.nodes:
+        previous = net.configure(node, [previous] if previous else [])
+    for node in net.nodes:
+        node.spawn()
+    for node in net.nodes:
+        node.wait_ready(READY_TIMEOUT_S)
+
+
+def covered(node: LocalNode) -> bool:
+    """Whether the node's map has every unit at its target (False while it starts up)."""
+    return bool(node.get("/v0/coverage").get("fully_covered"))
 
 
 def timed(net: LocalNet, predicate: Callable[[], bool]) -> float | None:
@@ -116,11 +140,11 @@ def run(n: int, model_path: Path, model: MarketModel, root: Path, steady_s: floa
                 "market.enroll_delay_s": 3.0, "market.target_replicas": 2}
     with LocalNet(root / f"net{n}", n, settings=settings) as net:
         start = time.monotonic()
-        net.up()
+        up(net)
         up_s = time.monotonic() - start
-        node0_s = timed(net, lambda: net.nodes[0].get("/v0/coverage")["fully_covered"])
+        node0_s = timed(net, lambda: covered(net.nodes[0]))
         rest = None if node0_s is None else timed(net, lambda: all(
-            node.get("/v0/coverage")["fully_covered"] for node in net.nodes))
+            covered(node) for node in net.nodes))
         all_s = None if node0_s is None or rest is None else node0_s + rest
         time.sleep(SETTLE_S)
         pids = {node.proc.pid for node in net.nodes if node.proc is not None}
@@ -139,7 +163,7 @@ def run(n: int, model_path: Path, model: MarketModel, root: Path, steady_s: floa
         held = [node.get("/v0/coverage") for node in net.nodes]
     return Result(
         nodes=n, up_s=up_s, node0_s=node0_s, all_s=all_s,
-        covered_after=sum(1 for v in held if v["fully_covered"]), tcp_kib_min=tcp / 1024,
+        covered_after=sum(1 for v in held if v.get("fully_covered")), tcp_kib_min=tcp / 1024,
         tcp_sent_kib_min=sent / 1024, record_bytes=sum(sizes) / len(sizes),
         record_kib_min=sum(sizes) * records_per_min / 1024,
         max_held_fraction=max(v["held_bytes"] / v["budget_bytes"] for v in held))
@@ -158,7 +182,7 @@ def main() -> None:
                         help="run under this directory (logs kept) instead of a temporary one")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        root = args.keep or Path(tmp)
+        root = (args.keep or Path(tmp)).resolve()
         model_path = make_model(root / "moe.gguf", n_layer=8, n_expert=64, n_embd=128,
                                 n_ff_exp=256, dtype="q8_0", tied_output=True)
         model = MarketModel.from_manifest(Manifest.from_gguf(model_path))

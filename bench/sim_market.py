@@ -62,8 +62,9 @@ def summarize(sim: MarketSim, result: Any) -> dict[str, Any]:
     bitmap = [bitmap_bytes(n.record) for n in holding]
     # Proposed: changes as they happen, beacons every 60 s (holders) / 300 s (idle nodes).
     beacons = len(holding) * 60 / BEACON_S + len(idle) * 60 / IDLE_BEACON_S
-    beacon_bytes = (len(holding) * 60 / BEACON_S * (mean_holding + envelope_bytes(int(mean_holding)))
-                    + len(idle) * 60 / IDLE_BEACON_S * (mean_idle + envelope_bytes(int(mean_idle))))
+    beacon_bytes = sum(count * 60 / every * (size + envelope_bytes(int(size)))
+                       for count, every, size in ((len(holding), BEACON_S, mean_holding),
+                                                  (len(idle), IDLE_BEACON_S, mean_idle)))
     unique = g.changes_per_min * g.change_bytes + beacon_bytes + g.load_per_min
     proposed = unique * (cfg.mesh_degree - 1) + (
         cfg.mesh_degree * (g.changes_per_min + beacons) * cfg.gossip_window * IHAVE_ID_BYTES)
@@ -120,25 +121,29 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:.2f}"
 
 
-HEADER = ("| nodes | covered s | online 99%/100% s | expert replicas min/med/max | hot/cold mean "
-          "| replicas/target | experts > 2x target | layers min/max | head | holding | record B (mean/max) | max ranges "
-          "| records/min | MB/node/min now (peak) | MB/node/min proposed | decide ms "
-          "| apply µs | validate µs | wall s |")
+COLUMNS = ("nodes", "covered s", "online 99%/100% s", "expert replicas min/med/max",
+           "hot/cold mean", "replicas/target", "experts > 2x target", "layers min/max", "head",
+           "holding", "record B (mean/max)", "max ranges", "records/min",
+           "MB/node/min now (peak)", "MB/node/min proposed", "decide ms", "apply µs",
+           "validate µs", "wall s")
 
 
 def row(s: dict[str, Any]) -> str:
-    online = "/".join(f"{s[k]:.0f}" if s[k] is not None else f"> {s['duration_s']:.0f}"
-                      for k in ("t_online_99", "t_online"))
-    covered = f"{s['t_covered']:.0f}" if s["t_covered"] is not None else "never"
-    ratio = f"{s['replica_ratio']:.2f}" if "replica_ratio" in s else "n/a"
-    return (f"| {s['nodes']:,}{' ' + s['tag'] if s.get('tag') else ''} | {covered} | {online} | {s['replicas_min']}/"
-            f"{s['replicas_median']:.0f}/{s['replicas_max']} | {s['hot_mean']:.1f}/"
-            f"{s['cold_mean']:.1f} | {ratio} | {s['over_2x_target']:.1%} | {s['layer_min']}/{s['layer_max']} | {s['head']} | "
-            f"{s['holding']:,}/{s['alive']:,} | {s['record_mean']:.0f}/"
-            f"{s['max_record_bytes']:,} | {s['max_holdings']:,} | {s['records_per_min']:,.0f} | "
-            f"{_mb(s['total_per_node_min'])} ({_mb(s['peak_per_node_min'])}) | "
-            f"{_mb(s['proposed_per_node_min'])} | {s['decide_ms']:.0f} | {s['apply_us']:.0f} | "
-            f"{s['validate_us']:.0f} | {s['wall_s']:.0f} |")
+    def seconds(key: str) -> str:
+        return f"{s[key]:.0f}" if s[key] is not None else f"> {s['duration_s']:.0f}"
+
+    cells = [
+        f"{s['nodes']:,} {s.get('tag', '')}".strip(), seconds("t_covered"),
+        f"{seconds('t_online_99')}/{seconds('t_online')}",
+        f"{s['replicas_min']}/{s['replicas_median']:.0f}/{s['replicas_max']}",
+        f"{s['hot_mean']:.1f}/{s['cold_mean']:.1f}", f"{s['replica_ratio']:.2f}",
+        f"{s['over_2x_target']:.1%}", f"{s['layer_min']}/{s['layer_max']}", f"{s['head']}",
+        f"{s['holding']:,}/{s['alive']:,}", f"{s['record_mean']:.0f}/{s['max_record_bytes']:,}",
+        f"{s['max_holdings']:,}", f"{s['records_per_min']:,.0f}",
+        f"{_mb(s['total_per_node_min'])} ({_mb(s['peak_per_node_min'])})",
+        _mb(s["proposed_per_node_min"]), f"{s['decide_ms']:.0f}", f"{s['apply_us']:.0f}",
+        f"{s['validate_us']:.0f}", f"{s['wall_s']:.0f}"]
+    return "| " + " | ".join(cells) + " |"
 
 
 def load() -> list[dict[str, Any]]:
@@ -155,8 +160,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    guard = {s["nodes"]: s for s in results if s.get("tag") == "guard"}
     results = [s for s in results if not s.get("tag")]
-    fig, ((cov, hist), (gossip, times)) = plt.subplots(2, 2, figsize=(13, 9))
+    fig, ((cov, hist, piles), (gossip, times, records)) = plt.subplots(2, 3, figsize=(18, 9.5))
     for s in results:
         t = np.array(s["samples"])
         line, = cov.plot(t[:, 0] / 60, t[:, 1], label=f"{s['nodes']:,} nodes")
@@ -168,9 +174,22 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             title="Coverage (solid: joining/loading/online count; dashed: online only)")
     cov.legend()
     hist.set(xlabel="active replicas per expert (end of run)", ylabel="experts", yscale="log",
-             title="Replica distribution (12,544 experts; targets 2..6)")
+             xscale="log", title="Replica distribution (12,544 experts; targets 2..6)")
     hist.legend()
     n = [s["nodes"] for s in results]
+    piles.plot(n, [s["replicas_max"] for s in results], "o-", label="max replicas of an expert")
+    piles.plot(n, [s["replicas_median"] for s in results], "s-", label="median replicas")
+    piles.plot(n, [s["hot_mean"] for s in results], "^-", label="mean replicas, hot experts")
+    if guard:
+        g = [guard[k] for k in sorted(guard)]
+        piles.plot([s["nodes"] for s in g], [s["replicas_max"] for s in g], "o--",
+                   label="max, with the proposed herd guard")
+        piles.plot([s["nodes"] for s in g], [s["replicas_median"] for s in g], "s--",
+                   label="median, with the herd guard")
+    piles.axhline(6, color="grey", lw=0.8, ls=":", label="largest target (hot expert)")
+    piles.set(xscale="log", yscale="log", xlabel="nodes", ylabel="replicas",
+              title="Pile-ups: replicas beyond the target")
+    piles.legend(fontsize=8)
     gossip.plot(n, [s["total_per_node_min"] / 1e6 for s in results], "o-",
                 label="now: full record every 5 s (mesh D=6 + IHAVE)")
     gossip.plot(n, [s["unique_per_node_min"] / 1e6 for s in results], "s:",
@@ -179,14 +198,25 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
                 label="proposed: changes + 60 s beacons (mesh + IHAVE)")
     gossip.set(xscale="log", yscale="log", xlabel="nodes", ylabel="MB per node per minute",
                title="Coverage gossip received per node")
-    gossip.legend()
+    gossip.legend(fontsize=8)
     times.plot(n, [s["t_covered"] or np.nan for s in results], "o-",
                label="every unit at target (counting joining)")
+    times.plot(n, [s["t_online_99"] or np.nan for s in results], "^-",
+               label="99% of units at target, online")
     times.plot(n, [s["t_online"] or np.nan for s in results], "s-",
                label="every unit at target, online")
     times.set(xscale="log", xlabel="nodes", ylabel="seconds after the first boot",
-              title="Time to full coverage")
-    times.legend()
+              title=f"Time to full coverage (missing points: > {results[0]['duration_s']:.0f} s)")
+    times.legend(fontsize=8)
+    records.plot(n, [s["record_holding_mean"] for s in results], "o-",
+                 label="mean record of a holding node")
+    records.plot(n, [s["max_record_bytes"] for s in results], "s-", label="largest record")
+    records.plot(n, [s["bitmap_holding_mean"] for s in results], "^--",
+                 label="mean, holdings as per-layer bitmaps")
+    records.plot(n, [s["bitmap_max"] for s in results], "v--", label="largest, as bitmaps")
+    records.set(xscale="log", yscale="log", xlabel="nodes", ylabel="bytes (msgpack)",
+                title="Coverage record size")
+    records.legend(fontsize=8)
     fig.suptitle("kvasird coverage market, simulated: Qwen3.5-122B-shaped MoE (49 x 256 experts),"
                  " 5%/h churn, 1% loss, lognormal budgets (median 2 GB)")
     fig.tight_layout()
@@ -194,8 +224,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 
 def report(results: list[dict[str, Any]]) -> str:
-    rule = "|" + "---|" * (HEADER.count("|") - 1)
-    return "\n".join([HEADER, rule] + [row(s) for s in results])
+    header = "| " + " | ".join(COLUMNS) + " |"
+    return "\n".join([header, "|" + "---|" * len(COLUMNS)] + [row(s) for s in results])
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ COMMANDS = (
     "localchain",
     "wallet",
     "chat",
+    "generate",
 )
 
 

@@ -88,6 +88,9 @@ class ComputeConfig:
 
 @dataclass(frozen=True)
 class InferenceConfig:
+    serve: bool = True
+    """Load enrolled units into the engine and serve them; off = hold bytes only (tests of
+    the market alone, seed nodes)."""
     wire_dtype: str = field(default="f32", metadata=_choice("f32", "f16"))
     """Hidden states and expert rows on the wire: "f32" (exact) or "f16" (half the bytes)."""
     max_sessions: int = field(default=64, metadata=_range(1, 65536))
@@ -101,7 +104,8 @@ class InferenceConfig:
     expert_timeout_s: float = field(default=5.0, metadata=_range(0.05, 600))
     """An expert worker that does not answer in this time is replaced."""
     batch_window_ms: float = field(default=1.0, metadata=_range(0, 1000))
-    """A worker waits this long to batch concurrent requests for one layer into one call."""
+    """A worker waits this long to batch concurrent requests for one layer into one call
+    (only while requests arrive concurrently)."""
     spot_check: float = field(default=0.0, metadata=_range(0, 1))
     """Fraction of remote expert calls recomputed on a second replica and compared."""
     spot_tolerance: float = field(default=1e-3, metadata=_range(0, 1e6))
@@ -110,6 +114,10 @@ class InferenceConfig:
     """How long a peer that failed or failed a spot check receives no work."""
     max_failovers: int = field(default=4, metadata=_range(0, 64))
     """Route rebuilds one generation may go through before it gives up."""
+    hot_experts: int = field(default=0, metadata=_range(0, 1 << 16))
+    """Experts a stage may cache and compute itself once selected often (0 = no cache)."""
+    hot_after: int = field(default=64, metadata=_range(1, 1 << 30))
+    """Selections of an expert by this stage after which it is cached."""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from kvasird.identity import load_node_key
 from kvasird.inference.service import InferenceService
 from kvasird.logs import get_logger
 from kvasird.market.records import Capabilities
-from kvasird.market.service import MarketService
+from kvasird.market.service import MarketService, metadata_only
 from kvasird.model.store import ShardStore
 from kvasird.daemon.governance import GovernanceGossip
 from kvasird.daemon.shards import ShardService
@@ -48,7 +48,8 @@ class Node:
         self.market = MarketService(self.p2p, config.market, None,
                                     Capabilities(threads=config.compute.threads or 1),
                                     shards=self.shards,
-                                    loader=lambda units: self.inference.load(units))
+                                    loader=(lambda units: self.inference.load(units))
+                                    if config.inference.serve else metadata_only)
         self.inference = InferenceService(self.p2p, self.market, config)
         self.gateway = Gateway.for_node(self)
         self.settlement: Settlement | None = None

@@ -29,10 +29,8 @@ async def messages(gw: Gateway, request: Request) -> GenerationResponse:
     f = await read_json(request, gw.config.max_body_bytes)
     name = f.string("model")
     info, tok, template = gw.resolve(name)
-    prompt = gw.chat_prompt(template, tok, conversation(f), "messages")
-    if f.integer("max_tokens") < 1:
-        raise BadRequest(f"`max_tokens` must be at least 1, got {f.value['max_tokens']}",
-                         "max_tokens")
+    prompt = gw.check_prompt(info, gw.chat_prompt(template, tok, conversation(f), "messages"),
+                             "messages")
     for name_ in ("tools", "tool_choice"):
         if f.value.get(name_):
             raise BadRequest(f"`{name_}` is not supported by this gateway", name_)
@@ -52,8 +50,8 @@ async def messages(gw: Gateway, request: Request) -> GenerationResponse:
 async def count_tokens(gw: Gateway, request: Request) -> JSONResponse:
     f = await read_json(request, gw.config.max_body_bytes)
     _, tok, template = gw.resolve(f.string("model"))
-    return JSONResponse({"input_tokens": len(gw.chat_prompt(template, tok, conversation(f),
-                                                            "messages"))})
+    prompt = gw.chat_prompt(template, tok, conversation(f), "messages")
+    return JSONResponse({"input_tokens": len(prompt)})
 
 
 def conversation(f: Fields) -> list[Message]:

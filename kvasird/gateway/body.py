@@ -58,9 +58,7 @@ class Fields:
         self.value = value
         self.path = path
 
-    def where(self, name: str | int) -> str:
-        if isinstance(name, int):
-            return f"{self.path}[{name}]"
+    def where(self, name: str) -> str:
         return f"{self.path}.{name}" if self.path else name
 
     def has(self, name: str) -> bool:
@@ -106,7 +104,8 @@ def objects(values: list[Any], path: str) -> list[Fields]:
     out = []
     for i, v in enumerate(values):
         if not isinstance(v, dict):
-            raise BadRequest(f"`{path}[{i}]` must be an object, got {_json_type(v)}", f"{path}[{i}]")
+            where = f"{path}[{i}]"
+            raise BadRequest(f"`{where}` must be an object, got {_json_type(v)}", where)
         out.append(Fields(v, f"{path}[{i}]"))
     return out
 

@@ -9,14 +9,14 @@
         └── Unavailable          503: no route serves the model (yet)
 
 Generation errors from the Generator contract (NoRoute, Busy, UnknownModel) become
-the matching ApiError through ``from_generation``; anything else a generator raises
-on purpose is a 500 that says the request itself was fine.
+the matching ApiError through ``from_generation``; any other KvasirError a generator
+raises is a 500 that says the request itself was fine.
 """
 
 from __future__ import annotations
 
 from kvasird.errors import KvasirError
-from kvasird.inference.api import Busy, GenerationError, NoRoute, UnknownModel
+from kvasird.inference.api import Busy, NoRoute, UnknownModel
 
 
 class ApiError(KvasirError):
@@ -69,7 +69,7 @@ class Unavailable(ApiError):
     anthropic_type = "overloaded_error"
 
 
-def from_generation(exc: GenerationError) -> ApiError:
+def from_generation(exc: KvasirError) -> ApiError:
     if isinstance(exc, UnknownModel):
         return NotFound(str(exc), "model", "model_not_found")
     if isinstance(exc, Busy):

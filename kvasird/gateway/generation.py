@@ -10,8 +10,8 @@ stream, which frees its KV cache.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from kvasird.gateway.stops import StopMatcher
@@ -40,11 +40,11 @@ class Done:
 
 
 async def pieces(generator: Generator, tokenizer: Tokenizer, request: GenerationRequest,
-                 stops: tuple[str, ...]) -> AsyncIterator[Piece | Done]:
+                 stops: tuple[str, ...]) -> AsyncGenerator[Piece | Done, None]:
     decoder, matcher = tokenizer.stream(), StopMatcher(stops)
     pending: list[TokenEvent] = []
     produced = 0
-    async with aclosing(generator.generate(request)) as events:
+    async with _closing(generator.generate(request)) as events:
         async for event in events:
             if isinstance(event, Finished):
                 tail, hit = matcher.feed(decoder.finish())
@@ -64,3 +64,16 @@ async def pieces(generator: Generator, tokenizer: Tokenizer, request: Generation
             if text:
                 yield Piece(text, tuple(pending))
                 pending = []
+
+
+@asynccontextmanager
+async def _closing(events: AsyncIterator[TokenEvent | Finished]
+                   ) -> AsyncIterator[AsyncIterator[TokenEvent | Finished]]:
+    """Close the Generator's stream when we leave (the protocol promises an async iterator;
+    async generators, the usual implementation, free their KV cache in aclose)."""
+    try:
+        yield events
+    finally:
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()

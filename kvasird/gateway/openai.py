@@ -34,7 +34,8 @@ async def chat_completions(gw: Gateway, request: Request) -> GenerationResponse:
     f = await read_json(request, gw.config.max_body_bytes)
     name = f.string("model")
     info, tok, template = gw.resolve(name)
-    prompt = gw.chat_prompt(template, tok, messages(f), "messages")
+    prompt = gw.check_prompt(info, gw.chat_prompt(template, tok, messages(f), "messages"),
+                             "messages")
     logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", 0, 0, 20)
     if top and not logprobs:
@@ -44,7 +45,7 @@ async def chat_completions(gw: Gateway, request: Request) -> GenerationResponse:
     job = gw.job(info, tok, name, prompt, sampling(f, max_tokens, top if logprobs else -1),
                  stops=stops(f), stream=f.boolean("stream", False),
                  include_usage=f.obj("stream_options").boolean("include_usage", False),
-                 top_logprobs=top if logprobs else -1)
+                 top_logprobs=top if logprobs else -1, ignore_eos=f.boolean("ignore_eos", False))
     return GenerationResponse(gw, job, ChatRenderer(job))
 
 
@@ -52,18 +53,19 @@ async def completions(gw: Gateway, request: Request) -> GenerationResponse:
     f = await read_json(request, gw.config.max_body_bytes)
     name = f.string("model")
     info, tok, _ = gw.resolve(name)
-    prompt = gw.check_prompt(prompt_tokens(f, tok), "prompt")
+    prompt = gw.check_prompt(info, prompt_tokens(f, tok), "prompt")
     if f.boolean("echo", False):
         raise BadRequest("`echo` is not supported by this gateway", "echo")
     if f.has("suffix"):
         raise BadRequest("`suffix` is not supported by this gateway", "suffix")
     f.integer("best_of", 1, 1, 1)
-    top = f.integer("logprobs", -1, 0, 20)
+    asked = f.integer("logprobs", None, 0, 20)
+    top = -1 if asked is None else asked
     max_tokens = gw.max_tokens(f.integer("max_tokens", 16), "max_tokens")
     job = gw.job(info, tok, name, prompt, sampling(f, max_tokens, top), stops=stops(f),
                  stream=f.boolean("stream", False),
                  include_usage=f.obj("stream_options").boolean("include_usage", False),
-                 top_logprobs=top)
+                 top_logprobs=top, ignore_eos=f.boolean("ignore_eos", False))
     return GenerationResponse(gw, job, CompletionRenderer(job))
 
 
@@ -166,15 +168,18 @@ def stops(f: Fields, name: str = "stop") -> tuple[str, ...]:
 
 
 class _OpenAIRenderer:
+    """What chat and text completions share: envelope, usage, errors, the stream's end."""
+
     ping = b": ping\n\n"
+    prefix = ""
+    """Of the response id ("chatcmpl", "cmpl")."""
     kind = ""
+    """The ``object`` of a chunk."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
         self.id = f"{self.prefix}-{job.request.request_id}"
         self.created = int(time.time())
-
-    prefix = ""
 
     def error(self, err: ApiError) -> dict[str, Any]:
         return err.openai()

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from kvasird.errors import KvasirError
 from kvasird.gateway.errors import ApiError, from_generation
 from kvasird.gateway.generation import Done, Piece, pieces
 from kvasird.gateway.stats import Slot
-from kvasird.inference.api import GenerationError, TokenEvent
+from kvasird.inference.api import TokenEvent
 from kvasird.logs import get_logger
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class GenerationResponse:
         async with aclosing(stream) as items:
             try:
                 first = await anext(items)
-            except GenerationError as exc:
+            except KvasirError as exc:
                 err = from_generation(exc)
                 await send_json(send, err.status, self.renderer.error(err))
                 slot.finish(err.status)
@@ -112,13 +113,13 @@ class GenerationResponse:
                 texts.append(item.text)
                 tokens.extend(item.tokens)
                 item = await anext(items)
-        except GenerationError as exc:
+        except KvasirError as exc:
             err = from_generation(exc)
             await send_json(send, err.status, self.renderer.error(err))
             slot.finish(err.status)
             return
-        await send_json(send, 200, self.renderer.body("".join(texts), tokens, item))
         slot.finish(200, item.completion_tokens)
+        await send_json(send, 200, self.renderer.body("".join(texts), tokens, item))
 
     async def _stream(self, first: Piece | Done, items: AsyncIterator[Piece | Done], send: Send,
                       slot: Slot) -> None:
@@ -126,7 +127,7 @@ class GenerationResponse:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no")]})
-        out = _Writer(send)
+        out = EventWriter(send)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(out.keep_alive, r.ping, self.gateway.config.ping_s)
             await out.write(r.stream_start())
@@ -135,9 +136,9 @@ class GenerationResponse:
                 while isinstance(item, Piece):
                     await out.write(r.stream_piece(item))
                     item = await anext(items)
-                await out.write(r.stream_end(item))
                 slot.finish(200, item.completion_tokens)
-            except GenerationError as exc:
+                await out.write(r.stream_end(item))
+            except KvasirError as exc:
                 err = from_generation(exc)
                 await out.write(r.stream_error(err))
                 slot.finish(err.status)
@@ -145,7 +146,7 @@ class GenerationResponse:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-class _Writer:
+class EventWriter:
     """Serialises body writes of the event loop and the pinger; remembers the last one."""
 
     def __init__(self, send: Send) -> None:

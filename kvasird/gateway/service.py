@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from kvasird.config import GatewayConfig
+from kvasird.errors import ConfigError, KvasirError
 from kvasird.gateway.errors import BadRequest, NotFound, Unavailable
 from kvasird.gateway.stats import GatewayStats
 from kvasird.http import serve_asgi
@@ -55,53 +56,65 @@ class Job:
     """Alternatives reported per token; -1 = no logprobs at all."""
 
 
+ModelSource = Callable[[], "Path | None"]
+"""Where the model's GGUF (tokenizer, chat template) is, or None while it is not on disk yet."""
+Loader = Callable[[Path, str], Generator]
+"""Builds a Generator from the model's GGUF and id (blocking; run in a worker thread)."""
+
+SOURCE_POLL_S = 0.5
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig, *, node: Node | None = None,
-                 generator: Generator | None = None,
-                 load: Callable[[dict[str, Path]], Generator] | None = None,
-                 models: Sequence[Path] = (), config_path: str = "kvasird.toml") -> None:
-        """``models`` are the GGUFs whose tokenizers and chat templates the gateway uses.
+                 generator: Generator | None = None, model: ModelSource | None = None,
+                 load: Loader | None = None, config_path: str = "kvasird.toml") -> None:
+        """``model`` tells where the GGUF with the tokenizer and chat template is.
 
         ``generator`` serves at once; ``load`` builds one in a worker thread once the
-        gateway listens and the tokenizers are read (it gets {model id: GGUF path});
-        until then the gateway answers 503 and /health says "starting".
+        gateway listens and the model's GGUF is on disk. Until a generator and the
+        tokenizer are there, the gateway answers 503 and /health says "starting".
         """
         self.config = config
         self.node = node
         self.generator = generator
         self.stats = GatewayStats()
         self.url = ""
+        self._model = model
         self._load = load
-        self._paths = list(models)
         self._tokenizers: dict[str, tuple[Tokenizer, ChatTemplate]] = {}
-        self._loaded = False
+        self._loaded = model is None
         self._config_path = config_path
 
     @classmethod
     def for_node(cls, node: Node) -> Gateway:
-        """The node's gateway: tokenizer from [market] model; local generation when configured."""
+        """The node's gateway: tokenizer from [market] model; generation across the swarm
+        (the node's SwarmGenerator), or with the whole model loaded here when [gateway] local.
+
+        [market] model is a GGUF path, ``bundled:NAME`` or a model id; for an id the
+        tokenizer is read once this node holds the model's head (it comes with it).
+        """
         cfg = node.config
         if not cfg.market.model:
             return cls(cfg.gateway, node=node, config_path=str(node.home.config))
-        path = Path(cfg.market.model).expanduser()
         load = None
         if cfg.gateway.local:
             from kvasird.inference.local import LocalGenerator  # deferred: loads ggml
 
-            def load(ids: dict[str, Path]) -> Generator:
-                model_id = next(i for i, p in ids.items() if p == path)
+            def load(path: Path, model_id: str) -> Generator:
                 return LocalGenerator.open(path, model_id, _label(path),
                                            threads=cfg.compute.threads,
                                            kv_tokens=cfg.gateway.kv_tokens)
-        return cls(cfg.gateway, node=node, load=load, models=[path],
-                   config_path=str(node.home.config))
+        swarm = None if load is not None else node.inference.generator
+        return cls(cfg.gateway, node=node, generator=swarm, model=partial(_node_model, node),
+                   load=load, config_path=str(node.home.config))
 
     @property
     def ready(self) -> bool:
-        return self.generator is not None and self._loaded
+        """Tokenizer read and a generator that serves at least one model."""
+        return self._loaded and bool(self.models())
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen, report the URL, then load tokenizers and the generator (if any) off-loop."""
+        """Listen, report the URL, then read the tokenizer and load the generator off-loop."""
         if not self.config.enabled:
             task_status.started("")
             return
@@ -114,19 +127,30 @@ class Gateway:
                     serve_asgi, build_app(self), self.config.listen, what="gateway",
                     config_hint=f"[gateway] listen in {self._config_path}"))
                 task_status.started(self.url)
-                ids = {}
-                for path in self._paths:
+                if self._model is not None:
+                    # The GGUF may arrive through the shard store, which has no event to wait on.
+                    while (path := await trio.to_thread.run_sync(self._model)) is None:  # noqa: ASYNC110
+                        await trio.sleep(SOURCE_POLL_S)
                     model_id, tok = await trio.to_thread.run_sync(_read_model, path)
                     self._tokenizers[model_id] = (tok, ChatTemplate.of(tok))
-                    ids[model_id] = path
-                if self._load is not None:
-                    owned = self.generator = await trio.to_thread.run_sync(self._load, ids)
-                self._loaded = True
+                    if self._load is not None:
+                        owned = self.generator = await self._load_generator(path, model_id)
+                    self._loaded = True
                 log.info("gateway ready" if self.ready else "gateway listening without a model",
                          url=self.url)
         finally:
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
+
+    async def _load_generator(self, path: Path, model_id: str) -> Generator | None:
+        """The local generator, or None (logged, the gateway keeps answering 503) when the
+        model cannot be loaded whole here."""
+        assert self._load is not None
+        try:
+            return await trio.to_thread.run_sync(self._load, path, model_id)
+        except KvasirError as exc:
+            log.error(f"the gateway cannot load {path} for local generation: {exc}")
+            return None
 
     # --- what handlers share ------------------------------------------------------------
 
@@ -153,19 +177,23 @@ class Gateway:
 
     def chat_prompt(self, template: ChatTemplate, tokenizer: Tokenizer,
                     messages: Sequence[Message], field: str) -> list[int]:
+        """Token ids of the messages through the model's chat template (no limits applied)."""
         try:
             text = template.render(messages)
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), field) from None
-        return self.check_prompt(tokenizer.encode(text, special=True), field)
+        return tokenizer.encode(text, special=True)
 
-    def check_prompt(self, prompt: list[int], field: str) -> list[int]:
-        limit = self.config.max_prompt_tokens
+    def check_prompt(self, info: ModelInfo, prompt: list[int], field: str) -> list[int]:
+        """The prompt, if it is not empty and leaves room for at least one token."""
         if not prompt:
             raise BadRequest(f"`{field}` is empty: there is nothing to continue", field)
+        limit = self.config.max_prompt_tokens
+        what = "this gateway's limit ([gateway] max_prompt_tokens)"
+        if info.context_length - 1 < limit:
+            limit, what = info.context_length - 1, "what the model's context leaves room for"
         if len(prompt) > limit:
-            raise BadRequest(f"the prompt is {len(prompt)} tokens, over this gateway's limit of "
-                             f"{limit} ([gateway] max_prompt_tokens)", field,
+            raise BadRequest(f"the prompt is {len(prompt)} tokens, over {what}: {limit}", field,
                              "context_length_exceeded")
         return prompt
 
@@ -181,12 +209,34 @@ class Gateway:
         return requested
 
     def job(self, info: ModelInfo, tokenizer: Tokenizer, name: str, prompt: list[int],
-            sampling: Sampling, **options: object) -> Job:
+            sampling: Sampling, *, ignore_eos: bool = False, **options: object) -> Job:
+        """``ignore_eos`` (vLLM's extension) generates max_tokens whatever the model says."""
+        ends = frozenset() if ignore_eos else tokenizer.special.end_of_generation
         request = GenerationRequest(model=info.model_id, prompt=tuple(prompt), sampling=sampling,
-                                    stop_tokens=tokenizer.special.end_of_generation,
-                                    request_id=secrets.token_hex(12))
+                                    stop_tokens=ends, request_id=secrets.token_hex(12))
         assert self.generator is not None, "resolve() found the model first"
         return Job(request, self.generator, tokenizer, name, **options)  # type: ignore[arg-type]
+
+
+def _node_model(node: Node) -> Path | None:
+    """The GGUF of the node's [market] model: its path, the bundled file, or (for a model id)
+    the original or the head slice from the shard store once it is there."""
+    from kvasird.model.manifest import HEAD
+    from kvasird.model.store import BUNDLED, BUNDLED_PREFIX
+
+    ref = node.config.market.model
+    if ref.startswith(BUNDLED_PREFIX):
+        fetch = BUNDLED.get(ref[len(BUNDLED_PREFIX):])
+        if fetch is None:
+            raise ConfigError(f"market.model = {ref!r}: unknown bundled model; known: "
+                              + ", ".join(f"{BUNDLED_PREFIX}{name}" for name in BUNDLED))
+        return fetch()
+    if Path(ref).expanduser().is_file():
+        return Path(ref).expanduser()
+    model = node.market.model
+    if model is None or HEAD not in node.shards.store.held_units(model.model_id):
+        return None
+    return node.shards.model_files(model.model_id, [HEAD])[0]
 
 
 def _read_model(path: Path) -> tuple[str, Tokenizer]:

@@ -3,7 +3,8 @@
 /health says only "ok" or "starting" (it is what a load balancer polls, so it leaks
 nothing). The page is plain server-rendered HTML with inline CSS and an inline SVG
 of the coverage map: one cell per layer (and per expert range of MoE layers),
-coloured by replicas against the target. No script, no external asset.
+coloured by replicas against the target. No script, no external asset; the page
+reloads itself every 5 seconds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from kvasird.gateway.service import Gateway
 COLOURS = {"full": "#2e9e44", "partial": "#e0a800", "missing": "#d9363e"}
 WIDTH = 720
 ROW = 22
+STYLE = """
+body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1d232a;background:#fafbfc}
+h1{font-size:20px;margin:0 0 12px} h2{font-size:16px;margin:22px 0 8px}
+table{border-collapse:collapse} th{white-space:nowrap}
+td,th{padding:3px 12px 3px 0;text-align:left;vertical-align:top} code{font-size:12px}
+.legend span{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px;
+vertical-align:middle}
+"""
 
 
 def health(gw: Gateway) -> tuple[int, dict[str, str]]:
@@ -58,20 +67,18 @@ def page(snap: dict[str, Any]) -> str:
                     f"<td>{_or_dash(p.get('rtt_ms'), ' ms')}</td>"
                     f"<td>{escape(str(p.get('version') or ''))}</td></tr>"
                     for p in snap.get("peers", [])) or "<tr><td colspan=3>no peers</td></tr>"
-    held = ", ".join(escape(u) for u in cov.get("held") or []) or "nothing"
+    held = escape(_holdings(cov.get("held") or [])) or "nothing"
+    table = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)
+    legend = "".join(f'<span style="background:{c}"></span>{k}' for k, c in COLOURS.items())
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>kvasird status</title>
-<style>
-body{{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1d232a;background:#fafbfc}}
-h1{{font-size:20px;margin:0 0 12px}} h2{{font-size:16px;margin:22px 0 8px}}
-table{{border-collapse:collapse}} td,th{{padding:3px 12px 3px 0;text-align:left;vertical-align:top}}
-code{{font-size:12px}} .legend span{{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px;vertical-align:middle}}
-</style></head><body>
+<html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
+<title>kvasird status</title>
+<style>{STYLE}</style></head><body>
 <h1>kvasird node</h1>
-<table>{"".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)}</table>
+<table>{table}</table>
 <h2>Models served</h2><ul>{models}</ul>
 <h2>Coverage</h2>{coverage_svg(cov)}
-<div class="legend">{"".join(f'<span style="background:{c}"></span>{k}' for k, c in COLOURS.items())}</div>
+<div class="legend">{legend}</div>
 <p>This node holds: {held}</p>
 <h2>Peers</h2><table><tr><th>peer</th><th>RTT</th><th>version</th></tr>{peers}</table>
 </body></html>
@@ -85,23 +92,14 @@ def coverage_svg(cov: dict[str, Any]) -> str:
         return "<p>This node tracks no model ([market] model is empty).</p>"
     n_layer, n_expert = model["n_layer"], model["n_expert"]
     label_w, plot_w = 80, WIDTH - 80
-    rects, y = [], 0
+    rects = []
     labels = [(0, "head"), (ROW, "layers")]
     for seg in cov.get("segments") or []:
         colour = _colour(seg["replicas"], seg["target"])
         tip = f"{_name(seg)}: {seg['replicas']}/{seg['target']} replicas"
-        if seg["unit"] == "head":
-            x, w, y = 0.0, plot_w, 0
-        elif seg["unit"] == "layers":
-            a, b = seg["layers"]
-            x, w, y = a * plot_w / n_layer, (b - a) * plot_w / n_layer, ROW
-        else:
-            a, b = seg["experts"]
-            x, w = a * plot_w / n_expert, (b - a) * plot_w / n_expert
-            y = 2 * ROW + seg["layer"] * 8
-        height = 6 if seg["unit"] == "experts" else ROW - 4
-        rects.append(f'<rect x="{label_w + x:.1f}" y="{y}" width="{max(w - 1, 1):.1f}" '
-                     f'height="{height}" fill="{colour}"><title>{escape(tip)}</title></rect>')
+        for x, w, y, h in _cells(seg, plot_w, n_layer, n_expert):
+            rects.append(f'<rect x="{label_w + x:.1f}" y="{y}" width="{max(w - 1, 1):.1f}" '
+                         f'height="{h}" fill="{colour}"><title>{escape(tip)}</title></rect>')
     if n_expert:
         labels.append((2 * ROW, f"experts ({n_layer}×{n_expert})"))
     total = 2 * ROW + (n_layer * 8 if n_expert else 0)
@@ -109,6 +107,19 @@ def coverage_svg(cov: dict[str, Any]) -> str:
                    for y, t in labels)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{total}" '
             f'role="img" aria-label="coverage map">{text}{"".join(rects)}</svg>')
+
+
+def _cells(seg: dict[str, Any], plot_w: float, n_layer: int,
+           n_expert: int) -> list[tuple[float, float, int, int]]:
+    """(x, width, y, height) of a segment's cells: the head, one per layer, one per expert run."""
+    if seg["unit"] == "head":
+        return [(0.0, plot_w, 0, ROW - 4)]
+    if seg["unit"] == "layers":
+        w = plot_w / n_layer
+        return [(i * w, w, ROW, ROW - 4) for i in range(*seg["layers"])]
+    a, b = seg["experts"]
+    w = plot_w / n_expert
+    return [(a * w, (b - a) * w, 2 * ROW + seg["layer"] * 8, 6)]
 
 
 def _colour(replicas: int, target: int) -> str:
@@ -125,6 +136,19 @@ def _name(seg: dict[str, Any]) -> str:
         return f"layers {a}-{b - 1}"
     a, b = seg["experts"]
     return f"layer {seg['layer']} experts {a}-{b - 1}"
+
+
+def _holdings(units: list[str]) -> str:
+    """"head, layer:0, layer:1, layer:2" -> "head, layers 0-2" (runs of whole layers merged)."""
+    layers = sorted(int(u.split(":")[1]) for u in units if u.startswith("layer:"))
+    out = [u for u in units if not u.startswith("layer:")]
+    start = None
+    for i, n in enumerate(layers):
+        start = n if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != n + 1:
+            out.append(f"layers {start}-{n}" if n > start else f"layer {n}")
+            start = None
+    return ", ".join(out)
 
 
 def _or_dash(value: Any, unit: str = "") -> str:

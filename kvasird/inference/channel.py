@@ -12,6 +12,7 @@ is reset and dropped, and every request still waiting on it fails at once.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -46,17 +47,18 @@ class Channel:
         self._ids = itertools.count(1)
         self._waiting: dict[int, trio.MemorySendChannel[dict[str, Any]]] = {}
 
-    async def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def request(self, msg: dict[str, Any], wait_s: float) -> dict[str, Any]:
         rid = next(self._ids)
         send, recv = trio.open_memory_channel[dict[str, Any]](1)
         self._waiting[rid] = send
         try:
-            with trio.fail_after(timeout):
+            with trio.fail_after(wait_s):
                 async with self._write:
                     await write_frame(self.stream, {**msg, "id": rid}, MAX_FRAME)
                 reply = await recv.receive()
         except trio.TooSlowError:
-            raise HopFailed(self.peer, f"no answer to {msg.get('op')!r} within {timeout:g} s") from None
+            raise HopFailed(self.peer,
+                            f"no answer to {msg.get('op')!r} within {wait_s:g} s") from None
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise HopFailed(self.peer, "the stream broke") from None
         except KvasirError:
@@ -73,7 +75,8 @@ class Channel:
         try:
             while True:
                 reply = await self._reader.read()
-                if isinstance(reply, dict) and (send := self._waiting.get(reply.get("id"))):
+                rid = reply.get("id") if isinstance(reply, dict) else None
+                if isinstance(rid, int) and (send := self._waiting.get(rid)):
                     send.send_nowait(reply)
         except Exception as exc:  # noqa: BLE001 - any read failure ends the channel
             log.debug("channel closed", peer=self.peer, reason=repr(exc))
@@ -102,10 +105,10 @@ class Channels:
             await trio.sleep_forever()
 
     async def request(self, peer: str, protocol: str, msg: dict[str, Any],
-                      timeout: float) -> dict[str, Any]:
+                      wait_s: float) -> dict[str, Any]:
         channel = await self._get(peer, protocol)
         try:
-            return await channel.request(msg, timeout)
+            return await channel.request(msg, wait_s)
         except Refused:
             raise
         except HopFailed:
@@ -141,11 +144,9 @@ class Channels:
 
 
 async def _reset(stream: INetStream) -> None:
-    with trio.move_on_after(1):
-        try:
-            await stream.reset()
-        except Exception:  # noqa: BLE001 - resetting a dead stream may fail any way
-            pass
+    # resetting a dead stream may fail any way
+    with trio.move_on_after(1), contextlib.suppress(Exception):
+        await stream.reset()
 
 
 async def serve(stream: INetStream, handle: Handler, idle_s: float) -> None:

@@ -59,7 +59,9 @@ class ChatTemplate:
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> ChatTemplate:
         sp = tokenizer.special
-        text = (lambda i: tokenizer.tokens[i] if i is not None else "")
+
+        def text(token: int | None) -> str:
+            return tokenizer.tokens[token] if token is not None else ""
         return cls(tokenizer.chat_template, text(sp.bos), text(sp.eos))
 
     def render(self, messages: Sequence[Message]) -> str:

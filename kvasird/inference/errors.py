@@ -3,10 +3,13 @@
     PeerError (kvasird.errors)
     └── HopFailed          a stage or worker failed, refused or timed out: route around it
         └── Refused        it answered with a reason (busy, unknown session, bad request)
+    ComputeError (kvasird.compute.errors)
+    └── NoWorkers          no fit peer holds experts a stage must dispatch (a stage answers "busy")
 """
 
 from __future__ import annotations
 
+from kvasird.compute.errors import ComputeError
 from kvasird.errors import PeerError
 
 
@@ -26,3 +29,8 @@ class Refused(HopFailed):
         super().__init__(peer, f"{code}: {reason}")
         self.code = code
         self.detail = reason
+
+
+class NoWorkers(ComputeError):
+    """No fit peer holds some experts a layer needs right now; transient (the market fills
+    the gap, or a worker's sentence ends)."""

@@ -11,9 +11,9 @@ only its rows and *its* local ids:
                                       combine ◀── outputs [m, n, n_embd] ◀──────────┘
 
 A worker that fails or times out is marked unfit and the call is re-planned on
-another replica. With probability `spot_check` a call is recomputed on a second
-replica; when the two disagree beyond tolerance a third opinion decides, and the
-worker that disagrees with it is marked unfit (both are, when there is no third).
+another replica. With probability `spot_check` a call is recomputed: on our own copy
+of those experts when we hold one (authoritative), else on a second replica, with a
+third deciding a disagreement; a worker out of tolerance is marked unfit.
 """
 
 from __future__ import annotations
@@ -27,33 +27,81 @@ from typing import Any
 import numpy as np
 import trio
 
-from kvasird.compute.errors import ComputeError
-from kvasird.compute.experts import ExpertShard, dispatch
+from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch
 from kvasird.inference import tensors
 from kvasird.inference.channel import Channels
-from kvasird.inference.errors import HopFailed
+from kvasird.inference.errors import HopFailed, NoWorkers
 from kvasird.inference.routing import Fitness, Latency, PeerHoldings, cover_experts, expert_holders
 from kvasird.inference.serving import EXPERT_PROTOCOL
 from kvasird.logs import get_logger
 
 MAX_ATTEMPTS = 4
+Piece = tuple[str, int, int, int, int]
+"""(worker, first expert, end, the worker's advertised range start e0, its end)."""
+LocalExperts = Callable[[int], "tuple[ExpertWorker, int, int] | None"]
+"""layer -> our own worker for it and the global range [first, end) it holds, if any."""
 log = get_logger("kvasird.inference.experts")
+
+
+class HotExperts:
+    """Experts this stage computes itself because it selects them often: the hot-expert cache.
+
+    Selections are counted per (layer, expert); once one reaches `after` and there is room
+    (`capacity` experts), the expert is loaded from the model file into a worker of its
+    own, and from then on it is a zero-latency holder in dispatch planning.
+    """
+
+    def __init__(self, load: Callable[[int, int], ExpertWorker] | None, capacity: int,
+                 after: int) -> None:
+        self.load, self.capacity, self.after = load, capacity, after
+        self.workers: dict[tuple[int, int], ExpertWorker] = {}
+        self._seen: Counter[tuple[int, int]] = Counter()
+        self._failed: set[tuple[int, int]] = set()
+
+    def holdings(self, me: str) -> list[PeerHoldings]:
+        if not self.workers:
+            return []
+        return [PeerHoldings(me, False, (), tuple((lay, e, e + 1) for lay, e in self.workers))]
+
+    async def observe(self, layer: int, gids: np.ndarray) -> None:
+        """Count this call's selections; load what just became hot (once, off the loop)."""
+        if self.load is None or self.capacity <= 0:
+            return
+        for g in np.unique(gids):
+            key = (layer, int(g))
+            self._seen[key] += 1
+            if (self._seen[key] >= self.after and key not in self.workers
+                    and key not in self._failed and len(self.workers) < self.capacity):
+                try:
+                    self.workers[key] = await trio.to_thread.run_sync(self.load, *key)
+                    log.info("hot expert cached", layer=layer, expert=key[1])
+                except Exception as exc:  # noqa: BLE001 - no local bytes for it: keep dispatching
+                    self._failed.add(key)
+                    log.info("hot expert not cached", layer=layer, expert=key[1], error=repr(exc))
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+            worker.weights.close()
+        self.workers.clear()
 
 
 class ExpertDispatcher:
     """Computes expert ranges this node lacks on the workers that hold them."""
 
     def __init__(self, me: str, holders: Callable[[], list[PeerHoldings]], channels: Channels,
-                 latency: Latency, fitness: Fitness, *, timeout_s: float, wire_dtype: str,
-                 spot_check: float, tolerance: float) -> None:
-        self.me, self.holders, self.channels = me, holders, channels
+                 latency: Latency, fitness: Fitness, local: LocalExperts, *, timeout_s: float,
+                 wire_dtype: str, spot_check: float, tolerance: float,
+                 hot: HotExperts | None = None) -> None:
+        self.me, self.holders, self.channels, self.local = me, holders, channels, local
+        self.hot = hot or HotExperts(None, 0, 0)
         self.latency, self.fitness = latency, fitness
         self.timeout_s, self.wire_dtype = timeout_s, wire_dtype
         self.spot_check, self.tolerance = spot_check, tolerance
         self.selected: Counter[tuple[int, int]] = Counter()
         """(layer, expert) -> times selected since the last load report."""
         self.stats = Counter[str]()
-        """calls, rows, failovers, spot_checks, caught."""
+        """calls, rows, failovers, spot_checks, caught, unresolved, hot_rows."""
         self._rng = random.Random()
 
     def shard(self, layer: int, first: int, end: int) -> ExpertShard:
@@ -67,38 +115,90 @@ class ExpertDispatcher:
         for g in np.unique(gids):
             self.selected[(layer, int(g))] += int((gids == g).any(axis=1).sum())
         for attempt in range(MAX_ATTEMPTS):
-            pieces = trio.from_thread.run_sync(self._plan, layer, first, end)
-            if pieces is None:
-                raise ComputeError(f"no fit worker holds experts [{first}, {end}) of layer {layer}")
-            shards = [ExpertShard(lo, hi, self._piece_call(peer, e0, lo))
-                      for peer, lo, hi, e0, _ in pieces]
             try:
-                return dispatch(layer, rows, gids, shards)
+                pieces, outs = trio.from_thread.run(self._attempt, layer, first, end, rows, gids)
             except HopFailed as exc:
                 self.fitness.mark(exc.peer, exc.reason)
                 self.stats["failovers"] += 1
                 log.info("expert worker replaced", peer=exc.peer, layer=layer,
                          reason=exc.reason[:200], attempt=attempt + 1)
-        raise ComputeError(f"experts [{first}, {end}) of layer {layer} failed on "
-                           f"{MAX_ATTEMPTS} workers")
+                continue
+            return _combine(layer, rows, gids, pieces, outs)
+        raise NoWorkers(f"experts [{first}, {end}) of layer {layer} failed on "
+                        f"{MAX_ATTEMPTS} workers")
 
-    def _plan(self, layer: int, first: int, end: int) -> list[tuple[str, int, int, int, int]] | None:
+    async def _attempt(self, layer: int, first: int, end: int, rows: np.ndarray,
+                       gids: np.ndarray) -> tuple[list[Piece], list[np.ndarray]]:
+        """On the event loop: plan the pieces, split the rows, call every worker at once.
+
+        The split is compute.dispatch's own: a pass with recording shards collects each
+        piece's rows and ids; the thread's second pass with the answers combines them.
+        """
+        await self.hot.observe(layer, gids)
+        pieces = self._plan(layer, first, end)
+        if pieces is None:
+            raise NoWorkers(f"no fit worker holds experts [{first}, {end}) of layer {layer}")
+        asked: list[tuple[np.ndarray, np.ndarray]] = []
+
+        def record(lay: int, r: np.ndarray, sel: np.ndarray) -> np.ndarray:
+            asked.append((r, sel))
+            return np.zeros((len(r), sel.shape[1], r.shape[1]), np.float32)
+
+        dispatch(layer, rows, gids, [ExpertShard(lo, hi, record) for _, lo, hi, _, _ in pieces])
+        used = [p for p in pieces if ((gids >= p[1]) & (gids < p[2])).any()]
+        return pieces, await self._call_all(layer, [(p, r, sel) for p, (r, sel)
+                                                    in zip(used, asked, strict=True)])
+
+    async def _call_all(self, layer: int, shards: list[tuple[Piece, np.ndarray, np.ndarray]]
+                        ) -> list[np.ndarray]:
+        outs: list[np.ndarray | None] = [None] * len(shards)
+        failed: list[HopFailed] = []
+
+        async def one(i: int) -> None:
+            (peer, lo, _, e0, _), r, sel = shards[i]
+            gids = sel.astype(np.int64) + lo
+            if peer == self.me:
+                self.stats["hot_rows"] += len(r)
+                worker = self.hot.workers[(layer, e0)]
+                outs[i] = await trio.to_thread.run_sync(worker, layer, r, gids - e0)
+                return
+            try:
+                outs[i] = await self.checked(peer, e0, layer, r, gids)
+            except HopFailed as exc:
+                failed.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(shards)):
+                nursery.start_soon(one, i)
+        if failed:
+            raise failed[0]
+        return [o for o in outs if o is not None]
+
+    def _plan(self, layer: int, first: int, end: int) -> list[Piece] | None:
         fit = [h for h in self.holders() if h.peer != self.me and self.fitness.fit(h.peer)]
+        fit += self.hot.holdings(self.me)  # ours cost 0: the cheapest holder
         return cover_experts(expert_holders(fit, layer, first, end), first, end, self.latency)
-
-    def _piece_call(self, peer: str, e0: int, lo: int) -> Callable[[int, np.ndarray, np.ndarray],
-                                                                    np.ndarray]:
-        def call(layer: int, rows: np.ndarray, local: np.ndarray) -> np.ndarray:
-            gids = local.astype(np.int64) + lo
-            return trio.from_thread.run(self.checked, peer, e0, layer, rows, gids)
-        return call
 
     async def checked(self, peer: str, e0: int, layer: int, rows: np.ndarray,
                       gids: np.ndarray) -> np.ndarray:
+        """A worker's outputs; with probability `spot_check` verified against a judge.
+
+        Our own copy of the experts is an authoritative judge. A second replica is not:
+        when it disagrees, a third opinion decides who is out of tolerance, and without
+        one the disagreement is only counted (nobody is sentenced on a coin toss).
+        """
         out = await self.remote(peer, e0, layer, rows, gids)
         if self.spot_check <= 0 or self._rng.random() >= self.spot_check:
             return out
         self.stats["spot_checks"] += 1
+        own = self.local(layer)
+        if own is not None and own[1] <= int(gids.min()) and int(gids.max()) < own[2]:
+            worker, first, _ = own
+            ref = await trio.to_thread.run_sync(worker, layer, rows, gids - first)
+            if self._close(out, ref):
+                return out
+            self._caught(peer, layer)
+            return ref
         others = self._replicas(layer, gids, exclude={peer})
         if not others:
             return out
@@ -106,17 +206,19 @@ class ExpertDispatcher:
         ref = await self.remote(second, s_e0, layer, rows, gids)
         if self._close(out, ref):
             return out
-        third = self._replicas(layer, gids, exclude={peer, second})
-        if third:
-            judge = await self.remote(third[0][0], third[0][1], layer, rows, gids)
-            liar, good = (peer, ref) if self._close(ref, judge) else (second, out)
-            if not (self._close(ref, judge) or self._close(out, judge)):
-                liar, good = peer, judge
-            self._caught(liar, layer)
-            return good
+        if len(others) < 2:
+            self.stats["unresolved"] += 1
+            log.warning("spot check disagreement without a third replica", peer=peer,
+                        other=second, layer=layer)
+            return out
+        judge = await self.remote(others[1][0], others[1][1], layer, rows, gids)
+        if self._close(out, judge):
+            self._caught(second, layer)
+            return out
         self._caught(peer, layer)
-        self._caught(second, layer)
-        raise HopFailed(peer, "spot check disagreement with no third replica")
+        if not self._close(ref, judge):
+            self._caught(second, layer)
+        return judge
 
     def _caught(self, peer: str, layer: int) -> None:
         self.stats["caught"] += 1
@@ -131,13 +233,15 @@ class ExpertDispatcher:
         lo, hi = int(gids.min()), int(gids.max()) + 1
         fit = [h for h in self.holders() if h.peer not in exclude and h.peer != self.me
                and self.fitness.fit(h.peer)]
-        found = [(p, e0) for p, e0, e1 in expert_holders(fit, layer, lo, hi) if e0 <= lo and hi <= e1]
+        found = [(p, e0) for p, e0, e1 in expert_holders(fit, layer, lo, hi)
+                 if e0 <= lo and hi <= e1]
         return sorted(found, key=lambda r: self.latency(r[0]))
 
     async def remote(self, peer: str, e0: int, layer: int, rows: np.ndarray,
                      gids: np.ndarray) -> np.ndarray:
-        """One worker call: rows and the worker's local ids (global - e0) out, outputs back."""
-        msg: dict[str, Any] = {"op": "experts", "layer": layer,
+        """One worker call: rows and local ids (global - e0, e0 the start of the range the
+        worker advertises, sent along so a worker can check it) out, outputs back."""
+        msg: dict[str, Any] = {"op": "experts", "layer": layer, "first": e0,
                                "rows": tensors.encode(rows, self.wire_dtype),
                                "ids": tensors.encode(gids - e0, "i32")}
         began = time.perf_counter()
@@ -150,3 +254,11 @@ class ExpertDispatcher:
                                   (len(rows), gids.shape[1], rows.shape[1]))
         except Exception as exc:  # noqa: BLE001 - a malformed answer is a failed worker
             raise HopFailed(peer, f"bad expert output: {exc}") from None
+
+
+def _combine(layer: int, rows: np.ndarray, gids: np.ndarray, pieces: list[Piece],
+             outs: list[np.ndarray]) -> np.ndarray:
+    """compute.dispatch's second pass: the same split, fed the workers' answers in order."""
+    answers = iter(outs)
+    return dispatch(layer, rows, gids, [ExpertShard(lo, hi, lambda *_: next(answers))
+                                        for _, lo, hi, _, _ in pieces])

@@ -104,13 +104,13 @@ class LocalGenerator:
                     reason = "length"
                     break
                 logits = await self._step(self.stage.forward, session, np.array([token]))
-            yield Finished(reason, n_prompt, produced)
         finally:
             self._promised -= promise
             if session is not None:
                 with trio.CancelScope(shield=True):
                     async with self._lock:
                         session.close()
+        yield Finished(reason, n_prompt, produced)  # resources already freed: no close needed
 
     async def _step(self, fn, *args):  # noqa: ANN001, ANN202 - a thin pass-through
         async with self._lock:

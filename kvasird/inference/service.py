@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as HttpRoute
 
-from kvasird.compute.gguffile import GGUFFile
-from kvasird.compute.hparams import HParams
+from kvasird import PROTOCOL_VERSION
+from kvasird.compute.experts import ExpertWorker
+from kvasird.compute.graph import Backend
+from kvasird.compute.runtime import compute_threads
+from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
 from kvasird.config import Config
 from kvasird.inference.api import (
     Busy,
@@ -36,7 +39,7 @@ from kvasird.inference.api import (
     UnknownModel,
 )
 from kvasird.inference.channel import Channels, serve
-from kvasird.inference.experts import ExpertDispatcher
+from kvasird.inference.experts import ExpertDispatcher, HotExperts
 from kvasird.inference.routing import Fitness, Latency, PeerHoldings
 from kvasird.inference.serving import (
     EXPERT_PROTOCOL,
@@ -53,8 +56,8 @@ from kvasird.market.service import MarketService
 from kvasird.model.manifest import Unit
 from kvasird.p2p import P2PNode
 
-RETIRE_AFTER_S = 60.0
-"""An engine replaced by a reload is freed this long later (steps still running finish)."""
+RETIRE_GRACE_S = 2.0
+"""A replaced engine is freed this long after its last session ended."""
 REPORT_HEARTBEATS = 3
 STATUS = {NoRoute: 503, Busy: 429, UnknownModel: 404}
 log = get_logger("kvasird.inference")
@@ -64,7 +67,6 @@ class InferenceService:
     def __init__(self, p2p: P2PNode, market: MarketService, config: Config) -> None:
         self.p2p, self.market, self.config = p2p, market, config
         c = config.inference
-        self.path = Path(config.market.model).expanduser() if config.market.model else None
         self.served: Served | None = None
         self.holdings = Holdings()
         self.channels = Channels(p2p.host)
@@ -76,50 +78,69 @@ class InferenceService:
         self.experts = ExpertServer(lambda: self.served, window_s=c.batch_window_ms / 1000,
                                     wire_dtype=c.wire_dtype)
         self.dispatcher = ExpertDispatcher(
-            p2p.peer_id, self.holders, self.channels, self.latency, self.fitness,
+            p2p.peer_id, self.holders, self.channels, self.latency, self.fitness, self._own_experts,
             timeout_s=c.expert_timeout_s, wire_dtype=c.wire_dtype, spot_check=c.spot_check,
-            tolerance=c.spot_tolerance)
+            tolerance=c.spot_tolerance, hot=HotExperts(self._load_hot, c.hot_experts, c.hot_after))
         self.generator = SwarmGenerator(p2p.peer_id, self._info, self._n_layer, self.holders,
                                         self.channels, self.stages.handle, self.latency,
                                         self.fitness, c)
-        self._info_cache: ModelInfo | None = None
-        self._hp: HParams | None = None
         self._nursery: trio.Nursery | None = None
         self._load_lock = trio.Lock()
+        self._hot_backend: Backend | None = None
 
     # --- what we know of the model and the swarm ----------------------------------------
 
     def _model_id(self) -> str:
         return self.market.model.model_id if self.market.model else ""
 
-    def _hparams(self) -> HParams | None:
-        if self._hp is None and self.path is not None:
-            self._hp = HParams.from_gguf(GGUFFile(self.path))
-        return self._hp
-
     def _n_layer(self) -> int:
-        hp = self._hparams()
-        return hp.n_layer if hp else 0
+        return self.market.model.n_layer if self.market.model else 0
 
     def _info(self) -> ModelInfo | None:
-        if self._info_cache is None and self.path is not None and self.market.model:
-            hp = self._hparams()
-            assert hp is not None
-            label = GGUFFile(self.path).get("general.name") or self.path.stem
-            self._info_cache = ModelInfo(self._model_id(), str(label),
-                                         min(hp.n_ctx_train, self.config.inference.kv_slots))
-        return self._info_cache
+        """The model we route: label and context from our loaded engine when we hold a part."""
+        if self.market.model is None:
+            return None
+        served, kv = self.served, self.config.inference.kv_slots
+        if served is None:
+            return ModelInfo(self._model_id(), self._model_id()[:12], kv)
+        return ModelInfo(self._model_id(), served.label, min(served.hp.n_ctx_train, kv))
+
+    def _sources(self, units: list[Unit]) -> list[Path]:
+        """The GGUF files holding `units`: the original, or verified slices from the store."""
+        if self.market.shards is not None and self.market.model is not None:
+            return self.market.shards.model_files(self.market.model.model_id, units)
+        return [Path(self.config.market.model).expanduser()]
+
+    def _own_experts(self, layer: int) -> tuple[ExpertWorker, int, int] | None:
+        served = self.served
+        if served is None or layer not in served.workers:
+            return None
+        r = served.workers[layer].held(layer)
+        return served.workers[layer], r.first, r.end
+
+    def _load_hot(self, layer: int, expert: int) -> ExpertWorker:
+        """One expert from the model file into a worker on the cache's backend (blocking)."""
+        if self._hot_backend is None:
+            self._hot_backend = Backend(compute_threads(self.config.compute.threads))
+        names = [f"blk.{layer}.{s}" for s in EXPERT_SUFFIXES]
+        sources = self._sources([Unit("expert", layer, expert)])
+        weights = load_weights(sources, self._hot_backend, names, {layer: (expert, expert + 1)})
+        return ExpertWorker(weights, self._hot_backend)
 
     def _rtt(self, peer: str) -> float | None:
         info = self.p2p.peers.get(peer)
         return info.rtt_ms if info is not None else None
 
     def holders(self) -> list[PeerHoldings]:
-        """Every peer serving this model now, ourselves included (from what we loaded)."""
+        """Every peer serving this model now, ourselves included (from what we loaded).
+
+        Peers speaking another wire protocol version are never routed to.
+        """
         out: list[PeerHoldings] = []
         if self.market.map is not None:
             out = [PeerHoldings.of_record(e.record) for p, e in self.market.map.entries.items()
-                   if p != self.p2p.peer_id and e.record.state != "offline"]
+                   if p != self.p2p.peer_id and e.record.state != "offline"
+                   and e.record.protocol == PROTOCOL_VERSION]
         if self.served is not None:
             h = self.holdings
             out.append(PeerHoldings(self.p2p.peer_id, h.head, h.windows, h.experts))
@@ -129,23 +150,29 @@ class InferenceService:
 
     async def load(self, units: list[Unit]) -> None:
         """The market's loader: (re)build the engine for everything we hold now."""
-        if self.path is None:
+        if self.market.model is None:
             return
         async with self._load_lock:
-            wanted = Holdings.of(u for u, s in self.market.held.items() if s != "draining")
+            held = [u for u, s in self.market.held.items() if s != "draining"]
+            wanted = Holdings.of(held)
             if wanted == self.holdings:
                 return
             c = self.config
             began = time.monotonic()
             served = await trio.to_thread.run_sync(lambda: Served.build(
-                self.path, wanted, threads=c.compute.threads, kv_slots=c.inference.kv_slots,
-                remote=self.dispatcher.shard))
+                self._sources(held), wanted, threads=c.compute.threads,
+                kv_slots=c.inference.kv_slots, remote=self.dispatcher.shard))
             old, self.served, self.holdings = self.served, served, wanted
-            self.stages.close_all()
             if old is not None and self._nursery is not None:
-                self._nursery.start_soon(_retire, old)
+                self._nursery.start_soon(self._retire, old)
             log.info("serving", head=wanted.head, windows=list(wanted.windows),
                      experts=len(wanted.experts), seconds=round(time.monotonic() - began, 2))
+
+    async def _retire(self, old: Served) -> None:
+        """Free a replaced engine once no session runs on it (they finish or expire)."""
+        await self.stages.wait_unused(old.all_stages())
+        await trio.sleep(RETIRE_GRACE_S)  # a step that was already running finishes
+        old.close()
 
     # --- running -------------------------------------------------------------------------
 
@@ -164,6 +191,9 @@ class InferenceService:
                 task_status.started()
         finally:
             self.stages.close_all()
+            self.dispatcher.hot.close()
+            if self._hot_backend is not None:
+                self._hot_backend.close()
             if self.served is not None:
                 self.served.close()
                 self.served = None
@@ -234,7 +264,8 @@ class InferenceService:
             except GenerationError as exc:
                 yield (json.dumps({"error": str(exc), "kind": type(exc).__name__}) + "\n").encode()
             finally:
-                await events.aclose()
+                if isinstance(events, AsyncGenerator):
+                    await events.aclose()
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -267,6 +298,3 @@ def _line(event: TokenEvent | Finished) -> bytes:
     return (json.dumps(d) + "\n").encode()
 
 
-async def _retire(served: Served) -> None:
-    await trio.sleep(RETIRE_AFTER_S)
-    served.close()

@@ -17,13 +17,25 @@ at the last stage), close. Sessions are keyed by (caller, session id), bounded i
 number and KV room (admission refuses with "busy" and a reason), and closed when idle.
 ``ExpertServer`` answers "/kvasir/experts/1": (layer, rows, local ids) ─▶ outputs, with
 concurrent requests for one layer batched into one ggml call.
+
+Messages (msgpack maps, each with the caller's integer "id", echoed in the reply; arrays
+as kvasird.inference.tensors maps; a refusal is {"error": reason, "code": "busy" | "gone"
+| "bad"}):
+
+    open   {op, sid, model, first, end, embed, head, max_tokens, logprobs,
+            sampling: {temperature, top_k, top_p, repetition_penalty, seed}, draws}  -> {}
+    step   {op, sid, start, x: i32 [T] | f32/f16 [T, n_embd], ids (head hop: the T tokens)}
+             -> {x: [T, n_embd]}  or, at the head,  {token, logprob?, top?}
+    close  {op, sid}                                                                -> {}
+    experts {op, layer, first, rows: [m, n_embd], ids: i32 [m, n] counted from first}
+             -> {out: [m, n, n_embd]}
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,10 +52,10 @@ from kvasird.compute.kvcache import PAGE, KVSpec, Session
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.sampling import Sampler, SamplingParams, log_softmax
 from kvasird.compute.stage import Stage
-from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
+from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights
 from kvasird.errors import WireError
 from kvasird.inference import tensors
-from kvasird.inference.errors import Refused
+from kvasird.inference.errors import NoWorkers, Refused
 from kvasird.logs import get_logger
 from kvasird.model.manifest import Unit
 from kvasird.wire import schema
@@ -68,7 +80,9 @@ class Holdings:
     windows: tuple[tuple[int, int], ...] = ()
     """Contiguous layer runs [a, b) (dense paths)."""
     experts: tuple[tuple[int, int, int], ...] = ()
-    """(layer, e0, e1): the largest contiguous run of held experts per layer."""
+    """(layer, e0, e1) per layer: the span from the first to the last held expert. Loading
+    the span (gaps included) keeps every advertised expert servable with one contiguous
+    range, which is what a worker's graph indexes."""
 
     @classmethod
     def of(cls, units: Iterable[Unit]) -> Holdings:
@@ -78,7 +92,7 @@ class Holdings:
         for u in units:
             if u.kind == "expert":
                 by_layer.setdefault(u.layer, []).append(u.expert)
-        experts = tuple((layer, *_longest_run(sorted(es))) for layer, es in sorted(by_layer.items()))
+        experts = tuple((layer, min(es), max(es) + 1) for layer, es in sorted(by_layer.items()))
         return cls(any(u.kind == "head" for u in units), tuple(_runs(layers)), experts)
 
     def expert_range(self, layer: int) -> tuple[int, int] | None:
@@ -95,15 +109,13 @@ def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _longest_run(values: Sequence[int]) -> tuple[int, int]:
-    return max(_runs(values), key=lambda r: r[1] - r[0])
-
-
 class Served:
     """The engine objects for a Holdings: stages and expert workers on one backend."""
 
-    def __init__(self, path: Path, holdings: Holdings, backend: Backend, hp: HParams) -> None:
-        self.path, self.holdings, self.backend, self.hp = path, holdings, backend, hp
+    def __init__(self, sources: list[Path], holdings: Holdings, backend: Backend,
+                 hp: HParams) -> None:
+        self.sources, self.holdings, self.backend, self.hp = sources, holdings, backend, hp
+        self.label = str(GGUFFile(sources[0]).get("general.name") or sources[0].stem)
         self.embed: Stage | None = None
         self.head: Stage | None = None
         self.windows: dict[tuple[int, int], Stage] = {}
@@ -111,14 +123,15 @@ class Served:
         """Layer -> the worker computing this node's held experts of it."""
         self.expert_first: dict[int, int] = {}
         """Layer -> global id of the first expert held (local ids count from here)."""
-        self._extra = None
+        self._extra: Weights | None = None
 
     @classmethod
-    def build(cls, path: Path, holdings: Holdings, *, threads: int, kv_slots: int,
+    def build(cls, sources: list[Path], holdings: Holdings, *, threads: int, kv_slots: int,
               remote: RemoteHook) -> Served:
-        """Load everything `holdings` names from the GGUF at `path` (blocking)."""
-        hp = HParams.from_gguf(GGUFFile(path))
-        served = cls(path, holdings, Backend(compute_threads(threads)), hp)
+        """Load everything `holdings` names from the model's GGUF, or the slices holding
+        those units (blocking)."""
+        hp = HParams.from_gguf(GGUFFile(sources[0]))
+        served = cls(sources, holdings, Backend(compute_threads(threads)), hp)
         try:
             served._load(kv_slots, remote)
         except BaseException:
@@ -130,8 +143,9 @@ class Served:
         hp, h, be = self.hp, self.holdings, self.backend
         positions = KVSpec(n_slots=1 << 20)  # embed/head stages hold no KV: positions only
         if h.head:
-            self.embed = Stage.load(self.path, (0, 0), embed=True, head=False, backend=be, kv=positions)
-            self.head = Stage.load(self.path, (hp.n_layer, hp.n_layer), embed=False, head=True,
+            self.embed = Stage.load(self.sources, (0, 0), embed=True, head=False, backend=be,
+                                    kv=positions)
+            self.head = Stage.load(self.sources, (hp.n_layer, hp.n_layer), embed=False, head=True,
                                    backend=be, kv=positions)
         in_window: set[int] = set()
         for a, b in h.windows:
@@ -144,7 +158,7 @@ class Served:
                 if held is not None:
                     ranges[layer] = held
                 shards[layer] = [remote(layer, lo, hi) for lo, hi in _complement(held, hp.n_expert)]
-            stage = Stage.load(self.path, (a, b), embed=False, head=False, backend=be,
+            stage = Stage.load(self.sources, (a, b), embed=False, head=False, backend=be,
                                kv=KVSpec(n_slots=kv_slots, dtype="f32"), experts=shards,
                                expert_ranges=ranges)
             self.windows[(a, b)] = stage
@@ -157,7 +171,7 @@ class Served:
         rest = {layer: (e0, e1) for layer, e0, e1 in h.experts if layer not in in_window}
         if rest:
             names = [f"blk.{layer}.{s}" for layer in rest for s in EXPERT_SUFFIXES]
-            self._extra = load_weights(self.path, be, names, rest)
+            self._extra = load_weights(self.sources, be, names, rest)
             worker = ExpertWorker(self._extra, be)
             for layer, r in self._extra.experts.items():
                 self.workers[layer], self.expert_first[layer] = worker, r.first
@@ -183,12 +197,14 @@ class Served:
             raise Refused("", "bad", "an empty hop computes nothing")
         return chain
 
+    def all_stages(self) -> list[Stage]:
+        return [st for st in (self.embed, self.head, *self.windows.values()) if st is not None]
+
     def close(self) -> None:
-        for stage in [self.embed, self.head, *self.windows.values()]:
-            if stage is not None:
-                stage.graphs.close()
-                stage.kv.close()
-                stage.weights.close()
+        for stage in self.all_stages():
+            stage.graphs.close()
+            stage.kv.close()
+            stage.weights.close()
         for worker in set(self.workers.values()):
             worker.close()
         if self._extra is not None:
@@ -234,6 +250,7 @@ class StageServer:
         self.model_id, self.served = model_id, served
         self.max_sessions, self.idle_s, self.wire_dtype = max_sessions, idle_s, wire_dtype
         self.sessions: dict[tuple[str, str], ServedSession] = {}
+        self._ended = trio.Event()
         self.tokens = 0
         """Token positions computed since the last load report."""
 
@@ -243,8 +260,7 @@ class StageServer:
             return self._open(caller, msg)
         key = (caller, schema.text(msg, "sid", 64, "stage"))
         if op == "close":
-            if (s := self.sessions.pop(key, None)) is not None:
-                s.close()
+            self._end([key])
             return {}
         if op == "step":
             s = self.sessions.get(key)
@@ -278,8 +294,7 @@ class StageServer:
             if params.temperature > 0:  # a replay continues the seeded stream where it was
                 for _ in range(schema.integer(msg, "draws", 0, 1 << 22, "stage")):
                     sampler(np.zeros(2))
-        if (old := self.sessions.pop((caller, sid), None)) is not None:
-            old.close()
+        self._end([(caller, sid)])
         self.sessions[(caller, sid)] = ServedSession(
             chain, [st.open_session() for st in chain], sampler,
             schema.integer(msg, "logprobs", 0, MAX_TOP, "stage"), max_tokens)
@@ -305,7 +320,7 @@ class StageServer:
         s.used = time.monotonic()
         try:
             out = await trio.to_thread.run_sync(_run_chain, s, x, start)
-        except KVCacheFull as exc:
+        except (KVCacheFull, NoWorkers) as exc:
             raise Refused("", "busy", str(exc)) from None
         except ComputeError as exc:
             raise Refused("", "bad", str(exc)) from None
@@ -324,13 +339,22 @@ class StageServer:
 
     def expire(self) -> None:
         now = time.monotonic()
-        for key in [k for k, s in self.sessions.items() if now - s.used > self.idle_s]:
-            self.sessions.pop(key).close()
+        self._end([k for k, s in self.sessions.items() if now - s.used > self.idle_s])
 
     def close_all(self) -> None:
-        for s in self.sessions.values():
-            s.close()
-        self.sessions.clear()
+        self._end(list(self.sessions))
+
+    def _end(self, keys: list[tuple[str, str]]) -> None:
+        for key in keys:
+            if (s := self.sessions.pop(key, None)) is not None:
+                s.close()
+        self._ended.set()
+        self._ended = trio.Event()
+
+    async def wait_unused(self, stages: list[Stage]) -> None:
+        """Return once no session runs on any of `stages` (they close or expire)."""
+        while any(st in stages for s in self.sessions.values() for st in s.chain):
+            await self._ended.wait()
 
 
 def _run_chain(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
@@ -355,13 +379,20 @@ def _sampling(d: dict[str, Any]) -> SamplingParams:
 
 
 class ExpertServer:
-    """Answers expert requests with this node's workers, batching per layer."""
+    """Answers expert requests with this node's workers, batching per layer.
+
+    Requests for one (worker, layer) that arrive while one is being led into a batch join
+    it: one ggml call for all of them. The leader waits `window_s` for company only when
+    the previous batch of that layer had more than one request (concurrent sessions);
+    a single session's requests go straight to compute.
+    """
 
     def __init__(self, served: Callable[[], Served | None], *, window_s: float,
                  wire_dtype: str) -> None:
         self.served, self.window_s, self.wire_dtype = served, window_s, wire_dtype
         self.perturb = os.environ.get(PERTURB_ENV) == "1"
         self._queues: dict[tuple[int, int], list[_Job]] = {}
+        self._last: dict[tuple[int, int], int] = {}
         self.rows = 0
         """Rows computed (for the bench and load reports)."""
         self.calls = 0
@@ -380,7 +411,10 @@ class ExpertServer:
         rows = tensors.decode(msg.get("rows"), "experts.rows", ("f32", "f16"),
                               (None, served.hp.n_embd))
         ids = tensors.decode(msg.get("ids"), "experts.ids", ("i32",), (len(rows), None))
-        rows, ids = worker.validate(layer, rows, ids)
+        # ids count from the range start the caller saw advertised; ours may start lower
+        offset = schema.integer(msg, "first", 0, served.hp.n_expert, "experts") \
+            - served.expert_first[layer]
+        rows, ids = worker.validate(layer, rows, ids.astype(np.int64) + offset)
         out = await self._batched(worker, layer, rows, ids)
         if self.perturb:
             out = out * 1.5 + 0.01
@@ -395,24 +429,36 @@ class ExpertServer:
         if len(queue) > 1:
             await job.done.wait()
         else:
-            await trio.sleep(self.window_s)
-            batch = self._queues.pop(key)
-            try:
-                outs = await trio.to_thread.run_sync(_run_batch, worker, layer, batch)
-                for j, o in zip(batch, outs, strict=True):
-                    j.out = o
-            except ComputeError as exc:
-                for j in batch:
-                    j.error = exc
-            finally:
-                for j in batch:
-                    j.done.set()
-            self.calls += 1
+            await self._lead(key, worker, layer)
         self.rows += len(rows)
         if job.error is not None:
             raise Refused("", "bad", str(job.error))
         assert job.out is not None
         return job.out
+
+
+    async def _lead(self, key: tuple[int, int], worker: ExpertWorker, layer: int) -> None:
+        """Wait out the batching window, then compute every job queued for `key` at once."""
+        batch: list[_Job] = []
+        try:
+            # Only wait for company when the last batch had some: a lone session pays nothing.
+            await trio.sleep(self.window_s if self._last.get(key, 0) > 1 else 0)
+            batch = self._queues.pop(key)
+            self._last[key] = len(batch)
+            outs = await trio.to_thread.run_sync(_run_batch, worker, layer, batch)
+            for j, o in zip(batch, outs, strict=True):
+                j.out = o
+            self.calls += 1
+        except ComputeError as exc:
+            for j in batch:
+                j.error = exc
+        finally:
+            # cancelled while waiting: the queued jobs must not wait for a leader forever
+            batch = batch or self._queues.pop(key, [])
+            for j in batch:
+                if j.out is None and j.error is None:
+                    j.error = ComputeError("the batch was cancelled")
+                j.done.set()
 
 
 @dataclass
@@ -435,8 +481,3 @@ def _run_batch(worker: ExpertWorker, layer: int, batch: list[_Job]) -> list[np.n
         outs.append(out[at:at + len(j.rows), :j.ids.shape[1]])
         at += len(j.rows)
     return outs
-
-
-def holdings_units(held: Mapping[Unit, str]) -> list[Unit]:
-    """Units the loader must serve: all held ones except those being dropped."""
-    return [u for u, state in held.items() if state != "draining"]

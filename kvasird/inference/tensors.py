@@ -16,7 +16,8 @@ import numpy as np
 
 from kvasird.errors import WireError
 
-DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "i32": np.dtype("<i4")}
+DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"),
+                                    "i32": np.dtype("<i4")}
 MAX_ELEMENTS = 1 << 26
 
 
@@ -40,7 +41,7 @@ def decode(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | No
     n = int(np.prod(dims))
     if n > MAX_ELEMENTS:
         raise WireError(f"{what}: {n} elements exceed the limit of {MAX_ELEMENTS}")
-    dtype = DTYPES[dt]
+    dtype = DTYPES[str(dt)]
     if not isinstance(data, bytes) or len(data) != n * dtype.itemsize:
         raise WireError(f"{what}.data: expected {n * dtype.itemsize} bytes")
     x = np.frombuffer(data, dtype).reshape(dims)

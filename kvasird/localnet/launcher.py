@@ -260,6 +260,9 @@ class LocalNet:
         return all(n.peer_ids() == ids - {n.peer_id} for n in live)
 
     def down(self) -> dict[int, int | None]:
+        """Stop every node (all drain at once), then the chain; return exit statuses."""
+        for node in self.nodes:
+            node.signal(signal.SIGTERM)
         codes = {n.index: n.stop() for n in reversed(self.nodes)}
         if self.chain is not None:
             self.chain.stop()

@@ -22,6 +22,9 @@ from kvasird.market.model import MarketModel
 from kvasird.model.manifest import HEAD, Unit
 
 
+SWAP_EAGERNESS = 2.0
+
+
 @dataclass(frozen=True)
 class Plan:
     add: tuple[Unit, ...]
@@ -32,8 +35,16 @@ class Plan:
 
 def decide(model: MarketModel, counts: Counts, targets: Targets, me: str, budget: int,
            held: set[Unit], pinned: set[Unit], holders: Callable[[Unit], list[str]],
-           rng: np.random.Generator) -> Plan:
-    """``counts`` include our own holdings; ``holders(unit)`` lists the active holders."""
+           rng: np.random.Generator, peers: int = 1) -> Plan:
+    """``counts`` include our own holdings; ``holders(unit)`` lists the active holders.
+
+    ``peers`` is how many nodes take part in the market. Filling free budget is always
+    done; giving a unit up to take a scarce one (a swap) is done by each node only with
+    probability ``SWAP_EAGERNESS * deficit / peers``, so that a shortage of d replicas
+    draws about d swaps across the network instead of one from every node at once, which
+    would over-cover the scarce unit and leave what they dropped short (an oscillation
+    seen with ten daemons whose loads take seconds).
+    """
     add = [u for u in sorted(pinned) if u not in held]
     used = sum(model.size(u) for u in held | set(add))
     counts = _copy(counts)
@@ -41,16 +52,20 @@ def decide(model: MarketModel, counts: Counts, targets: Targets, me: str, budget
         _bump(counts, u)
     wanted = _scarce_runs(model, counts, targets, held | set(add), rng)
     droppable = _surplus(model, counts, targets, me, held - pinned, holders)
+    spare = sum(model.size(u) for u in droppable)
     drop: list[Unit] = []
     for run in wanted:
+        deficit = _target(targets, run[0]) - counts.of(run[0])
+        may_swap = rng.random() < SWAP_EAGERNESS * deficit / max(peers, 1)
         for u in run:
             size = model.size(u)
-            while used + size > budget and droppable:
+            if used + size > budget and (not may_swap or used + size - spare > budget):
+                continue
+            while used + size > budget:
                 victim = droppable.pop()
                 drop.append(victim)
                 used -= model.size(victim)
-            if used + size > budget:
-                break
+                spare -= model.size(victim)
             add.append(u)
             used += size
     return Plan(tuple(add), tuple(drop))

@@ -26,6 +26,7 @@ UNIT_STATES = ("joining", "loading", "online", "draining")
 ACTIVE_STATES = frozenset({"joining", "loading", "online"})
 """States that count as a replica for scarcity (joining ones too: no pile-ups)."""
 NODE_STATES = ("joining", "online", "draining", "offline")
+REACH = ("public", "private", "unknown")
 MAX_HOLDINGS = 4096
 MAX_LAYERS = 4096
 MAX_EXPERTS = 65536
@@ -167,6 +168,9 @@ class CoverageRecord:
     """Payout wallet (base58), "" if none linked."""
     has_all: bool = False
     """The node stores every byte of ``model`` and serves any shard of it."""
+    reach: str = "unknown"
+    """Dial-back verdict: "public", "private" (reached through its /p2p-circuit
+    addresses) or "unknown"; optional on the wire, so older records still parse."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "peer": self.peer, "seq": self.seq, "ts": self.ts,
@@ -174,7 +178,7 @@ class CoverageRecord:
                 "ttl": self.ttl, "state": self.state, "protocol": self.protocol,
                 "version": self.version, "addrs": list(self.addrs), "model": self.model,
                 "budget": self.budget, "holdings": [h.to_wire() for h in self.holdings],
-                "caps": self.caps.to_wire(), "wallet": self.wallet}
+                "caps": self.caps.to_wire(), "wallet": self.wallet, "reach": self.reach}
 
     @staticmethod
     def from_wire(value: Any) -> CoverageRecord:
@@ -206,10 +210,18 @@ class CoverageRecord:
             caps=Capabilities.from_wire(d.get("caps")),
             wallet=schema.text(d, "wallet", 64, "coverage"),
             has_all=_flag(d, "all"),
+            reach=_reach(d),
         )
 
     def units(self) -> dict[Unit, str]:
         return {u: h.state for h in self.holdings for u in h.units()}
+
+
+def _reach(d: dict[str, Any]) -> str:
+    v = d.get("reach", "unknown")
+    if v not in REACH:
+        raise WireError(f"coverage.reach: expected one of {REACH}")
+    return str(v)
 
 
 def _flag(d: dict[str, Any], key: str) -> bool:

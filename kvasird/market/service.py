@@ -173,12 +173,23 @@ class MarketService:
                 await self.publish()
 
     async def _heartbeat(self) -> None:
+        """Publish our record every heartbeat; expire holders whose records stopped.
+
+        When this process itself was starved (the heartbeat woke up late), records from
+        others were not processed either: the lateness is forgiven, so an overloaded
+        node does not expire healthy peers and churn the market.
+        """
+        stall = 0.0
         while True:
             if self.map is not None:
-                for peer in self.map.expire(time.time()):
+                for peer in self.map.expire(time.time() - stall):
+                    log.info("holder's coverage expired (no record within its TTL)", peer=peer)
                     self.gate.forget(peer)
             await self.publish()
+            began = trio.current_time()
             await trio.sleep(self.config.heartbeat_s)
+            late = trio.current_time() - began - self.config.heartbeat_s
+            stall = max(late, stall * 0.8)
 
     async def _resolve_then_enroll(self) -> None:
         assert self.shards is not None
@@ -210,7 +221,7 @@ class MarketService:
         self.map.expire(time.time())
         plan = decide(self.model, self.map.active, self.demand.targets(self.config.target_replicas),
                       self.p2p.peer_id, self.budget, set(self.held), self.pinned,
-                      self.map.holders, self.rng)
+                      self.map.holders, self.rng, peers=max(len(self.map.entries), 1))
         if plan.drop:
             for u in plan.drop:
                 self.held[u] = "draining"
@@ -253,7 +264,7 @@ class MarketService:
                                "rejected": dict(self.gate.rejected),
                                "gossip_scores": self._scores()}
         if self.map is None or self.model is None or self.demand is None:
-            return {**out, "model": None}
+            return {**out, "model": None, "fully_covered": False}
         targets = self.demand.targets(self.config.target_replicas)
         out.update({
             "model": {"id": self.model.model_id, "n_layer": self.model.n_layer,

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
+from libp2p.pubsub.pb import rpc_pb2
 
 from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.errors import WireError
@@ -234,15 +235,26 @@ class SimResult:
 
 @dataclass(slots=True)
 class _Node:
+    """A virtual node: what a MarketService holds in its attributes."""
+
     peer: str
+    """Its peer id (base58, as long as a real Ed25519 one)."""
     budget: int
+    """Memory budget, bytes."""
     bandwidth: float
+    """Shard download rate, bytes/s."""
     held: dict[Unit, str] = field(default_factory=dict)
+    """Units held and their state, as MarketService.held."""
     state: str = "joining"
+    """Node state in its record."""
     seq: int = 0
+    """Last sequence number published."""
     record: CoverageRecord | None = None
+    """Last record published (None until the first, or after a refused one)."""
     wire_bytes: int = 0
+    """msgpack size of that record."""
     alive: bool = True
+    """False once it left (silently)."""
 
 
 class _Holders:
@@ -289,8 +301,6 @@ class _Holders:
 @cache
 def envelope_bytes(data_len: int, topic: str = f"kvasir/mainnet/{COVERAGE}") -> int:
     """Bytes around a gossip payload of ``data_len``: pubsub Message + RPC, yamux, Noise."""
-    from libp2p.pubsub.pb import rpc_pb2
-
     msg = rpc_pb2.Message(from_id=b"\0" * PEER_ID_BYTES, data=b"\0" * data_len,
                           seqno=b"\0" * 8, topicIDs=[topic], signature=b"\0" * 64,
                           key=b"\0" * 36)
@@ -322,11 +332,12 @@ class MarketSim:
         self._snap_t: deque[float] = deque()
         self._snap: deque[Counts] = deque()
         self._dirty = True
-        self._hops = max(1, math.ceil(math.log(max(config.nodes, 2)) / math.log(config.mesh_degree)))
+        self._hops = max(1, math.ceil(math.log(max(config.nodes, 2))
+                                      / math.log(config.mesh_degree)))
         self._ttl = config.heartbeat_s * TTL_HEARTBEATS
         self._popularity = self._zipf()
         # per-minute traffic bins: records, changes, record bytes, envelope bytes, load
-        # bytes, bytes of the changes (record + envelope), nodes holding something
+        # bytes, bytes of the changes (record + envelope)
         self._bins: dict[int, np.ndarray] = {}
         self.samples: list[Sample] = []
         self.decisions = 0
@@ -352,7 +363,7 @@ class MarketSim:
             self.at(float(self.rng.uniform(0, cfg.boot_s)), "boot", self._new_node())
         self.at(0.0, "sample")
         self.at(1.0, "expire")
-        if cfg.skew >= 0 and cfg.tokens_per_min > 0:
+        if cfg.tokens_per_min > 0:
             self.at(cfg.load_interval_s / 2, "load")
         if cfg.churn_per_hour > 0:
             self.at(self._next_churn(), "churn")
@@ -369,7 +380,8 @@ class MarketSim:
 
     def _new_node(self) -> int:
         cfg = self.cfg
-        budget = min(cfg.budget_max, cfg.budget_median * math.exp(cfg.budget_sigma * self.rng.normal()))
+        spread = math.exp(cfg.budget_sigma * self.rng.normal())
+        budget = min(cfg.budget_max, cfg.budget_median * spread)
         peer = "12D3KooW" + "".join(_B58[i] for i in self.rng.integers(0, 58, 44))
         node = _Node(peer, int(budget), cfg.bandwidth_median * math.exp(0.7 * self.rng.normal()))
         self.nodes.append(node)

@@ -6,11 +6,17 @@
     peers      the peer table (in memory) and known peers (persisted in state.db)
     dialer     bootstrap peers with backoff, known peers at start, exchanged peers
     exchange   peer exchange: learn peers from peers
+    psk        the optional pre-shared key of a private swarm (pnet)
+    reachability  dial-back checks (/kvasir/dialback/1): public, private or unknown
+    relay      circuit relay v2: relay service, reservations, relayed dials, address push
+    dht        Kademlia peer routing: find peers by id and beyond the bootstrap list
+    mdns       LAN discovery by multicast DNS
     streams    served(): the bounded, always-closed life of a served stream
     gossip     gossipsub for the control plane (topics kvasir/<network>/...)
     node       P2PNode: all of the above in one nursery
 
-Data flow: connections -> liveness (hello validated) -> peer table -> exchange/status.
+Data flow: connections -> liveness (hello validated) -> peer table -> exchange/DHT/status;
+reachability verdict -> relay service on/off, reservations, DHT server/client mode.
 """
 
 from kvasird.p2p.node import P2PNode

@@ -29,8 +29,13 @@ from kvasird.identity import NodeKey
 _swarm._HAPPY_EYEBALLS_DELAY = 0
 
 
-def build_host(key: NodeKey, listen: list[str], announce: list[str], max_peers: int) -> IHost:
-    """A host that speaks only Noise: a plaintext or secio peer fails negotiation."""
+def build_host(key: NodeKey, listen: list[str], announce: list[str], max_peers: int,
+               psk: str | None = None) -> IHost:
+    """A host that speaks only Noise: a plaintext or secio peer fails negotiation.
+
+    With ``psk`` (64 hex digits, see ``psk``) every connection is also wrapped in the
+    private-network cipher: a peer without the same key cannot connect at all.
+    """
     addrs = [multiaddr.Multiaddr(a) for a in listen]
     noise = NoiseTransport(libp2p_keypair=key.keypair, noise_privkey=new_x25519().private_key)
     conn_config = ConnectionConfig(
@@ -51,6 +56,7 @@ def build_host(key: NodeKey, listen: list[str], announce: list[str], max_peers: 
         connection_config=conn_config,
         announce_addrs=[multiaddr.Multiaddr(a) for a in announce] or None,
         enable_websocket=any("/ws" in a for a in listen),
+        psk=psk,
     )
 
 

@@ -13,26 +13,43 @@ from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.config import P2PConfig
 from kvasird.identity import NodeKey
 from kvasird.logs import get_logger
-from kvasird.p2p.dialer import Dialer
+from kvasird.p2p.dht import PeerRouting
 from kvasird.p2p.exchange import PeerExchange
 from kvasird.p2p.gossip import Gossip
-from kvasird.p2p.hello import Hello
+from kvasird.p2p.hello import MAX_ADDRS, Hello
 from kvasird.p2p.host import build_host, dialable_addrs, parse_listen
 from kvasird.p2p.liveness import Liveness
+from kvasird.p2p.mdns import LanDiscovery
 from kvasird.p2p.peers import PeerTable
+from kvasird.p2p.psk import fingerprint, load_psk
+from kvasird.p2p.reachability import DialBack, Reachability
+from kvasird.p2p.relay import AddressPush, CircuitDialer, Relays
 
 log = get_logger("kvasird.p2p")
 
 
 class P2PNode:
-    def __init__(self, key: NodeKey, config: P2PConfig, network: str, db: sqlite3.Connection) -> None:
+    def __init__(self, key: NodeKey, config: P2PConfig, network: str, db: sqlite3.Connection,
+                 config_path: str = "kvasird.toml") -> None:
         self.key = key
         self.config = config
         self.network = network
         self.listen = parse_listen(config.listen)
-        self.host = build_host(key, self.listen, list(config.announce), config.max_peers)
+        self.psk = load_psk(config.psk_file)
+        self.host = build_host(key, self.listen, list(config.announce), config.max_peers, self.psk)
         self.peers = PeerTable(db)
-        self.dialer = Dialer(self.host, config.max_peers)
+        self.dialer = CircuitDialer(self.host, config.max_peers)
+        self.push = AddressPush(self.host, self.peers, self.addrs, __version__)
+        self.relays = Relays(self.host, self.peers, config.relay_service,
+                             config.relay_reservations, self.psk, self.push.changed)
+        self.dialer.relays = self.relays
+        self.reachability = DialBack(self.host, self.peers, self.addrs, self.psk,
+                                     config.reachability_interval_s, self._reachability_changed,
+                                     config_path)
+        self.routing = (PeerRouting(self.host, self.peers, self.dialer,
+                                    config.peer_exchange_interval_s) if config.dht else None)
+        self.lan = (LanDiscovery(self.host, self.dialer, network, self.psk, self.addrs)
+                    if config.mdns else None)
         self.gossip = Gossip(self.host, network)
         self.liveness = Liveness(self.host, self.peers, self.hello, config.heartbeat_interval_s,
                                  config.liveness_timeout_s)
@@ -44,10 +61,30 @@ class P2PNode:
         return self.host.get_id().to_string()
 
     def addrs(self) -> list[str]:
-        """Addresses other nodes can dial, each ending in /p2p/<our id>."""
+        """Addresses other nodes can dial, each ending in /p2p/<our id>; relay circuit
+        addresses (while we hold reservations) last, always within the hello's limit."""
         if self.config.announce:
-            return [a if "/p2p/" in a else f"{a}/p2p/{self.peer_id}" for a in self.config.announce]
-        return dialable_addrs(self.host)
+            direct = [a if "/p2p/" in a else f"{a}/p2p/{self.peer_id}"
+                      for a in self.config.announce]
+        else:
+            direct = dialable_addrs(self.host)
+        circuit = self.relays.circuit_addrs()[: MAX_ADDRS // 2]
+        return direct[: MAX_ADDRS - len(circuit)] + circuit
+
+    def _reachability_changed(self, r: Reachability) -> None:
+        self.relays.on_reachability(r)
+        if self.routing is not None:
+            self.routing.on_reachability(r)
+
+    def reach_status(self) -> dict[str, object]:
+        """Reachability, relays and discovery, for `kvasird status`."""
+        return {**self.reachability.current.to_json(),
+                "relay_service": self.relays.serving,
+                "relays": sorted(self.relays.reservations),
+                "circuit_addrs": self.relays.circuit_addrs(),
+                "dht": self.routing.mode if self.routing is not None else "off",
+                "mdns": self.lan is not None,
+                "private_network": fingerprint(self.psk)}
 
     def hello(self) -> Hello:
         return Hello(self.network, PROTOCOL_VERSION, __version__, tuple(self.addrs()))
@@ -68,7 +105,15 @@ class P2PNode:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.gossip.run)
                     await nursery.start(self.liveness.run)
-                    await nursery.start(self.exchange.run)
+                    if self.config.peer_exchange:
+                        await nursery.start(self.exchange.run)
+                    await nursery.start(self.push.run)
+                    await nursery.start(self.relays.run)
+                    await nursery.start(self.reachability.run)
+                    if self.routing is not None:
+                        await nursery.start(self.routing.run)
+                    if self.lan is not None:
+                        await nursery.start(self.lan.run)
                     await nursery.start(self.dialer.keep_bootstrapped, self.config.bootstrap,
                                         self.peers.known())
                     yield self

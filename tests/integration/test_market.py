@@ -22,7 +22,7 @@ from gossip_peer import GossipPeer  # type: ignore[import-not-found]
 pytestmark = pytest.mark.slow
 
 N_NODES = 10
-HEARTBEAT_S = 1.0  # records live 3 s
+HEARTBEAT_S = 2.0  # records live 6 s: a busy 2-core CI box can delay a heartbeat by seconds
 CONVERGE_S = 90.0
 
 
@@ -40,7 +40,10 @@ def market_net(localnet: Callable[..., LocalNet], moe: tuple[Path, MarketModel],
     return localnet(n, settings={
         "market.model": str(path), "market.memory_budget_mb": budget_mb,
         "market.heartbeat_s": HEARTBEAT_S, "market.rebalance_s": 2.0,
-        "market.enroll_delay_s": 3.0, "market.target_replicas": 2})
+        "market.enroll_delay_s": 3.0, "market.target_replicas": 2,
+        # The market alone: units count as held once their bytes are here; loading them
+        # into ggml is the inference tests' business (and costs ten daemons a lot of CPU).
+        "inference.serve": False, "gateway.enabled": False})
 
 
 def covered(net: LocalNet) -> bool:
@@ -61,10 +64,12 @@ def test_ten_daemons_cover_every_unit_within_their_budgets(
     took = net.wait_until("every unit reaches 2 replicas on every node's map",
                           lambda: covered(net), timeout=CONVERGE_S)
     print(f"run {run}: converged {took:.1f} s after all were ready")
+    net.wait_until("every node's map lists all ten nodes",
+                   lambda: all(len(n.get("/v0/coverage")["holders"]) == N_NODES for n in net.nodes),
+                   timeout=30)
     for node in net.nodes:
         view = node.get("/v0/coverage")
         assert view["held_bytes"] <= view["budget_bytes"]
-        assert len(view["holders"]) == N_NODES
         assert view["rejected"] == {}
 
 
@@ -155,7 +160,11 @@ def test_adversarial_gossip_never_enters_an_honest_map(
                                     or data.startswith(b"\xc1") else "load", data)
                 await trio.sleep(0.2)
             await trio.sleep(3)
+            # Scores are kept for connected peers only: read it before the rogue leaves.
+            view = await trio.to_thread.run_sync(net.nodes[0].get, "/v0/coverage")
+            scores.update(view["gossip_scores"])
 
+    scores: dict[str, float] = {}
     trio.run(attack)
     time.sleep(2 * HEARTBEAT_S)
     for node in net.nodes:
@@ -165,4 +174,4 @@ def test_adversarial_gossip_never_enters_an_honest_map(
         assert set(view["holders"]) == set(before[node.peer_id])
     target = net.nodes[0].get("/v0/coverage")
     assert target["rejected"].get(rogue.peer_id, 0) >= 6
-    assert target["gossip_scores"].get(rogue.peer_id, 0) < 0
+    assert scores[rogue.peer_id] < 0

@@ -23,7 +23,7 @@ def run_market(model: MarketModel, budgets: list[int], target: int, seed: int,
     for _ in range(rounds):
         for i, peer in enumerate(held):
             plan = decide(model, cmap.active, demand.targets(target), peer, budgets[i],
-                          set(held[peer]), set(), cmap.holders, rng)
+                          set(held[peer]), set(), cmap.holders, rng, peers=len(budgets))
             for u in plan.drop:
                 del held[peer][u]
             held[peer].update({u: "online" for u in plan.add})

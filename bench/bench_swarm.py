@@ -1,0 +1,321 @@
+"""Generation across daemons on loopback: ring decode, remote experts, per-hop cost, concurrency.
+
+    .venv/bin/python bench/bench_swarm.py [--tokens 48] [--threads 1]
+
+Real daemons (kvasird.localnet) with pinned placement, greedy decode through the admin
+API's token stream (POST /v0/generate): decode tok/s is measured between the first and
+the last token event at the client. Side by side:
+
+    1 node          one daemon holding the whole bundled model (SmolLM2-135M Q4_1)
+    3-stage ring    three daemons holding a third of the layers each (head on the first)
+    MoE 1 node      a generated qwen3moe on one daemon
+    MoE + experts   the same model: two stages holding the dense paths, two expert workers
+                    (and again with the stages' hot-expert cache on)
+    llama.cpp       monolithic, same GGUF and threads (when native/llamacpp was built)
+
+then the per-hop overhead, measured in process on the bundled model's shapes (one hidden
+row of 576 floats): serialization (encode + msgpack + decode), a libp2p round trip over
+one long-lived stream (TCP + Noise + yamux, two hosts in one process), the stage
+handler's Python, and the compute of one third of the layers; and aggregate tok/s with
+1, 4 and 16 concurrent sessions on the ring and on the MoE ring (expert rows per worker
+call shows what batching across sessions buys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
+
+from bench_compute import bench_llamacpp  # noqa: E402
+from test_swarm import experts, settings  # noqa: E402
+
+from kvasird.compute.kvcache import KVSpec  # noqa: E402
+from kvasird.compute.stage import Stage  # noqa: E402
+from kvasird.inference import tensors  # noqa: E402
+from kvasird.inference.channel import Channels, serve  # noqa: E402
+from kvasird.inference.serving import Holdings, Served, StageServer  # noqa: E402
+from kvasird.localnet import LocalNet  # noqa: E402
+from kvasird.localnet.launcher import LocalNode  # noqa: E402
+from kvasird.model.bundled import bundled_path  # noqa: E402
+from kvasird.model.testmodels import make_model  # noqa: E402
+from kvasird.wire import pack, unpack  # noqa: E402
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 28, 1834]
+
+
+def start(root: Path, model: Path, placement: list[list[str]], threads: int,
+          extra: dict[str, Any]) -> LocalNet:
+    net = LocalNet(root, len(placement))
+    previous = ""
+    for node, pins in zip(net.nodes, placement, strict=True):
+        net.settings = {**net.settings,
+                        **settings(model, pins, **{"compute.threads": threads, **extra})}
+        previous = net.configure(node, [previous] if previous else [])
+    for node in net.nodes:
+        node.spawn()
+    for node in net.nodes:
+        node.wait_ready()
+    net.wait_until("a route", lambda: _generate(net.nodes[0], [1], 1)[0] == 1, 120)
+    return net
+
+
+def _generate(node: LocalNode, prompt: list[int], n: int) -> tuple[int, float]:
+    """(tokens, decode seconds between the first and the last token event)."""
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0}
+    stamps: list[float] = []
+    with httpx.stream("POST", node.home.admin_address() + "/v0/generate", json=body,
+                      timeout=600) as resp:
+        if resp.status_code != 200:
+            return 0, 0.0
+        for line in resp.iter_lines():
+            if '"token"' in line:
+                stamps.append(time.perf_counter())
+    return len(stamps), (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+
+
+def decode_rate(node: LocalNode, n: int) -> float:
+    best = 0.0
+    for _ in range(2):
+        got, dt = _generate(node, PROMPT, n)
+        best = max(best, (got - 1) / dt if dt else 0.0)
+    return best
+
+
+def concurrent(node: LocalNode, sessions: int, n: int) -> float:
+    """Aggregate generated tokens per second with `sessions` generations at once."""
+    counts = [0] * sessions
+
+    def one(i: int) -> None:
+        counts[i] = _generate(node, [PROMPT[i % len(PROMPT)], *PROMPT[:4]], n)[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - began)
+
+
+def expert_batching(net: LocalNet, workers: list[int]) -> str:
+    rows = calls = 0
+    for i in workers:
+        view = net.nodes[i].get("/v0/inference")["serving"]
+        rows, calls = rows + view["expert_rows"], calls + view["expert_calls"]
+    return f"{rows / max(calls, 1):.2f} rows/call"
+
+
+def median_ms(fn: Callable[[], object], n: int) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def per_hop(bundled: Path, threads: int) -> list[tuple[str, float]]:
+    """Per-hop costs on the bundled model's shapes, in milliseconds."""
+    rows: list[tuple[str, float]] = []
+    x = np.random.default_rng(0).standard_normal((1, 576)).astype(np.float32)
+    msg = {"op": "step", "sid": "s.1", "start": 10, "x": tensors.encode(x, "f32"), "id": 1}
+    rows.append(("serialization: encode + msgpack + decode, 1 row",
+                 median_ms(lambda: tensors.decode(unpack(pack({**msg, "x": tensors.encode(
+                     x, "f32")}))["x"], "x", ("f32",), (None, 576)), 2000)))
+    stage = Stage.load(bundled, (0, 10), embed=False, head=False, threads=threads,
+                       kv=KVSpec(n_slots=4096, dtype="f32"))
+    session = stage.open_session()
+    stage.forward(session, np.repeat(x, 8, axis=0))
+    rows.append(("compute: 10 layers, 1 token",
+                 median_ms(lambda: (stage.forward(session, x, 8), session.truncate(8)), 200)))
+    stage.close()
+    served = Served.build([bundled], Holdings(windows=((0, 10),)), threads=threads,
+                          kv_slots=4096, remote=lambda *a: None)  # type: ignore[arg-type,return-value]
+    server = StageServer(lambda: "m", lambda: served, max_sessions=4, idle_s=60,
+                         wire_dtype="f32")
+
+    async def handler_cost() -> float:
+        await server.handle("g", {"op": "open", "sid": "s", "model": "m", "first": 0, "end": 10,
+                                  "embed": False, "head": False, "max_tokens": 4096,
+                                  "logprobs": 0})
+        step = {"op": "step", "sid": "s", "start": 0, "x": tensors.encode(x, "f32")}
+        times = []
+        for _ in range(200):
+            t = time.perf_counter()
+            await server.handle("g", step)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1000
+
+    total = trio.run(handler_cost)
+    served.close()
+    rows.append(("stage handler total (compute + thread hop + Python)", total))
+    rows.append(("libp2p round trip, 2.3 KB each way, one stream", trio.run(libp2p_rtt)))
+    return rows
+
+
+def wire_f16_effect(bundled: Path, threads: int, n: int) -> dict[str, float]:
+    """Greedy decode over three windows with the boundaries rounded to f16, vs f32 (exact)."""
+    stages = [Stage.load(bundled, (a, b), embed=a == 0, head=b == 30, threads=threads,
+                         kv=KVSpec(n_slots=1024, dtype="f32")) for a, b in ((0, 10), (10, 20),
+                                                                           (20, 30))]
+    runs = {}
+    for dt in ("f32", "f16"):
+        sessions = [st.open_session() for st in stages]
+        tokens, logits, x_in, start = [], [], np.asarray(PROMPT), 0
+        for _ in range(n):
+            x = x_in
+            for st, se in zip(stages, sessions, strict=True):
+                x = st.forward(se, x, start)
+                if not st.head:
+                    x = tensors.decode(tensors.encode(x, dt), "x", (dt,), (None, 576))
+            logits.append(x[-1])
+            start += len(x_in)
+            tokens.append(int(x[-1].argmax()))
+            x_in = np.array([tokens[-1]])
+        runs[dt] = (tokens, np.array(logits))
+        for se in sessions:
+            se.close()
+    for st in stages:
+        st.close()
+    (t32, l32), (t16, l16) = runs["f32"], runs["f16"]
+    same = next((i for i, (a, b) in enumerate(zip(t32, t16, strict=True)) if a != b), n)
+    upto = max(same, 1)
+    return {"max_abs_logit_delta": float(np.abs(l32[:upto] - l16[:upto]).max()),
+            "logit_scale": float(np.abs(l32).max()), "first_divergence": same, "tokens": n}
+
+
+async def libp2p_rtt() -> float:
+    import multiaddr
+    from libp2p.peer.peerinfo import PeerInfo
+
+    from kvasird.identity.nodekey import create_node_key
+    from kvasird.p2p.host import build_host, parse_listen
+
+    async def echo(caller: str, m: dict[str, Any]) -> dict[str, Any]:
+        return {"x": m["x"]}
+
+    payload = tensors.encode(np.zeros((1, 576), np.float32), "f32")
+    with tempfile.TemporaryDirectory() as tmp:
+        async with AsyncExitStack() as stack:
+            hosts = []
+            for i in range(2):
+                listen = parse_listen(("/ip4/127.0.0.1/tcp/0",))
+                host = build_host(create_node_key(Path(tmp) / f"{i}.key"), listen, [], 8)
+                await stack.enter_async_context(host.run([multiaddr.Multiaddr(a) for a in listen]))
+                stack.push_async_callback(_close_peers, host)
+                hosts.append(host)
+            await hosts[0].connect(PeerInfo(hosts[1].get_id(), hosts[1].get_addrs()))
+            hosts[1].set_stream_handler("/bench/1", lambda s: serve(s, echo, 60))
+            async with trio.open_nursery() as nursery:
+                channels = Channels(hosts[0])
+                await nursery.start(channels.run)
+                peer = hosts[1].get_id().to_string()
+                times = []
+                for _ in range(300):
+                    t = time.perf_counter()
+                    await channels.request(peer, "/bench/1", {"x": payload}, 5)
+                    times.append(time.perf_counter() - t)
+                nursery.cancel_scope.cancel()
+    return statistics.median(times[20:]) * 1000
+
+
+def report_in_process(bundled: Path, args: argparse.Namespace) -> None:
+    print("\n## Per-hop overhead (bundled model shapes, in process, median ms)\n")
+    print("| part | ms |")
+    print("|---|---|")
+    for part, ms in per_hop(bundled, args.threads):
+        print(f"| {part} | {ms:.3f} |")
+    eff = wire_f16_effect(bundled, args.threads, args.tokens)
+    print(f"\nf16 on the wire (3 windows, greedy {eff['tokens']} tokens): first divergence from "
+          f"f32 at token {eff['first_divergence']} ({eff['tokens']} = none); max |logit delta| "
+          f"before it {eff['max_abs_logit_delta']:.4f} (logits up to {eff['logit_scale']:.1f}); "
+          "f32 on the wire is bit-exact")
+
+
+async def _close_peers(host: Any) -> None:
+    for pid in list(host.get_network().connections):
+        await host.get_network().close_peer(pid)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=48, help="decode tokens per generation")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads per daemon")
+    ap.add_argument("--sessions", type=int, nargs="*", default=[1, 4, 16])
+    ap.add_argument("--in-process", action="store_true",
+                    help="only the per-hop breakdown and the f16 effect (no daemons)")
+    args = ap.parse_args()
+    bundled = bundled_path()
+    if args.in_process:
+        report_in_process(bundled, args)
+        return
+    rates: dict[str, float] = {}
+    conc: dict[str, dict[int, float]] = {}
+    batching: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        moe = make_model(root / "moe.gguf", n_layer=4, n_expert=8, n_expert_used=2, n_embd=128,
+                         n_head=8, n_head_kv=4, head_dim=128, n_ff_exp=768, dtype="f32",
+                         tied_output=True)
+        moe_ring = [["head", "layers:0-2"], ["layers:2-4"], experts(0, 4), experts(4, 8)]
+        hot = {"inference.hot_experts": 8, "inference.hot_after": 4}
+        layouts: list[tuple[str, Path, list[list[str]], list[int], dict[str, Any]]] = [
+            ("1 node", bundled, [["head", "layers:0-30"]], [], {}),
+            ("3-stage ring", bundled, [["head", "layers:0-10"], ["layers:10-20"],
+                                       ["layers:20-30"]], [], {}),
+            ("MoE 1 node", moe, [["head", "layers:0-4", *experts(0, 8)]], [], {}),
+            ("MoE ring + remote experts", moe, moe_ring, [2, 3], {}),
+            ("MoE ring + remote experts, hot cache 8", moe, moe_ring, [2, 3], hot),
+        ]
+        for i, (name, model, placement, workers, extra) in enumerate(layouts):
+            with start(root / f"net{i}", model, placement, args.threads, extra) as net:
+                rates[name] = decode_rate(net.nodes[0], args.tokens)
+                if name in ("3-stage ring", "MoE ring + remote experts"):
+                    conc[name] = {s: concurrent(net.nodes[0], s, args.tokens // 2)
+                                  for s in args.sessions}
+                if workers:
+                    batching[name] = expert_batching(net, workers)
+            print(f"{name}: {rates[name]:.1f} tok/s", flush=True)
+    ref = bench_llamacpp(args.threads, args.tokens, 16)
+    print(f"\n## Decode tokens/s (greedy, {args.tokens} tokens, {args.threads} thread(s) "
+          "per daemon, through the admin API's token stream)\n")
+    print("| layout | tok/s | vs 1 node | vs llama.cpp |")
+    print("|---|---|---|---|")
+    for name, rate in rates.items():
+        base = rates["1 node"] if not name.startswith("MoE") else rates["MoE 1 node"]
+        vs = f"{rate / ref['decode']:.2f}x" if ref and not name.startswith("MoE") else "n/a"
+        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {vs} |")
+    if ref:
+        print(f"| llama.cpp monolithic | {ref['decode']:.1f} | | 1.00x |")
+    else:
+        print("\nllama.cpp: not built (native/llamacpp builds it into .cache/llamacpp-venv)")
+    ring = rates["3-stage ring"]
+    print(f"\nper token: 1 node {1000 / rates['1 node']:.2f} ms, ring {1000 / ring:.2f} ms: "
+          f"the ring adds {1000 / ring - 1000 / rates['1 node']:.2f} ms for 2 remote hops")
+    report_in_process(bundled, args)
+    print("\n## Aggregate tokens/s with concurrent sessions\n")
+    print("| layout | " + " | ".join(f"{s} sessions" for s in args.sessions) + " |")
+    print("|---|" + "---|" * len(args.sessions))
+    for name, by in conc.items():
+        print(f"| {name} | " + " | ".join(f"{by[s]:.1f}" for s in args.sessions) + " |")
+    for name, text in batching.items():
+        print(f"\nexpert batching on the workers ({name}, whole run): {text}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Request/response with ids over one long-lived stream, between two real libp2p hosts."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+import pytest
+import trio
+from libp2p.abc import IHost
+from libp2p.peer.peerinfo import PeerInfo
+
+from kvasird.identity.nodekey import create_node_key
+from kvasird.inference.channel import Channels, serve
+from kvasird.inference.errors import HopFailed, Refused
+from kvasird.p2p.host import build_host, parse_listen
+
+PROTO = "/kvasir/test-channel/1"
+
+
+@asynccontextmanager
+async def pair(tmp: Path) -> AsyncIterator[tuple[IHost, IHost]]:
+    """A caller and a server host, connected (TCP + Noise + yamux on 127.0.0.1)."""
+    async with AsyncExitStack() as stack:
+        hosts = []
+        for i in range(2):
+            listen = parse_listen(("/ip4/127.0.0.1/tcp/0",))
+            host = build_host(create_node_key(tmp / f"{i}.key"), listen, [], 8)
+            await stack.enter_async_context(host.run([multiaddr.Multiaddr(a) for a in listen]))
+            hosts.append(host)
+        await hosts[0].connect(PeerInfo(hosts[1].get_id(), hosts[1].get_addrs()))
+        yield hosts[0], hosts[1]
+        for host in hosts:
+            for pid in list(host.get_network().connections):
+                await host.get_network().close_peer(pid)
+
+
+async def handler(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+    if msg.get("op") == "slow":
+        await trio.sleep(msg["s"])
+    if msg.get("op") == "refuse":
+        raise Refused("", "busy", "full")
+    return {"echo": msg.get("n")}
+
+
+async def test_concurrent_requests_share_one_stream_and_get_their_own_replies(
+        tmp_path: Path) -> None:
+    async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
+        b.set_stream_handler(PROTO, lambda s: serve(s, handler, idle_s=10))
+        channels = Channels(a)
+        await nursery.start(channels.run)
+        peer = b.get_id().to_string()
+        got: dict[int, Any] = {}
+
+        async def ask(n: int) -> None:
+            msg = {"op": "slow", "s": 0.2 - n * 0.02, "n": n}
+            got[n] = (await channels.request(peer, PROTO, msg, 5))["echo"]
+
+        async with trio.open_nursery() as inner:
+            for n in range(8):
+                inner.start_soon(ask, n)
+        assert got == {n: n for n in range(8)}
+        assert len(channels._open) == 1
+        with pytest.raises(Refused) as exc:
+            await channels.request(peer, PROTO, {"op": "refuse"}, 5)
+        assert exc.value.code == "busy" and exc.value.detail == "full"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_without_an_answer_fails_in_time_and_drops_the_channel(
+        tmp_path: Path) -> None:
+    async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
+        b.set_stream_handler(PROTO, lambda s: serve(s, handler, idle_s=10))
+        channels = Channels(a)
+        await nursery.start(channels.run)
+        peer = b.get_id().to_string()
+        with trio.fail_after(3), pytest.raises(HopFailed, match="within 0.2 s"):
+            await channels.request(peer, PROTO, {"op": "slow", "s": 5}, 0.2)
+        assert channels._open == {}
+        assert (await channels.request(peer, PROTO, {"n": 1}, 5)) == {"echo": 1, "id": 1}
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,99 @@
+"""Route planning and expert coverage over coverage-map holdings (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvasird.inference.routing import (
+    Fitness,
+    Hop,
+    Latency,
+    PeerHoldings,
+    cover_experts,
+    expert_holders,
+    plan_route,
+)
+from kvasird.market.records import CoverageRecord, Holding
+
+L = 30
+
+
+def holder(peer: str, *windows: tuple[int, int], head: bool = False,
+           experts: tuple[tuple[int, int, int], ...] = ()) -> PeerHoldings:
+    return PeerHoldings(peer, head, tuple(windows), experts)
+
+
+def flat(ms: float = 10.0):  # noqa: ANN201 - a cost function
+    return lambda peer: ms
+
+
+def test_three_thirds_with_the_head_on_the_first_form_a_ring() -> None:
+    route = plan_route(L, [holder("a", (0, 10), head=True), holder("b", (10, 20)),
+                           holder("c", (20, 30))], flat())
+    assert route is not None
+    assert route.hops == (Hop("a", 0, 10, True, False), Hop("b", 10, 20, False, False),
+                          Hop("c", 20, 30, False, False), Hop("a", 30, 30, False, True))
+
+
+def test_a_peer_holding_everything_is_one_hop() -> None:
+    route = plan_route(L, [holder("a", (0, 30), head=True), holder("b", (0, 15)),
+                           holder("c", (15, 30))], flat())
+    assert route is not None and route.hops == (Hop("a", 0, 30, True, True),)
+
+
+def test_the_faster_replica_is_chosen() -> None:
+    costs = {"a": 0.0, "b1": 30.0, "b2": 3.0, "c": 5.0}
+    route = plan_route(L, [holder("a", (0, 10), head=True), holder("b1", (10, 20)),
+                           holder("b2", (10, 20)), holder("c", (20, 30))], costs.__getitem__)
+    assert route is not None and "b2" in route.peers and "b1" not in route.peers
+
+
+def test_a_gap_in_the_layers_means_no_route() -> None:
+    assert plan_route(L, [holder("a", (0, 10), head=True), holder("c", (20, 30))], flat()) is None
+
+
+def test_without_a_head_holder_there_is_no_route() -> None:
+    assert plan_route(L, [holder("a", (0, 30))], flat()) is None
+
+
+def test_online_holdings_are_read_from_a_record_and_others_ignored() -> None:
+    record = CoverageRecord("p", 1, 0.0, 3.0, "online", 1, "v", (), "0" * 64, 1 << 30, (
+        Holding("H", 0, 0, 1, "online"), Holding("L", 0, 0, 5, "online"),
+        Holding("L", 5, 5, 8, "loading"), Holding("E", 3, 0, 16, "online")))
+    h = PeerHoldings.of_record(record)
+    assert h == PeerHoldings("p", True, ((0, 5),), ((3, 0, 16),))
+
+
+def test_experts_are_covered_by_the_cheapest_holders_in_pieces() -> None:
+    holders = [holder("w1", experts=((2, 0, 8),)), holder("w2", experts=((2, 8, 16),)),
+               holder("w3", experts=((2, 0, 16),))]
+    costs = {"w1": 1.0, "w2": 1.0, "w3": 9.0}
+    ranges = expert_holders(holders, 2, 4, 12)
+    assert cover_experts(ranges, 4, 12, costs.__getitem__) == [("w1", 4, 8, 0, 8),
+                                                               ("w2", 8, 12, 8, 16)]
+    costs["w3"] = 0.5
+    assert cover_experts(ranges, 4, 12, costs.__getitem__) == [("w3", 4, 12, 0, 16)]
+
+
+def test_uncovered_experts_have_no_cover() -> None:
+    ranges = expert_holders([holder("w1", experts=((2, 0, 8),))], 2, 0, 16)
+    assert cover_experts(ranges, 0, 16, flat()) is None
+
+
+def test_an_unfit_peer_serves_again_after_its_sentence() -> None:
+    fitness = Fitness(unfit_s=60)
+    fitness.mark("x", "timed out", for_s=0.0)
+    fitness.mark("y", "spot check failed")
+    assert fitness.fit("x") and not fitness.fit("y")
+    assert fitness.snapshot() == {"y": "spot check failed"}
+
+
+@pytest.mark.parametrize(("seen", "rtt", "expected"), [([], None, 25.0), ([], 2.0, 2.0),
+                                                      ([10.0, 20.0], 2.0, 13.0)])
+def test_latency_prefers_what_we_measured_over_heartbeat_rtt(
+        seen: list[float], rtt: float | None, expected: float) -> None:
+    latency = Latency("me", lambda peer: rtt)
+    for ms in seen:
+        latency.observe("p", ms)
+    assert latency("p") == pytest.approx(expected)
+    assert latency("me") == 0.0

@@ -1,0 +1,178 @@
+"""What a node serves, driven through the protocol handlers in process (no network)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from kvasird.compute.experts import ExpertShard
+from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.stage import Stage, generate
+from kvasird.inference import tensors
+from kvasird.inference.errors import Refused
+from kvasird.inference.serving import PERTURB_ENV, ExpertServer, Holdings, Served, StageServer
+from kvasird.model.manifest import HEAD, Unit
+from kvasird.model.testmodels import make_model
+
+N_LAYER, N_EXPERT = 4, 8
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("m") / "moe.gguf", n_layer=N_LAYER,
+                      n_expert=N_EXPERT, n_expert_used=2, dtype="f32")
+
+
+@pytest.fixture(scope="module")
+def worker(moe: Path) -> Iterator[Served]:
+    """A worker-only node holding every expert of every layer."""
+    served = Served.build([moe], Holdings(experts=tuple((lay, 0, N_EXPERT) for lay in range(N_LAYER))),
+                          threads=1, kv_slots=256, remote=_no_remote)
+    yield served
+    served.close()
+
+
+def _no_remote(layer: int, first: int, end: int) -> ExpertShard:
+    raise AssertionError("this node holds everything it computes")
+
+
+def direct(worker: Served):  # noqa: ANN201 - a RemoteHook
+    def hook(layer: int, first: int, end: int) -> ExpertShard:
+        w = worker.workers[layer]
+        return ExpertShard(first, end, lambda lay, rows, sel: w(lay, rows, sel + first))
+    return hook
+
+
+def test_holdings_are_the_ranges_the_engine_loads() -> None:
+    units = [HEAD, *(Unit("layer", i) for i in (0, 1, 2, 5, 6)),
+             *(Unit("expert", 3, e) for e in (2, 3, 6))]
+    assert Holdings.of(units) == Holdings(True, ((0, 3), (5, 7)), ((3, 2, 7),))
+
+
+async def call(server: StageServer, msg: dict[str, Any]) -> dict[str, Any]:
+    return await server.handle("gateway", msg)
+
+
+def open_msg(sid: str, first: int, end: int, embed: bool, head: bool,
+             max_tokens: int = 64) -> dict[str, Any]:
+    return {"op": "open", "sid": sid, "model": "m", "first": first, "end": end, "embed": embed,
+            "head": head, "max_tokens": max_tokens, "logprobs": 0, "draws": 0,
+            "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                         "repetition_penalty": 1.0, "seed": 1}}
+
+
+async def test_a_two_node_ring_with_dispatched_experts_equals_the_whole_model(
+        moe: Path, worker: Served) -> None:
+    a = Served.build([moe], Holdings(head=True, windows=((0, 2),)), threads=1, kv_slots=256,
+                     remote=direct(worker))
+    b = Served.build([moe], Holdings(windows=((2, 4),), experts=((3, 2, 5),)), threads=1,
+                     kv_slots=256, remote=direct(worker))
+    full = Stage.load(moe, threads=1, kv=KVSpec(n_slots=256, dtype="f32"))
+    try:
+        sa = StageServer(lambda: "m", lambda: a, max_sessions=4, idle_s=60, wire_dtype="f32")
+        sb = StageServer(lambda: "m", lambda: b, max_sessions=4, idle_s=60, wire_dtype="f32")
+        hops = [(sa, open_msg("0", 0, 2, True, False)), (sb, open_msg("1", 2, 4, False, False)),
+                (sa, open_msg("2", 4, 4, False, True))]
+        for server, msg in hops:
+            await call(server, msg)
+        history, got = [1, 2, 3], []
+        start = 0
+        for _ in range(6):
+            x: Any = tensors.encode(np.asarray(history[start:]), "i32")
+            for (server, msg) in hops:
+                step = {"op": "step", "sid": msg["sid"], "start": start, "x": x}
+                if msg["head"]:
+                    step["ids"] = history[start:]
+                reply = await call(server, step)
+                x = reply.get("x")
+            got.append(reply["token"])
+            start = len(history)
+            history.append(reply["token"])
+        assert got == generate(full, [1, 2, 3], 6)
+        for server, msg in hops:
+            await call(server, {"op": "close", "sid": msg["sid"]})
+        assert sa.sessions == {} and sb.sessions == {}
+    finally:
+        a.close()
+        b.close()
+        full.close()
+
+
+async def test_admission_refuses_with_a_reason_and_unknown_sessions_are_gone(
+        moe: Path, worker: Served) -> None:
+    a = Served.build([moe], Holdings(head=True, windows=((0, 4),)), threads=1, kv_slots=128,
+                     remote=direct(worker))
+    try:
+        server = StageServer(lambda: "m", lambda: a, max_sessions=1, idle_s=60, wire_dtype="f32")
+        with pytest.raises(Refused) as exc:
+            await call(server, open_msg("big", 0, 4, True, True, max_tokens=1000))
+        assert exc.value.code == "busy" and "KV" in exc.value.detail
+        await call(server, open_msg("one", 0, 4, True, True))
+        with pytest.raises(Refused) as exc:
+            await call(server, open_msg("two", 0, 4, True, True))
+        assert exc.value.code == "busy" and "sessions" in exc.value.detail
+        with pytest.raises(Refused) as exc:
+            await call(server, {"op": "step", "sid": "nope", "start": 0,
+                                "x": tensors.encode(np.array([1]), "i32")})
+        assert exc.value.code == "gone"
+        with pytest.raises(Refused) as exc:
+            await call(server, open_msg("x", 0, 2, True, False))
+        assert exc.value.code == "bad" and "[0, 2)" in exc.value.detail
+        server.idle_s = 0.0
+        server.expire()
+        assert server.sessions == {}
+        await call(server, open_msg("two", 0, 4, True, True))
+    finally:
+        a.close()
+
+
+async def test_concurrent_requests_for_one_layer_are_batched_into_one_call(worker: Served) -> None:
+    experts = ExpertServer(lambda: worker, window_s=0.05, wire_dtype="f32")
+    rng = np.random.default_rng(1)
+    rows = [rng.standard_normal((n, worker.hp.n_embd)).astype(np.float32) for n in (1, 3, 2)]
+    ids = [np.array([[1, 2]]), np.array([[0, 3], [4, 4], [7, 5]]), np.array([[6], [2]])]
+    outs: list[Any] = [None] * 3
+
+    async def one(i: int) -> None:
+        reply = await experts.handle("stage", {
+            "op": "experts", "layer": 1, "first": 0, "rows": tensors.encode(rows[i], "f32"),
+            "ids": tensors.encode(ids[i], "i32")})
+        outs[i] = tensors.decode(reply["out"], "out", ("f32",), (len(rows[i]), None, None))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(one, i)
+    assert experts.calls == 1 and experts.rows == 6
+    for i in range(3):
+        assert np.array_equal(outs[i], worker.workers[1](1, rows[i], ids[i]))
+
+
+async def test_expert_ids_count_from_the_range_the_caller_saw(worker: Served) -> None:
+    experts = ExpertServer(lambda: worker, window_s=0, wire_dtype="f32")
+    x = np.ones((1, worker.hp.n_embd), np.float32)
+    reply = await experts.handle("stage", {"op": "experts", "layer": 0, "first": 4,
+                                           "rows": tensors.encode(x, "f32"),
+                                           "ids": tensors.encode(np.array([[1]]), "i32")})
+    want = worker.workers[0](0, x, np.array([[5]]))
+    assert np.array_equal(tensors.decode(reply["out"], "o", ("f32",), (1, 1, None)), want)
+    with pytest.raises(Exception, match="outside"):
+        await experts.handle("stage", {"op": "experts", "layer": 0, "first": 4,
+                                       "rows": tensors.encode(x, "f32"),
+                                       "ids": tensors.encode(np.array([[4]]), "i32")})
+
+
+async def test_the_test_only_flag_makes_a_worker_lie(worker: Served,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PERTURB_ENV, "1")
+    experts = ExpertServer(lambda: worker, window_s=0, wire_dtype="f32")
+    x = np.ones((1, worker.hp.n_embd), np.float32)
+    reply = await experts.handle("stage", {"op": "experts", "layer": 0, "first": 0,
+                                           "rows": tensors.encode(x, "f32"),
+                                           "ids": tensors.encode(np.array([[1]]), "i32")})
+    honest = worker.workers[0](0, x, np.array([[1]]))
+    assert not np.allclose(tensors.decode(reply["out"], "o", ("f32",), (1, 1, None)), honest)
