@@ -11,7 +11,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from kvasird.gateway import anthropic, openai, status
+from kvasird.gateway import anthropic, openai, payment, status
+from kvasird.gateway.body import read_json
 from kvasird.gateway.errors import ApiError, BadRequest, NotFound
 from kvasird.gateway.service import Gateway
 from kvasird.logs import get_logger
@@ -34,6 +35,11 @@ def build_app(gw: Gateway) -> Starlette:
     async def status_json(_: Request) -> JSONResponse:
         return JSONResponse(status.snapshot(gw))
 
+    async def quote(request: Request) -> JSONResponse:
+        f = await read_json(request, gw.config.max_body_bytes)
+        max_tokens = f.integer("max_tokens", gw.config.max_tokens, 1, gw.config.max_tokens)
+        return JSONResponse(payment.quote(gw, max_tokens))
+
     async def status_page(_: Request) -> HTMLResponse:
         return HTMLResponse(status.page(status.snapshot(gw)))
 
@@ -43,6 +49,7 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/v1/models", bind(openai.models), methods=["GET"]),
         Route("/v1/messages", bind(anthropic.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", bind(anthropic.count_tokens), methods=["POST"]),
+        Route("/v1/kvasir/quote", quote, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/status", status_json, methods=["GET"]),
         Route("/", status_page, methods=["GET"]),

@@ -4,6 +4,7 @@
     └── ApiError                 rendered in the calling API's own error JSON
         ├── BadRequest           400: a field is missing, of the wrong type or out of range
         ├── NotFound             404: unknown model or path
+        ├── PaymentRequired      402: settlement is on and the request carries no valid payment
         ├── BodyTooLarge         413: the body exceeds [gateway] max_body_bytes
         ├── TooManyRequests      429: [gateway] max_concurrent reached, or no capacity
         └── Unavailable          503: no route serves the model (yet)
@@ -49,6 +50,12 @@ class NotFound(ApiError):
     status = 404
     openai_type = "invalid_request_error"
     anthropic_type = "not_found_error"
+
+
+class PaymentRequired(ApiError):
+    status = 402
+    openai_type = "payment_required"
+    anthropic_type = "permission_error"
 
 
 class BodyTooLarge(ApiError):

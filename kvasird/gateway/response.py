@@ -10,6 +10,7 @@ SSE events with keep-alive pings while nothing else is sent, or one JSON body.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Protocol
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 
 from kvasird.errors import KvasirError
+from kvasird.gateway import payment
 from kvasird.gateway.errors import ApiError, from_generation
 from kvasird.gateway.generation import Done, Piece, pieces
 from kvasird.gateway.stats import Slot
@@ -78,10 +80,20 @@ class GenerationResponse:
             await send_json(send, err.status, self.renderer.error(err))
             return
         with slot:
+            try:
+                proof = await payment.charge(self.gateway, scope, self.job)
+            except ApiError as err:
+                await send_json(send, err.status, self.renderer.error(err))
+                slot.finish(err.status)
+                return
+            began = time.monotonic()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                 await self._run(send, slot)
                 nursery.cancel_scope.cancel()
+            if proof is not None and slot.completion_tokens:
+                payment.record_work(self.gateway, proof, self.job, slot.completion_tokens,
+                                    time.monotonic() - began)
             if nursery.cancel_scope.cancelled_caught and not slot.finished:
                 log.info("client disconnected: generation cancelled",
                          request_id=self.job.request.request_id)

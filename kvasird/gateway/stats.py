@@ -67,6 +67,8 @@ class Slot:
         self._t0 = time.monotonic()
         self._first: float | None = None
         self.finished = False
+        self.completion_tokens = 0
+        """Tokens generated, once finished with status 200."""
         stats.in_flight += 1
 
     def first_token(self) -> None:
@@ -74,6 +76,7 @@ class Slot:
 
     def finish(self, status: int, tokens: int = 0) -> None:
         self.finished = True
+        self.completion_tokens = tokens
         stats = self._stats
         stats.by_status[status] += 1
         stats.tokens += tokens

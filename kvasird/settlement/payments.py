@@ -133,6 +133,12 @@ class Payments:
             )
         return quote
 
+    def quoted_tokens(self, request_id: str) -> int:
+        """Tokens a quote covers (0 for an unknown request id)."""
+        row = self._ledger.one("SELECT max_tokens FROM settlement_quotes WHERE request_id = ?",
+                               request_id)
+        return int(row[0]) if row else 0
+
     async def settle_quote(self, request_id: str, signature: Signature) -> PaymentProof:
         """Prove that ``signature`` paid quote ``request_id``; idempotent for a paid quote."""
         async with self._locks.hold(f"quote:{request_id}"):
