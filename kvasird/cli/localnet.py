@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from kvasird.errors import KvasirError
-from kvasird.localnet import LocalNet
+from kvasird.localnet import LocalNet, demo
 from kvasird.localnet.launcher import LocalNetError
 
 
@@ -22,12 +22,17 @@ def _default_dir() -> Path:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("localnet", help="run a local network of daemons on 127.0.0.1")
     cmds = p.add_subparsers(dest="localnet_command", metavar="ACTION", required=True)
-    up = cmds.add_parser("up", help="start N daemons and wait until they all see each other")
+    up = cmds.add_parser("up", help="start a local chain and N daemons that split a model, "
+                                    "then answer a paid prompt")
     up.add_argument("--nodes", type=int, default=3, help="number of daemons (default 3)")
     up.add_argument("--dir", type=Path, default=None, help="where their homes live")
+    up.add_argument("--model", default="bundled:smollm2",
+                    help="bundled:smollm2 (default), a GGUF path, or none (peers only)")
+    up.add_argument("--prompt", default="What is the capital of France?",
+                    help="the question the demo pays for and asks")
     mode = up.add_mutually_exclusive_group()
     mode.add_argument("--detach", action="store_true", help="leave them running; stop with `down`")
-    mode.add_argument("--once", action="store_true", help="stop them again once all are joined")
+    mode.add_argument("--once", action="store_true", help="stop them again after the answer")
     up.set_defaults(func=_up)
     for name, func, text in (("down", _down, "stop a detached local network"),
                              ("status", _status, "peers of each local daemon")):
@@ -43,14 +48,30 @@ def _up(args: argparse.Namespace) -> int:
                             "stop it with `kvasird localnet down` first")
     if not 1 <= args.nodes <= 32:
         raise KvasirError("--nodes must be between 1 and 32")
-    net = LocalNet(root, args.nodes)
+    with_model = args.model != "none"
+    net = LocalNet(root, args.nodes, chain=with_model)
     try:
-        print(f"starting {args.nodes} daemons under {root} ...", flush=True)
+        if with_model:
+            manifest = demo.serve_model(net, args.model)
+            print(f"model {manifest.meta('general.name', '?')} ({manifest.total_bytes / 2**20:.0f} "
+                  f"MiB, id {manifest.model_id[:16]}…) will be split among {args.nodes} daemons")
+        print(f"starting {'a local chain and ' if with_model else ''}{args.nodes} daemons "
+              f"under {root} ...", flush=True)
+        began = time.monotonic()
         net.up()
         took = net.wait_until("every daemon lists every other one as a peer",
                               net.fully_connected, timeout=30 + 5 * args.nodes)
         print(f"all {args.nodes} daemons joined in {took:.1f} s\n")
         _print_table(net)
+        if with_model:
+            gateway = demo.wait_served(net)
+            print(f"\nthe market split the model in {time.monotonic() - began:.0f} s:")
+            _print_holdings(net)
+            answer = demo.ask(net, gateway, args.prompt)
+            print(f"\nQ: {args.prompt}\nA: {answer.text.strip()}")
+            print(f"   paid {answer.paid / 10**6:.6f} KVR on the local chain (transaction "
+                  f"{answer.signature[:16]}…), answered in {answer.seconds:.1f} s")
+            _print_snippets(gateway, answer.model)
         if args.detach:
             print(f"\nleft running; stop with: kvasird localnet down --dir {root}")
             return 0
@@ -66,6 +87,33 @@ def _up(args: argparse.Namespace) -> int:
         if not args.detach:
             codes = net.down()
             print(f"stopped {len(codes)} daemons")
+
+
+def _print_holdings(net: LocalNet) -> None:
+    for node in net.nodes:
+        held = node.get("/v0/coverage")["held"]
+        layers = sorted(int(u.split(":")[1]) for u in held if u.startswith("layer:"))
+        runs: list[list[int]] = []
+        for i in layers:
+            if runs and runs[-1][1] == i - 1:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i])
+        span = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs) or "none"
+        head = " + head" if "head" in held else ""
+        print(f"  node{node.index}: layers {span}{head}")
+
+
+def _print_snippets(gateway: str, model: str) -> None:
+    print(f"""
+gateway: {gateway}  (requests from this machine are free; others pay per quote)
+try it:
+  curl -s {gateway}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+  python -c "import openai; c = openai.OpenAI(base_url='{gateway}/v1', api_key='-'); \\
+print(c.chat.completions.create(model=c.models.list().data[0].id, \\
+messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)"
+status page: {gateway}/""")
 
 
 def _print_table(net: LocalNet) -> None:

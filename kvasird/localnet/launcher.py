@@ -53,6 +53,8 @@ class LocalNode:
     """stdout+stderr of the process."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for the process (tests' fault-injection flags)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Config values for this node only, over the network's settings."""
 
     def get(self, path: str, timeout: float = 5.0) -> Any:
         url = self.home.admin_address()
@@ -215,6 +217,7 @@ class LocalNet:
             "admin.listen": "127.0.0.1:0",
             "gateway.listen": "127.0.0.1:0",
             **self.settings,
+            **node.settings,
         }
         if values.get("settlement.enabled"):
             values["settlement.wallet"] = "wallet.json"

@@ -264,7 +264,7 @@ class MarketService:
                                "rejected": dict(self.gate.rejected),
                                "gossip_scores": self._scores()}
         if self.map is None or self.model is None or self.demand is None:
-            return {**out, "model": None, "fully_covered": False}
+            return {**out, "model": None, "fully_covered": False, "routable": False}
         targets = self.demand.targets(self.config.target_replicas)
         out.update({
             "model": {"id": self.model.model_id, "n_layer": self.model.n_layer,
@@ -274,6 +274,7 @@ class MarketService:
                         for p, e in self.map.entries.items()},
             "segments": segments(self.model, self.map.active, targets),
             "fully_covered": fully_covered(self.map.active, targets),
+            "routable": fully_covered(self.map.online, self.demand.targets(1)),
         })
         return out
 
