@@ -112,6 +112,8 @@ class InferenceConfig:
     """Largest relative difference (max |a-b| / max |b|) a spot check accepts."""
     unfit_s: float = field(default=300.0, metadata=_range(1, 86400))
     """How long a peer that failed or failed a spot check receives no work."""
+    unfit_quorum: int = field(default=2, metadata=_range(1, 64))
+    """Distinct peers whose gossiped spot-check verdicts against a worker make us avoid it."""
     max_failovers: int = field(default=4, metadata=_range(0, 64))
     """Route rebuilds one generation may go through before it gives up."""
     hot_experts: int = field(default=0, metadata=_range(0, 1 << 16))

@@ -13,7 +13,9 @@
                rows batched per layer across callers
     routing    routes from the coverage map (shortest path over layer boundaries by measured
                latency), expert coverage by replicas, unfit peers, our latency measurements
-    experts    remote expert dispatch from a stage: replicas, failover, spot checks
+    experts    remote expert dispatch from a stage: replicas, failover, spot checks, the
+               hot-expert cache
+    verdicts   spot-check verdicts on gossip; a quorum of accusers makes a node avoid a worker
     swarm      SwarmGenerator: plan, open sessions, relay boundaries hop to hop, fail over
                and replay the history on a new route
     service    the daemon's wiring: market loader, protocol handlers, admin generate API,

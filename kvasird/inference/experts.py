@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -92,8 +92,10 @@ class ExpertDispatcher:
     def __init__(self, me: str, holders: Callable[[], list[PeerHoldings]], channels: Channels,
                  latency: Latency, fitness: Fitness, local: LocalExperts, *, timeout_s: float,
                  wire_dtype: str, spot_check: float, tolerance: float,
-                 hot: HotExperts | None = None) -> None:
+                 hot: HotExperts | None = None,
+                 accuse: Callable[[str, str], Awaitable[None]] | None = None) -> None:
         self.me, self.holders, self.channels, self.local = me, holders, channels, local
+        self.accuse = accuse
         self.hot = hot or HotExperts(None, 0, 0)
         self.latency, self.fitness = latency, fitness
         self.timeout_s, self.wire_dtype = timeout_s, wire_dtype
@@ -197,7 +199,7 @@ class ExpertDispatcher:
             ref = await trio.to_thread.run_sync(worker, layer, rows, gids - first)
             if self._close(out, ref):
                 return out
-            self._caught(peer, layer)
+            await self._caught(peer, layer)
             return ref
         others = self._replicas(layer, gids, exclude={peer})
         if not others:
@@ -213,17 +215,20 @@ class ExpertDispatcher:
             return out
         judge = await self.remote(others[1][0], others[1][1], layer, rows, gids)
         if self._close(out, judge):
-            self._caught(second, layer)
+            await self._caught(second, layer)
             return out
-        self._caught(peer, layer)
+        await self._caught(peer, layer)
         if not self._close(ref, judge):
-            self._caught(second, layer)
+            await self._caught(second, layer)
         return judge
 
-    def _caught(self, peer: str, layer: int) -> None:
+    async def _caught(self, peer: str, layer: int) -> None:
         self.stats["caught"] += 1
-        self.fitness.mark(peer, f"spot check failed on layer {layer}")
+        reason = f"spot check failed on layer {layer}"
+        self.fitness.mark(peer, reason)
         log.warning("worker failed a spot check: marked unfit", peer=peer, layer=layer)
+        if self.accuse is not None:
+            await self.accuse(peer, reason)
 
     def _close(self, a: np.ndarray, b: np.ndarray) -> bool:
         scale = max(float(np.abs(b).max()), 1e-6)

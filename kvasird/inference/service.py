@@ -6,6 +6,7 @@
     SwarmGenerator ── routes over the coverage map ──▶ peers' StageServers (or ours, in process)
     admin API: POST /v0/generate (NDJSON token stream), GET /v0/inference (routes, sessions, unfit)
     every few heartbeats: a LoadReport (tokens computed, experts selected) on gossip
+    spot-check failures: an unfit verdict on gossip (Verdicts; a quorum of accusers counts)
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from kvasird.inference.serving import (
     StageServer,
 )
 from kvasird.inference.swarm import SwarmGenerator
+from kvasird.inference.verdicts import Verdicts
 from kvasird.logs import get_logger
 from kvasird.market.records import LoadReport
 from kvasird.market.service import MarketService
@@ -72,6 +74,8 @@ class InferenceService:
         self.channels = Channels(p2p.host)
         self.fitness = Fitness(c.unfit_s)
         self.latency = Latency(p2p.peer_id, self._rtt)
+        self.verdicts = Verdicts(p2p.gossip, p2p.peer_id, self.fitness, c.unfit_quorum,
+                                 c.unfit_s)
         self.stages = StageServer(self._model_id, lambda: self.served,
                                   max_sessions=c.max_sessions, idle_s=c.session_idle_s,
                                   wire_dtype=c.wire_dtype)
@@ -80,7 +84,8 @@ class InferenceService:
         self.dispatcher = ExpertDispatcher(
             p2p.peer_id, self.holders, self.channels, self.latency, self.fitness, self._own_experts,
             timeout_s=c.expert_timeout_s, wire_dtype=c.wire_dtype, spot_check=c.spot_check,
-            tolerance=c.spot_tolerance, hot=HotExperts(self._load_hot, c.hot_experts, c.hot_after))
+            tolerance=c.spot_tolerance, hot=HotExperts(self._load_hot, c.hot_experts, c.hot_after),
+            accuse=self.verdicts.accuse)
         self.generator = SwarmGenerator(p2p.peer_id, self._info, self._n_layer, self.holders,
                                         self.channels, self.stages.handle, self.latency,
                                         self.fitness, c)
@@ -183,6 +188,7 @@ class InferenceService:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(self.channels.run)
+                await nursery.start(self.verdicts.run)
                 host.set_stream_handler(STAGE_PROTOCOL,
                                         lambda s: serve(s, self.stages.handle, idle))
                 host.set_stream_handler(EXPERT_PROTOCOL,

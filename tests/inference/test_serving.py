@@ -31,8 +31,8 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def worker(moe: Path) -> Iterator[Served]:
     """A worker-only node holding every expert of every layer."""
-    served = Served.build([moe], Holdings(experts=tuple((lay, 0, N_EXPERT) for lay in range(N_LAYER))),
-                          threads=1, kv_slots=256, remote=_no_remote)
+    every = Holdings(experts=tuple((lay, 0, N_EXPERT) for lay in range(N_LAYER)))
+    served = Served.build([moe], every, threads=1, kv_slots=256, remote=_no_remote)
     yield served
     served.close()
 

@@ -224,13 +224,17 @@ def test_perturbing_worker_is_caught_by_spot_checks_and_routed_around(
         localnet: Callable[..., LocalNet], moe: Path, moe_reference: list[list[int]]) -> None:
     net = start(localnet, moe, [["head", "layers:0-4"], experts(0, 8), experts(0, 8),
                                 experts(0, 8)],
-                perturb=frozenset({1}), **{"inference.spot_check": 1.0})
+                perturb=frozenset({1}),
+                **{"inference.spot_check": 1.0, "inference.unfit_quorum": 1})
     gateway = net.nodes[0]
     got = [generate(gateway, p) for p in MOE_PROMPTS]
     assert got == moe_reference
     view = gateway.get("/v0/inference")
     assert net.nodes[1].peer_id in view["unfit"]
     assert view["dispatch"]["caught"] >= 1
+    net.wait_until("the verdict reaches the other nodes over gossip",
+                   lambda: all(net.nodes[1].peer_id in n.get("/v0/inference")["unfit"]
+                               for n in net.nodes[2:]), timeout=15)
     rows = expert_rows(net.nodes[1])
     generate(gateway, MOE_PROMPTS[0])
     assert expert_rows(net.nodes[1]) == rows
