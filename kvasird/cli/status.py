@@ -25,6 +25,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"version      kvasird {status['version']} (protocol {status['protocol']})")
     print(f"uptime       {status['uptime_s']:.0f} s")
     print(f"peers        {status['peers']}")
+    reach = status.get("reachability") or {}
+    if reach:
+        print(f"reachability {reach.get('verdict', 'unknown')}")
     for addr in status["listen_addrs"]:
         print(f"listening    {addr}")
     return 0

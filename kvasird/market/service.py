@@ -134,7 +134,8 @@ class MarketService:
             ttl=self.config.heartbeat_s * TTL_HEARTBEATS, state=self.state,
             protocol=PROTOCOL_VERSION, version=__version__, addrs=tuple(self.p2p.addrs()[:16]),
             model=self.model.model_id if self.model and (self.held or has_all) else "",
-            budget=self.budget, holdings=compress(self.held), caps=self.caps, has_all=has_all)
+            budget=self.budget, holdings=compress(self.held), caps=self.caps, has_all=has_all,
+            reach=self.p2p.reachability.current.verdict)
 
     async def publish(self) -> None:
         data = pack(self.record().to_wire())

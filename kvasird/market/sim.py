@@ -408,7 +408,8 @@ class MarketSim:
         if not fully_covered(view, self.targets) and self._joins_round(view):
             began = time.process_time()
             plan = decide(self.model, view, self.targets, node.peer, node.budget,
-                          set(node.held), set(), self.index, self.rng)
+                          set(node.held), set(), self.index, self.rng,
+                          peers=max(len(self.truth.entries), 1))
             self.decide_s += time.process_time() - began
             self.decisions += 1
             if plan.drop:

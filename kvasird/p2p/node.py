@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import multiaddr
@@ -70,6 +70,20 @@ class P2PNode:
             direct = dialable_addrs(self.host)
         circuit = self.relays.circuit_addrs()[: MAX_ADDRS // 2]
         return direct[: MAX_ADDRS - len(circuit)] + circuit
+
+    async def connect(self, peer_id: str, addrs: Sequence[str] = ()) -> bool:
+        """Be connected to ``peer_id``: directly, else through one of its relays.
+
+        For stream protocols that reach peers known from records: ``host.new_stream``
+        dials only direct addresses, never circuit ones (STACK.md). Addresses come from
+        ``addrs`` (e.g. a coverage record), else the peer table, else a DHT lookup.
+        """
+        if self.dialer.connected(peer_id):
+            return True
+        known = list(addrs) or list(getattr(self.peers.get(peer_id), "addrs", ()))
+        if not known and self.routing is not None:
+            known = await self.routing.find(peer_id)
+        return bool(known) and await self.dialer.dial(known)
 
     def _reachability_changed(self, r: Reachability) -> None:
         self.relays.on_reachability(r)

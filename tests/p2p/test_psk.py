@@ -15,6 +15,8 @@ from kvasird.p2p.psk import fingerprint, load_psk
 KEY = secrets.token_hex(32)
 OTHER = secrets.token_hex(32)
 
+pytestmark = pytest.mark.slow  # real sockets; failed handshakes wait out their timeouts
+
 
 def test_go_libp2p_swarm_key_and_bare_hex_both_load(tmp_path: Path) -> None:
     (tmp_path / "swarm.key").write_text(f"/key/swarm/psk/1.0.0/\n/base16/\n{KEY.upper()}\n")

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
+import pytest
 import trio
 
 from kvasird.config import P2PConfig
@@ -19,6 +20,8 @@ from kvasird.p2p import P2PNode
 _serial = itertools.count()
 FAST = dict(heartbeat_interval_s=0.5, liveness_timeout_s=4.0, peer_exchange_interval_s=0.5,
             mdns=False, listen=("/ip4/127.0.0.1/tcp/0",))
+
+pytestmark = pytest.mark.slow  # real sockets; failed handshakes wait out their timeouts
 
 
 @asynccontextmanager
@@ -58,6 +61,12 @@ async def test_private_node_reserves_on_a_relay_and_is_reached_through_it(tmp_pa
             print(f"A reached C through R {took:.1f} s after the reservation")
             seen = a.peers.get(c.peer_id)
             assert seen is not None and any("/p2p-circuit/" in x for x in seen.addrs)
+            # A node that learns C only from a record (its addresses) connects on demand.
+            async with nodes(tmp_path, [join(relay, peer_exchange=False, dht=False)]) as (d,):
+                await wait_for(lambda: relay.peer_id in d.peers, 20)
+                assert not d.dialer.connected(c.peer_id)
+                assert await d.connect(c.peer_id, c.addrs())
+                await wait_for(lambda: (d.peers.get(c.peer_id) or _NONE).rtt_ms is not None, 20)
 
 
 class _NONE:
