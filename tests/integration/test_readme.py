@@ -1,0 +1,127 @@
+"""Every command in the README, run as the README says (placeholders filled in)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvasird.config import render
+from kvasird.localnet import LocalNet
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+KVASIRD = [sys.executable, "-m", "kvasird"]
+
+
+def commands() -> list[str]:
+    """The shell lines of the README's ```sh blocks, comments stripped."""
+    out = []
+    for block in re.findall(r"```sh\n(.*?)```", README, re.S):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line:
+                out.append(line)
+    return out
+
+
+def kvasird_args(line: str) -> list[str] | None:
+    """The arguments of a `.venv/bin/kvasird ...` command in ``line`` (None if there is none)."""
+    m = re.search(r"\.venv/bin/kvasird\s+(.*)$", line)
+    return shlex.split(m.group(1)) if m else None
+
+
+def test_the_readme_shows_the_two_commands_first_and_ci_runs_the_second() -> None:
+    lines = commands()
+    assert lines[0] == "native/setup && .venv/bin/kvasird localnet up"
+    assert lines[1] == "native/setup && .venv/bin/python -m pytest"
+    assert lines[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_kvasird_command_in_the_readme_exists() -> None:
+    for line in commands():
+        args = kvasird_args(line)
+        if args is None:
+            continue
+        sub = [a for a in args if not a.startswith("-")][:2]
+        done = subprocess.run([*KVASIRD, *sub[:1], "--help"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, f"README command {line!r}: {done.stderr}"
+
+
+def test_hobbyist_commands_work_against_a_running_node(
+        tmp_path: Path, localnet: Callable[..., LocalNet]) -> None:
+    net = localnet(1, settings={"gateway.enabled": False})
+    net.up()
+    join = net.nodes[0].join_addr
+    home = tmp_path / "hobbyist"
+    env = {**os.environ, "KVASIRD_HOME": str(home)}
+    ran = 0
+    for line in commands():
+        args = kvasird_args(line)
+        if args is None or args[0] in ("localnet", "service") or args[0] == "run":
+            continue  # localnet: the next test; service: needs root + systemd; run: below
+        args = [join if a.startswith("/ip4/") else a for a in args]
+        if args[0] == "init":
+            args = [a for a in args if a != "--network" and a != "kvasir-local"]
+            args += ["--network", "localnet"]
+            subprocess.run([*KVASIRD, *args], env=env, check=True, capture_output=True, timeout=60)
+            # Keep the test on loopback: no mDNS multicast, no listening on every interface.
+            config = home / "kvasird.toml"
+            config.write_text(render(config.read_text(), {
+                "p2p.mdns": False, "p2p.listen": ["/ip4/127.0.0.1/tcp/0"],
+                "admin.listen": "127.0.0.1:0", "gateway.listen": "127.0.0.1:0"}))
+            node = subprocess.Popen([*KVASIRD, "run"], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True)
+            assert node.stdout is not None
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and node.stdout.readline().strip() != "ready":
+                assert node.poll() is None, "kvasird run exited before it was ready"
+            ran += 1
+            continue
+        done = subprocess.run([*KVASIRD, *args], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0 or args[0] == "wallet", f"{line!r}: {done.stderr}"
+        ran += 1
+    node.send_signal(signal.SIGTERM)
+    assert node.wait(15) == 0
+    assert ran >= 8
+
+
+def test_the_main_command_answers_a_paid_prompt_and_cleans_up(tmp_path: Path) -> None:
+    line = commands()[0].split("&&", 1)[1].strip()  # setup has run: the test command did it
+    args = kvasird_args(line)
+    assert args is not None
+    proc = subprocess.Popen([*KVASIRD, *args, "--dir", str(tmp_path / "ln")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            out = proc.stdout.readline()
+            if not out:
+                break
+            seen.append(out)
+            if out.startswith("running; press Ctrl-C"):
+                break
+        text = "".join(seen)
+        assert "A: " in text and "Paris" in text.split("A: ", 1)[1], text
+        assert "paid" in text and "KVR on the local chain" in text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    assert "stopped 3 daemons" in rest
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "ln")], capture_output=True,
+                               text=True).stdout.split()
+    assert leftovers == []
