@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.localnet import LocalNet
@@ -57,9 +58,9 @@ class Result:
     up_s: float
     """Seconds from spawning the first daemon until all report ready."""
     node0_s: float | None
-    """Seconds from ready until node 0's map is fully covered (None: not within the timeout)."""
+    """Seconds from ready until node 0's map is fully covered; None: not within the timeout."""
     all_s: float | None
-    """Seconds from ready until every node's map is fully covered (None: not within the timeout)."""
+    """Seconds from ready until every node's map is fully covered; None: not in time."""
     covered_after: int
     """Nodes whose map is fully covered at the end of the bandwidth window."""
     tcp_kib_min: float
@@ -123,7 +124,7 @@ def tcp_bytes(pids: set[int]) -> dict[int, tuple[int, int]]:
     return {pid: (totals[pid], sent[pid]) for pid in pids}
 
 
-def record_size(peer: str, view: dict, addrs: tuple[str, ...], caps: Capabilities) -> int:
+def record_size(peer: str, view: dict[str, Any], addrs: tuple[str, ...], caps: Capabilities) -> int:
     """The msgpack size of the record `peer` publishes, rebuilt from node 0's map."""
     record = CoverageRecord(
         peer=peer, seq=time.time_ns() // 1_000_000, ts=time.time(), ttl=3 * HEARTBEAT_S,

@@ -1,6 +1,6 @@
 """The coverage market at internet scale, by simulation: N virtual nodes, the 122B MoE.
 
-    nice .venv/bin/python bench/sim_market.py run [--nodes 250 1000 3000 10000] [--duration 1800]
+    nice .venv/bin/python bench/sim_market.py run [--nodes 250 1000 3000 10000] [--duration 1200]
     nice .venv/bin/python bench/sim_market.py plot          # table + PNG from saved results
 
 ``run`` simulates each size with kvasird.market.sim (the real records, map, demand and
@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 
 from kvasird.market.records import CoverageRecord
-from kvasird.market.sim import IHAVE_ID_BYTES, MarketSim, SimConfig, envelope_bytes, qwen122b
+from kvasird.market.sim import (
+    IHAVE_ID_BYTES,
+    MarketSim,
+    SimConfig,
+    SimResult,
+    envelope_bytes,
+    qwen122b,
+)
 from kvasird.wire import pack
 
 OUT = Path(__file__).parent / "out"
@@ -51,7 +58,7 @@ def bitmap_bytes(record: CoverageRecord) -> int:
     return len(pack({**record.to_wire(), "holdings": holdings}))
 
 
-def summarize(sim: MarketSim, result: Any) -> dict[str, Any]:
+def summarize(sim: MarketSim, result: SimResult) -> dict[str, Any]:
     """Everything the table and the plot need, as plain JSON."""
     cfg, g = result.config, result.gossip
     alive = [n for n in sim.nodes if n.alive and n.record is not None]
@@ -107,6 +114,7 @@ def run(sizes: list[int], tag: str, **config: Any) -> None:
     """Simulate each size; ``tag`` names a variant (kept out of the scaling plot)."""
     OUT.mkdir(parents=True, exist_ok=True)
     model = qwen122b()
+    print(report([]), flush=True)
     for n in sizes:
         cfg = SimConfig(nodes=n, **config)
         print(f"simulating {n} nodes for {cfg.duration_s:g} s {tag} ...", flush=True)
@@ -231,9 +239,9 @@ def report(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sim = sub.add_parser("run", help="simulate and save bench/out/sim_<N>.json")
+    sim = sub.add_parser("run", aliases=["sim"], help="simulate and save bench/out/sim_<N>.json")
     sim.add_argument("--nodes", type=int, nargs="+", default=[250, 1000, 3000, 10000])
-    sim.add_argument("--duration", type=float, default=1800.0, help="simulated seconds")
+    sim.add_argument("--duration", type=float, default=1200.0, help="simulated seconds")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--tag", default="", help="name of a variant (sensitivity runs)")
     for name in ("hop_latency_s", "loss", "skew", "churn_per_hour", "rebalance_s"):
@@ -242,7 +250,7 @@ def main() -> None:
                      help="the proposed enrollment probability (kvasird.market.sim)")
     sub.add_parser("plot", help="table and PNG from the saved results")
     args = parser.parse_args()
-    if args.command == "run":
+    if args.command in ("run", "sim"):
         variant = {k: getattr(args, k) for k in
                    ("hop_latency_s", "loss", "skew", "churn_per_hour", "rebalance_s",
                     "herd_guard")

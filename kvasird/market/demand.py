@@ -1,9 +1,9 @@
 """Targets from observed load, scarcity per unit, and scarce segments. Pure.
 
 Target replicas start at the network's ``target_replicas`` for every unit. Stages gossip
-how often each expert was selected; an expert selected k times the layer's mean gets
-``ceil(base * k)`` replicas (capped at ``base * max_factor``), so hot experts attract
-more holders than cold ones. Scarcity of a unit is ``max(0, target - replicas) / target``.
+how often each expert was selected; an expert selected k >= 1.25 times the layer's mean
+gets ``round(base * k)`` replicas (capped at ``base * max_factor``), so hot experts attract
+more holders than cold ones, and near-average ones keep the base target. Scarcity of a unit is ``max(0, target - replicas) / target``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from kvasird.market.records import LoadReport
 
 HALF_LIFE_S = 600.0
 MAX_FACTOR = 3.0
+HOT_RATIO = 1.25
+"""Selections relative to the layer's mean above which an expert counts as hot."""
 
 
 @dataclass
@@ -58,8 +60,11 @@ class Demand:
             mean = self.selections.mean(axis=1, keepdims=True)
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = np.where(mean > 0, self.selections / mean, 1.0)
-            factor = np.clip(ratio, 1.0, max_factor)
-            expert = np.ceil(base * factor - 1e-9).astype(np.int32)
+            # Only clearly hot experts earn extra replicas: an expert a few percent above its
+            # layer's mean under uniform load must not (the simulator showed half of all
+            # experts flipping to base+1, doubling storage and gossip).
+            factor = np.where(ratio >= HOT_RATIO, np.clip(ratio, 1.0, max_factor), 1.0)
+            expert = np.floor(base * factor + 0.5).astype(np.int32)
         return Targets(np.full(self.model.n_layer, base, dtype=np.int32), expert, base)
 
 

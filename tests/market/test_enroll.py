@@ -88,6 +88,13 @@ def test_hot_experts_get_more_replicas_than_cold_ones(model: MarketModel) -> Non
     assert (cmap.active.expert[:, 0] > cmap.active.expert[:, 1:].max(axis=1)).all()
 
 
+def test_near_average_experts_keep_the_base_target(model: MarketModel) -> None:
+    demand = Demand(model)
+    counts = [(layer, e, 101 if e % 2 else 99) for layer in range(4) for e in range(8)]
+    demand.add(LoadReport("stage", 1, 0.0, MODEL_ID, 60, 1000, tuple(counts)), now=0)
+    assert (demand.targets(2).expert == 2).all()
+
+
 def test_segments_describe_contiguous_scarce_runs(model: MarketModel) -> None:
     cmap = CoverageMap(model)
     held = {Unit("expert", 0, e): "online" for e in range(4)}

@@ -21,7 +21,7 @@ def small_model() -> MarketModel:
 
 @pytest.fixture(scope="module")
 def ran(small_model: MarketModel) -> tuple[MarketSim, SimResult]:
-    """200 nodes with budgets of ~100 MB (about 2.5x what the targets need), skewed load."""
+    """200 nodes with budgets of ~100 MB (about 3x what the targets need), skewed load."""
     config = SimConfig(nodes=200, duration_s=600, seed=7, boot_s=30, budget_median=100 * MB,
                        budget_sigma=0.5, budget_max=1000 * MB, skew=1.2, load_interval_s=20,
                        churn_per_hour=0.05)
