@@ -137,7 +137,8 @@ def test_plaintext_peer_cannot_connect_but_a_noise_peer_can(localnet: Callable[.
 def test_localnet_command_starts_three_daemons_that_see_each_other(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvasird", "localnet", "up", "--nodes", "3", "--once",
-         "--dir", str(tmp_path / "ln")], capture_output=True, text=True, timeout=120)
+         "--model", "none", "--dir", str(tmp_path / "ln")],
+        capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("node") and "12D3" in line]
     assert len(lines) == 3
