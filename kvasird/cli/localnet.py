@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvasird.errors import KvasirError
 from kvasird.localnet import LocalNet, demo
+from kvasird.model.slice import contiguous_runs
 from kvasird.localnet.launcher import LocalNetError
 
 
@@ -93,13 +94,8 @@ def _print_holdings(net: LocalNet) -> None:
     for node in net.nodes:
         held = node.get("/v0/coverage")["held"]
         layers = sorted(int(u.split(":")[1]) for u in held if u.startswith("layer:"))
-        runs: list[list[int]] = []
-        for i in layers:
-            if runs and runs[-1][1] == i - 1:
-                runs[-1][1] = i
-            else:
-                runs.append([i, i])
-        span = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs) or "none"
+        span = ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a)
+                         for a, b in contiguous_runs(layers)) or "none"
         head = " + head" if "head" in held else ""
         print(f"  node{node.index}: layers {span}{head}")
 

@@ -19,7 +19,7 @@ from libp2p.peer.id import ID
 
 from kvasird.logs import get_logger
 from kvasird.model.manifest import Manifest, Unit
-from kvasird.model.slice import parse_spec
+from kvasird.model.slice import contiguous_runs, parse_spec
 from kvasird.model.store import ShardStore
 from kvasird.model.transfer import (
     PROTOCOL_ID,
@@ -151,24 +151,14 @@ def slice_specs(units: Iterable[Unit]) -> list[str]:
     layers = sorted(u.layer for u in units if u.kind == "layer")
     experts = sorted((u.layer, u.expert) for u in units if u.kind == "expert")
     specs = ["head"] if any(u.kind == "head" for u in units) else []
-    for a, b in _runs(layers):
+    for a, b in contiguous_runs(layers):
         specs.append(f"layers={a}:{b},no-experts")
     by_layer: dict[int, list[int]] = {}
     for layer, e in experts:
         by_layer.setdefault(layer, []).append(e)
     for layer, es in sorted(by_layer.items()):
-        specs += [f"experts={layer}:{a}:{b}" for a, b in _runs(es)]
+        specs += [f"experts={layer}:{a}:{b}" for a, b in contiguous_runs(es)]
     return specs
-
-
-def _runs(values: list[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for v in values:
-        if out and out[-1][1] == v:
-            out[-1] = (out[-1][0], v + 1)
-        else:
-            out.append((v, v + 1))
-    return out
 
 
 class _Throttled:

@@ -58,6 +58,7 @@ from kvasird.inference import tensors
 from kvasird.inference.errors import NoWorkers, Refused
 from kvasird.logs import get_logger
 from kvasird.model.manifest import Unit
+from kvasird.model.slice import contiguous_runs
 from kvasird.wire import schema
 
 STAGE_PROTOCOL = "/kvasir/stage/1"
@@ -93,20 +94,10 @@ class Holdings:
             if u.kind == "expert":
                 by_layer.setdefault(u.layer, []).append(u.expert)
         experts = tuple((layer, min(es), max(es) + 1) for layer, es in sorted(by_layer.items()))
-        return cls(any(u.kind == "head" for u in units), tuple(_runs(layers)), experts)
+        return cls(any(u.kind == "head" for u in units), tuple(contiguous_runs(layers)), experts)
 
     def expert_range(self, layer: int) -> tuple[int, int] | None:
         return next(((e0, e1) for lay, e0, e1 in self.experts if lay == layer), None)
-
-
-def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for v in values:
-        if out and out[-1][1] == v:
-            out[-1] = (out[-1][0], v + 1)
-        else:
-            out.append((v, v + 1))
-    return out
 
 
 class Served:

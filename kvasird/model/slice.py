@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,3 +254,14 @@ def _add_metadata(writer: GGUFWriter, key: str, vtype: int, value: object) -> No
 def _byte_shape(ggml_type: int, ne: tuple[int, ...]) -> tuple[int, ...]:
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     return (*reversed(ne[1:]), ne[0] // block * type_size)
+
+
+def contiguous_runs(values: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted integers as half-open runs: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
+    out: list[tuple[int, int]] = []
+    for v in values:
+        if out and out[-1][1] == v:
+            out[-1] = (out[-1][0], v + 1)
+        else:
+            out.append((v, v + 1))
+    return out
