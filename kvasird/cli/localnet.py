@@ -11,8 +11,8 @@ from pathlib import Path
 
 from kvasird.errors import KvasirError
 from kvasird.localnet import LocalNet, demo
-from kvasird.model.slice import contiguous_runs
 from kvasird.localnet.launcher import LocalNetError
+from kvasird.model.slice import contiguous_runs
 
 
 def _default_dir() -> Path:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvasird.compute.errors import InputError, KVCacheFull
-from kvasird.compute.graph import F16, F32, Backend, TensorArena, Tensor
+from kvasird.compute.graph import F16, F32, Backend, Tensor, TensorArena
 from kvasird.compute.hparams import HParams
 
 PAGE = 64

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kvasird.compute.errors import WeightsError
 from kvasird.compute.gguffile import GGUFFile
-from kvasird.compute.graph import Backend, TensorArena, Tensor, set_bytes
+from kvasird.compute.graph import Backend, Tensor, TensorArena, set_bytes
 from kvasird.compute.hparams import HParams
 from kvasird.model.slice import KEY_SLICE, parse_spec
 from kvasird.model.slice import ExpertRange as SliceExperts

@@ -7,6 +7,7 @@ The commented default file is the single source of the defaults: ``load`` merges
 operator's file over it, so a key missing from the operator's file takes the default.
 """
 
+from kvasird.config.load import default_text, load, load_text, render
 from kvasird.config.model import (
     AdminConfig,
     ComputeConfig,
@@ -17,7 +18,6 @@ from kvasird.config.model import (
     NodeConfig,
     P2PConfig,
 )
-from kvasird.config.load import default_text, load, load_text, render
 
 __all__ = [
     "AdminConfig",

@@ -16,7 +16,7 @@ def print_banner(status: dict[str, Any], admin_url: str, config_path: str) -> No
         f"admin API    {admin_url}",
         *([f"gateway      {status['gateway']}"] if status.get("gateway") else []),
         f"config       {config_path}",
-        f"join this node from another one with:",
+        "join this node from another one with:",
         f"    kvasird init --network {status['network']} --bootstrap {join}" if join else
         "    (no dialable address: set [p2p] listen or announce)",
         "ready",

@@ -13,9 +13,10 @@ from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.admin.server import build_app
 from kvasird.config import Config
 from kvasird.config.model import SettlementSection
-from kvasird.settlement.config import SettlementConfig
 from kvasird.daemon import systemd
 from kvasird.daemon.banner import print_banner
+from kvasird.daemon.governance import GovernanceGossip
+from kvasird.daemon.shards import ShardService
 from kvasird.db import connect
 from kvasird.gateway import Gateway
 from kvasird.home import Home
@@ -26,10 +27,9 @@ from kvasird.logs import get_logger
 from kvasird.market.records import Capabilities
 from kvasird.market.service import MarketService, metadata_only
 from kvasird.model.store import ShardStore
-from kvasird.daemon.governance import GovernanceGossip
-from kvasird.daemon.shards import ShardService
-from kvasird.settlement.service import Settlement, run_settlement
 from kvasird.p2p import P2PNode
+from kvasird.settlement.config import SettlementConfig
+from kvasird.settlement.service import Settlement, run_settlement
 
 log = get_logger("kvasird.daemon")
 

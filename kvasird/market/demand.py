@@ -8,7 +8,6 @@ more holders than cold ones, and near-average ones keep the base target. Scarcit
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 from typing import Any
 

@@ -21,7 +21,6 @@ from kvasird.market.demand import Targets, scarcity
 from kvasird.market.model import MarketModel
 from kvasird.model.manifest import HEAD, Unit
 
-
 SWAP_EAGERNESS = 2.0
 
 

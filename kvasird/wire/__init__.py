@@ -8,6 +8,6 @@ oversized or malicious length costs nothing. Decoded values are plain msgpack ty
 each protocol validates them into its own frozen records before use.
 """
 
-from kvasird.wire.framing import ByteStream, FrameReader, read_frame, write_frame, pack, unpack
+from kvasird.wire.framing import ByteStream, FrameReader, pack, read_frame, unpack, write_frame
 
 __all__ = ["ByteStream", "FrameReader", "pack", "read_frame", "unpack", "write_frame"]
