@@ -42,7 +42,7 @@ class Bench:
 BENCHES = (
     Bench("daemon", "Daemon start-up, idle memory and CPU", ("bench_daemon.py",),
           ("bench_daemon.py", "--idle-s", "10", "--starts", "2"),
-          "ready in seconds; idle cost small enough for a always-on service"),
+          "ready in seconds; idle cost small enough for an always-on service"),
     Bench("compute", "Single-node engine (decode, prefill, expert worker batching)",
           ("bench_compute.py",), ("bench_compute.py", "--decode", "32"),
           "decode >= 0.9x llama.cpp on the same GGUF and threads"),

@@ -7,7 +7,7 @@ import pytest
 from kvasird.errors import WireError
 from kvasird.market.records import CoverageRecord
 
-CIRCUIT = "/ip4/10.77.1.1/tcp/4001/p2p/12D3KooWR/p2p-circuit/p2p/12D3KooWC"
+CIRCUIT = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWR/p2p-circuit/p2p/12D3KooWC"
 
 
 def _record(reach: str) -> CoverageRecord:
