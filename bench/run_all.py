@@ -44,7 +44,10 @@ BENCHES = (
           ("bench_daemon.py", "--idle-s", "10", "--starts", "2"),
           "ready in seconds; idle cost small enough for an always-on service"),
     Bench("compute", "Single-node engine (decode, prefill, expert worker batching)",
-          ("bench_compute.py",), ("bench_compute.py", "--decode", "32"),
+          # One thread: on a shared 2-core box two ggml threads stall each other (measured
+          # 6.5 vs 86 tok/s); llama.cpp, when built, runs with the same count.
+          ("bench_compute.py", "--threads", "1"),
+          ("bench_compute.py", "--threads", "1", "--decode", "32"),
           "decode >= 0.9x llama.cpp on the same GGUF and threads"),
     Bench("swarm", "Ring and expert dispatch across daemons",
           ("bench_swarm.py",), ("bench_swarm.py",),
