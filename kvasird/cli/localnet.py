@@ -50,7 +50,7 @@ def _up(args: argparse.Namespace) -> int:
     if not 1 <= args.nodes <= 32:
         raise KvasirError("--nodes must be between 1 and 32")
     with_model = args.model != "none"
-    net = LocalNet(root, args.nodes, chain=with_model)
+    net = LocalNet(root, args.nodes, chain=with_model, outlive_parent=args.detach)
     try:
         if with_model:
             manifest = demo.serve_model(net, args.model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -75,13 +76,15 @@ class LocalNode:
         self.spawn()
         self.wait_ready(ready_timeout)
 
-    def spawn(self) -> None:
+    def spawn(self, outlive_parent: bool = False) -> None:
+        """Start the daemon; it dies with this process unless ``outlive_parent`` (--detach)."""
         self.home.clear_admin_address()
         out = open(self.log, "ab")  # noqa: SIM115 - handed to the child process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvasird", "--home", str(self.home.root), "run"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            preexec_fn=None if outlive_parent else die_with_parent,
         )
         out.close()
 
@@ -140,13 +143,16 @@ class LocalChainProcess:
     """The running process."""
     info: dict[str, str] = field(default_factory=dict)
     """What it printed: "RPC URL", "KVR mint", "genesis wallet"."""
+    outlive_parent: bool = False
+    """Keep running when the launcher exits (--detach)."""
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> None:
         out = open(self.log, "ab")  # noqa: SIM115 - handed to the child process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvasird", "localchain", "--data", str(self.data),
              "--listen", "127.0.0.1:0"], stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=None if self.outlive_parent else die_with_parent)
         out.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -179,6 +185,17 @@ class LocalChainProcess:
                 self.proc.wait()
 
 
+def die_with_parent() -> None:
+    """In the child: SIGTERM when the launcher dies, even by SIGKILL (Linux prctl).
+
+    A test or a demo that is killed must not leave daemons behind.
+    """
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -189,11 +206,15 @@ class LocalNet:
     """N daemons on loopback under ``root``; use as a context manager to always clean up."""
 
     def __init__(self, root: Path, n: int, network: str = "localnet",
-                 settings: dict[str, Any] | None = None, chain: bool = False) -> None:
+                 settings: dict[str, Any] | None = None, chain: bool = False,
+                 outlive_parent: bool = False) -> None:
         self.root = root
         self.network = network
         self.settings = {**LOCAL_P2P, **(settings or {})}
-        self.chain = LocalChainProcess(root / "chain", root / "chain.log") if chain else None
+        self.outlive_parent = outlive_parent
+        """Leave the processes running when this launcher exits (--detach)."""
+        self.chain = (LocalChainProcess(root / "chain", root / "chain.log",
+                                        outlive_parent=outlive_parent) if chain else None)
         self.nodes = [LocalNode(i, Home(root / f"node{i}"), log=root / f"node{i}.log")
                       for i in range(n)]
 
@@ -240,7 +261,7 @@ class LocalNet:
         for node in self.nodes:
             previous = self.configure(node, [previous] if previous else [])
         for node in self.nodes:
-            node.spawn()
+            node.spawn(self.outlive_parent)
         for node in self.nodes:
             node.wait_ready()
         self.write_state()
