@@ -45,7 +45,7 @@ import json, sys
 from llama_cpp import Llama
 path, mode, n_new = sys.argv[1], sys.argv[2], int(sys.argv[3])
 items = json.loads(sys.stdin.read())
-llm = Llama(model_path=path, n_ctx=512, n_threads=2, n_batch=512, verbose=False)
+llm = Llama(model_path=path, n_ctx=512, n_threads=2, n_batch=512, logits_all=True, verbose=False)
 out = []
 for item in items:
     if mode == "chat":
