@@ -2,7 +2,7 @@
 
 Architectures (kvasird/compute/arch/) compose these into a layer. Shapes are in ggml
 order: a hidden state is [n_embd, n_tokens]. The per-call inputs every layer of a
-graph shares (positions, KV slots, the gather index and the mask) are created once by
+graph shares (positions, KV slots, the session's pages and the mask) are created once by
 `Blocks` and set by the stage before each compute.
 """
 
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from kvasird.compute.graph import F32, I32, I64, Builder, Tensor, ggml
-from kvasird.compute.kvcache import KVPool
+from kvasird.compute.kvcache import PAGE, KVPool
 from kvasird.compute.weights import Weights
 
 ROPE_NORMAL = 0
@@ -58,8 +58,12 @@ class Blocks:
         return self._input("slots", I64, self.T)
 
     @property
-    def kv_idx(self) -> Tensor:
-        return self._input("kv_idx", I32, self.n_kv)
+    def v_slots(self) -> Tensor:
+        return self._input("v_slots", I64, self.hp.kv_dim * self.T)
+
+    @property
+    def kv_pages(self) -> Tensor:
+        return self._input("kv_pages", I32, self.n_kv // PAGE)
 
     @property
     def mask(self) -> Tensor:
@@ -109,19 +113,34 @@ class Blocks:
                                   self.hp.n_ctx_train, self.hp.rope_base, 1.0, 0.0, 1.0, 32.0, 1.0)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Write k, v to the pool, gather the session's rows, softmax(qK^T/sqrt(d) + mask) V."""
-        hp, ctx, T, n_kv = self.hp, self.ctx, self.T, self.n_kv
-        assert self.kv is not None
-        k2 = ggml.ggml_reshape_2d(ctx, k, hp.kv_dim, T)
+        """Write k, v to the pool, gather the session's pages, softmax(qK^T/sqrt(d) + mask) V.
+
+        The products are llama.cpp's: K and V^T in the cache's precision, so with an F16
+        cache q and the attention weights are rounded to F16 inside the matmuls exactly as
+        llama.cpp rounds them. V is stored transposed per page (kvcache.py), so the gathered
+        V^T is a copy of whole 64-slot rows rather than an element-wise transpose, which
+        cost 40 % of a decode step on the bundled model.
+        """
+        hp, ctx, T, n_kv, pool = self.hp, self.ctx, self.T, self.n_kv, self.kv
+        assert pool is not None
+        dtype = int(pool.k[layer].contents.type)
         # set_rows returns a view of the cache: reading through it orders the gather after it
-        k_all = ggml.ggml_set_rows(ctx, self.kv.k[layer], k2, self.slots)
-        v_all = ggml.ggml_set_rows(ctx, self.kv.v[layer], v, self.slots)
-        kk = ggml.ggml_get_rows(ctx, k_all, self.kv_idx)               # [kv_dim, n_kv] float32
-        vv = ggml.ggml_get_rows(ctx, v_all, self.kv_idx)
-        kk = ggml.ggml_reshape_3d(ctx, kk, hp.head_dim, hp.n_head_kv, n_kv)
-        vv = ggml.ggml_reshape_3d(ctx, vv, hp.head_dim, hp.n_head_kv, n_kv)
-        kk = ggml.ggml_permute(ctx, kk, 0, 2, 1, 3)                    # [d, n_kv, h_kv]
-        vt = ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, vv, 1, 2, 0, 3))  # [n_kv, d, h_kv]
+        k_all = ggml.ggml_set_rows(ctx, pool.k[layer], ggml.ggml_reshape_2d(ctx, k, hp.kv_dim, T),
+                                   self.slots)
+        v_all = ggml.ggml_set_rows(ctx, pool.v_flat(ctx, layer),
+                                   ggml.ggml_reshape_2d(ctx, v, 1, hp.kv_dim * T), self.v_slots)
+        pages = n_kv // PAGE
+        kk = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, k_all, hp.kv_dim * PAGE,
+                                                          pool.n_pages), self.kv_pages)
+        kk = ggml.ggml_cast(ctx, kk, dtype) if dtype != F32 else kk   # [kv_dim, n_kv]
+        vv = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, v_all, hp.kv_dim * PAGE,
+                                                          pool.n_pages), self.kv_pages)
+        vv = ggml.ggml_permute(ctx, ggml.ggml_reshape_3d(ctx, vv, PAGE, hp.kv_dim, pages),
+                               0, 2, 1, 3)                             # [PAGE, pages, kv_dim]
+        vt = ggml.ggml_cpy(ctx, vv, ggml.ggml_new_tensor_3d(ctx, dtype, PAGE, pages, hp.kv_dim))
+        vt = ggml.ggml_reshape_3d(ctx, vt, n_kv, hp.head_dim, hp.n_head_kv)  # V^T per KV head
+        kk = ggml.ggml_permute(ctx, ggml.ggml_reshape_3d(ctx, kk, hp.head_dim, hp.n_head_kv, n_kv),
+                               0, 2, 1, 3)                             # [d, n_kv, h_kv]
         qq = ggml.ggml_permute(ctx, q, 0, 2, 1, 3)                     # [d, T, h]
         kq = ggml.ggml_mul_mat(ctx, kk, qq)                            # [n_kv, T, h]
         kq = ggml.ggml_soft_max_ext(ctx, kq, self.mask, 1.0 / math.sqrt(hp.head_dim), 0.0)

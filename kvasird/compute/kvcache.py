@@ -1,10 +1,14 @@
 """The KV cache: one bounded pool per stage, handed to sessions in pages.
 
-Each held layer has a K and a V tensor of `n_slots` rows (a row = one token's keys or
-values for all KV heads). A session owns a list of pages of PAGE slots; position p
-lives in slot pages[p // PAGE] * PAGE + p % PAGE. Graphs write new rows with
-`set_rows` and gather a session's rows with `get_rows` through index inputs, so one
-cached graph serves every session: nothing session-specific is baked into a graph.
+Each held layer has a K and a V tensor of `n_slots` token slots. A session owns a list
+of pages of PAGE slots; position p lives in slot pages[p // PAGE] * PAGE + p % PAGE.
+K is stored a row per slot (a token's keys for all KV heads, [kv_dim, n_slots]); V is
+stored transposed within each page ([PAGE, kv_dim] per page, i.e. [PAGE * kv_dim,
+n_pages]), so that attention can gather a session's V^T as whole page rows instead of
+transposing element by element (llama.cpp keeps V transposed for the same reason).
+Graphs write new keys with `set_rows` by slot, new values by (slot, channel) through
+`v_index`, and gather a session's pages with `get_rows`, all through index inputs, so
+one cached graph serves every session: nothing session-specific is baked into a graph.
 Memory is fixed when the stage starts; a session that cannot get a page gets
 KVCacheFull, never an allocation inside ggml.
 """
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvasird.compute.errors import InputError, KVCacheFull
-from kvasird.compute.graph import F16, F32, Backend, Tensor, TensorArena
+from kvasird.compute.graph import F16, F32, Backend, Tensor, TensorArena, ggml
 from kvasird.compute.hparams import HParams
 
 PAGE = 64
@@ -45,18 +49,31 @@ class KVPool:
             raise InputError(f"kv dtype {spec.dtype!r} is not one of {', '.join(KV_TYPES)}")
         n_pages = max(1, -(-spec.n_slots // PAGE))
         self.n_slots = n_pages * PAGE
+        self.n_pages = n_pages
+        self.kv_dim = hp.kv_dim
         self.spec = spec
         self.arena = TensorArena(2 * len(layers))
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
         for layer in layers:
-            shape = (hp.kv_dim, self.n_slots)
-            self.k[layer] = self.arena.new(f"cache_k.{layer}", KV_TYPES[spec.dtype], shape)
-            self.v[layer] = self.arena.new(f"cache_v.{layer}", KV_TYPES[spec.dtype], shape)
+            type_ = KV_TYPES[spec.dtype]
+            self.k[layer] = self.arena.new(f"cache_k.{layer}", type_, (hp.kv_dim, self.n_slots))
+            self.v[layer] = self.arena.new(f"cache_v.{layer}", type_, (hp.kv_dim * PAGE, n_pages))
         if layers:
             self.arena.allocate(backend)
         self._free = list(range(n_pages - 1, -1, -1))
         self.max_session_tokens = spec.max_session_tokens or self.n_slots
+
+    def v_flat(self, ctx: object, layer: int) -> Tensor:
+        """Layer's V cache as [1, n_slots * kv_dim]: one value per row, for `set_rows`."""
+        return ggml.ggml_reshape_2d(ctx, self.v[layer], 1, self.n_slots * self.kv_dim)
+
+    def v_index(self, slots: np.ndarray) -> np.ndarray:
+        """Where each value of tokens in `slots` goes in `v_flat`, token-major (the order of
+        a [kv_dim, T] tensor's elements)."""
+        slots = np.asarray(slots, np.int64)
+        base = (slots // PAGE) * (PAGE * self.kv_dim) + slots % PAGE
+        return (base[:, None] + np.arange(self.kv_dim, dtype=np.int64)[None, :] * PAGE).ravel()
 
     @property
     def free_tokens(self) -> int:
@@ -102,6 +119,14 @@ class Session:
         for _ in range(need):
             self.pages.append(pool._take())
         self.n_past = start
+
+    def page_list(self, n_pages: int) -> np.ndarray:
+        """The session's first pages in position order, padded to `n_pages` with its first
+        page (padding is masked out)."""
+        pages = np.full(n_pages, self.pages[0], np.int32)
+        held = min(n_pages, len(self.pages))
+        pages[:held] = self.pages[:held]
+        return pages
 
     def slots(self, start: int, end: int) -> np.ndarray:
         pos = np.arange(start, end, dtype=np.int64)

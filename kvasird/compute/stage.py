@@ -27,7 +27,7 @@ from kvasird.compute.errors import InputError, WeightsError
 from kvasird.compute.experts import ExpertShard, ExpertWorker, check_shards, combine, dispatch
 from kvasird.compute.graph import F32, I32, Backend, Builder, GraphCache, ggml, ne_of
 from kvasird.compute.hparams import HParams
-from kvasird.compute.kvcache import KVPool, KVSpec, Session
+from kvasird.compute.kvcache import PAGE, KVPool, KVSpec, Session
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.sampling import Sampler
 from kvasird.compute.weights import Source, Weights, load_weights, open_sources, slice_expert_ranges
@@ -35,6 +35,7 @@ from kvasird.compute.weights import Source, Weights, load_weights, open_sources,
 KV_BUCKET = 256
 """Attention gathers the session's KV rounded up to this many slots (masked), so a
 decode graph is rebuilt only every KV_BUCKET tokens."""
+assert KV_BUCKET % PAGE == 0, "attention gathers whole KV pages"
 
 MAX_CHUNK = 512
 """Longest run of tokens one graph computes; longer prefills go in chunks."""
@@ -167,13 +168,13 @@ class Stage:
     def _forward_chunk(self, session: Session, x: np.ndarray, start: int, mode: str) -> np.ndarray:
         T, n_kv = len(x), start + len(x)
         n_kv_b = -(-n_kv // KV_BUCKET) * KV_BUCKET
-        idx = np.full(n_kv_b, session.slots(0, 1)[0], np.int32)
-        idx[:n_kv] = session.slots(0, n_kv)
         j = np.arange(n_kv_b)[None, :]
         q = np.arange(start, start + T)[:, None]
         mask = np.where((j <= q) & (j < n_kv), 0.0, -np.inf).astype(np.float32)
-        shared = {"pos": np.arange(start, start + T, dtype=np.int32),
-                  "slots": session.slots(start, start + T), "kv_idx": idx, "mask": mask}
+        slots = session.slots(start, start + T)
+        shared = {"pos": np.arange(start, start + T, dtype=np.int32), "slots": slots,
+                  "v_slots": self.kv.v_index(slots), "kv_pages": session.page_list(n_kv_b // PAGE),
+                  "mask": mask}
         for i, seg in enumerate(self.segments):
             key = (i, T, n_kv_b, mode)
             graph = self.graphs.get(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode))

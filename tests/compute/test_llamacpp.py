@@ -17,8 +17,9 @@ from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.stage import Stage, generate
 from kvasird.numerics.metrics import compare, first_divergence
 
-EXACT_KV = KVSpec(n_slots=512, dtype="f32")
-"""F32 KV: the engine then differs from the float64 oracle only by float32 rounding."""
+SAME_KV = KVSpec(n_slots=1024, dtype="f16")
+"""llama.cpp's default KV precision: with it, and ggml built with LLAMAFILE as llama.cpp
+builds it, our graphs round where llama.cpp's do (measured: identical logits)."""
 
 LLAMACPP_PYTHON = Path(__file__).resolve().parents[2] / ".cache/llamacpp-venv/bin/python"
 
@@ -74,20 +75,21 @@ def run_llamacpp(path: Path, mode: str, items: list, n_new: int) -> list[dict]:
 
 def test_greedy_tokens_equal_llamacpp_on_the_bundled_model(bundled, capsys):
     ref = run_llamacpp(bundled, "chat", PROMPTS, 32)
-    stage = Stage.load(bundled, threads=2, kv=KVSpec(n_slots=1024, dtype="f16"))
-    agree, divergences, cosines = 0, [], []
+    stage = Stage.load(bundled, threads=2, kv=SAME_KV)
+    agree, divergences, cosines, linf = 0, [], [], []
     for r in ref:
         ours = generate(stage, r["tokens"], 32)
         d = first_divergence(ours, r["greedy"])
         divergences.append(d)
         agree += d is None
         with stage.open_session() as s:
-            cosines.append(compare(stage.forward(s, np.array(r["tokens"]))[0],
-                                   np.array(r["logits"])).cosine)
+            logits = stage.forward(s, np.array(r["tokens"]))[0]
+        cosines.append(compare(logits, np.array(r["logits"])).cosine)
+        linf.append(float(np.abs(logits - np.array(r["logits"])).max()))
     with capsys.disabled():
         print(f"\nllama.cpp greedy agreement {agree}/{len(ref)}, first divergence {divergences}, "
-              f"prompt logits cosine min {min(cosines):.6f}")
-    assert min(cosines) > 0.999
+              f"prompt logits cosine min {min(cosines):.6f}, max |delta| {max(linf):.3g}")
+    assert min(cosines) > 0.9999
     assert agree >= 0.8 * len(ref)
 
 
@@ -96,7 +98,7 @@ def test_llamacpp_runs_generated_qwen3moe_with_our_logits(models, capsys):
     prompts = [[int(t) for t in p] for p in prompts]
     for name in ("moe", "moe_q8"):
         ref = run_llamacpp(models[name], "tokens", prompts, 0)
-        stage = Stage.load(models[name], threads=1, kv=EXACT_KV)
+        stage = Stage.load(models[name], threads=1, kv=SAME_KV)
         got, want = [], []
         for p, r in zip(prompts, ref, strict=True):
             with stage.open_session() as s:
@@ -105,5 +107,6 @@ def test_llamacpp_runs_generated_qwen3moe_with_our_logits(models, capsys):
         m = compare(np.array(got), np.array(want))
         with capsys.disabled():
             print(f"\n{name}: llama.cpp vs kvasird logits cosine {m.cosine:.6f}, "
-                  f"top-1 {m.top1:.2f}")
-        assert m.cosine > 0.999
+                  f"top-1 {m.top1:.2f}, max |delta| "
+                  f"{np.abs(np.array(got) - np.array(want)).max():.3g}")
+        assert m.cosine > 0.9999

@@ -116,8 +116,10 @@ def test_hot_experts_end_with_more_replicas_than_cold_ones(
     trio.run(stage)
 
     def hot_have_more() -> bool:
-        segs = net.nodes[-1].get("/v0/coverage")["segments"]
-        experts = [s for s in segs if s["unit"] == "experts"]
+        segs = net.nodes[-1].get("/v0/coverage").get("segments")  # absent until it has the model
+        experts = [s for s in segs or () if s["unit"] == "experts"]
+        if not experts:
+            return False
         hot_min = min(s["replicas"] for s in experts if s["experts"][0] < 4)
         cold_max = max(s["replicas"] for s in experts if s["experts"][1] > 4)
         return hot_min > cold_max and covered(net)
