@@ -47,7 +47,8 @@ from test_swarm import experts, settings  # noqa: E402
 from kvasird.compute.kvcache import KVSpec  # noqa: E402
 from kvasird.compute.stage import Stage  # noqa: E402
 from kvasird.inference import tensors  # noqa: E402
-from kvasird.inference.channel import Channels, serve  # noqa: E402
+from kvasird.inference.channel import MAX_FRAME, Channels, serve  # noqa: E402
+from kvasird.inference.lane import LaneServer  # noqa: E402
 from kvasird.inference.serving import Holdings, Served, StageServer  # noqa: E402
 from kvasird.localnet import LocalNet  # noqa: E402
 from kvasird.localnet.launcher import LocalNode  # noqa: E402
@@ -164,7 +165,8 @@ def per_hop(bundled: Path, threads: int) -> list[tuple[str, float]]:
     total = trio.run(handler_cost)
     served.close()
     rows.append(("stage handler total (compute + thread hop + Python)", total))
-    rows.append(("libp2p round trip, 2.3 KB each way, one stream", trio.run(libp2p_rtt)))
+    rows.append(("libp2p round trip, 2.3 KB each way, one stream", trio.run(rtt, False)))
+    rows.append(("lane round trip (direct TCP, sealed), 2.3 KB each way", trio.run(rtt, True)))
     return rows
 
 
@@ -199,7 +201,8 @@ def wire_f16_effect(bundled: Path, threads: int, n: int) -> dict[str, float]:
             "logit_scale": float(np.abs(l32).max()), "first_divergence": same, "tokens": n}
 
 
-async def libp2p_rtt() -> float:
+async def rtt(lanes: bool) -> float:
+    """Median request round trip between two hosts in this process, over libp2p or a lane."""
     import multiaddr
     from libp2p.peer.peerinfo import PeerInfo
 
@@ -220,11 +223,19 @@ async def libp2p_rtt() -> float:
                 stack.push_async_callback(_close_peers, host)
                 hosts.append(host)
             await hosts[0].connect(PeerInfo(hosts[1].get_id(), hosts[1].get_addrs()))
-            hosts[1].set_stream_handler("/bench/1", lambda s: serve(s, echo, 60))
+            server = LaneServer("127.0.0.1", 0, MAX_FRAME)
+            server.register("/bench/1", lambda s, peer: serve(s, echo, 60, peer=peer))
+            hosts[1].set_stream_handler("/bench/1", lambda s: serve(
+                s, echo, 60, lanes=server, protocol="/bench/1"))
             async with trio.open_nursery() as nursery:
-                channels = Channels(hosts[0])
+                await nursery.start(server.run)
+                channels = Channels(hosts[0], lanes=lanes)
                 await nursery.start(channels.run)
                 peer = hosts[1].get_id().to_string()
+                await channels.request(peer, "/bench/1", {"x": payload}, 5)
+                with trio.fail_after(5):
+                    while lanes and not channels.lane_open(peer, "/bench/1"):
+                        await trio.sleep(0.01)
                 times = []
                 for _ in range(300):
                     t = time.perf_counter()
@@ -259,6 +270,8 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, nargs="*", default=[1, 4, 16])
     ap.add_argument("--in-process", action="store_true",
                     help="only the per-hop breakdown and the f16 effect (no daemons)")
+    ap.add_argument("--only", nargs="*", default=[],
+                    help="run only these layouts (e.g. '1 node' '3-stage ring')")
     args = ap.parse_args()
     bundled = bundled_path()
     if args.in_process:
@@ -283,6 +296,8 @@ def main() -> None:
             ("MoE ring + remote experts, hot cache 8", moe, moe_ring, [2, 3], hot),
         ]
         for i, (name, model, placement, workers, extra) in enumerate(layouts):
+            if args.only and name not in args.only:
+                continue
             with start(root / f"net{i}", model, placement, args.threads, extra) as net:
                 rates[name] = decode_rate(net.nodes[0], args.tokens)
                 if name in ("3-stage ring", "MoE ring + remote experts"):
@@ -297,16 +312,19 @@ def main() -> None:
     print("| layout | tok/s | vs 1 node | vs llama.cpp |")
     print("|---|---|---|---|")
     for name, rate in rates.items():
-        base = rates["1 node"] if not name.startswith("MoE") else rates["MoE 1 node"]
+        base = rates.get("1 node" if not name.startswith("MoE") else "MoE 1 node")
         vs = f"{rate / ref['decode']:.2f}x" if ref and not name.startswith("MoE") else "n/a"
-        print(f"| {name} | {rate:.1f} | {rate / base:.2f}x | {vs} |")
+        print(f"| {name} | {rate:.1f} | {f'{rate / base:.2f}x' if base else 'n/a'} | {vs} |")
     if ref:
         print(f"| llama.cpp monolithic | {ref['decode']:.1f} | | 1.00x |")
     else:
         print("\nllama.cpp: not built (native/llamacpp builds it into .cache/llamacpp-venv)")
-    ring = rates["3-stage ring"]
-    print(f"\nper token: 1 node {1000 / rates['1 node']:.2f} ms, ring {1000 / ring:.2f} ms: "
-          f"the ring adds {1000 / ring - 1000 / rates['1 node']:.2f} ms for 2 remote hops")
+    if "3-stage ring" in rates and "1 node" in rates:
+        ring, one = 1000 / rates["3-stage ring"], 1000 / rates["1 node"]
+        print(f"\nper token: 1 node {one:.2f} ms, ring {ring:.2f} ms: "
+              f"the ring adds {ring - one:.2f} ms for 2 remote hops")
+    if args.only:
+        return
     report_in_process(bundled, args)
     print("\n## Aggregate tokens/s with concurrent sessions\n")
     print("| layout | " + " | ".join(f"{s} sessions" for s in args.sessions) + " |")

@@ -12,7 +12,9 @@ engine; numpy arrays cross the boundary in C order, i.e. reversed.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -46,9 +48,10 @@ class Backend:
         ggml.ggml_backend_cpu_set_n_threads(self.handle, threads)
         self.buffer_type = ggml.ggml_backend_get_default_buffer_type(self.handle)
         self.name = ggml.ggml_backend_name(self.handle).decode()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         """Held for a whole set-compute-get: one backend computing two graphs at once gives
-        wrong results (STACK.md), so everything sharing a backend shares this lock."""
+        wrong results (STACK.md), so everything sharing a backend shares this lock.
+        Reentrant, so that a caller may take it ahead of a forward (`stage.held_now`)."""
 
     def compute(self, graph: Any) -> None:
         if not self.handle:
@@ -85,6 +88,9 @@ class TensorArena:
         self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend.handle)
         if not self.buffer:
             raise ComputeError("ggml could not allocate the backend buffer (out of memory?)")
+        if ggml.ggml_backend_buffer_is_host(self.buffer):
+            _huge_pages(int(ggml.ggml_backend_buffer_get_base(self.buffer) or 0),
+                        int(ggml.ggml_backend_buffer_get_size(self.buffer)))
         ggml.ggml_backend_buffer_clear(self.buffer, 0)
 
     @property
@@ -98,6 +104,29 @@ class TensorArena:
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
+
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _huge_pages(base: int, size: int) -> None:
+    """Ask Linux to back [base, base + size) with transparent huge pages, before first touch.
+
+    Weights are read whole on every token, 4 KiB pages at a time through the TLB. With
+    several stages (processes) taking turns on a core their TLB entries evict each other:
+    measured on the bundled model split over 3 processes, a token took 7.0 ms with huge
+    pages against 7.7 ms without (one process alone: no difference). A no-op where THP is
+    off or not Linux.
+    """
+    start, end = -(-base // _HUGE) * _HUGE, (base + size) // _HUGE * _HUGE
+    if end <= start or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
 
 
 def set_bytes(t: Tensor, data: np.ndarray, offset: int = 0) -> None:

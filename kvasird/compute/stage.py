@@ -15,8 +15,9 @@ a session's KV lives in the stage's pool and advances only when a forward succee
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +76,7 @@ class Stage:
         self.segments = self._plan()
         self.kv = KVPool(backend, hp, range(a, b), kv)
         self.graphs = GraphCache(backend, graph_capacity)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._owns_backend = False
 
     @classmethod
@@ -137,6 +138,11 @@ class Stage:
 
     def open_session(self) -> Session:
         return self.kv.open()
+
+    @property
+    def dispatches(self) -> bool:
+        """Whether a forward sends rows to expert shards (which may be remote calls)."""
+        return any(seg.router is not None for seg in self.segments)
 
     def forward(self, session: Session, inputs: np.ndarray, start: int | None = None,
                 logits: str = "last") -> np.ndarray:
@@ -253,6 +259,28 @@ class Stage:
         self.weights.close()
         if self._owns_backend:
             self.backend.close()
+
+
+@contextlib.contextmanager
+def held_now(stages: Sequence[Stage]) -> Iterator[bool]:
+    """Take the locks a forward through `stages` needs, without waiting.
+
+    Yields True when every one was free: the caller holds them and may run the forwards
+    on its own thread without blocking it behind another (an event loop computing a
+    short decode step in place, which spares a thread hand-off). Yields False, holding
+    nothing, when any is busy.
+    """
+    locks = list(dict.fromkeys(lock for st in stages for lock in (st._lock, st.backend.lock)))
+    taken = []
+    try:
+        for lock in locks:
+            if not lock.acquire(blocking=False):
+                break
+            taken.append(lock)
+        yield len(taken) == len(locks)
+    finally:
+        for lock in reversed(taken):
+            lock.release()
 
 
 def _check_window(window: tuple[int, int], hp: HParams) -> tuple[int, int]:

@@ -3,6 +3,7 @@
     market loader ──units──▶ Served (stages + expert workers, built in a thread)
     "/kvasir/stage/1"   ──▶ StageServer   (sessions on our stages)
     "/kvasir/experts/1" ──▶ ExpertServer  (batched expert rows for other stages)
+    LaneServer (TCP) ──▶ the same two handlers over lanes (direct, sealed; lane.py)
     SwarmGenerator ── routes over the coverage map ──▶ peers' StageServers (or ours, in process)
     admin API: POST /v0/generate (NDJSON token stream), GET /v0/inference (routes, sessions, unfit)
     every few heartbeats: a LoadReport (tokens computed, experts selected) on gossip
@@ -11,7 +12,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
@@ -39,7 +42,8 @@ from kvasird.inference.api import (
     TokenEvent,
     UnknownModel,
 )
-from kvasird.inference.channel import Channels, serve
+from kvasird.inference.channel import MAX_FRAME, Channels, serve
+from kvasird.inference.lane import LaneServer
 from kvasird.inference.experts import ExpertDispatcher, HotExperts
 from kvasird.inference.routing import Fitness, Latency, PeerHoldings
 from kvasird.inference.serving import (
@@ -71,7 +75,9 @@ class InferenceService:
         c = config.inference
         self.served: Served | None = None
         self.holdings = Holdings()
-        self.channels = Channels(p2p.host)
+        self.channels = Channels(p2p.host, lanes=c.lanes)
+        self.lanes = LaneServer(_lane_host(config.p2p.listen), c.lane_port, MAX_FRAME) \
+            if c.lanes else None
         self.fitness = Fitness(c.unfit_s)
         self.latency = Latency(p2p.peer_id, self._rtt)
         self.verdicts = Verdicts(p2p.gossip, p2p.peer_id, self.fitness, c.unfit_quorum,
@@ -187,12 +193,18 @@ class InferenceService:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                self.generator.nursery = nursery
                 await nursery.start(self.channels.run)
                 await nursery.start(self.verdicts.run)
-                host.set_stream_handler(STAGE_PROTOCOL,
-                                        lambda s: serve(s, self.stages.handle, idle))
-                host.set_stream_handler(EXPERT_PROTOCOL,
-                                        lambda s: serve(s, self.experts.handle, idle))
+                for protocol, handle in ((STAGE_PROTOCOL, self.stages.handle),
+                                         (EXPERT_PROTOCOL, self.experts.handle)):
+                    host.set_stream_handler(protocol, functools.partial(
+                        serve, handle=handle, idle_s=idle, lanes=self.lanes, protocol=protocol))
+                    if self.lanes is not None:
+                        self.lanes.register(protocol, functools.partial(
+                            _serve_lane, handle=handle, idle_s=idle))
+                if self.lanes is not None:
+                    await nursery.start(self.lanes.run)
                 nursery.start_soon(self._housekeeping)
                 task_status.started()
         finally:
@@ -245,6 +257,10 @@ class InferenceService:
                             for rid, p in self.generator.active.items()},
             "dispatch": dict(self.dispatcher.stats),
             "unfit": self.fitness.snapshot(),
+            "lanes": {"port": self.lanes.port if self.lanes else None,
+                      "accepted": self.lanes.lanes if self.lanes else 0,
+                      "refused": self.lanes.refused if self.lanes else 0,
+                      "open_to": sorted({p for p, _ in self.channels.lanes_up()})},
         }
 
     async def _http_status(self, _: Request) -> JSONResponse:
@@ -304,3 +320,14 @@ def _line(event: TokenEvent | Finished) -> bytes:
     return (json.dumps(d) + "\n").encode()
 
 
+def _lane_host(listen: tuple[str, ...]) -> str:
+    """The IP lanes listen on: that of the first TCP listen address (all interfaces if none)."""
+    for addr in listen:
+        m = re.match(r"^/ip[46]/([^/]+)/tcp/", addr)
+        if m:
+            return m.group(1)
+    return "0.0.0.0"
+
+
+async def _serve_lane(stream: Any, peer: str, *, handle: Any, idle_s: float) -> None:
+    await serve(stream, handle, idle_s, peer=peer)

@@ -51,7 +51,7 @@ from kvasird.compute.hparams import HParams
 from kvasird.compute.kvcache import PAGE, KVSpec, Session
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.sampling import Sampler, SamplingParams, log_softmax
-from kvasird.compute.stage import Stage
+from kvasird.compute.stage import Stage, held_now
 from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights
 from kvasird.errors import WireError
 from kvasird.inference import tensors
@@ -65,6 +65,8 @@ STAGE_PROTOCOL = "/kvasir/stage/1"
 EXPERT_PROTOCOL = "/kvasir/experts/1"
 PERTURB_ENV = "KVASIRD_TEST_PERTURB_EXPERTS"
 """Test-only: a worker started with this set to 1 returns wrong expert outputs."""
+INLINE_TOKENS = 4
+"""Steps of at most this many tokens may compute on the event loop's thread (`_compute`)."""
 MAX_TOP = 20
 log = get_logger("kvasird.inference.serving")
 
@@ -310,7 +312,7 @@ class StageServer:
             s.history += ids
         s.used = time.monotonic()
         try:
-            out = await trio.to_thread.run_sync(_run_chain, s, x, start)
+            out = await _compute(s, x, start)
         except (KVCacheFull, NoWorkers) as exc:
             raise Refused("", "busy", str(exc)) from None
         except ComputeError as exc:
@@ -346,6 +348,17 @@ class StageServer:
         """Return once no session runs on any of `stages` (they close or expire)."""
         while any(st in stages for s in self.sessions.values() for st in s.chain):
             await self._ended.wait()
+
+
+async def _compute(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
+    """Run the chain: in place when it is a short step that nothing else is computing on
+    and that calls no expert shards (a decode step of a few ms: handing it to a thread
+    and back would add ~0.1 ms per hop, more on a busy machine), else in a worker thread."""
+    if len(x) <= INLINE_TOKENS and not any(st.dispatches for st in s.chain) and not __import__("os").environ.get("NOINLINE"):
+        with held_now(s.chain) as held:
+            if held:
+                return _run_chain(s, x, start)
+    return await trio.to_thread.run_sync(_run_chain, s, x, start)
 
 
 def _run_chain(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:

@@ -84,6 +84,8 @@ class SwarmGenerator:
         self.channels, self.local = channels, local
         self.latency, self.fitness, self.config = latency, fitness, config
         self.active: dict[str, Progress] = {}
+        self.nursery: trio.Nursery | None = None
+        """Where steps run ahead of the consumer (set by the service once it runs)."""
 
     def models(self) -> list[ModelInfo]:
         info = self.info()
@@ -120,6 +122,7 @@ class SwarmGenerator:
                     "repetition_penalty": s.repetition_penalty, "seed": seed}
         run = _Run(self, info.model_id, n_prompt + budget, sampling, s.logprobs, progress)
         history, produced, reason = list(request.prompt), 0, "length"
+        pending: _Pending | None = None
         try:
             reply = await run.begin(history)
             while True:
@@ -128,18 +131,75 @@ class SwarmGenerator:
                     reason = "stop"
                     break
                 top = tuple((int(t), float(lp)) for t, lp in reply.get("top", ()))
-                yield TokenEvent(token, reply.get("logprob"), top)
+                event = TokenEvent(token, reply.get("logprob"), top)
                 produced += 1
-                progress.tokens = produced
                 history.append(token)
-                if produced >= budget:
+                more = produced < budget
+                if more:  # the next step runs while the consumer handles this token
+                    pending = _Pending.start(self.nursery, run.step, history,
+                                             len(history) - 1, produced)
+                yield event
+                progress.tokens = produced
+                if not more:
                     break
-                reply = await run.step(history, len(history) - 1, produced)
+                assert pending is not None
+                reply = await pending.result()
+                pending = None
             yield Finished(reason, n_prompt, produced)
         finally:
             self.active.pop(rid, None)
             with trio.CancelScope(shield=True), trio.move_on_after(2):
+                if pending is not None:
+                    await pending.cancel()
                 await run.close()
+
+
+class _Pending:
+    """A step running ahead in the service's nursery while the caller yields a token.
+
+    Without a nursery (a generator used outside the daemon) the step runs when awaited.
+    """
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.done = trio.Event()
+        self.value: dict[str, Any] | None = None
+        self.error: Exception | None = None
+        self.call: Callable[[], Awaitable[dict[str, Any]]] | None = None
+
+    @classmethod
+    def start(cls, nursery: trio.Nursery | None,
+              fn: Callable[..., Awaitable[dict[str, Any]]], *args: Any) -> _Pending:
+        p = cls()
+        if nursery is None:
+            p.call = lambda: fn(*args)
+        else:
+            nursery.start_soon(p._run, fn, args)
+        return p
+
+    async def _run(self, fn: Callable[..., Awaitable[dict[str, Any]]], args: tuple) -> None:
+        try:
+            with self.scope:
+                self.value = await fn(*args)
+        except Exception as exc:  # noqa: BLE001 - handed to the generator, which raises it
+            self.error = exc
+        finally:
+            self.done.set()
+
+    async def result(self) -> dict[str, Any]:
+        if self.call is not None:
+            return await self.call()
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        if self.value is None:
+            raise GenerationError("the generation was stopped while a step was running")
+        return self.value
+
+    async def cancel(self) -> None:
+        if self.call is None:
+            self.scope.cancel()
+            await self.done.wait()
 
 
 class _Run:

@@ -128,6 +128,18 @@ def test_three_stage_ring_generates_the_tokens_of_one_node(
     route = net.nodes[0].get("/v0/inference")
     assert route["generations"] == {}
     assert route["serving"]["sessions"] == 0
+    # the hops went over lanes (direct TCP keyed over libp2p) once they were up
+    assert set(route["lanes"]["open_to"]) == {net.nodes[1].peer_id, net.nodes[2].peer_id}
+    assert all(n.get("/v0/inference")["lanes"]["accepted"] >= 1 for n in net.nodes[1:])
+
+
+def test_ring_without_lanes_generates_the_same_tokens_over_libp2p(
+        localnet: Callable[..., LocalNet], bundled: Path, reference: list[list[int]]) -> None:
+    net = start(localnet, bundled, [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"]],
+                **{"inference.lanes": False})
+    assert [generate(net.nodes[0], p) for p in PROMPTS] == reference
+    view = net.nodes[0].get("/v0/inference")["lanes"]
+    assert view["open_to"] == [] and view["port"] is None
 
 
 def test_a_client_that_goes_away_frees_every_session_on_the_route(
