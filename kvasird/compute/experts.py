@@ -58,7 +58,9 @@ class ExpertWorker:
         self.weights = weights
         self.hp = weights.hparams
         self.graphs = GraphCache(backend, graph_capacity)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.locks = (self._lock, backend.lock)
+        """What a call holds while it computes (for `stage.held_now`)."""
 
     def held(self, layer: int) -> ExpertRange:
         r = self.weights.experts.get(layer)

@@ -354,7 +354,7 @@ async def _compute(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
     """Run the chain: in place when it is a short step that nothing else is computing on
     and that calls no expert shards (a decode step of a few ms: handing it to a thread
     and back would add ~0.1 ms per hop, more on a busy machine), else in a worker thread."""
-    if len(x) <= INLINE_TOKENS and not any(st.dispatches for st in s.chain) and not __import__("os").environ.get("NOINLINE"):
+    if len(x) <= INLINE_TOKENS and not any(st.dispatches for st in s.chain):
         with held_now(s.chain) as held:
             if held:
                 return _run_chain(s, x, start)
@@ -449,7 +449,7 @@ class ExpertServer:
             await trio.sleep(self.window_s if self._last.get(key, 0) > 1 else 0)
             batch = self._queues.pop(key)
             self._last[key] = len(batch)
-            outs = await trio.to_thread.run_sync(_run_batch, worker, layer, batch)
+            outs = await _compute_batch(worker, layer, batch)
             for j, o in zip(batch, outs, strict=True):
                 j.out = o
             self.calls += 1
@@ -472,6 +472,16 @@ class _Job:
     done: trio.Event = field(default_factory=trio.Event)
     out: np.ndarray | None = None
     error: Exception | None = None
+
+
+async def _compute_batch(worker: ExpertWorker, layer: int, batch: list[_Job]
+                         ) -> list[np.ndarray]:
+    """In place for a few rows when the worker is free (as `_compute`), else in a thread."""
+    if sum(len(j.rows) for j in batch) <= INLINE_TOKENS:
+        with held_now([worker]) as held:
+            if held:
+                return _run_batch(worker, layer, batch)
+    return await trio.to_thread.run_sync(_run_batch, worker, layer, batch)
 
 
 def _run_batch(worker: ExpertWorker, layer: int, batch: list[_Job]) -> list[np.ndarray]:
