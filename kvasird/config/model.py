@@ -97,6 +97,9 @@ class InferenceConfig:
     """Sessions this node serves at once; more are refused as busy."""
     kv_slots: int = field(default=8192, metadata=_range(64, 1 << 22))
     """KV cache slots (tokens, all sessions together) of each layer window served."""
+    kv_dtype: str = field(default="f16", metadata=_choice("f16", "f32"))
+    """KV cache precision: "f16" (half the memory; llama.cpp's default, with which our
+    logits equal llama.cpp's bit for bit) or "f32"."""
     session_idle_s: float = field(default=120.0, metadata=_range(1, 86400))
     """A session untouched this long is closed and its KV freed."""
     step_timeout_s: float = field(default=20.0, metadata=_range(0.1, 600))

@@ -62,7 +62,15 @@ class Channel:
         try:
             with trio.fail_after(wait_s):
                 async with self._write:
-                    await write_frame(self.stream, {**msg, "id": rid}, MAX_FRAME)
+                    # A frame cut short by a cancellation (a client that went away) would
+                    # corrupt every later frame on the stream: it is always written whole,
+                    # within the request's time, and a frame that cannot be ends the channel.
+                    with trio.CancelScope(shield=True,
+                                          deadline=trio.current_time() + wait_s) as writing:
+                        await write_frame(self.stream, {**msg, "id": rid}, MAX_FRAME)
+                    if writing.cancelled_caught:
+                        self.fail()
+                        raise trio.TooSlowError
                 reply = await recv.receive()
         except trio.TooSlowError:
             raise HopFailed(self.peer,
@@ -104,9 +112,13 @@ class Channels:
     requests go over the lane while it is up.
     """
 
-    def __init__(self, host: IHost, lanes: bool = True) -> None:
+    def __init__(self, host: IHost, lanes: bool = True,
+                 connect: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.host = host
         self.lanes = lanes
+        self.connect = connect
+        """How to reach a peer we hold no connection to (the node's dialer: directly or
+        through one of its relays); py-libp2p's own dial knows no circuit addresses."""
         self._open: dict[tuple[str, str], Channel] = {}
         self._lanes: dict[tuple[str, str], Channel] = {}
         self._lane_next: dict[tuple[str, str], float] = {}
@@ -195,6 +207,8 @@ class Channels:
         peers dialling each other at once, a busy machine): every stream on it fails. The
         stream is then tried once more on a fresh connection.
         """
+        if self.connect is not None and not self.host.get_network().get_connections(pid):
+            await self.connect(str(pid))
         try:
             return await self.host.new_stream(pid, [protocol])
         except Exception as exc:  # noqa: BLE001 - unreachable peers raise many types

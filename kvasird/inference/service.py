@@ -75,7 +75,7 @@ class InferenceService:
         c = config.inference
         self.served: Served | None = None
         self.holdings = Holdings()
-        self.channels = Channels(p2p.host, lanes=c.lanes)
+        self.channels = Channels(p2p.host, lanes=c.lanes, connect=p2p.connect)
         self.lanes = LaneServer(_lane_host(config.p2p.listen), c.lane_port, MAX_FRAME) \
             if c.lanes else None
         self.fitness = Fitness(c.unfit_s)
@@ -172,7 +172,8 @@ class InferenceService:
             began = time.monotonic()
             served = await trio.to_thread.run_sync(lambda: Served.build(
                 self._sources(held), wanted, threads=c.compute.threads,
-                kv_slots=c.inference.kv_slots, remote=self.dispatcher.shard))
+                kv_slots=c.inference.kv_slots, kv_dtype=c.inference.kv_dtype,
+                remote=self.dispatcher.shard))
             old, self.served, self.holdings = self.served, served, wanted
             if old is not None and self._nursery is not None:
                 self._nursery.start_soon(self._retire, old)

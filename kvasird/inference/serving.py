@@ -120,19 +120,19 @@ class Served:
 
     @classmethod
     def build(cls, sources: list[Path], holdings: Holdings, *, threads: int, kv_slots: int,
-              remote: RemoteHook) -> Served:
+              remote: RemoteHook, kv_dtype: str = "f16") -> Served:
         """Load everything `holdings` names from the model's GGUF, or the slices holding
         those units (blocking)."""
         hp = HParams.from_gguf(GGUFFile(sources[0]))
         served = cls(sources, holdings, Backend(compute_threads(threads)), hp)
         try:
-            served._load(kv_slots, remote)
+            served._load(KVSpec(n_slots=kv_slots, dtype=kv_dtype), remote)
         except BaseException:
             served.close()
             raise
         return served
 
-    def _load(self, kv_slots: int, remote: RemoteHook) -> None:
+    def _load(self, kv: KVSpec, remote: RemoteHook) -> None:
         hp, h, be = self.hp, self.holdings, self.backend
         positions = KVSpec(n_slots=1 << 20)  # embed/head stages hold no KV: positions only
         if h.head:
@@ -152,7 +152,7 @@ class Served:
                     ranges[layer] = held
                 shards[layer] = [remote(layer, lo, hi) for lo, hi in _complement(held, hp.n_expert)]
             stage = Stage.load(self.sources, (a, b), embed=False, head=False, backend=be,
-                               kv=KVSpec(n_slots=kv_slots, dtype="f32"), experts=shards,
+                               kv=kv, experts=shards,
                                expert_ranges=ranges)
             self.windows[(a, b)] = stage
             local = stage.local_worker()

@@ -6,13 +6,17 @@
 
 The gateway relays the boundaries (hidden rows) from hop to hop rather than having
 stages forward to each other. On the 3-stage ring of the bundled model (gateway on the
-first stage) a token costs 4 one-way messages relayed against 3 forwarded; measured
-(bench/bench_swarm.py) the two remote hops add ~3.3 ms to a ~10.8 ms token, so
-forwarding would save about one one-way message, ~0.8 ms (6%). Relaying keeps every
-timeout, failure and latency measurement at the one place that can act on them: the
-gateway sees which hop failed, marks it unfit and rebuilds the route, and its latency
-table (what routing minimises) is measured, not reported by peers. A hop on this node
-itself is a direct call (no serialization, no network).
+first stage, holding the head) a token costs 4 one-way messages relayed against 3
+forwarded. Measured with lanes (bench/bench_swarm.py and a per-hop trace): a one-way
+message costs 0.2-0.5 ms on a 2-core machine, almost all of it waking the receiving
+process; forwarding would save one of four, ~0.3 ms of a ~9.3 ms token (3%). Relaying
+keeps every timeout, failure and latency measurement at the one place that can act on
+them: the gateway sees which hop failed, marks it unfit and rebuilds the route, and its
+latency table (what routing minimises) is measured, not reported by peers. A hop on this
+node itself is a direct call (no serialization, no network).
+
+While the consumer handles a token (the HTTP stream), the next step already runs
+(`_Pending`): the consumer's time is off the token's critical path.
 
 Failover: when a hop fails, times out or refuses, its peer is marked unfit for
 `unfit_s`, sessions on the old route are closed, a new route is planned, and the

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.slow
 N_NODES = 10
 HEARTBEAT_S = 2.0  # records live 6 s: a busy 2-core CI box can delay a heartbeat by seconds
 CONVERGE_S = 90.0
+HOT_CONVERGE_S = 180.0
+"""Skewed demand moves replicas over several rebalance rounds; on a 2-core machine at the
+end of the full suite that has taken more than 90 s (alone: ~20 s)."""
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +128,7 @@ def test_hot_experts_end_with_more_replicas_than_cold_ones(
         return hot_min > cold_max and covered(net)
 
     net.wait_until("hot experts have more replicas than any cold one", hot_have_more,
-                   timeout=CONVERGE_S)
+                   timeout=HOT_CONVERGE_S)
 
 
 def test_adversarial_gossip_never_enters_an_honest_map(

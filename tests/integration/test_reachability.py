@@ -251,3 +251,50 @@ def test_node_behind_a_real_nat_is_reached_through_a_relay(
     result = json.loads(probe.strip().splitlines()[-1])
     print(f"netns: shard protocol through R: {result}")
     assert result["header"]["ok"] is False and "error" in result["header"]
+
+
+def test_a_private_stage_serves_a_ring_through_the_relay(localnet: Callable[..., LocalNet]) -> None:
+    """C holds layers 10-30 and is reachable only through R: A's generations run through it.
+
+    C offers no lanes (as behind a NAT that no direct connection crosses), so every stage
+    step goes over libp2p through the relay; the tokens equal the engine's own.
+    """
+    from test_swarm import PROMPTS, generate, settings
+
+    from kvasird.compute.kvcache import KVSpec
+    from kvasird.compute.stage import Stage
+    from kvasird.compute.stage import generate as engine_generate
+    from kvasird.model.bundled import bundled_path
+
+    model = bundled_path()
+    net = localnet(3)
+    relay, a, c = net.nodes
+    private = {"p2p.announce": [f"/ip4/127.0.0.1/tcp/{free_port()}"], "p2p.peer_exchange": False,
+               "p2p.dht": False, "p2p.relay_reservations": 1, "inference.lanes": False}
+    start(net, {1: 0, 2: 0}, {0: settings(model, []),
+                              1: settings(model, ["head", "layers:0-10"]),
+                              2: {**settings(model, ["layers:10-30"]), **private}})
+    net.wait_until("C is private with a reservation on R",
+                   lambda: reach(c)["verdict"] == "private" and reach(c)["relays"] == [relay.peer_id],
+                   timeout=60)
+    net.wait_until("A is connected to C through R",
+                   lambda: (peer_entry(a, c.peer_id) or {}).get("rtt_ms") is not None, timeout=60)
+    net.wait_until("A has a route through C", lambda: _routable(a), timeout=60)
+    stage = Stage.load(model, threads=1, kv=KVSpec(n_slots=512, dtype="f16"))
+    try:
+        want = engine_generate(stage, PROMPTS[0], 12)
+    finally:
+        stage.close()
+    assert generate(a, PROMPTS[0]) == want
+    seen = peer_entry(a, c.peer_id)
+    assert seen is not None and any("/p2p-circuit/" in x for x in seen["addrs"])
+    assert a.get("/v0/inference")["lanes"]["open_to"] == []
+
+
+def _routable(node: LocalNode) -> bool:
+    import httpx
+
+    url = node.home.admin_address()
+    body = {"prompt": [1], "max_tokens": 1}
+    return url is not None and httpx.post(url + "/v0/generate", json=body,
+                                          timeout=30).status_code == 200
