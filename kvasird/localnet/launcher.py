@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -196,10 +197,43 @@ def die_with_parent() -> None:
         pass
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback TCP port for a daemon's config, free now and unlikely to be taken before
+    the daemon binds it.
+
+    Ports are written into a config before the daemon starts, so the kernel's own choice
+    (bind to port 0) is unsafe: a daemon started meanwhile may get the same port for one of
+    its port-0 listeners (admin API, lanes, a chain's RPC), and then one of the two never
+    listens (seen: a ring whose gateway lost its TCP port to a peer's WebSocket listener).
+    So ports come from below the kernel's ephemeral range, at random, never twice from one
+    process.
+    """
+    low, high = _ephemeral_range()
+    lo, hi = (20000, low - 1) if low > 21000 else (high + 1, 65535)
+    for _ in range(200):
+        port = random.randint(lo, hi)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise LocalNetError(f"no free loopback port in {lo}-{hi} after 200 tries")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range")
+                     .read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 class LocalNet:
