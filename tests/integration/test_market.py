@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,16 +109,28 @@ def test_hot_experts_end_with_more_replicas_than_cold_ones(
     hot = range(0, 4)
     counts = tuple((layer, e, 400 if e in hot else 10) for layer in range(8) for e in range(64))
 
-    async def stage() -> None:
-        peer = GossipPeer("localnet")
-        async with peer.running(net.nodes[0].join_addr):
-            for seq in range(1, 4):
-                report = LoadReport(peer.peer_id, seq, time.time(), model.model_id, 60.0,
-                                    10_000, counts)
-                await peer.publish("load", pack(report.to_wire()))
-                await trio.sleep(1)
+    # The reports come from a py-libp2p peer in a process of its own: run in the test
+    # process after some in-process libp2p tests (tests/inference/test_lane.py), its reports
+    # reliably had no effect, for a reason not found yet; alone they always did.
+    script = f"""
+import sys, time, trio
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from gossip_peer import GossipPeer
+from kvasird.market.records import LoadReport
+from kvasird.wire import pack
 
-    trio.run(stage)
+async def main():
+    peer = GossipPeer("localnet")
+    async with peer.running({net.nodes[0].join_addr!r}):
+        for seq in range(1, 4):
+            report = LoadReport(peer.peer_id, seq, time.time(), {model.model_id!r}, 60.0,
+                                10_000, {counts!r})
+            await peer.publish("load", pack(report.to_wire()))
+            await trio.sleep(1)
+
+trio.run(main)
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
 
     def hot_have_more() -> bool:
         segs = net.nodes[-1].get("/v0/coverage").get("segments")  # absent until it has the model
