@@ -152,10 +152,12 @@ class SwarmGenerator:
             yield Finished(reason, n_prompt, produced)
         finally:
             self.active.pop(rid, None)
-            with trio.CancelScope(shield=True), trio.move_on_after(2):
+            with trio.CancelScope(shield=True):
                 if pending is not None:
-                    await pending.cancel()
-                await run.close()
+                    with trio.move_on_after(2):
+                        await pending.cancel()
+                with trio.move_on_after(2):
+                    await run.close()
 
 
 class _Pending:
