@@ -52,8 +52,8 @@ _LEN = struct.Struct(">I")
 _OK = b"kvasir-lane-ok"
 log = get_logger("kvasird.inference.lane")
 
-Serve = Callable[[Any, str], Any]
-"""(sealed stream, caller peer id) -> awaitable that serves the protocol until it ends."""
+Serve = Callable[..., Any]
+"""serve(sealed stream, peer=caller peer id) -> awaitable serving the protocol until it ends."""
 
 
 class SealedStream:
@@ -174,7 +174,7 @@ class LaneServer:
             sealed = SealedStream(stream, key, initiator=False, max_record=self.max_record)
             await sealed.write(_OK)
             self.lanes += 1
-            await self._serve[protocol](sealed, peer)
+            await self._serve[protocol](sealed, peer=peer)
         except Exception as exc:  # noqa: BLE001 - one lane's end never stops the listener
             log.debug("lane ended", reason=repr(exc))
         finally:

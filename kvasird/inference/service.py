@@ -43,8 +43,8 @@ from kvasird.inference.api import (
     UnknownModel,
 )
 from kvasird.inference.channel import MAX_FRAME, Channels, serve
-from kvasird.inference.lane import LaneServer
 from kvasird.inference.experts import ExpertDispatcher, HotExperts
+from kvasird.inference.lane import LaneServer
 from kvasird.inference.routing import Fitness, Latency, PeerHoldings
 from kvasird.inference.serving import (
     EXPERT_PROTOCOL,
@@ -199,11 +199,11 @@ class InferenceService:
                 await nursery.start(self.verdicts.run)
                 for protocol, handle in ((STAGE_PROTOCOL, self.stages.handle),
                                          (EXPERT_PROTOCOL, self.experts.handle)):
+                    answer = functools.partial(serve, handle=handle, idle_s=idle)
                     host.set_stream_handler(protocol, functools.partial(
-                        serve, handle=handle, idle_s=idle, lanes=self.lanes, protocol=protocol))
+                        answer, lanes=self.lanes, protocol=protocol))
                     if self.lanes is not None:
-                        self.lanes.register(protocol, functools.partial(
-                            _serve_lane, handle=handle, idle_s=idle))
+                        self.lanes.register(protocol, answer)
                 if self.lanes is not None:
                     await nursery.start(self.lanes.run)
                 nursery.start_soon(self._housekeeping)
@@ -329,6 +329,3 @@ def _lane_host(listen: tuple[str, ...]) -> str:
             return m.group(1)
     return "0.0.0.0"
 
-
-async def _serve_lane(stream: Any, peer: str, *, handle: Any, idle_s: float) -> None:
-    await serve(stream, handle, idle_s, peer=peer)

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import trio
@@ -65,8 +65,10 @@ STAGE_PROTOCOL = "/kvasir/stage/1"
 EXPERT_PROTOCOL = "/kvasir/experts/1"
 PERTURB_ENV = "KVASIRD_TEST_PERTURB_EXPERTS"
 """Test-only: a worker started with this set to 1 returns wrong expert outputs."""
+T = TypeVar("T")
 INLINE_TOKENS = 4
-"""Steps of at most this many tokens may compute on the event loop's thread (`_compute`)."""
+"""Steps (and expert batches) of at most this many rows may compute on the event loop's
+thread (`_run_short`)."""
 MAX_TOP = 20
 log = get_logger("kvasird.inference.serving")
 
@@ -312,7 +314,9 @@ class StageServer:
             s.history += ids
         s.used = time.monotonic()
         try:
-            out = await _compute(s, x, start)
+            # in place only without expert shards: their remote calls need the event loop
+            short = len(x) <= INLINE_TOKENS and not any(st.dispatches for st in s.chain)
+            out = await _run_short(s.chain, short, _run_chain, s, x, start)
         except (KVCacheFull, NoWorkers) as exc:
             raise Refused("", "busy", str(exc)) from None
         except ComputeError as exc:
@@ -350,15 +354,16 @@ class StageServer:
             await self._ended.wait()
 
 
-async def _compute(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
-    """Run the chain: in place when it is a short step that nothing else is computing on
-    and that calls no expert shards (a decode step of a few ms: handing it to a thread
-    and back would add ~0.1 ms per hop, more on a busy machine), else in a worker thread."""
-    if len(x) <= INLINE_TOKENS and not any(st.dispatches for st in s.chain):
-        with held_now(s.chain) as held:
+async def _run_short(holders: Sequence[Stage | ExpertWorker], short: bool,
+                     fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in place when the work is `short` (a decode step of a few ms) and nothing
+    else is computing on `holders`: handing it to a thread and back would add ~0.1 ms per
+    hop, more on a busy machine. Otherwise in a worker thread, as long work must be."""
+    if short:
+        with held_now(holders) as held:
             if held:
-                return _run_chain(s, x, start)
-    return await trio.to_thread.run_sync(_run_chain, s, x, start)
+                return fn(*args)
+    return await trio.to_thread.run_sync(fn, *args)
 
 
 def _run_chain(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
@@ -449,7 +454,8 @@ class ExpertServer:
             await trio.sleep(self.window_s if self._last.get(key, 0) > 1 else 0)
             batch = self._queues.pop(key)
             self._last[key] = len(batch)
-            outs = await _compute_batch(worker, layer, batch)
+            short = sum(len(j.rows) for j in batch) <= INLINE_TOKENS
+            outs = await _run_short([worker], short, _run_batch, worker, layer, batch)
             for j, o in zip(batch, outs, strict=True):
                 j.out = o
             self.calls += 1
@@ -472,16 +478,6 @@ class _Job:
     done: trio.Event = field(default_factory=trio.Event)
     out: np.ndarray | None = None
     error: Exception | None = None
-
-
-async def _compute_batch(worker: ExpertWorker, layer: int, batch: list[_Job]
-                         ) -> list[np.ndarray]:
-    """In place for a few rows when the worker is free (as `_compute`), else in a thread."""
-    if sum(len(j.rows) for j in batch) <= INLINE_TOKENS:
-        with held_now([worker]) as held:
-            if held:
-                return _run_batch(worker, layer, batch)
-    return await trio.to_thread.run_sync(_run_batch, worker, layer, batch)
 
 
 def _run_batch(worker: ExpertWorker, layer: int, batch: list[_Job]) -> list[np.ndarray]:
