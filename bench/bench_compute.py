@@ -58,6 +58,47 @@ print(json.dumps({"prefill": n_prefill / best, "decode": n_decode / dt}))
 """
 
 
+_LLAMACPP_DECODER = """
+import json, sys, time
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=1024, n_threads=int(sys.argv[2]),
+            n_threads_batch=int(sys.argv[2]), n_batch=512, verbose=False, logits_all=False)
+prompt = [int(t) for t in sys.argv[3].split(",")]
+for line in sys.stdin:
+    llm.reset(); llm.eval(prompt)
+    n = int(line); t = time.perf_counter()
+    for _ in range(n):
+        llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+    print(json.dumps(n / (time.perf_counter() - t)), flush=True)
+"""
+
+
+class LlamaCppDecoder:
+    """llama.cpp kept loaded in its own process: decode(n) greedy tokens/s on demand, so a
+    benchmark can interleave its runs with ours and compare under the same machine load."""
+
+    def __init__(self, threads: int, prompt: list[int], model: Path) -> None:
+        self.proc = subprocess.Popen(
+            [str(LLAMACPP_PYTHON), "-c", _LLAMACPP_DECODER, str(model), str(threads),
+             ",".join(map(str, prompt))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True)
+
+    @classmethod
+    def start(cls, threads: int, prompt: list[int], model: Path) -> LlamaCppDecoder | None:
+        """None when llama.cpp is not built (`native/llamacpp`)."""
+        return cls(threads, prompt, model) if LLAMACPP_PYTHON.exists() else None
+
+    def decode(self, n: int) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        return float(json.loads(self.proc.stdout.readline()))
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def timed(fn, repeat: int) -> list[float]:
     out = []
     for _ in range(repeat):

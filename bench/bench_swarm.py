@@ -1,10 +1,13 @@
 """Generation across daemons on loopback: ring decode, remote experts, per-hop cost, concurrency.
 
-    .venv/bin/python bench/bench_swarm.py [--tokens 48] [--threads 1]
+    .venv/bin/python bench/bench_swarm.py [--tokens 64] [--rounds 7] [--threads 1]
 
 Real daemons (kvasird.localnet) with pinned placement, greedy decode through the admin
 API's token stream (POST /v0/generate): decode tok/s is measured between the first and
-the last token event at the client. Side by side:
+the last token event at the client, the median of --rounds runs. llama.cpp stays loaded
+in a process of its own and decodes as many tokens right after each of our runs: on a
+small shared machine whose speed drifts by 10-20 % from minute to minute, the ratio of
+each such pair is what can be compared, and the table gives their median. Side by side:
 
     1 node          one daemon holding the whole bundled model (SmolLM2-135M Q4_1)
     3-stage ring    three daemons holding a third of the layers each (head on the first)
@@ -41,7 +44,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
 
-from bench_compute import bench_llamacpp  # noqa: E402
+from bench_compute import LlamaCppDecoder  # noqa: E402
 from test_swarm import experts, settings  # noqa: E402
 
 from kvasird.compute.kvcache import KVSpec  # noqa: E402
@@ -89,12 +92,18 @@ def _generate(node: LocalNode, prompt: list[int], n: int) -> tuple[int, float]:
     return len(stamps), (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
 
 
-def decode_rate(node: LocalNode, n: int) -> float:
-    best = 0.0
-    for _ in range(2):
+def decode_rates(node: LocalNode, n: int, rounds: int, ref: LlamaCppDecoder | None
+                 ) -> tuple[list[float], list[float]]:
+    """Our decode tok/s per round and, when `ref` is given, llama.cpp's measured right after
+    each of ours (the same machine load for both: the ratio is taken per round)."""
+    _generate(node, PROMPT, n)  # warm: lanes up, graphs built
+    ours, theirs = [], []
+    for _ in range(rounds):
         got, dt = _generate(node, PROMPT, n)
-        best = max(best, (got - 1) / dt if dt else 0.0)
-    return best
+        ours.append((got - 1) / dt if dt else 0.0)
+        if ref is not None:
+            theirs.append(ref.decode(n))
+    return ours, theirs
 
 
 def concurrent(node: LocalNode, sessions: int, n: int) -> float:
@@ -265,8 +274,10 @@ async def _close_peers(host: Any) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=48, help="decode tokens per generation")
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens per generation")
     ap.add_argument("--threads", type=int, default=1, help="compute threads per daemon")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="decode runs per layout, each followed by one of llama.cpp's")
     ap.add_argument("--sessions", type=int, nargs="*", default=[1, 4, 16])
     ap.add_argument("--in-process", action="store_true",
                     help="only the per-hop breakdown and the f16 effect (no daemons)")
@@ -278,6 +289,9 @@ def main() -> None:
         report_in_process(bundled, args)
         return
     rates: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    theirs: dict[Path, list[float]] = {}
+    refs: dict[Path, LlamaCppDecoder | None] = {}
     conc: dict[str, dict[int, float]] = {}
     batching: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -299,25 +313,38 @@ def main() -> None:
             if args.only and name not in args.only:
                 continue
             with start(root / f"net{i}", model, placement, args.threads, extra) as net:
-                rates[name] = decode_rate(net.nodes[0], args.tokens)
+                if model not in refs:
+                    refs[model] = LlamaCppDecoder.start(args.threads, PROMPT, model)
+                ours, ref_rates = decode_rates(net.nodes[0], args.tokens, args.rounds,
+                                               refs[model])
+                rates[name] = statistics.median(ours)
+                if ref_rates:
+                    theirs.setdefault(model, []).extend(ref_rates)
+                    ratios[name] = statistics.median(o / r for o, r in zip(ours, ref_rates,
+                                                                           strict=True))
                 if name in ("3-stage ring", "MoE ring + remote experts"):
                     conc[name] = {s: concurrent(net.nodes[0], s, args.tokens // 2)
                                   for s in args.sessions}
                 if workers:
                     batching[name] = expert_batching(net, workers)
             print(f"{name}: {rates[name]:.1f} tok/s", flush=True)
-    ref = bench_llamacpp(args.threads, args.tokens, 16)
+    for ref in refs.values():
+        if ref is not None:
+            ref.close()
     print(f"\n## Decode tokens/s (greedy, {args.tokens} tokens, {args.threads} thread(s) "
-          "per daemon, through the admin API's token stream)\n")
+          f"per daemon, through the admin API's token stream; medians of {args.rounds} runs, "
+          "each followed by a llama.cpp run: 'vs llama.cpp' is the median of those pairs' "
+          "ratios)\n")
     print("| layout | tok/s | vs 1 node | vs llama.cpp |")
     print("|---|---|---|---|")
     for name, rate in rates.items():
         base = rates.get("1 node" if not name.startswith("MoE") else "MoE 1 node")
-        vs = f"{rate / ref['decode']:.2f}x" if ref and not name.startswith("MoE") else "n/a"
+        vs = f"{ratios[name]:.2f}x" if name in ratios else "n/a"
         print(f"| {name} | {rate:.1f} | {f'{rate / base:.2f}x' if base else 'n/a'} | {vs} |")
-    if ref:
-        print(f"| llama.cpp monolithic | {ref['decode']:.1f} | | 1.00x |")
-    else:
+    for model, label in ((bundled, "llama.cpp monolithic"), (moe, "llama.cpp monolithic, MoE")):
+        if model in theirs:
+            print(f"| {label} | {statistics.median(theirs[model]):.1f} | | 1.00x |")
+    if not theirs:
         print("\nllama.cpp: not built (native/llamacpp builds it into .cache/llamacpp-venv)")
     if "3-stage ring" in rates and "1 node" in rates:
         ring, one = 1000 / rates["3-stage ring"], 1000 / rates["1 node"]

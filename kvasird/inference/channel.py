@@ -8,6 +8,10 @@ is reset and dropped, and every request still waiting on it fails at once.
 
     Channels.request(peer, proto, msg) ──▶ Channel ──frame {id, op, ...}──▶ serve()
                                      ◀── reader task ◀──frame {id, ...}────┘  (one task per request)
+    Channels.notify(peer, proto, msg)  ──▶ Channel ──frame {id: 0, op, ...}──▶ serve() (no answer)
+
+One-way messages carry the stage-to-stage forwarding of a generation's steps (swarm.py):
+whatever they lead to comes back as another message, from another peer.
 
 Once a libp2p channel is open, Channels asks the peer for a lane (lane.py: a direct TCP
 connection keyed over the channel, ~0.44 ms faster per round trip) in the background and
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import trio
@@ -28,7 +32,7 @@ from libp2p.peer.id import ID
 
 from kvasird.errors import KvasirError, WireError
 from kvasird.inference import lane
-from kvasird.inference.errors import HopFailed, Refused
+from kvasird.inference.errors import HopFailed, Refused, Unreachable
 from kvasird.logs import get_logger
 from kvasird.wire import FrameReader, write_frame
 
@@ -60,32 +64,49 @@ class Channel:
         send, recv = trio.open_memory_channel[dict[str, Any]](1)
         self._waiting[rid] = send
         try:
-            with trio.fail_after(wait_s):
-                async with self._write:
-                    # A frame cut short by a cancellation (a client that went away) would
-                    # corrupt every later frame on the stream: it is always written whole,
-                    # within the request's time, and a frame that cannot be ends the channel.
-                    with trio.CancelScope(shield=True,
-                                          deadline=trio.current_time() + wait_s) as writing:
-                        await write_frame(self.stream, {**msg, "id": rid}, MAX_FRAME)
-                    if writing.cancelled_caught:
-                        self.fail()
-                        raise trio.TooSlowError
+            with self._failures(f"no answer to {msg.get('op')!r} within {wait_s:g} s"), \
+                    trio.fail_after(wait_s):
+                await self._write_frame({**msg, "id": rid}, wait_s)
                 reply = await recv.receive()
-        except trio.TooSlowError:
-            raise HopFailed(self.peer,
-                            f"no answer to {msg.get('op')!r} within {wait_s:g} s") from None
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise HopFailed(self.peer, "the stream broke") from None
-        except KvasirError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - libp2p stream errors come in many types
-            raise HopFailed(self.peer, f"sending failed: {exc!r}") from None
         finally:
             self._waiting.pop(rid, None)
         if "error" in reply:
             raise Refused(self.peer, str(reply.get("code", "bad")), str(reply["error"])[:500])
         return reply
+
+    async def notify(self, msg: dict[str, Any], wait_s: float) -> None:
+        """Send a one-way message (id 0: the peer answers nothing, not even an error)."""
+        if self.closed:
+            raise HopFailed(self.peer, "the stream broke")
+        with self._failures(f"could not send {msg.get('op')!r} within {wait_s:g} s"), \
+                trio.fail_after(wait_s):
+            await self._write_frame({**msg, "id": 0}, wait_s)
+
+    @contextlib.contextmanager
+    def _failures(self, timed_out: str) -> Iterator[None]:
+        """Every way a send or wait can fail, as the HopFailed that routes around the peer."""
+        try:
+            yield
+        except trio.TooSlowError:
+            raise HopFailed(self.peer, timed_out) from None
+        except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
+            raise HopFailed(self.peer, "the stream broke") from None
+        except KvasirError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - libp2p stream errors come in many types
+            raise HopFailed(self.peer, f"sending failed: {exc!r}") from None
+
+    async def _write_frame(self, frame: dict[str, Any], wait_s: float) -> None:
+        async with self._write:
+            # A frame cut short by a cancellation (a client that went away) would corrupt
+            # every later frame on the stream: it is always written whole, within the
+            # request's time, and a frame that cannot be ends the channel.
+            with trio.CancelScope(shield=True,
+                                  deadline=trio.current_time() + wait_s) as writing:
+                await write_frame(self.stream, frame, MAX_FRAME)
+            if writing.cancelled_caught:
+                self.fail()
+                raise trio.TooSlowError
 
     async def read_replies(self) -> None:
         try:
@@ -142,6 +163,15 @@ class Channels:
             self.drop(peer)
             raise
 
+    async def notify(self, peer: str, protocol: str, msg: dict[str, Any], wait_s: float) -> None:
+        """A one-way message to `peer` (HopFailed when it cannot be sent)."""
+        channel = await self._get(peer, protocol)
+        try:
+            await channel.notify(msg, wait_s)
+        except HopFailed:
+            self.drop(peer)
+            raise
+
     def lanes_up(self) -> list[tuple[str, str]]:
         """(peer, protocol) pairs whose requests go over a lane now."""
         return [k for k, c in self._lanes.items() if not c.closed]
@@ -191,9 +221,10 @@ class Channels:
                 with trio.fail_after(OPEN_TIMEOUT_S):
                     stream = await self._new_stream(ID.from_base58(peer), protocol)
             except trio.TooSlowError:
-                raise HopFailed(peer, f"no {protocol} stream within {OPEN_TIMEOUT_S:g} s") from None
+                raise Unreachable(peer, f"no {protocol} stream within {OPEN_TIMEOUT_S:g} s") \
+                    from None
             except Exception as exc:  # noqa: BLE001 - unreachable peers raise many types
-                raise HopFailed(peer, f"cannot open {protocol}: {exc!r}") from None
+                raise Unreachable(peer, f"cannot open {protocol}: {exc!r}") from None
             channel = Channel(peer, stream)
             assert self._nursery is not None, "Channels.run must be started first"
             self._nursery.start_soon(channel.read_replies)
@@ -264,6 +295,11 @@ async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s:
             log.exception("request handler failed", peer=peer, op=str(msg.get("op"))[:32])
             reply = {"error": "the peer failed to handle this request (see its log)",
                      "code": "bad"}
+        if rid == 0:  # one-way: nobody waits for an answer
+            if "error" in reply:
+                log.debug("one-way request failed", peer=peer, op=str(msg.get("op"))[:32],
+                          error=str(reply["error"])[:200])
+            return
         try:
             async with lock:
                 await write_frame(stream, {**reply, "id": rid}, MAX_FRAME)

@@ -30,7 +30,7 @@ import trio
 from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch
 from kvasird.inference import tensors
 from kvasird.inference.channel import Channels
-from kvasird.inference.errors import HopFailed, NoWorkers
+from kvasird.inference.errors import HopFailed, NoWorkers, sentence
 from kvasird.inference.routing import Fitness, Latency, PeerHoldings, cover_experts, expert_holders
 from kvasird.inference.serving import EXPERT_PROTOCOL
 from kvasird.logs import get_logger
@@ -120,7 +120,7 @@ class ExpertDispatcher:
             try:
                 pieces, outs = trio.from_thread.run(self._attempt, layer, first, end, rows, gids)
             except HopFailed as exc:
-                self.fitness.mark(exc.peer, exc.reason)
+                self.fitness.mark(exc.peer, exc.reason, sentence(exc))
                 self.stats["failovers"] += 1
                 log.info("expert worker replaced", peer=exc.peer, layer=layer,
                          reason=exc.reason[:200], attempt=attempt + 1)

@@ -54,7 +54,7 @@ from kvasird.inference.serving import (
     Served,
     StageServer,
 )
-from kvasird.inference.swarm import SwarmGenerator
+from kvasird.inference.swarm import Inbox, SwarmGenerator
 from kvasird.inference.verdicts import Verdicts
 from kvasird.logs import get_logger
 from kvasird.market.records import LoadReport
@@ -82,9 +82,11 @@ class InferenceService:
         self.latency = Latency(p2p.peer_id, self._rtt)
         self.verdicts = Verdicts(p2p.gossip, p2p.peer_id, self.fitness, c.unfit_quorum,
                                  c.unfit_s)
+        self.inbox = Inbox()
         self.stages = StageServer(self._model_id, lambda: self.served,
                                   max_sessions=c.max_sessions, idle_s=c.session_idle_s,
-                                  wire_dtype=c.wire_dtype)
+                                  wire_dtype=c.wire_dtype, me=p2p.peer_id,
+                                  send=self._send_stage, deliver=self.inbox.deliver)
         self.experts = ExpertServer(lambda: self.served, window_s=c.batch_window_ms / 1000,
                                     wire_dtype=c.wire_dtype)
         self.dispatcher = ExpertDispatcher(
@@ -94,7 +96,7 @@ class InferenceService:
             accuse=self.verdicts.accuse)
         self.generator = SwarmGenerator(p2p.peer_id, self._info, self._n_layer, self.holders,
                                         self.channels, self.stages.handle, self.latency,
-                                        self.fitness, c)
+                                        self.fitness, c, self.inbox)
         self._nursery: trio.Nursery | None = None
         self._load_lock = trio.Lock()
         self._hot_backend: Backend | None = None
@@ -137,6 +139,14 @@ class InferenceService:
         sources = self._sources([Unit("expert", layer, expert)])
         weights = load_weights(sources, self._hot_backend, names, {layer: (expert, expert + 1)})
         return ExpertWorker(weights, self._hot_backend)
+
+    async def _send_stage(self, peer: str, msg: dict[str, Any]) -> None:
+        """A forwarded step or a result, to a peer or (in process) to ourselves."""
+        if peer == self.p2p.peer_id:
+            await self.stages.handle(peer, msg)
+        else:
+            await self.channels.notify(peer, STAGE_PROTOCOL, msg,
+                                       self.config.inference.step_timeout_s)
 
     def _rtt(self, peer: str) -> float | None:
         info = self.p2p.peers.get(peer)
@@ -252,9 +262,11 @@ class InferenceService:
             "serving": {"head": self.holdings.head, "windows": list(self.holdings.windows),
                         "experts": list(self.holdings.experts),
                         "sessions": len(self.stages.sessions),
+                        "forwarded": self.stages.forwarded,
                         "expert_rows": self.experts.rows, "expert_calls": self.experts.calls},
             "generations": {rid: {"route": list(p.route), "tokens": p.tokens,
-                                  "failovers": p.failovers, "hop_ms": p.hop_ms}
+                                  "failovers": p.failovers, "hop_ms": p.hop_ms,
+                                  "step_ms": p.step_ms}
                             for rid, p in self.generator.active.items()},
             "dispatch": dict(self.dispatcher.stats),
             "unfit": self.fitness.snapshot(),

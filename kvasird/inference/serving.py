@@ -22,20 +22,32 @@ Messages (msgpack maps, each with the caller's integer "id", echoed in the reply
 as kvasird.inference.tensors maps; a refusal is {"error": reason, "code": "busy" | "gone"
 | "bad"}):
 
-    open   {op, sid, model, first, end, embed, head, max_tokens, logprobs,
+    open   {op, sid, model, first, end, embed, head, max_tokens, logprobs, prev,
             sampling: {temperature, top_k, top_p, repetition_penalty, seed}, draws}  -> {}
     step   {op, sid, start, x: i32 [T] | f32/f16 [T, n_embd], ids (head hop: the T tokens)}
              -> {x: [T, n_embd]}  or, at the head,  {token, logprob?, top?}
     close  {op, sid}                                                                -> {}
+    ping   {op, sid}                                       -> {at: positions computed}
     experts {op, layer, first, rows: [m, n_embd], ids: i32 [m, n] counted from first}
              -> {out: [m, n, n_embd]}
+
+Forwarding (one-way messages, id 0): a step with ``back: {ticket}`` and ``next: [[peer,
+sid], ...]`` (the rest of the route) is answered by no one. The stage computes and sends
+its output to the next hop as the same kind of step (``owner``: the gateway whose session
+it is; ``next`` one shorter); the last hop sends ``{op: result, ticket, token, logprob?,
+top?}`` to the owner. Any failure on the way ends the chain with ``{op: result, ticket,
+error, code, peer}`` to the owner, naming the peer that failed: itself, or the next hop
+it could not reach (code "gone", or "unreachable" when no stream to it could be opened).
+A session takes forwarded steps only from its owner and from the peer the owner named as
+the hop before it (``prev`` at open).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -53,9 +65,9 @@ from kvasird.compute.runtime import compute_threads
 from kvasird.compute.sampling import Sampler, SamplingParams, log_softmax
 from kvasird.compute.stage import Stage, held_now
 from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights
-from kvasird.errors import WireError
+from kvasird.errors import KvasirError, WireError
 from kvasird.inference import tensors
-from kvasird.inference.errors import NoWorkers, Refused
+from kvasird.inference.errors import HopFailed, NoWorkers, Refused, Unreachable
 from kvasird.logs import get_logger
 from kvasird.model.manifest import Unit
 from kvasird.model.slice import contiguous_runs
@@ -227,6 +239,11 @@ class ServedSession:
     """Top alternatives to report per token (0 = none)."""
     max_tokens: int
     """Positions this session may reach (prompt + completion)."""
+    prev: str = ""
+    """The peer that may forward steps into this session (the hop before it), besides the
+    owner."""
+    at: int = 0
+    """Positions computed so far (what a ping reports)."""
     history: list[int] = field(default_factory=list)
     """Token ids seen so far (the head's repetition penalty needs them)."""
     used: float = field(default_factory=time.monotonic)
@@ -237,32 +254,98 @@ class ServedSession:
             s.close()
 
 
+Send = Callable[[str, dict[str, Any]], Awaitable[None]]
+"""(peer, message) -> sent one-way on the stage protocol (HopFailed when it cannot be)."""
+Deliver = Callable[[str, dict[str, Any]], None]
+"""(sender, result message) -> handed to the generation waiting for it."""
+
+
+async def _cannot_send(peer: str, msg: dict[str, Any]) -> None:
+    raise HopFailed(peer, "this stage server forwards to no one (not linked to a node)")
+
+
 class StageServer:
     """Sessions on this node's stages, and the stage protocol's request handler."""
 
     def __init__(self, model_id: Callable[[], str], served: Callable[[], Served | None], *,
-                 max_sessions: int, idle_s: float, wire_dtype: str) -> None:
+                 max_sessions: int, idle_s: float, wire_dtype: str, me: str = "",
+                 send: Send = _cannot_send, deliver: Deliver | None = None) -> None:
         self.model_id, self.served = model_id, served
         self.max_sessions, self.idle_s, self.wire_dtype = max_sessions, idle_s, wire_dtype
+        self.me, self.send, self.deliver = me, send, deliver
         self.sessions: dict[tuple[str, str], ServedSession] = {}
         self._ended = trio.Event()
         self.tokens = 0
         """Token positions computed since the last load report."""
+        self.forwarded = 0
+        """Steps whose output this node forwarded to the next hop or returned to its owner."""
 
     async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
         if op == "open":
             return self._open(caller, msg)
+        if op == "result":
+            if self.deliver is None:
+                raise WireError("stage: this node is waiting for no results")
+            self.deliver(caller, msg)
+            return {}
+        if op == "step" and "back" in msg:
+            await self._forwarded(caller, msg)
+            return {}
         key = (caller, schema.text(msg, "sid", 64, "stage"))
         if op == "close":
             self._end([key])
             return {}
+        if op == "ping":
+            return {"at": self._session(key).at}
         if op == "step":
-            s = self.sessions.get(key)
-            if s is None:
-                raise Refused("", "gone", "no such session (expired, or this node restarted)")
-            return await self._step(s, msg)
+            return await self._step(self._session(key), msg)
         raise WireError(f"stage: unknown op {op!r}")
+
+    def _session(self, key: tuple[str, str]) -> ServedSession:
+        s = self.sessions.get(key)
+        if s is None:
+            raise Refused("", "gone", "no such session (expired, or this node restarted)")
+        return s
+
+    async def _forwarded(self, caller: str, msg: dict[str, Any]) -> None:
+        """A step of a forwarded chain: compute, then pass the output on (or back home)."""
+        owner = schema.text(msg, "owner", 128, "stage") if "owner" in msg else caller
+        ticket = schema.text(schema.mapping(msg["back"], "stage.back"), "ticket", 64,
+                             "stage.back")
+        culprit = self.me
+        try:
+            chain = [_hop_ref(h) for h in schema.items(msg, "next", 64, "stage")]
+            s = self._session((owner, schema.text(msg, "sid", 64, "stage")))
+            if caller not in (owner, s.prev):
+                raise Refused("", "bad", "only the session's owner and the hop before it on "
+                                         "the route may step it")
+            reply = await self._step(s, msg)
+            if chain and "x" not in reply:
+                raise Refused("", "bad", "the route goes on after the head: the head hop "
+                                         "must be the last")
+            if not chain and "x" in reply:
+                raise Refused("", "bad", "the route ends before the head")
+            culprit = chain[0][0] if chain else owner
+            if chain:
+                out = {"op": "step", "sid": chain[0][1], "start": msg["start"], "x": reply["x"],
+                       "ids": msg.get("ids"), "owner": owner, "next": [list(h) for h in chain[1:]],
+                       "back": {"ticket": ticket}}
+                await self.send(chain[0][0], out)
+            else:
+                await self.send(owner, {"op": "result", "ticket": ticket, **reply})
+            self.forwarded += 1
+        except KvasirError as exc:  # Refused, HopFailed (forwarding), WireError
+            code, detail = ((exc.code, exc.detail) if isinstance(exc, Refused)
+                            else ("unreachable", exc.reason) if isinstance(exc, Unreachable)
+                            else ("gone", exc.reason) if isinstance(exc, HopFailed)
+                            else ("bad", str(exc)))
+            if culprit == owner:
+                log.debug("result not delivered", owner=owner, reason=detail[:200])
+                return
+            with contextlib.suppress(HopFailed):
+                await self.send(owner, {"op": "result", "ticket": ticket, "error": detail[:500],
+                                        "code": code, "peer": culprit})
 
     def _open(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
         served = self.served()
@@ -289,10 +372,11 @@ class StageServer:
             if params.temperature > 0:  # a replay continues the seeded stream where it was
                 for _ in range(schema.integer(msg, "draws", 0, 1 << 22, "stage")):
                     sampler(np.zeros(2))
+        prev = schema.text(msg, "prev", 128, "stage") if "prev" in msg else ""
         self._end([(caller, sid)])
         self.sessions[(caller, sid)] = ServedSession(
             chain, [st.open_session() for st in chain], sampler,
-            schema.integer(msg, "logprobs", 0, MAX_TOP, "stage"), max_tokens)
+            schema.integer(msg, "logprobs", 0, MAX_TOP, "stage"), max_tokens, prev)
         return {}
 
     async def _step(self, s: ServedSession, msg: dict[str, Any]) -> dict[str, Any]:
@@ -324,6 +408,7 @@ class StageServer:
         finally:
             s.used = time.monotonic()
         self.tokens += len(x)
+        s.at = start + len(x)
         if s.sampler is None:
             return {"x": tensors.encode(out, self.wire_dtype)}
         token = s.sampler(out[-1], s.history)
@@ -370,6 +455,15 @@ def _run_chain(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
     for stage, session in zip(s.chain, s.sessions, strict=True):
         x = stage.forward(session, x, start)
     return x
+
+
+def _hop_ref(value: Any) -> tuple[str, str]:
+    """One entry of a forwarded step's `next`: [peer id, session id]."""
+    if (not isinstance(value, list | tuple) or len(value) != 2
+            or not all(isinstance(v, str) for v in value)
+            or len(value[0]) > 128 or len(value[1]) > 64):
+        raise WireError("stage.next: expected [peer id, session id] pairs")
+    return value[0], value[1]
 
 
 def _sampling(d: dict[str, Any]) -> SamplingParams:

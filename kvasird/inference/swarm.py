@@ -2,18 +2,28 @@
 
     plan route (routing.plan_route over online holders, our latencies, fit peers only)
       ─▶ open a session on every hop ─▶ prefill the prompt ─▶ decode token by token
-      each step: gateway ─x─▶ hop 1 ─h─▶ gateway ─h─▶ hop 2 … ─▶ last hop samples ─▶ token
+      each step: gateway ─x─▶ hop 1 ─h─▶ hop 2 ─h─▶ … ─▶ last hop samples ─token─▶ gateway
 
-The gateway relays the boundaries (hidden rows) from hop to hop rather than having
-stages forward to each other. On the 3-stage ring of the bundled model (gateway on the
-first stage, holding the head) a token costs 4 one-way messages relayed against 3
-forwarded. Measured with lanes (bench/bench_swarm.py and a per-hop trace): a one-way
-message costs 0.2-0.5 ms on a 2-core machine, almost all of it waking the receiving
-process; forwarding would save one of four, ~0.3 ms of a ~9.3 ms token (3%). Relaying
-keeps every timeout, failure and latency measurement at the one place that can act on
-them: the gateway sees which hop failed, marks it unfit and rebuilds the route, and its
-latency table (what routing minimises) is measured, not reported by peers. A hop on this
-node itself is a direct call (no serialization, no network).
+Boundaries go stage to stage: the gateway sends a step to the first hop with the rest
+of the route (`next`) and a ticket; each hop computes, sends its hidden rows straight
+to the next one, and the last (the head) returns only the sampled token (and logprobs)
+to the gateway's Inbox, all as one-way messages (serving.py). On the 3-stage ring of the
+bundled model (gateway on the first stage, holding the head) a token costs 3 one-way
+messages where relaying every boundary through the gateway cost 4, and between
+machines one network latency less per token: a chain of n remote hops pays n+1 link
+latencies, not 2n. A hop on this node itself is a direct call (no serialization, no
+network), and it forwards like any other.
+
+What relaying gave for free is kept by other means:
+- which hop failed: a hop that cannot reach the next one reports it by name (the gateway
+  checks the accusation with a ping of its own); a chain that goes silent is probed by
+  the gateway (`ping` answers with the positions a session has computed), and the first
+  hop that does not answer, or has not reached the step, is the one replaced. Checking
+  progress after PROBE_AFTER_S (doubling) finds a SIGKILLed stage in about a second
+  instead of at the step timeout.
+- per-hop latency (what routing minimises, measured rather than reported): every
+  RELAY_EVERY-th decode step (and every step of a one-hop route) is relayed hop by hop,
+  each timed by the gateway.
 
 While the consumer handles a token (the HTTP stream), the next step already runs
 (`_Pending`): the consumer's time is off the token's critical path.
@@ -27,9 +37,10 @@ greedy and seeded generations continue with the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,11 +60,16 @@ from kvasird.inference.api import (
     UnknownModel,
 )
 from kvasird.inference.channel import Channels
-from kvasird.inference.errors import HopFailed, Refused
+from kvasird.inference.errors import HopFailed, Refused, Unreachable, sentence
 from kvasird.inference.routing import Fitness, Hop, Latency, PeerHoldings, Route, plan_route
 from kvasird.inference.serving import STAGE_PROTOCOL
 from kvasird.logs import get_logger
 
+RELAY_EVERY = 32
+"""One decode step in this many is relayed hop by hop, so the gateway times each peer."""
+PROBE_AFTER_S = 0.5
+"""A forwarded step without a result this long gets its hops probed (then 1, 2, 4 s...)."""
+PROBE_TIMEOUT_S = 1.0
 PREFILL_CHUNK = 256
 """Tokens per prefill message: bounds one frame (256 × n_embd × 4 B)."""
 BUSY_BACKOFF_S = 5.0
@@ -61,6 +77,37 @@ BUSY_BACKOFF_S = 5.0
 log = get_logger("kvasird.inference.swarm")
 
 LocalHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class Inbox:
+    """Results of forwarded steps, by ticket, for the generations waiting on them.
+
+    A result is taken only from a peer on the waiting route (or this node); anything else
+    (a late result of a step given up on, a stranger) is dropped.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, tuple[frozenset[str], trio.MemorySendChannel[Any]]] = {}
+        self.dropped = 0
+
+    @contextlib.contextmanager
+    def expect(self, ticket: str, peers: Iterable[str]
+               ) -> Iterator[trio.MemoryReceiveChannel[dict[str, Any]]]:
+        send, recv = trio.open_memory_channel[dict[str, Any]](1)
+        self._waiting[ticket] = (frozenset(peers), send)
+        try:
+            yield recv
+        finally:
+            self._waiting.pop(ticket, None)
+
+    def deliver(self, sender: str, msg: dict[str, Any]) -> None:
+        waiting = self._waiting.get(msg.get("ticket")) if isinstance(msg.get("ticket"), str) \
+            else None
+        if waiting is None or sender not in waiting[0]:
+            self.dropped += 1
+            return
+        with contextlib.suppress(trio.WouldBlock):
+            waiting[1].send_nowait({**msg, "from": sender})
 
 
 @dataclass
@@ -74,7 +121,9 @@ class Progress:
     failovers: int = 0
     """Routes rebuilt so far."""
     hop_ms: dict[str, float] = field(default_factory=dict)
-    """Last step time per hop peer (ms), the local one included."""
+    """Last relayed step time per hop peer (ms), the local one included."""
+    step_ms: float = 0.0
+    """Last step time along the whole route (ms)."""
 
 
 class SwarmGenerator:
@@ -83,9 +132,9 @@ class SwarmGenerator:
     def __init__(self, me: str, info: Callable[[], ModelInfo | None], n_layer: Callable[[], int],
                  holders: Callable[[], list[PeerHoldings]], channels: Channels,
                  local: LocalHandler, latency: Latency, fitness: Fitness,
-                 config: InferenceConfig) -> None:
+                 config: InferenceConfig, inbox: Inbox) -> None:
         self.me, self.info, self.n_layer, self.holders = me, info, n_layer, holders
-        self.channels, self.local = channels, local
+        self.channels, self.local, self.inbox = channels, local, inbox
         self.latency, self.fitness, self.config = latency, fitness, config
         self.active: dict[str, Progress] = {}
         self.nursery: trio.Nursery | None = None
@@ -218,6 +267,8 @@ class _Run:
         self.route: Route | None = None
         self.sid = ""
         self.busy = ""
+        self.steps = 0
+        """Steps sent on this route (every RELAY_EVERY-th decode step is relayed)."""
 
     async def begin(self, history: list[int]) -> dict[str, Any]:
         """Open the first route and prefill the prompt (failing over like a step)."""
@@ -240,12 +291,14 @@ class _Run:
                                   "the generation stopped") from None
         self.sid = secrets.token_hex(8)
         self.progress.route = self.route.peers
+        self.steps = 0
         for i, hop in enumerate(self.route.hops):
             await self._call(hop, {
                 "op": "open", "sid": f"{self.sid}.{i}", "model": self.model, "first": hop.first,
                 "end": hop.end, "embed": hop.embed, "head": hop.head,
                 "max_tokens": self.max_tokens, "sampling": self.sampling,
-                "logprobs": self.logprobs, "draws": produced})
+                "logprobs": self.logprobs, "draws": produced,
+                "prev": self.route.hops[i - 1].peer if i else ""})
         reply: dict[str, Any] = {}
         for c in range(0, len(history), PREFILL_CHUNK):
             reply = await self._forward(history, c, min(c + PREFILL_CHUNK, len(history)))
@@ -272,8 +325,8 @@ class _Run:
             elif isinstance(exc, Refused) and exc.code == "busy":
                 self.busy = exc.detail
                 self.gen.fitness.mark(exc.peer, exc.reason, BUSY_BACKOFF_S)
-            else:
-                self.gen.fitness.mark(exc.peer, exc.reason)
+            elif exc.peer:
+                self.gen.fitness.mark(exc.peer, exc.reason, sentence(exc))
             log.warning("hop failed: rebuilding the route and replaying", peer=exc.peer,
                         reason=exc.reason[:200], tokens=len(history))
             with trio.CancelScope(shield=True), trio.move_on_after(2):
@@ -285,9 +338,13 @@ class _Run:
 
     async def _forward(self, history: list[int], start: int, end: int) -> dict[str, Any]:
         assert self.route is not None
+        hops = self.route.hops
         x: dict[str, Any] = tensors.encode(np.asarray(history[start:end]), "i32")
+        self.steps += 1
+        if len(hops) > 1 and (end - start > 1 or self.steps % RELAY_EVERY != 1):
+            return await self._chain(x, history[start:end], start)
         reply: dict[str, Any] = {}
-        for i, hop in enumerate(self.route.hops):
+        for i, hop in enumerate(hops):
             msg: dict[str, Any] = {"op": "step", "sid": f"{self.sid}.{i}", "start": start, "x": x}
             if hop.head:
                 msg["ids"] = history[start:end]
@@ -297,6 +354,100 @@ class _Run:
         if "token" not in reply or not isinstance(reply["token"], int):
             raise HopFailed(self.route.hops[-1].peer, "the last stage returned no token")
         return reply
+
+    async def _chain(self, x: dict[str, Any], ids: list[int], start: int) -> dict[str, Any]:
+        """One step forwarded hop to hop; the head's result comes back to our Inbox."""
+        assert self.route is not None
+        hops, me = self.route.hops, self.gen.me
+        ticket = secrets.token_hex(8)
+        msg = {"op": "step", "sid": f"{self.sid}.0", "start": start, "x": x, "ids": ids,
+               "owner": me, "back": {"ticket": ticket},
+               "next": [[h.peer, f"{self.sid}.{i}"] for i, h in enumerate(hops) if i]}
+        began = time.perf_counter()
+        with self.gen.inbox.expect(ticket, {me, *self.route.peers}) as results:
+            if hops[0].peer == me:
+                await self.gen.local(me, msg)
+            else:
+                await self.gen.channels.notify(hops[0].peer, STAGE_PROTOCOL, msg,
+                                               self.gen.config.step_timeout_s)
+            reply = await self._await_result(results, start + len(ids))
+        self.progress.step_ms = round((time.perf_counter() - began) * 1000, 2)
+        if "error" in reply:
+            raise await self._blame(reply)
+        if not isinstance(reply.get("token"), int):
+            raise HopFailed(hops[-1].peer, "the last stage returned no token")
+        return reply
+
+    async def _await_result(self, results: trio.MemoryReceiveChannel[dict[str, Any]],
+                            end: int) -> dict[str, Any]:
+        """The chain's result; while it is late, check that every hop is alive and working."""
+        assert self.route is not None
+        hops = self.route.hops
+        give_up = trio.current_time() + self.gen.config.step_timeout_s
+        wait = PROBE_AFTER_S
+        while True:
+            with trio.move_on_at(min(give_up, trio.current_time() + wait)):
+                return await results.receive()
+            wait *= 2
+            lagging, reason = await self._probe(end)
+            if reason:
+                raise HopFailed(hops[lagging].peer, reason)
+            if trio.current_time() < give_up:
+                continue  # alive: a long prefill, or a result on its way
+            if lagging < 0:  # every hop has the step, yet no result came
+                lagging = len(hops) - 1
+            if hops[lagging].peer == self.gen.me and lagging > 0:
+                lagging -= 1  # we never got the step: the hop before us did not send it
+            raise HopFailed(hops[lagging].peer, f"no result within "
+                            f"{self.gen.config.step_timeout_s:g} s (position {end - 1})")
+
+    async def _probe(self, end: int) -> tuple[int, str]:
+        """Ping every hop: (index, why) of the first that does not answer, else (index, "")
+        of the first that has not computed up to `end`, else (-1, "")."""
+        assert self.route is not None
+        first_behind = -1
+        for i, hop in enumerate(self.route.hops):
+            ping = {"op": "ping", "sid": f"{self.sid}.{i}"}
+            try:
+                if hop.peer == self.gen.me:
+                    pong = await self.gen.local(self.gen.me, ping)
+                else:
+                    pong = await self.gen.channels.request(hop.peer, STAGE_PROTOCOL, ping,
+                                                           PROBE_TIMEOUT_S)
+            except HopFailed as exc:
+                if hop.peer != self.gen.me:
+                    return i, f"stopped answering during a step ({exc.reason})"
+                pong = {}
+            if first_behind < 0 and (not isinstance(pong.get("at"), int) or pong["at"] < end):
+                first_behind = i
+        return first_behind, ""
+
+    async def _blame(self, reply: dict[str, Any]) -> HopFailed:
+        """The failure a chain reported, pinned on a peer we checked ourselves.
+
+        A hop reporting its own refusal is taken at its word. A hop saying it could not
+        reach the next one is believed only if the next one does not answer us either;
+        otherwise the reporter (or its link) is the broken part.
+        """
+        reporter, accused = str(reply["from"]), str(reply.get("peer", ""))
+        code, detail = str(reply.get("code", "bad")), str(reply["error"])[:500]
+        if accused in ("", reporter):
+            return Refused(reporter, code, detail)
+        assert self.route is not None
+        index = next((i for i, h in enumerate(self.route.hops) if h.peer == accused), None)
+        if index is None:
+            return HopFailed(reporter, f"blamed a peer that is not on the route: {detail}")
+        if accused != self.gen.me:
+            try:
+                await self.gen.channels.request(accused, STAGE_PROTOCOL,
+                                                {"op": "ping", "sid": f"{self.sid}.{index}"},
+                                                PROBE_TIMEOUT_S)
+            except HopFailed:
+                return HopFailed(accused, detail)
+        why = f"could not forward to a peer that answers us: {detail}"
+        # not reaching a peer we reach is a missing link (perhaps not dialled yet): the short
+        # sentence; a link that broke mid-step is the reporter's failure
+        return Unreachable(reporter, why) if code == "unreachable" else HopFailed(reporter, why)
 
     async def _call(self, hop: Hop, msg: dict[str, Any]) -> dict[str, Any]:
         began = time.perf_counter()

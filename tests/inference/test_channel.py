@@ -15,7 +15,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from kvasird.identity.nodekey import create_node_key
 from kvasird.inference.channel import Channels, serve
-from kvasird.inference.errors import HopFailed, Refused
+from kvasird.inference.errors import UNREACHABLE_S, HopFailed, Refused, Unreachable, sentence
 from kvasird.p2p.host import build_host, parse_listen
 
 PROTO = "/kvasir/test-channel/1"
@@ -81,4 +81,32 @@ async def test_a_request_without_an_answer_fails_in_time_and_drops_the_channel(
             await channels.request(peer, PROTO, {"op": "slow", "s": 5}, 0.2)
         assert channels._open == {}
         assert (await channels.request(peer, PROTO, {"n": 1}, 5)) == {"echo": 1, "id": 1}
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_way_messages_get_no_answer_and_an_unknown_peer_is_unreachable(
+        tmp_path: Path) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def record(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+        seen.append(msg)
+        if msg.get("op") == "refuse":
+            raise Refused("", "bad", "no")
+        return {"echo": msg.get("n")}
+
+    async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
+        b.set_stream_handler(PROTO, lambda s: serve(s, record, idle_s=10))
+        channels = Channels(a)
+        await nursery.start(channels.run)
+        peer = b.get_id().to_string()
+        await channels.notify(peer, PROTO, {"op": "refuse"}, 5)  # its failure is the peer's
+        await channels.notify(peer, PROTO, {"n": 1}, 5)
+        # a request after them gets its own answer: nothing answered the one-way ones
+        reply = await channels.request(peer, PROTO, {"n": 2}, 5)
+        assert reply["echo"] == 2
+        assert [m["id"] for m in seen if m.get("op") != "lane"] == [0, 0, reply["id"]]
+        stranger = create_node_key(tmp_path / "x.key").peer_id.to_string()
+        with trio.fail_after(10), pytest.raises(Unreachable) as exc:
+            await channels.notify(stranger, PROTO, {"n": 3}, 5)
+        assert sentence(exc.value) == UNREACHABLE_S < 300
         nursery.cancel_scope.cancel()

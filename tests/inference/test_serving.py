@@ -14,8 +14,9 @@ from kvasird.compute.experts import ExpertShard
 from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.stage import Stage, generate
 from kvasird.inference import tensors
-from kvasird.inference.errors import Refused
+from kvasird.inference.errors import HopFailed, Refused
 from kvasird.inference.serving import PERTURB_ENV, ExpertServer, Holdings, Served, StageServer
+from kvasird.inference.swarm import Inbox
 from kvasird.model.manifest import HEAD, Unit
 from kvasird.model.testmodels import make_model
 
@@ -97,6 +98,100 @@ async def test_a_two_node_ring_with_dispatched_experts_equals_the_whole_model(
         for server, msg in hops:
             await call(server, {"op": "close", "sid": msg["sid"]})
         assert sa.sessions == {} and sb.sessions == {}
+    finally:
+        a.close()
+        b.close()
+        full.close()
+
+
+class Peers:
+    """Stage servers that forward to each other in process, as named peers would."""
+
+    def __init__(self, served: dict[str, Served]) -> None:
+        self.inbox = Inbox()
+        self.sent: list[tuple[str, str, str]] = []
+        """(from, to, op) of every one-way message."""
+        self.down: set[str] = set()
+        self.servers = {name: StageServer(lambda: "m", lambda s=s: s, max_sessions=4, idle_s=60,
+                                          wire_dtype="f32", me=name, send=self._sender(name),
+                                          deliver=self.inbox.deliver if name == "gw" else None)
+                        for name, s in served.items()}
+
+    def _sender(self, me: str):  # noqa: ANN202 - a serving.Send
+        async def send(peer: str, msg: dict[str, Any]) -> None:
+            if peer in self.down or peer not in self.servers:
+                raise HopFailed(peer, "connection refused")
+            self.sent.append((me, peer, msg["op"]))
+            await self.servers[peer].handle(me, msg)
+        return send
+
+
+def chain_step(sid: str, start: int, ids: list[int], route: list[tuple[str, str]],
+               ticket: str) -> dict[str, Any]:
+    return {"op": "step", "sid": route[0][1], "start": start, "owner": "gw",
+            "x": tensors.encode(np.asarray(ids), "i32"), "ids": ids,
+            "next": [list(h) for h in route[1:]], "back": {"ticket": ticket}}
+
+
+async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(moe: Path,
+                                                                 worker: Served) -> None:
+    a = Served.build([moe], Holdings(head=True, windows=((0, 2),)), threads=1, kv_slots=256,
+                     remote=direct(worker))
+    b = Served.build([moe], Holdings(windows=((2, 4),)), threads=1, kv_slots=256,
+                     remote=direct(worker))
+    full = Stage.load(moe, threads=1, kv=KVSpec(n_slots=256, dtype="f32"))
+    try:
+        net = Peers({"gw": a, "b": b})
+        route = [("gw", "s0"), ("b", "s1"), ("gw", "s2")]
+        for i, ((peer, sid), prev) in enumerate(zip(route, ["", "gw", "b"], strict=True)):
+            await net.servers[peer].handle("gw", {**open_msg(sid, *[(0, 2, True, False),
+                                                                    (2, 4, False, False),
+                                                                    (4, 4, False, True)][i]),
+                                                  "prev": prev})
+        history, got = [1, 2, 3], []
+        start = 0
+        for n in range(6):
+            with net.inbox.expect(f"t{n}", {"gw", "b"}) as results:
+                await net.servers["gw"].handle("gw", chain_step("s0", start, history[start:],
+                                                                 route, f"t{n}"))
+                reply = results.receive_nowait()
+            assert "error" not in reply, reply
+            got.append(reply["token"])
+            start = len(history)
+            history.append(reply["token"])
+        assert got == generate(full, [1, 2, 3], 6)
+        # each step: gw -> b (hidden rows), b -> gw (the head's hop), gw -> gw (the result)
+        assert net.sent[:3] == [("gw", "b", "step"), ("b", "gw", "step"), ("gw", "gw", "result")]
+        assert net.servers["b"].forwarded == 6
+
+        # a peer that is neither the owner nor the hop before cannot step a session
+        at = net.servers["b"].sessions[("gw", "s1")].at
+        with net.inbox.expect("stray", {"gw", "b"}) as results:
+            await net.servers["b"].handle("mallory", {**chain_step("s1", start, [1], route[1:],
+                                                                   "stray"),
+                                                      "x": tensors.encode(np.zeros((1, 128),
+                                                                                   np.float32),
+                                                                          "f32")})
+            refused = results.receive_nowait()
+        assert refused["peer"] == "b" and "only the session's owner" in refused["error"]
+        assert net.servers["b"].sessions[("gw", "s1")].at == at
+
+        # a hop that cannot reach the next one names it in the result
+        net.down.add("b")
+        with net.inbox.expect("down", {"gw", "b"}) as results:
+            await net.servers["gw"].handle("gw", chain_step("s0", start, history[start:],
+                                                             route, "down"))
+            failed = results.receive_nowait()
+        assert failed["peer"] == "b" and failed["from"] == "gw" and failed["code"] == "gone"
+        pong = await net.servers["gw"].handle("gw", {"op": "ping", "sid": "s0"})
+        assert pong == {"at": start + 1}
+        # results for no one waiting, or from a peer off the route, are dropped
+        net.inbox.deliver("b", {"op": "result", "ticket": "gone", "token": 1})
+        with net.inbox.expect("t", {"gw"}) as results:
+            net.inbox.deliver("b", {"op": "result", "ticket": "t", "token": 1})
+            with pytest.raises(trio.WouldBlock):
+                results.receive_nowait()
+        assert net.inbox.dropped == 2
     finally:
         a.close()
         b.close()

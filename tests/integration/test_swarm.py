@@ -131,6 +131,8 @@ def test_three_stage_ring_generates_the_tokens_of_one_node(
     # the hops went over lanes (direct TCP keyed over libp2p) once they were up
     assert set(route["lanes"]["open_to"]) == {net.nodes[1].peer_id, net.nodes[2].peer_id}
     assert all(n.get("/v0/inference")["lanes"]["accepted"] >= 1 for n in net.nodes[1:])
+    # boundaries went stage to stage: each remote stage sent its output on itself
+    assert all(n.get("/v0/inference")["serving"]["forwarded"] >= N_TOKENS for n in net.nodes[1:])
 
 
 def test_ring_without_lanes_generates_the_same_tokens_over_libp2p(
