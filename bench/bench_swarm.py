@@ -55,6 +55,7 @@ from kvasird.inference.lane import LaneServer  # noqa: E402
 from kvasird.inference.serving import Holdings, Served, StageServer  # noqa: E402
 from kvasird.localnet import LocalNet  # noqa: E402
 from kvasird.localnet.launcher import LocalNode  # noqa: E402
+from kvasird.logs import configure  # noqa: E402
 from kvasird.model.bundled import bundled_path  # noqa: E402
 from kvasird.model.testmodels import make_model  # noqa: E402
 from kvasird.wire import pack, unpack  # noqa: E402
@@ -62,13 +63,18 @@ from kvasird.wire import pack, unpack  # noqa: E402
 PROMPT = [1, 504, 3458, 282, 4649, 314, 28, 1834]
 
 
+LIVE_TIMING = {"market.heartbeat_s": 5.0, "market.rebalance_s": 15.0}
+"""The daemon's defaults: the tests' fast heartbeats (0.5 s) would add gossip work that a
+node in use does not do, on the cores the decode runs on."""
+
+
 def start(root: Path, model: Path, placement: list[list[str]], threads: int,
           extra: dict[str, Any]) -> LocalNet:
     net = LocalNet(root, len(placement))
     previous = ""
     for node, pins in zip(net.nodes, placement, strict=True):
-        net.settings = {**net.settings,
-                        **settings(model, pins, **{"compute.threads": threads, **extra})}
+        net.settings = {**net.settings, **settings(model, pins, **{
+            "compute.threads": threads, **LIVE_TIMING, **extra})}
         previous = net.configure(node, [previous] if previous else [])
     for node in net.nodes:
         node.spawn()
@@ -284,6 +290,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=[],
                     help="run only these layouts (e.g. '1 node' '3-stage ring')")
     args = ap.parse_args()
+    configure("warning")  # the in-process parts' own logs stay out of the table
     bundled = bundled_path()
     if args.in_process:
         report_in_process(bundled, args)

@@ -17,7 +17,7 @@ split computation equals the local one to float rounding.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +25,7 @@ import numpy as np
 from kvasird.compute.blocks import Blocks
 from kvasird.compute.errors import ComputeError, InputError
 from kvasird.compute.graph import F32, I32, Backend, Builder, GraphCache
+from kvasird.compute.steps import Steps, drive
 from kvasird.compute.weights import ExpertRange, Weights
 
 ExpertDispatch = Callable[[int, np.ndarray, np.ndarray], np.ndarray]
@@ -44,6 +45,9 @@ class ExpertShard:
     """One past the last global id."""
     call: ExpertDispatch
     """Computes rows for local ids 0 .. end-first."""
+    acall: Callable[[int, np.ndarray, np.ndarray], Awaitable[np.ndarray]] | None = None
+    """The same, awaitable (a remote shard called from the event loop); None for local
+    workers, which compute in place."""
 
 
 def _bucket(n: int) -> int:
@@ -134,6 +138,14 @@ def check_shards(layer: int, shards: Sequence[ExpertShard], n_expert: int
 def dispatch(layer: int, cur: np.ndarray, ids: np.ndarray,
              shards: Sequence[ExpertShard]) -> np.ndarray:
     """Expert outputs [T, k, n_embd] for global `ids` [T, k], each range from its shard."""
+    return drive(dispatch_steps(layer, cur, ids, shards),
+                 lambda need: need[0].call(layer, need[1], need[2]))
+
+
+def dispatch_steps(layer: int, cur: np.ndarray, ids: np.ndarray, shards: Sequence[ExpertShard]
+                   ) -> Steps[np.ndarray]:
+    """dispatch as steps (compute.steps): yields (shard, rows, shard-local ids) for each
+    shard with work, is sent that shard's outputs, returns the assembled [T, k, n_embd]."""
     y = np.empty((ids.shape[0], ids.shape[1], cur.shape[1]), np.float32)
     done = np.zeros(ids.shape, bool)
     for s in shards:
@@ -142,7 +154,7 @@ def dispatch(layer: int, cur: np.ndarray, ids: np.ndarray,
         if rows.size == 0:
             continue
         sel, slot = _pack(ids[rows] - s.first, inside[rows])
-        out = np.asarray(s.call(layer, cur[rows], sel), np.float32)
+        out = np.asarray((yield s, cur[rows], sel), np.float32)
         want = (rows.size, sel.shape[1], cur.shape[1])
         if out.shape != want:
             raise ComputeError(f"expert shard [{s.first}, {s.end}) of layer {layer} returned shape "

@@ -19,6 +19,7 @@ import contextlib
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from kvasird.compute.hparams import HParams
 from kvasird.compute.kvcache import PAGE, KVPool, KVSpec, Session
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.sampling import Sampler
+from kvasird.compute.steps import Steps, drive
 from kvasird.compute.weights import Source, Weights, load_weights, open_sources, slice_expert_ranges
 
 KV_BUCKET = 256
@@ -77,6 +79,9 @@ class Stage:
         self.kv = KVPool(backend, hp, range(a, b), kv)
         self.graphs = GraphCache(backend, graph_capacity)
         self._lock = threading.RLock()
+        self.own_lock = self._lock
+        """Held through a forward (its sessions' positions, its graphs), but not the backend:
+        what a forward run as steps on an event loop holds across its awaits."""
         self.locks = (self._lock, backend.lock)
         """What a forward holds while it computes (for `held_now`)."""
         self._owns_backend = False
@@ -153,27 +158,42 @@ class Stage:
         Returns logits [n, n_vocab] when the stage holds the head (n = 1 for "last",
         all tokens for "all"), else hidden states [T, n_embd] float32.
         """
+        with self._lock:
+            return drive(self.forward_steps(session, inputs, start, logits), self.serve)
+
+    def serve(self, need: tuple[Any, ...]) -> Any:
+        """What forward_steps asks for, done here and now: a graph run or expert outputs."""
+        if need[0] == "run":
+            return need[1].run(need[2])
+        _, layer, cur, ids = need
+        return dispatch(layer, cur, ids, self.shards[layer])
+
+    def forward_steps(self, session: Session, inputs: np.ndarray, start: int | None = None,
+                      logits: str = "last") -> Steps[np.ndarray]:
+        """forward as steps (compute.steps): yields ("run", graph, feed) -> outputs and
+        ("experts", layer, rows, global ids) -> expert outputs [T, k, n_embd]. The caller
+        holds `own_lock` while it runs them (`forward` does)."""
         if logits not in ("last", "all"):
             raise InputError(f"logits must be 'last' or 'all', got {logits!r}")
         x = self._check_inputs(inputs)
         if session.pool is not self.kv:
             raise InputError("this session belongs to another stage (or is closed): open one "
                              "with this stage's open_session()")
-        with self._lock:
-            start = session.n_past if start is None else int(start)
-            session.reserve(start, len(x))
-            outs = []
-            for c in range(0, len(x), MAX_CHUNK):
-                chunk = x[c:c + MAX_CHUNK]
-                last = c + MAX_CHUNK >= len(x)
-                mode = logits if last or logits == "all" or not self.head else "skip"
-                out = self._forward_chunk(session, chunk, start + c, mode)
-                session.advance(start + c + len(chunk))
-                if mode != "skip":
-                    outs.append(out)
-            return np.concatenate(outs) if len(outs) > 1 else outs[0]
+        start = session.n_past if start is None else int(start)
+        session.reserve(start, len(x))
+        outs = []
+        for c in range(0, len(x), MAX_CHUNK):
+            chunk = x[c:c + MAX_CHUNK]
+            last = c + MAX_CHUNK >= len(x)
+            mode = logits if last or logits == "all" or not self.head else "skip"
+            out = yield from self._chunk(session, chunk, start + c, mode)
+            session.advance(start + c + len(chunk))
+            if mode != "skip":
+                outs.append(out)
+        return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
-    def _forward_chunk(self, session: Session, x: np.ndarray, start: int, mode: str) -> np.ndarray:
+    def _chunk(self, session: Session, x: np.ndarray, start: int, mode: str
+               ) -> Steps[np.ndarray]:
         T, n_kv = len(x), start + len(x)
         n_kv_b = -(-n_kv // KV_BUCKET) * KV_BUCKET
         j = np.arange(n_kv_b)[None, :]
@@ -188,14 +208,14 @@ class Stage:
             graph = self.graphs.get(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode))
             feed = {name: shared[name] for name in graph.inputs if name in shared}
             feed["x"] = x
-            out = graph.run(feed)
+            out = yield "run", graph, feed
             if seg.router is None:
                 x = out["out"]
                 x = x.reshape(-1, x.shape[-1])
                 continue
             layer, E, k = seg.router, self.hp.n_embd, self.hp.n_expert_used
             cur, ids = out["cur"].reshape(T, E), out["ids"].reshape(T, k)
-            y = dispatch(layer, cur, ids, self.shards[layer])
+            y = yield "experts", layer, cur, ids
             x = combine(out["resid"].reshape(T, E), y, out["weights"].reshape(T, k))
         return x
 
@@ -273,7 +293,15 @@ def held_now(holders: Sequence[Stage | ExpertWorker]) -> Iterator[bool]:
     in place, which spares a thread hand-off: ~0.1 ms per hop, more on a busy machine).
     Yields False, holding nothing, when any is busy.
     """
-    locks = list(dict.fromkeys(lock for h in holders for lock in h.locks))
+    with locks_now(lock for h in holders for lock in h.locks) as held:
+        yield held
+
+
+@contextlib.contextmanager
+def locks_now(locks: Iterable[Any]) -> Iterator[bool]:
+    """Take every one of `locks` without waiting: yields True holding them all, or False
+    holding none."""
+    locks = list(dict.fromkeys(locks))
     taken = []
     try:
         for lock in locks:

@@ -2,11 +2,11 @@
 
 A window stage's MoE layer whose experts it does not hold ends its graph at the router
 (router authority: the ids and weights are decided here) and calls an ExpertShard per
-missing range. Our shard's call runs in the ggml thread; it asks the event loop for
-the current holders, covers the range with the cheapest fit workers, and sends each
-only its rows and *its* local ids:
+missing range. Our shard is awaited by a decode step running on the event loop (or
+entered from a worker thread computing a prefill); it takes the current holders, covers
+the range with the cheapest fit workers, and sends each only its rows and *its* local ids:
 
-    stage thread ─ dispatch(rows, global ids) ─▶ piece [lo, hi) on worker W (holds [e0, e1))
+    stage ─ dispatch(rows, global ids) ─▶ piece [lo, hi) on worker W (holds [e0, e1))
                                                    ids - e0 ─▶ "/kvasir/experts/1" ─▶ W
                                       combine ◀── outputs [m, n, n_embd] ◀──────────┘
 
@@ -32,7 +32,7 @@ from kvasird.inference import tensors
 from kvasird.inference.channel import Channels
 from kvasird.inference.errors import HopFailed, NoWorkers, sentence
 from kvasird.inference.routing import Fitness, Latency, PeerHoldings, cover_experts, expert_holders
-from kvasird.inference.serving import EXPERT_PROTOCOL
+from kvasird.inference.serving import EXPERT_PROTOCOL, INLINE_TOKENS, run_short
 from kvasird.logs import get_logger
 
 MAX_ATTEMPTS = 4
@@ -107,18 +107,24 @@ class ExpertDispatcher:
         self._rng = random.Random()
 
     def shard(self, layer: int, first: int, end: int) -> ExpertShard:
-        return ExpertShard(first, end, lambda lay, rows, sel: self._compute(lay, first, end,
-                                                                             rows, sel))
+        """Experts [first, end) of `layer` on other peers: awaited from the event loop
+        (`acall`), or called from a stage's worker thread (`call`, which enters the loop)."""
+        async def acall(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
+            return await self.compute(lay, first, end, rows, sel)
 
-    def _compute(self, layer: int, first: int, end: int, rows: np.ndarray,
-                 sel: np.ndarray) -> np.ndarray:
-        """In the ggml thread: outputs for shard-local ids `sel`, with failover."""
+        return ExpertShard(first, end,
+                           lambda lay, rows, sel: trio.from_thread.run(acall, lay, rows, sel),
+                           acall)
+
+    async def compute(self, layer: int, first: int, end: int, rows: np.ndarray,
+                      sel: np.ndarray) -> np.ndarray:
+        """Outputs for shard-local ids `sel`, with failover."""
         gids = sel.astype(np.int64) + first
         for g in np.unique(gids):
             self.selected[(layer, int(g))] += int((gids == g).any(axis=1).sum())
         for attempt in range(MAX_ATTEMPTS):
             try:
-                pieces, outs = trio.from_thread.run(self._attempt, layer, first, end, rows, gids)
+                pieces, outs = await self._attempt(layer, first, end, rows, gids)
             except HopFailed as exc:
                 self.fitness.mark(exc.peer, exc.reason, sentence(exc))
                 self.stats["failovers"] += 1
@@ -162,7 +168,8 @@ class ExpertDispatcher:
             if peer == self.me:
                 self.stats["hot_rows"] += len(r)
                 worker = self.hot.workers[(layer, e0)]
-                outs[i] = await trio.to_thread.run_sync(worker, layer, r, gids - e0)
+                outs[i] = await run_short([worker], len(r) <= INLINE_TOKENS, worker, layer, r,
+                                          gids - e0)
                 return
             try:
                 outs[i] = await self.checked(peer, e0, layer, r, gids)
@@ -196,7 +203,8 @@ class ExpertDispatcher:
         own = self.local(layer)
         if own is not None and own[1] <= int(gids.min()) and int(gids.max()) < own[2]:
             worker, first, _ = own
-            ref = await trio.to_thread.run_sync(worker, layer, rows, gids - first)
+            ref = await run_short([worker], len(rows) <= INLINE_TOKENS, worker, layer, rows,
+                                  gids - first)
             if self._close(out, ref):
                 return out
             await self._caught(peer, layer)

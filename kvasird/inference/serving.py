@@ -45,6 +45,7 @@ the hop before it (``prev`` at open).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -56,14 +57,15 @@ import numpy as np
 import trio
 
 from kvasird.compute.errors import ComputeError, KVCacheFull
-from kvasird.compute.experts import ExpertShard, ExpertWorker
+from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch_steps
 from kvasird.compute.gguffile import GGUFFile
 from kvasird.compute.graph import Backend
 from kvasird.compute.hparams import HParams
 from kvasird.compute.kvcache import PAGE, KVSpec, Session
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.sampling import Sampler, SamplingParams, log_softmax
-from kvasird.compute.stage import Stage, held_now
+from kvasird.compute.stage import Stage, held_now, locks_now
+from kvasird.compute.steps import drive_async
 from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights
 from kvasird.errors import KvasirError, WireError
 from kvasird.inference import tensors
@@ -80,7 +82,7 @@ PERTURB_ENV = "KVASIRD_TEST_PERTURB_EXPERTS"
 T = TypeVar("T")
 INLINE_TOKENS = 4
 """Steps (and expert batches) of at most this many rows may compute on the event loop's
-thread (`_run_short`)."""
+thread (`run_short`)."""
 MAX_TOP = 20
 log = get_logger("kvasird.inference.serving")
 
@@ -398,9 +400,7 @@ class StageServer:
             s.history += ids
         s.used = time.monotonic()
         try:
-            # in place only without expert shards: their remote calls need the event loop
-            short = len(x) <= INLINE_TOKENS and not any(st.dispatches for st in s.chain)
-            out = await _run_short(s.chain, short, _run_chain, s, x, start)
+            out = await _run_chain(s, x, start)
         except (KVCacheFull, NoWorkers) as exc:
             raise Refused("", "busy", str(exc)) from None
         except ComputeError as exc:
@@ -439,7 +439,7 @@ class StageServer:
             await self._ended.wait()
 
 
-async def _run_short(holders: Sequence[Stage | ExpertWorker], short: bool,
+async def run_short(holders: Sequence[Stage | ExpertWorker], short: bool,
                      fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) in place when the work is `short` (a decode step of a few ms) and nothing
     else is computing on `holders`: handing it to a thread and back would add ~0.1 ms per
@@ -451,10 +451,48 @@ async def _run_short(holders: Sequence[Stage | ExpertWorker], short: bool,
     return await trio.to_thread.run_sync(fn, *args)
 
 
-def _run_chain(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
+async def _run_chain(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
+    """A step through the hop's stages: in place when short and nothing else computes on
+    them, else in a worker thread. A short step on a stage that dispatches experts runs as
+    steps (compute.steps) on the event loop, awaiting the remote experts of each MoE layer
+    while holding only the stages' own locks (the backend stays free for other work)."""
+    short = len(x) <= INLINE_TOKENS
+    if not any(st.dispatches for st in s.chain):
+        return await run_short(s.chain, short, _run_chain_now, s, x, start)
+    if short:
+        with locks_now(st.own_lock for st in s.chain) as held:
+            if held:
+                for stage, session in zip(s.chain, s.sessions, strict=True):
+                    x = await drive_async(stage.forward_steps(session, x, start),
+                                          functools.partial(_serve_async, stage))
+                return x
+    return await trio.to_thread.run_sync(_run_chain_now, s, x, start)
+
+
+def _run_chain_now(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
     for stage, session in zip(s.chain, s.sessions, strict=True):
         x = stage.forward(session, x, start)
     return x
+
+
+async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
+    """A need of a forward run on the event loop: a graph in place (in a thread if another
+    computation holds the backend), expert outputs from each shard (remote ones awaited)."""
+    if need[0] == "run":
+        with locks_now([stage.backend.lock]) as free:
+            if free:
+                return need[1].run(need[2])
+        return await trio.to_thread.run_sync(need[1].run, need[2])
+    _, layer, cur, ids = need
+
+    async def shard_outputs(ask: tuple[ExpertShard, np.ndarray, np.ndarray]) -> np.ndarray:
+        shard, rows, sel = ask
+        if shard.acall is not None:
+            return await shard.acall(layer, rows, sel)
+        holders = [shard.call] if isinstance(shard.call, ExpertWorker) else []
+        return await run_short(holders, True, shard.call, layer, rows, sel)
+
+    return await drive_async(dispatch_steps(layer, cur, ids, stage.shards[layer]), shard_outputs)
 
 
 def _hop_ref(value: Any) -> tuple[str, str]:
@@ -549,7 +587,7 @@ class ExpertServer:
             batch = self._queues.pop(key)
             self._last[key] = len(batch)
             short = sum(len(j.rows) for j in batch) <= INLINE_TOKENS
-            outs = await _run_short([worker], short, _run_batch, worker, layer, batch)
+            outs = await run_short([worker], short, _run_batch, worker, layer, batch)
             for j, o in zip(batch, outs, strict=True):
                 j.out = o
             self.calls += 1

@@ -104,6 +104,51 @@ async def test_a_two_node_ring_with_dispatched_experts_equals_the_whole_model(
         full.close()
 
 
+async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_decode_steps(
+        moe: Path, worker: Served) -> None:
+    """Decode steps of a stage with remote experts run as steps on the loop (awaiting the
+    shard); a long prefill runs in a worker thread that enters the loop per MoE layer."""
+    paths: list[str] = []
+
+    def hook(layer: int, first: int, end: int) -> ExpertShard:
+        w = worker.workers[layer]
+
+        async def acall(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
+            paths.append("awaited")
+            await trio.sleep(0)  # a remote call yields to the loop
+            return w(lay, rows, sel + first)
+
+        def call(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
+            paths.append("thread")
+            return trio.from_thread.run(acall, lay, rows, sel)
+
+        return ExpertShard(first, end, call, acall)
+
+    a = Served.build([moe], Holdings(head=True, windows=((0, N_LAYER),)), threads=1,
+                     kv_slots=256, remote=hook)
+    full = Stage.load(moe, threads=1, kv=KVSpec(n_slots=256, dtype="f32"))
+    try:
+        server = StageServer(lambda: "m", lambda: a, max_sessions=4, idle_s=60, wire_dtype="f32")
+        await call(server, open_msg("s", 0, N_LAYER, True, True))
+        history = [5, 6, 7, 8, 9, 10]
+        reply = await call(server, {"op": "step", "sid": "s", "start": 0, "ids": history,
+                                    "x": tensors.encode(np.asarray(history), "i32")})
+        assert set(paths) == {"thread", "awaited"}  # the prefill: 6 tokens > INLINE_TOKENS
+        paths.clear()
+        got = [reply["token"]]
+        for _ in range(3):
+            history.append(got[-1])
+            reply = await call(server, {"op": "step", "sid": "s", "start": len(history) - 1,
+                                        "ids": history[-1:],
+                                        "x": tensors.encode(np.asarray(history[-1:]), "i32")})
+            got.append(reply["token"])
+        assert paths and set(paths) == {"awaited"}
+        assert got == generate(full, [5, 6, 7, 8, 9, 10], 4)
+    finally:
+        a.close()
+        full.close()
+
+
 class Peers:
     """Stage servers that forward to each other in process, as named peers would."""
 

@@ -72,7 +72,8 @@ def test_node_on_another_network_name_is_dropped(localnet: Callable[..., LocalNe
         entry = peer_entry(net.nodes[0], stranger)
         assert entry is None or (entry["version"] == "" and entry["addrs"] == [])
         time.sleep(0.3)
-    assert "peer is on another network" in net.nodes[0].log.read_text()
+    # whichever side reads the other's hello first says why (and hangs up on the other)
+    assert any("peer is on another network" in net.nodes[i].log.read_text() for i in (0, 2))
     assert net.nodes[1].peer_id in net.nodes[0].peer_ids()
 
 
