@@ -115,7 +115,7 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
 
         async def acall(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
             paths.append("awaited")
-            await trio.sleep(0)  # a remote call yields to the loop
+            await trio.lowlevel.checkpoint()  # a remote call yields to the loop
             return w(lay, rows, sel + first)
 
         def call(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
