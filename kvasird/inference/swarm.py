@@ -68,8 +68,11 @@ from kvasird.logs import get_logger
 RELAY_EVERY = 32
 """One decode step in this many is relayed hop by hop, so the gateway times each peer."""
 PROBE_AFTER_S = 0.5
-"""A forwarded step without a result this long gets its hops probed (then 1, 2, 4 s...)."""
+"""A forwarded step without a result this long (or twice the route's last step time, if
+longer) gets its hops probed, then again after twice as long each time."""
 PROBE_TIMEOUT_S = 1.0
+"""A probed hop must answer its ping this fast (or in three times the route's last step
+time, if longer: a hop computing a step in place answers once it is done)."""
 PREFILL_CHUNK = 256
 """Tokens per prefill message: bounds one frame (256 × n_embd × 4 B)."""
 BUSY_BACKOFF_S = 5.0
@@ -384,12 +387,12 @@ class _Run:
         assert self.route is not None
         hops = self.route.hops
         give_up = trio.current_time() + self.gen.config.step_timeout_s
-        wait = PROBE_AFTER_S
+        wait, ping_s = max(PROBE_AFTER_S, 2 * self.progress.step_ms / 1000), self._ping_s()
         while True:
             with trio.move_on_at(min(give_up, trio.current_time() + wait)):
                 return await results.receive()
             wait *= 2
-            lagging, reason = await self._probe(end)
+            lagging, reason = await self._probe(end, ping_s)
             if reason:
                 raise HopFailed(hops[lagging].peer, reason)
             if trio.current_time() < give_up:
@@ -401,7 +404,12 @@ class _Run:
             raise HopFailed(hops[lagging].peer, f"no result within "
                             f"{self.gen.config.step_timeout_s:g} s (position {end - 1})")
 
-    async def _probe(self, end: int) -> tuple[int, str]:
+    def _ping_s(self) -> float:
+        """How long a probed hop may take to answer a ping: one computing a step in place
+        answers only after it."""
+        return max(PROBE_TIMEOUT_S, 3 * self.progress.step_ms / 1000)
+
+    async def _probe(self, end: int, ping_s: float) -> tuple[int, str]:
         """Ping every hop: (index, why) of the first that does not answer, else (index, "")
         of the first that has not computed up to `end`, else (-1, "")."""
         assert self.route is not None
@@ -413,7 +421,7 @@ class _Run:
                     pong = await self.gen.local(self.gen.me, ping)
                 else:
                     pong = await self.gen.channels.request(hop.peer, STAGE_PROTOCOL, ping,
-                                                           PROBE_TIMEOUT_S)
+                                                           ping_s)
             except HopFailed as exc:
                 if hop.peer != self.gen.me:
                     return i, f"stopped answering during a step ({exc.reason})"
@@ -441,7 +449,7 @@ class _Run:
             try:
                 await self.gen.channels.request(accused, STAGE_PROTOCOL,
                                                 {"op": "ping", "sid": f"{self.sid}.{index}"},
-                                                PROBE_TIMEOUT_S)
+                                                self._ping_s())
             except HopFailed:
                 return HopFailed(accused, detail)
         why = f"could not forward to a peer that answers us: {detail}"
