@@ -84,32 +84,40 @@ def start(root: Path, model: Path, placement: list[list[str]], threads: int,
     return net
 
 
-def _generate(node: LocalNode, prompt: list[int], n: int) -> tuple[int, float]:
-    """(tokens, decode seconds between the first and the last token event)."""
+def _stamps(node: LocalNode, prompt: list[int], n: int) -> list[float]:
+    """When each token event of a greedy generation reached the client."""
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0}
     stamps: list[float] = []
     with httpx.stream("POST", node.home.admin_address() + "/v0/generate", json=body,
                       timeout=600) as resp:
         if resp.status_code != 200:
-            return 0, 0.0
+            return []
         for line in resp.iter_lines():
             if '"token"' in line:
                 stamps.append(time.perf_counter())
+    return stamps
+
+
+def _generate(node: LocalNode, prompt: list[int], n: int) -> tuple[int, float]:
+    """(tokens, decode seconds between the first and the last token event)."""
+    stamps = _stamps(node, prompt, n)
     return len(stamps), (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
 
 
 def decode_rates(node: LocalNode, n: int, rounds: int, ref: LlamaCppDecoder | None
-                 ) -> tuple[list[float], list[float]]:
-    """Our decode tok/s per round and, when `ref` is given, llama.cpp's measured right after
-    each of ours (the same machine load for both: the ratio is taken per round)."""
+                 ) -> tuple[list[float], list[float], list[float]]:
+    """Our decode tok/s per round; when `ref` is given, llama.cpp's measured right after each
+    of ours (the same machine load for both: the ratio is taken per round); and the gaps
+    between token events at the client (s), which show whether tokens stream evenly."""
     _generate(node, PROMPT, n)  # warm: lanes up, graphs built
-    ours, theirs = [], []
+    ours, theirs, gaps = [], [], []
     for _ in range(rounds):
-        got, dt = _generate(node, PROMPT, n)
-        ours.append((got - 1) / dt if dt else 0.0)
+        stamps = _stamps(node, PROMPT, n)
+        ours.append((len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0)
+        gaps += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
         if ref is not None:
             theirs.append(ref.decode(n))
-    return ours, theirs
+    return ours, theirs, gaps
 
 
 def concurrent(node: LocalNode, sessions: int, n: int) -> float:
@@ -297,6 +305,7 @@ def main() -> None:
         return
     rates: dict[str, float] = {}
     ratios: dict[str, float] = {}
+    gaps: dict[str, str] = {}
     theirs: dict[Path, list[float]] = {}
     refs: dict[Path, LlamaCppDecoder | None] = {}
     conc: dict[str, dict[int, float]] = {}
@@ -322,9 +331,11 @@ def main() -> None:
             with start(root / f"net{i}", model, placement, args.threads, extra) as net:
                 if model not in refs:
                     refs[model] = LlamaCppDecoder.start(args.threads, PROMPT, model)
-                ours, ref_rates = decode_rates(net.nodes[0], args.tokens, args.rounds,
-                                               refs[model])
+                ours, ref_rates, token_gaps = decode_rates(net.nodes[0], args.tokens,
+                                                           args.rounds, refs[model])
                 rates[name] = statistics.median(ours)
+                q = statistics.quantiles(token_gaps, n=10)
+                gaps[name] = f"{q[0] * 1000:.1f} / {q[-1] * 1000:.1f}"
                 if ref_rates:
                     theirs.setdefault(model, []).extend(ref_rates)
                     ratios[name] = statistics.median(o / r for o, r in zip(ours, ref_rates,
@@ -342,15 +353,16 @@ def main() -> None:
           f"per daemon, through the admin API's token stream; medians of {args.rounds} runs, "
           "each followed by a llama.cpp run: 'vs llama.cpp' is the median of those pairs' "
           "ratios)\n")
-    print("| layout | tok/s | vs 1 node | vs llama.cpp |")
-    print("|---|---|---|---|")
+    print("| layout | tok/s | vs 1 node | vs llama.cpp | token gaps p10 / p90 ms |")
+    print("|---|---|---|---|---|")
     for name, rate in rates.items():
         base = rates.get("1 node" if not name.startswith("MoE") else "MoE 1 node")
         vs = f"{ratios[name]:.2f}x" if name in ratios else "n/a"
-        print(f"| {name} | {rate:.1f} | {f'{rate / base:.2f}x' if base else 'n/a'} | {vs} |")
+        print(f"| {name} | {rate:.1f} | {f'{rate / base:.2f}x' if base else 'n/a'} | {vs} "
+              f"| {gaps[name]} |")
     for model, label in ((bundled, "llama.cpp monolithic"), (moe, "llama.cpp monolithic, MoE")):
         if model in theirs:
-            print(f"| {label} | {statistics.median(theirs[model]):.1f} | | 1.00x |")
+            print(f"| {label} | {statistics.median(theirs[model]):.1f} | | 1.00x | |")
     if not theirs:
         print("\nllama.cpp: not built (native/llamacpp builds it into .cache/llamacpp-venv)")
     if "3-stage ring" in rates and "1 node" in rates:

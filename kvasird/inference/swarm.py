@@ -238,6 +238,11 @@ class _Pending:
     async def _run(self, fn: Callable[..., Awaitable[dict[str, Any]]], args: tuple) -> None:
         try:
             with self.scope:
+                # One turn of the loop first: the consumer's write of the token just yielded
+                # goes out before a step computed in place holds the loop. Without it a
+                # one-node stream delivered its tokens in pairs (intervals p10 0.05 ms, p90
+                # 15.5 ms; with it 7.6 / 8.4 ms), at no measured cost in tokens/s.
+                await trio.lowlevel.checkpoint()
                 self.value = await fn(*args)
         except Exception as exc:  # noqa: BLE001 - handed to the generator, which raises it
             self.error = exc
