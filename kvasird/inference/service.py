@@ -5,6 +5,7 @@
     "/kvasir/experts/1" ──▶ ExpertServer  (batched expert rows for other stages)
     LaneServer (TCP) ──▶ the same two handlers over lanes (direct, sealed; lane.py)
     SwarmGenerator ── routes over the coverage map ──▶ peers' StageServers (or ours, in process)
+                   ◀── Inbox ◀── the head's token (boundaries go stage to stage, one-way)
     admin API: POST /v0/generate (NDJSON token stream), GET /v0/inference (routes, sessions, unfit)
     every few heartbeats: a LoadReport (tokens computed, experts selected) on gossip
     spot-check failures: an unfit verdict on gossip (Verdicts; a quorum of accusers counts)
