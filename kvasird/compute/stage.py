@@ -82,6 +82,11 @@ class Stage:
         self.own_lock = self._lock
         """Held through a forward (its sessions' positions, its graphs), but not the backend:
         what a forward run as steps on an event loop holds across its awaits."""
+        self.loop_guard = threading.Lock()
+        """Taken, without waiting, by a forward run as steps on an event loop: one at a time
+        per stage. `own_lock` is reentrant, so a second one on the same loop thread would
+        interleave with the first at its awaits (and could evict from the graph cache a
+        graph the first is running in a thread)."""
         self.locks = (self._lock, backend.lock)
         """What a forward holds while it computes (for `held_now`)."""
         self._owns_backend = False

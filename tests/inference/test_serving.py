@@ -144,6 +144,33 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
             got.append(reply["token"])
         assert paths and set(paths) == {"awaited"}
         assert got == generate(full, [5, 6, 7, 8, 9, 10], 4)
+
+        # two sessions stepping at once: one on the loop, the other waits in a thread
+        paths.clear()
+        prompts = {"p": [11, 12, 13], "q": [21, 22, 23]}
+        outs: dict[str, list[int]] = {k: [] for k in prompts}
+        for sid, prompt in prompts.items():
+            await call(server, open_msg(sid, 0, N_LAYER, True, True))
+            reply = await call(server, {"op": "step", "sid": sid, "start": 0, "ids": prompt,
+                                        "x": tensors.encode(np.asarray(prompt), "i32")})
+            outs[sid].append(reply["token"])
+
+        async def decode(sid: str) -> None:
+            for _ in range(3):
+                ids = [outs[sid][-1]]
+                start = len(prompts[sid]) + len(outs[sid]) - 1
+                reply = await call(server, {"op": "step", "sid": sid, "start": start,
+                                            "ids": ids, "x": tensors.encode(np.asarray(ids),
+                                                                            "i32")})
+                outs[sid].append(reply["token"])
+
+        paths.clear()
+        async with trio.open_nursery() as nursery:
+            for sid in prompts:
+                nursery.start_soon(decode, sid)
+        assert "thread" in paths and "awaited" in paths
+        for sid, prompt in prompts.items():
+            assert outs[sid] == generate(full, prompt, 4), sid
     finally:
         a.close()
         full.close()
