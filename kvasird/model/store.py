@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import threading
 import time
 from collections.abc import Iterable
@@ -337,10 +338,16 @@ class ShardStore:
         if missing:
             raise StoreError(f"{spec} of {model_id[:16]} is not held here (missing {missing[0]}): "
                              "add the model or download the slice first")
-        tmp = path.with_name(path.name + ".tmp")
-        write_slice(manifest, spec, tmp, self.read_piece)
-        verify_slice(tmp, manifest)
-        tmp.replace(path)
+        # A file of its own per writer: the loader and the gateway may assemble the same
+        # slice at once (a shared ".tmp" was renamed away under the other, which then
+        # failed and took its daemon down). Both write the same verified bytes.
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            write_slice(manifest, spec, tmp, self.read_piece)
+            verify_slice(tmp, manifest)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path
 
     # internals

@@ -13,6 +13,7 @@ import math
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,14 +159,17 @@ def test_a_client_that_goes_away_frees_every_session_on_the_route(
                                for n in net.nodes), timeout=10)
 
 
-@pytest.mark.parametrize("window", [1, 2], ids=["middle stage", "last stage"])
+@pytest.mark.parametrize(("window", "sig"), [(1, signal.SIGKILL), (2, signal.SIGKILL),
+                                            (1, signal.SIGSTOP)],
+                         ids=["middle stage killed", "last stage killed", "middle stage hung"])
 def test_killed_stage_is_replaced_and_the_output_is_unchanged(
         localnet: Callable[..., LocalNet], bundled: Path, reference: list[list[int]],
-        window: int) -> None:
+        window: int, sig: signal.Signals) -> None:
     """Node 3 replicates the window of node `window`; whichever of the two is on the route
-    is killed mid-generation, while boundaries go stage to stage. The step in flight never
-    comes back (a write to a socket whose peer just died still succeeds): the gateway's
-    probe of the route finds the dead hop."""
+    is killed (or stopped) mid-generation, while boundaries go stage to stage. The step in
+    flight never comes back (a write to a socket whose peer just died still succeeds): the
+    gateway's probe of the route finds the dead or silent hop, well before the 10 s step
+    timeout."""
     windows = [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"]]
     net = start(localnet, bundled, [*windows, windows[window]])
     gateway = net.nodes[0]
@@ -177,11 +181,18 @@ def test_killed_stage_is_replaced_and_the_output_is_unchanged(
             victim = next(x for x in net.nodes[1:]
                           if x.peer_id in route and x.index in (window, 3))
             killed.append(victim.peer_id)
-            victim.signal(signal.SIGKILL)
+            victims.append(victim)
+            victim.signal(sig)
 
+    victims: list[LocalNode] = []
+    began = time.monotonic()
     got = generate(gateway, PROMPTS[0], on_token=kill_after)
+    took = time.monotonic() - began
+    for victim in victims:
+        victim.signal(signal.SIGKILL)  # a stopped daemon would not heed the SIGTERM of stop()
     assert got == reference[0]
     assert killed and killed[0] in gateway.get("/v0/inference")["unfit"]
+    assert took < 10, f"the failover took {took:.1f} s: no sooner than the step timeout"
 
 
 # --- qwen3moe: stages hold the dense paths, other daemons the experts --------------------

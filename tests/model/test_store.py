@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from kvasird.model.manifest import HEAD, Unit
-from kvasird.model.slice import ExpertRange, LayerWindow, gguf_pieces, read_slice, write_slice
+from kvasird.model.slice import (
+    ExpertRange,
+    LayerWindow,
+    gguf_pieces,
+    read_slice,
+    verify_slice,
+    write_slice,
+)
 from kvasird.model.store import CorruptPiece, ShardStore, StoreError
 
 
@@ -112,3 +121,26 @@ def test_an_expert_unit_needs_all_its_slabs_to_be_held(store_factory, moe_manife
     store.add_manifest(moe_manifest)
     with pytest.raises(StoreError, match="missing"):
         store.mark_held(moe_manifest.model_id, [HEAD])
+
+
+def test_the_same_slice_assembled_by_two_threads_at_once_is_written_whole(
+        source_store, moe_manifest, tmp_path):
+    """The loader and the gateway may both need the head slice at start-up."""
+    (tmp_path / "slices").mkdir()
+    path = tmp_path / "slices" / "head.gguf"
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            source_store.write_slice(moe_manifest.model_id, LayerWindow(0, 2), path)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    verify_slice(path, moe_manifest)
+    assert [p.name for p in path.parent.iterdir()] == ["head.gguf"]  # no temporary files left
