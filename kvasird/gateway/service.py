@@ -128,10 +128,7 @@ class Gateway:
                     config_hint=f"[gateway] listen in {self._config_path}"))
                 task_status.started(self.url)
                 if self._model is not None:
-                    # The GGUF may arrive through the shard store, which has no event to wait on.
-                    while (path := await trio.to_thread.run_sync(self._model)) is None:  # noqa: ASYNC110
-                        await trio.sleep(SOURCE_POLL_S)
-                    model_id, tok = await trio.to_thread.run_sync(_read_model, path)
+                    path, model_id, tok = await self._wait_for_model(self._model)
                     self._tokenizers[model_id] = (tok, ChatTemplate.of(tok))
                     if self._load is not None:
                         owned = self.generator = await self._load_generator(path, model_id)
@@ -141,6 +138,22 @@ class Gateway:
         finally:
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
+
+    async def _wait_for_model(self, source: ModelSource) -> tuple[Path, str, Tokenizer]:
+        """The model's GGUF, id and tokenizer, once it can be read. The GGUF may arrive
+        through the shard store, which has no event to wait on; a read that fails (a slice
+        being assembled, a file being replaced) is logged and tried again, never the end
+        of the node."""
+        while True:
+            try:
+                path = await trio.to_thread.run_sync(source)
+                if path is not None:
+                    model_id, tok = await trio.to_thread.run_sync(_read_model, path)
+                    return path, model_id, tok
+            except (KvasirError, OSError, ValueError) as exc:
+                log.warning("the gateway cannot read its model yet: trying again",
+                            error=str(exc)[:300])
+            await trio.sleep(SOURCE_POLL_S)
 
     async def _load_generator(self, path: Path, model_id: str) -> Generator | None:
         """The local generator, or None (logged, the gateway keeps answering 503) when the

@@ -1,0 +1,33 @@
+"""The gateway waits for its model's GGUF without dying of a read that fails meanwhile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+
+from kvasird.config import GatewayConfig
+from kvasird.gateway.service import Gateway
+from kvasird.model.bundled import bundled_path
+
+
+async def test_a_model_read_that_fails_is_retried_not_the_end_of_the_node() -> None:
+    calls: list[str] = []
+
+    def source() -> Path | None:
+        calls.append("asked")
+        if len(calls) == 1:
+            return None  # not there yet
+        if len(calls) == 2:  # a slice renamed away under us while we read it
+            raise FileNotFoundError("head.gguf.tmp")
+        return bundled_path()
+
+    gateway = Gateway(GatewayConfig(listen="127.0.0.1:0"), model=source)
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(gateway.run)
+        assert url.startswith("http://127.0.0.1:")
+        with trio.fail_after(30):
+            while not gateway._tokenizers:  # noqa: ASYNC110 - nothing to wait on
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert len(calls) == 3
