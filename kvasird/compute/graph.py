@@ -52,6 +52,8 @@ class Backend:
         """Held for a whole set-compute-get: one backend computing two graphs at once gives
         wrong results (STACK.md), so everything sharing a backend shares this lock.
         Reentrant, so that a caller may take it ahead of a forward (`stage.held_now`)."""
+        self.locks = (self.lock,)
+        """What a computation on this backend alone holds (for `stage.held_now`)."""
 
     def compute(self, graph: Any) -> None:
         if not self.handle:

@@ -289,7 +289,7 @@ class Stage:
 
 
 @contextlib.contextmanager
-def held_now(holders: Sequence[Stage | ExpertWorker]) -> Iterator[bool]:
+def held_now(holders: Sequence[Stage | ExpertWorker | Backend]) -> Iterator[bool]:
     """Take the locks a computation on `holders` (stages, expert workers) needs, without
     waiting.
 

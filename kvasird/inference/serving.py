@@ -439,7 +439,7 @@ class StageServer:
             await self._ended.wait()
 
 
-async def run_short(holders: Sequence[Stage | ExpertWorker], short: bool,
+async def run_short(holders: Sequence[Stage | ExpertWorker | Backend], short: bool,
                      fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) in place when the work is `short` (a decode step of a few ms) and nothing
     else is computing on `holders`: handing it to a thread and back would add ~0.1 ms per
@@ -480,10 +480,7 @@ async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
     """A need of a forward run on the event loop: a graph in place (in a thread if another
     computation holds the backend), expert outputs from each shard (remote ones awaited)."""
     if need[0] == "run":
-        with locks_now([stage.backend.lock]) as free:
-            if free:
-                return need[1].run(need[2])
-        return await trio.to_thread.run_sync(need[1].run, need[2])
+        return await run_short([stage.backend], True, need[1].run, need[2])
     _, layer, cur, ids = need
 
     async def shard_outputs(ask: tuple[ExpertShard, np.ndarray, np.ndarray]) -> np.ndarray:

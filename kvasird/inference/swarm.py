@@ -392,12 +392,12 @@ class _Run:
         assert self.route is not None
         hops = self.route.hops
         give_up = trio.current_time() + self.gen.config.step_timeout_s
-        wait, ping_s = max(PROBE_AFTER_S, 2 * self.progress.step_ms / 1000), self._ping_s()
+        wait = max(PROBE_AFTER_S, 2 * self.progress.step_ms / 1000)
         while True:
             with trio.move_on_at(min(give_up, trio.current_time() + wait)):
                 return await results.receive()
             wait *= 2
-            lagging, reason = await self._probe(end, ping_s)
+            lagging, reason = await self._probe(end)
             if reason:
                 raise HopFailed(hops[lagging].peer, reason)
             if trio.current_time() < give_up:
@@ -409,24 +409,25 @@ class _Run:
             raise HopFailed(hops[lagging].peer, f"no result within "
                             f"{self.gen.config.step_timeout_s:g} s (position {end - 1})")
 
-    def _ping_s(self) -> float:
-        """How long a probed hop may take to answer a ping: one computing a step in place
-        answers only after it."""
-        return max(PROBE_TIMEOUT_S, 3 * self.progress.step_ms / 1000)
+    async def _ping(self, i: int) -> dict[str, Any]:
+        """Hop i's session: {at: positions computed}, or HopFailed when the hop does not
+        answer in time (one computing a step in place answers only after it, so the time
+        scales with the route's steps)."""
+        assert self.route is not None
+        peer, msg = self.route.hops[i].peer, {"op": "ping", "sid": f"{self.sid}.{i}"}
+        if peer == self.gen.me:
+            return await self.gen.local(peer, msg)
+        wait_s = max(PROBE_TIMEOUT_S, 3 * self.progress.step_ms / 1000)
+        return await self.gen.channels.request(peer, STAGE_PROTOCOL, msg, wait_s)
 
-    async def _probe(self, end: int, ping_s: float) -> tuple[int, str]:
+    async def _probe(self, end: int) -> tuple[int, str]:
         """Ping every hop: (index, why) of the first that does not answer, else (index, "")
         of the first that has not computed up to `end`, else (-1, "")."""
         assert self.route is not None
         first_behind = -1
         for i, hop in enumerate(self.route.hops):
-            ping = {"op": "ping", "sid": f"{self.sid}.{i}"}
             try:
-                if hop.peer == self.gen.me:
-                    pong = await self.gen.local(self.gen.me, ping)
-                else:
-                    pong = await self.gen.channels.request(hop.peer, STAGE_PROTOCOL, ping,
-                                                           ping_s)
+                pong = await self._ping(i)
             except HopFailed as exc:
                 if hop.peer != self.gen.me:
                     return i, f"stopped answering during a step ({exc.reason})"
@@ -452,9 +453,7 @@ class _Run:
             return HopFailed(reporter, f"blamed a peer that is not on the route: {detail}")
         if accused != self.gen.me:
             try:
-                await self.gen.channels.request(accused, STAGE_PROTOCOL,
-                                                {"op": "ping", "sid": f"{self.sid}.{index}"},
-                                                self._ping_s())
+                await self._ping(index)
             except HopFailed:
                 return HopFailed(accused, detail)
         why = f"could not forward to a peer that answers us: {detail}"
