@@ -128,6 +128,28 @@ def plan_route(n_layer: int, holders: Sequence[PeerHoldings], cost: Callable[[st
     return None
 
 
+def uncovered(n_layer: int, holders: Iterable[PeerHoldings]) -> list[str]:
+    """What no holder in `holders` serves, for an error a person can act on:
+    ["head", "layers 10-20", ...]; empty when they cover the model."""
+    holders = list(holders)
+    served = [False] * n_layer
+    for h in holders:
+        for a, b in h.windows:
+            served[max(a, 0):min(b, n_layer)] = [True] * (min(b, n_layer) - max(a, 0))
+    gaps = [] if any(h.head for h in holders) else ["head"]
+    layer = 0
+    while layer < n_layer:
+        if served[layer]:
+            layer += 1
+            continue
+        end = layer
+        while end < n_layer and not served[end]:
+            end += 1
+        gaps.append(f"layers {layer}-{end}")
+        layer = end
+    return gaps
+
+
 def expert_holders(holders: Iterable[PeerHoldings], layer: int, lo: int, hi: int
                    ) -> list[tuple[str, int, int]]:
     """(peer, e0, e1) of every advertised range of `layer` overlapping [lo, hi)."""

@@ -61,7 +61,15 @@ from kvasird.inference.api import (
 )
 from kvasird.inference.channel import Channels
 from kvasird.inference.errors import HopFailed, Refused, Unreachable, sentence
-from kvasird.inference.routing import Fitness, Hop, Latency, PeerHoldings, Route, plan_route
+from kvasird.inference.routing import (
+    Fitness,
+    Hop,
+    Latency,
+    PeerHoldings,
+    Route,
+    plan_route,
+    uncovered,
+)
 from kvasird.inference.serving import STAGE_PROTOCOL
 from kvasird.logs import get_logger
 
@@ -77,6 +85,8 @@ PREFILL_CHUNK = 256
 """Tokens per prefill message: bounds one frame (256 × n_embd × 4 B)."""
 BUSY_BACKOFF_S = 5.0
 """A peer that refused for lack of capacity is avoided this long."""
+REPLAN_EVERY_S = 0.25
+"""How often a failed-over generation without a route looks at the coverage map again."""
 log = get_logger("kvasird.inference.swarm")
 
 LocalHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -159,9 +169,33 @@ class SwarmGenerator:
         fit = [h for h in self.holders() if self.fitness.fit(h.peer)]
         route = plan_route(self.n_layer(), fit, self.latency)
         if route is None:
-            raise NoRoute("the online peers do not cover every layer and the head of the model "
-                          "(see `kvasird coverage`); retry when the market has filled the gaps")
+            raise NoRoute(f"the online peers do not cover the model ({self.missing()}): see "
+                          "`kvasird coverage`, and retry when the market has filled the gaps")
         return route
+
+    def missing(self) -> str:
+        """What keeps the fit holders from forming a route, in words."""
+        fit = [h for h in self.holders() if self.fitness.fit(h.peer)]
+        gaps = ", ".join(uncovered(self.n_layer(), fit))
+        out = f"nobody fit serves {gaps}" if gaps else "their windows do not chain"
+        if unfit := self.fitness.snapshot():
+            out += f"; {len(unfit)} peer(s) avoided after failing lately"
+        return out
+
+    async def replan(self) -> Route:
+        """A route for a generation whose route just failed: the coverage map may lack its
+        replacement for a moment (a replica's record late or expired while a hung peer
+        held up gossip, a replica still loading), so wait up to the step timeout for one."""
+        give_up = trio.current_time() + self.config.step_timeout_s
+        while True:
+            try:
+                return self.plan()
+            except NoRoute as exc:
+                if trio.current_time() >= give_up:
+                    raise
+                log.warning("no route to fail over to yet: waiting for coverage",
+                            why=str(exc), holders=len(self.holders()))
+                await trio.sleep(REPLAN_EVERY_S)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:
         info = self.resolve(request.model)
@@ -288,15 +322,15 @@ class _Run:
     async def start(self, history: list[int], produced: int, first: bool = False) -> dict[str, Any]:
         """Plan a route, open its sessions and prefill `history`; return the head's reply."""
         try:
-            self.route = self.gen.plan()
+            self.route = self.gen.plan() if first else await self.gen.replan()
         except NoRoute:
             if self.busy:
                 raise Busy(f"every route is out of capacity right now ({self.busy}): "
                            "retry shortly") from None
             if first:
                 raise
-            raise GenerationError("the route failed and no other peers cover the model now; "
-                                  "the generation stopped") from None
+            raise GenerationError(f"the route failed and no other peers cover the model now "
+                                  f"({self.gen.missing()}); the generation stopped") from None
         self.sid = secrets.token_hex(8)
         self.progress.route = self.route.peers
         self.steps = 0

@@ -12,6 +12,7 @@ from kvasird.inference.routing import (
     cover_experts,
     expert_holders,
     plan_route,
+    uncovered,
 )
 from kvasird.market.records import CoverageRecord, Holding
 
@@ -54,6 +55,16 @@ def test_a_gap_in_the_layers_means_no_route() -> None:
 
 def test_without_a_head_holder_there_is_no_route() -> None:
     assert plan_route(L, [holder("a", (0, 30))], flat()) is None
+
+
+def test_what_is_uncovered_is_named_in_runs() -> None:
+    assert uncovered(L, [holder("a", (0, 10), head=True), holder("c", (20, 30)),
+                         holder("d", (24, 26))]) == ["layers 10-20"]
+    assert uncovered(L, [holder("a", (0, 5)), holder("b", (9, 12))]) == [
+        "head", "layers 5-9", "layers 12-30"]
+    # covered layer by layer, yet windows that overlap do not chain (windows are used whole)
+    overlapping = [holder("a", (0, 12), head=True), holder("b", (10, 30))]
+    assert uncovered(L, overlapping) == [] and plan_route(L, overlapping, flat()) is None
 
 
 def test_online_holdings_are_read_from_a_record_and_others_ignored() -> None:

@@ -167,6 +167,31 @@ async def test_a_dead_stage_is_blamed_and_the_replica_continues_the_same_tokens(
     assert fitness._until["b"][0] - time.monotonic() > UNREACHABLE_S  # the full sentence
 
 
+async def test_a_failover_waits_for_a_replica_missing_from_the_map_for_a_moment(
+        served: dict[str, Served], reference: list[int]) -> None:
+    """b dies while its replica b2 is not in the coverage map (its record late: under load,
+    or held up behind a hung peer); b2 shows up 0.6 s after the failure and the generation
+    goes on with it instead of stopping."""
+    net, fitness = Net(served), Fitness(300)
+    gen = net.generator(served, fitness)
+    every = gen.holders
+    shown_at: list[float] = []
+
+    def holders() -> list[PeerHoldings]:
+        late = not shown_at or trio.current_time() < shown_at[0]
+        return [h for h in every() if not (late and h.peer == "b2")]
+
+    def kill(n: int) -> None:
+        if n == 4:
+            net.down.add("b")
+            shown_at.append(trio.current_time() + 0.6)
+
+    gen.holders = holders  # type: ignore[method-assign]
+    assert await run(gen, 10, kill) == reference
+    assert set(fitness.snapshot()) == {"b"}
+    assert trio.current_time() >= shown_at[0]
+
+
 async def test_a_stage_that_cannot_reach_the_next_one_is_blamed_when_we_can(
         served: dict[str, Served], reference: list[int]) -> None:
     """b says it cannot reach c; the gateway reaches c itself, so the fault is b's link:

@@ -61,8 +61,18 @@ def start(localnet: Callable[..., LocalNet], model: Path, placement: list[list[s
         node.spawn()
     for node in net.nodes:
         node.wait_ready()
+    net.wait_until("the gateway sees every node's holdings online",
+                   lambda: all_online(net.nodes[0], len(placement)), ROUTED_S)
     net.wait_until("the gateway has a route", lambda: routable(net.nodes[0]), ROUTED_S)
     return net
+
+
+def all_online(node: LocalNode, n: int) -> bool:
+    """`node` has the records of n holders (itself included), every holding online: a
+    replica a test fails over to is in its map, not still loading."""
+    holders = node.get("/v0/coverage").get("holders") or {}
+    return len(holders) == n and all(
+        h["holdings"] and all(x[-1] == "online" for x in h["holdings"]) for h in holders.values())
 
 
 def routable(node: LocalNode) -> bool:
@@ -88,12 +98,19 @@ def events(node: LocalNode, prompt: list[int], n: int = N_TOKENS,
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             event = json.loads(line)
-            assert "error" not in event, event
+            assert "error" not in event, f"{event}\nthe gateway's warnings:\n{warnings(node)}"
             if "token" in event:
                 out.append(event)
                 if on_token:
                     on_token(len(out))
     return out
+
+
+def warnings(node: LocalNode, lines: int = 20) -> str:
+    """The last warnings and errors in `node`'s log (what a failed generation went through)."""
+    logged = node.log.read_text(errors="replace").splitlines()
+    return "\n".join([x for x in logged if '"level": "warning"' in x
+                      or '"level": "error"' in x][-lines:])
 
 
 def kvasird(node: LocalNode, *args: str) -> subprocess.CompletedProcess[str]:
