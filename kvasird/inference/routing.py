@@ -27,6 +27,11 @@ from kvasird.market.records import CoverageRecord
 DEFAULT_LATENCY_MS = 25.0
 """Assumed for a peer we have no measurement of yet."""
 EWMA = 0.3
+PER_HOP_MS = 0.3
+"""What a hop costs besides its peer's latency and layers: receiving, decoding and handing
+on a step, and a graph run of its own (0.2-0.3 ms per hop in the traced steps of the
+bundled model's ring, steptrace). It makes the planner take fewer hops when all else is
+equal, e.g. ending at a last stage that holds the head rather than going back to ours."""
 
 
 @dataclass(frozen=True)
@@ -89,13 +94,13 @@ class Route:
 
 
 def plan_route(n_layer: int, holders: Sequence[PeerHoldings], cost: Callable[[str], float],
-               per_layer_ms: float = 0.1) -> Route | None:
+               per_layer_ms: float = 0.1, per_hop_ms: float = PER_HOP_MS) -> Route | None:
     """The cheapest route over `holders`, or None when they do not cover the model."""
     start, end = -1, n_layer + 1
     edges: dict[int, list[tuple[float, int, Hop]]] = {}
 
     def edge(a: int, b: int, hop: Hop) -> None:
-        w = cost(hop.peer) + per_layer_ms * (hop.end - hop.first)
+        w = cost(hop.peer) + per_layer_ms * (hop.end - hop.first) + per_hop_ms
         edges.setdefault(a, []).append((w, b, hop))
 
     for h in holders:

@@ -49,6 +49,18 @@ def test_the_faster_replica_is_chosen() -> None:
     assert route is not None and "b2" in route.peers and "b1" not in route.peers
 
 
+def test_each_hop_costs_besides_its_latency() -> None:
+    """x serves all layers for 5 ms; b and c each a third for 2.4 ms: 0.2 ms less in all,
+    but one hop more (a hop's own overhead, PER_HOP_MS, is more than that)."""
+    costs = {"a": 0.0, "x": 5.0, "b": 2.4, "c": 2.4}
+    holders = [holder("a", (0, 10), head=True), holder("x", (10, 30)), holder("b", (10, 20)),
+               holder("c", (20, 30))]
+    route = plan_route(L, holders, costs.__getitem__)
+    assert route is not None and route.peers == ("a", "x", "a")
+    free = plan_route(L, holders, costs.__getitem__, per_hop_ms=0.0)
+    assert free is not None and free.peers == ("a", "b", "c", "a")
+
+
 def test_a_gap_in_the_layers_means_no_route() -> None:
     assert plan_route(L, [holder("a", (0, 10), head=True), holder("c", (20, 30))], flat()) is None
 
