@@ -268,6 +268,30 @@ async def rtt(lanes: bool) -> float:
     return statistics.median(times[20:]) * 1000
 
 
+def report_breakdowns(breakdowns: dict[str, tuple[dict[str, Any], dict[str, str]]]) -> None:
+    """Where the traced decode steps' time went, hop by hop, on the routes measured."""
+    shown = {k: v for k, v in breakdowns.items() if v[0] and len(v[0]["hops"]) > 1}
+    if not shown:
+        return
+    print("\n## Per-hop breakdown on the real route (traced decode steps, medians, ms)\n")
+    print("queue: frame read -> compute (decode, dispatch, waiting for the stage); after: "
+          "encode or sample -> handed to the transport; wire: the rest of the step (framing, "
+          "encryption, loopback, each receiver waking up)\n")
+    print("| layout | hop | queue | compute | after |")
+    print("|---|---|---|---|---|")
+    for name, (view, names) in shown.items():
+        for i, hop in enumerate(view["hops"]):
+            label = names.get(hop["peer"], hop["peer"][-6:])
+            print(f"| {name} | {i}: {label} | {hop['queue_ms']:.3f} | {hop['compute_ms']:.3f} "
+                  f"| {hop['after_ms']:.3f} |")
+        compute = sum(h["compute_ms"] for h in view["hops"])
+        print(f"| {name} | wire | {view['wire_ms']:.3f} | | |")
+        if view.get("gateway_ms") is not None:
+            print(f"| {name} | gateway between steps | {view['gateway_ms']:.3f} | | |")
+        print(f"| {name} | whole step ({view['steps']} traced) | | {view['total_ms']:.3f} "
+              f"(compute {compute:.3f}) | |")
+
+
 def report_in_process(bundled: Path, args: argparse.Namespace) -> None:
     print("\n## Per-hop overhead (bundled model shapes, in process, median ms)\n")
     print("| part | ms |")
@@ -310,6 +334,7 @@ def main() -> None:
     refs: dict[Path, LlamaCppDecoder | None] = {}
     conc: dict[str, dict[int, float]] = {}
     batching: dict[str, str] = {}
+    breakdowns: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         moe = make_model(root / "moe.gguf", n_layer=4, n_expert=8, n_expert_used=2, n_embd=128,
@@ -340,6 +365,8 @@ def main() -> None:
                     theirs.setdefault(model, []).extend(ref_rates)
                     ratios[name] = statistics.median(o / r for o, r in zip(ours, ref_rates,
                                                                            strict=True))
+                names = {n.peer_id: f"node{n.index}" for n in net.nodes}
+                breakdowns[name] = (net.nodes[0].get("/v0/inference")["breakdown"], names)
                 if name in ("3-stage ring", "MoE ring + remote experts"):
                     conc[name] = {s: concurrent(net.nodes[0], s, args.tokens // 2)
                                   for s in args.sessions}
@@ -369,6 +396,7 @@ def main() -> None:
         ring, one = 1000 / rates["3-stage ring"], 1000 / rates["1 node"]
         print(f"\nper token: 1 node {one:.2f} ms, ring {ring:.2f} ms: "
               f"the ring adds {ring - one:.2f} ms for 2 remote hops")
+    report_breakdowns(breakdowns)
     if args.only:
         return
     report_in_process(bundled, args)

@@ -7,7 +7,9 @@
     chat       the GGUF's chat template, rendered in Jinja's sandbox
     local      LocalGenerator: the whole model on this node, ggml in a worker thread, fair turns
     tensors    arrays on the wire: raw f32/f16/i32 bytes in msgpack bin fields, validated
-    channel    request/response with ids over one long-lived libp2p stream per peer, timeouts
+    channel    request/response with ids (and one-way frames) over one long-lived stream
+               per peer and protocol, timeouts
+    lane       a direct TCP connection keyed over libp2p that carries a channel's hot path
     serving    what this node serves: stages and expert workers built from held units;
                "/kvasir/stage/1" sessions (KV, admission, idle expiry), "/kvasir/experts/1"
                rows batched per layer across callers
@@ -16,15 +18,18 @@
     experts    remote expert dispatch from a stage: replicas, failover, spot checks, the
                hot-expert cache
     verdicts   spot-check verdicts on gossip; a quorum of accusers makes a node avoid a worker
-    swarm      SwarmGenerator: plan, open sessions, relay boundaries hop to hop, fail over
-               and replay the history on a new route
+    swarm      SwarmGenerator: plan, open sessions, send steps down the route (each hop
+               forwards to the next), probe a silent route, fail over and replay the history
+               on a new route
+    steptrace  where a traced step's time went: per hop queue / compute / after, the wire
     service    the daemon's wiring: market loader, protocol handlers, admin generate API,
                load reports on gossip
 
-Data flow of one swarm token (the gateway relays; a hop on this node is a direct call):
+Data flow of one swarm token (boundaries go stage to stage; a hop on this node is a direct
+call):
 
-    SwarmGenerator ─ids─▶ hop 1 [embed, layers a..b) ─hidden─▶ SwarmGenerator ─▶ hop 2 … ─▶
-        last hop [layers ..L, head]: logits ─▶ sample ─token─▶ SwarmGenerator ─▶ TokenEvent
+    SwarmGenerator ─ids, route─▶ hop 1 [embed, layers a..b) ─hidden─▶ hop 2 … ─▶
+        last hop [layers ..L, head]: logits ─▶ sample ─token─▶ gateway's Inbox ─▶ TokenEvent
     inside a hop, a MoE layer whose experts live elsewhere: router (here) ─rows, local ids─▶
         workers ("/kvasir/experts/1") ─outputs─▶ combine with the router weights (here)
 """

@@ -313,6 +313,8 @@ async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s:
                     msg = await reader.read()
                 if not isinstance(msg, dict) or not isinstance(msg.get("id"), int):
                     raise WireError("request: expected a map with an integer id")
+                if "trace" in msg:  # a traced step: when it arrived (its sender cannot say)
+                    msg["rx"] = time.monotonic()
                 nursery.start_soon(answer, msg)
     except (trio.TooSlowError, WireError) as exc:
         log.debug("stream ended", peer=peer, reason=repr(exc))

@@ -269,6 +269,7 @@ class InferenceService:
                                   "failovers": p.failovers, "hop_ms": p.hop_ms,
                                   "step_ms": p.step_ms}
                             for rid, p in self.generator.active.items()},
+            "breakdown": self.generator.traces.summary(),
             "dispatch": dict(self.dispatcher.stats),
             "unfit": self.fitness.snapshot(),
             "lanes": {"port": self.lanes.port if self.lanes else None,

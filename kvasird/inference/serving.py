@@ -84,6 +84,8 @@ INLINE_TOKENS = 4
 """Steps (and expert batches) of at most this many rows may compute on the event loop's
 thread (`run_short`)."""
 MAX_TOP = 20
+MAX_TRACE = 64
+"""Hops a traced step records (a longer trace is dropped, the step goes on)."""
 log = get_logger("kvasird.inference.serving")
 
 RemoteHook = Callable[[int, int, int], ExpertShard]
@@ -250,6 +252,8 @@ class ServedSession:
     """Token ids seen so far (the head's repetition penalty needs them)."""
     used: float = field(default_factory=time.monotonic)
     """Last use, for idle expiry."""
+    computed: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    """When the last step's compute began and ended (time.monotonic)."""
 
     def close(self) -> None:
         for s in self.sessions:
@@ -323,6 +327,7 @@ class StageServer:
                 raise Refused("", "bad", "only the session's owner and the hop before it on "
                                          "the route may step it")
             reply = await self._step(s, msg)
+            trace = _traced(msg, s)
             if chain and "x" not in reply:
                 raise Refused("", "bad", "the route goes on after the head: the head hop "
                                          "must be the last")
@@ -333,9 +338,16 @@ class StageServer:
                 out = {"op": "step", "sid": chain[0][1], "start": msg["start"], "x": reply["x"],
                        "ids": msg.get("ids"), "owner": owner, "next": [list(h) for h in chain[1:]],
                        "back": {"ticket": ticket}}
+                if trace is not None:
+                    trace[-1].append(time.monotonic())
+                    out["trace"] = trace
                 await self.send(chain[0][0], out)
             else:
-                await self.send(owner, {"op": "result", "ticket": ticket, **reply})
+                result = {"op": "result", "ticket": ticket, **reply}
+                if trace is not None:
+                    trace[-1].append(time.monotonic())
+                    result["trace"] = trace
+                await self.send(owner, result)
             self.forwarded += 1
         except KvasirError as exc:  # Refused, HopFailed (forwarding), WireError
             code, detail = ((exc.code, exc.detail) if isinstance(exc, Refused)
@@ -398,7 +410,7 @@ class StageServer:
                 raise WireError("stage.ids: expected the token ids of the positions sent")
             del s.history[start:]
             s.history += ids
-        s.used = time.monotonic()
+        s.used = s.computed[0] = time.monotonic()
         try:
             out = await _run_chain(s, x, start)
         except (KVCacheFull, NoWorkers) as exc:
@@ -406,7 +418,7 @@ class StageServer:
         except ComputeError as exc:
             raise Refused("", "bad", str(exc)) from None
         finally:
-            s.used = time.monotonic()
+            s.used = s.computed[1] = time.monotonic()
         self.tokens += len(x)
         s.at = start + len(x)
         if s.sampler is None:
@@ -491,6 +503,20 @@ async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
         return await run_short(holders, True, shard.call, layer, rows, sel)
 
     return await drive_async(dispatch_steps(layer, cur, ids, stage.shards[layer]), shard_outputs)
+
+
+def _traced(msg: dict[str, Any], s: ServedSession) -> list[list[float]] | None:
+    """A traced step's stamps so far plus this hop's [received, compute began, compute
+    ended] (the caller adds when it handed the output on); None when the step is not traced.
+
+    `rx` is stamped by `channel.serve` when the frame was read (a step from this node
+    itself has none: it was received when it was handed over)."""
+    trace = msg.get("trace")
+    if not isinstance(trace, list) or len(trace) >= MAX_TRACE:
+        return None
+    rx = msg.get("rx")
+    rx = rx if isinstance(rx, float) else s.computed[0]
+    return [*trace, [rx, *s.computed]]
 
 
 def _hop_ref(value: Any) -> tuple[str, str]:

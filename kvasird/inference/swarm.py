@@ -23,7 +23,8 @@ What relaying gave for free is kept by other means:
   instead of at the step timeout.
 - per-hop latency (what routing minimises, measured rather than reported): every
   RELAY_EVERY-th decode step (and every step of a one-hop route) is relayed hop by hop,
-  each timed by the gateway.
+  each timed by the gateway. Every TRACE_EVERY-th forwarded step also collects each hop's
+  own stamps (steptrace), which split the step's time into queue, compute and the wire.
 
 While the consumer handles a token (the HTTP stream), the next step already runs
 (`_Pending`): the consumer's time is off the token's critical path.
@@ -71,6 +72,7 @@ from kvasird.inference.routing import (
     uncovered,
 )
 from kvasird.inference.serving import STAGE_PROTOCOL
+from kvasird.inference.steptrace import TRACE_EVERY, StepTrace, Traces
 from kvasird.logs import get_logger
 
 RELAY_EVERY = 32
@@ -120,7 +122,7 @@ class Inbox:
             self.dropped += 1
             return
         with contextlib.suppress(trio.WouldBlock):
-            waiting[1].send_nowait({**msg, "from": sender})
+            waiting[1].send_nowait({**msg, "from": sender, "at": time.monotonic()})
 
 
 @dataclass
@@ -150,6 +152,8 @@ class SwarmGenerator:
         self.channels, self.local, self.inbox = channels, local, inbox
         self.latency, self.fitness, self.config = latency, fitness, config
         self.active: dict[str, Progress] = {}
+        self.traces = Traces()
+        """Where the traced steps' time went (steptrace)."""
         self.nursery: trio.Nursery | None = None
         """Where steps run ahead of the consumer (set by the service once it runs)."""
 
@@ -226,8 +230,8 @@ class SwarmGenerator:
                 history.append(token)
                 more = produced < budget
                 if more:  # the next step runs while the consumer handles this token
-                    pending = _Pending.start(self.nursery, run.step, history,
-                                             len(history) - 1, produced)
+                    pending = _Pending.start(self.nursery, run.local_only(), run.step,
+                                             history, len(history) - 1, produced)
                 yield event
                 progress.tokens = produced
                 if not more:
@@ -260,23 +264,28 @@ class _Pending:
         self.call: Callable[[], Awaitable[dict[str, Any]]] | None = None
 
     @classmethod
-    def start(cls, nursery: trio.Nursery | None,
+    def start(cls, nursery: trio.Nursery | None, after_consumer: bool,
               fn: Callable[..., Awaitable[dict[str, Any]]], *args: Any) -> _Pending:
+        """Run fn(*args) ahead; `after_consumer`: only once the consumer had a turn."""
         p = cls()
         if nursery is None:
             p.call = lambda: fn(*args)
         else:
-            nursery.start_soon(p._run, fn, args)
+            nursery.start_soon(p._run, after_consumer, fn, args)
         return p
 
-    async def _run(self, fn: Callable[..., Awaitable[dict[str, Any]]], args: tuple) -> None:
+    async def _run(self, after_consumer: bool, fn: Callable[..., Awaitable[dict[str, Any]]],
+                   args: tuple) -> None:
         try:
             with self.scope:
-                # One turn of the loop first: the consumer's write of the token just yielded
-                # goes out before a step computed in place holds the loop. Without it a
-                # one-node stream delivered its tokens in pairs (intervals p10 0.05 ms, p90
-                # 15.5 ms; with it 7.6 / 8.4 ms), at no measured cost in tokens/s.
-                await trio.lowlevel.checkpoint()
+                if after_consumer:
+                    # One turn of the loop first: the consumer's write of the token just
+                    # yielded goes out before a step computed in place holds the loop.
+                    # Without it a one-node stream delivered its tokens in pairs (intervals
+                    # p10 0.05 ms, p90 15.5 ms; with it 7.6 / 8.4 ms). A route with remote
+                    # hops does not need it: the write goes out while they compute, and the
+                    # step is sent that much sooner.
+                    await trio.lowlevel.checkpoint()
                 self.value = await fn(*args)
         except Exception as exc:  # noqa: BLE001 - handed to the generator, which raises it
             self.error = exc
@@ -311,6 +320,12 @@ class _Run:
         self.busy = ""
         self.steps = 0
         """Steps sent on this route (every RELAY_EVERY-th decode step is relayed)."""
+        self.answered = 0.0
+        """When the last step's token arrived (time.monotonic; 0 before the first)."""
+
+    def local_only(self) -> bool:
+        """Every hop of the route is this node (its steps hold the event loop throughout)."""
+        return self.route is None or all(h.peer == self.gen.me for h in self.route.hops)
 
     async def begin(self, history: list[int]) -> dict[str, Any]:
         """Open the first route and prefill the prompt (failing over like a step)."""
@@ -395,6 +410,7 @@ class _Run:
                 x = reply.get("x", {})
         if "token" not in reply or not isinstance(reply["token"], int):
             raise HopFailed(self.route.hops[-1].peer, "the last stage returned no token")
+        self.answered = time.monotonic()
         return reply
 
     async def _chain(self, x: dict[str, Any], ids: list[int], start: int) -> dict[str, Any]:
@@ -405,7 +421,10 @@ class _Run:
         msg = {"op": "step", "sid": f"{self.sid}.0", "start": start, "x": x, "ids": ids,
                "owner": me, "back": {"ticket": ticket},
                "next": [[h.peer, f"{self.sid}.{i}"] for i, h in enumerate(hops) if i]}
-        began = time.perf_counter()
+        traced = len(ids) == 1 and self.steps % TRACE_EVERY == 0
+        if traced:
+            msg["trace"] = []
+        began, sent = time.perf_counter(), time.monotonic()
         with self.gen.inbox.expect(ticket, {me, *self.route.peers}) as results:
             if hops[0].peer == me:
                 await self.gen.local(me, msg)
@@ -418,6 +437,10 @@ class _Run:
             raise await self._blame(reply)
         if not isinstance(reply.get("token"), int):
             raise HopFailed(hops[-1].peer, "the last stage returned no token")
+        if traced:
+            self.gen.traces.add(StepTrace.parse(self.route.peers, sent, reply["at"],
+                                                reply.get("trace"), self.answered))
+        self.answered = reply["at"]
         return reply
 
     async def _await_result(self, results: trio.MemoryReceiveChannel[dict[str, Any]],

@@ -15,7 +15,14 @@ from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.stage import Stage, generate
 from kvasird.inference import tensors
 from kvasird.inference.errors import HopFailed, Refused
-from kvasird.inference.serving import PERTURB_ENV, ExpertServer, Holdings, Served, StageServer
+from kvasird.inference.serving import (
+    MAX_TRACE,
+    PERTURB_ENV,
+    ExpertServer,
+    Holdings,
+    Served,
+    StageServer,
+)
 from kvasird.inference.swarm import Inbox
 from kvasird.model.manifest import HEAD, Unit
 from kvasird.model.testmodels import make_model
@@ -235,6 +242,23 @@ async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(moe: Path,
         # each step: gw -> b (hidden rows), b -> gw (the head's hop), gw -> gw (the result)
         assert net.sent[:3] == [("gw", "b", "step"), ("b", "gw", "step"), ("gw", "gw", "result")]
         assert net.servers["b"].forwarded == 6
+
+        # a traced step collects each hop's [received, began, ended, handed on]; a trace
+        # grown past MAX_TRACE hops is dropped and the step goes on
+        for n, trace in enumerate(([], [[0.0, 0.0, 0.0, 0.0]] * MAX_TRACE)):
+            with net.inbox.expect(f"tr{n}", {"gw", "b"}) as results:
+                await net.servers["gw"].handle("gw", {**chain_step("s0", start, history[start:],
+                                                                   route, f"tr{n}"),
+                                                      "trace": trace})
+                reply = results.receive_nowait()
+            start = len(history)
+            history.append(reply["token"])
+            if n == 0:
+                assert len(reply["trace"]) == 3
+                stamps = [t for hop in reply["trace"] for t in hop]
+                assert stamps == sorted(stamps) and all(isinstance(t, float) for t in stamps)
+            else:
+                assert "trace" not in reply
 
         # a peer that is neither the owner nor the hop before cannot step a session
         at = net.servers["b"].sessions[("gw", "s1")].at

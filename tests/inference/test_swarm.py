@@ -154,6 +154,19 @@ async def test_a_forwarded_route_generates_the_tokens_of_the_whole_model(
     assert all(s.sessions == {} for s in net.servers.values())
 
 
+async def test_traced_steps_say_where_each_hops_time_went(
+        served: dict[str, Served], reference: list[int]) -> None:
+    net = Net({k: v for k, v in served.items() if k != "b2"})
+    gen = net.generator(served, Fitness(300))
+    assert (await run(gen, 16))[:10] == reference
+    view = gen.traces.summary()
+    assert view["route"] == ["gw", "b", "c", "gw"]  # the head at the end is the gateway's
+    assert view["steps"] >= 2 and len(view["hops"]) == 4
+    # b computes two layers, c one: each traced hop's compute is its own
+    assert all(h["compute_ms"] > 0 for h in view["hops"])
+    assert view["total_ms"] >= view["wire_ms"] + sum(h["compute_ms"] for h in view["hops"]) - 1e-3
+
+
 async def test_a_dead_stage_is_blamed_and_the_replica_continues_the_same_tokens(
         served: dict[str, Served], reference: list[int]) -> None:
     net, fitness = Net(served), Fitness(300)

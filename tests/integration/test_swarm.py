@@ -151,6 +151,10 @@ def test_three_stage_ring_generates_the_tokens_of_one_node(
     assert all(n.get("/v0/inference")["lanes"]["accepted"] >= 1 for n in net.nodes[1:])
     # boundaries went stage to stage: each remote stage sent its output on itself
     assert all(n.get("/v0/inference")["serving"]["forwarded"] >= N_TOKENS for n in net.nodes[1:])
+    # traced steps split the step's time per hop on the real route
+    breakdown = net.nodes[0].get("/v0/inference")["breakdown"]
+    assert breakdown["route"] == [n.peer_id for n in (*net.nodes, net.nodes[0])]
+    assert breakdown["steps"] >= 2 and all(h["compute_ms"] > 0 for h in breakdown["hops"])
 
 
 def test_ring_without_lanes_generates_the_same_tokens_over_libp2p(
