@@ -230,8 +230,8 @@ class SwarmGenerator:
                 history.append(token)
                 more = produced < budget
                 if more:  # the next step runs while the consumer handles this token
-                    pending = _Pending.start(self.nursery, run.local_only(), run.step,
-                                             history, len(history) - 1, produced)
+                    pending = _Pending.start(self.nursery, run.step, history,
+                                             len(history) - 1, produced)
                 yield event
                 progress.tokens = produced
                 if not more:
@@ -264,28 +264,26 @@ class _Pending:
         self.call: Callable[[], Awaitable[dict[str, Any]]] | None = None
 
     @classmethod
-    def start(cls, nursery: trio.Nursery | None, after_consumer: bool,
+    def start(cls, nursery: trio.Nursery | None,
               fn: Callable[..., Awaitable[dict[str, Any]]], *args: Any) -> _Pending:
-        """Run fn(*args) ahead; `after_consumer`: only once the consumer had a turn."""
         p = cls()
         if nursery is None:
             p.call = lambda: fn(*args)
         else:
-            nursery.start_soon(p._run, after_consumer, fn, args)
+            nursery.start_soon(p._run, fn, args)
         return p
 
-    async def _run(self, after_consumer: bool, fn: Callable[..., Awaitable[dict[str, Any]]],
-                   args: tuple) -> None:
+    async def _run(self, fn: Callable[..., Awaitable[dict[str, Any]]], args: tuple) -> None:
         try:
             with self.scope:
-                if after_consumer:
-                    # One turn of the loop first: the consumer's write of the token just
-                    # yielded goes out before a step computed in place holds the loop.
-                    # Without it a one-node stream delivered its tokens in pairs (intervals
-                    # p10 0.05 ms, p90 15.5 ms; with it 7.6 / 8.4 ms). A route with remote
-                    # hops does not need it: the write goes out while they compute, and the
-                    # step is sent that much sooner.
-                    await trio.lowlevel.checkpoint()
+                # One turn of the loop first: the consumer's write of the token just yielded
+                # goes out before a step computed in place holds the loop. Without it a
+                # one-node stream delivered its tokens in pairs (intervals p10 0.05 ms, p90
+                # 15.5 ms; with it 7.6 / 8.4 ms), at no measured cost in tokens/s. Sending a
+                # ring's next step before the write saved 0.1-0.2 ms of the gateway's time
+                # between steps but no tokens/s (A/B, 3 rounds): the write then competes
+                # with the remote hops for the same cores.
+                await trio.lowlevel.checkpoint()
                 self.value = await fn(*args)
         except Exception as exc:  # noqa: BLE001 - handed to the generator, which raises it
             self.error = exc
@@ -322,10 +320,6 @@ class _Run:
         """Steps sent on this route (every RELAY_EVERY-th decode step is relayed)."""
         self.answered = 0.0
         """When the last step's token arrived (time.monotonic; 0 before the first)."""
-
-    def local_only(self) -> bool:
-        """Every hop of the route is this node (its steps hold the event loop throughout)."""
-        return self.route is None or all(h.peer == self.gen.me for h in self.route.hops)
 
     async def begin(self, history: list[int]) -> dict[str, Any]:
         """Open the first route and prefill the prompt (failing over like a step)."""
