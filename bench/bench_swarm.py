@@ -16,10 +16,13 @@ each such pair is what can be compared, and the table gives their median. Side b
                     (and again with the stages' hot-expert cache on)
     llama.cpp       monolithic, same GGUF and threads (when native/llamacpp was built)
 
-then the per-hop overhead, measured in process on the bundled model's shapes (one hidden
+then where a traced decode step's time went on each measured route, per hop (queue,
+compute, after) and on the wire (kvasird.inference.steptrace, from the gateway's admin
+API); then the per-hop overhead, measured in process on the bundled model's shapes (one hidden
 row of 576 floats): serialization (encode + msgpack + decode), a libp2p round trip over
 one long-lived stream (TCP + Noise + yamux, two hosts in one process), the stage
-handler's Python, and the compute of one third of the layers; and aggregate tok/s with
+handler's Python, the compute of one third of the layers, and a decode step's compute as
+one graph vs the ring's four; and aggregate tok/s with
 1, 4 and 16 concurrent sessions on the ring and on the MoE ring (expert rows per worker
 call shows what batching across sessions buys).
 """
@@ -168,6 +171,7 @@ def per_hop(bundled: Path, threads: int) -> list[tuple[str, float]]:
     rows.append(("compute: 10 layers, 1 token",
                  median_ms(lambda: (stage.forward(session, x, 8), session.truncate(8)), 200)))
     stage.close()
+    rows += split_compute(bundled, threads)
     served = Served.build([bundled], Holdings(windows=((0, 10),)), threads=threads,
                           kv_slots=4096, remote=lambda *a: None)  # type: ignore[arg-type,return-value]
     server = StageServer(lambda: "m", lambda: served, max_sessions=4, idle_s=60,
@@ -190,6 +194,38 @@ def per_hop(bundled: Path, threads: int) -> list[tuple[str, float]]:
     rows.append(("stage handler total (compute + thread hop + Python)", total))
     rows.append(("libp2p round trip, 2.3 KB each way, one stream", trio.run(rtt, False)))
     rows.append(("lane round trip (direct TCP, sealed), 2.3 KB each way", trio.run(rtt, True)))
+    return rows
+
+
+def split_compute(bundled: Path, threads: int, n: int = 100) -> list[tuple[str, float]]:
+    """A decode step's compute as one graph of the whole model vs the ring's four (three
+    windows, then the head), in one process: what splitting costs in compute alone."""
+    kv = KVSpec(n_slots=512, dtype="f16")
+    layouts = {"compute: whole model, one graph, 1 token": [((0, 30), True, True)],
+               "compute: the ring's 4 graphs (3 windows + head), 1 token":
+                   [((0, 10), True, False), ((10, 20), False, False), ((20, 30), False, False),
+                    ((30, 30), False, True)]}
+    rows = []
+    for name, parts in layouts.items():
+        stages = [Stage.load(bundled, w, embed=e, head=h, threads=threads, kv=kv)
+                  for w, e, h in parts]
+        sessions = [st.open_session() for st in stages]
+
+        def step(x: np.ndarray, start: int) -> np.ndarray:
+            for st, se in zip(stages, sessions, strict=True):
+                x = st.forward(se, x, start)
+            return x
+
+        step(np.asarray(PROMPT, np.int32), 0)
+        token = np.asarray([1], np.int32)
+        times = []
+        for i in range(n):
+            t = time.perf_counter()
+            step(token, len(PROMPT) + i)
+            times.append(time.perf_counter() - t)
+        rows.append((name, statistics.median(times) * 1000))
+        for st in stages:
+            st.close()
     return rows
 
 
