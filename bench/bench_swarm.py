@@ -209,24 +209,24 @@ def split_compute(bundled: Path, threads: int, n: int = 100) -> list[tuple[str, 
     for name, parts in layouts.items():
         stages = [Stage.load(bundled, w, embed=e, head=h, threads=threads, kv=kv)
                   for w, e, h in parts]
-        sessions = [st.open_session() for st in stages]
-
-        def step(x: np.ndarray, start: int) -> np.ndarray:
-            for st, se in zip(stages, sessions, strict=True):
-                x = st.forward(se, x, start)
-            return x
-
-        step(np.asarray(PROMPT, np.int32), 0)
+        chain = [(st, st.open_session()) for st in stages]
+        _through(chain, np.asarray(PROMPT, np.int32), 0)
         token = np.asarray([1], np.int32)
         times = []
         for i in range(n):
             t = time.perf_counter()
-            step(token, len(PROMPT) + i)
+            _through(chain, token, len(PROMPT) + i)
             times.append(time.perf_counter() - t)
         rows.append((name, statistics.median(times) * 1000))
         for st in stages:
             st.close()
     return rows
+
+
+def _through(chain: list[tuple[Stage, Any]], x: np.ndarray, start: int) -> np.ndarray:
+    for stage, session in chain:
+        x = stage.forward(session, x, start)
+    return x
 
 
 def wire_f16_effect(bundled: Path, threads: int, n: int) -> dict[str, float]:
