@@ -310,22 +310,23 @@ def report_breakdowns(breakdowns: dict[str, tuple[dict[str, Any], dict[str, str]
     if not shown:
         return
     print("\n## Per-hop breakdown on the real route (traced decode steps, medians, ms)\n")
-    print("queue: frame read -> compute (decode, dispatch, waiting for the stage); after: "
-          "encode or sample -> handed to the transport; wire: the rest of the step (framing, "
+    print("queue: frame read -> compute (decode, dispatch, waiting for the stage); compute: "
+          "the stage's graphs and, of that, the wait for remote experts; after: encode or "
+          "sample -> handed to the transport; wire: the rest of the step (framing, "
           "encryption, loopback, each receiver waking up)\n")
-    print("| layout | hop | queue | compute | after |")
-    print("|---|---|---|---|---|")
+    print("| layout | hop | queue | compute | of which remote experts | after |")
+    print("|---|---|---|---|---|---|")
     for name, (view, names) in shown.items():
         for i, hop in enumerate(view["hops"]):
             label = names.get(hop["peer"], hop["peer"][-6:])
             print(f"| {name} | {i}: {label} | {hop['queue_ms']:.3f} | {hop['compute_ms']:.3f} "
-                  f"| {hop['after_ms']:.3f} |")
+                  f"| {hop['experts_ms']:.3f} | {hop['after_ms']:.3f} |")
         compute = sum(h["compute_ms"] for h in view["hops"])
-        print(f"| {name} | wire | {view['wire_ms']:.3f} | | |")
+        print(f"| {name} | wire | {view['wire_ms']:.3f} | | | |")
         if view.get("gateway_ms") is not None:
-            print(f"| {name} | gateway between steps | {view['gateway_ms']:.3f} | | |")
+            print(f"| {name} | gateway between steps | {view['gateway_ms']:.3f} | | | |")
         print(f"| {name} | whole step ({view['steps']} traced) | | {view['total_ms']:.3f} "
-              f"(compute {compute:.3f}) | |")
+              f"(compute {compute:.3f}) | | |")
 
 
 def report_in_process(bundled: Path, args: argparse.Namespace) -> None:

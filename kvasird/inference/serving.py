@@ -70,6 +70,7 @@ from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights
 from kvasird.errors import KvasirError, WireError
 from kvasird.inference import tensors
 from kvasird.inference.errors import HopFailed, NoWorkers, Refused, Unreachable
+from kvasird.inference.steptrace import collecting_waits, waiting
 from kvasird.logs import get_logger
 from kvasird.model.manifest import Unit
 from kvasird.model.slice import contiguous_runs
@@ -252,8 +253,9 @@ class ServedSession:
     """Token ids seen so far (the head's repetition penalty needs them)."""
     used: float = field(default_factory=time.monotonic)
     """Last use, for idle expiry."""
-    computed: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    """When the last step's compute began and ended (time.monotonic)."""
+    computed: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    """When the last step's compute began and ended (time.monotonic), and how long of it
+    went to waiting for remote experts (s)."""
 
     def close(self) -> None:
         for s in self.sessions:
@@ -327,7 +329,6 @@ class StageServer:
                 raise Refused("", "bad", "only the session's owner and the hop before it on "
                                          "the route may step it")
             reply = await self._step(s, msg)
-            trace = _traced(msg, s)
             if chain and "x" not in reply:
                 raise Refused("", "bad", "the route goes on after the head: the head hop "
                                          "must be the last")
@@ -338,14 +339,12 @@ class StageServer:
                 out = {"op": "step", "sid": chain[0][1], "start": msg["start"], "x": reply["x"],
                        "ids": msg.get("ids"), "owner": owner, "next": [list(h) for h in chain[1:]],
                        "back": {"ticket": ticket}}
-                if trace is not None:
-                    trace[-1].append(time.monotonic())
+                if (trace := _traced(msg, s)) is not None:
                     out["trace"] = trace
                 await self.send(chain[0][0], out)
             else:
                 result = {"op": "result", "ticket": ticket, **reply}
-                if trace is not None:
-                    trace[-1].append(time.monotonic())
+                if (trace := _traced(msg, s)) is not None:
                     result["trace"] = trace
                 await self.send(owner, result)
             self.forwarded += 1
@@ -412,13 +411,15 @@ class StageServer:
             s.history += ids
         s.used = s.computed[0] = time.monotonic()
         try:
-            out = await _run_chain(s, x, start)
+            with collecting_waits() as waited:
+                out = await _run_chain(s, x, start)
         except (KVCacheFull, NoWorkers) as exc:
             raise Refused("", "busy", str(exc)) from None
         except ComputeError as exc:
             raise Refused("", "bad", str(exc)) from None
         finally:
             s.used = s.computed[1] = time.monotonic()
+            s.computed[2] = waited[0]
         self.tokens += len(x)
         s.at = start + len(x)
         if s.sampler is None:
@@ -498,7 +499,8 @@ async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
     async def shard_outputs(ask: tuple[ExpertShard, np.ndarray, np.ndarray]) -> np.ndarray:
         shard, rows, sel = ask
         if shard.acall is not None:
-            return await shard.acall(layer, rows, sel)
+            with waiting():
+                return await shard.acall(layer, rows, sel)
         holders = [shard.call] if isinstance(shard.call, ExpertWorker) else []
         return await run_short(holders, True, shard.call, layer, rows, sel)
 
@@ -506,8 +508,9 @@ async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
 
 
 def _traced(msg: dict[str, Any], s: ServedSession) -> list[list[float]] | None:
-    """A traced step's stamps so far plus this hop's [received, compute began, compute
-    ended] (the caller adds when it handed the output on); None when the step is not traced.
+    """A traced step's stamps so far plus this hop's, as its output is handed on:
+    [received, compute began, compute ended, handed on, experts waited]; None when the
+    step is not traced.
 
     `rx` is stamped by `channel.serve` when the frame was read (a step from this node
     itself has none: it was received when it was handed over)."""
@@ -515,8 +518,9 @@ def _traced(msg: dict[str, Any], s: ServedSession) -> list[list[float]] | None:
     if not isinstance(trace, list) or len(trace) >= MAX_TRACE:
         return None
     rx = msg.get("rx")
-    rx = rx if isinstance(rx, float) else s.computed[0]
-    return [*trace, [rx, *s.computed]]
+    began, ended, experts = s.computed
+    return [*trace, [rx if isinstance(rx, float) else began, began, ended, time.monotonic(),
+                     experts]]
 
 
 def _hop_ref(value: Any) -> tuple[str, str]:

@@ -1,9 +1,9 @@
 """Where a forwarded step's time goes, measured on the real route.
 
 One decode step in TRACE_EVERY carries a `trace` list. Each hop appends its own stamps,
-taken on its own clock (time.monotonic):
+taken on its own clock (time.monotonic), and how long it waited for remote experts:
 
-    [received, compute began, compute ended, handed on]
+    [received, compute began, compute ended, handed on, experts waited]
 
 `received` is when its frame was read (`channel.serve`), `handed on` when its output went
 to the transport. The gateway notes when it sent the step and when the result arrived.
@@ -11,6 +11,8 @@ Only differences on one clock are used, so hops on other machines are measured a
 
     queue    received -> compute began     decoding the step, Python dispatch, a busy stage
     compute  compute began -> ended        the stage's graphs (and remote experts, if any)
+    experts  of compute, awaiting remote expert workers (a step run on the event loop; a
+             step that had to run in a worker thread counts them as compute)
     after    compute ended -> handed on    encoding the output, sampling at the head
     wire     the step's whole time minus every hop's (received -> handed on): framing,
              encryption, the network, and each receiver waking up to read
@@ -22,8 +24,12 @@ The gateway keeps the last TRACES_KEPT of them; the admin API shows their median
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import statistics
+import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,21 +38,51 @@ TRACE_EVERY = 4
 TRACES_KEPT = 256
 
 
+EXPERT_WAIT: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
+    "expert_wait", default=None)
+"""Where the step a stage computes adds up its waits for remote experts (seconds)."""
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Count the block's time into the current step's EXPERT_WAIT, when it is collected."""
+    total = EXPERT_WAIT.get()
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        if total is not None:
+            total[0] += time.perf_counter() - began
+
+
+@contextlib.contextmanager
+def collecting_waits() -> Iterator[list[float]]:
+    """Collect the remote-expert waits of the step run in the block (and the tasks it
+    starts): [seconds]."""
+    total = [0.0]
+    token = EXPERT_WAIT.set(total)
+    try:
+        yield total
+    finally:
+        EXPERT_WAIT.reset(token)
+
+
 @dataclass(frozen=True)
 class StepTrace:
     route: tuple[str, ...]
     """The hops' peers, in order."""
     total_ms: float
     """Sent by the gateway -> result received."""
-    hops: tuple[tuple[float, float, float], ...]
-    """(queue, compute, after) per hop, ms."""
+    hops: tuple[tuple[float, float, float, float], ...]
+    """(queue, compute, after, experts) per hop, ms; experts: the part of compute spent
+    waiting for remote expert workers."""
     gateway_ms: float | None = None
     """The previous step's token arrived -> this step was sent: the gateway's own time
     between steps (handing the token to the client, starting the step)."""
 
     @property
     def wire_ms(self) -> float:
-        return self.total_ms - sum(sum(h) for h in self.hops)
+        return self.total_ms - sum(sum(h[:3]) for h in self.hops)
 
     @classmethod
     def parse(cls, route: tuple[str, ...], sent: float, got: float, stamps: Any,
@@ -56,13 +92,14 @@ class StepTrace:
             return None
         hops = []
         for s in stamps:
-            if (not isinstance(s, list) or len(s) != 4
+            if (not isinstance(s, list) or len(s) not in (4, 5)
                     or not all(isinstance(t, float) for t in s)):
                 return None
-            spans = tuple((b - a) * 1000 for a, b in zip(s, s[1:], strict=False))
-            if min(spans) < 0:
+            q, c, a = ((b - a) * 1000 for a, b in zip(s[:3], s[1:4], strict=True))
+            experts = s[4] * 1000 if len(s) == 5 else 0.0
+            if min(q, c, a, experts) < 0 or experts > c:
                 return None
-            hops.append(spans)
+            hops.append((q, c, a, experts))
         gap = (sent - previous) * 1000 if 0 < previous <= sent else None
         return cls(route, (got - sent) * 1000, tuple(hops), gap)
 
@@ -94,5 +131,6 @@ class Traces:
                 "gateway_ms": med(gaps) if gaps else None,
                 "hops": [{"peer": peer,
                           **{f"{name}_ms": med([t.hops[i][k] for t in same])
-                             for k, name in enumerate(("queue", "compute", "after"))}}
+                             for k, name in enumerate(("queue", "compute", "after",
+                                                       "experts"))}}
                          for i, peer in enumerate(route)]}

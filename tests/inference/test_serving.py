@@ -116,13 +116,14 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
     """Decode steps of a stage with remote experts run as steps on the loop (awaiting the
     shard); a long prefill runs in a worker thread that enters the loop per MoE layer."""
     paths: list[str] = []
+    remote_s = [0.0]
 
     def hook(layer: int, first: int, end: int) -> ExpertShard:
         w = worker.workers[layer]
 
         async def acall(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
             paths.append("awaited")
-            await trio.lowlevel.checkpoint()  # a remote call yields to the loop
+            await trio.sleep(remote_s[0])  # a remote call yields to the loop
             return w(lay, rows, sel + first)
 
         def call(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
@@ -143,6 +144,7 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
         assert set(paths) == {"thread", "awaited"}  # the prefill: 6 tokens > INLINE_TOKENS
         paths.clear()
         got = [reply["token"]]
+        remote_s[0] = 0.005
         for _ in range(3):
             history.append(got[-1])
             reply = await call(server, {"op": "step", "sid": "s", "start": len(history) - 1,
@@ -151,6 +153,10 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
             got.append(reply["token"])
         assert paths and set(paths) == {"awaited"}
         assert got == generate(full, [5, 6, 7, 8, 9, 10], 4)
+        # the step's wait for its remote experts is measured (traced steps report it)
+        began, ended, waited = server.sessions[("gateway", "s")].computed
+        assert N_LAYER * 0.005 <= waited < ended - began
+        remote_s[0] = 0.0
 
         # two sessions stepping at once: one on the loop, the other waits in a thread
         paths.clear()
@@ -243,8 +249,8 @@ async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(moe: Path,
         assert net.sent[:3] == [("gw", "b", "step"), ("b", "gw", "step"), ("gw", "gw", "result")]
         assert net.servers["b"].forwarded == 6
 
-        # a traced step collects each hop's [received, began, ended, handed on]; a trace
-        # grown past MAX_TRACE hops is dropped and the step goes on
+        # a traced step collects each hop's [received, began, ended, handed on, experts
+        # waited]; a trace grown past MAX_TRACE hops is dropped and the step goes on
         for n, trace in enumerate(([], [[0.0, 0.0, 0.0, 0.0]] * MAX_TRACE)):
             with net.inbox.expect(f"tr{n}", {"gw", "b"}) as results:
                 await net.servers["gw"].handle("gw", {**chain_step("s0", start, history[start:],
@@ -254,9 +260,10 @@ async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(moe: Path,
             start = len(history)
             history.append(reply["token"])
             if n == 0:
-                assert len(reply["trace"]) == 3
-                stamps = [t for hop in reply["trace"] for t in hop]
+                assert len(reply["trace"]) == 3 and all(len(hop) == 5 for hop in reply["trace"])
+                stamps = [t for hop in reply["trace"] for t in hop[:4]]
                 assert stamps == sorted(stamps) and all(isinstance(t, float) for t in stamps)
+                assert all(hop[4] == 0.0 for hop in reply["trace"])  # its experts are local
             else:
                 assert "trace" not in reply
 

@@ -14,9 +14,20 @@ def test_a_trace_splits_each_hop_and_leaves_the_rest_to_the_wire() -> None:
     t = StepTrace.parse(ROUTE, 9.9995, 10.0075, STAMPS)
     assert t is not None
     assert [tuple(round(x, 3) for x in h) for h in t.hops] == [
-        (0.0, 2.0, 0.1), (0.3, 3.0, 0.1), (0.1, 0.5, 0.2)]
+        (0.0, 2.0, 0.1, 0.0), (0.3, 3.0, 0.1, 0.0), (0.1, 0.5, 0.2, 0.0)]
     assert t.total_ms == pytest.approx(8.0)
     assert t.wire_ms == pytest.approx(8.0 - 2.1 - 3.4 - 0.8)
+
+
+def test_a_hops_wait_for_remote_experts_is_part_of_its_compute() -> None:
+    stamps = [STAMPS[0], [*STAMPS[1], 0.0021], STAMPS[2]]
+    t = StepTrace.parse(ROUTE, 9.9995, 10.0075, stamps)
+    assert t is not None and round(t.hops[1][3], 3) == 2.1
+    assert t.wire_ms == pytest.approx(8.0 - 2.1 - 3.4 - 0.8)  # counted once, in compute
+    # waiting longer than computing, or a negative wait, is not a trace
+    for wait in (0.0031, -0.001):
+        assert StepTrace.parse(ROUTE, 9.9995, 10.0075,
+                               [STAMPS[0], [*STAMPS[1], wait], STAMPS[2]]) is None
 
 
 @pytest.mark.parametrize("stamps", [
