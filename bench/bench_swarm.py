@@ -310,7 +310,7 @@ def report_breakdowns(breakdowns: dict[str, tuple[dict[str, Any], dict[str, str]
     if not shown:
         return
     print("\n## Per-hop breakdown on the real route (traced decode steps, medians, ms)\n")
-    print("queue: frame read -> compute (decode, dispatch, waiting for the stage); compute: "
+    print("queue: frame read -> compute (Python dispatch, decoding the step); compute: "
           "the stage's graphs and, of that, the wait for remote experts; after: encode or "
           "sample -> handed to the transport; wire: the rest of the step (framing, "
           "encryption, loopback, each receiver waking up)\n")

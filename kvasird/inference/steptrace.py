@@ -9,10 +9,11 @@ taken on its own clock (time.monotonic), and how long it waited for remote exper
 to the transport. The gateway notes when it sent the step and when the result arrived.
 Only differences on one clock are used, so hops on other machines are measured as well:
 
-    queue    received -> compute began     decoding the step, Python dispatch, a busy stage
-    compute  compute began -> ended        the stage's graphs (and remote experts, if any)
-    experts  of compute, awaiting remote expert workers (a step run on the event loop; a
-             step that had to run in a worker thread counts them as compute)
+    queue    received -> compute began     Python dispatch, decoding the step
+    compute  compute began -> ended        the stage's graphs (with any wait for a stage
+                                           busy with another session, and remote experts)
+    experts  of compute, awaiting remote expert workers (also from a step run in a worker
+             thread: trio carries the context variable there and back)
     after    compute ended -> handed on    encoding the output, sampling at the head
     wire     the step's whole time minus every hop's (received -> handed on): framing,
              encryption, the network, and each receiver waking up to read
