@@ -188,17 +188,20 @@ class SwarmGenerator:
 
     async def replan(self) -> Route:
         """A route for a generation whose route just failed: the coverage map may lack its
-        replacement for a moment (a replica's record late or expired while a hung peer
-        held up gossip, a replica still loading), so wait up to the step timeout for one."""
+        replacement for a moment (a replica's record late or expired, a replica still
+        loading), so wait up to the step timeout for one."""
         give_up = trio.current_time() + self.config.step_timeout_s
+        waited = False
         while True:
             try:
                 return self.plan()
             except NoRoute as exc:
                 if trio.current_time() >= give_up:
                     raise
-                log.warning("no route to fail over to yet: waiting for coverage",
-                            why=str(exc), holders=len(self.holders()))
+                if not waited:
+                    log.warning("no route to fail over to yet: waiting for coverage",
+                                why=str(exc), holders=len(self.holders()))
+                    waited = True
                 await trio.sleep(REPLAN_EVERY_S)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:
