@@ -146,6 +146,8 @@ def dispatch_steps(layer: int, cur: np.ndarray, ids: np.ndarray, shards: Sequenc
                    ) -> Steps[np.ndarray]:
     """dispatch as steps (compute.steps): yields (shard, rows, shard-local ids) for each
     shard with work, is sent that shard's outputs, returns the assembled [T, k, n_embd]."""
+    if ids.shape[0] == 1:
+        return (yield from _dispatch_one_row(layer, cur, ids, shards))
     y = np.empty((ids.shape[0], ids.shape[1], cur.shape[1]), np.float32)
     done = np.zeros(ids.shape, bool)
     for s in shards:
@@ -165,6 +167,32 @@ def dispatch_steps(layer: int, cur: np.ndarray, ids: np.ndarray, shards: Sequenc
     if not done.all():
         t, j = np.argwhere(~done)[0]
         raise ComputeError(f"no shard holds expert {int(ids[t, j])} of layer {layer}")
+    return y
+
+
+def _dispatch_one_row(layer: int, cur: np.ndarray, ids: np.ndarray,
+                      shards: Sequence[ExpertShard]) -> Steps[np.ndarray]:
+    """dispatch_steps for a decode step's single row, in plain Python: the same requests
+    (each shard's ids in slot order), without the ~15 numpy calls per shard that the
+    general path spends on a row (a stage with remote experts runs this up to three times
+    per MoE layer and token)."""
+    row = ids[0].tolist()
+    y = np.empty((1, len(row), cur.shape[1]), np.float32)
+    done = [False] * len(row)
+    for s in shards:
+        cols = [j for j, g in enumerate(row) if s.first <= g < s.end]
+        if not cols:
+            continue
+        sel = np.array([[row[j] - s.first for j in cols]], np.int32)
+        out = np.asarray((yield s, cur, sel), np.float32)
+        if out.shape != (1, len(cols), cur.shape[1]):
+            raise ComputeError(f"expert shard [{s.first}, {s.end}) of layer {layer} returned shape "
+                               f"{list(out.shape)}, expected {[1, len(cols), cur.shape[1]]}")
+        for slot, j in enumerate(cols):
+            y[0, j] = out[0, slot]
+            done[j] = True
+    if not all(done):
+        raise ComputeError(f"no shard holds expert {row[done.index(False)]} of layer {layer}")
     return y
 
 

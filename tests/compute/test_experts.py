@@ -9,7 +9,7 @@ import pytest
 from gguf import GGUFWriter
 
 from kvasird.compute.errors import ComputeError, InputError, WeightsError
-from kvasird.compute.experts import ExpertShard, ExpertWorker
+from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch
 from kvasird.compute.gguffile import GGUFFile
 from kvasird.compute.graph import Backend
 from kvasird.compute.kvcache import KVSpec
@@ -181,3 +181,37 @@ def test_slice_with_expert_slab_loads_like_the_full_file(models, tmp_path):
     ranged = worker_for(models["moe"], [1], 2, 6)
     x, sel = rows(5), np.random.default_rng(3).integers(0, 4, (5, 2))
     np.testing.assert_array_equal(sliced(1, x, sel), ranged(1, x, sel))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_single_row_is_dispatched_like_a_row_of_a_batch(seed):
+    """The decode step's one-row path asks every shard for the same ids, in the same slot
+    order, and assembles the same outputs as the general path does for that row."""
+    rng = np.random.default_rng(seed)
+    n_expert, k = 8, int(rng.integers(1, 5))
+    cuts = sorted({0, n_expert, *rng.integers(1, n_expert, size=int(rng.integers(0, 4)))})
+    asked: dict[str, list] = {"one": [], "batch": []}
+
+    def shard(first, end, who):
+        def call(layer, x, sel):
+            asked[who].append((first, sel[:1].tolist()))
+            return x[:, None, :] * (sel[:, :, None] + first + 1).astype(np.float32)
+        return ExpertShard(first, end, call)
+
+    ids = rng.choice(n_expert, size=(1, k), replace=False)
+    cur = rng.standard_normal((1, 16)).astype(np.float32)
+    one = dispatch(0, cur, ids, [shard(a, b, "one") for a, b in zip(cuts, cuts[1:])])
+    both = dispatch(0, np.repeat(cur, 2, axis=0), np.repeat(ids, 2, axis=0),
+                    [shard(a, b, "batch") for a, b in zip(cuts, cuts[1:])])
+    assert np.array_equal(one[0], both[0])
+    assert asked["one"] == asked["batch"]
+
+
+def test_a_single_row_with_an_uncovered_expert_or_a_wrong_shape_is_an_error():
+    cur, ids = np.ones((1, 4), np.float32), np.array([[1, 6]])
+    ok = ExpertShard(0, 4, lambda layer, x, sel: np.zeros((1, sel.shape[1], 4), np.float32))
+    with pytest.raises(ComputeError, match="no shard holds expert 6"):
+        dispatch(0, cur, ids, [ok])
+    bad = ExpertShard(4, 8, lambda layer, x, sel: np.zeros((1, 3, 4), np.float32))
+    with pytest.raises(ComputeError, match=r"returned shape \[1, 3, 4\], expected \[1, 1, 4\]"):
+        dispatch(0, cur, ids, [ok, bad])
