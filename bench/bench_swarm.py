@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integ
 from bench_compute import LlamaCppDecoder  # noqa: E402
 from test_swarm import experts, settings  # noqa: E402
 
+from kvasird.compute.experts import ExpertShard, dispatch  # noqa: E402
 from kvasird.compute.kvcache import KVSpec  # noqa: E402
 from kvasird.compute.stage import Stage  # noqa: E402
 from kvasird.inference import tensors  # noqa: E402
@@ -172,6 +173,13 @@ def per_hop(bundled: Path, threads: int) -> list[tuple[str, float]]:
                  median_ms(lambda: (stage.forward(session, x, 8), session.truncate(8)), 200)))
     stage.close()
     rows += split_compute(bundled, threads)
+    one, ids = np.ones((1, 128), np.float32), np.array([[1, 6]])
+    def zeros(layer: int, r: np.ndarray, sel: np.ndarray) -> np.ndarray:
+        return np.zeros((len(r), sel.shape[1], 128), np.float32)
+
+    shards = [ExpertShard(a, b, zeros) for a, b in ((0, 4), (4, 8))]
+    rows.append(("expert dispatch of one row to 2 shards (k=2), Python only",
+                 median_ms(lambda: dispatch(0, one, ids, shards), 5000)))
     served = Served.build([bundled], Holdings(windows=((0, 10),)), threads=threads,
                           kv_slots=4096, remote=lambda *a: None)  # type: ignore[arg-type,return-value]
     server = StageServer(lambda: "m", lambda: served, max_sessions=4, idle_s=60,

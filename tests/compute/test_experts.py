@@ -200,9 +200,10 @@ def test_a_single_row_is_dispatched_like_a_row_of_a_batch(seed):
 
     ids = rng.choice(n_expert, size=(1, k), replace=False)
     cur = rng.standard_normal((1, 16)).astype(np.float32)
-    one = dispatch(0, cur, ids, [shard(a, b, "one") for a, b in zip(cuts, cuts[1:])])
+    ranges = list(zip(cuts, cuts[1:], strict=False))
+    one = dispatch(0, cur, ids, [shard(a, b, "one") for a, b in ranges])
     both = dispatch(0, np.repeat(cur, 2, axis=0), np.repeat(ids, 2, axis=0),
-                    [shard(a, b, "batch") for a, b in zip(cuts, cuts[1:])])
+                    [shard(a, b, "batch") for a, b in ranges])
     assert np.array_equal(one[0], both[0])
     assert asked["one"] == asked["batch"]
 
