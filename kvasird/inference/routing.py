@@ -140,7 +140,8 @@ def uncovered(n_layer: int, holders: Iterable[PeerHoldings]) -> list[str]:
     served = [False] * n_layer
     for h in holders:
         for a, b in h.windows:
-            served[max(a, 0):min(b, n_layer)] = [True] * (min(b, n_layer) - max(a, 0))
+            for layer in range(a, min(b, n_layer)):
+                served[layer] = True
     gaps = [] if any(h.head for h in holders) else ["head"]
     layer = 0
     while layer < n_layer:

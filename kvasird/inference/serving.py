@@ -253,7 +253,7 @@ class ServedSession:
     """Token ids seen so far (the head's repetition penalty needs them)."""
     used: float = field(default_factory=time.monotonic)
     """Last use, for idle expiry."""
-    computed: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    last_step: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """When the last step's compute began and ended (time.monotonic), and how long of it
     went to waiting for remote experts (s)."""
 
@@ -409,7 +409,7 @@ class StageServer:
                 raise WireError("stage.ids: expected the token ids of the positions sent")
             del s.history[start:]
             s.history += ids
-        s.used = s.computed[0] = time.monotonic()
+        s.used = began = time.monotonic()
         try:
             with collecting_waits() as waited:
                 out = await _run_chain(s, x, start)
@@ -418,8 +418,8 @@ class StageServer:
         except ComputeError as exc:
             raise Refused("", "bad", str(exc)) from None
         finally:
-            s.used = s.computed[1] = time.monotonic()
-            s.computed[2] = waited[0]
+            s.used = time.monotonic()
+            s.last_step = (began, s.used, waited[0])
         self.tokens += len(x)
         s.at = start + len(x)
         if s.sampler is None:
@@ -518,7 +518,7 @@ def _traced(msg: dict[str, Any], s: ServedSession) -> list[list[float]] | None:
     if not isinstance(trace, list) or len(trace) >= MAX_TRACE:
         return None
     rx = msg.get("rx")
-    began, ended, experts = s.computed
+    began, ended, experts = s.last_step
     return [*trace, [rx if isinstance(rx, float) else began, began, ended, time.monotonic(),
                      experts]]
 

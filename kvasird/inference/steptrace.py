@@ -93,14 +93,14 @@ class StepTrace:
             return None
         hops = []
         for s in stamps:
-            if (not isinstance(s, list) or len(s) not in (4, 5)
-                    or not all(isinstance(t, float) for t in s)):
+            if not isinstance(s, list) or len(s) != 5 or not all(isinstance(t, float) for t in s):
                 return None
-            q, c, a = ((b - a) * 1000 for a, b in zip(s[:3], s[1:4], strict=True))
-            experts = s[4] * 1000 if len(s) == 5 else 0.0
-            if min(q, c, a, experts) < 0 or experts > c:
+            received, began, ended, handed_on, waited = s
+            hop = ((began - received) * 1000, (ended - began) * 1000,
+                   (handed_on - ended) * 1000, waited * 1000)
+            if min(hop) < 0 or hop[3] > hop[1]:
                 return None
-            hops.append((q, c, a, experts))
+            hops.append(hop)
         gap = (sent - previous) * 1000 if 0 < previous <= sent else None
         return cls(route, (got - sent) * 1000, tuple(hops), gap)
 

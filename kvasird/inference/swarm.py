@@ -169,9 +169,11 @@ class SwarmGenerator:
         known = f"{info.model_id} ({info.label})" if info else "none (set [market] model)"
         raise UnknownModel(f"model {name!r} is not known here; this node routes {known}")
 
+    def _fit(self) -> list[PeerHoldings]:
+        return [h for h in self.holders() if self.fitness.fit(h.peer)]
+
     def plan(self) -> Route:
-        fit = [h for h in self.holders() if self.fitness.fit(h.peer)]
-        route = plan_route(self.n_layer(), fit, self.latency)
+        route = plan_route(self.n_layer(), self._fit(), self.latency)
         if route is None:
             raise NoRoute(f"the online peers do not cover the model ({self.missing()}): see "
                           "`kvasird coverage`, and retry when the market has filled the gaps")
@@ -179,8 +181,7 @@ class SwarmGenerator:
 
     def missing(self) -> str:
         """What keeps the fit holders from forming a route, in words."""
-        fit = [h for h in self.holders() if self.fitness.fit(h.peer)]
-        gaps = ", ".join(uncovered(self.n_layer(), fit))
+        gaps = ", ".join(uncovered(self.n_layer(), self._fit()))
         out = f"nobody fit serves {gaps}" if gaps else "their windows do not chain"
         if unfit := self.fitness.snapshot():
             out += f"; {len(unfit)} peer(s) avoided after failing lately"
@@ -334,7 +335,8 @@ class _Run:
     async def start(self, history: list[int], produced: int, first: bool = False) -> dict[str, Any]:
         """Plan a route, open its sessions and prefill `history`; return the head's reply."""
         try:
-            self.route = self.gen.plan() if first else await self.gen.replan()
+            # a route refused for capacity answers Busy at once; a failed one may wait
+            self.route = self.gen.plan() if first or self.busy else await self.gen.replan()
         except NoRoute:
             if self.busy:
                 raise Busy(f"every route is out of capacity right now ({self.busy}): "

@@ -154,7 +154,7 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
         assert paths and set(paths) == {"awaited"}
         assert got == generate(full, [5, 6, 7, 8, 9, 10], 4)
         # the step's wait for its remote experts is measured (traced steps report it)
-        began, ended, waited = server.sessions[("gateway", "s")].computed
+        began, ended, waited = server.sessions[("gateway", "s")].last_step
         assert N_LAYER * 0.005 <= waited < ended - began
         remote_s[0] = 0.0
 

@@ -6,8 +6,9 @@ from kvasird.inference.steptrace import TRACES_KEPT, StepTrace, Traces
 
 ROUTE = ("gw", "b", "gw")
 # gw: local hop (received when handed over); b on another clock; gw again as the head
-STAMPS = [[10.0, 10.0, 10.002, 10.0021], [500.0, 500.0003, 500.0033, 500.0034],
-          [10.0060, 10.0061, 10.0066, 10.0068]]
+# [received, compute began, compute ended, handed on, experts waited (s)]
+STAMPS = [[10.0, 10.0, 10.002, 10.0021, 0.0], [500.0, 500.0003, 500.0033, 500.0034, 0.0],
+          [10.0060, 10.0061, 10.0066, 10.0068, 0.0]]
 
 
 def test_a_trace_splits_each_hop_and_leaves_the_rest_to_the_wire() -> None:
@@ -20,19 +21,20 @@ def test_a_trace_splits_each_hop_and_leaves_the_rest_to_the_wire() -> None:
 
 
 def test_a_hops_wait_for_remote_experts_is_part_of_its_compute() -> None:
-    stamps = [STAMPS[0], [*STAMPS[1], 0.0021], STAMPS[2]]
+    stamps = [STAMPS[0], [*STAMPS[1][:4], 0.0021], STAMPS[2]]
     t = StepTrace.parse(ROUTE, 9.9995, 10.0075, stamps)
     assert t is not None and round(t.hops[1][3], 3) == 2.1
     assert t.wire_ms == pytest.approx(8.0 - 2.1 - 3.4 - 0.8)  # counted once, in compute
     # waiting longer than computing, or a negative wait, is not a trace
     for wait in (0.0031, -0.001):
         assert StepTrace.parse(ROUTE, 9.9995, 10.0075,
-                               [STAMPS[0], [*STAMPS[1], wait], STAMPS[2]]) is None
+                               [STAMPS[0], [*STAMPS[1][:4], wait], STAMPS[2]]) is None
 
 
 @pytest.mark.parametrize("stamps", [
-    None, [], STAMPS[:2], [*STAMPS[:2], [1.0, 2.0, 3.0]], [*STAMPS[:2], [1.0, 2.0, 3.0, "4"]],
-    [*STAMPS[:2], [1.0, 2.0, 3.0, 4]], [*STAMPS[:2], [1.0, 3.0, 2.0, 4.0]], "x" * 10])
+    None, [], STAMPS[:2], [*STAMPS[:2], [1.0, 2.0, 3.0, 4.0]],
+    [*STAMPS[:2], [1.0, 2.0, 3.0, "4", 0.0]], [*STAMPS[:2], [1.0, 2.0, 3.0, 4, 0.0]],
+    [*STAMPS[:2], [1.0, 3.0, 2.0, 4.0, 0.0]], "x" * 10])
 def test_stamps_that_are_not_one_ordered_set_per_hop_are_ignored(stamps: object) -> None:
     assert StepTrace.parse(ROUTE, 0.0, 1.0, stamps) is None
 
@@ -40,7 +42,7 @@ def test_stamps_that_are_not_one_ordered_set_per_hop_are_ignored(stamps: object)
 def test_the_summary_is_of_the_latest_route_and_keeps_a_bounded_window() -> None:
     traces = Traces()
     assert traces.summary() == {}
-    traces.add(StepTrace.parse(("x",), 0.0, 1.0, [[0.0, 0.1, 0.2, 0.3]]))
+    traces.add(StepTrace.parse(("x",), 0.0, 1.0, [[0.0, 0.1, 0.2, 0.3, 0.0]]))
     traces.add(None)
     for i in range(TRACES_KEPT + 5):
         traces.add(StepTrace.parse(ROUTE, 9.9995, 10.0075 + i * 1e-4, STAMPS))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from kvasird.compute.stage import Stage, generate
 from kvasird.config import InferenceConfig
 from kvasird.errors import KvasirError
 from kvasird.inference.api import (
+    Busy,
     Finished,
     GenerationError,
     GenerationRequest,
@@ -136,6 +137,14 @@ async def run(gen: SwarmGenerator, n: int, on_token: Any = None) -> list[int]:
     return tokens
 
 
+def at_token(n: int, act: Callable[[], object]) -> Callable[[int], None]:
+    """An on_token callback that does `act` when the n-th token is out."""
+    def on_token(k: int) -> None:
+        if k == n:
+            act()
+    return on_token
+
+
 @pytest.fixture(scope="module")
 def reference(model: Path) -> list[int]:
     full = Stage.load(model, threads=1, kv=KVSpec(n_slots=256, dtype="f32"))
@@ -171,11 +180,9 @@ async def test_a_dead_stage_is_blamed_and_the_replica_continues_the_same_tokens(
         served: dict[str, Served], reference: list[int]) -> None:
     net, fitness = Net(served), Fitness(300)
 
-    def kill(n: int) -> None:
-        if n == 4:
-            net.down.add("b")  # the preferred replica (lower latency) dies mid-generation
-
-    assert await run(net.generator(served, fitness), 10, kill) == reference
+    # the preferred replica (lower latency) dies mid-generation
+    assert await run(net.generator(served, fitness), 10,
+                     at_token(4, lambda: net.down.add("b"))) == reference
     assert set(fitness.snapshot()) == {"b"}
     assert fitness._until["b"][0] - time.monotonic() > UNREACHABLE_S  # the full sentence
 
@@ -205,17 +212,36 @@ async def test_a_failover_waits_for_a_replica_missing_from_the_map_for_a_moment(
     assert trio.current_time() >= shown_at[0]
 
 
+async def test_a_route_out_of_capacity_answers_busy_at_once(
+        served: dict[str, Served]) -> None:
+    """c, the only holder of layer 3, runs out of KV mid-generation: the client hears Busy
+    (retry shortly) right away; only a failed route waits for coverage to come back."""
+    net, fitness = Net(served), Fitness(300)
+    full = trio.Event()
+    real = net.servers["c"]._step
+
+    async def refusing(session: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        if full.is_set():
+            raise Refused("", "busy", "KV cache has 0 free slots")
+        return await real(session, msg)
+
+    net.servers["c"]._step = refusing  # type: ignore[method-assign]
+
+    gen = net.generator(served, fitness)
+    began = trio.current_time()
+    with trio.fail_after(20), pytest.raises(Busy, match="KV cache"):
+        await run(gen, 10, at_token(4, full.set))
+    assert trio.current_time() - began < gen.config.step_timeout_s / 2
+
+
 async def test_a_stage_that_cannot_reach_the_next_one_is_blamed_when_we_can(
         served: dict[str, Served], reference: list[int]) -> None:
     """b says it cannot reach c; the gateway reaches c itself, so the fault is b's link:
     b (not c) is avoided, for the short sentence of an unreachable peer."""
     net, fitness = Net(served), Fitness(300)
 
-    def cut(n: int) -> None:
-        if n == 4:
-            net.cut.add(("b", "c"))
-
-    assert await run(net.generator(served, fitness), 10, cut) == reference
+    assert await run(net.generator(served, fitness), 10,
+                     at_token(4, lambda: net.cut.add(("b", "c")))) == reference
     assert set(fitness.snapshot()) == {"b"}
     assert "answers us" in fitness.snapshot()["b"]
     left = fitness._until["b"][0] - time.monotonic()
@@ -237,14 +263,10 @@ async def test_a_silent_chain_is_probed_and_the_hop_that_did_not_compute_is_blam
 
     net.servers["c"].handle = hung  # type: ignore[method-assign]
 
-    def start_hanging(n: int) -> None:
-        if n == 4:
-            hang.set()
-
     gen = net.generator(served, fitness)
     gen.config = InferenceConfig(step_timeout_s=1.0)
     with trio.fail_after(20), pytest.raises(GenerationError, match="no other peers"):
         # c is the only holder of layer 3: no route is left once it is out
-        await run(gen, 10, start_hanging)
+        await run(gen, 10, at_token(4, hang.set))
     assert "c" in fitness.snapshot() and "position" in fitness.snapshot()["c"]
     assert np.isfinite(gen.latency("b"))
