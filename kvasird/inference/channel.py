@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -34,7 +34,7 @@ from kvasird.errors import KvasirError, WireError
 from kvasird.inference import lane
 from kvasird.inference.errors import HopFailed, Refused, Unreachable
 from kvasird.logs import get_logger
-from kvasird.wire import FrameReader, write_frame
+from kvasird.wire import FrameReader, frame, write_frame
 
 MAX_FRAME = 64 << 20
 """Largest frame: a prefill's hidden states (512 tokens × 8192 × 4 B = 16 MiB) with room."""
@@ -45,6 +45,30 @@ log = get_logger("kvasird.inference.channel")
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 """(caller peer id, request) -> reply; raising Refused answers with its code."""
+
+
+class _Failures:
+    """Every way a send or wait can fail, as the HopFailed that routes around the peer
+    (a plain class: this wraps every frame sent, and contextlib's generators cost more)."""
+
+    def __init__(self, peer: str, timed_out: str) -> None:
+        self.peer, self.timed_out = peer, timed_out
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: Any) -> bool:
+        if exc is None or isinstance(exc, KvasirError):
+            return False
+        if isinstance(exc, trio.TooSlowError):
+            raise HopFailed(self.peer, self.timed_out) from None
+        if isinstance(exc, trio.EndOfChannel | trio.BrokenResourceError
+                      | trio.ClosedResourceError):
+            raise HopFailed(self.peer, "the stream broke") from None
+        if isinstance(exc, Exception):  # libp2p stream errors come in many types
+            raise HopFailed(self.peer, f"sending failed: {exc!r}") from None
+        return False  # Cancelled, KeyboardInterrupt: not the peer's failure
 
 
 class Channel:
@@ -64,7 +88,7 @@ class Channel:
         send, recv = trio.open_memory_channel[dict[str, Any]](1)
         self._waiting[rid] = send
         try:
-            with self._failures(f"no answer to {msg.get('op')!r} within {wait_s:g} s"), \
+            with _Failures(self.peer, f"no answer to {msg.get('op')!r} within {wait_s:g} s"), \
                     trio.fail_after(wait_s):
                 await self._write_frame({**msg, "id": rid}, wait_s)
                 reply = await recv.receive()
@@ -78,35 +102,29 @@ class Channel:
         """Send a one-way message (id 0: the peer answers nothing, not even an error)."""
         if self.closed:
             raise HopFailed(self.peer, "the stream broke")
-        with self._failures(f"could not send {msg.get('op')!r} within {wait_s:g} s"), \
-                trio.fail_after(wait_s):
+        with _Failures(self.peer, f"could not send {msg.get('op')!r} within {wait_s:g} s"):
             await self._write_frame({**msg, "id": 0}, wait_s)
 
-    @contextlib.contextmanager
-    def _failures(self, timed_out: str) -> Iterator[None]:
-        """Every way a send or wait can fail, as the HopFailed that routes around the peer."""
+    async def _write_frame(self, value: dict[str, Any], wait_s: float) -> None:
+        data = frame(value, MAX_FRAME)
+        if isinstance(self.stream, lane.SealedStream):
+            # one frame is one record, which the lane sends whole (or ends) within wait_s
+            await self.stream.write(data, wait_s)
+            return
+        with trio.fail_after(wait_s):
+            await self._write.acquire()
         try:
-            yield
-        except trio.TooSlowError:
-            raise HopFailed(self.peer, timed_out) from None
-        except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError):
-            raise HopFailed(self.peer, "the stream broke") from None
-        except KvasirError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - libp2p stream errors come in many types
-            raise HopFailed(self.peer, f"sending failed: {exc!r}") from None
-
-    async def _write_frame(self, frame: dict[str, Any], wait_s: float) -> None:
-        async with self._write:
             # A frame cut short by a cancellation (a client that went away) would corrupt
             # every later frame on the stream: it is always written whole, within the
             # request's time, and a frame that cannot be ends the channel.
             with trio.CancelScope(shield=True,
                                   deadline=trio.current_time() + wait_s) as writing:
-                await write_frame(self.stream, frame, MAX_FRAME)
-            if writing.cancelled_caught:
-                self.fail()
-                raise trio.TooSlowError
+                await self.stream.write(data)
+        finally:
+            self._write.release()
+        if writing.cancelled_caught:
+            self.fail()
+            raise trio.TooSlowError
 
     async def read_replies(self) -> None:
         try:
@@ -301,22 +319,28 @@ async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s:
                           error=str(reply["error"])[:200])
             return
         try:
-            async with lock:
-                await write_frame(stream, {**reply, "id": rid}, MAX_FRAME)
+            if isinstance(stream, lane.SealedStream):  # sends each frame whole on its own
+                await stream.write(frame({**reply, "id": rid}, MAX_FRAME))
+            else:
+                async with lock:
+                    await write_frame(stream, {**reply, "id": rid}, MAX_FRAME)
         except Exception as exc:  # noqa: BLE001 - the caller went away
             log.debug("reply not delivered", peer=peer, reason=repr(exc))
 
     try:
         async with trio.open_nursery() as nursery:
-            while True:
-                with trio.fail_after(idle_s):
+            with trio.CancelScope() as idle:  # one scope, its deadline moved on every frame
+                while True:
+                    idle.deadline = trio.current_time() + idle_s
                     msg = await reader.read()
-                if not isinstance(msg, dict) or not isinstance(msg.get("id"), int):
-                    raise WireError("request: expected a map with an integer id")
-                if "trace" in msg:  # a traced step: when it arrived (its sender cannot say)
-                    msg["rx"] = time.monotonic()
-                nursery.start_soon(answer, msg)
-    except (trio.TooSlowError, WireError) as exc:
+                    if not isinstance(msg, dict) or not isinstance(msg.get("id"), int):
+                        raise WireError("request: expected a map with an integer id")
+                    if "trace" in msg:  # a traced step: when it arrived (its sender cannot say)
+                        msg["rx"] = time.monotonic()
+                    nursery.start_soon(answer, msg)
+            log.debug("stream idle: closing it", peer=peer, idle_s=idle_s)
+            nursery.cancel_scope.cancel()
+    except WireError as exc:
         log.debug("stream ended", peer=peer, reason=repr(exc))
     except Exception as exc:  # noqa: BLE001 - resets surface as many types
         log.debug("stream failed", peer=peer, reason=repr(exc))

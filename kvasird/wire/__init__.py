@@ -8,6 +8,14 @@ oversized or malicious length costs nothing. Decoded values are plain msgpack ty
 each protocol validates them into its own frozen records before use.
 """
 
-from kvasird.wire.framing import ByteStream, FrameReader, pack, read_frame, unpack, write_frame
+from kvasird.wire.framing import (
+    ByteStream,
+    FrameReader,
+    frame,
+    pack,
+    read_frame,
+    unpack,
+    write_frame,
+)
 
-__all__ = ["ByteStream", "FrameReader", "pack", "read_frame", "unpack", "write_frame"]
+__all__ = ["ByteStream", "FrameReader", "frame", "pack", "read_frame", "unpack", "write_frame"]

@@ -72,8 +72,13 @@ async def read_frame(stream: ByteStream, max_frame: int = DEFAULT_MAX_FRAME) -> 
     return await FrameReader(stream, max_frame).read()
 
 
-async def write_frame(stream: ByteStream, value: Any, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+def frame(value: Any, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """One frame's bytes: the length, then the msgpack body."""
     body = pack(value)
     if len(body) > max_frame:
         raise WireError(f"refusing to send a frame of {len(body)} bytes (limit {max_frame})")
-    await stream.write(_LEN.pack(len(body)) + body)
+    return _LEN.pack(len(body)) + body
+
+
+async def write_frame(stream: ByteStream, value: Any, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    await stream.write(frame(value, max_frame))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +15,9 @@ import trio.testing
 
 from kvasird.errors import WireError
 from kvasird.inference import lane
-from kvasird.inference.channel import MAX_FRAME, Channels, serve
+from kvasird.inference.channel import MAX_FRAME, Channel, Channels, serve
 from kvasird.inference.errors import HopFailed
+from kvasird.wire import FrameReader
 
 from .test_channel import PROTO, handler, pair
 
@@ -37,6 +41,97 @@ async def test_sealed_records_round_trip_both_ways_and_are_not_plaintext() -> No
     assert await right.read() == b"second"
     await right.write(b"reply")
     assert await left.read() == b"reply"
+
+
+@contextlib.asynccontextmanager
+async def socket_pair(max_record: int = MAX_FRAME
+                      ) -> AsyncIterator[tuple[lane.SealedStream, lane.SealedStream]]:
+    """Two sealed ends of a real loopback TCP connection (the lanes' fast path)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    client = await trio.testing.open_stream_to_socket_listener(listeners[0])
+    server = await listeners[0].accept()
+    try:
+        yield (lane.SealedStream(client, KEY, True, max_record),
+               lane.SealedStream(server, KEY, False, max_record))
+    finally:
+        for s in (client, server, *listeners):
+            await trio.aclose_forcefully(s)
+
+
+async def test_records_on_a_socket_arrive_whole_however_large() -> None:
+    async with socket_pair() as (left, right):
+        assert left._socket is not None  # this is the fast path under test
+        big = secrets.token_bytes(8 << 20)  # far more than a socket buffer takes at once
+        got: list[bytes] = []
+
+        async def drain() -> None:
+            reader = FrameReader(right, MAX_FRAME)
+            got.extend([await reader.read_raw(), await reader.read_raw()])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            await left.write(len(big).to_bytes(4, "big") + big)
+            await left.write(b"\x00\x00\x00\x05after")
+        assert got == [big, b"after"]
+
+
+async def test_a_write_given_up_on_still_sends_its_record_whole() -> None:
+    async with socket_pair() as (left, right):
+        big = secrets.token_bytes(8 << 20)
+
+        async def give_up_writing() -> None:
+            with trio.move_on_after(0.05):  # the caller gives up while the record is half sent
+                await left.write(big)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(give_up_writing)
+            await trio.sleep(0.2)  # nobody reads yet: the socket is full
+            got = b""
+            while len(got) < len(big):
+                got += await right.read(len(big) - len(got))
+        assert got == big
+        await left.write(b"next")
+        assert await right.read() == b"next"
+
+
+async def test_a_record_that_cannot_go_out_in_time_ends_the_lane() -> None:
+    async with socket_pair() as (left, right):
+        with pytest.raises(trio.BrokenResourceError, match="within 0.2 s"):
+            await left.write(secrets.token_bytes(8 << 20), 0.2)  # the reader never reads
+        with pytest.raises(trio.BrokenResourceError, match="lane ended"):
+            await left.write(b"more")  # at once: the stream is cut mid-record
+
+
+async def test_a_lane_whose_peer_is_gone_fails_its_writes() -> None:
+    async with socket_pair() as (left, right):
+        await right.close()
+        with pytest.raises(trio.BrokenResourceError), trio.fail_after(5):
+            for _ in range(100):  # the first writes may still land in the kernel's buffer
+                await left.write(b"x" * 1024)
+        assert await left.read() == b""  # and reading sees the end
+
+
+async def test_a_busy_lane_lets_other_tasks_run() -> None:
+    async with socket_pair() as (left, right):
+        for i in range(64):
+            await left.write(b"%d" % i)
+        await trio.sleep(0.1)  # all 64 records wait in the receiver's socket
+        turns = 0
+
+        async def other() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            await trio.lowlevel.checkpoint()
+            before = turns
+            got = [await right.read() for _ in range(64)]  # never has to wait for the socket
+            assert turns - before >= 4  # one turn per QUICK_RUN records read
+            nursery.cancel_scope.cancel()
+        assert b"".join(got) == b"".join(b"%d" % i for i in range(64))
 
 
 async def test_a_tampered_or_replayed_record_ends_the_lane() -> None:
@@ -164,3 +259,26 @@ async def _renew_lane(channels: Channels, peer: str, *,
 async def _expect_hop_failed(channels: Channels, peer: str) -> None:
     with pytest.raises(HopFailed):
         await channels.request(peer, PROTO, {"op": "slow", "s": 2, "n": 9}, 5)
+
+
+async def test_a_stream_idle_past_its_limit_is_closed_and_a_busy_one_is_not() -> None:
+    async with socket_pair() as (left, right):
+        channel = Channel("server", left)
+        async with trio.open_nursery() as nursery:
+            ended = trio.Event()
+
+            async def serving() -> None:
+                await serve(right, handler, 0.3, peer="client")
+                ended.set()
+
+            nursery.start_soon(serving)
+            nursery.start_soon(channel.read_replies)
+            for n in range(6):  # 0.6 s of requests 0.1 s apart: never idle for 0.3 s
+                assert (await channel.request({"n": n}, 5))["echo"] == n
+                await trio.sleep(0.1)
+            assert not ended.is_set()
+            with trio.fail_after(2):
+                await ended.wait()  # then 0.3 s without a frame ends it
+            with pytest.raises(HopFailed):
+                await channel.request({"n": 9}, 1)
+            nursery.cancel_scope.cancel()
