@@ -285,11 +285,15 @@ async def _reset(stream: INetStream | lane.SealedStream) -> None:
 
 
 async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s: float, *,
-                peer: str = "", lanes: lane.LaneServer | None = None, protocol: str = "") -> None:
+                peer: str = "", lanes: lane.LaneServer | None = None, protocol: str = "",
+                inline: Callable[[dict[str, Any]], bool] | None = None) -> None:
     """Answer requests on one stream until it ends or stays idle past `idle_s`.
 
     Each request runs in its own task so a slow one does not hold up the next; replies
-    are written under one lock, whole frames at a time. `peer` is the caller (read from
+    are written under one lock, whole frames at a time. A one-way message that `inline`
+    accepts is handled in the reader's own task instead (no task to start, no pass through
+    the scheduler before it runs): for short work that would hold the event loop anyway,
+    such as a decode step computed in place; the stream's next frame waits for it. `peer` is the caller (read from
     the libp2p connection when not given); with `lanes`, a request {op: "lane"} is
     answered with a ticket for a lane to this `protocol`.
     """
@@ -337,7 +341,10 @@ async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s:
                         raise WireError("request: expected a map with an integer id")
                     if "trace" in msg:  # a traced step: when it arrived (its sender cannot say)
                         msg["rx"] = time.monotonic()
-                    nursery.start_soon(answer, msg)
+                    if inline is not None and msg["id"] == 0 and inline(msg):
+                        await answer(msg)
+                    else:
+                        nursery.start_soon(answer, msg)
             log.debug("stream idle: closing it", peer=peer, idle_s=idle_s)
             nursery.cancel_scope.cancel()
     except WireError as exc:

@@ -208,9 +208,10 @@ class InferenceService:
                 self.generator.nursery = nursery
                 await nursery.start(self.channels.run)
                 await nursery.start(self.verdicts.run)
-                for protocol, handle in ((STAGE_PROTOCOL, self.stages.handle),
-                                         (EXPERT_PROTOCOL, self.experts.handle)):
-                    answer = functools.partial(serve, handle=handle, idle_s=idle)
+                for protocol, handle, inline in (
+                        (STAGE_PROTOCOL, self.stages.handle, self.stages.inline),
+                        (EXPERT_PROTOCOL, self.experts.handle, None)):
+                    answer = functools.partial(serve, handle=handle, idle_s=idle, inline=inline)
                     host.set_stream_handler(protocol, functools.partial(
                         answer, lanes=self.lanes, protocol=protocol))
                     if self.lanes is not None:

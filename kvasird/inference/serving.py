@@ -188,6 +188,11 @@ class Served:
             for layer, r in self._extra.experts.items():
                 self.workers[layer], self.expert_first[layer] = worker, r.first
 
+    @functools.cached_property
+    def dispatches(self) -> bool:
+        """Whether any stage here sends rows to expert shards (a step may then await)."""
+        return any(st.dispatches for st in self.all_stages())
+
     def stages_for(self, first: int, end: int, embed: bool, head: bool) -> list[Stage]:
         """The chain of stages that computes one hop, or Refused when we lack a part."""
         chain: list[Stage] = []
@@ -309,6 +314,24 @@ class StageServer:
         if op == "step":
             return await self._step(self._session(key), msg)
         raise WireError(f"stage: unknown op {op!r}")
+
+    def inline(self, msg: dict[str, Any]) -> bool:
+        """Whether a one-way message may be handled in its stream's reader task: a
+        forwarded decode step on a node that dispatches no experts, while nothing else
+        computes here, so that it computes in place (holding the event loop anyway) and
+        hands its output on; a result for this node. Saves a task start and a pass through
+        the scheduler per hop (the ring's queue per hop 0.21-0.23 -> 0.09-0.13 ms)."""
+        if msg.get("op") == "result":
+            return True
+        if msg.get("op") != "step" or "back" not in msg:
+            return False
+        served, x = self.served(), msg.get("x")
+        shape = x.get("shape") if isinstance(x, dict) else None
+        if (served is None or served.dispatches or not isinstance(shape, list) or not shape
+                or not isinstance(shape[0], int) or shape[0] > INLINE_TOKENS):
+            return False
+        with held_now([served.backend]) as free:  # else the reader would wait for a thread
+            return free
 
     def _session(self, key: tuple[str, str]) -> ServedSession:
         s = self.sessions.get(key)

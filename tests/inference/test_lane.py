@@ -282,3 +282,33 @@ async def test_a_stream_idle_past_its_limit_is_closed_and_a_busy_one_is_not() ->
             with pytest.raises(HopFailed):
                 await channel.request({"n": 9}, 1)
             nursery.cancel_scope.cancel()
+
+
+async def test_inline_one_way_messages_run_in_the_reader_in_order() -> None:
+    async with socket_pair() as (left, right):
+        channel = Channel("server", left)
+        seen: list[str] = []
+
+        async def handle(peer: str, msg: dict[str, Any]) -> dict[str, Any]:
+            await trio.sleep(msg.get("s", 0))
+            seen.append(msg["name"])
+            return {}
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve(right, handle, 10, peer="client",
+                                             inline=lambda m: m["name"].startswith("inline")))
+            nursery.start_soon(channel.read_replies)
+            # spawned one-way messages overlap: the quick one finishes first
+            await channel.notify({"name": "slow", "s": 0.2}, 5)
+            await channel.notify({"name": "quick"}, 5)
+            with trio.fail_after(5):
+                while len(seen) < 2:
+                    await trio.sleep(0.01)
+            # inline ones hold the reader: the next frame waits until the first is handled
+            await channel.notify({"name": "inline slow", "s": 0.2}, 5)
+            await channel.notify({"name": "inline quick"}, 5)
+            with trio.fail_after(5):
+                while len(seen) < 4:
+                    await trio.sleep(0.01)
+            assert seen == ["quick", "slow", "inline slow", "inline quick"]
+            nursery.cancel_scope.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -374,3 +375,50 @@ async def test_the_test_only_flag_makes_a_worker_lie(worker: Served,
                                            "ids": tensors.encode(np.array([[1]]), "i32")})
     honest = worker.workers[0](0, x, np.array([[1]]))
     assert not np.allclose(tensors.decode(reply["out"], "o", ("f32",), (1, 1, None)), honest)
+
+
+def test_only_short_forwarded_steps_on_a_node_without_remote_experts_run_inline(
+        moe: Path, worker: Served) -> None:
+    own = Served.build([moe], Holdings(head=True, windows=((0, N_LAYER),),
+                                       experts=tuple((lay, 0, N_EXPERT) for lay in range(N_LAYER))),
+                       threads=1, kv_slots=256, remote=_no_remote)
+    remote = Served.build([moe], Holdings(windows=((0, 2),)), threads=1, kv_slots=256,
+                          remote=direct(worker))
+    try:
+        def step(rows: int, **extra: Any) -> dict[str, Any]:
+            return {"op": "step", "sid": "s", "start": 0, "id": 0, **extra,
+                    "x": tensors.encode(np.zeros((rows, 64), np.float32), "f32")}
+
+        forwarded = {"back": {"ticket": "t"}, "next": []}
+        plain = StageServer(lambda: "m", lambda: own, max_sessions=4, idle_s=60,
+                            wire_dtype="f32")
+        assert plain.inline(step(1, **forwarded))
+        assert plain.inline({"op": "result", "ticket": "t", "token": 3})
+        assert not plain.inline(step(64, **forwarded))  # a prefill goes to a thread
+        assert not plain.inline(step(1))  # a request (the gateway waits for its answer)
+        assert not plain.inline({"op": "open", "sid": "s"})
+        assert not plain.inline(step(1, **forwarded) | {"x": {"shape": "bad"}})
+        held = threading.Event()
+        release = threading.Event()
+
+        def compute_elsewhere() -> None:  # a long computation in a thread holds the backend
+            with own.backend.lock:
+                held.set()
+                release.wait(5)
+
+        thread = threading.Thread(target=compute_elsewhere)
+        thread.start()
+        held.wait(5)
+        assert not plain.inline(step(1, **forwarded))  # the reader must not wait for it
+        release.set()
+        thread.join()
+        assert plain.inline(step(1, **forwarded))
+        dispatching = StageServer(lambda: "m", lambda: remote, max_sessions=4, idle_s=60,
+                                  wire_dtype="f32")
+        assert not dispatching.inline(step(1, **forwarded))  # it awaits remote experts
+        nothing = StageServer(lambda: "m", lambda: None, max_sessions=4, idle_s=60,
+                              wire_dtype="f32")
+        assert not nothing.inline(step(1, **forwarded))
+    finally:
+        own.close()
+        remote.close()
