@@ -3,7 +3,8 @@
 Three processes pass a step round a ring, as the 3-stage ring does: each hop "computes"
 for --compute-ms (streaming 32 MiB through the CPU's caches, as a stage's graph streams
 its weights), then hands a 576-float row (the bundled model's hidden state) to the next.
-Process 0 times rounds; a link's cost is (round - 3 x compute) / 3. Transports, side by side in one run:
+Process 0 times rounds; a link's cost is (round - 3 x compute) / 3. Transports, side by
+side in one run:
 
     blocking socket   plain TCP, length + msgpack frames, recv() blocking: the machine's
                       floor for a Python process (scheduler wake-up, loopback, syscalls)

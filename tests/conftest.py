@@ -6,3 +6,35 @@ import os
 
 # ggml asserts abort the process; never let them also dump a backtrace via gdb.
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+
+import contextlib  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@contextlib.contextmanager
+def _held_by_another_thread(lock: Any) -> Iterator[None]:
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a long computation elsewhere, holding `lock` until released
+        with lock:
+            held.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(5)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join()
+
+
+@pytest.fixture
+def held_elsewhere() -> Callable[[Any], contextlib.AbstractContextManager[None]]:
+    """`with held_elsewhere(lock):` runs its body while another thread holds `lock`."""
+    return _held_by_another_thread

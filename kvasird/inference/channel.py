@@ -293,9 +293,9 @@ async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s:
     are written under one lock, whole frames at a time. A one-way message that `inline`
     accepts is handled in the reader's own task instead (no task to start, no pass through
     the scheduler before it runs): for short work that would hold the event loop anyway,
-    such as a decode step computed in place; the stream's next frame waits for it. `peer` is the caller (read from
-    the libp2p connection when not given); with `lanes`, a request {op: "lane"} is
-    answered with a ticket for a lane to this `protocol`.
+    such as a decode step computed in place; the stream's next frame waits for it.
+    `peer` is the caller (read from the libp2p connection when not given); with `lanes`,
+    a request {op: "lane"} is answered with a ticket for a lane to this `protocol`.
     """
     if not peer:
         peer = stream.muxed_conn.peer_id.to_string()  # type: ignore[union-attr]

@@ -242,9 +242,7 @@ def test_every_weight_type_matches_an_oracle_that_rounds_like_ggml(tmp_path, arc
     assert exact.rel_l2 > 10 * rounded.rel_l2
 
 
-def test_held_now_takes_every_lock_or_none(models):
-    import threading
-
+def test_held_now_takes_every_lock_or_none(models, held_elsewhere):
     from kvasird.compute.stage import held_now
 
     stage = Stage.load(models["llama"], threads=1, kv=KVSpec(n_slots=128))
@@ -254,22 +252,10 @@ def test_held_now_takes_every_lock_or_none(models):
             # reentrant: a forward on the holding thread goes through
             with stage.open_session() as s:
                 stage.forward(s, np.array([1, 2, 3]))
-        busy = threading.Event()
-        release = threading.Event()
-
-        def compute_elsewhere() -> None:
-            with stage.backend.lock:
-                busy.set()
-                release.wait(5)
-
-        t = threading.Thread(target=compute_elsewhere)
-        t.start()
-        busy.wait(5)
-        with held_now([stage]) as held:
-            assert not held
-        assert stage._lock.acquire(blocking=False)  # nothing was left held
-        stage._lock.release()
-        release.set()
-        t.join()
+        with held_elsewhere(stage.backend.lock):
+            with held_now([stage]) as held:
+                assert not held
+            assert stage._lock.acquire(blocking=False)  # nothing was left held
+            stage._lock.release()
     finally:
         stage.close()

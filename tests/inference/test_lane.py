@@ -288,10 +288,12 @@ async def test_inline_one_way_messages_run_in_the_reader_in_order() -> None:
     async with socket_pair() as (left, right):
         channel = Channel("server", left)
         seen: list[str] = []
+        two, four = trio.Event(), trio.Event()
 
         async def handle(peer: str, msg: dict[str, Any]) -> dict[str, Any]:
             await trio.sleep(msg.get("s", 0))
             seen.append(msg["name"])
+            (two if len(seen) == 2 else four if len(seen) == 4 else trio.Event()).set()
             return {}
 
         async with trio.open_nursery() as nursery:
@@ -302,13 +304,11 @@ async def test_inline_one_way_messages_run_in_the_reader_in_order() -> None:
             await channel.notify({"name": "slow", "s": 0.2}, 5)
             await channel.notify({"name": "quick"}, 5)
             with trio.fail_after(5):
-                while len(seen) < 2:
-                    await trio.sleep(0.01)
+                await two.wait()
             # inline ones hold the reader: the next frame waits until the first is handled
             await channel.notify({"name": "inline slow", "s": 0.2}, 5)
             await channel.notify({"name": "inline quick"}, 5)
             with trio.fail_after(5):
-                while len(seen) < 4:
-                    await trio.sleep(0.01)
+                await four.wait()
             assert seen == ["quick", "slow", "inline slow", "inline quick"]
             nursery.cancel_scope.cancel()

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -378,7 +377,7 @@ async def test_the_test_only_flag_makes_a_worker_lie(worker: Served,
 
 
 def test_only_short_forwarded_steps_on_a_node_without_remote_experts_run_inline(
-        moe: Path, worker: Served) -> None:
+        moe: Path, worker: Served, held_elsewhere: Callable[[Any], Any]) -> None:
     own = Served.build([moe], Holdings(head=True, windows=((0, N_LAYER),),
                                        experts=tuple((lay, 0, N_EXPERT) for lay in range(N_LAYER))),
                        threads=1, kv_slots=256, remote=_no_remote)
@@ -398,20 +397,8 @@ def test_only_short_forwarded_steps_on_a_node_without_remote_experts_run_inline(
         assert not plain.inline(step(1))  # a request (the gateway waits for its answer)
         assert not plain.inline({"op": "open", "sid": "s"})
         assert not plain.inline(step(1, **forwarded) | {"x": {"shape": "bad"}})
-        held = threading.Event()
-        release = threading.Event()
-
-        def compute_elsewhere() -> None:  # a long computation in a thread holds the backend
-            with own.backend.lock:
-                held.set()
-                release.wait(5)
-
-        thread = threading.Thread(target=compute_elsewhere)
-        thread.start()
-        held.wait(5)
-        assert not plain.inline(step(1, **forwarded))  # the reader must not wait for it
-        release.set()
-        thread.join()
+        with held_elsewhere(own.backend.lock):  # a long computation in a thread
+            assert not plain.inline(step(1, **forwarded))  # the reader must not wait for it
         assert plain.inline(step(1, **forwarded))
         dispatching = StageServer(lambda: "m", lambda: remote, max_sessions=4, idle_s=60,
                                   wire_dtype="f32")
