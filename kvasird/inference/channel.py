@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -342,6 +343,7 @@ async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s:
                     if "trace" in msg:  # a traced step: when it arrived (its sender cannot say)
                         msg["rx"] = time.monotonic()
                     if inline is not None and msg["id"] == 0 and inline(msg):
+                        idle.deadline = math.inf  # the stream is busy, not idle
                         await answer(msg)
                     else:
                         nursery.start_soon(answer, msg)

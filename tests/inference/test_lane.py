@@ -297,7 +297,7 @@ async def test_inline_one_way_messages_run_in_the_reader_in_order() -> None:
             return {}
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: serve(right, handle, 10, peer="client",
+            nursery.start_soon(lambda: serve(right, handle, 0.5, peer="client",
                                              inline=lambda m: m["name"].startswith("inline")))
             nursery.start_soon(channel.read_replies)
             # spawned one-way messages overlap: the quick one finishes first
@@ -311,4 +311,9 @@ async def test_inline_one_way_messages_run_in_the_reader_in_order() -> None:
             with trio.fail_after(5):
                 await four.wait()
             assert seen == ["quick", "slow", "inline slow", "inline quick"]
+            # an inline message handled for longer than the idle limit is not cut off
+            await channel.notify({"name": "inline long", "s": 1.0}, 5)
+            with trio.fail_after(5):
+                while "inline long" not in seen:
+                    await trio.sleep(0.05)  # noqa: ASYNC110 - a poll is the test's point
             nursery.cancel_scope.cancel()
