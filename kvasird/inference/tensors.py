@@ -9,6 +9,7 @@ back float32 or int32, so f16 is a wire format only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ def decode(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | No
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims)
             or any(want is not None and d != want for d, want in zip(dims, shape, strict=True))):
         raise WireError(f"{what}.shape: expected {list(shape)}, got {dims!r}")
-    n = int(np.prod(dims))
+    n = math.prod(dims)  # exact: numpy's int64 product wraps on huge dimensions
     if n > MAX_ELEMENTS:
         raise WireError(f"{what}: {n} elements exceed the limit of {MAX_ELEMENTS}")
     dtype = DTYPES[str(dt)]

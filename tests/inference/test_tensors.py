@@ -30,6 +30,12 @@ def test_malformed_arrays_are_refused(bad: object) -> None:
         tensors.decode(bad, "x", ("f32", "i32"), (None,))
 
 
+def test_dimensions_whose_product_wraps_in_int64_are_refused() -> None:
+    wraps = {"dt": "f32", "shape": [1 << 32, 1 << 32], "data": b""}  # int64 product: 0
+    with pytest.raises(WireError, match="exceed the limit"):
+        tensors.decode(wraps, "x", ("f32",), (None, None))
+
+
 def test_a_fixed_dimension_must_match() -> None:
     x = tensors.encode(np.zeros((2, 4)), "f32")
     with pytest.raises(WireError, match="shape"):
