@@ -58,7 +58,7 @@ from kvasird.inference.serving import (
 from kvasird.inference.swarm import Inbox, SwarmGenerator
 from kvasird.inference.verdicts import Verdicts
 from kvasird.logs import get_logger
-from kvasird.market.records import LoadReport
+from kvasird.market.records import CoverageRecord, LoadReport
 from kvasird.market.service import MarketService
 from kvasird.model.manifest import Unit
 from kvasird.p2p import P2PNode
@@ -76,6 +76,9 @@ class InferenceService:
         c = config.inference
         self.served: Served | None = None
         self.holdings = Holdings()
+        self._holdings_of: dict[str, tuple[CoverageRecord, PeerHoldings]] = {}
+        """Each peer's holdings as last read from its record (kept while the record is the
+        same object: holders() runs for every remote MoE layer of every token)."""
         self.channels = Channels(p2p.host, lanes=c.lanes, connect=p2p.connect)
         self.lanes = LaneServer(_lane_host(config.p2p.listen), c.lane_port, MAX_FRAME) \
             if c.lanes else None
@@ -160,9 +163,17 @@ class InferenceService:
         """
         out: list[PeerHoldings] = []
         if self.market.map is not None:
-            out = [PeerHoldings.of_record(e.record) for p, e in self.market.map.entries.items()
-                   if p != self.p2p.peer_id and e.record.state != "offline"
-                   and e.record.protocol == PROTOCOL_VERSION]
+            entries, known = self.market.map.entries, self._holdings_of
+            if len(known) > 2 * len(entries) + 16:  # forget peers gone from the map
+                self._holdings_of = known = {p: v for p, v in known.items() if p in entries}
+            for p, e in entries.items():
+                r = e.record
+                if p == self.p2p.peer_id or r.state == "offline" or r.protocol != PROTOCOL_VERSION:
+                    continue
+                hit = known.get(p)
+                if hit is None or hit[0] is not r:
+                    hit = known[p] = (r, PeerHoldings.of_record(r))
+                out.append(hit[1])
         if self.served is not None:
             h = self.holdings
             out.append(PeerHoldings(self.p2p.peer_id, h.head, h.windows, h.experts))
