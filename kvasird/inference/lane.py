@@ -52,7 +52,7 @@ TOKEN_BYTES = 16
 WRITE_S = 10.0
 """Longest a record may take to go out when the caller gives no time (then the lane ends)."""
 QUICK_RUN = 8
-"""Reads or writes that did not wait, in a row, before the lane lets other tasks run."""
+"""Records read or written without waiting, in a row, before the lane lets other tasks run."""
 _LEN = struct.Struct(">I")
 _OK = b"kvasir-lane-ok"
 log = get_logger("kvasird.inference.lane")
@@ -68,8 +68,9 @@ class SealedStream:
     one unreadable. On a socket (POSIX), a write the kernel takes at once and a read of
     bytes already there go straight to the file descriptor without a pass through trio's
     scheduler; a step's record is a few KB, so that is nearly every one of them (one ring
-    link measured 0.34 -> 0.23 ms, bench/bench_link.py). After a few of those in a row the
-    stream lets other tasks run, so a busy lane cannot starve its process.
+    link between processes measured 0.60 -> 0.46 ms with cold caches, 0.13 -> 0.09 ms
+    warm: bench/bench_link.py). After a few records in a row that did not wait the stream
+    lets other tasks run, so a busy lane cannot starve its process.
     """
 
     def __init__(self, stream: trio.abc.Stream, key: bytes, initiator: bool,
