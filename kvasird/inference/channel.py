@@ -11,7 +11,8 @@ is reset and dropped, and every request still waiting on it fails at once.
     Channels.notify(peer, proto, msg)  ──▶ Channel ──frame {id: 0, op, ...}──▶ serve() (no answer)
 
 One-way messages carry the stage-to-stage forwarding of a generation's steps (swarm.py):
-whatever they lead to comes back as another message, from another peer.
+whatever they lead to comes back as another message, from another peer. A short one the
+protocol marks `inline` (a decode step computed in place) runs in the reader task itself.
 
 Once a libp2p channel is open, Channels asks the peer for a lane (lane.py: a direct TCP
 connection keyed over the channel, ~0.44 ms faster per round trip) in the background and
