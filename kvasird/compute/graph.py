@@ -12,12 +12,13 @@ engine; numpy arrays cross the boundary in C order, i.e. reversed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
@@ -173,6 +174,9 @@ class Graph:
         for t in self.outputs.values():
             ggml.ggml_set_output(t)
             ggml.ggml_build_forward_expand(self.graph, t)
+        self.users = 0
+        """Forwards between fetching this graph and getting its outputs (GraphCache.using):
+        a graph in use is never evicted, since it may be running in another thread."""
         self.allocr = ggml.ggml_gallocr_new(backend.buffer_type)
         if not ggml.ggml_gallocr_alloc_graph(self.allocr, self.graph):
             self.close()
@@ -223,6 +227,20 @@ class GraphCache:
         with self._lock:
             return self._get(key, build)
 
+    @contextlib.contextmanager
+    def using(self, key: Hashable, build: Callable[[], BuildFn]) -> Iterator[Graph]:
+        """The graph for `key`, kept from eviction until the block ends: for a forward that
+        may wait between fetching a graph and running it while other forwards fetch theirs
+        (decode steps of several sessions interleaved on an event loop)."""
+        with self._lock:
+            graph = self._get(key, build)
+            graph.users += 1
+        try:
+            yield graph
+        finally:
+            with self._lock:
+                graph.users -= 1
+
     def _get(self, key: Hashable, build: Callable[[], BuildFn]) -> Graph:
         graph = self._graphs.get(key)
         if graph is not None:
@@ -231,9 +249,10 @@ class GraphCache:
         graph = Graph(self.backend, build())
         self.builds += 1
         self._graphs[key] = graph
-        while len(self._graphs) > self.capacity:
-            _, old = self._graphs.popitem(last=False)
-            old.close()
+        if len(self._graphs) > self.capacity:  # the least recently used that nobody uses
+            idle = [k for k, g in self._graphs.items() if not g.users and k != key]
+            for k in idle[:len(self._graphs) - self.capacity]:
+                self._graphs.pop(k).close()
         return graph
 
     def items(self) -> list[tuple[Hashable, Graph]]:

@@ -81,12 +81,10 @@ class Stage:
         self._lock = threading.RLock()
         self.own_lock = self._lock
         """Held through a forward (its sessions' positions, its graphs), but not the backend:
-        what a forward run as steps on an event loop holds across its awaits."""
-        self.loop_guard = threading.Lock()
-        """Taken, without waiting, by a forward run as steps on an event loop: one at a time
-        per stage. `own_lock` is reentrant, so a second one on the same loop thread would
-        interleave with the first at its awaits (and could evict from the graph cache a
-        graph the first is running in a thread)."""
+        what a forward run as steps on an event loop holds across its awaits. Reentrant:
+        several sessions' forwards may interleave on one loop thread at their awaits (each
+        keeps the graph it is between fetching and running from eviction, GraphCache.using),
+        while a forward in another thread waits for all of them."""
         self.locks = (self._lock, backend.lock)
         """What a forward holds while it computes (for `held_now`)."""
         self._owns_backend = False
@@ -210,10 +208,11 @@ class Stage:
                   "mask": mask}
         for i, seg in enumerate(self.segments):
             key = (i, T, n_kv_b, mode)
-            graph = self.graphs.get(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode))
-            feed = {name: shared[name] for name in graph.inputs if name in shared}
-            feed["x"] = x
-            out = yield "run", graph, feed
+            with self.graphs.using(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode)) \
+                    as graph:
+                feed = {name: shared[name] for name in graph.inputs if name in shared}
+                feed["x"] = x
+                out = yield "run", graph, feed
             if seg.router is None:
                 x = out["out"]
                 x = x.reshape(-1, x.shape[-1])

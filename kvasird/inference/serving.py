@@ -491,13 +491,16 @@ async def _run_chain(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
     """A step through the hop's stages: in place when short and nothing else computes on
     them, else in a worker thread. A short step on a stage that dispatches experts runs as
     steps (compute.steps) on the event loop, awaiting the remote experts of each MoE layer
-    while holding only the stages' own locks (the backend stays free for other work); one
-    such step at a time per stage (a second goes to a thread and waits its turn there)."""
+    while holding only the stages' own locks (reentrant: the loop thread's), so the decode
+    steps of concurrent sessions interleave: one computes while others wait for their
+    experts, and their rows reach the workers close together (to be batched there). A
+    stage computing in a worker thread (a prefill) holds its lock: steps then wait their
+    turn in a thread."""
     short = len(x) <= INLINE_TOKENS
     if not any(st.dispatches for st in s.chain):
         return await run_short(s.chain, short, _run_chain_now, s, x, start)
     if short:
-        with locks_now(lock for st in s.chain for lock in (st.loop_guard, st.own_lock)) as held:
+        with locks_now(st.own_lock for st in s.chain) as held:
             if held:
                 for stage, session in zip(s.chain, s.sessions, strict=True):
                     x = await drive_async(stage.forward_steps(session, x, start),

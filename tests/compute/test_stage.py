@@ -259,3 +259,24 @@ def test_held_now_takes_every_lock_or_none(models, held_elsewhere):
             stage._lock.release()
     finally:
         stage.close()
+
+
+def test_a_graph_in_use_is_not_evicted_until_it_is_released():
+    from kvasird.compute.graph import F32, Backend, GraphCache, ggml
+
+    backend = Backend(1)
+    cache = GraphCache(backend, capacity=2)
+
+    def doubling(b):
+        x = b.input("x", F32, 4)
+        return {"out": ggml.ggml_scale(b.ctx, x, 2.0)}
+
+    one = np.ones((1, 4), np.float32)
+    with cache.using("a", lambda: doubling) as a:
+        for key in ("b", "c", "d"):  # past capacity: the idle ones go, "a" stays
+            cache.get(key, lambda: doubling)
+        assert a.ctx is not None and [k for k, _ in cache.items()] == ["a", "d"]
+        assert a.run({"x": one})["out"].ravel().tolist() == [2.0] * 4
+    cache.get("e", lambda: doubling)  # released: now the least recently used to go
+    assert a.ctx is None and [k for k, _ in cache.items()] == ["d", "e"]
+    cache.close()
