@@ -108,7 +108,9 @@ class InferenceConfig:
     """An expert worker that does not answer in this time is replaced."""
     batch_window_ms: float = field(default=1.0, metadata=_range(0, 1000))
     """A worker waits this long to batch concurrent requests for one layer into one call
-    (only while requests arrive concurrently)."""
+    (only while requests arrive concurrently), and a stage this long to send the rows of
+    its concurrent sessions for one worker and layer as one message (only while several
+    sessions step at once). 0 turns both off."""
     spot_check: float = field(default=0.0, metadata=_range(0, 1))
     """Fraction of remote expert calls recomputed on a second replica and compared."""
     spot_tolerance: float = field(default=1e-3, metadata=_range(0, 1e6))

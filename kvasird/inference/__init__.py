@@ -16,7 +16,7 @@
     routing    routes from the coverage map (shortest path over layer boundaries by measured
                latency), expert coverage by replicas, unfit peers, our latency measurements
     experts    remote expert dispatch from a stage: replicas, failover, spot checks, the
-               hot-expert cache
+               hot-expert cache, concurrent sessions' rows for one worker as one message
     verdicts   spot-check verdicts on gossip; a quorum of accusers makes a node avoid a worker
     swarm      SwarmGenerator: plan, open sessions, send steps down the route (each hop
                forwards to the next), probe a silent route, fail over and replay the history

@@ -10,6 +10,10 @@ the range with the cheapest fit workers, and sends each only its rows and *its* 
                                                    ids - e0 ─▶ "/kvasir/experts/1" ─▶ W
                                       combine ◀── outputs [m, n, n_embd] ◀──────────┘
 
+While several sessions' decode steps are interleaved on this node's stages, the rows of
+those that reach a layer within `window_s` of each other go to a worker as one message
+(the worker also batches messages from different stages into one ggml call).
+
 A worker that fails or times out is marked unfit and the call is re-planned on
 another replica. With probability `spot_check` a call is recomputed: on our own copy
 of those experts when we hold one (authoritative), else on a second replica, with a
@@ -22,6 +26,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,7 +37,7 @@ from kvasird.inference import tensors
 from kvasird.inference.channel import Channels
 from kvasird.inference.errors import HopFailed, NoWorkers, sentence
 from kvasird.inference.routing import Fitness, Latency, PeerHoldings, cover_experts, expert_holders
-from kvasird.inference.serving import EXPERT_PROTOCOL, INLINE_TOKENS, run_short
+from kvasird.inference.serving import COMPANY, EXPERT_PROTOCOL, INLINE_TOKENS, run_short
 from kvasird.logs import get_logger
 
 MAX_ATTEMPTS = 4
@@ -93,17 +98,22 @@ class ExpertDispatcher:
                  latency: Latency, fitness: Fitness, local: LocalExperts, *, timeout_s: float,
                  wire_dtype: str, spot_check: float, tolerance: float,
                  hot: HotExperts | None = None,
-                 accuse: Callable[[str, str], Awaitable[None]] | None = None) -> None:
+                 accuse: Callable[[str, str], Awaitable[None]] | None = None,
+                 window_s: float = 0.0) -> None:
         self.me, self.holders, self.channels, self.local = me, holders, channels, local
         self.accuse = accuse
         self.hot = hot or HotExperts(None, 0, 0)
         self.latency, self.fitness = latency, fitness
         self.timeout_s, self.wire_dtype = timeout_s, wire_dtype
         self.spot_check, self.tolerance = spot_check, tolerance
+        self.window_s = window_s
+        """Longest the rows of one session wait for other interleaved sessions' (remote)."""
+        self._outgoing: dict[tuple[str, int, int, int], _Outgoing] = {}
         self.selected: Counter[tuple[int, int]] = Counter()
         """(layer, expert) -> times selected since the last load report."""
         self.stats = Counter[str]()
-        """calls, rows, failovers, spot_checks, caught, unresolved, hot_rows."""
+        """calls, rows, coalesced (sessions' rows that went in another's message),
+        failovers, spot_checks, caught, unresolved, hot_rows."""
         self._rng = random.Random()
 
     def shard(self, layer: int, first: int, end: int) -> ExpertShard:
@@ -256,7 +266,51 @@ class ExpertDispatcher:
     async def remote(self, peer: str, e0: int, layer: int, rows: np.ndarray,
                      gids: np.ndarray) -> np.ndarray:
         """One worker call: rows and local ids (global - e0, e0 the start of the range the
-        worker advertises, sent along so a worker can check it) out, outputs back."""
+        worker advertises, sent along so a worker can check it) out, outputs back.
+
+        While other sessions' decode steps are interleaved on this node's stages, the rows
+        of several of them for one worker and layer go as one message: the first waits up
+        to `window_s` for the others to reach the layer (one request, one reply, one ggml
+        call on the worker instead of one each)."""
+        company = COMPANY.get()
+        others = company.now - 1 if company is not None else 0
+        if self.window_s <= 0 or others <= 0:
+            return await self._request(peer, e0, layer, rows, gids)
+        key = (peer, e0, layer, gids.shape[1])
+        joining = self._outgoing.get(key)
+        if joining is not None:
+            at = len(joining.parts)
+            joining.parts.append((rows, gids))
+            if len(joining.parts) >= joining.want:
+                joining.full.set()
+            await joining.done.wait()
+            if joining.error is not None:
+                raise joining.error
+            if joining.outs is None:  # the first gave up waiting (it was cancelled): go alone
+                return await self._request(peer, e0, layer, rows, gids)
+            return joining.outs[at]
+        batch = self._outgoing[key] = _Outgoing(others + 1, [(rows, gids)])
+        try:
+            with trio.move_on_after(self.window_s):
+                await batch.full.wait()
+            del self._outgoing[key]  # what joined goes now; later rows start their own
+            out = await self._request(peer, e0, layer,
+                                      np.concatenate([r for r, _ in batch.parts]),
+                                      np.concatenate([g for _, g in batch.parts]))
+            bounds = np.cumsum([len(r) for r, _ in batch.parts])[:-1]
+            batch.outs = np.split(out, bounds)
+            self.stats["coalesced"] += len(batch.parts) - 1
+            return batch.outs[0]
+        except HopFailed as exc:
+            batch.error = exc
+            raise
+        finally:
+            if self._outgoing.get(key) is batch:
+                del self._outgoing[key]
+            batch.done.set()
+
+    async def _request(self, peer: str, e0: int, layer: int, rows: np.ndarray,
+                       gids: np.ndarray) -> np.ndarray:
         msg: dict[str, Any] = {"op": "experts", "layer": layer, "first": e0,
                                "rows": tensors.encode(rows, self.wire_dtype),
                                "ids": tensors.encode(gids - e0, "i32")}
@@ -270,6 +324,20 @@ class ExpertDispatcher:
                                   (len(rows), gids.shape[1], rows.shape[1]))
         except Exception as exc:  # noqa: BLE001 - a malformed answer is a failed worker
             raise HopFailed(peer, f"bad expert output: {exc}") from None
+
+
+@dataclass
+class _Outgoing:
+    """Rows of concurrent sessions for one worker, layer and width, going as one message."""
+
+    want: int
+    """Sessions stepping when the first came: the message goes once this many joined."""
+    parts: list[tuple[np.ndarray, np.ndarray]]
+    """(rows, global ids) of each, in the order they joined."""
+    full: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)
+    outs: list[np.ndarray] | None = None
+    error: HopFailed | None = None
 
 
 def _combine(layer: int, rows: np.ndarray, gids: np.ndarray, pieces: list[Piece],

@@ -97,7 +97,7 @@ class InferenceService:
             p2p.peer_id, self.holders, self.channels, self.latency, self.fitness, self._own_experts,
             timeout_s=c.expert_timeout_s, wire_dtype=c.wire_dtype, spot_check=c.spot_check,
             tolerance=c.spot_tolerance, hot=HotExperts(self._load_hot, c.hot_experts, c.hot_after),
-            accuse=self.verdicts.accuse)
+            accuse=self.verdicts.accuse, window_s=c.batch_window_ms / 1000)
         self.generator = SwarmGenerator(p2p.peer_id, self._info, self._n_layer, self.holders,
                                         self.channels, self.stages.handle, self.latency,
                                         self.fitness, c, self.inbox)

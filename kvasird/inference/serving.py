@@ -45,6 +45,7 @@ the hop before it (``prev`` at open).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import time
@@ -84,6 +85,8 @@ T = TypeVar("T")
 INLINE_TOKENS = 4
 """Steps (and expert batches) of at most this many rows may compute on the event loop's
 thread (`run_short`)."""
+STAGE_POLL_S = 0.001
+"""How often a decode step looks again whether a stage a prefill holds is free."""
 MAX_TOP = 20
 MAX_TRACE = 64
 """Hops a traced step records (a longer trace is dropped, the step goes on)."""
@@ -292,6 +295,8 @@ class StageServer:
         """Token positions computed since the last load report."""
         self.forwarded = 0
         """Steps whose output this node forwarded to the next hop or returned to its owner."""
+        self.company = Company()
+        """Decode steps interleaved on this node's stages now (for the expert dispatcher)."""
 
     async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
@@ -435,7 +440,7 @@ class StageServer:
         s.used = began = time.monotonic()
         try:
             with collecting_waits() as waited:
-                out = await _run_chain(s, x, start)
+                out = await _run_chain(s, x, start, self.company)
         except (KVCacheFull, NoWorkers) as exc:
             raise Refused("", "busy", str(exc)) from None
         except ComputeError as exc:
@@ -487,26 +492,53 @@ async def run_short(holders: Sequence[Stage | ExpertWorker | Backend], short: bo
     return await trio.to_thread.run_sync(fn, *args)
 
 
-async def _run_chain(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
+class Company:
+    """Decode steps interleaved on this node's stages right now: while more than one is,
+    the expert dispatcher waits a moment to send rows of several sessions for one worker
+    and layer as one message (experts.ExpertDispatcher.remote)."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+
+COMPANY: contextvars.ContextVar[Company | None] = contextvars.ContextVar("kvasird_company",
+                                                                          default=None)
+
+
+async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
+                     company: Company | None = None) -> np.ndarray:
     """A step through the hop's stages: in place when short and nothing else computes on
     them, else in a worker thread. A short step on a stage that dispatches experts runs as
     steps (compute.steps) on the event loop, awaiting the remote experts of each MoE layer
     while holding only the stages' own locks (reentrant: the loop thread's), so the decode
     steps of concurrent sessions interleave: one computes while others wait for their
-    experts, and their rows reach the workers close together (to be batched there). A
-    stage computing in a worker thread (a prefill) holds its lock: steps then wait their
-    turn in a thread."""
+    experts, and their rows reach the workers together (one message per worker and layer,
+    ExpertDispatcher.remote). While a prefill in a worker thread holds a stage, decode
+    steps wait for it on the loop."""
     short = len(x) <= INLINE_TOKENS
     if not any(st.dispatches for st in s.chain):
         return await run_short(s.chain, short, _run_chain_now, s, x, start)
-    if short:
+    if not short:
+        return await trio.to_thread.run_sync(_run_chain_now, s, x, start)
+    while True:
         with locks_now(st.own_lock for st in s.chain) as held:
             if held:
-                for stage, session in zip(s.chain, s.sessions, strict=True):
-                    x = await drive_async(stage.forward_steps(session, x, start),
-                                          functools.partial(_serve_async, stage))
+                company = company or Company()
+                company.now += 1
+                token = COMPANY.set(company)
+                try:
+                    for stage, session in zip(s.chain, s.sessions, strict=True):
+                        x = await drive_async(stage.forward_steps(session, x, start),
+                                              functools.partial(_serve_async, stage))
+                finally:
+                    company.now -= 1
+                    COMPANY.reset(token)
                 return x
-    return await trio.to_thread.run_sync(_run_chain_now, s, x, start)
+        # A forward in a worker thread (a prefill) holds a stage: wait for it here rather
+        # than in a thread of our own, which would hold the stage in turn through its
+        # remote waits and send every later step to a thread the same way (a convoy: with
+        # 16 sessions no step ran on the loop any more, and none overlapped).
+        await trio.sleep(STAGE_POLL_S)
 
 
 def _run_chain_now(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:

@@ -117,6 +117,7 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
     shard), several sessions' interleaved; a long prefill runs in a worker thread that
     enters the loop per MoE layer."""
     paths: list[str] = []
+    sizes: list[tuple[str, int]] = []  # (path, rows) of each expert call
     remote_s = [0.0]
     waiting = [0, 0]  # expert calls awaited now, the most at once
 
@@ -125,6 +126,7 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
 
         async def acall(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
             paths.append("awaited")
+            sizes.append((paths[-1], len(rows)))
             waiting[0] += 1
             waiting[1] = max(waiting[1], waiting[0])
             try:
@@ -135,6 +137,7 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
 
         def call(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
             paths.append("thread")
+            sizes.append(("thread", len(rows)))
             return trio.from_thread.run(acall, lay, rows, sel)
 
         return ExpertShard(first, end, call, acall)
@@ -193,6 +196,22 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
         assert set(paths) == {"awaited"} and waiting[1] == 2
         for sid, prompt in prompts.items():
             assert outs[sid] == generate(full, prompt, 4), sid
+
+        # while a prefill holds the stage in a worker thread, another session's decode
+        # steps wait for it on the loop, then run there (not queued into threads)
+        await call(server, open_msg("long", 0, N_LAYER, True, True))
+        long_prompt = list(range(30, 60))
+        sizes.clear()
+        remote_s[0] = 0.02
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, server, {"op": "step", "sid": "long", "start": 0,
+                                              "ids": long_prompt, "x": tensors.encode(
+                                                  np.asarray(long_prompt), "i32")})
+            await trio.sleep(0.01)  # the prefill has the stage
+            nursery.start_soon(decode, "p")
+        assert ("thread", len(long_prompt)) in sizes
+        assert ("awaited", 1) in sizes and ("thread", 1) not in sizes
+        assert outs["p"] == generate(full, prompts["p"], 7)
     finally:
         a.close()
         full.close()
@@ -418,3 +437,71 @@ def test_only_short_forwarded_steps_on_a_node_without_remote_experts_run_inline(
     finally:
         own.close()
         remote.close()
+
+
+async def test_concurrent_sessions_rows_for_one_worker_go_as_one_message(
+        worker: Served, tmp_path: Path) -> None:
+    """The dispatcher coalesces only while several decode steps are interleaved here; what
+    it sends on a real channel is answered by a real worker, each part as if sent alone."""
+    from kvasird.inference.channel import Channels, serve
+    from kvasird.inference.experts import ExpertDispatcher, HotExperts
+    from kvasird.inference.routing import Fitness, Latency, PeerHoldings
+    from kvasird.inference.serving import COMPANY, EXPERT_PROTOCOL, Company
+
+    from .test_channel import pair
+
+    rng = np.random.default_rng(2)
+    rows = [rng.standard_normal((1, worker.hp.n_embd)).astype(np.float32) for _ in range(3)]
+    gids = [np.array([[1, 6]]), np.array([[0, 3]]), np.array([[7, 2]])]
+    async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
+        server = ExpertServer(lambda: worker, window_s=0, wire_dtype="f32")
+        b.set_stream_handler(EXPERT_PROTOCOL, lambda s: serve(s, server.handle, 10))
+        channels = Channels(a, lanes=False)
+        await nursery.start(channels.run)
+        peer = b.get_id().to_string()
+        holders = [PeerHoldings(peer, False, (), tuple((lay, 0, N_EXPERT)
+                                                       for lay in range(N_LAYER)))]
+        dispatcher = ExpertDispatcher(
+            a.get_id().to_string(), lambda: holders, channels, Latency("me", lambda p: 1.0),
+            Fitness(60), lambda layer: None, timeout_s=5, wire_dtype="f32", spot_check=0,
+            tolerance=0.01, hot=HotExperts(None, 0, 0), window_s=0.5)
+        outs: list[Any] = [None] * 3
+
+        async def step(i: int, company: Company | None) -> None:
+            COMPANY.set(company)  # this task's context: as if its decode step were running
+            outs[i] = await dispatcher.remote(peer, 0, 1, rows[i], gids[i])
+
+        for company in (None, Company()):  # alone; then three sessions stepping at once
+            if company is not None:
+                company.now = 3
+            calls = dispatcher.stats["calls"]
+            async with trio.open_nursery() as inner:
+                for i in range(3):
+                    inner.start_soon(step, i, company)
+            assert dispatcher.stats["calls"] - calls == (3 if company is None else 1)
+            for i in range(3):
+                assert np.array_equal(outs[i], worker.workers[1](1, rows[i], gids[i]))
+        assert dispatcher.stats["coalesced"] == 2
+        # the worker refusing the message fails every session that was in it
+        refused: list[Exception] = []
+
+        async def refused_step(i: int, company: Company) -> None:
+            COMPANY.set(company)
+            try:
+                await dispatcher.remote(peer, 0, N_LAYER + 5, rows[i], gids[i])
+            except Refused as exc:
+                refused.append(exc)
+
+        three = Company()
+        three.now = 3
+        async with trio.open_nursery() as inner:
+            for i in range(3):
+                inner.start_soon(refused_step, i, three)
+        assert len(refused) == 3 and len({id(e) for e in refused}) == 1
+        # a session whose company never reaches the layer waits only the window
+        lonely = Company()
+        lonely.now = 4
+        began = trio.current_time()
+        await step(0, lonely)
+        assert 0.5 <= trio.current_time() - began < 2.5
+        nursery.cancel_scope.cancel()
