@@ -140,6 +140,26 @@ def concurrent(node: LocalNode, sessions: int, n: int) -> float:
     return sum(counts) / (time.perf_counter() - began)
 
 
+def sent_rows(net: LocalNet) -> tuple[int, int]:
+    """(expert messages, rows in them) the stages have sent so far."""
+    calls = rows = 0
+    for node in net.nodes:
+        stats = node.get("/v0/inference")["dispatch"]
+        calls, rows = calls + stats.get("calls", 0), rows + stats.get("rows", 0)
+    return calls, rows
+
+
+def concurrency(net: LocalNet, sessions: list[int], n: int) -> dict[int, tuple[float, float]]:
+    """Per session count: aggregate tokens/s, and rows per expert message the stages sent."""
+    out = {}
+    for s in sessions:
+        calls, rows = sent_rows(net)
+        rate = concurrent(net.nodes[0], s, n)
+        calls2, rows2 = sent_rows(net)
+        out[s] = (rate, (rows2 - rows) / max(calls2 - calls, 1))
+    return out
+
+
 def expert_batching(net: LocalNet, workers: list[int]) -> str:
     rows = calls = 0
     for i in workers:
@@ -449,7 +469,7 @@ def main() -> None:
     gaps: dict[str, str] = {}
     theirs: dict[Path, list[float]] = {}
     refs: dict[Path, LlamaCppDecoder | None] = {}
-    conc: dict[str, dict[int, float]] = {}
+    conc: dict[str, dict[int, tuple[float, float]]] = {}
     batching: dict[str, str] = {}
     breakdowns: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -485,8 +505,7 @@ def main() -> None:
                 names = {n.peer_id: f"node{n.index}" for n in net.nodes}
                 breakdowns[name] = (net.nodes[0].get("/v0/inference")["breakdown"], names)
                 if name in ("3-stage ring", "MoE ring + remote experts"):
-                    conc[name] = {s: concurrent(net.nodes[0], s, args.tokens // 2)
-                                  for s in args.sessions}
+                    conc[name] = concurrency(net, args.sessions, args.tokens // 2)
                 if workers:
                     batching[name] = expert_batching(net, workers)
             print(f"{name}: {rates[name]:.1f} tok/s", flush=True)
@@ -522,7 +541,11 @@ def main() -> None:
     print("| layout | " + " | ".join(f"{s} sessions" for s in args.sessions) + " |")
     print("|---|" + "---|" * len(args.sessions))
     for name, by in conc.items():
-        print(f"| {name} | " + " | ".join(f"{by[s]:.1f}" for s in args.sessions) + " |")
+        print(f"| {name} | " + " | ".join(f"{by[s][0]:.1f}" for s in args.sessions) + " |")
+    for name, by in conc.items():
+        if any(rows for _, rows in by.values()):
+            print(f"\nrows per expert message the stages sent ({name}): "
+                  + ", ".join(f"{s} sessions {by[s][1]:.2f}" for s in args.sessions))
     for name, text in batching.items():
         print(f"\nexpert batching on the workers ({name}, whole run): {text}")
 
