@@ -85,6 +85,11 @@ class Stage:
         several sessions' forwards may interleave on one loop thread at their awaits (each
         keeps the graph it is between fetching and running from eviction, GraphCache.using),
         while a forward in another thread waits for all of them."""
+        self.queued = 0
+        """Forwards waiting for `own_lock` (a prefill in a worker thread behind decode steps
+        interleaved on the loop): while any waits, no new step starts on the loop, so the
+        lock comes free between them."""
+        self._queue_lock = threading.Lock()
         self.locks = (self._lock, backend.lock)
         """What a forward holds while it computes (for `held_now`)."""
         self._owns_backend = False
@@ -161,8 +166,17 @@ class Stage:
         Returns logits [n, n_vocab] when the stage holds the head (n = 1 for "last",
         all tokens for "all"), else hidden states [T, n_embd] float32.
         """
-        with self._lock:
+        with self._queue_lock:
+            self.queued += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._queue_lock:
+                self.queued -= 1
+        try:
             return drive(self.forward_steps(session, inputs, start, logits), self.serve)
+        finally:
+            self._lock.release()
 
     def serve(self, need: tuple[Any, ...]) -> Any:
         """What forward_steps asks for, done here and now: a graph run or expert outputs."""

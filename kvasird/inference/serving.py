@@ -522,7 +522,7 @@ async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
         return await trio.to_thread.run_sync(_run_chain_now, s, x, start)
     while True:
         with locks_now(st.own_lock for st in s.chain) as held:
-            if held:
+            if held and not any(st.queued for st in s.chain):
                 company = company or Company()
                 company.now += 1
                 token = COMPANY.set(company)
@@ -534,10 +534,11 @@ async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
                     company.now -= 1
                     COMPANY.reset(token)
                 return x
-        # A forward in a worker thread (a prefill) holds a stage: wait for it here rather
-        # than in a thread of our own, which would hold the stage in turn through its
-        # remote waits and send every later step to a thread the same way (a convoy: with
-        # 16 sessions no step ran on the loop any more, and none overlapped).
+        # A forward in a worker thread (a prefill) holds a stage or waits for it: wait for
+        # it here rather than in a thread of our own, which would hold the stage in turn
+        # through its remote waits and send every later step to a thread the same way (a
+        # convoy: with 16 sessions no step ran on the loop any more, and none overlapped);
+        # and start no step meanwhile, or steps in flight could hold it for ever.
         await trio.sleep(STAGE_POLL_S)
 
 

@@ -212,6 +212,33 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
         assert ("thread", len(long_prompt)) in sizes
         assert ("awaited", 1) in sizes and ("thread", 1) not in sizes
         assert outs["p"] == generate(full, prompts["p"], 7)
+
+        # and a prefill arriving while sessions decode without pause gets the stage soon
+        # (interleaved steps could otherwise hold it, one always in flight, for ever)
+        for sid in ("s", "long", "p", "q"):
+            await call(server, {"op": "close", "sid": sid})
+        remote_s[0] = 0.005
+        positions: dict[str, int] = {}
+
+        async def keep_decoding(sid: str) -> None:
+            while positions[sid] < 60:
+                at = positions[sid] = positions[sid] + 1
+                await call(server, {"op": "step", "sid": sid, "start": at, "ids": [1],
+                                    "x": tensors.encode(np.asarray([1]), "i32")})
+
+        for sid in ("d1", "d2"):
+            await call(server, open_msg(sid, 0, N_LAYER, True, True))
+            await call(server, {"op": "step", "sid": sid, "start": 0, "ids": [1],
+                                "x": tensors.encode(np.asarray([1]), "i32")})
+            positions[sid] = 0
+        await call(server, open_msg("late", 0, N_LAYER, True, True))
+        async with trio.open_nursery() as nursery:
+            for sid in ("d1", "d2"):
+                nursery.start_soon(keep_decoding, sid)
+            await trio.sleep(0.1)
+            await call(server, {"op": "step", "sid": "late", "start": 0, "ids": long_prompt,
+                                "x": tensors.encode(np.asarray(long_prompt), "i32")})
+            assert min(positions.values()) < 50  # it had its turn while they decoded
     finally:
         a.close()
         full.close()
