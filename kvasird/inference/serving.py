@@ -85,8 +85,9 @@ T = TypeVar("T")
 INLINE_TOKENS = 4
 """Steps (and expert batches) of at most this many rows may compute on the event loop's
 thread (`run_short`)."""
-STAGE_POLL_S = 0.001
-"""How often a decode step looks again whether a stage a prefill holds is free."""
+STAGE_POLL_S = (0.0005, 0.008)
+"""A decode step waiting for a stage a prefill holds looks again after the first delay,
+doubling up to the second (a long prefill must not cost its waiters' CPU in wake-ups)."""
 MAX_TOP = 20
 MAX_TRACE = 64
 """Hops a traced step records (a longer trace is dropped, the step goes on)."""
@@ -520,6 +521,7 @@ async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
         return await run_short(s.chain, short, _run_chain_now, s, x, start)
     if not short:
         return await trio.to_thread.run_sync(_run_chain_now, s, x, start)
+    delay = STAGE_POLL_S[0]
     while True:
         with locks_now(st.own_lock for st in s.chain) as held:
             if held and not any(st.queued for st in s.chain):
@@ -539,7 +541,8 @@ async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
         # through its remote waits and send every later step to a thread the same way (a
         # convoy: with 16 sessions no step ran on the loop any more, and none overlapped);
         # and start no step meanwhile, or steps in flight could hold it for ever.
-        await trio.sleep(STAGE_POLL_S)
+        await trio.sleep(delay)
+        delay = min(2 * delay, STAGE_POLL_S[1])
 
 
 def _run_chain_now(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
