@@ -42,6 +42,7 @@ import trio  # noqa: E402
 from kvasird.inference import tensors  # noqa: E402
 from kvasird.inference.channel import MAX_FRAME, Channel, serve  # noqa: E402
 from kvasird.inference.lane import SealedStream  # noqa: E402
+from kvasird.logs import configure  # noqa: E402
 
 HOPS = 3
 KEY = bytes(range(32))
@@ -205,6 +206,7 @@ async def _trio_main(index: int, ports: list[int], ready: Any, go: Any, out: Any
 
 def _trio(index: int, ports: list[int], ready: Any, go: Any, out: Any, rounds: int,
           compute_ms: float, ours: bool) -> None:
+    configure("warning")  # a lane ending when the bench stops is not news
     trio.run(_trio_main, index, ports, ready, go, out, rounds, compute_ms, ours)
 
 
