@@ -163,6 +163,8 @@ class Channels:
         self._open: dict[tuple[str, str], Channel] = {}
         self._lanes: dict[tuple[str, str], Channel] = {}
         self._lane_next: dict[tuple[str, str], float] = {}
+        self._lane_fails: dict[tuple[str, str], int] = {}
+        """Lane attempts in a row that did not come up, by (peer, protocol)."""
         self._opening: dict[tuple[str, str], trio.Lock] = {}
         self._nursery: trio.Nursery | None = None
 
@@ -209,7 +211,10 @@ class Channels:
         channel = await self._get_stream(peer, protocol)
         now = time.monotonic()
         if self.lanes and self._nursery is not None and self._lane_next.get(key, 0) <= now:
-            self._lane_next[key] = now + lane.LANE_RETRY_S
+            first, most = lane.LANE_RETRY_S
+            fails = self._lane_fails.get(key, 0)
+            self._lane_next[key] = now + min(most, first * 2 ** min(fails, 16))
+            self._lane_fails[key] = fails + 1  # until the lane is up
             self._nursery.start_soon(self._open_lane, key, channel)
         return channel
 
@@ -228,6 +233,7 @@ class Channels:
         assert self._nursery is not None
         self._nursery.start_soon(lane_channel.read_replies)
         self._lanes[key] = lane_channel
+        self._lane_fails.pop(key, None)
         self._lane_next[key] = time.monotonic() + 5.0  # a lane that breaks may be renewed soon
         log.debug("lane open", peer=peer, protocol=key[1], address=remote[0])
 

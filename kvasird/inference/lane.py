@@ -21,7 +21,7 @@ replayed, reordered, forged or truncated record ends the lane.
 
 Lanes are an optimisation, never a requirement: when the offer is refused, the TCP connect
 fails or times out (NAT, a relayed peer, lanes off on either side) the caller keeps the
-libp2p channel and asks again only after LANE_RETRY_S.
+libp2p channel and asks again later (LANE_RETRY_S: after seconds, then less and less often).
 """
 
 from __future__ import annotations
@@ -46,8 +46,11 @@ TICKETS_PER_PEER = 8
 """Outstanding tickets one peer may hold (a peer asking for more loses its oldest)."""
 HELLO_S = 5.0
 """A TCP connection must present its token within this time."""
-LANE_RETRY_S = 300.0
-"""After a failed lane the caller stays on libp2p this long before asking again."""
+LANE_RETRY_S = (2.0, 300.0)
+"""After a failed lane the caller stays on libp2p the first time before asking again,
+doubling after each failure up to the second: a lane lost to a passing failure (two peers
+dialling each other at start-up) comes back in seconds, a peer that never offers one is
+asked every five minutes."""
 TOKEN_BYTES = 16
 WRITE_S = 10.0
 """Longest a record may take to go out when the caller gives no time (then the lane ends)."""
