@@ -356,9 +356,7 @@ async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s:
                         nursery.start_soon(answer, msg)
             log.debug("stream idle: closing it", peer=peer, idle_s=idle_s)
             nursery.cancel_scope.cancel()
-    except WireError as exc:
+    except Exception as exc:  # noqa: BLE001 - a malformed frame, a reset: in a group, any type
         log.debug("stream ended", peer=peer, reason=repr(exc))
-    except Exception as exc:  # noqa: BLE001 - resets surface as many types
-        log.debug("stream failed", peer=peer, reason=repr(exc))
     finally:
         await _reset(stream)

@@ -507,7 +507,7 @@ COMPANY: contextvars.ContextVar[Company | None] = contextvars.ContextVar("kvasir
 
 
 async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
-                     company: Company | None = None) -> np.ndarray:
+                     company: Company) -> np.ndarray:
     """A step through the hop's stages: in place when short and nothing else computes on
     them, else in a worker thread. A short step on a stage that dispatches experts runs as
     steps (compute.steps) on the event loop, awaiting the remote experts of each MoE layer
@@ -525,7 +525,6 @@ async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
     while True:
         with locks_now(st.own_lock for st in s.chain) as held:
             if held and not any(st.queued for st in s.chain):
-                company = company or Company()
                 company.now += 1
                 token = COMPANY.set(company)
                 try:
