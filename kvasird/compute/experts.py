@@ -145,13 +145,15 @@ def dispatch(layer: int, cur: np.ndarray, ids: np.ndarray,
 def dispatch_steps(layer: int, cur: np.ndarray, ids: np.ndarray, shards: Sequence[ExpertShard]
                    ) -> Steps[np.ndarray]:
     """dispatch as steps (compute.steps): yields (shard, rows, shard-local ids) for each
-    shard with work, is sent that shard's outputs, returns the assembled [T, k, n_embd]."""
+    shard with work, is sent that shard's outputs, returns the assembled [T, k, n_embd].
+    Where shards overlap, an id goes to the first that holds it (a stage's cached experts
+    before the remote range that also holds them)."""
     if ids.shape[0] == 1:
         return (yield from _dispatch_one_row(layer, cur, ids, shards))
     y = np.empty((ids.shape[0], ids.shape[1], cur.shape[1]), np.float32)
     done = np.zeros(ids.shape, bool)
     for s in shards:
-        inside = (ids >= s.first) & (ids < s.end)
+        inside = (ids >= s.first) & (ids < s.end) & ~done
         rows = np.flatnonzero(inside.any(axis=1))
         if rows.size == 0:
             continue
@@ -180,7 +182,7 @@ def _dispatch_one_row(layer: int, cur: np.ndarray, ids: np.ndarray,
     y = np.empty((1, len(row), cur.shape[1]), np.float32)
     done = [False] * len(row)
     for s in shards:
-        cols = [j for j, g in enumerate(row) if s.first <= g < s.end]
+        cols = [j for j, g in enumerate(row) if s.first <= g < s.end and not done[j]]
         if not cols:
             continue
         sel = np.array([[row[j] - s.first for j in cols]], np.int32)

@@ -122,9 +122,11 @@ class InferenceConfig:
     max_failovers: int = field(default=4, metadata=_range(0, 64))
     """Route rebuilds one generation may go through before it gives up."""
     hot_experts: int = field(default=0, metadata=_range(0, 1 << 16))
-    """Experts a stage may cache and compute itself once selected often (0 = no cache)."""
+    """Experts a stage may cache and compute itself, chosen from what it selects so that
+    whole layers' selections become local (each spares a round trip); 0 = no cache."""
     hot_after: int = field(default=64, metadata=_range(1, 1 << 30))
-    """Selections of an expert by this stage after which it is cached."""
+    """Rows dispatched between two plans of the hot-expert cache (the first plan after
+    this many)."""
     lanes: bool = True
     """Offer and use lanes: direct TCP connections (keyed over libp2p, ChaCha20-Poly1305)
     for stage and expert traffic, ~0.4 ms faster per hop than libp2p streams. Peers that

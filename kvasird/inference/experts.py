@@ -14,6 +14,10 @@ While several sessions' decode steps are interleaved on this node's stages, the 
 those that reach a layer within `window_s` of each other go to a worker as one message
 (the worker also batches messages from different stages into one ggml call).
 
+Experts the stage selects often enough are cached and computed here (HotExperts): planned
+so that whole selections become local, because a layer whose rows need even one remote
+expert still costs the round trip.
+
 A worker that fails or times out is marked unfit and the call is re-planned on
 another replica. With probability `spot_check` a call is recomputed: on our own copy
 of those experts when we hold one (authoritative), else on a second replica, with a
@@ -22,10 +26,11 @@ third deciding a disagreement; a worker out of tolerance is marked unfit.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,46 +54,112 @@ log = get_logger("kvasird.inference.experts")
 
 
 class HotExperts:
-    """Experts this stage computes itself because it selects them often: the hot-expert cache.
+    """Experts this stage computes itself to spare round trips: the hot-expert cache.
 
-    Selections are counted per (layer, expert); once one reaches `after` and there is room
-    (`capacity` experts), the expert is loaded from the model file into a worker of its
-    own, and from then on it is a zero-latency holder in dispatch planning.
+    A MoE layer costs a round trip unless *every* expert a row selects there is local, so
+    the cache is planned by selection sets, not by each expert's popularity: under even
+    routing (top-2 of 8) caching half the experts of two layers keeps 6 / 28 = 21 % of
+    each layer's rows local, caching one whole layer keeps all of its rows local (half of
+    the round trips gone instead of a fifth). The last `window` rows' selections are kept
+    per layer; after every `after` selected rows the cache is re-planned greedily: each
+    pick is the expert with the most credit, a row crediting each expert it still misses
+    with 1 / (the experts it still misses), so a row one expert short counts whole.
+    Planned experts are loaded from the model file, one per call, off the loop; a cached
+    one no longer planned is dropped when its room is needed and nothing computes on it.
     """
 
     def __init__(self, load: Callable[[int, int], ExpertWorker] | None, capacity: int,
-                 after: int) -> None:
-        self.load, self.capacity, self.after = load, capacity, after
+                 after: int, window: int = 256) -> None:
+        self.load, self.capacity, self.after, self.window = load, capacity, after, window
         self.workers: dict[tuple[int, int], ExpertWorker] = {}
-        self._seen: Counter[tuple[int, int]] = Counter()
+        self.planned: list[tuple[int, int]] = []
+        """What the last plan wants cached, best first."""
+        self._rows: dict[int, list[np.ndarray]] = {}
+        self._kept: Counter[int] = Counter()
+        self._since = 0
+        self._busy: Counter[tuple[int, int]] = Counter()
         self._failed: set[tuple[int, int]] = set()
-
-    def holdings(self, me: str) -> list[PeerHoldings]:
-        if not self.workers:
-            return []
-        return [PeerHoldings(me, False, (), tuple((lay, e, e + 1) for lay, e in self.workers))]
+        self._loading: set[tuple[int, int]] = set()
 
     async def observe(self, layer: int, gids: np.ndarray) -> None:
-        """Count this call's selections; load what just became hot (once, off the loop)."""
+        """Record this call's selections; re-plan when it is time; load one planned expert
+        that is not cached yet (in a thread: it reads the model file)."""
         if self.load is None or self.capacity <= 0:
             return
-        for g in np.unique(gids):
-            key = (layer, int(g))
-            self._seen[key] += 1
-            if (self._seen[key] >= self.after and key not in self.workers
-                    and key not in self._failed and len(self.workers) < self.capacity):
-                try:
-                    self.workers[key] = await trio.to_thread.run_sync(self.load, *key)
-                    log.info("hot expert cached", layer=layer, expert=key[1])
-                except Exception as exc:  # noqa: BLE001 - no local bytes for it: keep dispatching
-                    self._failed.add(key)
-                    log.info("hot expert not cached", layer=layer, expert=key[1], error=repr(exc))
+        kept = self._rows.setdefault(layer, [])
+        kept.append(gids)
+        self._kept[layer] += len(gids)
+        if self._kept[layer] > 2 * self.window:
+            self._rows[layer] = [np.concatenate(kept)[-self.window:]]
+            self._kept[layer] = self.window
+        self._since += len(gids)
+        if self._since >= self.after:
+            self._since = 0
+            # ~0.1 s for 200 picks over 48 layers of top-8 selections: not on the loop
+            self.planned = await trio.to_thread.run_sync(
+                plan_cache, {lay: np.concatenate(r)[-self.window:]
+                             for lay, r in self._rows.items()}, self.capacity)
+        want = next((k for k in self.planned if k not in self.workers
+                     and k not in self._failed and k not in self._loading), None)
+        if want is None:
+            return
+        if len(self.workers) + len(self._loading) >= self.capacity:
+            spare = [k for k in self.workers if k not in self.planned and not self._busy[k]]
+            if not spare:
+                return
+            self.drop(spare[0])
+        self._loading.add(want)
+        try:
+            self.workers[want] = await trio.to_thread.run_sync(self.load, *want)
+            log.info("hot expert cached", layer=want[0], expert=want[1])
+        except Exception as exc:  # noqa: BLE001 - no local bytes for it: keep dispatching
+            self._failed.add(want)
+            log.info("hot expert not cached", layer=want[0], expert=want[1], error=repr(exc))
+        finally:
+            self._loading.discard(want)
+
+    @contextlib.contextmanager
+    def using(self, key: tuple[int, int]) -> Iterator[ExpertWorker]:
+        """A cached expert's worker, kept while the caller computes on it."""
+        worker = self.workers[key]
+        self._busy[key] += 1
+        try:
+            yield worker
+        finally:
+            self._busy[key] -= 1
+
+    def drop(self, key: tuple[int, int]) -> None:
+        worker = self.workers.pop(key)
+        worker.close()
+        worker.weights.close()
+        log.info("hot expert dropped", layer=key[0], expert=key[1])
 
     def close(self) -> None:
-        for worker in self.workers.values():
-            worker.close()
-            worker.weights.close()
-        self.workers.clear()
+        for key in list(self.workers):
+            self.drop(key)
+
+
+def plan_cache(rows: dict[int, np.ndarray], capacity: int) -> list[tuple[int, int]]:
+    """Up to `capacity` (layer, expert) keys that keep the most of `rows` (per layer, each
+    row the experts one token selected) wholly local, picked greedily (HotExperts)."""
+    if not rows or capacity <= 0:
+        return []
+    width = 1 + max(int(r.max()) for r in rows.values() if r.size)
+    keys = np.concatenate([lay * width + r.reshape(len(r), -1) for lay, r in rows.items()
+                           if r.size])
+    picked = np.zeros(width * (1 + max(rows)), bool)
+    plan: list[tuple[int, int]] = []
+    while len(plan) < capacity:
+        missing = ~picked[keys]
+        short = missing.sum(axis=1)
+        if not short.any():
+            break
+        credit = np.bincount(keys[missing], weights=np.repeat(1.0 / np.maximum(short, 1),
+                                                               short), minlength=picked.size)
+        best = int(credit.argmax())
+        picked[best] = True
+        plan.append((best // width, best % width))
+    return plan
 
 
 class ExpertDispatcher:
@@ -153,50 +224,65 @@ class ExpertDispatcher:
         piece's rows and ids; the thread's second pass with the answers combines them.
         """
         await self.hot.observe(layer, gids)
-        pieces = self._plan(layer, first, end)
+        pieces = self._plan(layer, first, end, gids)
         if pieces is None:
             raise NoWorkers(f"no fit worker holds experts [{first}, {end}) of layer {layer}")
-        asked: list[tuple[np.ndarray, np.ndarray]] = []
+        asked: list[tuple[Piece, np.ndarray, np.ndarray]] = []
 
-        def record(lay: int, r: np.ndarray, sel: np.ndarray) -> np.ndarray:
-            asked.append((r, sel))
-            return np.zeros((len(r), sel.shape[1], r.shape[1]), np.float32)
+        def recorder(piece: Piece) -> ExpertShard:
+            def record(lay: int, r: np.ndarray, sel: np.ndarray) -> np.ndarray:
+                asked.append((piece, r, sel))
+                return np.zeros((len(r), sel.shape[1], r.shape[1]), np.float32)
+            return ExpertShard(piece[1], piece[2], record)
 
-        dispatch(layer, rows, gids, [ExpertShard(lo, hi, record) for _, lo, hi, _, _ in pieces])
-        used = [p for p in pieces if ((gids >= p[1]) & (gids < p[2])).any()]
-        return pieces, await self._call_all(layer, [(p, r, sel) for p, (r, sel)
-                                                    in zip(used, asked, strict=True)])
+        dispatch(layer, rows, gids, [recorder(p) for p in pieces])
+        return pieces, await self._call_all(layer, asked)
 
     async def _call_all(self, layer: int, shards: list[tuple[Piece, np.ndarray, np.ndarray]]
                         ) -> list[np.ndarray]:
+        """Every piece's outputs, in order. The workers' requests go out first; our cached
+        experts compute meanwhile, in a thread while any request is out (the loop must stay
+        free to send them and take the answers: computed in place first, they would add
+        their time to the round trip), in place when the layer is wholly ours."""
         outs: list[np.ndarray | None] = [None] * len(shards)
         failed: list[HopFailed] = []
+        remote = [i for i, s in enumerate(shards) if s[0][0] != self.me]
 
         async def one(i: int) -> None:
             (peer, lo, _, e0, _), r, sel = shards[i]
-            gids = sel.astype(np.int64) + lo
-            if peer == self.me:
-                self.stats["hot_rows"] += len(r)
-                worker = self.hot.workers[(layer, e0)]
-                outs[i] = await run_short([worker], len(r) <= INLINE_TOKENS, worker, layer, r,
-                                          gids - e0)
-                return
             try:
-                outs[i] = await self.checked(peer, e0, layer, r, gids)
+                outs[i] = await self.checked(peer, e0, layer, r, sel.astype(np.int64) + lo)
             except HopFailed as exc:
                 failed.append(exc)
 
-        async with trio.open_nursery() as nursery:
-            for i in range(len(shards)):
-                nursery.start_soon(one, i)
+        with contextlib.ExitStack() as held:  # ours stay cached until computed
+            mine = [(i, held.enter_context(self.hot.using((layer, s[0][3]))))
+                    for i, s in enumerate(shards) if s[0][0] == self.me]
+            async with trio.open_nursery() as nursery:
+                for i in remote:
+                    nursery.start_soon(one, i)
+                for i, worker in mine:
+                    (_, lo, _, e0, _), r, sel = shards[i]
+                    self.stats["hot_rows"] += len(r)
+                    outs[i] = await run_short([worker], len(r) <= INLINE_TOKENS and not remote,
+                                              worker, layer, r, sel.astype(np.int64) + lo - e0)
         if failed:
             raise failed[0]
         return [o for o in outs if o is not None]
 
-    def _plan(self, layer: int, first: int, end: int) -> list[Piece] | None:
+    def _plan(self, layer: int, first: int, end: int, gids: np.ndarray) -> list[Piece] | None:
+        """Our cached experts first, then the cheapest cover of the range by fit workers:
+        each id goes to the first piece holding it (compute.dispatch), so what we cache is
+        computed here and the rest goes to each worker as one message. None when neither
+        can take every id."""
+        ours = [(self.me, e, e + 1, e, e + 1) for lay, e in sorted(self.hot.workers)
+                if lay == layer and first <= e < end]
         fit = [h for h in self.holders() if h.peer != self.me and self.fitness.fit(h.peer)]
-        fit += self.hot.holdings(self.me)  # ours cost 0: the cheapest holder
-        return cover_experts(expert_holders(fit, layer, first, end), first, end, self.latency)
+        cover = cover_experts(expert_holders(fit, layer, first, end), first, end, self.latency)
+        if cover is not None:
+            return ours + cover
+        mine = {e for _, e, _, _, _ in ours}
+        return ours if ours and all(int(g) in mine for g in gids.flat) else None
 
     async def checked(self, peer: str, e0: int, layer: int, rows: np.ndarray,
                       gids: np.ndarray) -> np.ndarray:

@@ -208,6 +208,36 @@ def test_a_single_row_is_dispatched_like_a_row_of_a_batch(seed):
     assert asked["one"] == asked["batch"]
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_where_shards_overlap_an_id_goes_to_the_first_that_holds_it(seed):
+    """A stage's cached experts come before the remote ranges that also hold them: each
+    id is computed once, by the first shard holding it, on the one-row and batch paths."""
+    rng = np.random.default_rng(seed)
+    n_expert, k = 8, int(rng.integers(1, 5))
+    cached = sorted(int(e) for e in rng.choice(n_expert, int(rng.integers(1, 5)), replace=False))
+    asked: dict[str, list] = {"one": [], "batch": []}
+
+    def shard(first, end, who):
+        def call(layer, x, sel):
+            asked[who].append((first, end, (sel[:1] + first).tolist()))
+            return x[:, None, :] * (sel[:, :, None] + first + 1).astype(np.float32)
+        return ExpertShard(first, end, call)
+
+    def shards(who):
+        return [*(shard(e, e + 1, who) for e in cached), shard(0, 5, who), shard(5, 8, who)]
+
+    ids = rng.choice(n_expert, size=(1, k), replace=False)
+    cur = rng.standard_normal((1, 16)).astype(np.float32)
+    one = dispatch(0, cur, ids, shards("one"))
+    both = dispatch(0, np.repeat(cur, 2, axis=0), np.repeat(ids, 2, axis=0), shards("batch"))
+    assert np.array_equal(one[0], both[0]) and asked["one"] == asked["batch"]
+    assert np.allclose(one[0], cur[0][None, :] * (ids[0][:, None] + 1))
+    done = [g for _, _, sel in asked["one"] for g in sel[0]]
+    assert sorted(done) == sorted(ids[0].tolist())  # each once
+    for first, end, sel in asked["one"]:
+        assert end - first == 1 or not set(sel[0]) & set(cached)
+
+
 def test_a_single_row_with_an_uncovered_expert_or_a_wrong_shape_is_an_error():
     cur, ids = np.ones((1, 4), np.float32), np.array([[1, 6]])
     ok = ExpertShard(0, 4, lambda layer, x, sel: np.zeros((1, sel.shape[1], 4), np.float32))
