@@ -54,6 +54,13 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: Iterable[int] = ()) -> int:
         p = self.params
+        if p.temperature == 0 and p.repetition_penalty == 1.0:
+            # greedy: argmax returns the first NaN when there is one, and +inf is not finite
+            z = np.asarray(logits).reshape(-1)
+            best = int(np.argmax(z)) if z.size else -1
+            if best < 0 or not np.isfinite(z[best]):
+                raise InputError("logits must be a non-empty vector of finite numbers")
+            return best
         z = np.array(logits, dtype=np.float64).reshape(-1)
         if z.size == 0 or not np.isfinite(z).all():
             raise InputError("logits must be a non-empty vector of finite numbers")

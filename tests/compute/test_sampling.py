@@ -58,6 +58,10 @@ def test_bad_settings_are_refused(bad):
         SamplingParams(**bad)
 
 
-def test_non_finite_logits_are_refused():
-    with pytest.raises(InputError):
-        Sampler()(np.array([1.0, np.nan]))
+@pytest.mark.parametrize("logits", [[1.0, np.nan], [np.nan, 1.0], [1.0, np.inf], [],
+                                    [-np.inf, -np.inf]])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, seed=1),
+                                    SamplingParams(repetition_penalty=1.2)])
+def test_non_finite_logits_are_refused(logits, params):
+    with pytest.raises(InputError, match="finite"):
+        Sampler(params)(np.array(logits, np.float32))
