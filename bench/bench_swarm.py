@@ -58,7 +58,7 @@ from kvasird.inference.channel import MAX_FRAME, Channels, serve  # noqa: E402
 from kvasird.inference.lane import LaneServer  # noqa: E402
 from kvasird.inference.serving import Holdings, Served, StageServer  # noqa: E402
 from kvasird.localnet import LocalNet  # noqa: E402
-from kvasird.localnet.launcher import LocalNode  # noqa: E402
+from kvasird.localnet.launcher import LocalNetError, LocalNode  # noqa: E402
 from kvasird.logs import configure  # noqa: E402
 from kvasird.model.bundled import bundled_path  # noqa: E402
 from kvasird.model.testmodels import make_model  # noqa: E402
@@ -85,6 +85,12 @@ def start(root: Path, model: Path, placement: list[list[str]], threads: int,
     for node in net.nodes:
         node.wait_ready()
     net.wait_until("a route", lambda: _generate(net.nodes[0], [1], 1)[0] == 1, 120)
+    try:  # a lane whose first attempt failed is asked for again on a use, seconds later
+        net.wait_until("every hop on a lane", lambda: _generate(net.nodes[0], PROMPT, 8)[0] > 0
+                       and not any(n.get("/v0/inference")["lanes"]["libp2p_to"]
+                                   for n in net.nodes), 30)
+    except LocalNetError:
+        print("warning: some hops stayed on libp2p (no lane within 30 s)", flush=True)
     return net
 
 

@@ -198,6 +198,10 @@ class Channels:
         """(peer, protocol) pairs whose requests go over a lane now."""
         return [k for k, c in self._lanes.items() if not c.closed]
 
+    def on_libp2p(self) -> list[tuple[str, str]]:
+        """(peer, protocol) pairs whose requests still go over libp2p (no lane up)."""
+        return [k for k, c in self._open.items() if not c.closed and not self.lane_open(*k)]
+
     def lane_open(self, peer: str, protocol: str) -> bool:
         """Whether requests to `peer` on `protocol` go over a lane now."""
         lane_channel = self._lanes.get((peer, protocol))

@@ -287,7 +287,8 @@ class InferenceService:
             "lanes": {"port": self.lanes.port if self.lanes else None,
                       "accepted": self.lanes.lanes if self.lanes else 0,
                       "refused": self.lanes.refused if self.lanes else 0,
-                      "open_to": sorted({p for p, _ in self.channels.lanes_up()})},
+                      "open_to": sorted({p for p, _ in self.channels.lanes_up()}),
+                      "libp2p_to": sorted({p for p, _ in self.channels.on_libp2p()})},
         }
 
     async def _http_status(self, _: Request) -> JSONResponse:

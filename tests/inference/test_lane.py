@@ -212,6 +212,7 @@ async def test_channels_move_requests_onto_a_lane_and_fall_back_when_it_breaks(
         with trio.fail_after(5):
             while not channels.lane_open(peer, PROTO):
                 await trio.sleep(0.01)
+        assert channels.on_libp2p() == []
         for n in range(2, 6):  # over the lane now
             assert (await channels.request(peer, PROTO, {"n": n}, 5))["echo"] == n
         assert server.lanes == 1
@@ -220,6 +221,7 @@ async def test_channels_move_requests_onto_a_lane_and_fall_back_when_it_breaks(
         with trio.fail_after(5):
             while channels.lane_open(peer, PROTO):
                 await trio.sleep(0.01)
+        assert channels.on_libp2p() == [(peer, PROTO)]
         assert (await channels.request(peer, PROTO, {"n": 7}, 5))["echo"] == 7
         # a request caught on a lane as it breaks fails (the caller fails over) and drops it
         await nursery.start(_renew_lane, channels, peer)

@@ -153,7 +153,8 @@ def test_three_stage_ring_generates_the_tokens_of_one_node(
     peers = {net.nodes[1].peer_id, net.nodes[2].peer_id}
 
     def lanes_up() -> bool:
-        if set(net.nodes[0].get("/v0/inference")["lanes"]["open_to"]) == peers:
+        lanes = net.nodes[0].get("/v0/inference")["lanes"]
+        if set(lanes["open_to"]) == peers and lanes["libp2p_to"] == []:
             return True
         generate(net.nodes[0], [1], 1)  # a use: a lane due for another attempt is asked for
         return False
@@ -175,6 +176,7 @@ def test_ring_without_lanes_generates_the_same_tokens_over_libp2p(
     assert [generate(net.nodes[0], p) for p in PROMPTS] == reference
     view = net.nodes[0].get("/v0/inference")["lanes"]
     assert view["open_to"] == [] and view["port"] is None
+    assert set(view["libp2p_to"]) == {net.nodes[1].peer_id, net.nodes[2].peer_id}
 
 
 def test_a_client_that_goes_away_frees_every_session_on_the_route(
