@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,6 +37,7 @@ from kvasird.errors import KvasirError, WireError
 from kvasird.inference import lane
 from kvasird.inference.errors import HopFailed, Refused, Unreachable
 from kvasird.logs import get_logger
+from kvasird.p2p.reachability import is_circuit
 from kvasird.wire import FrameReader, frame, write_frame
 
 MAX_FRAME = 64 << 20
@@ -226,12 +228,21 @@ class Channels:
         peer = key[0]
         try:
             offer = await channel.request({"op": "lane"}, LANE_OPEN_S)
-            remote = channel.stream.get_remote_address()  # type: ignore[union-attr]
-            if not remote:
-                raise WireError("the connection has no direct address (relayed)")
-            sealed = await lane.connect(remote[0], offer, MAX_FRAME, LANE_OPEN_S)
+            ips = self._lane_ips(peer, channel)
+            if not ips:
+                raise WireError("no direct address of the peer is known (relayed)")
+            sealed, tried = None, []
+            with trio.move_on_after(LANE_OPEN_S):
+                for ip in ips:  # the ticket is spent only where the connect succeeds
+                    try:
+                        sealed = await lane.connect(ip, offer, MAX_FRAME, LANE_OPEN_S)
+                        break
+                    except Exception as exc:  # noqa: BLE001 - try the next address
+                        tried.append(f"{ip}: {exc!r}")
+            if sealed is None:
+                raise WireError(f"no lane server answered at {'; '.join(tried) or ips}")
         except Exception as exc:  # noqa: BLE001 - lanes are optional: any failure keeps libp2p
-            log.debug("no lane: staying on libp2p", peer=peer, protocol=key[1], reason=repr(exc))
+            log.info("no lane: staying on libp2p", peer=peer, protocol=key[1], reason=repr(exc))
             return
         lane_channel = Channel(peer, sealed)
         assert self._nursery is not None
@@ -239,7 +250,23 @@ class Channels:
         self._lanes[key] = lane_channel
         self._lane_fails.pop(key, None)
         self._lane_next[key] = time.monotonic() + 5.0  # a lane that breaks may be renewed soon
-        log.debug("lane open", peer=peer, protocol=key[1], address=remote[0])
+        log.debug("lane open", peer=peer, protocol=key[1], address=ip)
+
+    def _lane_ips(self, peer: str, channel: Channel) -> list[str]:
+        """Where the peer's lane server may be: the IP of our connection to it; else the
+        IPs of the direct addresses we know of it. py-libp2p reports no address for a
+        WebSocket connection (nor a relayed one): two local nodes that happened to connect
+        over WebSocket at start-up never got a lane, and their hops stayed 4x slower."""
+        remote = channel.stream.get_remote_address()  # type: ignore[union-attr]
+        if remote:
+            return [remote[0]]
+        try:
+            addrs = [str(a) for a in self.host.get_peerstore().addrs(ID.from_base58(peer))]
+        except Exception:  # noqa: BLE001 - a peer we hold no addresses of
+            return []
+        ips = [m.group(1) for a in addrs if not is_circuit(a)
+               and (m := re.match(r"^/ip[46]/([^/]+)/tcp/", a))]
+        return list(dict.fromkeys(ips))
 
     async def _get_stream(self, peer: str, protocol: str) -> Channel:
         key = (peer, protocol)

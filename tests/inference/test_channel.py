@@ -22,12 +22,13 @@ PROTO = "/kvasir/test-channel/1"
 
 
 @asynccontextmanager
-async def pair(tmp: Path) -> AsyncIterator[tuple[IHost, IHost]]:
-    """A caller and a server host, connected (TCP + Noise + yamux on 127.0.0.1)."""
+async def pair(tmp: Path, websocket: bool = False) -> AsyncIterator[tuple[IHost, IHost]]:
+    """A caller and a server host, connected (TCP or WebSocket + Noise + yamux on
+    127.0.0.1)."""
     async with AsyncExitStack() as stack:
         hosts = []
         for i in range(2):
-            listen = parse_listen(("/ip4/127.0.0.1/tcp/0",))
+            listen = parse_listen(("/ip4/127.0.0.1/tcp/0" + ("/ws" if websocket else ""),))
             host = build_host(create_node_key(tmp / f"{i}.key"), listen, [], 8)
             await stack.enter_async_context(host.run([multiaddr.Multiaddr(a) for a in listen]))
             hosts.append(host)

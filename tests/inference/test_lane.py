@@ -197,17 +197,22 @@ async def test_offers_are_single_use_bound_to_protocol_and_limited_per_peer() ->
         nursery.cancel_scope.cancel()
 
 
+async def offering(a: Any, b: Any, nursery: trio.Nursery
+                   ) -> tuple[lane.LaneServer, Channels, str]:
+    """b answers PROTO and offers lanes for it; a's channels, and b's peer id."""
+    server = lane.LaneServer("127.0.0.1", 0, MAX_FRAME)
+    server.register(PROTO, lambda s, peer: serve(s, handler, 10, peer=peer))
+    await nursery.start(server.run)
+    b.set_stream_handler(PROTO, lambda s: serve(s, handler, 10, lanes=server, protocol=PROTO))
+    channels = Channels(a)
+    await nursery.start(channels.run)
+    return server, channels, b.get_id().to_string()
+
+
 async def test_channels_move_requests_onto_a_lane_and_fall_back_when_it_breaks(
         tmp_path: Path) -> None:
     async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
-        server = lane.LaneServer("127.0.0.1", 0, MAX_FRAME)
-        server.register(PROTO, lambda s, peer: serve(s, handler, 10, peer=peer))
-        await nursery.start(server.run)
-        b.set_stream_handler(PROTO, lambda s: serve(s, handler, 10, lanes=server,
-                                                    protocol=PROTO))
-        channels = Channels(a)
-        await nursery.start(channels.run)
-        peer = b.get_id().to_string()
+        server, channels, peer = await offering(a, b, nursery)
         assert (await channels.request(peer, PROTO, {"n": 1}, 5))["echo"] == 1
         with trio.fail_after(5):
             while not channels.lane_open(peer, PROTO):
@@ -231,6 +236,21 @@ async def test_channels_move_requests_onto_a_lane_and_fall_back_when_it_breaks(
             await trio.sleep(0.1)
             await closing.stream.reset()
         assert not channels.lane_open(peer, PROTO)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lane_opens_over_a_websocket_connection(tmp_path: Path) -> None:
+    """py-libp2p reports no remote address for a WebSocket connection: the lane goes to
+    the IP of the peer's direct addresses instead (local nodes connect either way)."""
+    async with pair(tmp_path, websocket=True) as (a, b), trio.open_nursery() as nursery:
+        server, channels, peer = await offering(a, b, nursery)
+        assert (await channels.request(peer, PROTO, {"n": 1}, 5))["echo"] == 1
+        assert channels._open[(peer, PROTO)].stream.get_remote_address() is None
+        with trio.fail_after(5):
+            while not channels.lane_open(peer, PROTO):  # noqa: ASYNC110 - polls the state
+                await trio.sleep(0.01)
+        assert (await channels.request(peer, PROTO, {"n": 2}, 5))["echo"] == 2
+        assert server.lanes == 1 and channels.on_libp2p() == []
         nursery.cancel_scope.cancel()
 
 
