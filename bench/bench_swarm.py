@@ -90,7 +90,14 @@ def start(root: Path, model: Path, placement: list[list[str]], threads: int,
                        and not any(n.get("/v0/inference")["lanes"]["libp2p_to"]
                                    for n in net.nodes), 30)
     except LocalNetError:
-        print("warning: some hops stayed on libp2p (no lane within 30 s)", flush=True)
+        names = {n.peer_id: f"node{n.index}" for n in net.nodes}
+        stuck = [f"node{n.index} -> {names.get(p, p)}" for n in net.nodes
+                 for p in n.get("/v0/inference")["lanes"]["libp2p_to"]]
+        print(f"warning: no lane within 30 s for {', '.join(stuck)}: those hops stay on "
+              "libp2p", flush=True)
+        for n in net.nodes:  # why, from their logs
+            for line in [ln for ln in n.tail(400).splitlines() if "no lane" in ln][-3:]:
+                print(f"  node{n.index}: {line[:300]}", flush=True)
     return net
 
 
