@@ -125,8 +125,8 @@ class InferenceConfig:
     """Experts a stage may cache and compute itself, chosen from what it selects so that
     whole layers' selections become local (each spares a round trip); 0 = no cache."""
     hot_after: int = field(default=64, metadata=_range(1, 1 << 30))
-    """Rows dispatched between two plans of the hot-expert cache (the first plan after
-    this many)."""
+    """Rows dispatched per MoE layer between two plans of the hot-expert cache (the
+    first plan after this many)."""
     lanes: bool = True
     """Offer and use lanes: direct TCP connections (keyed over libp2p, ChaCha20-Poly1305)
     for stage and expert traffic, ~0.4 ms faster per hop than libp2p streams. Peers that

@@ -61,7 +61,7 @@ class HotExperts:
     routing (top-2 of 8) caching half the experts of two layers keeps 6 / 28 = 21 % of
     each layer's rows local, caching one whole layer keeps all of its rows local (half of
     the round trips gone instead of a fifth). The last `window` rows' selections are kept
-    per layer; after every `after` selected rows the cache is re-planned greedily: each
+    per layer; after every `after` selected rows per layer the cache is re-planned: each
     pick is the expert with the most credit, a row crediting each expert it still misses
     with 1 / (the experts it still misses), so a row one expert short counts whole.
     Planned experts are loaded from the model file, one per call, off the loop; a cached
@@ -93,7 +93,7 @@ class HotExperts:
             self._rows[layer] = [np.concatenate(kept)[-self.window:]]
             self._kept[layer] = self.window
         self._since += len(gids)
-        if self._since >= self.after:
+        if self._since >= self.after * len(self._rows):  # `after` rows per layer seen
             self._since = 0
             # ~0.1 s for 200 picks over 48 layers of top-8 selections: not on the loop
             self.planned = await trio.to_thread.run_sync(
