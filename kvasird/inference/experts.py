@@ -64,12 +64,13 @@ class HotExperts:
     per layer; after every `after` selected rows per layer the cache is re-planned: each
     pick is the expert with the most credit, a row crediting each expert it still misses
     with 1 / (the experts it still misses), so a row one expert short counts whole.
-    Planned experts are loaded from the model file, one per call, off the loop; a cached
+    Planned experts are loaded one per call, in the background (fetched from their holders
+    first when this node lacks their bytes, as a stage usually does); a cached
     one no longer planned is dropped when its room is needed and nothing computes on it.
     """
 
-    def __init__(self, load: Callable[[int, int], ExpertWorker] | None, capacity: int,
-                 after: int, window: int = 256) -> None:
+    def __init__(self, load: Callable[[int, int], Awaitable[ExpertWorker]] | None,
+                 capacity: int, after: int, window: int = 256) -> None:
         self.load, self.capacity, self.after, self.window = load, capacity, after, window
         self.workers: dict[tuple[int, int], ExpertWorker] = {}
         self.planned: list[tuple[int, int]] = []
@@ -80,10 +81,14 @@ class HotExperts:
         self._busy: Counter[tuple[int, int]] = Counter()
         self._failed: set[tuple[int, int]] = set()
         self._loading: set[tuple[int, int]] = set()
+        self.nursery: trio.Nursery | None = None
+        """Where loads run while decode steps go on (the service's); without one, the
+        step that wants an expert waits for its load."""
 
     async def observe(self, layer: int, gids: np.ndarray) -> None:
         """Record this call's selections; re-plan when it is time; load one planned expert
-        that is not cached yet (in a thread: it reads the model file)."""
+        that is not cached yet (`load` fetches its bytes when they are not here and reads
+        them off the loop)."""
         if self.load is None or self.capacity <= 0:
             return
         kept = self._rows.setdefault(layer, [])
@@ -109,14 +114,21 @@ class HotExperts:
                 return
             self.drop(spare[0])
         self._loading.add(want)
+        if self.nursery is not None:  # the decode step goes on meanwhile
+            self.nursery.start_soon(self._load, want)
+        else:
+            await self._load(want)
+
+    async def _load(self, key: tuple[int, int]) -> None:
+        assert self.load is not None
         try:
-            self.workers[want] = await trio.to_thread.run_sync(self.load, *want)
-            log.info("hot expert cached", layer=want[0], expert=want[1])
-        except Exception as exc:  # noqa: BLE001 - no local bytes for it: keep dispatching
-            self._failed.add(want)
-            log.info("hot expert not cached", layer=want[0], expert=want[1], error=repr(exc))
+            self.workers[key] = await self.load(*key)
+            log.info("hot expert cached", layer=key[0], expert=key[1])
+        except Exception as exc:  # noqa: BLE001 - no holder answered, no bytes: keep dispatching
+            self._failed.add(key)
+            log.info("hot expert not cached", layer=key[0], expert=key[1], error=repr(exc))
         finally:
-            self._loading.discard(want)
+            self._loading.discard(key)
 
     @contextlib.contextmanager
     def using(self, key: tuple[int, int]) -> Iterator[ExpertWorker]:
@@ -184,7 +196,8 @@ class ExpertDispatcher:
         """(layer, expert) -> times selected since the last load report."""
         self.stats = Counter[str]()
         """calls, rows, coalesced (sessions' rows that went in another's message),
-        failovers, spot_checks, caught, unresolved, hot_rows."""
+        failovers, spot_checks, caught, unresolved, hot_rows, hot_fetched (cached experts
+        whose bytes came from peers)."""
         self._rng = random.Random()
 
     def shard(self, layer: int, first: int, end: int) -> ExpertShard:

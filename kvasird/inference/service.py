@@ -135,8 +135,20 @@ class InferenceService:
         r = served.workers[layer].held(layer)
         return served.workers[layer], r.first, r.end
 
-    def _load_hot(self, layer: int, expert: int) -> ExpertWorker:
-        """One expert from the model file into a worker on the cache's backend (blocking)."""
+    async def _load_hot(self, layer: int, expert: int) -> ExpertWorker:
+        """One expert into a worker of the hot-expert cache: its bytes fetched from the
+        peers that hold it when our store lacks them (a stage usually holds only its
+        windows), then read off the loop."""
+        unit = Unit("expert", layer, expert)
+        market = self.market
+        fetched = (market.shards is not None and market.model is not None
+                   and market.map is not None and await market.shards.fetch(
+                       market.model.model_id, [unit], market.sources((unit,))))
+        if fetched:
+            self.dispatcher.stats["hot_fetched"] += 1
+        return await trio.to_thread.run_sync(self._load_hot_now, layer, expert)
+
+    def _load_hot_now(self, layer: int, expert: int) -> ExpertWorker:
         if self._hot_backend is None:
             self._hot_backend = Backend(compute_threads(self.config.compute.threads))
         names = [f"blk.{layer}.{s}" for s in EXPERT_SUFFIXES]
@@ -217,6 +229,7 @@ class InferenceService:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.generator.nursery = nursery
+                self.dispatcher.hot.nursery = nursery
                 await nursery.start(self.channels.run)
                 await nursery.start(self.verdicts.run)
                 for protocol, handle, inline in (

@@ -4,7 +4,7 @@ next to remote ones (real workers over a real libp2p channel)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,9 @@ def test_under_skewed_routing_the_plan_takes_the_pairs_that_come_up_together() -
 
 
 def loader(moe: Path, backend: Backend, made: list[tuple[int, int]],
-           kind: type[ExpertWorker] = ExpertWorker) -> Callable[[int, int], ExpertWorker]:
-    def load(layer: int, expert: int) -> ExpertWorker:
+           kind: type[ExpertWorker] = ExpertWorker
+           ) -> Callable[[int, int], Awaitable[ExpertWorker]]:
+    async def load(layer: int, expert: int) -> ExpertWorker:
         made.append((layer, expert))
         weights = load_weights(moe, backend, [f"blk.{layer}.{s}" for s in EXPERT_SUFFIXES],
                                {layer: (expert, expert + 1)})

@@ -49,12 +49,18 @@ def settings(model: Path, pins: list[str], **extra: Any) -> dict[str, Any]:
 
 
 def start(localnet: Callable[..., LocalNet], model: Path, placement: list[list[str]],
-          perturb: frozenset[int] = frozenset(), **extra: Any) -> LocalNet:
-    """A net whose node i holds placement[i]; nodes in `perturb` return wrong expert outputs."""
+          perturb: frozenset[int] = frozenset(), by_id: frozenset[int] = frozenset(),
+          **extra: Any) -> LocalNet:
+    """A net whose node i holds placement[i]; nodes in `perturb` return wrong expert outputs;
+    nodes in `by_id` name the model by its id (they fetch what they hold from the others)
+    instead of importing the file."""
     net = localnet(len(placement))
     previous = ""
+    model_id = Manifest.from_gguf(model).model_id
     for node, pins in zip(net.nodes, placement, strict=True):
         net.settings = {**net.settings, **settings(model, pins, **extra)}
+        if node.index in by_id:
+            net.settings["market.model"] = model_id
         previous = net.configure(node, [previous] if previous else [])
     for node in net.nodes:
         if node.index in perturb:
@@ -314,9 +320,14 @@ def test_perturbing_worker_is_caught_by_spot_checks_and_routed_around(
 
 def test_hot_experts_are_cached_by_the_stage_and_the_output_is_unchanged(
         localnet: Callable[..., LocalNet], moe: Path, moe_reference: list[list[int]]) -> None:
+    """The stage names the model by id: it holds the bytes of its window only, and fetches
+    the experts it caches from the workers."""
     net = start(localnet, moe, [["head", "layers:0-4"], experts(0, 4), experts(4, 8)],
-                **{"inference.hot_experts": 6, "inference.hot_after": 3})
+                by_id=frozenset({0}), **{"inference.hot_experts": 6, "inference.hot_after": 3})
     got = [generate(net.nodes[0], p) for p in MOE_PROMPTS]
     assert got == moe_reference
     dispatch = net.nodes[0].get("/v0/inference")["dispatch"]
     assert dispatch["hot_rows"] > 0 and dispatch["calls"] > 0
+    model = net.nodes[0].get("/v0/shards")["models"][0]
+    assert model["held_bytes"] < model["total_bytes"]  # its window and the cached experts
+    assert net.nodes[0].get("/v0/inference")["dispatch"]["hot_fetched"] > 0
