@@ -95,14 +95,14 @@ class HotExperts:
         kept.append(gids)
         self._kept[layer] += len(gids)
         if self._kept[layer] > 2 * self.window:
-            self._rows[layer] = [np.concatenate(kept)[-self.window:]]
+            self._rows[layer] = [stack_rows(kept)[-self.window:]]
             self._kept[layer] = self.window
         self._since += len(gids)
         if self._since >= self.after * len(self._rows):  # `after` rows per layer seen
             self._since = 0
             # ~0.1 s for 200 picks over 48 layers of top-8 selections: not on the loop
             self.planned = await trio.to_thread.run_sync(
-                plan_cache, {lay: np.concatenate(r)[-self.window:]
+                plan_cache, {lay: stack_rows(r)[-self.window:]
                              for lay, r in self._rows.items()}, self.capacity)
         want = next((k for k in self.planned if k not in self.workers
                      and k not in self._failed and k not in self._loading), None)
@@ -151,14 +151,24 @@ class HotExperts:
             self.drop(key)
 
 
+def stack_rows(parts: list[np.ndarray]) -> np.ndarray:
+    """Selection rows of several calls as one array: a call for part of a layer's range
+    sends fewer ids per row (compute.experts pads a row with its first id), so narrower
+    parts are padded the same way (a repeated id changes no plan: it is one expert)."""
+    width = max(p.shape[1] for p in parts)
+    return np.concatenate([p if p.shape[1] == width else
+                           np.concatenate([p, np.repeat(p[:, :1], width - p.shape[1], 1)], 1)
+                           for p in parts])
+
+
 def plan_cache(rows: dict[int, np.ndarray], capacity: int) -> list[tuple[int, int]]:
     """Up to `capacity` (layer, expert) keys that keep the most of `rows` (per layer, each
     row the experts one token selected) wholly local, picked greedily (HotExperts)."""
-    if not rows or capacity <= 0:
+    if capacity <= 0 or not any(r.size for r in rows.values()):
         return []
     width = 1 + max(int(r.max()) for r in rows.values() if r.size)
-    keys = np.concatenate([lay * width + r.reshape(len(r), -1) for lay, r in rows.items()
-                           if r.size])
+    keys = stack_rows([lay * width + r.reshape(len(r), -1) for lay, r in rows.items()
+                       if r.size])
     picked = np.zeros(width * (1 + max(rows)), bool)
     plan: list[tuple[int, int]] = []
     while len(plan) < capacity:

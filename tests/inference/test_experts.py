@@ -14,7 +14,7 @@ import trio
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
-from kvasird.inference.experts import ExpertDispatcher, HotExperts, plan_cache
+from kvasird.inference.experts import ExpertDispatcher, HotExperts, plan_cache, stack_rows
 from kvasird.inference.serving import Served
 
 from .test_serving import N_EXPERT, N_LAYER, moe, worker  # noqa: F401 - fixtures
@@ -51,6 +51,25 @@ def test_under_skewed_routing_the_plan_takes_the_pairs_that_come_up_together() -
     assert set(plan_cache(rows, 4)) == {(0, 0), (0, 1), (1, 0), (1, 1)}
     assert plan_cache(rows, 0) == [] and plan_cache({}, 4) == []
     assert len(plan_cache(rows, 100)) == 2 * N_EXPERT  # no more than was ever selected
+
+
+async def test_calls_for_part_of_a_layer_send_narrower_rows_and_plan_the_same(
+        moe: Path) -> None:  # noqa: F811
+    """A stage holding half a layer's experts dispatches the other half: a row with one
+    expert there comes padded ([e, e]) or alone ([e]), as compute.experts packs it."""
+    parts = [np.array([[5, 6]]), np.array([[7]]), np.array([[5, 5], [6, 7]])]
+    assert stack_rows(parts).tolist() == [[5, 6], [7, 7], [5, 5], [6, 7]]
+    assert plan_cache({0: stack_rows(parts), 1: np.array([[1]])}, 3) == [(0, 5), (0, 6),
+                                                                         (0, 7)]
+    backend, made = Backend(1), []
+    hot = HotExperts(loader(moe, backend, made), capacity=3, after=1)
+    try:
+        for part in parts * 3:
+            await hot.observe(0, part)
+        assert set(hot.workers) == {(0, 5), (0, 6), (0, 7)}
+    finally:
+        hot.close()
+        backend.close()
 
 
 def loader(moe: Path, backend: Backend, made: list[tuple[int, int]],
