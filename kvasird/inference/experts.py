@@ -27,6 +27,7 @@ third deciding a disagreement; a worker out of tolerance is marked unfit.
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections import Counter
@@ -46,6 +47,8 @@ from kvasird.inference.serving import COMPANY, EXPERT_PROTOCOL, INLINE_TOKENS, r
 from kvasird.logs import get_logger
 
 MAX_ATTEMPTS = 4
+HOT_RETRY_S = 60.0
+"""How long an expert the hot cache could not load (no holder answered) is not tried again."""
 Piece = tuple[str, int, int, int, int]
 """(worker, first expert, end, the worker's advertised range start e0, its end)."""
 LocalExperts = Callable[[int], "tuple[ExpertWorker, int, int] | None"]
@@ -79,7 +82,8 @@ class HotExperts:
         self._kept: Counter[int] = Counter()
         self._since = 0
         self._busy: Counter[tuple[int, int]] = Counter()
-        self._failed: set[tuple[int, int]] = set()
+        self._failed: dict[tuple[int, int], float] = {}
+        """Experts whose load failed, by when: not tried again for HOT_RETRY_S."""
         self._loading: set[tuple[int, int]] = set()
         self.nursery: trio.Nursery | None = None
         """Where loads run while decode steps go on (the service's); without one, the
@@ -104,8 +108,9 @@ class HotExperts:
             self.planned = await trio.to_thread.run_sync(
                 plan_cache, {lay: stack_rows(r)[-self.window:]
                              for lay, r in self._rows.items()}, self.capacity)
-        want = next((k for k in self.planned if k not in self.workers
-                     and k not in self._failed and k not in self._loading), None)
+        now = time.monotonic()
+        want = next((k for k in self.planned if k not in self.workers and k not in self._loading
+                     and now - self._failed.get(k, -math.inf) >= HOT_RETRY_S), None)
         if want is None:
             return
         if len(self.workers) + len(self._loading) >= self.capacity:
@@ -125,7 +130,7 @@ class HotExperts:
             self.workers[key] = await self.load(*key)
             log.info("hot expert cached", layer=key[0], expert=key[1])
         except Exception as exc:  # noqa: BLE001 - no holder answered, no bytes: keep dispatching
-            self._failed.add(key)
+            self._failed[key] = time.monotonic()
             log.info("hot expert not cached", layer=key[0], expert=key[1], error=repr(exc))
         finally:
             self._loading.discard(key)

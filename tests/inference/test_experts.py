@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
+from kvasird.inference import experts
 from kvasird.inference.experts import ExpertDispatcher, HotExperts, plan_cache, stack_rows
 from kvasird.inference.serving import Served
 
@@ -104,6 +106,32 @@ async def test_the_cache_follows_the_routing_and_keeps_an_expert_while_it_comput
         hot.close()
         backend.close()
     assert not hot.workers
+
+
+async def test_an_expert_that_failed_to_load_is_tried_again_later(
+        moe: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    backend, made, fail = Backend(1), [], [True]
+    real = loader(moe, backend, made)
+
+    async def flaky(layer: int, expert: int) -> ExpertWorker:
+        if fail[0]:
+            made.append((layer, expert))
+            raise OSError("no holder answered")
+        return await real(layer, expert)
+
+    monkeypatch.setattr(experts, "HOT_RETRY_S", 0.05)
+    hot = HotExperts(flaky, capacity=1, after=1)
+    try:
+        await hot.observe(0, np.array([[3, 3]]))
+        await hot.observe(0, np.array([[3, 3]]))
+        assert made == [(0, 3)] and not hot.workers  # failed once, not again at once
+        fail[0] = False
+        await trio.sleep(0.06)
+        await hot.observe(0, np.array([[3, 3]]))
+        assert made == [(0, 3), (0, 3)] and set(hot.workers) == {(0, 3)}
+    finally:
+        hot.close()
+        backend.close()
 
 
 async def test_cached_experts_compute_while_the_remote_request_is_out(
