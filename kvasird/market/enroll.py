@@ -1,8 +1,9 @@
 """decide(): which units this node should hold, from the map it sees. Pure.
 
-Scarcest first: fill the budget with units whose replicas are short of their target,
-taking contiguous runs (one range per layer keeps records small and dispatch cheap),
-starting at a random offset so nodes deciding at the same moment spread out.
+Scarcest first (and among equally scarce, the largest unit first): fill the budget with
+units whose replicas are short of their target, taking contiguous runs (one range per
+layer keeps records small and dispatch cheap), starting at a random offset so nodes
+deciding at the same moment spread out.
 Hysteresis: a node gives a unit up only to make room for a scarcer one, only where the
 unit has more holders than its target, and only if it is one of the designated surplus
 holders (the same deterministic choice on every node), so a unit is never left uncovered.
@@ -87,17 +88,20 @@ def _scarce_runs(model: MarketModel, counts: Counts, targets: Targets, held: set
                  rng: np.random.Generator) -> list[list[Unit]]:
     """Runs of scarce units we don't hold, scarcest first, each rotated to a random start."""
     s_layer, s_expert, s_head = scarcity(counts, targets)
-    runs: list[tuple[float, float, list[Unit]]] = []
+    runs: list[tuple[float, int, float, list[Unit]]] = []
     if s_head > 0 and HEAD not in held:
-        runs.append((s_head, rng.random(), [HEAD]))
+        runs.append((s_head, model.size(HEAD), rng.random(), [HEAD]))
     for s, units in _group(s_layer, lambda i: Unit("layer", i), held):
-        runs.append((s, rng.random(), units))
+        runs.append((s, max(model.size(u) for u in units), rng.random(), units))
     for layer in range(model.n_layer if model.n_expert else 0):
         for s, units in _group(s_expert[layer], lambda e, l=layer: Unit("expert", l, e), held):
-            runs.append((s, rng.random(), units))
-    runs.sort(key=lambda r: (-r[0], r[1]))
+            runs.append((s, max(model.size(u) for u in units), rng.random(), units))
+    # Equally scarce: the largest unit first (first-fit decreasing). A node that filled its
+    # budget with small layers first could leave no room anywhere for the head (30 of 42
+    # MiB per node in the 3-node demo), and nodes only give up surplus: it stayed uncovered.
+    runs.sort(key=lambda r: (-r[0], -r[1], r[2]))
     out = []
-    for _, _, units in runs:
+    for _, _, _, units in runs:
         k = int(rng.integers(len(units)))
         out.append(units[k:] + units[:k])
     return out
