@@ -111,7 +111,10 @@ def test_hot_experts_end_with_more_replicas_than_cold_ones(
 
     # The reports come from a py-libp2p peer in a process of its own: run in the test
     # process after some in-process libp2p tests (tests/inference/test_lane.py), its reports
-    # reliably had no effect, for a reason not found yet; alone they always did.
+    # reliably had no effect, for a reason not found yet; alone they always did. It keeps
+    # publishing while the test waits: three reports in its first 3 s once had no effect
+    # in a full CI run either (no node enrolled anything after its first plan), as if its
+    # mesh had not formed yet on that loaded machine.
     script = f"""
 import sys, time, trio
 sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -122,7 +125,7 @@ from kvasird.wire import pack
 async def main():
     peer = GossipPeer("localnet")
     async with peer.running({net.nodes[0].join_addr!r}):
-        for seq in range(1, 4):
+        for seq in range(1, {int(HOT_CONVERGE_S)}):
             report = LoadReport(peer.peer_id, seq, time.time(), {model.model_id!r}, 60.0,
                                 10_000, {counts!r})
             await peer.publish("load", pack(report.to_wire()))
@@ -130,7 +133,7 @@ async def main():
 
 trio.run(main)
 """
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    reporter = subprocess.Popen([sys.executable, "-c", script])
 
     def hot_have_more() -> bool:
         segs = net.nodes[-1].get("/v0/coverage").get("segments")  # absent until it has the model
@@ -141,8 +144,12 @@ trio.run(main)
         cold_max = max(s["replicas"] for s in experts if s["experts"][1] > 4)
         return hot_min > cold_max and covered(net)
 
-    net.wait_until("hot experts have more replicas than any cold one", hot_have_more,
-                   timeout=HOT_CONVERGE_S)
+    try:
+        net.wait_until("hot experts have more replicas than any cold one", hot_have_more,
+                       timeout=HOT_CONVERGE_S)
+    finally:
+        reporter.kill()
+        reporter.wait()
 
 
 def test_adversarial_gossip_never_enters_an_honest_map(
