@@ -181,23 +181,15 @@ def expert_batching(net: LocalNet, workers: list[int]) -> str:
     return f"{rows / max(calls, 1):.2f} rows/call"
 
 
-def median_ms(fn: Callable[[], object], n: int) -> float:
+def median_ms(fn: Callable[[], object], n: int, idle_s: float = 0.0) -> float:
+    """Median ms of fn over n calls; with `idle_s`, the process sleeps that long before
+    each, as a ring stage does while the other stages compute: on this VM the same graph
+    then runs 10-15 % slower than back to back (the core's idle and wake-up, not cache
+    misses: nothing else runs meanwhile)."""
     times = []
     for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
-
-
-def after_idle(fn: Callable[[], object], n: int, idle_s: float = 0.005) -> float:
-    """Median ms of fn when the process has slept `idle_s` before each call, as a ring
-    stage has while the other stages compute: on this VM the same graph then runs ~15 %
-    slower than back to back (the core's idle and wake-up, not cache misses: nothing
-    else runs meanwhile)."""
-    times = []
-    for _ in range(n):
-        time.sleep(idle_s)
+        if idle_s:
+            time.sleep(idle_s)
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
@@ -219,7 +211,8 @@ def per_hop(bundled: Path, threads: int) -> list[tuple[str, float]]:
     rows.append(("compute: 10 layers, 1 token",
                  median_ms(lambda: (stage.forward(session, x, 8), session.truncate(8)), 200)))
     rows.append(("compute: 10 layers, 1 token, each after 5 ms idle (as a ring stage's)",
-                 after_idle(lambda: (stage.forward(session, x, 8), session.truncate(8)), 100)))
+                 median_ms(lambda: (stage.forward(session, x, 8), session.truncate(8)), 100,
+                           idle_s=0.005)))
     stage.close()
     rows += split_compute(bundled, threads)
     one, ids = np.ones((1, 128), np.float32), np.array([[1, 6]])

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -264,9 +263,8 @@ class Channels:
             addrs = [str(a) for a in self.host.get_peerstore().addrs(ID.from_base58(peer))]
         except Exception:  # noqa: BLE001 - a peer we hold no addresses of
             return []
-        ips = [m.group(1) for a in addrs if not is_circuit(a)
-               and (m := re.match(r"^/ip[46]/([^/]+)/tcp/", a))]
-        return list(dict.fromkeys(ips))
+        return list(dict.fromkeys(ip for a in addrs if not is_circuit(a)
+                                  and (ip := lane.tcp_ip(a))))
 
     async def _get_stream(self, peer: str, protocol: str) -> Channel:
         key = (peer, protocol)

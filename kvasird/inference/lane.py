@@ -27,6 +27,7 @@ libp2p channel and asks again later (LANE_RETRY_S: after seconds, then less and 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import struct
 import time
@@ -58,6 +59,7 @@ QUICK_RUN = 8
 """Records read or written without waiting, in a row, before the lane lets other tasks run."""
 _LEN = struct.Struct(">I")
 _OK = b"kvasir-lane-ok"
+_TCP_IP = re.compile(r"^/ip[46]/([^/]+)/tcp/")
 log = get_logger("kvasird.inference.lane")
 
 Serve = Callable[..., Any]
@@ -261,6 +263,13 @@ class LaneServer:
             log.debug("lane ended", reason=repr(exc))
         finally:
             await stream.aclose()
+
+
+def tcp_ip(addr: str) -> str | None:
+    """The IP of a TCP multiaddr (/ip4 or /ip6 .../tcp/...), where lanes are listened for
+    and dialled; None for any other address."""
+    m = _TCP_IP.match(addr)
+    return m.group(1) if m else None
 
 
 async def connect(ip: str, offer: dict[str, Any], max_record: int,

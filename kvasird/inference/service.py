@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
@@ -45,7 +44,7 @@ from kvasird.inference.api import (
 )
 from kvasird.inference.channel import MAX_FRAME, Channels, serve
 from kvasird.inference.experts import ExpertDispatcher, HotExperts
-from kvasird.inference.lane import LaneServer
+from kvasird.inference.lane import LaneServer, tcp_ip
 from kvasird.inference.routing import Fitness, Latency, PeerHoldings
 from kvasird.inference.serving import (
     EXPERT_PROTOCOL,
@@ -363,9 +362,5 @@ def _line(event: TokenEvent | Finished) -> bytes:
 
 def _lane_host(listen: tuple[str, ...]) -> str:
     """The IP lanes listen on: that of the first TCP listen address (all interfaces if none)."""
-    for addr in listen:
-        m = re.match(r"^/ip[46]/([^/]+)/tcp/", addr)
-        if m:
-            return m.group(1)
-    return "0.0.0.0"
+    return next((ip for addr in listen if (ip := tcp_ip(addr))), "0.0.0.0")
 

@@ -346,3 +346,10 @@ async def test_inline_one_way_messages_run_in_the_reader_in_order() -> None:
                 while "inline long" not in seen:
                     await trio.sleep(0.05)  # noqa: ASYNC110 - a poll is the test's point
             nursery.cancel_scope.cancel()
+
+
+def test_the_ip_of_a_tcp_address_is_where_lanes_go() -> None:
+    assert lane.tcp_ip("/ip4/127.0.0.1/tcp/4001/ws/p2p/12D3KooW") == "127.0.0.1"
+    assert lane.tcp_ip("/ip6/::1/tcp/4001") == "::1"
+    assert lane.tcp_ip("/dns4/example.org/tcp/4001") is None
+    assert lane.tcp_ip("/ip4/10.0.0.1/udp/4001/quic") is None
