@@ -4,13 +4,17 @@
     <home>/node.key         Ed25519 node key, mode 0600; peer id = node id
     <home>/state.db         SQLite: peers, and every subsystem's durable state
     <home>/admin.json       where the running daemon's admin API listens (removed on exit)
+    <home>/kvasird.lock     flock held by the one daemon running on this home; holds its pid
     <home>/shards/          model shard store (model subsystem)
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +50,33 @@ class Home:
     @property
     def shards(self) -> Path:
         return self.root / "shards"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / "kvasird.lock"
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the home's lock for the body: two daemons on one home would share one
+        ledger, and claims through both could be paid twice.
+
+        The kernel drops an flock when its holder exits, crashed or not, so a stale lock
+        file never blocks a restart; the file is left in place, since unlinking it would
+        let a third process lock a new file while a second still holds the old one.
+        """
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+                raise HomeError(f"another kvasird (pid {holder}) is running on {self.root}: "
+                                f"stop it first (`kvasird --home {self.root} status`)") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)
 
     def require_initialised(self) -> None:
         if not self.node_key.exists() or not self.config.exists():

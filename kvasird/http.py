@@ -1,29 +1,142 @@
-"""Serving an ASGI app with hypercorn inside a trio nursery (admin API, gateway)."""
+"""Serving an ASGI app with hypercorn inside a trio nursery (admin API, gateway).
+
+Every app served here is behind a HostGuard: both surfaces are meant for this machine
+(or names the operator listed), never for whatever web page the operator's browser shows.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvasird.errors import ConfigError
 
 
-async def serve_asgi(app, bind: str, *, what: str, config_hint: str,  # noqa: ANN001 - any ASGI app
+async def serve_asgi(app: ASGIApp, bind: str, *, what: str, section: str, config_path: str,
+                     allowed_hosts: tuple[str, ...],
                      task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` on ``bind`` (host:port, port 0 = free); report the real URL when listening."""
+    """Serve ``app`` on ``bind`` (host:port, port 0 = free); report the real URL when listening.
+
+    Only requests addressed to a loopback name, the bind host or one of ``allowed_hosts``
+    (``[section] allowed_hosts``) reach the app.
+    """
     cfg = HypercornConfig()
     cfg.bind = [bind]
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("hypercorn.error")
     cfg.graceful_timeout = 2.0
+    guarded = HostGuard(app, bind, allowed_hosts, what=what,
+                        hint=f"[{section}] allowed_hosts in {config_path}")
     try:
-        await serve(app, cfg, task_status=_FirstBind(task_status))
+        await serve(guarded, cfg,  # type: ignore[arg-type] # starlette and hypercorn type ASGI apart
+                    task_status=_FirstBind(task_status))
     except OSError as exc:
         raise ConfigError(f"cannot listen for the {what} on {bind} ({exc.strerror}): "
-                          f"set {config_hint} to a free port") from None
+                          f"set [{section}] listen in {config_path} to a free port") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address, IPv6 optionally in brackets, or "localhost") is this
+    machine only. An IPv4 client of a dual-stack ``[::]`` listener shows as
+    ``::ffff:127.0.0.1``, which is loopback too. Junk and DNS names other than localhost
+    are not: what they resolve to is up to whoever controls their DNS."""
+    name = _unbracketed(host)
+    if name.lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
+
+
+class HostGuard:
+    """ASGI middleware that refuses requests a web page could have made the browser send.
+
+    A page the operator visits can post to 127.0.0.1 (cross-site request forgery: the
+    browser then sends the page's Origin), or make a name of its own resolve to 127.0.0.1
+    (DNS rebinding: the browser then sends that name as Host). So the Host must be a
+    loopback name, the host we are bound to, or one the operator allowed, and an Origin,
+    when there is one, must have such a host too. Clients that are not browsers send no
+    Origin and a Host they were given, and pass. Lifespan events pass through.
+    """
+
+    def __init__(self, app: ASGIApp, bind: str, allowed_hosts: tuple[str, ...], *, what: str,
+                 hint: str) -> None:
+        """``hint`` says where to allow a name, e.g. "[gateway] allowed_hosts in PATH"."""
+        self.app = app
+        self.what = what
+        self.hint = hint
+        names = {_unbracketed(h).lower() for h in allowed_hosts}
+        bound = _hostname(bind)
+        if bound and not _is_wildcard(bound):
+            names.add(bound)
+        self.allowed = frozenset(names)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            refusal = self._refusal(dict(scope.get("headers") or ()))
+            if refusal is not None:
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                else:
+                    await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, headers: dict[bytes, bytes]) -> JSONResponse | None:
+        host = headers.get(b"host", b"").decode("latin-1")
+        if not self._ours(_hostname(host)):
+            return _refuse(421, f"the {self.what} does not answer to the name {host!r} in the "
+                           "Host header (a guard against DNS rebinding): to reach it by the "
+                           f"name {_hostname(host) or host!r}, add it to {self.hint}")
+        origin = headers.get(b"origin")
+        if origin is not None:
+            text = origin.decode("latin-1")
+            scheme, sep, rest = text.partition("://")
+            if not (sep and scheme and self._ours(_hostname(rest.partition("/")[0]))):
+                return _refuse(403, f"the {self.what} refuses requests from the web page at "
+                               f"{text!r} (a guard against cross-site requests): to allow pages "
+                               f"of that site, add its host name to {self.hint}")
+        return None
+
+    def _ours(self, hostname: str) -> bool:
+        return bool(hostname) and (is_loopback(hostname) or hostname in self.allowed)
+
+
+def _hostname(authority: str) -> str:
+    """The lower-case host of ``host[:port]`` (IPv6 in brackets, returned without them);
+    "" when ``authority`` is not of that form."""
+    if authority.startswith("["):
+        address, sep, rest = authority[1:].partition("]")
+        ok = sep and (not rest or (rest[0] == ":" and rest[1:].isdigit()))
+        return address.lower() if ok else ""
+    name, sep, port = authority.partition(":")
+    return name.lower() if not sep or port.isdigit() else ""
+
+
+def _unbracketed(host: str) -> str:
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _refuse(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}},
+                        status_code=status)
 
 
 class _FirstBind:

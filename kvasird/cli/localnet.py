@@ -13,6 +13,7 @@ from kvasird.errors import KvasirError
 from kvasird.localnet import LocalNet, demo
 from kvasird.localnet.launcher import LocalNetError
 from kvasird.model.slice import contiguous_runs
+from kvasird.settlement.token import format_kvr
 
 
 def _default_dir() -> Path:
@@ -72,6 +73,9 @@ def _up(args: argparse.Namespace) -> int:
             print(f"\nQ: {args.prompt}\nA: {answer.text.strip()}")
             print(f"   paid {answer.paid / 10**6:.6f} KVR on the local chain (transaction "
                   f"{answer.signature[:16]}…), answered in {answer.seconds:.1f} s")
+            _print_earnings(demo.earnings(net))
+            if args.once:
+                _print_claims(demo.claim_all(net))
             _print_snippets(gateway, answer.model)
         if args.detach:
             print(f"\nleft running; stop with: kvasird localnet down --dir {root}")
@@ -88,6 +92,23 @@ def _up(args: argparse.Namespace) -> int:
         if not args.detach:
             codes = net.down()
             print(f"stopped {len(codes)} daemons")
+
+
+def _print_earnings(earned: list[demo.Earned]) -> None:
+    print("\nwhat each node earned for it (the gateway's measured work; receipts it signed):")
+    for e in earned:
+        extra = (f" + operator fee {format_kvr(e.operator)} + insurance pool "
+                 f"{format_kvr(e.insurance)} (gateway)") if e.index == 0 else ""
+        print(f"  node{e.index}: {format_kvr(e.earned)} KVR{extra}")
+
+
+def _print_claims(claims: list[demo.Paid]) -> None:
+    print("\nevery node claims; payouts on the local chain:")
+    for c in claims:
+        how = (f"transaction {c.signature[:16]}…" if c.signature
+               else c.note)
+        print(f"  node{c.index}: +{format_kvr(c.amount)} KVR, wallet now "
+              f"{format_kvr(c.balance)} KVR ({how})")
 
 
 def _print_holdings(net: LocalNet) -> None:
@@ -131,15 +152,18 @@ def _state(args: argparse.Namespace) -> tuple[Path, dict]:
 def _down(args: argparse.Namespace) -> int:
     root, state = _state(args)
     pids = [n["pid"] for n in state["nodes"] if n["pid"]]
-    for pid in pids:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_signal(pid, 0) for pid in pids):
-        time.sleep(0.2)
-    for pid in pids:
-        _signal(pid, signal.SIGKILL)
+    chain = state.get("chain_pid")
+    # the daemons first (they flush their state and may still talk to the chain), then it
+    for group in (pids, [chain] if chain else []):
+        for pid in group:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_signal(pid, 0) for pid in group):
+            time.sleep(0.2)
+        for pid in group:
+            _signal(pid, signal.SIGKILL)
     (root / "localnet.json").unlink(missing_ok=True)
-    print(f"stopped {len(pids)} daemons")
+    print(f"stopped {len(pids)} daemons" + (" and the local chain" if chain else ""))
     return 0
 
 

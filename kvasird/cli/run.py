@@ -18,10 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Run with the home's lock held, taken before anything opens the database."""
     home = home_of(args)
     home.require_initialised()
-    config = load(home.config)
-    logs.configure(config.node.log_level)
-    node = Node(home, config)
-    trio.run(run_until_signal, node)
+    with home.exclusive():
+        config = load(home.config)
+        logs.configure(config.node.log_level)
+        node = Node(home, config)
+        trio.run(run_until_signal, node)
     return 0

@@ -7,6 +7,7 @@ import json
 
 from kvasird.admin import client
 from kvasird.cli import home_of
+from kvasird.settlement.token import format_kvr
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +26,10 @@ def _run(args: argparse.Namespace) -> int:
     print(f"version      kvasird {status['version']} (protocol {status['protocol']})")
     print(f"uptime       {status['uptime_s']:.0f} s")
     print(f"peers        {status['peers']}")
+    if (earned := status.get("earnings")) is not None:
+        print(f"earnings     {format_kvr(earned['earned'])} KVR from {earned['gateways']} "
+              f"gateway(s), {format_kvr(earned['received'])} received, "
+              f"{format_kvr(earned['pending'])} pending (`kvasird wallet claim`)")
     reach = status.get("reachability") or {}
     if reach:
         print(f"reachability {reach.get('verdict', 'unknown')}")

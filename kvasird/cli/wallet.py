@@ -16,7 +16,7 @@ from kvasird.home import Home
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.ledger import Ledger
 from kvasird.settlement.receipts import ReceiptBook
-from kvasird.settlement.token import KVR_DECIMALS
+from kvasird.settlement.token import KVR_DECIMALS, format_kvr
 from kvasird.settlement.wallet import Wallet, parse_address, read_keypair, sign_link, write_keypair
 
 _LAMPORTS_PER_SOL = 10**9
@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     link.add_argument("peer_id", nargs="?", default="", help="peer id (default: this node's)")
     link.add_argument("--network", default="", help="network name (default: from kvasird.toml)")
     link.set_defaults(func=_link)
+    claim = cmds.add_parser("claim", help="claim earnings from every gateway that owes this "
+                            "node (the running daemon asks them; payouts checked on chain)")
+    claim.set_defaults(func=_claim)
     faucet = cmds.add_parser("faucet", help="get SOL and KVR from the local chain's faucet")
     faucet.add_argument("--kvr", type=float, default=100.0, help="KVR to mint (default 100)")
     faucet.add_argument("--sol", type=float, default=1.0, help="SOL for fees (default 1)")
@@ -61,8 +64,14 @@ def _show(args: argparse.Namespace) -> int:
     sol, kvr = trio.run(_balances, args.rpc, args.mint, wallet.address)
     print(f"address           {wallet.address}")
     print(f"SOL               {sol / _LAMPORTS_PER_SOL:.9f}")
-    print(f"KVR               {_kvr(kvr)}")
-    print(f"pending earnings  {_kvr(_pending(home_of(args)))} KVR (receipts not yet paid)")
+    print(f"KVR               {format_kvr(kvr)}")
+    gateways = _receipts(home_of(args))
+    pending = sum(unpaid for _, _, unpaid in gateways)
+    print(f"pending earnings  {format_kvr(pending)} KVR (receipts not yet paid)")
+    for gateway, peer_id, unpaid in gateways:
+        print(f"  from gateway {gateway} ({peer_id[:16]}…)  {format_kvr(unpaid)} KVR")
+    if pending:
+        print("claim them with `kvasird wallet claim` while the daemon runs")
     return 0
 
 
@@ -77,14 +86,34 @@ async def _local_mint(chain: ChainClient) -> Pubkey:
     return parse_address(info["mint"])  # type: ignore[index]
 
 
-def _pending(home: Home) -> int:
+def _receipts(home: Home) -> list[tuple[Pubkey, str, int]]:
+    """(gateway wallet, its peer id, unpaid) of every gateway this node holds receipts of."""
     if not home.db.exists():
-        return 0
+        return []
     ledger = Ledger(home.db)
     try:
-        return ReceiptBook(ledger, "", "").unpaid()
+        return ReceiptBook(ledger, "", "").gateways()
     finally:
         ledger.close()
+
+
+def _claim(args: argparse.Namespace) -> int:
+    from kvasird.admin.client import post
+
+    answer = post(home_of(args), "/v0/wallet/claim")
+    if "error" in answer:
+        print(f"claim refused: {answer['error']}")
+        return 1
+    claims = answer["claims"]
+    if not claims:
+        print("no gateway owes this node anything: nothing to claim")
+    for c in claims:
+        if c["error"]:
+            print(f"gateway {c['gateway']}: claim failed: {c['error']}")
+        else:
+            print(f"gateway {c['gateway']}: {format_kvr(c['amount'])} KVR paid, "
+                  f"transaction {c['signature']} (checked on chain)")
+    return 1 if any(c["error"] for c in claims) else 0
 
 
 def _new(args: argparse.Namespace) -> int:
@@ -139,6 +168,4 @@ async def _fund(rpc: str, address: Pubkey, kvr: int, lamports: int) -> None:
         await chain.faucet(address, kvr=kvr, lamports=lamports)
 
 
-def _kvr(base_units: int) -> str:
-    whole, frac = divmod(base_units, 10**KVR_DECIMALS)
-    return f"{whole}.{frac:0{KVR_DECIMALS}d}"
+

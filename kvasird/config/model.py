@@ -16,6 +16,11 @@ def _choice(*values: str) -> dict[str, Any]:
     return {"choices": values}
 
 
+_HOST_NAME = {"pattern": r"[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*"
+                        r"|\[?[0-9a-fA-F.]*:[0-9a-fA-F.]*:[0-9a-fA-F:.]*\]?"}
+"""A bare host name or IP address (IPv6 in brackets or not): no scheme, no port."""
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     network: str = field(default="kvasir-local", metadata={"pattern": r"[a-z0-9][a-z0-9._-]{0,63}"})
@@ -60,6 +65,9 @@ class P2PConfig:
 class AdminConfig:
     listen: str = field(default="127.0.0.1:5101", metadata={"loopback": True})
     """host:port of the local admin API; the host must be a loopback address."""
+    allowed_hosts: tuple[str, ...] = field(default=(), metadata=_HOST_NAME)
+    """Names the admin API answers to besides localhost and loopback addresses (the Host
+    header of anything else is refused: a guard against DNS rebinding)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,9 @@ class GatewayConfig:
     listen: str = field(default="127.0.0.1:8080",
                         metadata={"pattern": r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}"})
     """host:port of the gateway; port 0 picks a free port. Loopback unless you mean to expose it."""
+    allowed_hosts: tuple[str, ...] = field(default=(), metadata=_HOST_NAME)
+    """Names the gateway answers to (Host header; also the host of a web page's Origin)
+    besides localhost, loopback addresses and the host of ``listen``."""
     local: bool = False
     """Generate with the whole [market] model loaded on this node (a one-node network)."""
     kv_tokens: int = field(default=8192, metadata=_range(256, 1 << 22))
@@ -179,6 +190,14 @@ class SettlementSection:
     """How long a quote can be paid."""
     free_local: bool = True
     """Serve requests from this machine (127.0.0.1) without payment."""
+    max_unpaid: int = field(default=10_000_000, metadata=_range(0, 10**18))
+    """KVR base units of a gateway's receipts this node lets go unpaid before it stops
+    serving that gateway (10 KVR)."""
+    max_unreceipted: int = field(default=16, metadata=_range(1, 1_000_000))
+    """Sessions a gateway may open here without sending a receipt for them."""
+    claim_threshold: int = field(default=1_000_000, metadata=_range(0, 10**18))
+    """Claim from a gateway by itself once it owes this much (base units; 0 = only by
+    `kvasird wallet claim`)."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.admin.server import build_app
 from kvasird.config import Config
 from kvasird.config.model import SettlementSection
-from kvasird.daemon import systemd
+from kvasird.daemon import earnings, systemd
 from kvasird.daemon.banner import print_banner
 from kvasird.daemon.governance import GovernanceGossip
 from kvasird.daemon.shards import ShardService
@@ -28,7 +28,9 @@ from kvasird.market.records import Capabilities
 from kvasird.market.service import MarketService, metadata_only
 from kvasird.model.store import ShardStore
 from kvasird.p2p import P2PNode
+from kvasird.settlement.admission import Admission
 from kvasird.settlement.config import SettlementConfig
+from kvasird.settlement.exchange import SETTLE_PROTOCOL, Exchange
 from kvasird.settlement.service import Settlement, run_settlement
 
 log = get_logger("kvasird.daemon")
@@ -54,6 +56,10 @@ class Node:
         self.gateway = Gateway.for_node(self)
         self.settlement: Settlement | None = None
         """Payments and rewards, once started (None while [settlement] is off)."""
+        self.admission: Admission | None = None
+        """Whom this node works for (None while [settlement] is off: everyone)."""
+        self.exchange: Exchange | None = None
+        """Receipts and claims with other peers (None while [settlement] is off)."""
         self.governance = GovernanceGossip(self)
         self.started_at = time.monotonic()
 
@@ -71,6 +77,7 @@ class Node:
             "protocol": PROTOCOL_VERSION,
             "pid": os.getpid(),
             "gateway": self.gateway.url,
+            "earnings": earnings.totals(self),
         }
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
@@ -82,14 +89,16 @@ class Node:
                     self.settlement = await nursery.start(
                         run_settlement, settlement_config(self.config.settlement, self.home),
                         self.home, self.p2p.peer_id, self.config.node.network)
+                    await nursery.start(self._exchange_receipts, self.settlement)
                 await nursery.start(self.governance.run)
                 await nursery.start(self.inference.run)
                 await nursery.start(self.market.run)
                 app = build_app(self)
-                app.router.routes.extend(self.inference.routes())
+                app.router.routes.extend([*self.inference.routes(), *earnings.routes(self)])
                 admin_url = await nursery.start(lambda task_status: serve_asgi(
-                    app, self.config.admin.listen, what="admin API",
-                    config_hint=f"[admin] listen in {self.home.config}", task_status=task_status))
+                    app, self.config.admin.listen, what="admin API", section="admin",
+                    config_path=str(self.home.config),
+                    allowed_hosts=self.config.admin.allowed_hosts, task_status=task_status))
                 await nursery.start(self.gateway.run)
                 self.home.write_admin_address(admin_url, os.getpid())
                 nursery.start_soon(self._diagnose_loneliness)
@@ -103,6 +112,24 @@ class Node:
         finally:
             self.home.clear_admin_address()
             self.db.close()
+
+    async def _exchange_receipts(self, s: Settlement, *,
+                                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                                 ) -> None:
+        """Settlement between peers: publish our wallet link, admit only paying gateways,
+        deliver and take receipts, claim."""
+        c = s.config
+        self.market.link = s.link
+        self.admission = Admission(self.p2p.peer_id, s.network, self.inference.link_of,
+                                   s.receipts, s.stake, s.governance.params,
+                                   max_unpaid=c.max_unpaid, max_unreceipted=c.max_unreceipted,
+                                   cache_s=c.stake_cache_s)
+        self.inference.use_admission(self.admission)
+        self.exchange = Exchange(s, self.p2p.peer_id, self.inference.channels.request,
+                                 self.inference.link_of, self.admission,
+                                 claim_threshold=c.claim_threshold)
+        self.inference.also_serve(SETTLE_PROTOCOL, self.exchange.handle)
+        await self.exchange.run(task_status=task_status)
 
     async def _diagnose_loneliness(self) -> None:
         """Like Syncthing: say what to check when a node with a bootstrap list stays alone."""
@@ -125,7 +152,9 @@ def settlement_config(section: SettlementSection, home: Home) -> SettlementConfi
         rpc_url=section.rpc_url, wallet=home.root / section.wallet if section.wallet else None,
         wallet_address=section.wallet_address, kvr_mint=section.kvr_mint,
         genesis_wallet=section.genesis_wallet, commitment=section.commitment,
-        quote_ttl_s=section.quote_ttl_s, free_local=section.free_local)
+        quote_ttl_s=section.quote_ttl_s, free_local=section.free_local,
+        max_unpaid=section.max_unpaid, max_unreceipted=section.max_unreceipted,
+        claim_threshold=section.claim_threshold)
 
 
 def _preferred_join(addrs: list[str]) -> str:

@@ -10,11 +10,11 @@
     response    the ASGI response that runs a generation: SSE or JSON, pings, disconnects
     stats       admission (concurrency limit) and what was served: requests, tokens, speeds
     status      /health, /status and the HTML page with the coverage picture
-    errors      ApiError and its statuses (400, 404, 413, 429, 503)
+    errors      ApiError and its statuses (400, 402, 403, 404, 413, 415, 429, 503)
 
 Data flow of one request:
 
-    HTTP body ─▶ body.read_json (413/400) ─▶ openai|anthropic parse ─▶ Gateway.resolve (404/503)
+    HTTP body ─▶ body.read_json (413/415/400) ─▶ openai|anthropic parse ─▶ Gateway.resolve (404/503)
       ─▶ chat template + tokenizer ─▶ limits (400) ─▶ Job
       ─▶ GenerationResponse: admit (429) ─▶ Generator.generate ─▶ generation.pieces
       ─▶ renderer ─▶ SSE events or one JSON body          (client gone ─▶ cancel ─▶ KV freed)

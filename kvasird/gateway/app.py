@@ -38,7 +38,8 @@ def build_app(gw: Gateway) -> Starlette:
     async def quote(request: Request) -> JSONResponse:
         f = await read_json(request, gw.config.max_body_bytes)
         max_tokens = f.integer("max_tokens", gw.config.max_tokens, 1, gw.config.max_tokens)
-        return JSONResponse(payment.quote(gw, max_tokens))
+        client = request.client.host if request.client else "an unknown address"
+        return JSONResponse(payment.quote(gw, max_tokens, client))
 
     async def status_page(_: Request) -> HTMLResponse:
         return HTMLResponse(status.page(status.snapshot(gw)))

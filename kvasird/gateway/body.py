@@ -2,23 +2,39 @@
 
 Nothing a client sends reaches tokenizer or generator before it passed here, so bad
 input ends as a 4xx naming the field (``messages[1].content``), never as a 500.
+The gateway and the admin API's /v0/generate read their bodies here alike.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+from itertools import accumulate
 from typing import Any
 
 from starlette.requests import Request
 
-from kvasird.gateway.errors import BadRequest, BodyTooLarge
+from kvasird.gateway.errors import BadRequest, BodyTooLarge, UnsupportedMediaType
+
+MAX_DEPTH = 400
+"""Deepest nesting of arrays and objects a body may have: far past any real request, and
+well within what json.loads and the code after it may recurse through."""
 
 _MISSING: Any = object()
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEPS = bytes.maketrans(b"[]{}", b"\x01\xff\x01\xff")
+"""Openers to +1, closers to -1 (as signed bytes)."""
 
 
 async def read_json(request: Request, limit: int) -> Fields:
-    """The body as a JSON object; 413 past ``limit`` bytes, 400 when not UTF-8 JSON."""
+    """The body as a JSON object; 415 unless it is declared JSON, 413 past ``limit`` bytes,
+    400 when it is not UTF-8 JSON or nested deeper than MAX_DEPTH.
+
+    The Content-Type is required so that a web page cannot post JSON as text/plain, the one
+    type a browser sends across sites without asking the server first."""
+    _require_json_type(request.headers.get("content-type", ""))
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(_too_large(int(declared), limit))
@@ -32,6 +48,9 @@ async def read_json(request: Request, limit: int) -> Fields:
     except UnicodeDecodeError as exc:
         raise BadRequest(f"the request body is not valid UTF-8 (bad byte at offset {exc.start})") \
             from None
+    if _depth(text) > MAX_DEPTH:
+        raise BadRequest(f"the request body is nested deeper than {MAX_DEPTH} levels of arrays "
+                         "and objects: flatten it")
     try:
         value = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
@@ -42,8 +61,28 @@ async def read_json(request: Request, limit: int) -> Fields:
     return Fields(value)
 
 
+def _require_json_type(content_type: str) -> None:
+    """application/json or application/<anything>+json, with any parameters."""
+    media = content_type.partition(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/")
+                                            and media.endswith("+json")):
+        got = f"got {content_type!r}" if content_type else "got none"
+        raise UnsupportedMediaType("the request body must be JSON sent with the header "
+                                   f"Content-Type: application/json ({got}): set that header")
+
+
+def _depth(text: str) -> int:
+    """The deepest nesting of arrays and objects in ``text``, found without recursion (json.loads
+    recurses once a level: 100k "[" end in RecursionError). Strings are cut out, the brackets
+    left become +1/-1 steps, and the depth is their largest running sum; all of it in C loops,
+    so even 1 MiB of nothing but brackets is judged in about a tenth of a second."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    steps = memoryview(brackets.encode("ascii").translate(_STEPS)).cast("b")
+    return max(accumulate(steps), default=0)
+
+
 def _too_large(n: int, limit: int) -> str:
-    return (f"the request body of {n} bytes exceeds the gateway's limit of {limit} bytes "
+    return (f"the request body of {n} bytes exceeds this node's limit of {limit} bytes "
             "([gateway] max_body_bytes)")
 
 

@@ -5,11 +5,13 @@
         ├── BadRequest           400: a field is missing, of the wrong type or out of range
         ├── NotFound             404: unknown model or path
         ├── PaymentRequired      402: settlement is on and the request carries no valid payment
+        ├── Forbidden            403: the caller may not use this (admin generations: local only)
         ├── BodyTooLarge         413: the body exceeds [gateway] max_body_bytes
+        ├── UnsupportedMediaType 415: the body is not sent as Content-Type: application/json
         ├── TooManyRequests      429: [gateway] max_concurrent reached, or no capacity
         └── Unavailable          503: no route serves the model (yet)
 
-Generation errors from the Generator contract (NoRoute, Busy, UnknownModel) become
+Generation errors from the Generator contract (NoRoute, Busy, UnknownModel, NotServed) become
 the matching ApiError through ``from_generation``; any other KvasirError a generator
 raises is a 500 that says the request itself was fine.
 """
@@ -17,7 +19,7 @@ raises is a 500 that says the request itself was fine.
 from __future__ import annotations
 
 from kvasird.errors import KvasirError
-from kvasird.inference.api import Busy, NoRoute, UnknownModel
+from kvasird.inference.api import Busy, NoRoute, NotServed, UnknownModel
 
 
 class ApiError(KvasirError):
@@ -58,10 +60,20 @@ class PaymentRequired(ApiError):
     anthropic_type = "permission_error"
 
 
+class Forbidden(ApiError):
+    status = 403
+    openai_type = anthropic_type = "permission_error"
+
+
 class BodyTooLarge(ApiError):
     status = 413
     openai_type = "invalid_request_error"
     anthropic_type = "request_too_large"
+
+
+class UnsupportedMediaType(ApiError):
+    status = 415
+    openai_type = anthropic_type = "invalid_request_error"
 
 
 class TooManyRequests(ApiError):
@@ -83,4 +95,7 @@ def from_generation(exc: KvasirError) -> ApiError:
         return TooManyRequests(str(exc), code="busy")
     if isinstance(exc, NoRoute):
         return Unavailable(str(exc), code="no_route")
+    if isinstance(exc, NotServed):
+        return Unavailable(f"the network refuses to serve this gateway: {exc}",
+                           code="gateway_not_served")
     return ApiError(f"the generation failed: {exc} (the request itself was fine; retry)")

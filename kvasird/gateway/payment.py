@@ -7,12 +7,14 @@
 The payment is verified on chain by the settlement subsystem (the vault received the
 amount with the quote's memo: credit only what the chain proves). Each paid quote serves
 one request: it is redeemed in the same database transaction that checks it was unused.
-After the generation the amount is split by the work the gateway measured itself.
+After the generation the amount is split by the work the gateway measured itself (the
+generator's record of every hop that served it), and each peer that worked is sent its new
+cumulative receipt. A paid request that fails is refunded on chain, from the insurance
+pool, for the part that was not served; the client's error names the refund transaction.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import sqlite3
 import time
 from typing import TYPE_CHECKING, Any
@@ -20,10 +22,14 @@ from typing import TYPE_CHECKING, Any
 from solders.signature import Signature
 
 from kvasird.errors import KvasirError
-from kvasird.gateway.errors import BadRequest, PaymentRequired
+from kvasird.gateway.errors import BadRequest, PaymentRequired, TooManyRequests
+from kvasird.http import is_loopback
 from kvasird.logs import get_logger
+from kvasird.settlement.errors import QuotesTooFrequent
+from kvasird.settlement.exchange import epoch_now
 from kvasird.settlement.payments import PaymentProof
-from kvasird.settlement.rewards import MeasuredWork
+from kvasird.settlement.rewards import MeasuredWork, SplitResult
+from kvasird.settlement.token import format_kvr
 
 if TYPE_CHECKING:
     from kvasird.gateway.service import Gateway, Job
@@ -55,7 +61,7 @@ async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> PaymentProof |
     header = dict(scope.get("headers") or []).get(HEADER)
     if header is None:
         client = (scope.get("client") or ("", 0))[0]
-        if s.config.free_local and _loopback(client):
+        if s.config.free_local and is_loopback(client):
             return None
         raise PaymentRequired(f"this gateway takes KVR payments: {HOW}")
     request_id, _, sig = header.decode(errors="replace").partition(":")
@@ -89,44 +95,69 @@ def _redeem(gw: Gateway, request_id: str) -> None:
                               "quote") from None
 
 
-def record_work(gw: Gateway, proof: PaymentProof, job: Job, tokens: int, seconds: float) -> None:
-    """Split the payment by the work this gateway measured (never what peers claim)."""
+def record_work(gw: Gateway, proof: PaymentProof, job: Job, tokens: int, seconds: float,
+                served: int | None = None) -> SplitResult | None:
+    """Split the payment (or its ``served`` part) by the work this gateway measured — never
+    by what peers claim — and send each peer that worked its new receipt."""
     s = settlement_of(gw)
     if s is None or gw.node is None:
-        return
-    n_layer = gw.node.market.model.n_layer if gw.node.market.model else 1
-    work = [MeasuredWork(peer, MeasuredWork.stage_units(max(tokens, 1), layers),
-                         1000.0 * seconds / max(tokens, 1))
-            for peer, layers in _workers(gw, job, n_layer)]
+        return None
+    work = _measured(gw, job, tokens, seconds)
+    epoch = epoch_now()
     try:
         rewards, _ = s.gateway()
-        split = rewards.settle(proof.key, work, epoch=int(time.time() // 3600))
+        split = rewards.settle(proof.key, work, epoch, served)
     except KvasirError as exc:
         log.warning("could not settle a paid request", request_id=proof.key, error=str(exc))
-        return
+        return None
     log.info("paid request settled", amount=proof.amount, workers=split.workers,
              operator=split.operator, insurance=split.insurance)
+    if gw.node.exchange is not None:
+        gw.node.exchange.deliver([w.peer_id for w in work], epoch)
+    return split
 
 
-def _workers(gw: Gateway, job: Job, n_layer: int) -> list[tuple[str, int]]:
-    """Who did the work of ``job`` and how many layers each ran, as this node measured it."""
-    route = getattr(job.generator, "route_of", None)
-    stages = route(job.request.request_id) if route is not None else None
-    if stages:
-        return [(peer, layers) for peer, layers in stages]
-    assert gw.node is not None
-    return [(gw.node.p2p.peer_id, n_layer)]
-
-
-def _loopback(host: str) -> bool:
+async def refund(gw: Gateway, proof: PaymentProof, job: Job, tokens: int,
+                 seconds: float) -> str:
+    """A paid request failed after ``tokens`` tokens: settle what was served, refund the
+    rest on chain; returns the sentence the client's error ends with."""
+    s = settlement_of(gw)
+    assert s is not None
+    quoted = max(s.payments.quoted_tokens(proof.key), 1)
+    served = proof.amount * min(tokens, quoted) // quoted  # rounded in the payer's favour
+    if record_work(gw, proof, job, tokens, seconds, served) is None:
+        return ""
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        _, payouts = s.gateway()
+        payout = await payouts.refund(proof.key)
+    except KvasirError as exc:
+        log.warning("refund not sent", request_id=proof.key, error=str(exc))
+        return (f" A refund of {format_kvr(proof.amount - served)} KVR is owed to you but "
+                f"could not be sent yet ({exc}); the gateway's log has it.")
+    log.info("paid request refunded", amount=payout.amount, signature=payout.signature)
+    return (f" {format_kvr(payout.amount)} KVR of your payment (the part not served) was "
+            f"refunded to {payout.recipient}: transaction {payout.signature}.")
 
 
-def quote(gw: Gateway, max_tokens: int) -> dict[str, Any]:
+def _measured(gw: Gateway, job: Job, tokens: int, seconds: float) -> list[MeasuredWork]:
+    """Who did the work of ``job`` and how much, as this node measured it: the generator's
+    record of every hop, or (a generator that ran here alone) this node for all of it."""
+    done = job.generator.work(job.request.request_id)
+    if done:
+        return [MeasuredWork(w.peer, w.units, w.ms_per_token) for w in done]
+    assert gw.node is not None
+    n_layer = gw.node.market.model.n_layer if gw.node.market.model else 1
+    positions = len(job.request.prompt) + tokens
+    return [MeasuredWork(gw.node.p2p.peer_id, MeasuredWork.stage_units(positions, n_layer + 1),
+                         1000.0 * seconds / max(tokens, 1))]
+
+
+def quote(gw: Gateway, max_tokens: int, client: str) -> dict[str, Any]:
+    """A quote for ``client`` (an address: each may ask only so often, each quote is a row)."""
     s = settlement_of(gw)
     if s is None:
         raise BadRequest("this gateway takes no payments ([settlement] is off): requests are free")
-    return s.payments.quote(max_tokens).to_wire()
+    try:
+        return s.payments.quote(max_tokens, client).to_wire()
+    except QuotesTooFrequent as exc:
+        raise TooManyRequests(str(exc), code="too_many_quotes") from None

@@ -27,6 +27,7 @@ from kvasird.logs import get_logger
 
 if TYPE_CHECKING:
     from kvasird.gateway.service import Gateway, Job
+    from kvasird.settlement.payments import PaymentProof
 
 log = get_logger("kvasird.gateway")
 
@@ -72,6 +73,13 @@ async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
 class GenerationResponse:
     def __init__(self, gateway: Gateway, job: Job, renderer: Renderer) -> None:
         self.gateway, self.job, self.renderer = gateway, job, renderer
+        self.proof: PaymentProof | None = None
+        """The payment covering this request (None: free)."""
+        self.produced = 0
+        """Tokens handed to the client so far."""
+        self.began = 0.0
+        self.settled = False
+        """The payment was split (or refunded) already."""
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         try:
@@ -86,14 +94,15 @@ class GenerationResponse:
                 await send_json(send, err.status, self.renderer.error(err))
                 slot.finish(err.status)
                 return
-            began = time.monotonic()
+            self.proof, self.began = proof, time.monotonic()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                 await self._run(send, slot)
                 nursery.cancel_scope.cancel()
-            if proof is not None and slot.completion_tokens:
-                payment.record_work(self.gateway, proof, self.job, slot.completion_tokens,
-                                    time.monotonic() - began)
+            if proof is not None and not self.settled:  # served (or left by the client)
+                self.settled = True
+                payment.record_work(self.gateway, proof, self.job, self.produced,
+                                    time.monotonic() - self.began)
             if nursery.cancel_scope.cancelled_caught and not slot.finished:
                 log.info("client disconnected: generation cancelled",
                          request_id=self.job.request.request_id)
@@ -105,7 +114,7 @@ class GenerationResponse:
             try:
                 first = await anext(items)
             except KvasirError as exc:
-                err = from_generation(exc)
+                err = await self._failed(from_generation(exc))
                 await send_json(send, err.status, self.renderer.error(err))
                 slot.finish(err.status)
                 return
@@ -124,9 +133,10 @@ class GenerationResponse:
             while isinstance(item, Piece):
                 texts.append(item.text)
                 tokens.extend(item.tokens)
+                self.produced += len(item.tokens)
                 item = await anext(items)
         except KvasirError as exc:
-            err = from_generation(exc)
+            err = await self._failed(from_generation(exc))
             await send_json(send, err.status, self.renderer.error(err))
             slot.finish(err.status)
             return
@@ -147,15 +157,27 @@ class GenerationResponse:
             try:
                 while isinstance(item, Piece):
                     await out.write(r.stream_piece(item))
+                    self.produced += len(item.tokens)
                     item = await anext(items)
                 slot.finish(200, item.completion_tokens)
                 await out.write(r.stream_end(item))
             except KvasirError as exc:
-                err = from_generation(exc)
+                err = await self._failed(from_generation(exc))
                 await out.write(r.stream_error(err))
                 slot.finish(err.status)
             nursery.cancel_scope.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+    async def _failed(self, err: ApiError) -> ApiError:
+        """A paid request that failed: settle what was served and refund the rest on chain
+        before the client hears of it, so that its error can name the refund."""
+        if self.proof is not None and not self.settled:
+            self.settled = True
+            with trio.CancelScope(shield=True):  # money moves whole, even if the client left
+                err.message += await payment.refund(self.gateway, self.proof, self.job,
+                                                    self.produced, time.monotonic() - self.began)
+        return err
 
 
 class EventWriter:

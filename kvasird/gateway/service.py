@@ -125,7 +125,8 @@ class Gateway:
             async with trio.open_nursery() as nursery:
                 self.url = await nursery.start(partial(
                     serve_asgi, build_app(self), self.config.listen, what="gateway",
-                    config_hint=f"[gateway] listen in {self._config_path}"))
+                    section="gateway", config_path=self._config_path,
+                    allowed_hosts=self.config.allowed_hosts))
                 task_status.started(self.url)
                 if self._model is not None:
                     path, model_id, tok = await self._wait_for_model(self._model)

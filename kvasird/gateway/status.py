@@ -13,6 +13,7 @@ from html import escape
 from typing import Any
 
 from kvasird.gateway.service import Gateway
+from kvasird.settlement.token import format_kvr
 
 COLOURS = {"full": "#2e9e44", "partial": "#e0a800", "missing": "#d9363e"}
 WIDTH = 720
@@ -42,7 +43,8 @@ def snapshot(gw: Gateway) -> dict[str, Any]:
     if node is not None:
         status = node.status()
         out["node"] = {k: status[k] for k in ("peer_id", "network", "join_addr", "peers",
-                                               "uptime_s", "version", "protocol") if k in status}
+                                               "uptime_s", "version", "protocol", "earnings")
+                       if k in status}
         out["peers"] = [p.to_json() for p in node.p2p.peers.snapshot()]
         cov = node.market.coverage()
         out["coverage"] = {k: cov.get(k) for k in ("state", "held", "held_bytes", "budget_bytes",
@@ -60,6 +62,10 @@ def page(snap: dict[str, Any]) -> str:
             ("tokens generated", gw["tokens_generated"]),
             ("decode tokens/s", _or_dash(gw["decode_tokens_per_s"])),
             ("time to first token (median)", _or_dash(gw["ttft_ms_median"], " ms"))]
+    if earned := node.get("earnings"):
+        rows += [("earned (receipts)", f"{format_kvr(earned['earned'])} KVR"),
+                 ("received on chain", f"{format_kvr(earned['received'])} KVR"),
+                 ("pending", f"{format_kvr(earned['pending'])} KVR")]
     models = "".join(f"<li><code>{escape(m['id'])}</code> {escape(m['label'])} "
                      f"(context {m['context_length']})</li>" for m in snap["models"]) \
         or "<li>none yet</li>"

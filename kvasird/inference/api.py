@@ -30,6 +30,11 @@ class UnknownModel(GenerationError):
     """No model by that id or label is known (HTTP 404)."""
 
 
+class NotServed(GenerationError):
+    """The network's peers refuse to work for this gateway (it is not staked, or does not
+    pay them); the message carries their reason (HTTP 503)."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 1.0
@@ -93,6 +98,19 @@ class ModelInfo:
     """Longest prompt + completion the route accepts."""
 
 
+@dataclass(frozen=True)
+class HopWork:
+    """Work one peer did for one generation, as the generating node measured it."""
+
+    peer: str
+    """The peer (authenticated by its connection, not by anything it said)."""
+    units: int
+    """Stages: positions computed x layers run (the head counting as one); expert
+    workers: rows x experts computed, as the stage that sent the rows counted them."""
+    ms_per_token: float
+    """Its time per token as this node timed it (expert workers: their stage's step)."""
+
+
 class Generator(Protocol):
     """Anything that turns a GenerationRequest into events: a local engine or a swarm route.
 
@@ -104,3 +122,8 @@ class Generator(Protocol):
     def models(self) -> list[ModelInfo]: ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]: ...
+
+    def work(self, request_id: str) -> tuple[HopWork, ...]:
+        """Who did the work of a finished generation, and how much (asked once, after its
+        stream closed; empty when unknown)."""
+        ...

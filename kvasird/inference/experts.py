@@ -43,7 +43,7 @@ from kvasird.inference import tensors
 from kvasird.inference.channel import Channels
 from kvasird.inference.errors import HopFailed, NoWorkers, sentence
 from kvasird.inference.routing import Fitness, Latency, PeerHoldings, cover_experts, expert_holders
-from kvasird.inference.serving import COMPANY, EXPERT_PROTOCOL, INLINE_TOKENS, run_short
+from kvasird.inference.serving import COMPANY, EXPERT_PROTOCOL, INLINE_TOKENS, TALLY, run_short
 from kvasird.logs import get_logger
 
 MAX_ATTEMPTS = 4
@@ -380,7 +380,20 @@ class ExpertDispatcher:
     async def remote(self, peer: str, e0: int, layer: int, rows: np.ndarray,
                      gids: np.ndarray) -> np.ndarray:
         """One worker call: rows and local ids (global - e0, e0 the start of the range the
-        worker advertises, sent along so a worker can check it) out, outputs back.
+        worker advertises, sent along so a worker can check it) out, outputs back; the
+        work (the experts the rows selected) is counted to the session the step computes
+        for.
+        """
+        tally = TALLY.get()
+        out = await self._remote(peer, e0, layer, rows, gids,
+                                 tally.owner if tally is not None else self.me)
+        if tally is not None:
+            tally.experts[peer] += _selections(gids)
+        return out
+
+    async def _remote(self, peer: str, e0: int, layer: int, rows: np.ndarray,
+                      gids: np.ndarray, owner: str) -> np.ndarray:
+        """The call of ``remote``, for the session of gateway ``owner``.
 
         While other sessions' decode steps are interleaved on this node's stages, the rows
         of several of them for one worker and layer go as one message: the first waits up
@@ -389,28 +402,30 @@ class ExpertDispatcher:
         company = COMPANY.get()
         others = company.now - 1 if company is not None else 0
         if self.window_s <= 0 or others <= 0:
-            return await self._request(peer, e0, layer, rows, gids)
+            return await self._request(peer, e0, layer, rows, gids, {owner})
         key = (peer, e0, layer, gids.shape[1])
         joining = self._outgoing.get(key)
         if joining is not None:
             at = len(joining.parts)
             joining.parts.append((rows, gids))
+            joining.owners.add(owner)
             if len(joining.parts) >= joining.want:
                 joining.full.set()
             await joining.done.wait()
             if joining.error is not None:
                 raise joining.error
             if joining.outs is None:  # the first gave up waiting (it was cancelled): go alone
-                return await self._request(peer, e0, layer, rows, gids)
+                return await self._request(peer, e0, layer, rows, gids, {owner})
             return joining.outs[at]
-        batch = self._outgoing[key] = _Outgoing(others + 1, [(rows, gids)])
+        batch = self._outgoing[key] = _Outgoing(others + 1, [(rows, gids)], {owner})
         try:
             with trio.move_on_after(self.window_s):
                 await batch.full.wait()
             del self._outgoing[key]  # what joined goes now; later rows start their own
             out = await self._request(peer, e0, layer,
                                       np.concatenate([r for r, _ in batch.parts]),
-                                      np.concatenate([g for _, g in batch.parts]))
+                                      np.concatenate([g for _, g in batch.parts]),
+                                      batch.owners)
             bounds = np.cumsum([len(r) for r, _ in batch.parts])[:-1]
             batch.outs = np.split(out, bounds)
             self.stats["coalesced"] += len(batch.parts) - 1
@@ -424,10 +439,10 @@ class ExpertDispatcher:
             batch.done.set()
 
     async def _request(self, peer: str, e0: int, layer: int, rows: np.ndarray,
-                       gids: np.ndarray) -> np.ndarray:
+                       gids: np.ndarray, owners: set[str]) -> np.ndarray:
         msg: dict[str, Any] = {"op": "experts", "layer": layer, "first": e0,
                                "rows": tensors.encode(rows, self.wire_dtype),
-                               "ids": tensors.encode(gids - e0, "i32")}
+                               "ids": tensors.encode(gids - e0, "i32"), "for": sorted(owners)}
         began = time.perf_counter()
         reply = await self.channels.request(peer, EXPERT_PROTOCOL, msg, self.timeout_s)
         self.latency.observe(peer, (time.perf_counter() - began) * 1000)
@@ -448,10 +463,21 @@ class _Outgoing:
     """Sessions stepping when the first came: the message goes once this many joined."""
     parts: list[tuple[np.ndarray, np.ndarray]]
     """(rows, global ids) of each, in the order they joined."""
+    owners: set[str]
+    """The gateways whose sessions the rows are for (the worker checks each)."""
     full: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
     outs: list[np.ndarray] | None = None
     error: HopFailed | None = None
+
+
+def _selections(gids: np.ndarray) -> int:
+    """Experts the rows actually selected: rows are padded with repeats of their first id
+    (compute.experts packs them), and a row never selects an expert twice."""
+    if len(gids) == 1:
+        return len(set(gids[0].tolist()))
+    ordered = np.sort(gids, axis=1)
+    return int(len(ordered) + np.count_nonzero(np.diff(ordered, axis=1)))
 
 
 def _combine(layer: int, rows: np.ndarray, gids: np.ndarray, pieces: list[Piece],

@@ -24,6 +24,7 @@ from kvasird.inference.api import (
     Busy,
     Finished,
     GenerationRequest,
+    HopWork,
     ModelInfo,
     Sampling,
     TokenEvent,
@@ -52,6 +53,10 @@ class LocalGenerator:
         stage = Stage.load(path, threads=threads, kv=KVSpec(n_slots=kv_tokens))
         context = min(stage.hp.n_ctx_train, stage.kv.max_session_tokens)
         return cls(stage, ModelInfo(model_id, label, context))
+
+    def work(self, request_id: str) -> tuple[HopWork, ...]:
+        """Nothing to tell: this node computed all of it (the gateway counts it itself)."""
+        return ()
 
     def models(self) -> list[ModelInfo]:
         return [self.info]

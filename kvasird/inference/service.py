@@ -30,7 +30,10 @@ from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
-from kvasird.config import Config
+from kvasird.config import Config, GatewayConfig
+from kvasird.gateway.body import Fields, read_json
+from kvasird.gateway.errors import ApiError, BadRequest, Forbidden, PaymentRequired
+from kvasird.http import is_loopback
 from kvasird.inference.api import (
     Busy,
     Finished,
@@ -42,7 +45,8 @@ from kvasird.inference.api import (
     TokenEvent,
     UnknownModel,
 )
-from kvasird.inference.channel import MAX_FRAME, Channels, serve
+from kvasird.inference.channel import MAX_FRAME, Channels, Handler, serve
+from kvasird.inference.errors import Refused
 from kvasird.inference.experts import ExpertDispatcher, HotExperts
 from kvasird.inference.lane import LaneServer, tcp_ip
 from kvasird.inference.routing import Fitness, Latency, PeerHoldings
@@ -61,6 +65,8 @@ from kvasird.market.records import CoverageRecord, LoadReport
 from kvasird.market.service import MarketService
 from kvasird.model.manifest import Unit
 from kvasird.p2p import P2PNode
+from kvasird.settlement.admission import Admission, NotAdmitted
+from kvasird.settlement.wallet import WalletLink
 
 RETIRE_GRACE_S = 2.0
 """A replaced engine is freed this long after its last session ended."""
@@ -100,6 +106,7 @@ class InferenceService:
         self.generator = SwarmGenerator(p2p.peer_id, self._info, self._n_layer, self.holders,
                                         self.channels, self.stages.handle, self.latency,
                                         self.fitness, c, self.inbox)
+        self._extra: list[tuple[str, Handler]] = []
         self._nursery: trio.Nursery | None = None
         self._load_lock = trio.Lock()
         self._hot_backend: Backend | None = None
@@ -190,6 +197,30 @@ class InferenceService:
             out.append(PeerHoldings(self.p2p.peer_id, h.head, h.windows, h.experts))
         return out
 
+    def link_of(self, peer: str) -> WalletLink | None:
+        """The payout wallet a peer links in its coverage record (verified when parsed)."""
+        entry = self.market.map.entries.get(peer) if self.market.map is not None else None
+        return entry.record.link if entry is not None else None
+
+    def use_admission(self, admission: Admission) -> None:
+        """A paid network: sessions open here, and expert rows are computed, only for the
+        gateways ``admission`` accepts; its reason goes back as an "unpaid" refusal."""
+        async def admit(gateway: str) -> None:
+            try:
+                await admission.check(gateway)
+            except NotAdmitted as exc:
+                raise Refused("", "unpaid", str(exc)) from None
+
+        async def admit_session(gateway: str) -> None:
+            await admit(gateway)
+            admission.opened(gateway)
+
+        self.stages.admit, self.experts.admit = admit_session, admit
+
+    def also_serve(self, protocol: str, handle: Handler) -> None:
+        """Another request protocol on the same streams and lanes (call before ``run``)."""
+        self._extra.append((protocol, handle))
+
     # --- loading what the market enrolled us into ---------------------------------------
 
     async def load(self, units: list[Unit]) -> None:
@@ -233,7 +264,8 @@ class InferenceService:
                 await nursery.start(self.verdicts.run)
                 for protocol, handle, inline in (
                         (STAGE_PROTOCOL, self.stages.handle, self.stages.inline),
-                        (EXPERT_PROTOCOL, self.experts.handle, None)):
+                        (EXPERT_PROTOCOL, self.experts.handle, None),
+                        *((p, h, None) for p, h in self._extra)):
                     answer = functools.partial(serve, handle=handle, idle_s=idle, inline=inline)
                     host.set_stream_handler(protocol, functools.partial(
                         answer, lanes=self.lanes, protocol=protocol))
@@ -307,10 +339,26 @@ class InferenceService:
         return JSONResponse(self.status())
 
     async def _http_generate(self, request: Request) -> Response:
+        """Generations for the operator on this machine (``kvasird generate``), within the
+        gateway's caps. Nothing is paid for here: with payments on, callers on this machine
+        are served free only when [settlement] free_local, anyone else is sent to the
+        gateway's paid API."""
+        settlement, client = self.config.settlement, request.client.host if request.client else ""
+        pay = ("use the gateway's paid API: POST /v1/kvasir/quote on the gateway, pay the quote, "
+               "then send the request to the gateway with X-Kvasir-Payment: "
+               "<request_id>:<transaction signature>")
         try:
-            req = parse_request(await request.json())
-        except (ValueError, TypeError, KeyError) as exc:
-            return JSONResponse({"error": f"bad request: {exc}"}, status_code=400)
+            if settlement.enabled and not settlement.free_local:
+                raise PaymentRequired("this node takes KVR payments ([settlement] free_local = "
+                                      f"false) and the admin API takes none: {pay}")
+            if settlement.enabled and not is_loopback(client):
+                raise Forbidden("the admin API generates for callers on this machine only, not "
+                                f"for {client or 'an unknown client'}: {pay}")
+            req = parse_request(await read_json(request, self.config.gateway.max_body_bytes),
+                                self.config.gateway)
+        except ApiError as exc:
+            return JSONResponse({"error": str(exc), "kind": type(exc).__name__},
+                                status_code=exc.status)
         events = self.generator.generate(req)
         try:
             first = await events.__anext__()
@@ -332,21 +380,33 @@ class InferenceService:
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-def parse_request(body: Any) -> GenerationRequest:
-    """The admin API's generate body: token ids in (the CLI tokenizes)."""
-    if not isinstance(body, dict):
-        raise ValueError("expected a JSON object")
-    prompt = body["prompt"]
-    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-        raise ValueError("prompt must be a list of token ids")
-    sampling = Sampling(temperature=float(body.get("temperature", 0.0)),
-                        top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0)),
-                        repetition_penalty=float(body.get("repetition_penalty", 1.0)),
-                        seed=body.get("seed"), max_tokens=int(body.get("max_tokens", 32)),
-                        logprobs=int(body.get("logprobs", 0)))
-    return GenerationRequest(str(body.get("model", "")), tuple(prompt), sampling,
-                             frozenset(int(t) for t in body.get("stop", ())),
-                             str(body.get("request_id", "")))
+def parse_request(body: Fields, caps: GatewayConfig) -> GenerationRequest:
+    """The admin API's generate body: token ids in (the CLI tokenizes); no prompt longer and
+    no max_tokens larger than the gateway would take."""
+    prompt = _token_ids(body, "prompt", None)
+    if len(prompt) > caps.max_prompt_tokens:
+        raise BadRequest(f"the prompt is {len(prompt)} tokens, over this node's limit "
+                         f"([gateway] max_prompt_tokens): {caps.max_prompt_tokens}", "prompt")
+    max_tokens = body.integer("max_tokens", min(32, caps.max_tokens), 1)
+    if max_tokens > caps.max_tokens:
+        raise BadRequest(f"`max_tokens` = {max_tokens} exceeds this node's limit of "
+                         f"{caps.max_tokens} ([gateway] max_tokens)", "max_tokens")
+    sampling = Sampling(temperature=body.number("temperature", 0.0, 0),
+                        top_p=body.number("top_p", 1.0, 0, 1), top_k=body.integer("top_k", 0, 0),
+                        repetition_penalty=body.number("repetition_penalty", 1.0, 0.01),
+                        seed=body.integer("seed", None), max_tokens=max_tokens,
+                        logprobs=body.integer("logprobs", 0, 0, 20))
+    return GenerationRequest(body.string("model", ""), tuple(prompt), sampling,
+                             frozenset(_token_ids(body, "stop", [])),
+                             body.string("request_id", ""))
+
+
+def _token_ids(body: Fields, name: str, default: list[int] | None) -> list[int]:
+    """The array field ``name`` if it holds token ids only (``default`` None: required)."""
+    ids: list[int] = body.array(name) if default is None else body.array(name, default)
+    if not all(type(t) is int and t >= 0 for t in ids):
+        raise BadRequest(f"`{name}` must be an array of token ids (integers >= 0)", name)
+    return ids
 
 
 def _line(event: TokenEvent | Finished) -> bytes:

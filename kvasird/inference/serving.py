@@ -26,10 +26,16 @@ as kvasird.inference.tensors maps; a refusal is {"error": reason, "code": "busy"
             sampling: {temperature, top_k, top_p, repetition_penalty, seed}, draws}  -> {}
     step   {op, sid, start, x: i32 [T] | f32/f16 [T, n_embd], ids (head hop: the T tokens)}
              -> {x: [T, n_embd]}  or, at the head,  {token, logprob?, top?}
-    close  {op, sid}                                                                -> {}
+    close  {op, sid}                                  -> {experts?: {worker peer: units}}
     ping   {op, sid}                                       -> {at: positions computed}
-    experts {op, layer, first, rows: [m, n_embd], ids: i32 [m, n] counted from first}
-             -> {out: [m, n, n_embd]}
+    experts {op, layer, first, rows: [m, n_embd], ids: i32 [m, n] counted from first,
+             for: [gateway peer, ...]}                                 -> {out: [m, n, n_embd]}
+
+Accounting: the gateway measures each stage's work itself (positions x layers); what a
+stage cannot see is the expert rows it sent on, so closing a session answers with the
+units (rows x experts) each expert worker computed for it, and every expert request names
+the gateways whose sessions its rows belong to (``for``). Paid networks: a session opens,
+and a worker computes, only for gateways ``admit`` accepts ("unpaid" refusal otherwise).
 
 Forwarding (one-way messages, id 0): a step with ``back: {ticket}`` and ``next: [[peer,
 sid], ...]`` (the rest of the route) is answered by no one. The stage computes and sends
@@ -49,6 +55,7 @@ import contextvars
 import functools
 import os
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,10 +272,34 @@ class ServedSession:
     last_step: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """When the last step's compute began and ended (time.monotonic), and how long of it
     went to waiting for remote experts (s)."""
+    tally: Tally = field(default_factory=lambda: Tally(""))
+    """Whose session it is, and the expert work done for it on other peers."""
 
     def close(self) -> None:
         for s in self.sessions:
             s.close()
+
+
+@dataclass
+class Tally:
+    """Expert work done on other peers for one session, as the stage that sent it counts."""
+
+    owner: str
+    """The gateway whose session it is (named in every expert request made for it)."""
+    experts: Counter[str] = field(default_factory=Counter)
+    """Worker peer -> units (rows x experts) it computed for this session."""
+
+
+TALLY: contextvars.ContextVar[Tally | None] = contextvars.ContextVar("kvasird_tally",
+                                                                    default=None)
+"""The session a step computes for, read by the expert dispatcher (a step's expert calls
+run in its own context, on the loop or through a worker thread)."""
+Admit = Callable[[str], Awaitable[None]]
+"""(gateway peer) -> returns if this node works for that gateway now, else Refused."""
+
+
+async def _admit_all(gateway: str) -> None:
+    return None
 
 
 Send = Callable[[str, dict[str, Any]], Awaitable[None]]
@@ -286,8 +317,9 @@ class StageServer:
 
     def __init__(self, model_id: Callable[[], str], served: Callable[[], Served | None], *,
                  max_sessions: int, idle_s: float, wire_dtype: str, me: str = "",
-                 send: Send = _cannot_send, deliver: Deliver | None = None) -> None:
-        self.model_id, self.served = model_id, served
+                 send: Send = _cannot_send, deliver: Deliver | None = None,
+                 admit: Admit = _admit_all) -> None:
+        self.model_id, self.served, self.admit = model_id, served, admit
         self.max_sessions, self.idle_s, self.wire_dtype = max_sessions, idle_s, wire_dtype
         self.me, self.send, self.deliver = me, send, deliver
         self.sessions: dict[tuple[str, str], ServedSession] = {}
@@ -302,6 +334,7 @@ class StageServer:
     async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
         if op == "open":
+            await self.admit(caller)
             return self._open(caller, msg)
         if op == "result":
             if self.deliver is None:
@@ -313,8 +346,10 @@ class StageServer:
             return {}
         key = (caller, schema.text(msg, "sid", 64, "stage"))
         if op == "close":
+            s = self.sessions.get(key)
             self._end([key])
-            return {}
+            return {"experts": dict(s.tally.experts)} if s is not None and s.tally.experts \
+                else {}
         if op == "ping":
             return {"at": self._session(key).at}
         if op == "step":
@@ -418,7 +453,8 @@ class StageServer:
         self._end([(caller, sid)])
         self.sessions[(caller, sid)] = ServedSession(
             chain, [st.open_session() for st in chain], sampler,
-            schema.integer(msg, "logprobs", 0, MAX_TOP, "stage"), max_tokens, prev)
+            schema.integer(msg, "logprobs", 0, MAX_TOP, "stage"), max_tokens, prev,
+            tally=Tally(caller))
         return {}
 
     async def _step(self, s: ServedSession, msg: dict[str, Any]) -> dict[str, Any]:
@@ -519,8 +555,18 @@ async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
     short = len(x) <= INLINE_TOKENS
     if not any(st.dispatches for st in s.chain):
         return await run_short(s.chain, short, _run_chain_now, s, x, start)
-    if not short:
-        return await trio.to_thread.run_sync(_run_chain_now, s, x, start)
+    tally = TALLY.set(s.tally)
+    try:
+        if not short:  # the thread and its expert calls run in this context
+            return await trio.to_thread.run_sync(_run_chain_now, s, x, start)
+        return await _run_chain_steps(s, x, start, company)
+    finally:
+        TALLY.reset(tally)
+
+
+async def _run_chain_steps(s: ServedSession, x: np.ndarray, start: int,
+                           company: Company) -> np.ndarray:
+    """A short step as steps on the event loop (see _run_chain)."""
     delay = STAGE_POLL_S[0]
     while True:
         with locks_now(st.own_lock for st in s.chain) as held:
@@ -618,8 +664,9 @@ class ExpertServer:
     """
 
     def __init__(self, served: Callable[[], Served | None], *, window_s: float,
-                 wire_dtype: str) -> None:
+                 wire_dtype: str, admit: Admit = _admit_all) -> None:
         self.served, self.window_s, self.wire_dtype = served, window_s, wire_dtype
+        self.admit = admit
         self.perturb = os.environ.get(PERTURB_ENV) == "1"
         self._queues: dict[tuple[int, int], list[_Job]] = {}
         self._last: dict[tuple[int, int], int] = {}
@@ -634,6 +681,10 @@ class ExpertServer:
             raise WireError(f"experts: unknown op {msg.get('op')!r}")
         if served is None:
             raise Refused("", "bad", "this node holds no experts")
+        # the gateways the rows are computed for (a stage's own request names none)
+        for gateway in schema.text_list(msg, "for", 64, 128, "experts") if "for" in msg \
+                else (caller,):
+            await self.admit(gateway)
         layer = schema.integer(msg, "layer", 0, served.hp.n_layer - 1, "experts")
         worker = served.workers.get(layer)
         if worker is None:

@@ -29,6 +29,13 @@ What relaying gave for free is kept by other means:
 While the consumer handles a token (the HTTP stream), the next step already runs
 (`_Pending`): the consumer's time is off the token's critical path.
 
+Accounting (what settlement pays by): every step a route computes counts, for each hop,
+the positions it sent times the hop's layers (the head counting as one layer); the
+stages' close replies add the expert rows they had computed elsewhere for the session
+(capped by what their layers could have dispatched). Hops replaced by failover keep what
+they did; a failed step counts for no one. `work(request_id)` hands the totals to the
+gateway once the generation has ended.
+
 Failover: when a hop fails, times out or refuses, its peer is marked unfit for
 `unfit_s`, sessions on the old route are closed, a new route is planned, and the
 token history (prompt + tokens already emitted) is replayed there as a prefill. The
@@ -41,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,8 +63,10 @@ from kvasird.inference.api import (
     Finished,
     GenerationError,
     GenerationRequest,
+    HopWork,
     ModelInfo,
     NoRoute,
+    NotServed,
     TokenEvent,
     UnknownModel,
 )
@@ -85,6 +95,10 @@ PROBE_TIMEOUT_S = 1.0
 time, if longer: a hop computing a step in place answers once it is done)."""
 PREFILL_CHUNK = 256
 """Tokens per prefill message: bounds one frame (256 × n_embd × 4 B)."""
+MAX_EXPERTS_PER_ROW = 64
+"""Most experts one row selects in any layer: caps the expert units a stage may report."""
+KEEP_WORK = 1024
+"""Finished generations whose work is kept until the gateway asks for it."""
 BUSY_BACKOFF_S = 5.0
 """A peer that refused for lack of capacity is avoided this long."""
 REPLAN_EVERY_S = 0.25
@@ -154,12 +168,16 @@ class SwarmGenerator:
         self.active: dict[str, Progress] = {}
         self.traces = Traces()
         """Where the traced steps' time went (steptrace)."""
+        self._work: dict[str, tuple[HopWork, ...]] = {}
         self.nursery: trio.Nursery | None = None
         """Where steps run ahead of the consumer (set by the service once it runs)."""
 
     def models(self) -> list[ModelInfo]:
         info = self.info()
         return [info] if info is not None else []
+
+    def work(self, request_id: str) -> tuple[HopWork, ...]:
+        return self._work.pop(request_id, ())
 
     def resolve(self, name: str) -> ModelInfo:
         info = self.info()
@@ -252,6 +270,9 @@ class SwarmGenerator:
                         await pending.cancel()
                 with trio.move_on_after(2):
                     await run.close()
+                if len(self._work) >= KEEP_WORK:  # never asked for: drop the oldest
+                    del self._work[next(iter(self._work))]
+                self._work[rid] = run.work()
 
 
 class _Pending:
@@ -324,6 +345,36 @@ class _Run:
         """Steps sent on this route (every RELAY_EVERY-th decode step is relayed)."""
         self.answered = 0.0
         """When the last step's token arrived (time.monotonic; 0 before the first)."""
+        self.units: Counter[str] = Counter()
+        """Peer -> units of work done for this generation, every route's hops included."""
+        self.positions: Counter[int] = Counter()
+        """Hop index on the current route -> positions it computed (bounds its experts)."""
+
+    def work(self) -> tuple[HopWork, ...]:
+        """The units each peer did, with its time per token as this node measured it (the
+        hop's own relayed timing where there is one, else the whole step's)."""
+        p = self.progress
+        return tuple(HopWork(peer, units, p.hop_ms.get(peer, p.step_ms))
+                     for peer, units in self.units.items() if units > 0)
+
+    def _count(self, n: int) -> None:
+        """A step of n positions succeeded on the current route."""
+        assert self.route is not None
+        for i, hop in enumerate(self.route.hops):
+            self.units[hop.peer] += n * (hop.end - hop.first + hop.head)
+            self.positions[i] += n
+
+    def _count_experts(self, hop: Hop, i: int, reply: dict[str, Any]) -> None:
+        """The expert work hop i's session reports at close, within what it could have sent."""
+        reported = reply.get("experts")
+        if not isinstance(reported, dict):
+            return
+        room = self.positions[i] * (hop.end - hop.first) * MAX_EXPERTS_PER_ROW
+        for peer, units in reported.items():
+            if (isinstance(peer, str) and len(peer) <= 128 and isinstance(units, int)
+                    and 0 < units <= room and peer != hop.peer):
+                self.units[peer] += units
+                room -= units
 
     async def begin(self, history: list[int]) -> dict[str, Any]:
         """Open the first route and prefill the prompt (failing over like a step)."""
@@ -348,6 +399,7 @@ class _Run:
         self.sid = secrets.token_hex(8)
         self.progress.route = self.route.peers
         self.steps = 0
+        self.positions = Counter()
         for i, hop in enumerate(self.route.hops):
             await self._call(hop, {
                 "op": "open", "sid": f"{self.sid}.{i}", "model": self.model, "first": hop.first,
@@ -376,6 +428,8 @@ class _Run:
                         from exc
                 raise GenerationError(f"gave up after {self.gen.config.max_failovers} route "
                                       f"rebuilds; last failure: {exc}") from exc
+            if isinstance(exc, Refused) and exc.code == "unpaid":
+                raise NotServed(exc.detail) from exc  # every peer applies the same rule
             if exc.peer == self.gen.me:
                 pass  # never sentence ourselves: our own hop failing is not a peer to avoid
             elif isinstance(exc, Refused) and exc.code == "busy":
@@ -398,7 +452,17 @@ class _Run:
         x: dict[str, Any] = tensors.encode(np.asarray(history[start:end]), "i32")
         self.steps += 1
         if len(hops) > 1 and (end - start > 1 or self.steps % RELAY_EVERY != 1):
-            return await self._chain(x, history[start:end], start)
+            reply = await self._chain(x, history[start:end], start)
+        else:
+            reply = await self._relay(x, history, start, end)
+        self._count(end - start)
+        return reply
+
+    async def _relay(self, x: dict[str, Any], history: list[int], start: int,
+                     end: int) -> dict[str, Any]:
+        """One step relayed hop by hop through this node, each hop timed."""
+        assert self.route is not None
+        hops = self.route.hops
         reply: dict[str, Any] = {}
         for i, hop in enumerate(hops):
             msg: dict[str, Any] = {"op": "step", "sid": f"{self.sid}.{i}", "start": start, "x": x}
@@ -541,6 +605,7 @@ class _Run:
         for i, hop in enumerate(route.hops):
             try:
                 with trio.move_on_after(1):
-                    await self._call(hop, {"op": "close", "sid": f"{self.sid}.{i}"})
+                    self._count_experts(hop, i, await self._call(
+                        hop, {"op": "close", "sid": f"{self.sid}.{i}"}))
             except HopFailed:
                 pass

@@ -4,6 +4,8 @@
                   (the market decides who holds what); the shares are downloaded from node 0
     ask           a consumer wallet funded by the local faucet gets a quote, pays it on the
                   local chain, and asks the gateway through the official OpenAI client
+    earnings      what each node earned for it, once the gateway's receipts have arrived
+    claim_all     every node claims; the payouts land on the local chain
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from pathlib import Path
 
 import httpx
 import trio
+from solders.pubkey import Pubkey
 
-from kvasird.localnet.launcher import LocalNet, LocalNetError
+from kvasird.localnet.launcher import LocalNet, LocalNetError, LocalNode
 from kvasird.model.bundled import bundled_path
 from kvasird.model.manifest import Manifest
+from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
 from kvasird.settlement.token import KVR_DECIMALS
 
@@ -88,3 +92,80 @@ def ask(net: LocalNet, gateway: str, question: str, max_tokens: int = 24) -> Ans
         extra_headers={PAYMENT_HEADER: header})
     return Answer(reply.choices[0].message.content or "", int(quote["amount"]),
                   header.split(":", 1)[1], time.monotonic() - began, model)
+
+
+@dataclass(frozen=True)
+class Earned:
+    index: int
+    """The node."""
+    earned: int
+    """KVR base units its receipts say it earned (node 0, the gateway: its own share)."""
+    operator: int = 0
+    """The gateway's operator fee (node 0 only)."""
+    insurance: int = 0
+    """The gateway's insurance pool (node 0 only)."""
+
+
+def earnings(net: LocalNet, timeout: float = 30.0) -> list[Earned]:
+    """What each node earned from node 0's gateway, once every receipt has arrived."""
+    gateway = net.nodes[0]
+    ids = {n.peer_id: n for n in net.nodes}
+
+    def owed() -> dict[str, int]:
+        return {r["peer_id"]: r["earned"] for r in gateway.get("/v0/wallet")["owed_to_peers"]}
+
+    def delivered() -> bool:
+        return all(_held_from(ids[p], gateway) == amount
+                   for p, amount in owed().items() if p in ids and p != gateway.peer_id)
+
+    net.wait_until("every node holds its receipt from the gateway", delivered, timeout)
+    due, pools = owed(), gateway.get("/v0/wallet")["pools"]
+    return [Earned(n.index, due.get(n.peer_id, 0),
+                   *((pools["operator"], pools["insurance"]) if n is gateway else (0, 0)))
+            for n in net.nodes]
+
+
+def _held_from(node: LocalNode, gateway: LocalNode) -> int:
+    """What ``node``'s receipts from ``gateway`` add up to."""
+    return sum(g["earned"] for g in node.get("/v0/wallet")["gateways"]
+               if g["peer_id"] == gateway.peer_id)
+
+
+@dataclass(frozen=True)
+class Paid:
+    index: int
+    """The node."""
+    amount: int
+    """KVR base units its claim brought in (checked on chain by the node)."""
+    balance: int
+    """Its wallet's KVR balance on chain afterwards."""
+    signature: str
+    """The payout transaction ("" for the gateway, whose share stays in its vault)."""
+    note: str = ""
+    """Why there is no transaction."""
+
+
+def claim_all(net: LocalNet) -> list[Paid]:
+    """Every node claims from the gateways that owe it; their payouts and balances."""
+    if net.chain is None:
+        raise LocalNetError("claims are paid on the local chain: start the network with one")
+    out = []
+    for node in net.nodes:
+        answer = node.post("/v0/wallet/claim")
+        if "error" in answer:
+            raise LocalNetError(f"node{node.index} could not claim: {answer['error']}")
+        claims = answer["claims"]
+        failed = [c["error"] for c in claims if c["error"]]
+        if failed:
+            raise LocalNetError(f"node{node.index}'s claim failed: {failed[0]}")
+        balance = trio.run(_kvr_balance, net.chain.info["RPC URL"], node.wallet(),
+                           net.chain.info["KVR mint"])
+        out.append(Paid(node.index, sum(c["amount"] for c in claims), balance,
+                        ", ".join(c["signature"] for c in claims),
+                        "" if claims else "its own share stays in its vault"))
+    return out
+
+
+async def _kvr_balance(rpc: str, owner: Pubkey, mint: str) -> int:
+    async with ChainClient(rpc, "confirmed") as chain:
+        return await chain.token_balance(owner, Pubkey.from_string(mint))

@@ -17,14 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import trio
 from solders.keypair import Keypair
+from solders.pubkey import Pubkey
 
 from kvasird.cli.init import init_home
 from kvasird.config import render
 from kvasird.errors import KvasirError
 from kvasird.home import Home
 from kvasird.identity import load_node_key
-from kvasird.settlement.wallet import write_keypair
+from kvasird.settlement.chain import ChainClient
+from kvasird.settlement.pricing import GENESIS_STAKE_MIN
+from kvasird.settlement.wallet import read_keypair, write_keypair
 
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -57,6 +61,9 @@ class LocalNode:
     """Extra environment for the process (tests' fault-injection flags)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Config values for this node only, over the network's settings."""
+    stake: int | None = None
+    """KVR base units its wallet gets from the local faucet when settlement is on (None: the
+    network's stake minimum, so that it may run a gateway)."""
 
     def get(self, path: str, timeout: float = 5.0) -> Any:
         url = self.home.admin_address()
@@ -66,6 +73,16 @@ class LocalNode:
 
     def status(self) -> dict[str, Any]:
         return self.get("/v0/status")
+
+    def post(self, path: str, timeout: float = 120.0) -> Any:
+        url = self.home.admin_address()
+        if url is None:
+            raise LocalNetError(f"node {self.index} has no admin API address (see {self.log})")
+        return httpx.post(url + path, timeout=timeout).json()
+
+    def wallet(self) -> Pubkey:
+        """The node's wallet (its gateway vault and payout address)."""
+        return read_keypair(self.home.root / "wallet.json").pubkey()
 
     def peer_ids(self) -> set[str]:
         return {p["peer_id"] for p in self.get("/v0/peers")}
@@ -287,18 +304,38 @@ class LocalNet:
 
     def up(self) -> None:
         """Start every node at once, joined in a chain: node i bootstraps from node i-1."""
-        if self.chain is not None:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self.chain.start()
-            self.settings = {**self.settings, **self.chain.settings()}
+        self.start_chain()
         previous = ""
         for node in self.nodes:
             previous = self.configure(node, [previous] if previous else [])
+        self.fund_wallets()
         for node in self.nodes:
             node.spawn(self.outlive_parent)
         for node in self.nodes:
             node.wait_ready()
         self.write_state()
+
+    def start_chain(self) -> None:
+        """Start the local chain (if this network has one); the nodes' settings point at it."""
+        if self.chain is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.chain.start()
+            self.settings = {**self.settings, **self.chain.settings()}
+
+    def fund_wallets(self) -> None:
+        """Every configured node's wallet gets SOL for fees and its stake in KVR (faucet);
+        nodes with settlement off have none."""
+        if self.chain is not None:
+            trio.run(self._fund_wallets)
+
+    async def _fund_wallets(self) -> None:
+        assert self.chain is not None
+        async with ChainClient(self.chain.info["RPC URL"], "confirmed") as chain:
+            for node in self.nodes:
+                if not (node.home.root / "wallet.json").exists():
+                    continue  # settlement off on this node
+                stake = GENESIS_STAKE_MIN if node.stake is None else node.stake
+                await chain.faucet(node.wallet(), kvr=stake, lamports=10**9)
 
     def wait_until(self, what: str, predicate: Callable[[], bool], timeout: float) -> float:
         """Poll ``predicate`` until true; return seconds taken; fail naming ``what``."""
@@ -328,7 +365,8 @@ class LocalNet:
         return codes
 
     def write_state(self) -> None:
-        state = {"network": self.network, "nodes": [
+        chain = self.chain.proc.pid if self.chain is not None and self.chain.proc else None
+        state = {"network": self.network, "chain_pid": chain, "nodes": [
             {"index": n.index, "home": str(n.home.root), "pid": n.proc.pid if n.proc else None,
              "peer_id": n.peer_id, "log": str(n.log)} for n in self.nodes]}
         (self.root / "localnet.json").write_text(json.dumps(state, indent=2))

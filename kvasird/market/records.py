@@ -18,6 +18,8 @@ from typing import Any
 
 from kvasird.errors import WireError
 from kvasird.model.manifest import HEAD, Unit
+from kvasird.settlement.errors import WalletError
+from kvasird.settlement.wallet import WalletLink
 from kvasird.wire import schema
 
 SCHEMA_VERSION = 1
@@ -164,8 +166,10 @@ class CoverageRecord:
     """What it holds, as ranges with per-range state."""
     caps: Capabilities = field(default_factory=Capabilities)
     """Backend, precision, numerics verdict."""
-    wallet: str = ""
-    """Payout wallet (base58), "" if none linked."""
+    link: WalletLink | None = None
+    """The node's payout wallet, as the wallet's signed statement that it pays ``peer``
+    (verified on parse): what a serving peer checks a gateway's stake and receipts by.
+    None: the node takes no part in settlement."""
     has_all: bool = False
     """The node stores every byte of ``model`` and serves any shard of it."""
     reach: str = "unknown"
@@ -178,7 +182,9 @@ class CoverageRecord:
                 "ttl": self.ttl, "state": self.state, "protocol": self.protocol,
                 "version": self.version, "addrs": list(self.addrs), "model": self.model,
                 "budget": self.budget, "holdings": [h.to_wire() for h in self.holdings],
-                "caps": self.caps.to_wire(), "wallet": self.wallet, "reach": self.reach}
+                "caps": self.caps.to_wire(), "reach": self.reach,
+                "wallet": str(self.link.wallet) if self.link else "",  # read by older peers
+                **({"link": self.link.to_wire()} if self.link is not None else {})}
 
     @staticmethod
     def from_wire(value: Any) -> CoverageRecord:
@@ -208,13 +214,28 @@ class CoverageRecord:
             budget=schema.integer(d, "budget", 0, 2**50, "coverage"),
             holdings=holdings,
             caps=Capabilities.from_wire(d.get("caps")),
-            wallet=schema.text(d, "wallet", 64, "coverage"),
+            link=_link(d),
             has_all=_flag(d, "all"),
             reach=_reach(d),
         )
 
     def units(self) -> dict[Unit, str]:
         return {u: h.state for h in self.holdings for u in h.units()}
+
+
+def _link(d: dict[str, Any]) -> WalletLink | None:
+    """The record's wallet link, signature checked; it must name the record's own peer."""
+    if "link" not in d:
+        return None
+    raw = schema.mapping(d["link"], "coverage.link")
+    try:
+        link = WalletLink.from_wire({k: schema.text(raw, k, 128, "coverage.link")
+                                     for k in ("peer_id", "network", "wallet", "signature")})
+    except WalletError as exc:
+        raise WireError(f"coverage.link: {exc}") from None
+    if link.peer_id != d.get("peer"):
+        raise WireError("coverage.link: the wallet link is for another peer")
+    return link
 
 
 def _reach(d: dict[str, Any]) -> str:

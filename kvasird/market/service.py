@@ -35,6 +35,7 @@ from kvasird.market.records import (
 )
 from kvasird.model.manifest import Unit
 from kvasird.p2p import P2PNode
+from kvasird.settlement.wallet import WalletLink
 
 if TYPE_CHECKING:
     from kvasird.daemon.shards import ShardService
@@ -72,6 +73,9 @@ class MarketService:
         self.gate = RecordGate()
         self.held: dict[Unit, str] = {}
         self.state = "joining"
+        self.link: WalletLink | None = None
+        """This node's payout wallet link, published in its record (set by the daemon once
+        settlement runs)."""
         self.pinned = {u for pin in config.hold for u in parse_hold(pin)}
         self.rng = np.random.default_rng(seed)
         self._seq = 0
@@ -135,7 +139,7 @@ class MarketService:
             protocol=PROTOCOL_VERSION, version=__version__, addrs=tuple(self.p2p.addrs()[:16]),
             model=self.model.model_id if self.model and (self.held or has_all) else "",
             budget=self.budget, holdings=compress(self.held), caps=self.caps, has_all=has_all,
-            reach=self.p2p.reachability.current.verdict)
+            reach=self.p2p.reachability.current.verdict, link=self.link)
 
     async def publish(self) -> None:
         data = pack(self.record().to_wire())

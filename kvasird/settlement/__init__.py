@@ -16,7 +16,9 @@ balance has exactly one writer.
     pricing.py      NetworkParams and the utilization-driven PriceController
     governance.py   network parameters change only by genesis-signed, versioned messages
     rewards.py      gateway-measured work → tiers → revenue split → earnings and receipts
-    receipts.py     signed cumulative receipts; the peer's ReceiptBook and exposure limit
+    receipts.py     signed cumulative receipts; the peer's ReceiptBook (which gateway owes what)
+    admission.py    no work without pay: a peer serves a gateway only while it is staked and pays
+    exchange.py     "/kvasir/settle/1" between peers: receipts delivered, claims paid and verified
     claims.py       payouts (claims, refunds): pending record → send → confirm → debit; reconcile
     admin.py        operator sign-in: SIWS wallet signature + TOTP with replay protection
     service.py      run_settlement(): assembles all of it for the daemon
@@ -25,7 +27,13 @@ Data flow (gateway):
 
     consumer ──quote──▶ Payments.quote ──(request id private, memo public)──▶ consumer pays vault
     consumer ──signature──▶ Payments.settle_quote ──ChainClient.transaction──▶ verify ──▶ ledger
-    inference done ──MeasuredWork (gateway's own counts)──▶ Rewards.settle ──▶ earnings, receipts
-    inference failed ──▶ Rewards.fail ──▶ Payouts.refund (insurance pool → payer, on chain)
-    peer ──claim──▶ Payouts.claim ──lock──▶ pending payout ──send/confirm──▶ debit
+    inference done ──MeasuredWork (every hop the route used, as the gateway counted it)
+        ──▶ Rewards.settle ──▶ earnings, receipts ──Exchange.deliver──▶ each peer's ReceiptBook
+    inference failed ──▶ Rewards.settle(served part) ──▶ Payouts.refund (insurance → payer, on chain)
+    peer ──claim (Exchange)──▶ Payouts.claim ──lock──▶ pending payout ──send/confirm──▶ debit
+        ──▶ the peer checks the payout on chain (ReceiptBook.verify_payout)
+
+Data flow (serving peer): a session opens (stage) or rows arrive (expert worker) only if
+Admission admits the gateway: its record links a wallet holding the stake minimum (read on
+chain), its unpaid receipts stay under max_unpaid, and it keeps sending receipts.
 """

@@ -17,6 +17,7 @@ blockhash expired without landing can never land, so it fails safely.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,15 +69,16 @@ class Payouts:
         self._locks = locks
         self._timeout = confirm_timeout_s
 
-    def claimable(self, peer_id: str) -> int:
+    def claimable(self, peer_id: str, db: sqlite3.Connection | None = None) -> int:
         """Earned − paid − reserved by pending payouts."""
-        return self._ledger.value(
+        row = (db or self._ledger.db).execute(
             "SELECT COALESCE((SELECT earned - paid FROM settlement_earnings WHERE peer_id = ?1), 0)"
             " - COALESCE((SELECT SUM(amount) FROM settlement_payouts"
             " WHERE kind = 'claim' AND key = ?1 "
             "AND state = 'pending'), 0)",
-            peer_id,
-        )
+            (peer_id,),
+        ).fetchone()
+        return int(row[0] or 0)
 
     async def claim(self, peer_id: str, wallet: Pubkey) -> Payout:
         """Pay ``peer_id`` all it can claim, to ``wallet`` (from its verified wallet link)."""
@@ -84,15 +86,17 @@ class Payouts:
             amount = self.claimable(peer_id)
             if amount <= 0:
                 raise ClaimError(f"nothing to claim for {peer_id}: no unpaid earnings")
-            payout = await self.prepare("claim", peer_id, wallet, amount)
+            payout = await self.prepare("claim", peer_id, wallet, amount,
+                                        lambda db: self.claimable(peer_id, db))
             return await self.submit(payout)
 
     async def refund(self, request_id: str) -> Payout:
-        """Refund a failed request (see ``Rewards.fail``) from the insurance pool to its payer."""
+        """Refund the unserved part of a failed request (``Rewards.settle`` with ``served``)
+        from the insurance pool to its payer."""
         async with self._locks.hold("pool:insurance"):
             row = self._ledger.one(
-                "SELECT amount, payer FROM settlement_quotes WHERE request_id = ? "
-                "AND state = 'failed'",
+                "SELECT r.amount, q.payer FROM settlement_quotes q JOIN settlement_refunds r "
+                "ON r.request_id = q.request_id WHERE q.request_id = ? AND q.state = 'failed'",
                 request_id,
             )
             if row is None or not row[1]:
@@ -103,19 +107,17 @@ class Payouts:
                 request_id,
             ):
                 raise ClaimError("request was already refunded")
-            available = self._ledger.value(
-                "SELECT COALESCE((SELECT balance FROM settlement_pools"
-                " WHERE name = 'insurance'), 0) - "
-                "COALESCE((SELECT SUM(amount) FROM settlement_payouts WHERE kind = 'refund' "
-                "AND state = 'pending'), 0)"
-            )
-            if available < row[0]:
-                raise ClaimError(f"insurance pool holds {available}, refund needs {row[0]}")
-            payout = await self.prepare("refund", request_id, Pubkey.from_string(row[1]), row[0])
+            payout = await self.prepare("refund", request_id, Pubkey.from_string(row[1]), row[0],
+                                        _insurance_available)
             return await self.submit(payout)
 
-    async def prepare(self, kind: str, key: str, recipient: Pubkey, amount: int) -> Payout:
-        """Sign the transfer and record it as pending; nothing is sent yet. Call under the lock."""
+    async def prepare(self, kind: str, key: str, recipient: Pubkey, amount: int,
+                      available: Callable[[sqlite3.Connection], int]) -> Payout:
+        """Sign the transfer and record it as pending; nothing is sent yet. Call under the lock.
+
+        What the balance holds is read again in the transaction that reserves the amount
+        (``available``), so a second process on the same ledger cannot pay it twice.
+        """
         tx = await self._chain.sign(
             [self._vault],
             transfer_instructions(
@@ -128,6 +130,9 @@ class Payouts:
         )
         payout = Payout(str(tx.signatures[0]), kind, key, str(recipient), amount, "pending")
         with self._ledger.transaction() as db:
+            if (left := available(db)) < amount:
+                raise ClaimError(f"the balance holds {left}, the payout needs {amount}: "
+                                 "another payout took it first; nothing was sent")
             db.execute(
                 "INSERT INTO settlement_payouts VALUES (?, ?, ?, ?, ?, ?, 'pending')",
                 (payout.signature, kind, key, payout.recipient, amount, bytes(tx)),
@@ -245,6 +250,15 @@ def parse_claim(wire: dict[str, Any], peer_id: str, network: str) -> Pubkey:
             f"wallet link is for {link.peer_id} on {link.network}, not {peer_id} on {network}"
         )
     return link.wallet
+
+
+def _insurance_available(db: sqlite3.Connection) -> int:
+    """The insurance pool less what pending refunds already reserve."""
+    row = db.execute(
+        "SELECT COALESCE((SELECT balance FROM settlement_pools WHERE name = 'insurance'), 0) - "
+        "COALESCE((SELECT SUM(amount) FROM settlement_payouts WHERE kind = 'refund' "
+        "AND state = 'pending'), 0)").fetchone()
+    return int(row[0] or 0)
 
 
 def _lock_key(payout: Payout) -> str:

@@ -65,8 +65,14 @@ class SettlementConfig:
     """Interval between signature-status polls."""
     quote_ttl_s: float = 300.0
     """How long a quote can be paid."""
-    exposure_limit: int = 50_000_000
-    """Base units of unpaid receipts after which a peer stops serving a gateway."""
+    max_unpaid: int = 10_000_000
+    """Base units of a gateway's unpaid receipts after which this node stops serving it."""
+    max_unreceipted: int = 16
+    """Sessions a gateway may open here without a receipt before it is refused."""
+    claim_threshold: int = 1_000_000
+    """Claim from a gateway by itself once it owes this much (0: only when asked)."""
+    stake_cache_s: float = 30.0
+    """How long a gateway's stake, read from the chain, is trusted."""
     free_local: bool = True
     """Requests from this node's own local API are served without payment."""
     tiers: TierThresholds = TierThresholds()

@@ -7,10 +7,12 @@ KvasirError
     ├── PaymentRejected          the chain does not prove what a payment claims (never credited)
     │   └── SignatureAlreadyUsed the transaction signature was consumed by an earlier credit
     ├── QuoteError               the quote is unknown, expired, or already settled differently
+    │   └── QuotesTooFrequent    one client asked for quotes faster than the rate limit allows
     ├── ClaimError               nothing to claim, or a payout failed (the balance stays intact)
     ├── ReceiptRejected          a receipt is not signed by the gateway it names, or goes backwards
     ├── GovernanceRejected       governance message not signed by the genesis wallet, or stale
     └── AdminAuthError           wallet sign-in or TOTP failed
+        └── TotpAlreadyEnrolled  a TOTP secret exists; enrolling again would hand out a new one
 """
 
 from __future__ import annotations
@@ -46,6 +48,17 @@ class QuoteError(SettlementError):
     """The quote cannot be paid: unknown request id, expired, or settled by another signature."""
 
 
+class QuotesTooFrequent(QuoteError):
+    """A client used up its quote allowance; it gets a new quote after ``wait_s`` seconds."""
+
+    def __init__(self, client: str, wait_s: int) -> None:
+        super().__init__(f"too many quotes from {client}: wait {wait_s} s")
+        self.client = client
+        """The address that asked too often."""
+        self.wait_s = wait_s
+        """Whole seconds until the next quote is allowed."""
+
+
 class ClaimError(SettlementError):
     """A claim cannot be paid; no money moved and the balance is unchanged."""
 
@@ -60,3 +73,7 @@ class GovernanceRejected(SettlementError):
 
 class AdminAuthError(SettlementError):
     """Admin sign-in failed; sign a fresh nonce with the operator wallet and use a new TOTP code."""
+
+
+class TotpAlreadyEnrolled(AdminAuthError):
+    """TOTP is enrolled already; a second secret is never issued (whoever asked may not be you)."""

@@ -72,6 +72,19 @@ def sign_governance(genesis: Keypair, network: str, params: NetworkParams) -> Go
     )
 
 
+def verify_governance(message: GovernanceMessage, genesis_wallet: Pubkey, network: str) -> None:
+    """Raise GovernanceRejected unless ``message`` is for ``network`` and signed by the genesis
+    wallet. Needs no ledger, so a node without settlement can judge a message too."""
+    if message.network != network:
+        raise GovernanceRejected(
+            f"governance message is for network {message.network!r}, this node is on {network!r}"
+        )
+    if not message.signature.verify(genesis_wallet, message.body()):
+        raise GovernanceRejected(
+            f"governance message is not signed by the genesis wallet {genesis_wallet}: ignored"
+        )
+
+
 class Governance:
     """The current network parameters of one network, as proven by signed messages."""
 
@@ -81,26 +94,23 @@ class Governance:
         self._network = network
 
     def params(self) -> NetworkParams:
+        in_force = self.in_force()
+        return GENESIS_PARAMS if in_force is None else in_force.params
+
+    def in_force(self) -> GovernanceMessage | None:
+        """The applied message with the highest version (None while the genesis parameters hold)."""
         row = self._ledger.one(
             "SELECT message FROM settlement_governance ORDER BY version DESC LIMIT 1"
         )
-        return (
-            GENESIS_PARAMS
-            if row is None
-            else GovernanceMessage.from_wire(json.loads(row[0])).params
-        )
+        return None if row is None else GovernanceMessage.from_wire(json.loads(row[0]))
+
+    def verify(self, message: GovernanceMessage) -> None:
+        """Check network and signature only: nothing is applied or stored."""
+        verify_governance(message, self._genesis, self._network)
 
     def apply(self, message: GovernanceMessage) -> NetworkParams:
         """Verify and store ``message``; returns the parameters now in force."""
-        if message.network != self._network:
-            raise GovernanceRejected(
-                f"governance message is for network {message.network!r}, "
-                f"this node is on {self._network!r}"
-            )
-        if not message.signature.verify(self._genesis, message.body()):
-            raise GovernanceRejected(
-                f"governance message is not signed by the genesis wallet {self._genesis}: ignored"
-            )
+        self.verify(message)
         with self._ledger.transaction() as db:
             current = self.params().version
             if message.params.version <= current:

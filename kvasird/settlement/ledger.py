@@ -10,8 +10,10 @@ Tables (all amounts integers in KVR base units):
     receipts         cumulative units/amount per (peer, epoch) the gateway signed
     payouts          on-chain payouts keyed by their transaction signature: pending → done | failed
     governance       applied network-parameter messages, by version
-    admin_*          sign-in nonces, TOTP last step, session hashes
+    admin_*          sign-in nonces, TOTP last step, session hashes, failed sign-in times
     peer_receipts    (peer side) the latest receipt from each gateway, and payouts verified on chain
+    peer_gateways    (peer side) the peer id each paying gateway wallet speaks from (where claims go)
+    refunds          the unserved part of each failed paid request, owed back from insurance
 
 The database is the daemon's state.db; tables are created if missing.
 """
@@ -29,6 +31,7 @@ CREATE TABLE IF NOT EXISTS settlement_quotes (
     request_id TEXT PRIMARY KEY, memo TEXT NOT NULL UNIQUE, amount INTEGER NOT NULL,
     max_tokens INTEGER NOT NULL, price INTEGER NOT NULL, expires_at REAL NOT NULL,
     signature TEXT UNIQUE, payer TEXT, state TEXT NOT NULL DEFAULT 'open');
+CREATE INDEX IF NOT EXISTS settlement_quotes_expiry ON settlement_quotes (state, expires_at);
 CREATE TABLE IF NOT EXISTS settlement_used_signatures (
     signature TEXT PRIMARY KEY, purpose TEXT NOT NULL, key TEXT NOT NULL, amount INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS settlement_deposits (owner TEXT PRIMARY KEY, balance INTEGER NOT NULL);
@@ -53,11 +56,16 @@ CREATE TABLE IF NOT EXISTS settlement_admin_totp (
     id INTEGER PRIMARY KEY CHECK (id = 1), secret TEXT NOT NULL, last_step INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS settlement_admin_sessions (
     token_hash TEXT PRIMARY KEY, expires_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS settlement_admin_failures (at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS settlement_peer_receipts (
     gateway TEXT NOT NULL, epoch INTEGER NOT NULL, amount INTEGER NOT NULL, seq INTEGER NOT NULL,
     body TEXT NOT NULL, PRIMARY KEY (gateway, epoch));
 CREATE TABLE IF NOT EXISTS settlement_peer_payouts (
     signature TEXT PRIMARY KEY, gateway TEXT NOT NULL, amount INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS settlement_peer_gateways (
+    gateway TEXT PRIMARY KEY, peer_id TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS settlement_refunds (
+    request_id TEXT PRIMARY KEY, amount INTEGER NOT NULL);
 """
 
 

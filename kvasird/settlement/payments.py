@@ -6,14 +6,21 @@ hash of the id) to put in the transfer's memo. Settling a quote checks the chain
 the quote paid; the UNIQUE key on used signatures, not a prior lookup, is what makes a
 signature pay once. Settling an already-paid quote again returns the same proof.
 Deposits credit a wallet's prepaid balance and additionally require sender binding.
+
+Anyone may ask for a quote, so quotes are bounded twice: each network client has a
+token bucket (``QuoteLimiter``), and every new quote deletes a batch of open quotes
+that expired more than ``QUOTE_GRACE_S`` ago. Only open (never paid) quotes are
+deleted; a paid, settled, failed or refunded quote is a money record and stays.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 import sqlite3
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +29,27 @@ from solders.pubkey import Pubkey
 from solders.signature import Signature
 
 from kvasird.settlement.chain import ChainClient
-from kvasird.settlement.errors import PaymentRejected, QuoteError, SignatureAlreadyUsed
+from kvasird.settlement.errors import (
+    PaymentRejected,
+    QuoteError,
+    QuotesTooFrequent,
+    SignatureAlreadyUsed,
+)
 from kvasird.settlement.ledger import Ledger
 from kvasird.settlement.locks import KeyedLocks
 from kvasird.settlement.pricing import PriceController
 from kvasird.settlement.verify import check_payment, debited_owners
+
+QUOTE_BURST = 10
+"""Quotes one client may ask for at once: a consumer quoting a few requests ahead is fine."""
+QUOTE_REFILL_PER_S = 1.0
+"""Quotes per second a client earns back; sustained, one quote a second per address."""
+MAX_TRACKED_CLIENTS = 10_000
+"""Buckets kept in memory; the least recently seen client is forgotten (it starts full again)."""
+QUOTE_GRACE_S = 600.0
+"""How long an expired open quote is kept, so paying it late says "expired", not "unknown"."""
+QUOTE_SWEEP_BATCH = 100
+"""Expired open quotes deleted per new quote: bounded work, yet faster than one per quote."""
 
 
 def payment_reference(request_id: str) -> str:
@@ -82,6 +105,41 @@ class PaymentProof:
     """Wallet whose tokens moved (refunds go back to it)."""
 
 
+class QuoteLimiter:
+    """A token bucket per client address, in memory (a restart forgives everyone; that is fine)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        *,
+        burst: int = QUOTE_BURST,
+        refill_per_s: float = QUOTE_REFILL_PER_S,
+        max_clients: int = MAX_TRACKED_CLIENTS,
+    ) -> None:
+        self._clock = clock
+        self._burst = float(burst)
+        self._refill = refill_per_s
+        self._max_clients = max_clients
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        """client -> (tokens left, when counted), least recently seen first."""
+
+    @property
+    def tracked(self) -> int:
+        return len(self._buckets)
+
+    def take(self, client: str) -> None:
+        """Spend one quote of ``client``'s allowance, or raise QuotesTooFrequent."""
+        now = self._clock()
+        tokens, at = self._buckets.pop(client, (self._burst, now))
+        tokens = min(self._burst, tokens + max(0.0, now - at) * self._refill)
+        if tokens < 1.0:
+            self._buckets[client] = (tokens, now)
+            raise QuotesTooFrequent(client, math.ceil((1.0 - tokens) / self._refill))
+        self._buckets[client] = (tokens - 1.0, now)
+        while len(self._buckets) > self._max_clients:
+            self._buckets.popitem(last=False)
+
+
 class Payments:
     def __init__(
         self,
@@ -103,10 +161,16 @@ class Payments:
         self._locks = locks
         self._ttl = quote_ttl_s
         self._clock = clock
+        self._limiter = QuoteLimiter(clock)
 
-    def quote(self, max_tokens: int) -> Quote:
+    def quote(self, max_tokens: int, client: str = "") -> Quote:
+        """A new quote for ``client`` (its network address; "" for in-process callers,
+        which are not rate-limited). Also deletes a batch of long-expired open quotes."""
         if not 0 < max_tokens <= 1_000_000:
             raise QuoteError(f"max_tokens {max_tokens} out of range: ask for 1..1000000 tokens")
+        if client:
+            self._limiter.take(client)
+        now = self._clock()
         request_id = secrets.token_urlsafe(24)
         quote = Quote(
             request_id,
@@ -116,9 +180,14 @@ class Payments:
             self._prices.price,
             self.vault,
             self.mint,
-            self._clock() + self._ttl,
+            now + self._ttl,
         )
         with self._ledger.transaction() as db:
+            db.execute(
+                "DELETE FROM settlement_quotes WHERE rowid IN (SELECT rowid FROM "
+                "settlement_quotes WHERE state = 'open' AND expires_at < ? LIMIT ?)",
+                (now - QUOTE_GRACE_S, QUOTE_SWEEP_BATCH),
+            )
             db.execute(
                 "INSERT INTO settlement_quotes (request_id, memo, amount, max_tokens, price, "
                 "expires_at) VALUES (?, ?, ?, ?, ?, ?)",
@@ -152,7 +221,7 @@ class Payments:
             memo, amount, expires_at, state, paid_sig, payer = row
             if state != "open":
                 return PaymentProof(request_id, paid_sig or "", amount, payer or "")
-            if self._clock() > expires_at + self._ttl:
+            if self._clock() > expires_at:
                 raise QuoteError(f"quote {memo} expired: ask for a new quote")
             tx = await self._chain.transaction(signature)
             check_payment(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvasird.settlement.errors import GovernanceRejected
+from kvasird.settlement.token import KVR_DECIMALS
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,24 @@ class NetworkParams:
     """Log-price change per unit of utilization error per observation."""
     smoothing: float
     """EMA weight of each new utilization observation (0 < smoothing <= 1)."""
+    stake_min: int = 0
+    """KVR base units a gateway operator's wallet must hold for the network's peers to
+    serve its sessions (checked on chain by each peer; held, not locked by a program)."""
+
+    @property
+    def free(self) -> bool:
+        """A network whose governance set the price to zero: peers serve everyone."""
+        return self.ceiling == 0
 
     def __post_init__(self) -> None:
         problems = [
             text
             for bad, text in (
                 (self.version < 0, "version must be >= 0"),
-                (not 0 < self.floor <= self.ceiling, "need 0 < floor <= ceiling"),
+                (not 0 <= self.floor <= self.ceiling, "need 0 <= floor <= ceiling"),
+                (self.floor == 0 < self.ceiling, "a floor of 0 is only for a free network "
+                 "(ceiling 0 too)"),
+                (self.stake_min < 0, "stake_min must be >= 0"),
                 (not 0 < self.target_utilization < 1, "target_utilization must be in (0, 1)"),
                 (not 0 < self.gain <= 5, "gain must be in (0, 5]"),
                 (not 0 < self.smoothing <= 1, "smoothing must be in (0, 1]"),
@@ -57,6 +69,7 @@ class NetworkParams:
             "target_utilization": float(self.target_utilization),
             "gain": float(self.gain),
             "smoothing": float(self.smoothing),
+            "stake_min": int(self.stake_min),
         }
 
     @classmethod
@@ -69,13 +82,17 @@ class NetworkParams:
                 float(data["target_utilization"]),
                 float(data["gain"]),
                 float(data["smoothing"]),
+                int(data.get("stake_min", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise GovernanceRejected(f"malformed network parameters: {exc}") from None
 
 
+GENESIS_STAKE_MIN = 100_000 * 10**KVR_DECIMALS
+"""100,000 KVR: what a wallet must hold to operate a gateway (the seeds' rule)."""
 GENESIS_PARAMS = NetworkParams(
-    version=0, floor=200, ceiling=20_000, target_utilization=0.7, gain=0.5, smoothing=0.3
+    version=0, floor=200, ceiling=20_000, target_utilization=0.7, gain=0.5, smoothing=0.3,
+    stake_min=GENESIS_STAKE_MIN,
 )
 """The parameters every network starts with until its genesis wallet signs others."""
 

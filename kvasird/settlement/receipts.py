@@ -151,8 +151,29 @@ class ReceiptBook:
         paid = self._ledger.value(f"SELECT SUM(amount) FROM settlement_peer_payouts {where}", *args)
         return max(owed - paid, 0)
 
-    def should_serve(self, gateway: Pubkey, exposure_limit: int) -> bool:
-        return self.unpaid(gateway) <= exposure_limit
+    def remember_gateway(self, gateway: Pubkey, peer_id: str) -> None:
+        """The peer id the gateway wallet's receipts come from: where claims go."""
+        with self._ledger.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO settlement_peer_gateways VALUES (?, ?)",
+                       (str(gateway), peer_id))
+
+    def gateways(self) -> list[tuple[Pubkey, str, int]]:
+        """(gateway wallet, its peer id, unpaid) for every gateway this node holds receipts of."""
+        rows = self._ledger.db.execute(
+            "SELECT DISTINCT r.gateway, g.peer_id FROM settlement_peer_receipts r "
+            "JOIN settlement_peer_gateways g ON g.gateway = r.gateway ORDER BY r.gateway"
+        ).fetchall()
+        return [(Pubkey.from_string(w), p, self.unpaid(Pubkey.from_string(w))) for w, p in rows]
+
+    def received(self, gateway: Pubkey) -> int:
+        """Every payout from ``gateway`` the chain has shown this node."""
+        return self._ledger.value(
+            "SELECT SUM(amount) FROM settlement_peer_payouts WHERE gateway = ?", str(gateway))
+
+    def earned(self, gateway: Pubkey) -> int:
+        """What ``gateway``'s latest receipts say it owes this node in all, paid or not."""
+        return self._ledger.value(
+            "SELECT SUM(amount) FROM settlement_peer_receipts WHERE gateway = ?", str(gateway))
 
     async def verify_payout(
         self,

@@ -100,8 +100,14 @@ class Rewards:
         self._split = split
         self._tiers = tiers
 
-    def settle(self, request_id: str, work: Sequence[MeasuredWork], epoch: int) -> SplitResult:
-        """Divide a paid request's amount; each request is settled (or failed) once."""
+    def settle(self, request_id: str, work: Sequence[MeasuredWork], epoch: int,
+               served: int | None = None) -> SplitResult:
+        """Divide a paid request's amount; each request is settled (or failed) once.
+
+        ``served``: of a request cut short by a failure, the part of the amount that was
+        served (split by the work as usual); the rest moves to the insurance pool and is
+        owed back to the payer (``Payouts.refund``), and the request counts as failed.
+        """
         with self._ledger.transaction() as db:
             row = db.execute(
                 "SELECT amount FROM settlement_quotes WHERE request_id = ? AND state = 'paid'",
@@ -109,10 +115,16 @@ class Rewards:
             ).fetchone()
             if row is None:
                 raise QuoteError("request is not paid, or was already settled or refunded")
-            result = split_revenue(row[0], work, self._split, self._tiers)
+            amount = row[0] if served is None else min(max(served, 0), row[0])
+            result = split_revenue(amount, work, self._split, self._tiers)
             db.execute(
-                "UPDATE settlement_quotes SET state = 'settled' WHERE request_id = ?", (request_id,)
+                "UPDATE settlement_quotes SET state = ? WHERE request_id = ?",
+                ("settled" if amount == row[0] else "failed", request_id),
             )
+            if amount < row[0]:
+                db.execute("INSERT INTO settlement_refunds VALUES (?, ?)",
+                           (request_id, row[0] - amount))
+                _add_to_pool(db, "insurance", row[0] - amount)
             for w in work:
                 tier = tier_for(w.ms_per_token, self._tiers)
                 db.execute(
@@ -141,21 +153,10 @@ class Rewards:
                 _add_to_pool(db, pool, amount)
         return result
 
-    def fail(self, request_id: str) -> int:
-        """A paid request that could not be served: its amount moves to the insurance pool,
-        from which ``Payouts.refund`` pays the consumer back."""
-        with self._ledger.transaction() as db:
-            row = db.execute(
-                "SELECT amount FROM settlement_quotes WHERE request_id = ? AND state = 'paid'",
-                (request_id,),
-            ).fetchone()
-            if row is None:
-                raise QuoteError("request is not paid, or was already settled or refunded")
-            db.execute(
-                "UPDATE settlement_quotes SET state = 'failed' WHERE request_id = ?", (request_id,)
-            )
-            _add_to_pool(db, "insurance", row[0])
-        return int(row[0])
+    def fail(self, request_id: str) -> None:
+        """A paid request that could not be served at all: its whole amount moves to the
+        insurance pool, from which ``Payouts.refund`` pays the consumer back."""
+        self.settle(request_id, (), 0, served=0)
 
     def receipt(self, peer_id: str, epoch: int) -> Receipt:
         row = self._ledger.one(

@@ -22,7 +22,7 @@ from kvasird.settlement.payments import Payments
 from kvasird.settlement.pricing import NetworkParams, PriceController
 from kvasird.settlement.receipts import ReceiptBook
 from kvasird.settlement.rewards import Rewards
-from kvasird.settlement.wallet import Wallet, parse_address
+from kvasird.settlement.wallet import Wallet, WalletLink, parse_address, sign_link
 
 _LOCAL_FEE_LAMPORTS = 10**9
 
@@ -59,6 +59,9 @@ class Settlement:
     """The embedded local chain, when one was started."""
     network: str
     """Network name (receipts, links and governance are bound to it)."""
+    link: WalletLink | None
+    """This node's payout wallet linked to its peer id (None without a keypair: the node
+    can neither run a paid gateway nor claim)."""
 
     def gateway(self) -> tuple[Rewards, Payouts]:
         if self.rewards is None or self.payouts is None:
@@ -78,6 +81,10 @@ class Settlement:
         rewards, payouts = self.gateway()
         rewards.fail(request_id)
         return await payouts.refund(request_id)
+
+    async def stake(self, wallet: Pubkey) -> int:
+        """The KVR ``wallet`` holds on chain (what a gateway's stake is checked by)."""
+        return await self.chain.token_balance(wallet, self.mint)
 
     def apply_governance(self, wire: dict[str, Any]) -> NetworkParams:
         """A governance message from gossip: verify, store, and retune the price controller."""
@@ -185,4 +192,5 @@ async def _assemble(
         AdminAuth(ledger, wallet.address, "kvasird"),
         local,
         network,
+        sign_link(wallet.keypair, peer_id, network) if wallet.keypair is not None else None,
     )

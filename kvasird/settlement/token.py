@@ -24,6 +24,13 @@ KVR_DECIMALS = 6
 """Decimals of the KVR mint."""
 
 
+def format_kvr(base_units: int) -> str:
+    """Base units as KVR with every decimal ("1.500000"), for people to read."""
+    sign, n = ("-", -base_units) if base_units < 0 else ("", base_units)
+    whole, frac = divmod(n, 10**KVR_DECIMALS)
+    return f"{sign}{whole}.{frac:0{KVR_DECIMALS}d}"
+
+
 def token_account(owner: Pubkey, mint: Pubkey) -> Pubkey:
     """The owner's associated token account for ``mint``."""
     return get_associated_token_address(owner, mint)

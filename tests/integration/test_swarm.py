@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import math
 import signal
 import subprocess
 import sys
@@ -21,12 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
+from pinned import pinned
 
 from kvasird.inference.serving import PERTURB_ENV
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import LocalNode
-from kvasird.market.model import MarketModel
-from kvasird.market.pinning import parse_hold
 from kvasird.model.bundled import bundled_path
 from kvasird.model.manifest import Manifest
 from kvasird.model.testmodels import make_model
@@ -39,13 +37,7 @@ ROUTED_S = 90.0
 
 
 def settings(model: Path, pins: list[str], **extra: Any) -> dict[str, Any]:
-    mm = MarketModel.from_manifest(Manifest.from_gguf(model))
-    held = {u for p in pins for u in parse_hold(p)}
-    budget = math.ceil(sum(mm.size(u) for u in held) / 2**20) if held else 0
-    return {"market.model": str(model), "market.hold": pins, "market.memory_budget_mb": budget,
-            "market.heartbeat_s": 0.5, "market.rebalance_s": 2.0, "market.enroll_delay_s": 0.0,
-            "market.target_replicas": 1, "compute.threads": 1, "inference.kv_slots": 1024,
-            "inference.step_timeout_s": 10.0, "inference.expert_timeout_s": 6.0, **extra}
+    return pinned(model, pins, **{"inference.expert_timeout_s": 6.0, **extra})
 
 
 def start(localnet: Callable[..., LocalNet], model: Path, placement: list[list[str]],

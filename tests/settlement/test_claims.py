@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -9,11 +11,12 @@ import trio
 from solders.keypair import Keypair
 
 from kvasird.settlement.chain import ChainClient
-from kvasird.settlement.claims import parse_claim
+from kvasird.settlement.claims import Payouts, parse_claim
 from kvasird.settlement.errors import ClaimError
 from kvasird.settlement.ledger import Ledger
 from kvasird.settlement.localchain import LocalChainInfo
 from kvasird.settlement.locks import KeyedLocks
+from kvasird.settlement.rewards import MeasuredWork
 from kvasird.settlement.wallet import sign_link
 
 from .conftest import KVR, NETWORK, PEER, Economy, earn_100_kvr, make_payouts, pay
@@ -50,7 +53,7 @@ async def test_crash_after_payout_sent_reconciles_without_double_pay(
 ) -> None:
     await earn_100_kvr(economy, chain, local_chain.mint)
     wallet = Keypair().pubkey()
-    pending = await economy.payouts.prepare("claim", PEER, wallet, 100 * KVR)
+    pending = await economy.payouts.prepare("claim", PEER, wallet, 100 * KVR, claimable(economy))
     await chain.send(economy.payouts.stored_transaction(pending.signature))
     ledger.close()  # the process dies here: paid on chain, not yet debited
 
@@ -75,7 +78,7 @@ async def test_crash_before_payout_sent_reconciles_by_sending_it_once(
 ) -> None:
     await earn_100_kvr(economy, chain, local_chain.mint)
     wallet = Keypair().pubkey()
-    await economy.payouts.prepare("claim", PEER, wallet, 100 * KVR)
+    await economy.payouts.prepare("claim", PEER, wallet, 100 * KVR, claimable(economy))
     ledger.close()
 
     payouts = make_payouts(
@@ -91,7 +94,7 @@ async def test_payout_whose_blockhash_expired_unsent_fails_and_balance_stays(
 ) -> None:
     await earn_100_kvr(economy, chain, local_chain.mint)
     wallet = Keypair().pubkey()
-    await economy.payouts.prepare("claim", PEER, wallet, 100 * KVR)
+    await economy.payouts.prepare("claim", PEER, wallet, 100 * KVR, claimable(economy))
     filler = Keypair().pubkey()
     for _ in range(151):  # every landed transaction closes a slot; blockhashes live 150 slots
         await chain.request("requestAirdrop", [str(filler), 1])
@@ -127,9 +130,10 @@ async def test_failed_inference_is_refunded_on_chain_from_the_insurance_pool(
 ) -> None:
     before = await chain.token_balance(economy.consumer.pubkey(), local_chain.mint)
     request = await economy.paid_request(chain, local_chain.mint, 10)
-    assert economy.rewards.fail(request) == 10 * KVR
+    economy.rewards.fail(request)
     refund = await economy.payouts.refund(request)
-    assert (refund.state, refund.recipient) == ("done", str(economy.consumer.pubkey()))
+    assert (refund.state, refund.recipient, refund.amount) == (
+        "done", str(economy.consumer.pubkey()), 10 * KVR)
     assert await chain.token_balance(economy.consumer.pubkey(), local_chain.mint) == before
     assert economy.rewards.pool("insurance") == 0
     with pytest.raises(ClaimError):
@@ -147,3 +151,45 @@ async def test_payout_refused_by_the_chain_leaves_the_balance_intact(
         await economy.payouts.claim(PEER, wallet)
     assert economy.payouts.claimable(PEER) == 100 * KVR
     assert await chain.token_balance(wallet, local_chain.mint) == 0
+
+
+def claimable(economy: Economy) -> Callable[[sqlite3.Connection], int]:
+    return lambda db: economy.payouts.claimable(PEER, db)
+
+
+async def test_a_request_cut_short_is_refunded_its_unserved_part(
+    chain: ChainClient, local_chain: LocalChainInfo, economy: Economy
+) -> None:
+    before = await chain.token_balance(economy.consumer.pubkey(), local_chain.mint)
+    request = await economy.paid_request(chain, local_chain.mint, 10)
+    split = economy.rewards.settle(request, [MeasuredWork(PEER, 40, 10.0)], 1, served=4 * KVR)
+    assert sum(split.workers.values()) + split.operator + split.insurance == 4 * KVR
+    refund = await economy.payouts.refund(request)
+    assert refund.amount == 6 * KVR
+    assert await chain.token_balance(economy.consumer.pubkey(), local_chain.mint) == \
+        before - 4 * KVR
+    assert economy.rewards.pool("insurance") == split.insurance
+
+
+async def test_two_processes_on_one_ledger_pay_a_claim_once(
+    chain: ChainClient, local_chain: LocalChainInfo, economy: Economy, tmp_path: Path
+) -> None:
+    """Each has its own connection and its own locks (a second daemon on the same home):
+    the claimable balance is read again where the pending payout is recorded."""
+    await earn_100_kvr(economy, chain, local_chain.mint)
+    other = make_payouts(Ledger(tmp_path / "state.db"), chain, economy.vault, local_chain.mint,
+                         KeyedLocks())
+    wallet = Keypair().pubkey()
+    outcomes: list[object] = []
+
+    async def claim(payouts: Payouts) -> None:
+        try:
+            outcomes.append(await payouts.claim(PEER, wallet))
+        except ClaimError as exc:
+            outcomes.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(claim, economy.payouts)
+        nursery.start_soon(claim, other)
+    assert sorted(type(o).__name__ for o in outcomes) == ["ClaimError", "Payout"]
+    assert await chain.token_balance(wallet, local_chain.mint) == 100 * KVR

@@ -1,0 +1,77 @@
+"""The admin API's view of the money: what this node earned, is owed, and claims.
+
+    GET  /v0/wallet        as a serving peer: receipts per gateway (earned, received, pending);
+                           as a gateway: what it owes each peer and the work it measured them
+                           do (units before tiers), its pools, receipts delivered
+    POST /v0/wallet/claim  claim from every gateway that owes this node; each payout verified
+                           on chain (``kvasird wallet claim``)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from kvasird.errors import KvasirError
+
+if TYPE_CHECKING:
+    from kvasird.daemon.node import Node
+
+
+def summary(node: Node) -> dict[str, Any]:
+    """Earnings as the status page, `kvasird status` and `kvasird wallet` show them."""
+    s = node.settlement
+    if s is None:
+        return {"enabled": False}
+    out: dict[str, Any] = {
+        "enabled": True, "wallet": str(s.wallet.address),
+        "gateways": [{"gateway": str(g), "peer_id": p, "earned": s.receipts.earned(g),
+                      "received": s.receipts.received(g), "pending": unpaid}
+                     for g, p, unpaid in s.receipts.gateways()],
+    }
+    out["pending"] = sum(g["pending"] for g in out["gateways"])
+    if s.rewards is not None:
+        rows = s.ledger.db.execute(
+            "SELECT peer_id, earned, paid FROM settlement_earnings ORDER BY peer_id").fetchall()
+        units = dict(s.ledger.db.execute(
+            "SELECT peer_id, SUM(units) FROM settlement_work GROUP BY peer_id").fetchall())
+        out["owed_to_peers"] = [{"peer_id": p, "earned": e, "paid": paid,
+                                 "measured_units": units.get(p, 0)} for p, e, paid in rows]
+        out["pools"] = {name: s.rewards.pool(name) for name in ("operator", "insurance")}
+        out["receipts_delivered"] = node.exchange.delivered if node.exchange else 0
+    if node.admission is not None:
+        out["refused_gateways"] = dict(node.admission.refused)
+    return out
+
+
+def totals(node: Node) -> dict[str, int] | None:
+    """Earned, received and pending over every gateway (None with settlement off)."""
+    s = node.settlement
+    if s is None:
+        return None
+    gateways = s.receipts.gateways()
+    return {"earned": sum(s.receipts.earned(g) for g, _, _ in gateways),
+            "received": sum(s.receipts.received(g) for g, _, _ in gateways),
+            "pending": sum(unpaid for _, _, unpaid in gateways), "gateways": len(gateways)}
+
+
+def routes(node: Node) -> list[Route]:
+    async def wallet(_: Request) -> JSONResponse:
+        return JSONResponse(summary(node))
+
+    async def claim(_: Request) -> JSONResponse:
+        if node.exchange is None:
+            return JSONResponse({"error": "settlement is off on this node ([settlement] "
+                                          "enabled = false): there is nothing to claim"},
+                                status_code=409)
+        try:
+            claimed = await node.exchange.claim_all()
+        except KvasirError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=409)
+        return JSONResponse({"claims": [c.to_json() for c in claimed]})
+
+    return [Route("/v0/wallet", wallet, methods=["GET"]),
+            Route("/v0/wallet/claim", claim, methods=["POST"])]

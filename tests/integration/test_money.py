@@ -1,0 +1,291 @@
+"""The money loop with real daemons and the local chain: paid requests become the serving
+peers' on-chain earnings, nobody rides free, and a failed paid request is refunded.
+
+Placement is pinned (``market.hold``, as in test_swarm) so that the test can count each
+peer's work itself: a greedy generation of n tokens (end of text ignored) over a prompt of
+p tokens runs p + n - 1 positions through every hop; a stage's units are positions x its
+layers (the head counting as one); an expert worker's are rows x experts, and every row of
+every MoE layer selects exactly ``n_expert_used`` experts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+from pinned import pinned
+from solders.keypair import Keypair
+from solders.pubkey import Pubkey
+from solders.system_program import TransferParams, transfer
+
+from kvasird.localnet import LocalNet
+from kvasird.localnet.launcher import LocalNode
+from kvasird.model.bundled import bundled_path
+from kvasird.model.testmodels import make_model
+from kvasird.settlement.chain import ChainClient
+from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
+from kvasird.settlement.pricing import GENESIS_STAKE_MIN
+from kvasird.settlement.wallet import read_keypair
+
+pytestmark = pytest.mark.slow
+
+KVR = 10**6
+N_TOKENS = 4
+QUOTED = 1000
+PROMPT = "The capital of France is"
+READY_S = 120.0
+
+
+def settings(model: Path, pins: list[str], **extra: Any) -> dict[str, Any]:
+    return pinned(model, pins, **{"settlement.free_local": False,
+                                  "settlement.claim_threshold": 0, **extra})
+
+
+def paid_net(localnet: Callable[..., LocalNet], model: Path, placement: list[list[str]],
+             node_settings: dict[int, dict[str, Any]] | None = None,
+             stakes: dict[int, int] | None = None, **extra: Any) -> LocalNet:
+    """A network on the local chain whose node i holds placement[i] (a node with no pins
+    has a budget of 0: a pure gateway)."""
+    net = localnet(len(placement), chain=True)
+    net.start_chain()
+    previous = ""
+    for node, pins in zip(net.nodes, placement, strict=True):
+        node.settings = {**settings(model, pins, **extra), **(node_settings or {}).get(
+            node.index, {})}
+        node.stake = (stakes or {}).get(node.index)
+        previous = net.configure(node, [previous] if previous else [])
+    net.fund_wallets()
+    for node in net.nodes:
+        node.spawn()
+    for node in net.nodes:
+        node.wait_ready()
+    holders = sum(1 for pins in placement if pins)
+    net.wait_until("the gateway sees every holder online",
+                   lambda: online_holders(net.nodes[0]) == holders, READY_S)
+    return net
+
+
+def online_holders(node: LocalNode) -> int:
+    holders = node.get("/v0/coverage").get("holders") or {}
+    return sum(1 for h in holders.values()
+               if h["holdings"] and all(x[-1] == "online" for x in h["holdings"]))
+
+
+def gateway_of(net: LocalNet, node: LocalNode) -> tuple[str, openai.OpenAI]:
+    url = node.status()["gateway"]
+    net.wait_until(f"the gateway of node {node.index} is ready",
+                   lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, READY_S)
+    return url, openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+
+
+def kvr_balance(net: LocalNet, owner: Pubkey) -> int:
+    assert net.chain is not None
+
+    async def read() -> int:
+        async with ChainClient(net.chain.info["RPC URL"], "confirmed") as chain:
+            return await chain.token_balance(owner, Pubkey.from_string(net.chain.info["KVR mint"]))
+    return trio.run(read)
+
+
+class Consumer:
+    """A wallet that pays a gateway per request, as a developer's client would."""
+
+    def __init__(self, net: LocalNet, url: str, client: openai.OpenAI) -> None:
+        assert net.chain is not None
+        self.rpc, self.url, self.client = net.chain.info["RPC URL"], url, client
+        self.wallet = trio.run(funded_wallet, self.rpc, 100 * KVR)
+        self.model = client.models.list().data[0].id
+        self.paid = 0
+
+    def ask(self, prompt: str = PROMPT, n: int = N_TOKENS) -> Any:
+        """A paid completion of n tokens; the quote covers QUOTED tokens, so that its amount
+        (a few thousand base units at the genesis price) splits without rounding to 0."""
+        quote = get_quote(self.url, QUOTED)
+        header = trio.run(pay_quote, self.rpc, self.wallet, quote)
+        self.paid += int(quote["amount"])
+        return self.client.completions.create(
+            model=self.model, prompt=prompt, max_tokens=n, temperature=0,
+            extra_body={"ignore_eos": True}, extra_headers={PAYMENT_HEADER: header})
+
+
+def positions(answer: Any) -> int:
+    """Positions every hop computed for a generation that ran to max_tokens."""
+    assert answer.choices[0].finish_reason == "length"
+    return answer.usage.prompt_tokens + answer.usage.completion_tokens - 1
+
+
+def owed(gateway: LocalNode) -> dict[str, dict[str, int]]:
+    return {r["peer_id"]: r for r in gateway.get("/v0/wallet")["owed_to_peers"]}
+
+
+def held_receipts(node: LocalNode, gateway: LocalNode) -> int:
+    return sum(g["earned"] for g in node.get("/v0/wallet")["gateways"]
+               if g["peer_id"] == gateway.peer_id)
+
+
+def claim_and_check(net: LocalNet, gateway: LocalNode, consumer: Consumer) -> None:
+    """Every serving peer holds receipts equal to what the gateway owes it, claims them, and
+    its on-chain balance rises by exactly that; the whole revenue is accounted for."""
+    due = owed(gateway)
+    net.wait_until("every peer holds its receipts", lambda: all(
+        held_receipts(n, gateway) == due[n.peer_id]["earned"]
+        for n in net.nodes if n is not gateway and n.peer_id in due), 30)
+    wallet = gateway.get("/v0/wallet")
+    workers = sum(r["earned"] for r in due.values())
+    assert workers + wallet["pools"]["operator"] + wallet["pools"]["insurance"] == consumer.paid
+    for node in net.nodes:
+        if node is gateway or node.peer_id not in due:
+            continue
+        before = kvr_balance(net, node.wallet())
+        answer = node.post("/v0/wallet/claim")
+        assert [c["error"] for c in answer["claims"]] == [""], answer
+        assert kvr_balance(net, node.wallet()) - before == due[node.peer_id]["earned"]
+        assert node.get("/v0/wallet")["pending"] == 0
+    assert all(r["paid"] == r["earned"] for p, r in owed(gateway).items() if p != gateway.peer_id)
+
+
+def test_ring_peers_are_paid_on_chain_exactly_their_measured_share(
+        localnet: Callable[..., LocalNet]) -> None:
+    net = paid_net(localnet, bundled_path(),
+                   [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"]])
+    gateway = net.nodes[0]
+    url, client = gateway_of(net, gateway)
+    with pytest.raises(openai.APIStatusError) as unpaid:
+        client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
+                                  max_tokens=N_TOKENS)
+    assert unpaid.value.status_code == 402
+    consumer = Consumer(net, url, client)
+    done = sum(positions(consumer.ask()) for _ in range(10))
+    due = owed(gateway)
+    layers = {net.nodes[0].peer_id: 11, net.nodes[1].peer_id: 10, net.nodes[2].peer_id: 10}
+    assert {p: r["measured_units"] for p, r in due.items()} == {
+        p: done * n for p, n in layers.items()}
+    assert all(due[n.peer_id]["earned"] > 0 for n in net.nodes)
+    claim_and_check(net, gateway, consumer)
+
+
+def test_moe_ring_pays_the_expert_only_peers_for_their_rows(
+        localnet: Callable[..., LocalNet], tmp_path: Path) -> None:
+    n_layer, n_used = 4, 2
+    moe = make_model(tmp_path / "moe.gguf", n_layer=n_layer, n_expert=8, n_expert_used=n_used,
+                     n_embd=128, n_head=8, n_head_kv=4, head_dim=128, n_ff_exp=768,
+                     dtype="f32", tied_output=True)
+
+    def experts(lo: int, hi: int) -> list[str]:
+        return [f"experts:{layer}:{lo}-{hi}" for layer in range(n_layer)]
+
+    net = paid_net(localnet, moe, [["head", "layers:0-2"], ["layers:2-4"], experts(0, 4),
+                                   experts(4, 8)])
+    gateway = net.nodes[0]
+    url, client = gateway_of(net, gateway)
+    consumer = Consumer(net, url, client)
+    done = sum(positions(consumer.ask()) for _ in range(10))
+    due = owed(gateway)
+    units = {n.index: due.get(n.peer_id, {}).get("measured_units", 0) for n in net.nodes}
+    assert units[0] == done * 3 and units[1] == done * 2
+    assert units[2] > 0 and units[3] > 0
+    assert units[2] + units[3] == done * n_layer * n_used  # every row's experts, remote
+    assert all(due[n.peer_id]["earned"] > 0 for n in net.nodes)
+    claim_and_check(net, gateway, consumer)
+
+
+def test_only_staked_paying_gateways_are_served(localnet: Callable[..., LocalNet]) -> None:
+    """Node 0 pays (and is served while it pays); node 3 runs with settlement off; node 4
+    holds less than the stake minimum; node 5 never sends receipts (its local requests are
+    free to it, and it pays nobody for them)."""
+    free_local = {"settlement.free_local": True}
+    net = paid_net(localnet, bundled_path(),
+                   [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"], [], [], []],
+                   node_settings={1: {"settlement.max_unpaid": 0},
+                                  2: {"settlement.max_unpaid": 0, "settlement.max_unreceipted": 2},
+                                  3: {"settlement.enabled": False}, 4: free_local, 5: free_local},
+                   stakes={4: GENESIS_STAKE_MIN - 1})
+    for index, why in ((3, "announces no payout wallet"), (4, "below the network's stake "
+                                                              "minimum")):
+        _, client = gateway_of(net, net.nodes[index])
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
+                                      max_tokens=N_TOKENS)
+        assert refused.value.status_code == 503, refused.value
+        assert "serve only staked, paying gateways" in str(refused.value) and why in str(
+            refused.value)
+
+    _, client = gateway_of(net, net.nodes[5])
+    model = client.models.list().data[0].id
+    for _ in range(2):  # node 2 serves two sessions without a receipt, then no more
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=N_TOKENS)
+    with pytest.raises(openai.APIStatusError, match="without sending a receipt"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=N_TOKENS)
+
+    # node 0 pays; once its vault cannot pay the claims (no SOL for fees), peers that let
+    # nothing go unpaid refuse it; paid again, it is served again
+    gateway = net.nodes[0]
+    url, client = gateway_of(net, gateway)
+    consumer = Consumer(net, url, client)
+    consumer.ask()
+    net.wait_until("node 1 holds its receipt", lambda: net.nodes[1].get("/v0/wallet")["pending"]
+                   > 0, 30)
+    vault = read_keypair(gateway.home.root / "wallet.json")
+    lamports = drain_sol(net, vault)
+    assert net.nodes[1].post("/v0/wallet/claim")["claims"][0]["error"]
+    with pytest.raises(openai.APIStatusError) as owing:
+        consumer.ask()
+    assert owing.value.status_code == 503 and "unpaid receipts" in str(owing.value)
+    refund = str(owing.value)
+    assert "refunded" in refund or "refund" in refund
+    refill_sol(net, vault.pubkey(), lamports)
+    for node in net.nodes[1:3]:
+        assert [c["error"] for c in node.post("/v0/wallet/claim")["claims"]] == [""]
+    assert consumer.ask().choices[0].text
+
+
+def drain_sol(net: LocalNet, wallet: Keypair) -> int:
+    """Move (nearly) all of ``wallet``'s SOL away: it can no longer pay transaction fees."""
+    assert net.chain is not None
+
+    async def drain() -> int:
+        async with ChainClient(net.chain.info["RPC URL"], "confirmed") as chain:
+            have = await chain.lamports(wallet.pubkey())
+            sink = Keypair().pubkey()
+            await chain.send_and_confirm([wallet], [transfer(TransferParams(
+                from_pubkey=wallet.pubkey(), to_pubkey=sink, lamports=have - 5000))])
+            return have
+    return trio.run(drain)
+
+
+def refill_sol(net: LocalNet, owner: Pubkey, lamports: int) -> None:
+    assert net.chain is not None
+
+    async def refill() -> None:
+        async with ChainClient(net.chain.info["RPC URL"], "confirmed") as chain:
+            await chain.faucet(owner, lamports=lamports)
+    trio.run(refill)
+
+
+def test_a_paid_request_that_fails_is_refunded_on_chain(
+        localnet: Callable[..., LocalNet]) -> None:
+    net = paid_net(localnet, bundled_path(),
+                   [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"]],
+                   **{"inference.step_timeout_s": 3.0})
+    gateway = net.nodes[0]
+    url, client = gateway_of(net, gateway)
+    consumer = Consumer(net, url, client)
+    consumer.ask()
+    net.nodes[2].signal(9)  # the only holder of layers 20-30: no route is left
+    net.nodes[2].proc.wait(10)  # type: ignore[union-attr]
+    before = kvr_balance(net, consumer.wallet.pubkey())
+    began = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as failed:
+        consumer.ask()
+    quote_amount = consumer.paid // 2
+    message = str(failed.value)
+    assert "refunded to " + str(consumer.wallet.pubkey()) in message, message
+    assert "transaction " in message
+    assert kvr_balance(net, consumer.wallet.pubkey()) == before, \
+        f"the refund of {quote_amount} did not reach the payer ({time.monotonic() - began:.0f} s)"
