@@ -68,6 +68,9 @@ BENCHES = (
           "full coverage at 1,000 and 10,000 nodes; what breaks first"),
     Bench("settlement", "Settlement latency and claims", ("bench_settlement.py", "--n", "100"),
           ("bench_settlement.py", "--n", "30"), "quote -> pay -> verify well under a second"),
+    Bench("money", "Paid requests through real daemons: settlement cost, receipts, claims",
+          ("bench_money.py", "--rounds", "10"), ("bench_money.py", "--rounds", "4"),
+          "being paid adds nothing measurable to a decode step; receipts off the token path"),
     Bench("relay", "Relayed vs direct RTT and throughput", ("bench_relay.py",),
           ("bench_relay.py",), "relayed path usable for latency-tolerant work"),
 )

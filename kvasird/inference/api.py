@@ -106,7 +106,7 @@ class HopWork:
     """The peer (authenticated by its connection, not by anything it said)."""
     units: int
     """Stages: positions computed x layers run (the head counting as one); expert
-    workers: rows x experts computed, as the stage that sent the rows counted them."""
+    workers: the experts their rows selected, as the stage that sent the rows counted."""
     ms_per_token: float
     """Its time per token as this node timed it (expert workers: their stage's step)."""
 

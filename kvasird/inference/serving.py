@@ -31,11 +31,12 @@ as kvasird.inference.tensors maps; a refusal is {"error": reason, "code": "busy"
     experts {op, layer, first, rows: [m, n_embd], ids: i32 [m, n] counted from first,
              for: [gateway peer, ...]}                                 -> {out: [m, n, n_embd]}
 
-Accounting: the gateway measures each stage's work itself (positions x layers); what a
-stage cannot see is the expert rows it sent on, so closing a session answers with the
-units (rows x experts) each expert worker computed for it, and every expert request names
-the gateways whose sessions its rows belong to (``for``). Paid networks: a session opens,
-and a worker computes, only for gateways ``admit`` accepts ("unpaid" refusal otherwise).
+Accounting: the gateway measures each stage's work itself (positions x layers); what it
+cannot see is the expert rows a stage sent on, so closing a session answers with the
+units (the experts its rows selected) each expert worker computed for it, and every
+expert request names the gateways whose sessions its rows belong to (``for``). Paid
+networks: a session opens, and a worker computes, only for gateways ``admit`` accepts
+("unpaid" refusal otherwise).
 
 Forwarding (one-way messages, id 0): a step with ``back: {ticket}`` and ``next: [[peer,
 sid], ...]`` (the rest of the route) is answered by no one. The stage computes and sends
@@ -287,7 +288,7 @@ class Tally:
     owner: str
     """The gateway whose session it is (named in every expert request made for it)."""
     experts: Counter[str] = field(default_factory=Counter)
-    """Worker peer -> units (rows x experts) it computed for this session."""
+    """Worker peer -> units (the experts its rows selected) it computed for this session."""
 
 
 TALLY: contextvars.ContextVar[Tally | None] = contextvars.ContextVar("kvasird_tally",

@@ -19,13 +19,13 @@ import httpx
 import openai
 import pytest
 import trio
-from pinned import pinned
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.system_program import TransferParams, transfer
 
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import LocalNode
+from kvasird.localnet.placement import pinned
 from kvasird.model.bundled import bundled_path
 from kvasird.model.testmodels import make_model
 from kvasird.settlement.chain import ChainClient
@@ -53,18 +53,11 @@ def paid_net(localnet: Callable[..., LocalNet], model: Path, placement: list[lis
     """A network on the local chain whose node i holds placement[i] (a node with no pins
     has a budget of 0: a pure gateway)."""
     net = localnet(len(placement), chain=True)
-    net.start_chain()
-    previous = ""
     for node, pins in zip(net.nodes, placement, strict=True):
         node.settings = {**settings(model, pins, **extra), **(node_settings or {}).get(
             node.index, {})}
         node.stake = (stakes or {}).get(node.index)
-        previous = net.configure(node, [previous] if previous else [])
-    net.fund_wallets()
-    for node in net.nodes:
-        node.spawn()
-    for node in net.nodes:
-        node.wait_ready()
+    net.up()
     holders = sum(1 for pins in placement if pins)
     net.wait_until("the gateway sees every holder online",
                    lambda: online_holders(net.nodes[0]) == holders, READY_S)

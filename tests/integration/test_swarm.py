@@ -20,11 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
-from pinned import pinned
 
 from kvasird.inference.serving import PERTURB_ENV
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import LocalNode
+from kvasird.localnet.placement import pinned
 from kvasird.model.bundled import bundled_path
 from kvasird.model.manifest import Manifest
 from kvasird.model.testmodels import make_model

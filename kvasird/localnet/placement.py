@@ -1,5 +1,5 @@
-"""Settings that pin a node's placement: what the tests that count work or compare tokens
-across layouts need (every run places the same way)."""
+"""Settings that pin a node's placement: what tests and benchmarks that count work or
+compare tokens across layouts need (every run places the same way)."""
 
 from __future__ import annotations
 
