@@ -122,9 +122,12 @@ def held_receipts(node: LocalNode, gateway: LocalNode) -> int:
                if g["peer_id"] == gateway.peer_id)
 
 
-def claim_and_check(net: LocalNet, gateway: LocalNode, consumer: Consumer) -> None:
-    """Every serving peer holds receipts equal to what the gateway owes it, claims them, and
-    its on-chain balance rises by exactly that; the whole revenue is accounted for."""
+def claim_and_check(net: LocalNet, gateway: LocalNode, consumer: Consumer,
+                    claims_itself: frozenset[int] = frozenset()) -> None:
+    """Every serving peer holds receipts equal to what the gateway owes it, claims them (the
+    nodes in ``claims_itself`` without being asked, past their claim_threshold), and its
+    on-chain balance rises from its stake by exactly that; the whole revenue is accounted
+    for."""
     due = owed(gateway)
     net.wait_until("every peer holds its receipts", lambda: all(
         held_receipts(n, gateway) == due[n.peer_id]["earned"]
@@ -135,10 +138,13 @@ def claim_and_check(net: LocalNet, gateway: LocalNode, consumer: Consumer) -> No
     for node in net.nodes:
         if node is gateway or node.peer_id not in due:
             continue
-        before = kvr_balance(net, node.wallet())
-        answer = node.post("/v0/wallet/claim")
-        assert [c["error"] for c in answer["claims"]] == [""], answer
-        assert kvr_balance(net, node.wallet()) - before == due[node.peer_id]["earned"]
+        if node.index in claims_itself:
+            net.wait_until(f"node {node.index} claims by itself",
+                           lambda n=node: n.get("/v0/wallet")["pending"] == 0, 30)
+        else:
+            answer = node.post("/v0/wallet/claim")
+            assert [c["error"] for c in answer["claims"]] == [""], answer
+        assert kvr_balance(net, node.wallet()) - GENESIS_STAKE_MIN == due[node.peer_id]["earned"]
         assert node.get("/v0/wallet")["pending"] == 0
     assert all(r["paid"] == r["earned"] for p, r in owed(gateway).items() if p != gateway.peer_id)
 
@@ -185,7 +191,8 @@ def test_moe_ring_pays_the_expert_only_peers_for_their_rows(
         return [f"experts:{layer}:{lo}-{hi}" for layer in range(n_layer)]
 
     net = paid_net(localnet, moe, [["head", "layers:0-2"], ["layers:2-4"], experts(0, 4),
-                                   experts(4, 8)])
+                                   experts(4, 8)],
+                   node_settings={3: {"settlement.claim_threshold": 1}})
     gateway = net.nodes[0]
     url, client = gateway_of(net, gateway)
     consumer = Consumer(net, url, client)
@@ -196,7 +203,7 @@ def test_moe_ring_pays_the_expert_only_peers_for_their_rows(
     assert units[2] > 0 and units[3] > 0
     assert units[2] + units[3] == done * n_layer * n_used  # every row's experts, remote
     assert all(due[n.peer_id]["earned"] > 0 for n in net.nodes)
-    claim_and_check(net, gateway, consumer)
+    claim_and_check(net, gateway, consumer, claims_itself=frozenset({3}))
 
 
 def test_only_staked_paying_gateways_are_served(localnet: Callable[..., LocalNet]) -> None:
