@@ -25,7 +25,11 @@ from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
 from kvasird.settlement.token import KVR_DECIMALS
 
-SYSTEM = "You are a helpful assistant."
+SYSTEM = "Always answer in one short English sentence."
+"""With it the bundled model's greedy answer to the default question is "The capital of
+France is Paris.", each token up to "Paris" ahead of the next best by 2 logits or more
+(the engine and the float64 oracles differ by at most 0.4 on these margins). After "You
+are a helpful assistant." the first token led by 0.13: the CPU's rounding picked French."""
 
 
 def model_path(ref: str) -> Path:

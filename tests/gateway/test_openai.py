@@ -9,16 +9,20 @@ import httpx
 import openai
 import pytest
 from gateway_daemon import Daemon  # type: ignore[import-not-found]
+from greedy import Greedy, cut, greedy  # type: ignore[import-not-found]
 
 from kvasird.inference.chat import Message
+from kvasird.localnet.demo import SYSTEM
 
 pytestmark = pytest.mark.slow
 
 GATEWAY_SETTINGS = {"gateway.ping_s": 0.01}
 """Pings between tokens (about every other one here): the client must skip them."""
 
-QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
+QUESTION = [{"role": "system", "content": SYSTEM},
             {"role": "user", "content": "What is the capital of France?"}]
+"""The demo's question and system prompt: its greedy answer ends within 16 tokens here, so
+the end-of-generation stop is exercised. Texts are compared with the engine's, `answer`."""
 
 
 @pytest.fixture(scope="module")
@@ -28,25 +32,32 @@ def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
         yield c
 
 
+@pytest.fixture(scope="module")
+def answer() -> Greedy:
+    """The engine's greedy answer to QUESTION in 16 tokens: what the gateway must say."""
+    return greedy([Message(**m) for m in QUESTION], 16)
+
+
 def test_models_lists_the_served_model(client: openai.OpenAI, daemon: Daemon) -> None:
     assert [m.id for m in client.models.list()] == [daemon.model]
 
 
 def test_chat_completion_answers_with_usage_from_the_tokenizer(
-        client: openai.OpenAI, daemon: Daemon) -> None:
+        client: openai.OpenAI, daemon: Daemon, answer: Greedy) -> None:
     r = client.chat.completions.create(model=daemon.model, messages=QUESTION, temperature=0,
                                        max_tokens=16)
     choice = r.choices[0]
     assert choice.message.role == "assistant"
-    assert choice.message.content == "The capital of France is Paris."
-    assert choice.finish_reason == "stop"
+    assert choice.message.content == answer.text
+    assert choice.finish_reason == ("stop" if answer.stopped else "length")
     assert r.usage is not None
     assert r.usage.prompt_tokens == daemon.prompt_tokens([Message(**m) for m in QUESTION])
-    assert r.usage.completion_tokens == len(daemon.tokenizer.encode(choice.message.content))
+    assert r.usage.completion_tokens == answer.tokens
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
-def test_streamed_chat_equals_the_whole_answer(client: openai.OpenAI, daemon: Daemon) -> None:
+def test_streamed_chat_equals_the_whole_answer(client: openai.OpenAI, daemon: Daemon,
+                                               answer: Greedy) -> None:
     whole = client.chat.completions.create(model=daemon.model, messages=QUESTION, temperature=0,
                                            max_tokens=16)
     chunks = list(client.chat.completions.create(
@@ -57,7 +68,7 @@ def test_streamed_chat_equals_the_whole_answer(client: openai.OpenAI, daemon: Da
     assert text == whole.choices[0].message.content
     finals = [c.choices[0].finish_reason for c in chunks
               if c.choices and c.choices[0].finish_reason]
-    assert finals == ["stop"]
+    assert finals == ["stop" if answer.stopped else "length"]
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     assert all(c.usage is None for c in chunks[:-1])
 
@@ -79,14 +90,17 @@ def test_max_tokens_ends_with_length(client: openai.OpenAI, daemon: Daemon) -> N
     assert r.usage is not None and r.usage.completion_tokens == 3
 
 
-def test_a_stop_sequence_cuts_the_text_before_it(client: openai.OpenAI, daemon: Daemon) -> None:
+def test_a_stop_sequence_cuts_the_text_before_it(client: openai.OpenAI, daemon: Daemon,
+                                                  answer: Greedy) -> None:
+    before, stop, _ = cut(answer.text)
     args = {"model": daemon.model, "messages": QUESTION, "temperature": 0, "max_tokens": 16}
-    r = client.chat.completions.create(**args, stop=["France is"])
-    assert r.choices[0].message.content == "The capital of "
+    r = client.chat.completions.create(**args, stop=[stop])
+    assert r.choices[0].message.content == before
     assert r.choices[0].finish_reason == "stop"
+    assert "never" not in answer.text
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        **args, stop=["France is", "never"], stream=True) if c.choices)
-    assert streamed == "The capital of "
+        **args, stop=[stop, "never"], stream=True) if c.choices)
+    assert streamed == before
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI, daemon: Daemon) -> None:

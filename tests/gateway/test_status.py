@@ -12,9 +12,12 @@ import httpx
 import numpy as np
 import pytest
 from gateway_daemon import Daemon  # type: ignore[import-not-found]
+from greedy import greedy  # type: ignore[import-not-found]
 from PIL import Image
 
 from kvasird.gateway.status import COLOURS
+from kvasird.inference.chat import Message
+from kvasird.localnet.demo import SYSTEM
 
 pytestmark = pytest.mark.slow
 
@@ -83,12 +86,14 @@ def test_status_page_renders_the_coverage_picture_in_chromium(daemon: Daemon,
 
 
 def test_kvasird_chat_streams_an_answer(daemon: Daemon) -> None:
+    question = "What is the capital of France?"
     done = subprocess.run(
         [sys.executable, "-m", "kvasird", "chat", "--url", daemon.url, "--temperature", "0",
-         "--max-tokens", "16", "--system", "You are a helpful assistant.",
-         "What is the capital of France?"], capture_output=True, text=True, timeout=120)
+         "--max-tokens", "16", "--system", SYSTEM, question],
+        capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "The capital of France is Paris."
+    answer = greedy([Message("system", SYSTEM), Message("user", question)], 16)
+    assert done.stdout.strip() == answer.text.strip()
 
 
 def test_kvasird_chat_names_a_refusal(daemon: Daemon) -> None:

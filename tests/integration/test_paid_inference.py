@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from kvasird.localnet import LocalNet
+from kvasird.localnet.demo import SYSTEM
 from kvasird.model.bundled import bundled_path
 from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
 from kvasird.settlement.token import KVR_DECIMALS
@@ -31,7 +32,7 @@ def test_a_paid_request_is_answered_once_and_an_unpaid_one_refused(
                    timeout=60)
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
     ask = {"model": client.models.list().data[0].id, "max_tokens": 8, "temperature": 0,
-           "messages": [{"role": "system", "content": "You are a helpful assistant."},
+           "messages": [{"role": "system", "content": SYSTEM},  # greedy: Paris, see SYSTEM
                         {"role": "user", "content": "What is the capital of France?"}]}
 
     with pytest.raises(openai.APIStatusError) as unpaid:
