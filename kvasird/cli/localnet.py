@@ -158,13 +158,22 @@ def _down(args: argparse.Namespace) -> int:
         for pid in group:
             _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_signal(pid, 0) for pid in group):
+        while time.monotonic() < deadline and any(_running(pid) for pid in group):
             time.sleep(0.2)
         for pid in group:
             _signal(pid, signal.SIGKILL)
     (root / "localnet.json").unlink(missing_ok=True)
     print(f"stopped {len(pids)} daemons" + (" and the local chain" if chain else ""))
     return 0
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a process that exited but whose parent has not reaped it
+    is gone for every purpose here)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return _signal(pid, 0)
 
 
 def _signal(pid: int, sig: int) -> bool:

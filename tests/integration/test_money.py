@@ -31,6 +31,7 @@ from kvasird.model.testmodels import make_model
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
 from kvasird.settlement.pricing import GENESIS_STAKE_MIN
+from kvasird.settlement.token import format_kvr
 from kvasird.settlement.wallet import read_keypair
 
 pytestmark = pytest.mark.slow
@@ -168,6 +169,11 @@ def test_ring_peers_are_paid_on_chain_exactly_their_measured_share(
         p: done * n for p, n in layers.items()}
     assert all(due[n.peer_id]["earned"] > 0 for n in net.nodes)
     claim_and_check(net, gateway, consumer)
+    earned = due[net.nodes[1].peer_id]["earned"]
+    assert net.nodes[1].status()["earnings"] == {"earned": earned, "received": earned,
+                                                 "pending": 0, "gateways": 1}
+    page = httpx.get(net.nodes[1].status()["gateway"] + "/", timeout=10).text
+    assert f"<th>received on chain</th><td>{format_kvr(earned)} KVR" in page
 
     # a paid request that fails before its first token is refunded, on chain, in full
     net.nodes[2].signal(signal.SIGKILL)  # the only holder of layers 20-30: no route is left
