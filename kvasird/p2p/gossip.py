@@ -6,14 +6,20 @@ peer) and keep every message forever for equivocation detection (STACK.md): the 
 raised to what a network of heartbeating nodes produces, and the map is cleared on a timer.
 Messages are signed (strict signing) by the libp2p key; topic validators are the place
 where records are checked before anyone uses them (the market subsystem installs them).
+
+What one peer sends can end only that peer's stream, never the daemon: py-libp2p's read
+loop lets some errors out (a malformed RPC raises protobuf's DecodeError) into the pubsub
+service, whose failure would end the gossip nursery and the node with it; so its read
+loop and the tasks it starts per message are contained (``_ContainedPubsub``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
@@ -21,10 +27,13 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.score import ScoreParams, TopicScoreParams
 from libp2p.tools.anyio_service import background_trio_service
 
+from kvasird.logs import get_logger
+
 GOSSIPSUB = "/meshsub/1.1.0"
 MAX_MESSAGES_PER_TOPIC_PER_S = 500.0
 EQUIVOCATION_SWEEP_S = 60.0
 PUBLISH_TIMEOUT_S = 2.0
+log = get_logger("kvasird.p2p.gossip")
 
 # Scoring is on (py-libp2p leaves it off): every record a topic validator refuses costs
 # the forwarder 10 points, decaying by 1% a heartbeat; below -100 a peer is graylisted
@@ -48,7 +57,7 @@ class Gossip:
             max_messages_per_topic_per_second=MAX_MESSAGES_PER_TOPIC_PER_S,
             score_params=SCORE_PARAMS,
         )
-        self.pubsub = Pubsub(host, self.router, strict_signing=True)
+        self.pubsub = _ContainedPubsub(host, self.router, strict_signing=True)
 
     def topic(self, name: str) -> str:
         return f"kvasir/{self.network}/{name}"
@@ -77,3 +86,29 @@ class Gossip:
             await self.pubsub.publish(self.topic(name), data)
             return True
         return False
+
+
+class _ContainedPubsub(Pubsub):
+    """Pubsub whose per-peer work cannot fail the service: a peer whose stream or message
+    raises is logged, its stream reset and the peer dropped from the mesh (and scored down
+    by its invalid messages, as usual)."""
+
+    async def continuously_read_stream(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id
+        try:
+            await super().continuously_read_stream(stream)
+        except Exception as exc:  # noqa: BLE001 - anything a peer's bytes can raise
+            log.info("gossip stream from a peer failed: dropped it", peer=str(peer),
+                     error=repr(exc)[:200])
+            with contextlib.suppress(Exception):
+                await stream.reset()
+            self._handle_dead_peer(peer)
+
+    async def push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
+        try:
+            await super().push_msg(msg_forwarder, msg)
+        except Exception as exc:  # noqa: BLE001 - one message, from one peer
+            if msg_forwarder == self.my_id:
+                raise  # our own publish: its caller hears of it
+            log.info("gossip message from a peer failed: dropped it", peer=str(msg_forwarder),
+                     error=repr(exc)[:200])

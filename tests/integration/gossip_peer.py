@@ -68,3 +68,12 @@ class GossipPeer:
     async def publish(self, name: str, data: bytes) -> None:
         with trio.move_on_after(5):
             await self.pubsub.publish(f"kvasir/{self.network}/{name}", data)
+
+    async def send_raw_rpc(self, peer_id: str, payload: bytes) -> None:
+        """Write ``payload`` as one length-prefixed pubsub RPC on a new gossip stream to the
+        peer: bytes that need not parse (an adversary's)."""
+        from libp2p.peer.id import ID
+        from libp2p.utils import encode_varint_prefixed
+
+        stream = await self.host.new_stream(ID.from_base58(peer_id), ["/meshsub/1.1.0"])
+        await stream.write(encode_varint_prefixed(payload))
