@@ -34,6 +34,7 @@ from solders.signature import Signature
 from kvasird.errors import KvasirError, WireError
 from kvasird.logs import get_logger
 from kvasird.settlement.errors import ClaimError, ReceiptRejected
+from kvasird.settlement.receipts import Receipt
 from kvasird.settlement.wallet import WalletLink
 from kvasird.wire import schema
 
@@ -137,11 +138,12 @@ class Exchange:
     # --- serving peer side -------------------------------------------------------------
 
     def _accept_receipt(self, caller: str, wire: Any) -> dict[str, Any]:
-        link = self.links(caller)
-        receipt = self.s.receipts.accept(schema.mapping(wire, "settle.receipt"))
-        if link is None or link.wallet != receipt.gateway:
-            raise ReceiptRejected(f"receipt signed by {receipt.gateway} came from {caller}, "
-                                  "whose record links another wallet (or none): ignored")
+        link, wire = self.links(caller), schema.mapping(wire, "settle.receipt")
+        signer = Receipt.from_wire(wire).gateway
+        if link is None or link.wallet != signer:
+            raise ReceiptRejected(f"receipt signed by {signer} came from {caller}, whose "
+                                  "record links another wallet (or none): ignored")
+        receipt = self.s.receipts.accept(wire)
         self.s.receipts.remember_gateway(receipt.gateway, caller)
         self.admission.receipted(caller)
         if 0 < self.claim_threshold <= self.s.receipts.unpaid(receipt.gateway) \
