@@ -19,6 +19,7 @@ from kvasird.errors import KvasirError
 
 if TYPE_CHECKING:
     from kvasird.daemon.node import Node
+    from kvasird.settlement.service import Settlement
 
 
 def summary(node: Node) -> dict[str, Any]:
@@ -26,13 +27,9 @@ def summary(node: Node) -> dict[str, Any]:
     s = node.settlement
     if s is None:
         return {"enabled": False}
-    out: dict[str, Any] = {
-        "enabled": True, "wallet": str(s.wallet.address),
-        "gateways": [{"gateway": str(g), "peer_id": p, "earned": s.receipts.earned(g),
-                      "received": s.receipts.received(g), "pending": unpaid}
-                     for g, p, unpaid in s.receipts.gateways()],
-    }
-    out["pending"] = sum(g["pending"] for g in out["gateways"])
+    gateways = _gateways(s)
+    out: dict[str, Any] = {"enabled": True, "wallet": str(s.wallet.address),
+                           "gateways": gateways, "pending": sum(g["pending"] for g in gateways)}
     if s.rewards is not None:
         rows = s.ledger.db.execute(
             "SELECT peer_id, earned, paid FROM settlement_earnings ORDER BY peer_id").fetchall()
@@ -49,13 +46,18 @@ def summary(node: Node) -> dict[str, Any]:
 
 def totals(node: Node) -> dict[str, int] | None:
     """Earned, received and pending over every gateway (None with settlement off)."""
-    s = node.settlement
-    if s is None:
+    if node.settlement is None:
         return None
-    gateways = s.receipts.gateways()
-    return {"earned": sum(s.receipts.earned(g) for g, _, _ in gateways),
-            "received": sum(s.receipts.received(g) for g, _, _ in gateways),
-            "pending": sum(unpaid for _, _, unpaid in gateways), "gateways": len(gateways)}
+    gateways = _gateways(node.settlement)
+    return {**{k: sum(g[k] for g in gateways) for k in ("earned", "received", "pending")},
+            "gateways": len(gateways)}
+
+
+def _gateways(s: Settlement) -> list[dict[str, Any]]:
+    """This node's receipts and payouts, per gateway that owes it."""
+    return [{"gateway": str(g), "peer_id": p, "earned": s.receipts.earned(g),
+             "received": s.receipts.received(g), "pending": unpaid}
+            for g, p, unpaid in s.receipts.gateways()]
 
 
 def routes(node: Node) -> list[Route]:

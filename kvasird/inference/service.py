@@ -68,6 +68,9 @@ from kvasird.p2p import P2PNode
 from kvasird.settlement.admission import Admission, NotAdmitted
 from kvasird.settlement.wallet import WalletLink
 
+ROWS_ADMITTED_S = 1.0
+"""An expert worker trusts a gateway's last pass of the admission checks this long (its
+sessions' stages checked it at open anyway)."""
 RETIRE_GRACE_S = 2.0
 """A replaced engine is freed this long after its last session ended."""
 REPORT_HEARTBEATS = 3
@@ -205,9 +208,9 @@ class InferenceService:
     def use_admission(self, admission: Admission) -> None:
         """A paid network: sessions open here, and expert rows are computed, only for the
         gateways ``admission`` accepts; its reason goes back as an "unpaid" refusal."""
-        async def admit(gateway: str) -> None:
+        async def admit(gateway: str, fresh_s: float = 0.0) -> None:
             try:
-                await admission.check(gateway)
+                await admission.check(gateway, fresh_s)
             except NotAdmitted as exc:
                 raise Refused("", "unpaid", str(exc)) from None
 
@@ -215,7 +218,10 @@ class InferenceService:
             await admit(gateway)
             admission.opened(gateway)
 
-        self.stages.admit, self.experts.admit = admit_session, admit
+        async def admit_rows(gateway: str) -> None:
+            await admit(gateway, ROWS_ADMITTED_S)
+
+        self.stages.admit, self.experts.admit = admit_session, admit_rows
 
     def also_serve(self, protocol: str, handle: Handler) -> None:
         """Another request protocol on the same streams and lanes (call before ``run``)."""

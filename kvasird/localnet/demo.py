@@ -119,7 +119,7 @@ def earnings(net: LocalNet, timeout: float = 30.0) -> list[Earned]:
         return {r["peer_id"]: r["earned"] for r in gateway.get("/v0/wallet")["owed_to_peers"]}
 
     def delivered() -> bool:
-        return all(_held_from(ids[p], gateway) == amount
+        return all(held_from(ids[p], gateway) == amount
                    for p, amount in owed().items() if p in ids and p != gateway.peer_id)
 
     net.wait_until("every node holds its receipt from the gateway", delivered, timeout)
@@ -129,7 +129,7 @@ def earnings(net: LocalNet, timeout: float = 30.0) -> list[Earned]:
             for n in net.nodes]
 
 
-def _held_from(node: LocalNode, gateway: LocalNode) -> int:
+def held_from(node: LocalNode, gateway: LocalNode) -> int:
     """What ``node``'s receipts from ``gateway`` add up to."""
     return sum(g["earned"] for g in node.get("/v0/wallet")["gateways"]
                if g["peer_id"] == gateway.peer_id)
@@ -162,14 +162,19 @@ def claim_all(net: LocalNet) -> list[Paid]:
         failed = [c["error"] for c in claims if c["error"]]
         if failed:
             raise LocalNetError(f"node{node.index}'s claim failed: {failed[0]}")
-        balance = trio.run(_kvr_balance, net.chain.info["RPC URL"], node.wallet(),
-                           net.chain.info["KVR mint"])
-        out.append(Paid(node.index, sum(c["amount"] for c in claims), balance,
-                        ", ".join(c["signature"] for c in claims),
+        out.append(Paid(node.index, sum(c["amount"] for c in claims),
+                        kvr_balance(net, node.wallet()), ", ".join(c["signature"] for c in claims),
                         "" if claims else "its own share stays in its vault"))
     return out
 
 
-async def _kvr_balance(rpc: str, owner: Pubkey, mint: str) -> int:
-    async with ChainClient(rpc, "confirmed") as chain:
-        return await chain.token_balance(owner, Pubkey.from_string(mint))
+def kvr_balance(net: LocalNet, owner: Pubkey) -> int:
+    """KVR base units ``owner`` holds on the network's local chain."""
+    if net.chain is None:
+        raise LocalNetError("balances are read from the local chain: start the network with one")
+    info = net.chain.info
+
+    async def read() -> int:
+        async with ChainClient(info["RPC URL"], "confirmed") as chain:
+            return await chain.token_balance(owner, Pubkey.from_string(info["KVR mint"]))
+    return trio.run(read)

@@ -142,14 +142,9 @@ class ReceiptBook:
             )
         return receipt
 
-    def unpaid(self, gateway: Pubkey | None = None) -> int:
-        """Receipts not yet matched by verified payouts, from one gateway or (None) all."""
-        where, args = ("WHERE gateway = ?", (str(gateway),)) if gateway is not None else ("", ())
-        owed = self._ledger.value(
-            f"SELECT SUM(amount) FROM settlement_peer_receipts {where}", *args
-        )
-        paid = self._ledger.value(f"SELECT SUM(amount) FROM settlement_peer_payouts {where}", *args)
-        return max(owed - paid, 0)
+    def unpaid(self, gateway: Pubkey) -> int:
+        """Receipts from ``gateway`` not yet matched by payouts verified on chain."""
+        return max(self.earned(gateway) - self.received(gateway), 0)
 
     def remember_gateway(self, gateway: Pubkey, peer_id: str) -> None:
         """The peer id the gateway wallet's receipts come from: where claims go."""

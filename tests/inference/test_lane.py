@@ -352,4 +352,4 @@ def test_the_ip_of_a_tcp_address_is_where_lanes_go() -> None:
     assert lane.tcp_ip("/ip4/127.0.0.1/tcp/4001/ws/p2p/12D3KooW") == "127.0.0.1"
     assert lane.tcp_ip("/ip6/::1/tcp/4001") == "::1"
     assert lane.tcp_ip("/dns4/example.org/tcp/4001") is None
-    assert lane.tcp_ip("/ip4/10.0.0.1/udp/4001/quic") is None
+    assert lane.tcp_ip("/ip4/198.51.100.1/udp/4001/quic") is None

@@ -24,6 +24,7 @@ from solders.pubkey import Pubkey
 from solders.system_program import TransferParams, transfer
 
 from kvasird.localnet import LocalNet
+from kvasird.localnet.demo import held_from, kvr_balance
 from kvasird.localnet.launcher import LocalNode
 from kvasird.localnet.placement import pinned
 from kvasird.model.bundled import bundled_path
@@ -78,15 +79,6 @@ def gateway_of(net: LocalNet, node: LocalNode) -> tuple[str, openai.OpenAI]:
     return url, openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
 
 
-def kvr_balance(net: LocalNet, owner: Pubkey) -> int:
-    assert net.chain is not None
-
-    async def read() -> int:
-        async with ChainClient(net.chain.info["RPC URL"], "confirmed") as chain:
-            return await chain.token_balance(owner, Pubkey.from_string(net.chain.info["KVR mint"]))
-    return trio.run(read)
-
-
 class Consumer:
     """A wallet that pays a gateway per request, as a developer's client would."""
 
@@ -118,11 +110,6 @@ def owed(gateway: LocalNode) -> dict[str, dict[str, int]]:
     return {r["peer_id"]: r for r in gateway.get("/v0/wallet")["owed_to_peers"]}
 
 
-def held_receipts(node: LocalNode, gateway: LocalNode) -> int:
-    return sum(g["earned"] for g in node.get("/v0/wallet")["gateways"]
-               if g["peer_id"] == gateway.peer_id)
-
-
 def claim_and_check(net: LocalNet, gateway: LocalNode, consumer: Consumer,
                     claims_itself: frozenset[int] = frozenset()) -> None:
     """Every serving peer holds receipts equal to what the gateway owes it, claims them (the
@@ -131,7 +118,7 @@ def claim_and_check(net: LocalNet, gateway: LocalNode, consumer: Consumer,
     for."""
     due = owed(gateway)
     net.wait_until("every peer holds its receipts", lambda: all(
-        held_receipts(n, gateway) == due[n.peer_id]["earned"]
+        held_from(n, gateway) == due[n.peer_id]["earned"]
         for n in net.nodes if n is not gateway and n.peer_id in due), 30)
     wallet = gateway.get("/v0/wallet")
     workers = sum(r["earned"] for r in due.values())

@@ -116,3 +116,26 @@ async def test_peer_stops_serving_past_max_unpaid_until_paid(
     with pytest.raises(SignatureAlreadyUsed):
         await book.verify_payout(chain, gateway, wallet, local_chain.mint, sig)
     await rule.check(GATEWAY_PEER)
+
+
+async def test_a_recent_pass_stands_only_for_as_long_as_asked(
+        chain: ChainClient, local_chain: LocalChainInfo, ledger: Ledger) -> None:
+    operator = await funded(chain, local_chain, kvr=STAKE)
+    links = {GATEWAY_PEER: sign_link(operator, GATEWAY_PEER, NETWORK)}
+    clock = Clock()
+    rule = admission(chain, local_chain, ReceiptBook(ledger, PEER, NETWORK), links, clock,
+                     max_unreceipted=1)
+    await rule.check(GATEWAY_PEER)
+    rule.opened(GATEWAY_PEER)  # now refused by a full check
+    with pytest.raises(NotAdmitted, match="without sending a receipt"):
+        await rule.check(GATEWAY_PEER)
+    with pytest.raises(NotAdmitted):  # a refusal clears the pass: no stale "yes" after a "no"
+        await rule.check(GATEWAY_PEER, fresh_s=1.0)
+    rule.receipted(GATEWAY_PEER)
+    await rule.check(GATEWAY_PEER)
+    rule.opened(GATEWAY_PEER)
+    clock.now += 0.5
+    await rule.check(GATEWAY_PEER, fresh_s=1.0)  # the pass of 0.5 s ago stands
+    clock.now += 0.6
+    with pytest.raises(NotAdmitted, match="without sending a receipt"):
+        await rule.check(GATEWAY_PEER, fresh_s=1.0)
