@@ -39,9 +39,9 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import trio  # noqa: E402
 
-from kvasird.inference import tensors  # noqa: E402
-from kvasird.inference.channel import MAX_FRAME, Channel, serve  # noqa: E402
-from kvasird.inference.lane import SealedStream  # noqa: E402
+from kvasird.inference.protocol import tensors  # noqa: E402
+from kvasird.inference.transport.channel import MAX_FRAME, Channel, serve  # noqa: E402
+from kvasird.inference.transport.lane import SealedStream  # noqa: E402
 from kvasird.logs import configure  # noqa: E402
 
 HOPS = 3

@@ -27,10 +27,10 @@ import httpx
 import numpy as np
 import trio
 
-from kvasird.inference.experts import _selections
-from kvasird.inference.routing import Hop, Route
-from kvasird.inference.serving import TALLY, Tally
-from kvasird.inference.swarm import Progress, _Run
+from kvasird.inference.client.dispatch import _selections
+from kvasird.inference.client.routing import Hop, Route
+from kvasird.inference.client.swarm import Progress, _Run
+from kvasird.inference.stepcontext import TALLY, Tally
 from kvasird.localnet import LocalNet
 from kvasird.localnet.placement import pinned
 from kvasird.model.bundled import bundled_path

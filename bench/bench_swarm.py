@@ -53,10 +53,11 @@ from test_swarm import experts, settings  # noqa: E402
 from kvasird.compute.experts import ExpertShard, dispatch  # noqa: E402
 from kvasird.compute.kvcache import KVSpec  # noqa: E402
 from kvasird.compute.stage import Stage  # noqa: E402
-from kvasird.inference import tensors  # noqa: E402
-from kvasird.inference.channel import MAX_FRAME, Channels, serve  # noqa: E402
-from kvasird.inference.lane import LaneServer  # noqa: E402
-from kvasird.inference.serving import Holdings, Served, StageServer  # noqa: E402
+from kvasird.inference.protocol import tensors  # noqa: E402
+from kvasird.inference.server.engine import Holdings, Served  # noqa: E402
+from kvasird.inference.server.stage import StageServer  # noqa: E402
+from kvasird.inference.transport.channel import MAX_FRAME, Channels, serve  # noqa: E402
+from kvasird.inference.transport.lane import LaneServer  # noqa: E402
 from kvasird.localnet import LocalNet  # noqa: E402
 from kvasird.localnet.launcher import LocalNetError, LocalNode  # noqa: E402
 from kvasird.logs import configure  # noqa: E402

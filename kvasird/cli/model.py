@@ -5,16 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
-from typing import TextIO
 
 from kvasird.cli import home_of
 from kvasird.model.manifest import Manifest
 from kvasird.model.slice import gguf_pieces, parse_spec, write_slice
 from kvasird.model.store import ShardStore
-from kvasird.model.transfer import Progress
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -128,27 +125,6 @@ def _drop(args: argparse.Namespace) -> int:
         freed = store.drop_model(model_id)
     print(f"dropped {model_id[:16]}, freed {_mb(freed)}")
     return 0
-
-
-class ProgressBar:
-    """A one-line download bar on a terminal (bytes, rate, ETA); silent elsewhere."""
-
-    def __init__(self, out: TextIO = sys.stderr, width: int = 30) -> None:
-        self._out, self._width = out, width
-
-    def __call__(self, p: Progress) -> None:
-        if self._out.isatty():
-            end = "\n" if p.done_bytes >= p.total_bytes else ""
-            self._out.write("\r" + format_progress(p, self._width) + end)
-            self._out.flush()
-
-
-def format_progress(p: Progress, width: int = 30) -> str:
-    frac = p.done_bytes / p.total_bytes if p.total_bytes else 1.0
-    bar = "#" * int(frac * width)
-    eta = "-" if p.eta_s is None else f"{p.eta_s:.0f}s"
-    return (f"[{bar:{width}}] {_mb(p.done_bytes)}/{_mb(p.total_bytes)} "
-            f"{p.rate / 1e6:.1f} MB/s ETA {eta} ({p.holders} holders)")
 
 
 def _mb(n: int) -> str:

@@ -2,7 +2,8 @@
 
     runtime     what the installed ggml build offers (backends, devices, version, threads)
     errors      ComputeError and its kinds: WeightsError, InputError, KVCacheFull
-    gguffile    GGUF header and tensor table through ggml's own parser; tensor bytes memory-mapped
+    ggufview    a GGUF as the engine sees it: header and tensor table from model.gguffile, tensor
+                bytes memory-mapped (nothing read whole)
     hparams     a model's hyper-parameters from its metadata
     graph       Backend (CPU, threads, lock), TensorArena (weights/KV buffers), cached Graphs
     weights     load named tensors (and expert ranges) from a GGUF or slice mini-GGUFs

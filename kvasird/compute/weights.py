@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvasird.compute.errors import WeightsError
-from kvasird.compute.gguffile import GGUFFile
+from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Backend, Tensor, TensorArena, set_bytes
 from kvasird.compute.hparams import HParams
 from kvasird.model.slice import KEY_SLICE, parse_spec

@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from kvasird.config.model import Config, sections
+from kvasird.config.schema import Config, sections
 from kvasird.errors import ConfigError
 
 _REPO_DEFAULT = Path(__file__).resolve().parents[2] / "config" / "kvasird.toml"

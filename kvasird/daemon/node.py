@@ -12,11 +12,11 @@ import trio
 from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.admin.server import build_app
 from kvasird.config import Config
-from kvasird.config.model import SettlementSection
+from kvasird.config.schema import SettlementSection
 from kvasird.daemon import earnings, systemd
 from kvasird.daemon.banner import print_banner
-from kvasird.daemon.governance import GovernanceGossip
-from kvasird.daemon.shards import ShardService
+from kvasird.settlement.gossip import GovernanceGossip
+from kvasird.model.distribution import ShardService
 from kvasird.db import connect
 from kvasird.gateway import Gateway
 from kvasird.home import Home

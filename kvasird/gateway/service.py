@@ -260,7 +260,7 @@ def _read_model(path: Path) -> tuple[str, Tokenizer]:
 
 
 def _label(path: Path) -> str:
-    from kvasird.compute.gguffile import GGUFFile
+    from kvasird.compute.ggufview import GGUFFile
 
     name = GGUFFile(path).get("general.name")
     return str(name) if name else path.stem

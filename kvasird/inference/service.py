@@ -45,20 +45,17 @@ from kvasird.inference.api import (
     TokenEvent,
     UnknownModel,
 )
-from kvasird.inference.channel import MAX_FRAME, Channels, Handler, serve
+from kvasird.inference.client.dispatch import ExpertDispatcher
+from kvasird.inference.client.hotcache import HotExperts
+from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
+from kvasird.inference.client.swarm import Inbox, SwarmGenerator
 from kvasird.inference.errors import Refused
-from kvasird.inference.experts import ExpertDispatcher, HotExperts
-from kvasird.inference.lane import LaneServer, tcp_ip
-from kvasird.inference.routing import Fitness, Latency, PeerHoldings
-from kvasird.inference.serving import (
-    EXPERT_PROTOCOL,
-    STAGE_PROTOCOL,
-    ExpertServer,
-    Holdings,
-    Served,
-    StageServer,
-)
-from kvasird.inference.swarm import Inbox, SwarmGenerator
+from kvasird.inference.protocol import EXPERT_PROTOCOL, STAGE_PROTOCOL
+from kvasird.inference.server.engine import Holdings, Served
+from kvasird.inference.server.experts import ExpertServer
+from kvasird.inference.server.stage import StageServer
+from kvasird.inference.transport.channel import MAX_FRAME, Channels, Handler, serve
+from kvasird.inference.transport.lane import LaneServer, tcp_ip
 from kvasird.inference.verdicts import Verdicts
 from kvasird.logs import get_logger
 from kvasird.market.records import CoverageRecord, LoadReport

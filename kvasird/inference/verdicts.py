@@ -19,7 +19,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 
 from kvasird.errors import WireError
-from kvasird.inference.routing import Fitness
+from kvasird.inference.client.routing import Fitness
 from kvasird.logs import get_logger
 from kvasird.market.gate import RecordGate, Stale
 from kvasird.p2p.gossip import Gossip

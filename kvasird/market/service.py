@@ -38,7 +38,7 @@ from kvasird.p2p import P2PNode
 from kvasird.settlement.wallet import WalletLink
 
 if TYPE_CHECKING:
-    from kvasird.daemon.shards import ShardService
+    from kvasird.model.distribution import ShardService
 from kvasird.wire import pack, unpack
 
 log = get_logger("kvasird.market")

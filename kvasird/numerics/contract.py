@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from kvasird.compute.gguffile import GGUFFile
+from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Backend
 from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.runtime import compute_threads

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from kvasird.compute.gguffile import GGUFFile
+from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import F32, I32, Backend, Builder, Graph, ggml
 from kvasird.compute.weights import load_weights
 from kvasird.numerics import oracle

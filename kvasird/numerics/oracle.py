@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kvasird.compute.gguffile import GGUFFile
+from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.hparams import HParams
 
 

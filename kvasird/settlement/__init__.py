@@ -15,6 +15,7 @@ balance has exactly one writer.
     payments.py     quotes → payment verification (one-shot signatures), prepaid deposits
     pricing.py      NetworkParams and the utilization-driven PriceController
     governance.py   network parameters change only by genesis-signed, versioned messages
+    gossip.py       the governance topic: validate (verify before relaying), apply, re-publish
     rewards.py      gateway-measured work → tiers → revenue split → earnings and receipts
     receipts.py     signed cumulative receipts; the peer's ReceiptBook (which gateway owes what)
     admission.py    no work without pay: a peer serves a gateway only while it is staked and pays

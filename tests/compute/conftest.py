@@ -10,7 +10,6 @@ from kvasird.model.bundled import bundled_path
 from kvasird.model.testmodels import make_model
 
 
-
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("models")

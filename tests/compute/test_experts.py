@@ -10,7 +10,7 @@ from gguf import GGUFWriter
 
 from kvasird.compute.errors import ComputeError, InputError, WeightsError
 from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch
-from kvasird.compute.gguffile import GGUFFile
+from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Backend
 from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.stage import Stage

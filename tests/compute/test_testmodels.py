@@ -7,9 +7,9 @@ import pytest
 from gguf import GGUFReader
 
 from kvasird.cli import main
-from kvasird.compute.gguffile import GGUFFile
-from kvasird.numerics.oracle import Oracle
+from kvasird.compute.ggufview import GGUFFile
 from kvasird.model.testmodels import DTYPES, TestModelError, bundled_tokenizer, make_model
+from kvasird.numerics.oracle import Oracle
 
 UP = "blk.0.ffn_up_exps.weight"
 

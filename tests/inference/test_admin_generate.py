@@ -16,7 +16,7 @@ import httpx
 from starlette.applications import Starlette
 
 from kvasird.config import Config, GatewayConfig, P2PConfig
-from kvasird.config.model import SettlementSection
+from kvasird.config.schema import SettlementSection
 from kvasird.identity import create_node_key
 from kvasird.inference.service import InferenceService
 from kvasird.market.records import Capabilities

@@ -14,8 +14,8 @@ from libp2p.abc import IHost
 from libp2p.peer.peerinfo import PeerInfo
 
 from kvasird.identity.nodekey import create_node_key
-from kvasird.inference.channel import Channels, serve
 from kvasird.inference.errors import UNREACHABLE_S, HopFailed, Refused, Unreachable, sentence
+from kvasird.inference.transport.channel import Channels, serve
 from kvasird.p2p.host import build_host, parse_listen
 
 PROTO = "/kvasir/test-channel/1"

@@ -15,9 +15,10 @@ import trio
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
-from kvasird.inference import experts
-from kvasird.inference.experts import ExpertDispatcher, HotExperts, plan_cache, stack_rows
-from kvasird.inference.serving import Served
+from kvasird.inference.client import hotcache
+from kvasird.inference.client.dispatch import ExpertDispatcher
+from kvasird.inference.client.hotcache import HotExperts, plan_cache, stack_rows
+from kvasird.inference.server.engine import Served
 
 from .test_serving import N_EXPERT, N_LAYER, moe, worker  # noqa: F401 - fixtures
 
@@ -119,7 +120,7 @@ async def test_an_expert_that_failed_to_load_is_tried_again_later(
             raise OSError("no holder answered")
         return await real(layer, expert)
 
-    monkeypatch.setattr(experts, "HOT_RETRY_S", 0.05)
+    monkeypatch.setattr(hotcache, "HOT_RETRY_S", 0.05)
     hot = HotExperts(flaky, capacity=1, after=1)
     try:
         await hot.observe(0, np.array([[3, 3]]))
@@ -139,9 +140,10 @@ async def test_cached_experts_compute_while_the_remote_request_is_out(
     """A row needing a cached expert and a remote one: the request goes first and the
     cached expert computes meanwhile (in place, it would hold the loop: the request could
     not go out, and the round trip would come on top of the local compute)."""
-    from kvasird.inference.channel import Channels, serve
-    from kvasird.inference.routing import Fitness, Latency, PeerHoldings
-    from kvasird.inference.serving import EXPERT_PROTOCOL, ExpertServer
+    from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
+    from kvasird.inference.protocol import EXPERT_PROTOCOL
+    from kvasird.inference.server.experts import ExpertServer
+    from kvasird.inference.transport.channel import Channels, serve
 
     from .test_channel import pair
 

@@ -14,9 +14,9 @@ import trio
 import trio.testing
 
 from kvasird.errors import WireError
-from kvasird.inference import lane
-from kvasird.inference.channel import MAX_FRAME, Channel, Channels, serve
 from kvasird.inference.errors import HopFailed
+from kvasird.inference.transport import lane
+from kvasird.inference.transport.channel import MAX_FRAME, Channel, Channels, serve
 from kvasird.wire import FrameReader
 
 from .test_channel import PROTO, handler, pair

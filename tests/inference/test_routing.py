@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvasird.inference.routing import (
+from kvasird.inference.client.routing import (
     Fitness,
     Hop,
     Latency,

@@ -13,17 +13,12 @@ import trio
 from kvasird.compute.experts import ExpertShard
 from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.stage import Stage, generate
-from kvasird.inference import tensors
+from kvasird.inference.client.swarm import Inbox
 from kvasird.inference.errors import HopFailed, Refused
-from kvasird.inference.serving import (
-    MAX_TRACE,
-    PERTURB_ENV,
-    ExpertServer,
-    Holdings,
-    Served,
-    StageServer,
-)
-from kvasird.inference.swarm import Inbox
+from kvasird.inference.protocol import tensors
+from kvasird.inference.server.engine import Holdings, Served
+from kvasird.inference.server.experts import PERTURB_ENV, ExpertServer
+from kvasird.inference.server.stage import MAX_TRACE, StageServer
 from kvasird.model.manifest import HEAD, Unit
 from kvasird.model.testmodels import make_model
 
@@ -470,10 +465,12 @@ async def test_concurrent_sessions_rows_for_one_worker_go_as_one_message(
         worker: Served, tmp_path: Path) -> None:
     """The dispatcher coalesces only while several decode steps are interleaved here; what
     it sends on a real channel is answered by a real worker, each part as if sent alone."""
-    from kvasird.inference.channel import Channels, serve
-    from kvasird.inference.experts import ExpertDispatcher, HotExperts
-    from kvasird.inference.routing import Fitness, Latency, PeerHoldings
-    from kvasird.inference.serving import COMPANY, EXPERT_PROTOCOL, Company
+    from kvasird.inference.client.dispatch import ExpertDispatcher
+    from kvasird.inference.client.hotcache import HotExperts
+    from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
+    from kvasird.inference.protocol import EXPERT_PROTOCOL
+    from kvasird.inference.stepcontext import COMPANY, Company
+    from kvasird.inference.transport.channel import Channels, serve
 
     from .test_channel import pair
 

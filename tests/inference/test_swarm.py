@@ -30,10 +30,11 @@ from kvasird.inference.api import (
     Sampling,
     TokenEvent,
 )
+from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
+from kvasird.inference.client.swarm import Inbox, SwarmGenerator
 from kvasird.inference.errors import UNREACHABLE_S, Refused, Unreachable
-from kvasird.inference.routing import Fitness, Latency, PeerHoldings
-from kvasird.inference.serving import Holdings, Served, StageServer
-from kvasird.inference.swarm import Inbox, SwarmGenerator
+from kvasird.inference.server.engine import Holdings, Served
+from kvasird.inference.server.stage import StageServer
 from kvasird.model.testmodels import make_model
 
 N_LAYER = 4

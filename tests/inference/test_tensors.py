@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvasird.errors import WireError
-from kvasird.inference import tensors
+from kvasird.inference.protocol import tensors
 
 
 def test_f32_round_trips_exactly_and_f16_rounds() -> None:

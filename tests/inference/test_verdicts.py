@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvasird.errors import WireError
-from kvasird.inference.routing import Fitness
+from kvasird.inference.client.routing import Fitness
 from kvasird.inference.verdicts import Verdict, Verdicts
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import trio
+from gossip_peer import GossipPeer  # type: ignore[import-not-found]
 from solders.keypair import Keypair
 
 from kvasird.localnet import LocalNet
@@ -14,8 +15,6 @@ from kvasird.settlement.governance import sign_governance
 from kvasird.settlement.localchain.genesis import load_or_create_genesis
 from kvasird.settlement.pricing import GENESIS_PARAMS
 from kvasird.wire import pack
-
-from gossip_peer import GossipPeer  # type: ignore[import-not-found]
 
 pytestmark = pytest.mark.slow
 

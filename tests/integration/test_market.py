@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 import trio
+from gossip_peer import GossipPeer  # type: ignore[import-not-found]
 
 from kvasird.localnet import LocalNet
 from kvasird.market.model import MarketModel
-from kvasird.market.records import CoverageRecord, Holding, LoadReport
+from kvasird.market.records import CoverageRecord, Holding
 from kvasird.model.manifest import Manifest
 from kvasird.model.testmodels import make_model
 from kvasird.wire import pack
-
-from gossip_peer import GossipPeer  # type: ignore[import-not-found]
 
 pytestmark = pytest.mark.slow
 

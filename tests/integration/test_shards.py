@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvasird.localnet import LocalNet
+from kvasird.market.pinning import parse_hold
 from kvasird.model.bundled import bundled_path
 from kvasird.model.manifest import Manifest
-from kvasird.market.pinning import parse_hold
 
 pytestmark = pytest.mark.slow
 

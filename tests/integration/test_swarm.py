@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvasird.inference.serving import PERTURB_ENV
+from kvasird.inference.server.experts import PERTURB_ENV
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import LocalNode
 from kvasird.localnet.placement import pinned

@@ -7,10 +7,8 @@ import json
 import pytest
 
 from kvasird.cli import main
-from kvasird.cli.model import format_progress
 from kvasird.model import bundled
 from kvasird.model.slice import read_slice
-from kvasird.model.transfer import Progress
 
 
 def test_a_gguf_added_by_path_is_listed_inspected_sliced_and_dropped(moe_path, moe_manifest,
@@ -46,12 +44,6 @@ def test_a_bad_slice_spec_is_one_line_saying_what_to_write(moe_path, tmp_path, c
                str(tmp_path / "x.gguf")])
     assert rc == 1
     assert "write layers=A:B" in capsys.readouterr().err
-
-
-def test_progress_line_shows_bytes_rate_and_eta():
-    line = format_progress(Progress(25_000_000, 100_000_000, 12_500_000.0, 6.0, 3), width=20)
-    assert line == "[#####               ] 25.0 MB/100.0 MB 12.5 MB/s ETA 6s (3 holders)"
-    assert "ETA -" in format_progress(Progress(0, 10, 0.0, None, 1))
 
 
 def test_the_bundled_model_is_added_by_name(tmp_path, capsys):

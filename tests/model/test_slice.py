@@ -144,7 +144,7 @@ def test_malformed_slice_text_says_what_to_write():
 
 def test_ggml_own_gguf_parser_loads_an_expert_slice(moe_path, moe_manifest, tmp_path):
     pytest.importorskip("ggml")
-    from kvasird.compute.gguffile import GGUFFile
+    from kvasird.compute.ggufview import GGUFFile
 
     spec = ExpertRange(1, 2, 7)
     path = _cut(moe_path, moe_manifest, spec, tmp_path)

@@ -12,8 +12,8 @@ from libp2p.pubsub.pb import rpc_pb2
 from solders.keypair import Keypair
 
 from kvasird.config import Config, NodeConfig
-from kvasird.config.model import SettlementSection
-from kvasird.daemon.governance import TOPIC, GovernanceGossip
+from kvasird.config.schema import SettlementSection
+from kvasird.settlement.gossip import TOPIC, GovernanceGossip
 from kvasird.errors import ConfigError
 from kvasird.home import Home
 from kvasird.settlement.governance import Governance, GovernanceMessage, sign_governance

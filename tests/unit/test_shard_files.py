@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from kvasird.compute.stage import Stage
-from kvasird.daemon.shards import ShardService, slice_specs
+from kvasird.model.distribution import ShardService, slice_specs
 from kvasird.home import Home
 from kvasird.model.manifest import HEAD, Unit
 from kvasird.model.store import ShardStore

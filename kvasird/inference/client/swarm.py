@@ -57,7 +57,6 @@ import numpy as np
 import trio
 
 from kvasird.config import InferenceConfig
-from kvasird.inference import tensors
 from kvasird.inference.api import (
     Busy,
     Finished,
@@ -66,13 +65,11 @@ from kvasird.inference.api import (
     HopWork,
     ModelInfo,
     NoRoute,
-    NotServed,
     TokenEvent,
     UnknownModel,
 )
-from kvasird.inference.channel import Channels
-from kvasird.inference.errors import HopFailed, Refused, Unreachable, sentence
-from kvasird.inference.routing import (
+from kvasird.inference.client.failover import judge
+from kvasird.inference.client.routing import (
     Fitness,
     Hop,
     Latency,
@@ -81,8 +78,10 @@ from kvasird.inference.routing import (
     plan_route,
     uncovered,
 )
-from kvasird.inference.serving import STAGE_PROTOCOL
+from kvasird.inference.errors import HopFailed, Refused, Unreachable
+from kvasird.inference.protocol import STAGE_PROTOCOL, tensors
 from kvasird.inference.steptrace import TRACE_EVERY, StepTrace, Traces
+from kvasird.inference.transport.channel import Channels
 from kvasird.logs import get_logger
 
 RELAY_EVERY = 32
@@ -99,11 +98,9 @@ MAX_EXPERTS_PER_ROW = 64
 """Most experts one row selects in any layer: caps the expert units a stage may report."""
 KEEP_WORK = 1024
 """Finished generations whose work is kept until the gateway asks for it."""
-BUSY_BACKOFF_S = 5.0
-"""A peer that refused for lack of capacity is avoided this long."""
 REPLAN_EVERY_S = 0.25
 """How often a failed-over generation without a route looks at the coverage map again."""
-log = get_logger("kvasird.inference.swarm")
+log = get_logger("kvasird.inference.client.swarm")
 
 LocalHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -420,23 +417,12 @@ class _Run:
             return await self._failover(exc, history, produced)
 
     async def _failover(self, exc: HopFailed, history: list[int], produced: int) -> dict[str, Any]:
+        """Replace the route after `exc` (failover.judge) and replay `history` on the new one."""
         while True:
             self.progress.failovers += 1
-            if self.progress.failovers > self.gen.config.max_failovers:
-                if isinstance(exc, Refused) and exc.code == "busy":
-                    raise Busy(f"the route is out of capacity ({exc.detail}): retry shortly") \
-                        from exc
-                raise GenerationError(f"gave up after {self.gen.config.max_failovers} route "
-                                      f"rebuilds; last failure: {exc}") from exc
-            if isinstance(exc, Refused) and exc.code == "unpaid":
-                raise NotServed(exc.detail) from exc  # every peer applies the same rule
-            if exc.peer == self.gen.me:
-                pass  # never sentence ourselves: our own hop failing is not a peer to avoid
-            elif isinstance(exc, Refused) and exc.code == "busy":
-                self.busy = exc.detail
-                self.gen.fitness.mark(exc.peer, exc.reason, BUSY_BACKOFF_S)
-            elif exc.peer:
-                self.gen.fitness.mark(exc.peer, exc.reason, sentence(exc))
+            self.busy = judge(exc, self.progress.failovers, me=self.gen.me,
+                              max_failovers=self.gen.config.max_failovers,
+                              fitness=self.gen.fitness) or self.busy
             log.warning("hop failed: rebuilding the route and replaying", peer=exc.peer,
                         reason=exc.reason[:200], tokens=len(history))
             with trio.CancelScope(shield=True), trio.move_on_after(2):

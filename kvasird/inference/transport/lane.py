@@ -60,7 +60,7 @@ QUICK_RUN = 8
 _LEN = struct.Struct(">I")
 _OK = b"kvasir-lane-ok"
 _TCP_IP = re.compile(r"^/ip[46]/([^/]+)/tcp/")
-log = get_logger("kvasird.inference.lane")
+log = get_logger("kvasird.inference.transport.lane")
 
 Serve = Callable[..., Any]
 """serve(sealed stream, peer=caller peer id) -> awaitable serving the protocol until it ends."""

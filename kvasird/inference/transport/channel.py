@@ -33,8 +33,8 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
 from kvasird.errors import KvasirError, WireError
-from kvasird.inference import lane
 from kvasird.inference.errors import HopFailed, Refused, Unreachable
+from kvasird.inference.transport import lane
 from kvasird.logs import get_logger
 from kvasird.p2p.reachability import is_circuit
 from kvasird.wire import FrameReader, frame, write_frame
@@ -44,7 +44,7 @@ MAX_FRAME = 64 << 20
 OPEN_TIMEOUT_S = 5.0
 LANE_OPEN_S = 2.0
 """Longest a lane may take to come up (offer, TCP connect, confirmation)."""
-log = get_logger("kvasird.inference.channel")
+log = get_logger("kvasird.inference.transport.channel")
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 """(caller peer id, request) -> reply; raising Refused answers with its code."""

@@ -1,250 +1,52 @@
-"""What a node serves: compute stages for the units it holds, sessions on them, expert rows.
+"""StageServer: sessions on this node's stages, and the "/kvasir/stage/1" handler.
 
-The market's loader hands us the units this node enrolled into; ``Served.build`` turns
-them into engine objects (blocking; run in a thread), all on one ggml backend:
+open (a session on [first, end) with embed/head), step (token ids or hidden rows at
+positions start.. ─▶ hidden rows, or the sampled token at the last stage), close, ping.
+Sessions are keyed by (caller, session id), bounded in number and KV room (admission
+refuses with "busy" and a reason), and closed when idle. A forwarded step computes and
+hands its output to the next hop itself, or its result to the session's owner; a failure
+on the way names the peer that failed (kvasird.inference.protocol draws the messages).
 
-    head unit          ─▶ embed stage (token ids ─▶ hidden) and head stage (hidden ─▶ logits)
-    layers [a, b)      ─▶ one window stage per contiguous run (KV pool of its own)
-    experts (l, e0:e1) ─▶ loaded into the window stage when l is in a window, else into a
-                          worker-only weight set; both are served to other stages as workers
-
-A window stage dispatches the experts of its MoE layers that it does not hold through
-the RemoteExperts hooks the caller provides (kvasird.inference.experts).
-
-``StageServer`` answers "/kvasir/stage/1": open (a session on [first, end) with embed/head),
-step (token ids or hidden rows at positions start.. ─▶ hidden rows, or the sampled token
-at the last stage), close. Sessions are keyed by (caller, session id), bounded in
-number and KV room (admission refuses with "busy" and a reason), and closed when idle.
-``ExpertServer`` answers "/kvasir/experts/1": (layer, rows, local ids) ─▶ outputs, with
-concurrent requests for one layer batched into one ggml call.
-
-Messages (msgpack maps, each with the caller's integer "id", echoed in the reply; arrays
-as kvasird.inference.tensors maps; a refusal is {"error": reason, "code": "busy" | "gone"
-| "bad"}):
-
-    open   {op, sid, model, first, end, embed, head, max_tokens, logprobs, prev,
-            sampling: {temperature, top_k, top_p, repetition_penalty, seed}, draws}  -> {}
-    step   {op, sid, start, x: i32 [T] | f32/f16 [T, n_embd], ids (head hop: the T tokens)}
-             -> {x: [T, n_embd]}  or, at the head,  {token, logprob?, top?}
-    close  {op, sid}                                  -> {experts?: {worker peer: units}}
-    ping   {op, sid}                                       -> {at: positions computed}
-    experts {op, layer, first, rows: [m, n_embd], ids: i32 [m, n] counted from first,
-             for: [gateway peer, ...]}                                 -> {out: [m, n, n_embd]}
-
-Accounting: the gateway measures each stage's work itself (positions x layers); what it
-cannot see is the expert rows a stage sent on, so closing a session answers with the
-units (the experts its rows selected) each expert worker computed for it, and every
-expert request names the gateways whose sessions its rows belong to (``for``). Paid
-networks: a session opens, and a worker computes, only for gateways ``admit`` accepts
-("unpaid" refusal otherwise).
-
-Forwarding (one-way messages, id 0): a step with ``back: {ticket}`` and ``next: [[peer,
-sid], ...]`` (the rest of the route) is answered by no one. The stage computes and sends
-its output to the next hop as the same kind of step (``owner``: the gateway whose session
-it is; ``next`` one shorter); the last hop sends ``{op: result, ticket, token, logprob?,
-top?}`` to the owner. Any failure on the way ends the chain with ``{op: result, ticket,
-error, code, peer}`` to the owner, naming the peer that failed: itself, or the next hop
-it could not reach (code "gone", or "unreachable" when no stream to it could be opened).
-A session takes forwarded steps only from its owner and from the peer the owner named as
-the hop before it (``prev`` at open).
+A step on a stage that dispatches experts runs as steps on the event loop, so the decode
+steps of concurrent sessions interleave (see _run_chain); the step's context
+(kvasird.inference.stepcontext) tells the expert dispatcher whose session it computes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
-import os
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import trio
 
 from kvasird.compute.errors import ComputeError, KVCacheFull
 from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch_steps
-from kvasird.compute.gguffile import GGUFFile
-from kvasird.compute.graph import Backend
-from kvasird.compute.hparams import HParams
-from kvasird.compute.kvcache import PAGE, KVSpec, Session
-from kvasird.compute.runtime import compute_threads
+from kvasird.compute.kvcache import PAGE, Session
 from kvasird.compute.sampling import Sampler, SamplingParams, log_softmax
 from kvasird.compute.stage import Stage, held_now, locks_now
 from kvasird.compute.steps import drive_async
-from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights
 from kvasird.errors import KvasirError, WireError
-from kvasird.inference import tensors
 from kvasird.inference.errors import HopFailed, NoWorkers, Refused, Unreachable
+from kvasird.inference.protocol import tensors
+from kvasird.inference.server.engine import INLINE_TOKENS, Served, run_short
+from kvasird.inference.stepcontext import COMPANY, TALLY, Company, Tally
 from kvasird.inference.steptrace import collecting_waits, waiting
 from kvasird.logs import get_logger
-from kvasird.model.manifest import Unit
-from kvasird.model.slice import contiguous_runs
 from kvasird.wire import schema
 
-STAGE_PROTOCOL = "/kvasir/stage/1"
-EXPERT_PROTOCOL = "/kvasir/experts/1"
-PERTURB_ENV = "KVASIRD_TEST_PERTURB_EXPERTS"
-"""Test-only: a worker started with this set to 1 returns wrong expert outputs."""
-T = TypeVar("T")
-INLINE_TOKENS = 4
-"""Steps (and expert batches) of at most this many rows may compute on the event loop's
-thread (`run_short`)."""
+log = get_logger("kvasird.inference.server")
+
 STAGE_POLL_S = (0.0005, 0.008)
 """A decode step waiting for a stage a prefill holds looks again after the first delay,
 doubling up to the second (a long prefill must not cost its waiters' CPU in wake-ups)."""
 MAX_TOP = 20
 MAX_TRACE = 64
 """Hops a traced step records (a longer trace is dropped, the step goes on)."""
-log = get_logger("kvasird.inference.serving")
-
-RemoteHook = Callable[[int, int, int], ExpertShard]
-"""(layer, first, end) -> a shard computing those experts on other peers."""
-
-
-@dataclass(frozen=True)
-class Holdings:
-    """The units of one model a node holds, as the ranges the engine loads."""
-
-    head: bool = False
-    """Token embedding, output norm and output matrix."""
-    windows: tuple[tuple[int, int], ...] = ()
-    """Contiguous layer runs [a, b) (dense paths)."""
-    experts: tuple[tuple[int, int, int], ...] = ()
-    """(layer, e0, e1) per layer: the span from the first to the last held expert. Loading
-    the span (gaps included) keeps every advertised expert servable with one contiguous
-    range, which is what a worker's graph indexes."""
-
-    @classmethod
-    def of(cls, units: Iterable[Unit]) -> Holdings:
-        units = set(units)
-        layers = sorted(u.layer for u in units if u.kind == "layer")
-        by_layer: dict[int, list[int]] = {}
-        for u in units:
-            if u.kind == "expert":
-                by_layer.setdefault(u.layer, []).append(u.expert)
-        experts = tuple((layer, min(es), max(es) + 1) for layer, es in sorted(by_layer.items()))
-        return cls(any(u.kind == "head" for u in units), tuple(contiguous_runs(layers)), experts)
-
-    def expert_range(self, layer: int) -> tuple[int, int] | None:
-        return next(((e0, e1) for lay, e0, e1 in self.experts if lay == layer), None)
-
-
-class Served:
-    """The engine objects for a Holdings: stages and expert workers on one backend."""
-
-    def __init__(self, sources: list[Path], holdings: Holdings, backend: Backend,
-                 hp: HParams) -> None:
-        self.sources, self.holdings, self.backend, self.hp = sources, holdings, backend, hp
-        self.label = str(GGUFFile(sources[0]).get("general.name") or sources[0].stem)
-        self.embed: Stage | None = None
-        self.head: Stage | None = None
-        self.windows: dict[tuple[int, int], Stage] = {}
-        self.workers: dict[int, ExpertWorker] = {}
-        """Layer -> the worker computing this node's held experts of it."""
-        self.expert_first: dict[int, int] = {}
-        """Layer -> global id of the first expert held (local ids count from here)."""
-        self._extra: Weights | None = None
-
-    @classmethod
-    def build(cls, sources: list[Path], holdings: Holdings, *, threads: int, kv_slots: int,
-              remote: RemoteHook, kv_dtype: str = "f16") -> Served:
-        """Load everything `holdings` names from the model's GGUF, or the slices holding
-        those units (blocking)."""
-        hp = HParams.from_gguf(GGUFFile(sources[0]))
-        served = cls(sources, holdings, Backend(compute_threads(threads)), hp)
-        try:
-            served._load(KVSpec(n_slots=kv_slots, dtype=kv_dtype), remote)
-        except BaseException:
-            served.close()
-            raise
-        return served
-
-    def _load(self, kv: KVSpec, remote: RemoteHook) -> None:
-        hp, h, be = self.hp, self.holdings, self.backend
-        positions = KVSpec(n_slots=1 << 20)  # embed/head stages hold no KV: positions only
-        if h.head:
-            self.embed = Stage.load(self.sources, (0, 0), embed=True, head=False, backend=be,
-                                    kv=positions)
-            self.head = Stage.load(self.sources, (hp.n_layer, hp.n_layer), embed=False, head=True,
-                                   backend=be, kv=positions)
-        in_window: set[int] = set()
-        for a, b in h.windows:
-            shards: dict[int, list[ExpertShard]] = {}
-            ranges: dict[int, tuple[int, int]] = {}
-            for layer in range(a, b) if hp.is_moe else ():
-                held = h.expert_range(layer)
-                if held == (0, hp.n_expert):
-                    continue
-                if held is not None:
-                    ranges[layer] = held
-                shards[layer] = [remote(layer, lo, hi) for lo, hi in _complement(held, hp.n_expert)]
-            stage = Stage.load(self.sources, (a, b), embed=False, head=False, backend=be,
-                               kv=kv, experts=shards,
-                               expert_ranges=ranges)
-            self.windows[(a, b)] = stage
-            local = stage.local_worker()
-            for layer in ranges:
-                stage.set_experts(layer, [*shards[layer], local.shard(layer)])
-            for layer, r in stage.weights.experts.items():
-                self.workers[layer], self.expert_first[layer] = local, r.first
-                in_window.add(layer)
-        rest = {layer: (e0, e1) for layer, e0, e1 in h.experts if layer not in in_window}
-        if rest:
-            names = [f"blk.{layer}.{s}" for layer in rest for s in EXPERT_SUFFIXES]
-            self._extra = load_weights(self.sources, be, names, rest)
-            worker = ExpertWorker(self._extra, be)
-            for layer, r in self._extra.experts.items():
-                self.workers[layer], self.expert_first[layer] = worker, r.first
-
-    @functools.cached_property
-    def dispatches(self) -> bool:
-        """Whether any stage here sends rows to expert shards (a step may then await)."""
-        return any(st.dispatches for st in self.all_stages())
-
-    def stages_for(self, first: int, end: int, embed: bool, head: bool) -> list[Stage]:
-        """The chain of stages that computes one hop, or Refused when we lack a part."""
-        chain: list[Stage] = []
-        if embed:
-            if self.embed is None:
-                raise Refused("", "bad", "this node does not hold the head (embedding)")
-            chain.append(self.embed)
-        if first < end:
-            window = self.windows.get((first, end))
-            if window is None:
-                raise Refused("", "bad", f"this node serves no layer window [{first}, {end}); "
-                                         f"it serves {sorted(self.windows)}")
-            chain.append(window)
-        if head:
-            if self.head is None:
-                raise Refused("", "bad", "this node does not hold the head (output)")
-            chain.append(self.head)
-        if not chain:
-            raise Refused("", "bad", "an empty hop computes nothing")
-        return chain
-
-    def all_stages(self) -> list[Stage]:
-        return [st for st in (self.embed, self.head, *self.windows.values()) if st is not None]
-
-    def close(self) -> None:
-        for stage in self.all_stages():
-            stage.graphs.close()
-            stage.kv.close()
-            stage.weights.close()
-        for worker in set(self.workers.values()):
-            worker.close()
-        if self._extra is not None:
-            self._extra.close()
-        self.backend.close()
-
-
-def _complement(held: tuple[int, int] | None, n: int) -> list[tuple[int, int]]:
-    if held is None:
-        return [(0, n)]
-    return [(lo, hi) for lo, hi in ((0, held[0]), (held[1], n)) if lo < hi]
 
 
 @dataclass
@@ -281,20 +83,7 @@ class ServedSession:
             s.close()
 
 
-@dataclass
-class Tally:
-    """Expert work done on other peers for one session, as the stage that sent it counts."""
 
-    owner: str
-    """The gateway whose session it is (named in every expert request made for it)."""
-    experts: Counter[str] = field(default_factory=Counter)
-    """Worker peer -> units (the experts its rows selected) it computed for this session."""
-
-
-TALLY: contextvars.ContextVar[Tally | None] = contextvars.ContextVar("kvasird_tally",
-                                                                    default=None)
-"""The session a step computes for, read by the expert dispatcher (a step's expert calls
-run in its own context, on the loop or through a worker thread)."""
 Admit = Callable[[str], Awaitable[None]]
 """(gateway peer) -> returns if this node works for that gateway now, else Refused."""
 
@@ -518,31 +307,6 @@ class StageServer:
             await self._ended.wait()
 
 
-async def run_short(holders: Sequence[Stage | ExpertWorker | Backend], short: bool,
-                     fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) in place when the work is `short` (a decode step of a few ms) and nothing
-    else is computing on `holders`: handing it to a thread and back would add ~0.1 ms per
-    hop, more on a busy machine. Otherwise in a worker thread, as long work must be."""
-    if short:
-        with held_now(holders) as held:
-            if held:
-                return fn(*args)
-    return await trio.to_thread.run_sync(fn, *args)
-
-
-class Company:
-    """Decode steps interleaved on this node's stages right now: while more than one is,
-    the expert dispatcher waits a moment to send rows of several sessions for one worker
-    and layer as one message (experts.ExpertDispatcher.remote)."""
-
-    def __init__(self) -> None:
-        self.now = 0
-
-
-COMPANY: contextvars.ContextVar[Company | None] = contextvars.ContextVar("kvasird_company",
-                                                                          default=None)
-
-
 async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
                      company: Company) -> np.ndarray:
     """A step through the hop's stages: in place when short and nothing else computes on
@@ -654,115 +418,3 @@ def _sampling(d: dict[str, Any]) -> SamplingParams:
     except ComputeError as exc:
         raise WireError(f"stage.sampling: {exc}") from None
 
-
-class ExpertServer:
-    """Answers expert requests with this node's workers, batching per layer.
-
-    Requests for one (worker, layer) that arrive while one is being led into a batch join
-    it: one ggml call for all of them. The leader waits `window_s` for company only when
-    the previous batch of that layer had more than one request (concurrent sessions);
-    a single session's requests go straight to compute.
-    """
-
-    def __init__(self, served: Callable[[], Served | None], *, window_s: float,
-                 wire_dtype: str, admit: Admit = _admit_all) -> None:
-        self.served, self.window_s, self.wire_dtype = served, window_s, wire_dtype
-        self.admit = admit
-        self.perturb = os.environ.get(PERTURB_ENV) == "1"
-        self._queues: dict[tuple[int, int], list[_Job]] = {}
-        self._last: dict[tuple[int, int], int] = {}
-        self.rows = 0
-        """Rows computed (for the bench and load reports)."""
-        self.calls = 0
-        """ggml calls made (rows / calls = the batch size achieved)."""
-
-    async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
-        served = self.served()
-        if msg.get("op") != "experts":
-            raise WireError(f"experts: unknown op {msg.get('op')!r}")
-        if served is None:
-            raise Refused("", "bad", "this node holds no experts")
-        # the gateways the rows are computed for (a stage's own request names none)
-        for gateway in schema.text_list(msg, "for", 64, 128, "experts") if "for" in msg \
-                else (caller,):
-            await self.admit(gateway)
-        layer = schema.integer(msg, "layer", 0, served.hp.n_layer - 1, "experts")
-        worker = served.workers.get(layer)
-        if worker is None:
-            raise Refused("", "bad", f"this node holds no experts of layer {layer}")
-        rows = tensors.decode(msg.get("rows"), "experts.rows", ("f32", "f16"),
-                              (None, served.hp.n_embd))
-        ids = tensors.decode(msg.get("ids"), "experts.ids", ("i32",), (len(rows), None))
-        # ids count from the range start the caller saw advertised; ours may start lower
-        offset = schema.integer(msg, "first", 0, served.hp.n_expert, "experts") \
-            - served.expert_first[layer]
-        rows, ids = worker.validate(layer, rows, ids.astype(np.int64) + offset)
-        out = await self._batched(worker, layer, rows, ids)
-        if self.perturb:
-            out = out * 1.5 + 0.01
-        return {"out": tensors.encode(out, self.wire_dtype)}
-
-    async def _batched(self, worker: ExpertWorker, layer: int, rows: np.ndarray,
-                       ids: np.ndarray) -> np.ndarray:
-        key = (id(worker), layer)
-        job = _Job(rows, ids)
-        queue = self._queues.setdefault(key, [])
-        queue.append(job)
-        if len(queue) > 1:
-            await job.done.wait()
-        else:
-            await self._lead(key, worker, layer)
-        self.rows += len(rows)
-        if job.error is not None:
-            raise Refused("", "bad", str(job.error))
-        assert job.out is not None
-        return job.out
-
-
-    async def _lead(self, key: tuple[int, int], worker: ExpertWorker, layer: int) -> None:
-        """Wait out the batching window, then compute every job queued for `key` at once."""
-        batch: list[_Job] = []
-        try:
-            # Only wait for company when the last batch had some: a lone session pays nothing.
-            await trio.sleep(self.window_s if self._last.get(key, 0) > 1 else 0)
-            batch = self._queues.pop(key)
-            self._last[key] = len(batch)
-            short = sum(len(j.rows) for j in batch) <= INLINE_TOKENS
-            outs = await run_short([worker], short, _run_batch, worker, layer, batch)
-            for j, o in zip(batch, outs, strict=True):
-                j.out = o
-            self.calls += 1
-        except ComputeError as exc:
-            for j in batch:
-                j.error = exc
-        finally:
-            # cancelled while waiting: the queued jobs must not wait for a leader forever
-            batch = batch or self._queues.pop(key, [])
-            for j in batch:
-                if j.out is None and j.error is None:
-                    j.error = ComputeError("the batch was cancelled")
-                j.done.set()
-
-
-@dataclass
-class _Job:
-    rows: np.ndarray
-    ids: np.ndarray
-    done: trio.Event = field(default_factory=trio.Event)
-    out: np.ndarray | None = None
-    error: Exception | None = None
-
-
-def _run_batch(worker: ExpertWorker, layer: int, batch: list[_Job]) -> list[np.ndarray]:
-    """One ggml call for every job: ids padded to the widest (repeating the first id)."""
-    if len(batch) == 1:  # a lone session's call: nothing to pad (np.pad alone is ~15 µs)
-        return [worker(layer, batch[0].rows, batch[0].ids)]
-    width = max(j.ids.shape[1] for j in batch)
-    ids = np.concatenate([np.pad(j.ids, ((0, 0), (0, width - j.ids.shape[1])), mode="edge")
-                          for j in batch])
-    out = worker(layer, np.concatenate([j.rows for j in batch]), ids)
-    outs, at = [], 0
-    for j in batch:
-        outs.append(out[at:at + len(j.rows), :j.ids.shape[1]])
-        at += len(j.rows)
-    return outs

@@ -1,0 +1,11 @@
+"""The generating side: turning a request into steps along a route of peers.
+
+    routing    routes from the coverage map (shortest path over layer boundaries by measured
+               latency), expert coverage by replicas, unfit peers, our latency measurements
+    swarm      SwarmGenerator: plan, open sessions, send steps down the route (each hop
+               forwards to the next), probe a silent route, count each hop's work
+    failover   replace the failed hop, close the old route, replay the history on a new one
+    dispatch   ExpertDispatcher: a stage's remote experts on their workers (replicas,
+               failover, spot checks, concurrent sessions' rows as one message)
+    hotcache   HotExperts: experts a stage computes itself to spare round trips
+"""

@@ -1,0 +1,141 @@
+"""ExpertServer: "/kvasir/experts/1", (layer, rows, local ids) ─▶ expert outputs.
+
+Requests for one (worker, layer) that arrive while one is being led into a batch join it:
+one ggml call for all of them. Every request names the gateways whose sessions its rows
+belong to (``for``); on a paid network each must be admitted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from kvasird.compute.errors import ComputeError
+from kvasird.compute.experts import ExpertWorker
+from kvasird.errors import WireError
+from kvasird.inference.errors import Refused
+from kvasird.inference.protocol import tensors
+from kvasird.inference.server.engine import INLINE_TOKENS, Served, run_short
+from kvasird.inference.server.stage import Admit, _admit_all
+from kvasird.wire import schema
+
+PERTURB_ENV = "KVASIRD_TEST_PERTURB_EXPERTS"
+"""Test-only: a worker started with this set to 1 returns wrong expert outputs."""
+
+
+class ExpertServer:
+    """Answers expert requests with this node's workers, batching per layer.
+
+    Requests for one (worker, layer) that arrive while one is being led into a batch join
+    it: one ggml call for all of them. The leader waits `window_s` for company only when
+    the previous batch of that layer had more than one request (concurrent sessions);
+    a single session's requests go straight to compute.
+    """
+
+    def __init__(self, served: Callable[[], Served | None], *, window_s: float,
+                 wire_dtype: str, admit: Admit = _admit_all) -> None:
+        self.served, self.window_s, self.wire_dtype = served, window_s, wire_dtype
+        self.admit = admit
+        self.perturb = os.environ.get(PERTURB_ENV) == "1"
+        self._queues: dict[tuple[int, int], list[_Job]] = {}
+        self._last: dict[tuple[int, int], int] = {}
+        self.rows = 0
+        """Rows computed (for the bench and load reports)."""
+        self.calls = 0
+        """ggml calls made (rows / calls = the batch size achieved)."""
+
+    async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+        served = self.served()
+        if msg.get("op") != "experts":
+            raise WireError(f"experts: unknown op {msg.get('op')!r}")
+        if served is None:
+            raise Refused("", "bad", "this node holds no experts")
+        # the gateways the rows are computed for (a stage's own request names none)
+        for gateway in schema.text_list(msg, "for", 64, 128, "experts") if "for" in msg \
+                else (caller,):
+            await self.admit(gateway)
+        layer = schema.integer(msg, "layer", 0, served.hp.n_layer - 1, "experts")
+        worker = served.workers.get(layer)
+        if worker is None:
+            raise Refused("", "bad", f"this node holds no experts of layer {layer}")
+        rows = tensors.decode(msg.get("rows"), "experts.rows", ("f32", "f16"),
+                              (None, served.hp.n_embd))
+        ids = tensors.decode(msg.get("ids"), "experts.ids", ("i32",), (len(rows), None))
+        # ids count from the range start the caller saw advertised; ours may start lower
+        offset = schema.integer(msg, "first", 0, served.hp.n_expert, "experts") \
+            - served.expert_first[layer]
+        rows, ids = worker.validate(layer, rows, ids.astype(np.int64) + offset)
+        out = await self._batched(worker, layer, rows, ids)
+        if self.perturb:
+            out = out * 1.5 + 0.01
+        return {"out": tensors.encode(out, self.wire_dtype)}
+
+    async def _batched(self, worker: ExpertWorker, layer: int, rows: np.ndarray,
+                       ids: np.ndarray) -> np.ndarray:
+        key = (id(worker), layer)
+        job = _Job(rows, ids)
+        queue = self._queues.setdefault(key, [])
+        queue.append(job)
+        if len(queue) > 1:
+            await job.done.wait()
+        else:
+            await self._lead(key, worker, layer)
+        self.rows += len(rows)
+        if job.error is not None:
+            raise Refused("", "bad", str(job.error))
+        assert job.out is not None
+        return job.out
+
+
+    async def _lead(self, key: tuple[int, int], worker: ExpertWorker, layer: int) -> None:
+        """Wait out the batching window, then compute every job queued for `key` at once."""
+        batch: list[_Job] = []
+        try:
+            # Only wait for company when the last batch had some: a lone session pays nothing.
+            await trio.sleep(self.window_s if self._last.get(key, 0) > 1 else 0)
+            batch = self._queues.pop(key)
+            self._last[key] = len(batch)
+            short = sum(len(j.rows) for j in batch) <= INLINE_TOKENS
+            outs = await run_short([worker], short, _run_batch, worker, layer, batch)
+            for j, o in zip(batch, outs, strict=True):
+                j.out = o
+            self.calls += 1
+        except ComputeError as exc:
+            for j in batch:
+                j.error = exc
+        finally:
+            # cancelled while waiting: the queued jobs must not wait for a leader forever
+            batch = batch or self._queues.pop(key, [])
+            for j in batch:
+                if j.out is None and j.error is None:
+                    j.error = ComputeError("the batch was cancelled")
+                j.done.set()
+
+
+@dataclass
+class _Job:
+    rows: np.ndarray
+    ids: np.ndarray
+    done: trio.Event = field(default_factory=trio.Event)
+    out: np.ndarray | None = None
+    error: Exception | None = None
+
+
+def _run_batch(worker: ExpertWorker, layer: int, batch: list[_Job]) -> list[np.ndarray]:
+    """One ggml call for every job: ids padded to the widest (repeating the first id)."""
+    if len(batch) == 1:  # a lone session's call: nothing to pad (np.pad alone is ~15 µs)
+        return [worker(layer, batch[0].rows, batch[0].ids)]
+    width = max(j.ids.shape[1] for j in batch)
+    ids = np.concatenate([np.pad(j.ids, ((0, 0), (0, width - j.ids.shape[1])), mode="edge")
+                          for j in batch])
+    out = worker(layer, np.concatenate([j.rows for j in batch]), ids)
+    outs, at = [], 0
+    for j in batch:
+        outs.append(out[at:at + len(j.rows), :j.ids.shape[1]])
+        at += len(j.rows)
+    return outs
