@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 import trio
 
+from kvasird.compute.sampling import SamplingParams
 from kvasird.inference.api import Finished, GenerationRequest, Sampling
 from kvasird.inference.chat import ChatTemplate, Message
 from kvasird.inference.local import LocalGenerator
@@ -74,7 +75,7 @@ async def in_process(gen: LocalGenerator, prompt: list[int], n: int, clients: in
 
     async def one() -> None:
         req = GenerationRequest(gen.info.model_id, tuple(prompt),
-                                Sampling(temperature=0.0, max_tokens=n))
+                                Sampling(SamplingParams(temperature=0.0), n))
         t0 = trio.current_time()
         first = last = t0
         count = 0

@@ -17,12 +17,12 @@ import httpx
 
 from kvasird.admin import client
 from kvasird.cli import home_of
-from kvasird.errors import KvasirError
+from kvasird.inference.api import GenerationError
 
 TIMEOUT = httpx.Timeout(10.0, read=600.0)
 
 
-class ChatError(KvasirError):
+class ChatError(GenerationError):
     """The gateway refused the request or could not be reached."""
 
 

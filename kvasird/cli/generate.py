@@ -18,14 +18,16 @@ import httpx
 
 from kvasird.cli import home_of
 from kvasird.config import load
-from kvasird.errors import DaemonNotRunning, KvasirError
+from kvasird.errors import DaemonNotRunning
 from kvasird.home import Home
+from kvasird.inference.api import GenerationError
 from kvasird.inference.chat import ChatTemplate, Message
 from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.manifest import Manifest
+from kvasird.model.ref import ModelRef
 
 
-class GenerateError(KvasirError):
+class GenerateError(GenerationError):
     """The daemon could not generate (no route, busy, unknown model, bad input)."""
 
 
@@ -70,7 +72,10 @@ def _model(home: Home, name: str) -> tuple[Path | None, str]:
         path = Path(name).expanduser()
         return path, Manifest.from_gguf(path).model_id
     served = load(home.config).market.model
-    return (Path(served).expanduser() if served else None), name
+    if not served:
+        return None, name
+    ref = ModelRef.parse(served, where="market.model")
+    return (None if ref.kind == "id" else ref.gguf()), name
 
 
 def _prompt(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[int]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from kvasird.errors import KvasirError
 from kvasird.localnet import LocalNet, demo
 from kvasird.localnet.launcher import LocalNetError
+from kvasird.model.ref import ModelRef
 from kvasird.model.slice import contiguous_runs
 from kvasird.settlement.token import format_kvr
 
@@ -49,12 +50,13 @@ def _up(args: argparse.Namespace) -> int:
         raise LocalNetError(f"a local network already runs from {root}: "
                             "stop it with `kvasird localnet down` first")
     if not 1 <= args.nodes <= 32:
-        raise KvasirError("--nodes must be between 1 and 32")
-    with_model = args.model != "none"
+        raise LocalNetError("--nodes must be between 1 and 32")
+    model = None if args.model == "none" else ModelRef.parse(args.model).gguf()
+    with_model = model is not None
     net = LocalNet(root, args.nodes, chain=with_model, outlive_parent=args.detach)
     try:
-        if with_model:
-            manifest = demo.serve_model(net, args.model)
+        if model is not None:
+            manifest = demo.serve_model(net, model)
             print(f"model {manifest.meta('general.name', '?')} ({manifest.total_bytes / 2**20:.0f} "
                   f"MiB, id {manifest.model_id[:16]}…) will be split among {args.nodes} daemons")
         print(f"starting {'a local chain and ' if with_model else ''}{args.nodes} daemons "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvasird.cli import home_of
 from kvasird.model.manifest import Manifest
+from kvasird.model.ref import ModelRef
 from kvasird.model.slice import gguf_pieces, parse_spec, write_slice
 from kvasird.model.store import ShardStore
 
@@ -61,8 +62,9 @@ def _list(args: argparse.Namespace) -> int:
 
 def _add(args: argparse.Namespace) -> int:
     t = time.perf_counter()
+    ref = ModelRef.parse(args.source)
     with _store(args) as store:
-        manifest = store.add(args.source, args.name)
+        manifest = store.add(ref, args.name)
     print(f"added {manifest.model_id}")
     print(f"  {manifest.arch}, {manifest.n_layer} layers, {manifest.n_expert} experts, "
           f"{_mb(manifest.total_bytes)} in {len(manifest.unit_sizes)} units "

@@ -20,7 +20,9 @@ from kvasird.compute.errors import InputError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """A request's sampling settings, validated on construction."""
+    """A request's sampling settings, validated on construction: the one sampling type
+    from the gateway's API to the sampler at the head (kvasird.inference.protocol.stage
+    holds its wire form)."""
 
     temperature: float = 0.0
     """0 = greedy (argmax); otherwise logits are divided by it before the softmax."""
@@ -32,7 +34,8 @@ class SamplingParams:
     """>1 discourages tokens already in the history (positive logits divided, negative
     multiplied)."""
     seed: int | None = None
-    """Seed of the draw; None = fresh entropy (not reproducible)."""
+    """Seed of the draw, 0..2^64-1 (it travels to the head in a 64-bit field); None =
+    fresh entropy (a swarm generation draws one, so that every route it takes agrees)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -43,6 +46,8 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not 0 <= self.seed < 1 << 64:
+            raise InputError(f"seed must be in 0..2^64-1, got {self.seed}")
 
 
 class Sampler:

@@ -73,7 +73,8 @@ class AdminConfig:
 @dataclass(frozen=True)
 class MarketConfig:
     model: str = field(default="")
-    """Path of the GGUF whose units this node offers to hold ("" = hold nothing)."""
+    """The model whose units this node offers to hold ("" = hold nothing): a GGUF path,
+    bundled:NAME, or a model id peers announce (kvasird.model.ref)."""
     memory_budget_mb: int = field(default=0, metadata=_range(0, 1 << 24))
     """Megabytes of model units this node may hold; 0 = none (gateway/client only)."""
     hold: tuple[str, ...] = field(default=(), metadata={"holdings": True})

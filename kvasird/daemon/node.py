@@ -15,8 +15,6 @@ from kvasird.config import Config
 from kvasird.config.schema import SettlementSection
 from kvasird.daemon import earnings, systemd
 from kvasird.daemon.banner import print_banner
-from kvasird.settlement.gossip import GovernanceGossip
-from kvasird.model.distribution import ShardService
 from kvasird.db import connect
 from kvasird.gateway import Gateway
 from kvasird.home import Home
@@ -26,11 +24,13 @@ from kvasird.inference.service import InferenceService
 from kvasird.logs import get_logger
 from kvasird.market.records import Capabilities
 from kvasird.market.service import MarketService, metadata_only
+from kvasird.model.distribution import ShardService
 from kvasird.model.store import ShardStore
 from kvasird.p2p import P2PNode
 from kvasird.settlement.admission import Admission
 from kvasird.settlement.config import SettlementConfig
 from kvasird.settlement.exchange import SETTLE_PROTOCOL, Exchange
+from kvasird.settlement.gossip import GovernanceGossip
 from kvasird.settlement.service import Settlement, run_settlement
 
 log = get_logger("kvasird.daemon")

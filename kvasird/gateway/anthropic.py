@@ -13,10 +13,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from kvasird.compute.sampling import SamplingParams
 from kvasird.gateway.body import Fields, objects, read_json
 from kvasird.gateway.errors import ApiError, BadRequest
 from kvasird.gateway.generation import Done, Piece
-from kvasird.gateway.openai import content_text, stops
+from kvasird.gateway.openai import content_text, stops, top_p
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
 from kvasird.inference.api import Sampling, TokenEvent
@@ -36,12 +37,9 @@ async def messages(gw: Gateway, request: Request) -> GenerationResponse:
             raise BadRequest(f"`{name_}` is not supported by this gateway", name_)
     if f.obj("thinking").string("type", "disabled") != "disabled":
         raise BadRequest("extended thinking is not supported by this gateway", "thinking")
-    top_p = f.number("top_p", 1.0, 0, 1)
-    if top_p == 0:
-        raise BadRequest("`top_p` must be greater than 0", "top_p")
-    sampling = Sampling(temperature=f.number("temperature", 1.0, 0, 1), top_p=top_p,
-                        top_k=f.integer("top_k", 0, 0, 1 << 20),
-                        max_tokens=gw.max_tokens(f.integer("max_tokens"), "max_tokens"))
+    params = SamplingParams(temperature=f.number("temperature", 1.0, 0, 1), top_p=top_p(f),
+                            top_k=f.integer("top_k", 0, 0, 1 << 20))
+    sampling = Sampling(params, gw.max_tokens(f.integer("max_tokens"), "max_tokens"))
     job = gw.job(info, tok, name, prompt, sampling, stops=stops(f, "stop_sequences"),
                  stream=f.boolean("stream", False))
     return GenerationResponse(gw, job, MessagesRenderer(job))

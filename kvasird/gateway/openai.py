@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from kvasird import __version__
+from kvasird.compute.sampling import SamplingParams
 from kvasird.gateway.body import Fields, objects, read_json, text
 from kvasird.gateway.errors import ApiError, BadRequest
 from kvasird.gateway.generation import Done, Piece
@@ -140,14 +141,15 @@ def sampling(f: Fields, max_tokens: int, top_logprobs: int) -> Sampling:
         raise BadRequest("only `response_format: {\"type\": \"text\"}` is supported",
                          "response_format")
     seed = f.integer("seed", None)
-    return Sampling(temperature=f.number("temperature", 1.0, 0, 2),
-                    top_p=_top_p(f), top_k=f.integer("top_k", 0, 0, 1 << 20),
-                    repetition_penalty=f.number("repetition_penalty", 1.0, 0.01, 10),
-                    seed=None if seed is None else seed % (1 << 64), max_tokens=max_tokens,
-                    logprobs=max(top_logprobs, 1) if top_logprobs >= 0 else 0)
+    params = SamplingParams(temperature=f.number("temperature", 1.0, 0, 2), top_p=top_p(f),
+                            top_k=f.integer("top_k", 0, 0, 1 << 20),
+                            repetition_penalty=f.number("repetition_penalty", 1.0, 0.01, 10),
+                            seed=None if seed is None else seed % (1 << 64))
+    return Sampling(params, max_tokens, max(top_logprobs, 1) if top_logprobs >= 0 else 0)
 
 
-def _top_p(f: Fields) -> float:
+def top_p(f: Fields) -> float:
+    """`top_p` in (0, 1], 1 when absent (both APIs)."""
     value = float(f.number("top_p", 1.0, 0, 1))
     if value == 0:
         raise BadRequest("`top_p` must be greater than 0", "top_p")

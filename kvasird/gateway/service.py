@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from kvasird.config import GatewayConfig
-from kvasird.errors import ConfigError, KvasirError
+from kvasird.errors import KvasirError
 from kvasird.gateway.errors import BadRequest, NotFound, Unavailable
 from kvasird.gateway.stats import GatewayStats
 from kvasird.http import serve_asgi
@@ -236,17 +236,11 @@ def _node_model(node: Node) -> Path | None:
     """The GGUF of the node's [market] model: its path, the bundled file, or (for a model id)
     the original or the head slice from the shard store once it is there."""
     from kvasird.model.manifest import HEAD
-    from kvasird.model.store import BUNDLED, BUNDLED_PREFIX
+    from kvasird.model.ref import ModelRef
 
-    ref = node.config.market.model
-    if ref.startswith(BUNDLED_PREFIX):
-        fetch = BUNDLED.get(ref[len(BUNDLED_PREFIX):])
-        if fetch is None:
-            raise ConfigError(f"market.model = {ref!r}: unknown bundled model; known: "
-                              + ", ".join(f"{BUNDLED_PREFIX}{name}" for name in BUNDLED))
-        return fetch()
-    if Path(ref).expanduser().is_file():
-        return Path(ref).expanduser()
+    ref = ModelRef.parse(node.config.market.model, where="market.model")
+    if ref.kind != "id":
+        return ref.gguf()
     model = node.market.model
     if model is None or HEAD not in node.shards.store.held_units(model.model_id):
         return None

@@ -1,29 +1,30 @@
 """Inference: turning a prompt into tokens, on one node or across the swarm.
 
-    api        the contract between the gateway and whoever generates: GenerationRequest in,
-               a stream of TokenEvents out, ending in one Finished (the gateway renders it as
-               OpenAI or Anthropic; the generator may be local or a route across peers)
-    tokenizer  the model's byte-level BPE from the GGUF (HF tokenizers), streaming-safe decoding
-    chat       the GGUF's chat template, rendered in Jinja's sandbox
-    local      LocalGenerator: the whole model on this node, ggml in a worker thread, fair turns
-    tensors    arrays on the wire: raw f32/f16/i32 bytes in msgpack bin fields, validated
-    channel    request/response with ids (and one-way frames) over one long-lived stream
-               per peer and protocol, timeouts
-    lane       a direct TCP connection keyed over libp2p that carries a channel's hot path
-    serving    what this node serves: stages and expert workers built from held units;
-               "/kvasir/stage/1" sessions (KV, admission, idle expiry), "/kvasir/experts/1"
-               rows batched per layer across callers
-    routing    routes from the coverage map (shortest path over layer boundaries by measured
-               latency), expert coverage by replicas, unfit peers, our latency measurements
-    experts    remote expert dispatch from a stage: replicas, failover, spot checks, the
-               hot-expert cache, concurrent sessions' rows for one worker as one message
-    verdicts   spot-check verdicts on gossip; a quorum of accusers makes a node avoid a worker
-    swarm      SwarmGenerator: plan, open sessions, send steps down the route (each hop
-               forwards to the next), probe a silent route, fail over and replay the history
-               on a new route
-    steptrace  where a traced step's time went: per hop queue / compute / after, the wire
-    service    the daemon's wiring: market loader, protocol handlers, admin generate API,
-               load reports on gossip
+The package is split the way a token's data flows: the generating side (client/) plans a
+route and sends steps; the serving side (server/) computes them; transport/ carries the
+frames; protocol/ says what the frames may hold, and every message is validated there
+before a handler sees it.
+
+    api          the contract between the gateway and whoever generates: GenerationRequest in,
+                 a stream of TokenEvents out, ending in one Finished (the gateway renders it
+                 as OpenAI or Anthropic; the generator may be local or a route across peers)
+    errors       the data plane's errors: a hop that failed, refused, or was unreachable
+    local        LocalGenerator: the whole model on this node, ggml in a worker thread
+    tokenizer    the model's byte-level BPE from the GGUF (HF tokenizers), streaming-safe
+    chat         the GGUF's chat template, rendered in Jinja's sandbox
+    client/      routing, SwarmGenerator (sessions along a route), failover, expert dispatch
+                 from a stage, the hot-expert cache
+    server/      the engine this node serves (stages, expert workers), the stage server, the
+                 expert server
+    transport/   channels (request/response and one-way frames over one stream per peer and
+                 protocol) and lanes (direct TCP for the hot path)
+    protocol/    protocol ids, the messages and their wire form, arrays on the wire
+    stepcontext  whose session a step computes for, shared by the stage server and the
+                 expert dispatcher it calls through the engine
+    steptrace    where a traced step's time went: per hop queue / compute / after, the wire
+    verdicts     spot-check verdicts on gossip; a quorum of accusers makes a node avoid a worker
+    service      the daemon's wiring: market loader, protocol handlers, admin generate API,
+                 load reports on gossip
 
 Data flow of one swarm token (boundaries go stage to stage; a hop on this node is a direct
 call):

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvasird.compute.sampling import SamplingParams
 from kvasird.errors import KvasirError
 
 
@@ -37,16 +38,10 @@ class NotServed(GenerationError):
 
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float = 1.0
-    """0 means greedy."""
-    top_p: float = 1.0
-    """Nucleus mass kept."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 = off."""
-    repetition_penalty: float = 1.0
-    """1.0 = off."""
-    seed: int | None = None
-    """Fixed seed: the same request gives the same tokens."""
+    """How a generation picks its tokens, how many, and what it reports of them."""
+
+    params: SamplingParams = SamplingParams()
+    """The sampler's settings (greedy by default: each API sets its own defaults)."""
     max_tokens: int = 256
     """Upper bound on generated tokens (finish reason "length")."""
     logprobs: int = 0

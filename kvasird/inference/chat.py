@@ -22,7 +22,7 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvasird.errors import KvasirError
+from kvasird.errors import ModelError
 from kvasird.inference.tokenizer import Tokenizer
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
@@ -30,7 +30,7 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-class ChatTemplateError(KvasirError):
+class ChatTemplateError(ModelError):
     """The model's chat template failed on these messages (the message says why)."""
 
 

@@ -1,8 +1,15 @@
 """Errors of the swarm data plane (the generation errors themselves live in api).
 
+A refusal has two sides. The server raises a Refusal (this node will not do what was
+asked); the transport answers it as {"error": detail, "code": code}. The caller's channel
+turns that answer into a Refused naming the peer, which failover routes around.
+
+    KvasirError (kvasird.errors)
+    └── Refusal            raised by a server: this node refuses a peer's request, with a
+                           Code and a reason
     PeerError (kvasird.errors)
     └── HopFailed          a stage or worker failed, refused or timed out: route around it
-        ├── Refused        it answered with a reason (busy, unknown session, bad request)
+        ├── Refused        it answered with a Refusal's code and reason
         └── Unreachable    no stream to it could be opened (it may only be not dialled yet)
     ComputeError (kvasird.compute.errors)
     └── NoWorkers          no fit peer holds experts a stage must dispatch (a stage answers "busy")
@@ -10,8 +17,38 @@
 
 from __future__ import annotations
 
+from typing import Any, Literal, cast, get_args
+
 from kvasird.compute.errors import ComputeError
-from kvasird.errors import PeerError
+from kvasird.errors import KvasirError, PeerError
+
+Code = Literal["busy", "gone", "bad", "unpaid", "unreachable"]
+"""Why a peer refused, the whole closed set:
+    busy         out of capacity now (sessions, KV room, expert workers): retry elsewhere, soon
+    gone         no such session (expired, or the node restarted); on a forwarded chain, the
+                 next hop failed
+    bad          the request was malformed or asked for what this node does not serve
+    unpaid       this node works only for gateways that pay it (a paid network)
+    unreachable  on a forwarded chain: no stream to the next hop could be opened"""
+CODES: frozenset[str] = frozenset(get_args(Code))
+
+
+def code_of(value: Any) -> Code:
+    """A code read from a peer: itself when it is one of CODES, else "bad"."""
+    return cast(Code, value) if isinstance(value, str) and value in CODES else "bad"
+
+
+class Refusal(KvasirError):
+    """This node refuses a request; the transport answers the caller with `code` and
+    `detail` (a client sees it as Refused)."""
+
+    def __init__(self, code: Code, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code: Code = code
+        self.detail = detail
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"error": self.detail[:500], "code": self.code}
 
 
 class HopFailed(PeerError):
@@ -24,11 +61,11 @@ class HopFailed(PeerError):
 
 
 class Refused(HopFailed):
-    """The peer answered, but refused: ``code`` is "busy", "gone" or "bad"."""
+    """The peer answered, but refused (its Refusal): ``code`` says why, one of CODES."""
 
-    def __init__(self, peer: str, code: str, reason: str) -> None:
+    def __init__(self, peer: str, code: Code, reason: str) -> None:
         super().__init__(peer, f"{code}: {reason}")
-        self.code = code
+        self.code: Code = code
         self.detail = reason
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import trio
 
 from kvasird.compute.kvcache import PAGE, KVSpec, Session
-from kvasird.compute.sampling import Sampler, SamplingParams, log_softmax
+from kvasird.compute.sampling import Sampler, log_softmax
 from kvasird.compute.stage import Stage
 from kvasird.inference.api import (
     Busy,
@@ -26,7 +26,6 @@ from kvasird.inference.api import (
     GenerationRequest,
     HopWork,
     ModelInfo,
-    Sampling,
     TokenEvent,
     UnknownModel,
 )
@@ -89,7 +88,7 @@ class LocalGenerator:
         session: Session | None = None
         try:
             session = await self._step(self.stage.open_session)
-            sampler = Sampler(_params(s))
+            sampler = Sampler(s.params)
             history = list(request.prompt)
             logits = None
             for c in range(0, n_prompt, PREFILL_CHUNK):
@@ -120,11 +119,6 @@ class LocalGenerator:
     async def _step(self, fn, *args):  # noqa: ANN001, ANN202 - a thin pass-through
         async with self._lock:
             return await trio.to_thread.run_sync(fn, *args)
-
-
-def _params(s: Sampling) -> SamplingParams:
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                          repetition_penalty=s.repetition_penalty, seed=s.seed)
 
 
 def _event(token: int, logits: np.ndarray, n_top: int) -> TokenEvent:

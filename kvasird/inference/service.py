@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,12 @@ from kvasird import PROTOCOL_VERSION
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
 from kvasird.compute.runtime import compute_threads
+from kvasird.compute.sampling import SamplingParams
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
 from kvasird.config import Config, GatewayConfig
 from kvasird.gateway.body import Fields, read_json
 from kvasird.gateway.errors import ApiError, BadRequest, Forbidden, PaymentRequired
+from kvasird.gateway.openai import top_p
 from kvasird.http import is_loopback
 from kvasird.inference.api import (
     Busy,
@@ -49,8 +51,9 @@ from kvasird.inference.client.dispatch import ExpertDispatcher
 from kvasird.inference.client.hotcache import HotExperts
 from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
 from kvasird.inference.client.swarm import Inbox, SwarmGenerator
-from kvasird.inference.errors import Refused
-from kvasird.inference.protocol import EXPERT_PROTOCOL, STAGE_PROTOCOL
+from kvasird.inference.errors import Refusal
+from kvasird.inference.protocol import EXPERT_PROTOCOL, STAGE_PROTOCOL, experts, stage
+from kvasird.inference.protocol.stage import MAX_TOP
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.experts import ExpertServer
 from kvasird.inference.server.stage import StageServer
@@ -209,7 +212,7 @@ class InferenceService:
             try:
                 await admission.check(gateway, fresh_s)
             except NotAdmitted as exc:
-                raise Refused("", "unpaid", str(exc)) from None
+                raise Refusal("unpaid", str(exc)) from None
 
         async def admit_session(gateway: str) -> None:
             await admit(gateway)
@@ -265,11 +268,14 @@ class InferenceService:
                 self.dispatcher.hot.nursery = nursery
                 await nursery.start(self.channels.run)
                 await nursery.start(self.verdicts.run)
-                for protocol, handle, inline in (
-                        (STAGE_PROTOCOL, self.stages.handle, self.stages.inline),
-                        (EXPERT_PROTOCOL, self.experts.handle, None),
-                        *((p, h, None) for p, h in self._extra)):
-                    answer = functools.partial(serve, handle=handle, idle_s=idle, inline=inline)
+                protocols: list[tuple[str, Callable[[dict[str, Any]], Any] | None, Handler,
+                                      Callable[[Any], bool] | None]] = [
+                    (STAGE_PROTOCOL, stage.parse, self.stages.answer, self.stages.inline),
+                    (EXPERT_PROTOCOL, experts.parse, self.experts.answer, None),
+                    *((p, None, h, None) for p, h in self._extra)]
+                for protocol, parse, handle, inline in protocols:
+                    answer = functools.partial(serve, handle=handle, idle_s=idle, parse=parse,
+                                               inline=inline)
                     host.set_stream_handler(protocol, functools.partial(
                         answer, lanes=self.lanes, protocol=protocol))
                     if self.lanes is not None:
@@ -394,11 +400,11 @@ def parse_request(body: Fields, caps: GatewayConfig) -> GenerationRequest:
     if max_tokens > caps.max_tokens:
         raise BadRequest(f"`max_tokens` = {max_tokens} exceeds this node's limit of "
                          f"{caps.max_tokens} ([gateway] max_tokens)", "max_tokens")
-    sampling = Sampling(temperature=body.number("temperature", 0.0, 0),
-                        top_p=body.number("top_p", 1.0, 0, 1), top_k=body.integer("top_k", 0, 0),
-                        repetition_penalty=body.number("repetition_penalty", 1.0, 0.01),
-                        seed=body.integer("seed", None), max_tokens=max_tokens,
-                        logprobs=body.integer("logprobs", 0, 0, 20))
+    params = SamplingParams(temperature=body.number("temperature", 0.0, 0), top_p=top_p(body),
+                            top_k=body.integer("top_k", 0, 0),
+                            repetition_penalty=body.number("repetition_penalty", 1.0, 0.01),
+                            seed=body.integer("seed", None, 0, (1 << 64) - 1))
+    sampling = Sampling(params, max_tokens, body.integer("logprobs", 0, 0, MAX_TOP))
     return GenerationRequest(body.string("model", ""), tuple(prompt), sampling,
                              frozenset(_token_ids(body, "stop", [])),
                              body.string("request_id", ""))

@@ -27,7 +27,7 @@ from tokenizers import AddedToken, Regex, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from kvasird.errors import KvasirError
+from kvasird.errors import ModelError
 from kvasird.model.gguffile import GGUFFormatError, read_header
 
 CONTROL, USER_DEFINED = 3, 4
@@ -47,7 +47,7 @@ _STARCODER_FAMILY = ("smollm", "starcoder", "refact", "command-r", "codeshell", 
                      "minerva")
 
 
-class TokenizerError(KvasirError):
+class TokenizerError(ModelError):
     """The GGUF's tokenizer is missing or of a kind kvasird does not implement."""
 
 

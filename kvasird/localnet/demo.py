@@ -19,7 +19,6 @@ import trio
 from solders.pubkey import Pubkey
 
 from kvasird.localnet.launcher import LocalNet, LocalNetError, LocalNode
-from kvasird.model.bundled import bundled_path
 from kvasird.model.manifest import Manifest
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
@@ -32,13 +31,9 @@ France is Paris.", each token up to "Paris" ahead of the next best by 2 logits o
 are a helpful assistant." the first token led by 0.13: the CPU's rounding picked French."""
 
 
-def model_path(ref: str) -> Path:
-    return bundled_path() if ref == "bundled:smollm2" else Path(ref).expanduser().resolve()
-
-
-def serve_model(net: LocalNet, ref: str) -> Manifest:
-    """Configure the nodes so that the market splits the model among them (call before up)."""
-    path = model_path(ref)
+def serve_model(net: LocalNet, path: Path) -> Manifest:
+    """Configure the nodes so that the market splits the GGUF at ``path`` among them (call
+    before up)."""
     manifest = Manifest.from_gguf(path)
     n = len(net.nodes)
     # Each node may hold a bit more than its share: together they cover the model once,

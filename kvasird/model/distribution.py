@@ -8,8 +8,6 @@ peers announce) into a manifest.
 
 from __future__ import annotations
 
-import os
-import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -19,11 +17,13 @@ from libp2p.peer.id import ID
 
 from kvasird.logs import get_logger
 from kvasird.model.manifest import Manifest, Unit
+from kvasird.model.ref import ModelRef
 from kvasird.model.slice import contiguous_runs, parse_spec
 from kvasird.model.store import ShardStore
 from kvasird.model.transfer import (
     PROTOCOL_ID,
     Progress,
+    ShardSource,
     TransferReport,
     download,
     ensure_manifest,
@@ -35,14 +35,16 @@ log = get_logger("kvasird.shards")
 
 MAX_SERVING_STREAMS = 4
 OPEN_TIMEOUT_S = 10.0
-_MODEL_ID = re.compile(r"[0-9a-f]{64}")
 
 
 class ShardService:
-    def __init__(self, p2p: P2PNode, store: ShardStore) -> None:
+    def __init__(self, p2p: P2PNode, store: ShardStore, *,
+                 source: ShardSource | None = None) -> None:
         self.p2p = p2p
         self.store = store
-        self.source = _test_source(store)
+        self.source: ShardSource = store if source is None else source
+        """What serving reads pieces from: the store (a test's fault layer passes a wrapper
+        of it: a slow holder, a lying one)."""
         self._serving = trio.CapacityLimiter(MAX_SERVING_STREAMS)
         self.last_report: TransferReport | None = None
         self.progress: Progress | None = None
@@ -60,29 +62,26 @@ class ShardService:
         with trio.fail_after(OPEN_TIMEOUT_S):
             return await self.p2p.host.new_stream(ID.from_base58(peer), [PROTOCOL_ID])
 
-    async def resolve(self, ref: str, announcers: Callable[[str], list[str]]) -> Manifest:
+    async def resolve(self, text: str, announcers: Callable[[str], list[str]]) -> Manifest:
         """The manifest of the configured model, importing or fetching it as needed."""
-        if _MODEL_ID.fullmatch(ref):
+        ref = ModelRef.parse(text, where="market.model")
+        if ref.kind == "id":
+            model_id = ref.value
             while True:
                 try:
-                    return self.store.manifest(ref)
+                    return self.store.manifest(model_id)
                 except Exception:  # noqa: BLE001 - not in the store yet
                     pass
-                peers = announcers(ref)
+                peers = announcers(model_id)
                 if peers:
                     try:
-                        return await ensure_manifest(self.store, ref, peers, self.open_stream)
+                        return await ensure_manifest(self.store, model_id, peers, self.open_stream)
                     except Exception as exc:  # noqa: BLE001 - try again with whoever announces it
-                        log.warning("fetching the model manifest failed", model=ref[:16],
+                        log.warning("fetching the model manifest failed", model=model_id[:16],
                                     error=str(exc)[:200])
                 await trio.sleep(1.0)
-        if not ref.startswith("bundled:") and not Path(ref).expanduser().is_file():
-            from kvasird.errors import ConfigError
-            raise ConfigError(f"market.model = {ref!r}: no such file; give a GGUF path, "
-                              "bundled:smollm2, or a model id that peers announce")
-        log.info("importing model into the shard store", model=ref)
-        manifest = await trio.to_thread.run_sync(self.store.add, str(Path(ref).expanduser())
-                                                 if not ref.startswith("bundled:") else ref)
+        log.info("importing model into the shard store", model=str(ref))
+        manifest = await trio.to_thread.run_sync(self.store.add, ref)
         log.info("model imported", model_id=manifest.model_id, bytes=manifest.total_bytes)
         return manifest
 
@@ -160,37 +159,3 @@ def slice_specs(units: Iterable[Unit]) -> list[str]:
         specs += [f"experts={layer}:{a}:{b}" for a, b in contiguous_runs(es)]
     return specs
 
-
-class _Throttled:
-    """Test-only (KVASIRD_TEST_SHARD_RATE=bytes/s): a slow holder, to kill mid-transfer."""
-
-    def __init__(self, store: ShardStore, rate: float) -> None:
-        self.store, self.rate = store, rate
-
-    def manifest_bytes(self, model_id: str) -> bytes | None:
-        return self.store.manifest_bytes(model_id)
-
-    def read_range(self, model_id: str, tensor: str, expert: int, offset: int,
-                   length: int) -> bytes | None:
-        import time
-        time.sleep(length / self.rate)  # runs in the server's worker thread
-        return self.store.read_range(model_id, tensor, expert, offset, length)
-
-
-class _Flipping(_Throttled):
-    """Test-only (KVASIRD_TEST_FLIP_SHARD_BYTES=1): a holder that serves corrupted bytes."""
-
-    def read_range(self, model_id: str, tensor: str, expert: int, offset: int,
-                   length: int) -> bytes | None:
-        data = self.store.read_range(model_id, tensor, expert, offset, length)
-        return None if data is None else bytes([data[0] ^ 0xFF]) + data[1:]
-
-
-def _test_source(store: ShardStore) -> Any:
-    if os.environ.get("KVASIRD_TEST_FLIP_SHARD_BYTES"):
-        log.warning("test mode: serving corrupted shard bytes")
-        return _Flipping(store, 0)
-    if rate := float(os.environ.get("KVASIRD_TEST_SHARD_RATE", "0")):
-        log.warning("test mode: throttling shard serving", bytes_per_s=rate)
-        return _Throttled(store, rate)
-    return store

@@ -21,7 +21,7 @@ from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from kvasird.errors import KvasirError
+from kvasird.errors import ModelError
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -38,7 +38,7 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
-class GGUFFormatError(KvasirError):
+class GGUFFormatError(ModelError):
     """A file is not a GGUF this reader understands."""
 
 

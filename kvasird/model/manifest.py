@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 from gguf import GGUFValueType
 
-from kvasird.errors import KvasirError
+from kvasird.errors import ModelError
 from kvasird.model.gguffile import (
     SCALAR_FORMATS,
     GGUFFormatError,
@@ -50,7 +50,7 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.")
 _EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
 
 
-class ManifestError(KvasirError):
+class ManifestError(ModelError):
     """A manifest is malformed, or does not match the model id it was fetched for."""
 
 

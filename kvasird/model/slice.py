@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from kvasird.errors import KvasirError
+from kvasird.errors import ModelError
 from kvasird.model.gguffile import SCALAR_FORMATS, read_header
 from kvasird.model.manifest import HEAD, Manifest, Piece, TensorEntry, Unit
 
@@ -37,7 +37,7 @@ PieceReader = Callable[[Piece], "bytes | memoryview"]
 """Returns the bytes of one piece (from a full GGUF, the store, or a download)."""
 
 
-class SliceError(KvasirError):
+class SliceError(ModelError):
     """A slice spec is malformed or out of range, or a slice file does not match its model."""
 
 

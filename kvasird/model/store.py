@@ -29,15 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvasird import db
-from kvasird.errors import KvasirError
+from kvasird.errors import ModelError
 from kvasird.home import Home
-from kvasird.model import bundled
 from kvasird.model.manifest import Manifest, ManifestError, Piece, Unit
+from kvasird.model.ref import ModelRef
 from kvasird.model.slice import SliceSpec, gguf_pieces, units_of, verify_slice, write_slice
-
-BUNDLED_PREFIX = "bundled:"
-BUNDLED = {"smollm2": bundled.bundled_path}
-"""Models `kvasird model add bundled:NAME` knows how to obtain."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS shard_models (
@@ -54,7 +50,7 @@ CREATE INDEX IF NOT EXISTS shard_refs_by_sha ON shard_refs (sha256);
 """
 
 
-class StoreError(KvasirError):
+class StoreError(ModelError):
     """The shard store cannot do what was asked (unknown model, missing or corrupt piece)."""
 
 
@@ -174,19 +170,9 @@ class ShardStore:
         self.mark_held(manifest.model_id, units)
         return manifest
 
-    def add(self, what: str, name: str = "") -> Manifest:
-        """`kvasird model add`: a GGUF path or bundled:NAME."""
-        if what.startswith(BUNDLED_PREFIX):
-            key = what.removeprefix(BUNDLED_PREFIX)
-            if key not in BUNDLED:
-                raise StoreError(f"unknown bundled model {key!r}: use one of "
-                                 f"{', '.join(BUNDLED_PREFIX + k for k in BUNDLED)}")
-            return self.import_gguf(BUNDLED[key](), name, source=what)
-        path = Path(what).expanduser()
-        if not path.is_file():
-            raise StoreError(f"{path} is not a file: give the path of a .gguf file "
-                             "or bundled:smollm2")
-        return self.import_gguf(path.resolve(), name)
+    def add(self, ref: ModelRef, name: str = "") -> Manifest:
+        """`kvasird model add`: import the GGUF of a path or bundled:NAME (not of an id)."""
+        return self.import_gguf(ref.gguf(), name, source=str(ref))
 
     def drop_model(self, model_id: str) -> int:
         """Forget a model and delete its pieces; returns bytes freed."""

@@ -28,7 +28,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 
-from kvasird.errors import KvasirError
+from kvasird.errors import ModelError
 from kvasird.model import bundled
 
 ARCHS = ("qwen3moe", "llama")
@@ -46,7 +46,7 @@ DTYPES: dict[str, GGMLQuantizationType] = {
 _K_QUANTS = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K}
 
 
-class TestModelError(KvasirError):
+class TestModelError(ModelError):
     """The requested test model cannot be built (bad dimensions for the chosen type)."""
 
     __test__ = False  # not a pytest class despite the name

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import structlog
 import trio
 
-from kvasird.errors import KvasirError, PeerError, WireError
+from kvasird.errors import KvasirError, ModelError, PeerError, WireError
 from kvasird.model.manifest import MAX_MANIFEST, Manifest, ManifestError, Piece, Unit
 from kvasird.model.store import ShardStore, StoreError
 from kvasird.wire.framing import ByteStream, FrameReader, write_frame
@@ -54,7 +54,7 @@ PIPELINE = 2
 log = structlog.get_logger("kvasird.model.transfer")
 
 
-class TransferError(KvasirError):
+class TransferError(ModelError):
     """A download could not finish; what was verified so far stays on disk for a retry."""
 
 

@@ -7,7 +7,6 @@ Every dial has a timeout: a dial that hangs must not hold anything else up.
 from __future__ import annotations
 
 import random
-import time
 
 import multiaddr
 import trio
@@ -42,7 +41,7 @@ class Dialer:
         return len(self._host.get_connected_peers()) < self._max_peers
 
     def due(self, peer_id: str) -> bool:
-        return self._backoff.get(peer_id, (0.0, 0.0))[0] <= time.monotonic()
+        return self._backoff.get(peer_id, (0.0, 0.0))[0] <= trio.current_time()
 
     async def dial(self, addrs: list[str]) -> bool:
         """Dial one peer by its addresses (all with the same /p2p/ id). True on success."""
@@ -57,19 +56,20 @@ class Dialer:
             log.warning("cannot dial: bad address", addrs=addrs, error=str(exc))
             return False
         info = Libp2pPeerInfo(infos[0].peer_id, [a for i in infos for a in i.addrs])
-        ok = False
+        ok, error = False, f"no connection within {DIAL_TIMEOUT_S:g} s"
         with trio.move_on_after(DIAL_TIMEOUT_S):
             try:
                 await self._host.connect(info)
                 ok = True
             except Exception as exc:  # noqa: BLE001 - the swarm raises a zoo of types
-                log.debug("dial failed", peer=pid, error=str(exc)[:200])
+                error = str(exc)[:200]
         if ok:
             self._backoff.pop(pid, None)
         else:
+            log.debug("dial failed", peer=pid, error=error)
             _, delay = self._backoff.get(pid, (0.0, BACKOFF_MIN_S / 2))
             delay = min(delay * 2, BACKOFF_MAX_S)
-            self._backoff[pid] = (time.monotonic() + delay * random.uniform(0.8, 1.2), delay)
+            self._backoff[pid] = (trio.current_time() + delay * random.uniform(0.8, 1.2), delay)
         return ok
 
     async def keep_bootstrapped(self, bootstrap: tuple[str, ...], known: list[tuple[str, tuple[str, ...]]],

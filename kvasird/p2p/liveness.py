@@ -9,13 +9,14 @@ node keeps one heartbeat stream to every connected peer:
 
 A peer that has not answered for liveness_timeout_s is closed and dropped from the
 peer table. So the bound on noticing a dead peer is liveness_timeout_s plus at most
-one heartbeat interval.
+one heartbeat interval. Silence is measured on trio's clock (not the wall clock the peer
+table shows): a clock step does not drop every peer at once, and a test's MockClock
+drives it.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 
 import trio
@@ -42,6 +43,8 @@ class Liveness:
         self._interval = interval_s
         self._timeout = timeout_s
         self._tracked: set[str] = set()
+        self._heard: dict[str, float] = {}
+        """Tracked peer -> when it was last heard from (trio time): hello, ping or pong."""
         self._closing: set[str] = set()
         self._nursery: trio.Nursery
 
@@ -55,6 +58,7 @@ class Liveness:
                     key = pid.to_string()
                     if key not in self._tracked and key not in self._closing:
                         self._tracked.add(key)
+                        self._heard[key] = trio.current_time()
                         self._peers.connected(key)
                         nursery.start_soon(self._watch, pid)
                 await trio.sleep(min(self._interval, 1.0))
@@ -81,16 +85,17 @@ class Liveness:
             while not ended.is_set():
                 with trio.move_on_after(self._interval):
                     await ended.wait()
-                if not ended.is_set() and time.time() - self._peers.last_seen(key) > self._timeout:
+                if not ended.is_set() and self._silent_s(key) > self._timeout:
                     reason[0] = f"silent for more than {self._timeout:g} s"
                     break
         finally:
             io_scope.cancel()
+            silent_s = self._silent_s(key)
             self._tracked.discard(key)
+            self._heard.pop(key, None)
             gone = self._peers.dropped(key)
             if gone is not None and reason[0] != "node stopping":
-                log.info("peer dropped", peer=key, reason=reason[0],
-                         silent_s=round(time.time() - gone.last_seen, 1))
+                log.info("peer dropped", peer=key, reason=reason[0], silent_s=round(silent_s, 1))
                 self._closing.add(key)
                 self._nursery.start_soon(self._close, pid)
 
@@ -117,12 +122,13 @@ class Liveness:
             return f"heartbeat stream failed: {exc!r}"
         if reason := self._check(key, their):
             return reason
+        self._heard_from(key)
         self._peers.hello(key, their.addrs, their.version)
         for n in itertools.count(1):
             await trio.sleep(self._interval)
-            sent = time.monotonic()
-            # Heard from in either direction counts: the peer's own pings refresh last_seen.
-            left = self._peers.last_seen(key) + self._timeout - time.time()
+            sent = trio.current_time()
+            # Heard from in either direction counts: the peer's own pings refresh it.
+            left = self._timeout - self._silent_s(key)
             try:
                 with trio.fail_after(max(left, 0.1)):
                     await write_frame(stream, {"t": "ping", "n": n})
@@ -132,8 +138,16 @@ class Liveness:
                 return f"no heartbeat answer for {self._timeout:g} s"
             except Exception as exc:  # noqa: BLE001
                 return f"heartbeat failed: {exc!r}"
-            self._peers.seen(key, rtt_ms=(time.monotonic() - sent) * 1000)
+            self._heard_from(key)
+            self._peers.seen(key, rtt_ms=(trio.current_time() - sent) * 1000)
         raise AssertionError("unreachable")
+
+    def _heard_from(self, key: str) -> None:
+        if key in self._tracked:  # as the peer table, which holds watched peers only
+            self._heard[key] = trio.current_time()
+
+    def _silent_s(self, key: str) -> float:
+        return trio.current_time() - self._heard.get(key, float("-inf"))
 
     def _check(self, key: str, their: Hello) -> str:
         ours = self._hello()
@@ -163,5 +177,6 @@ class Liveness:
                 with trio.fail_after(self._timeout + self._interval):
                     msg = await reader.read()
                 if isinstance(msg, dict) and msg.get("t") == "ping" and isinstance(msg.get("n"), int):
+                    self._heard_from(key)
                     self._peers.seen(key)
                     await write_frame(stream, {"t": "pong", "n": msg["n"]})

@@ -88,10 +88,6 @@ class PeerTable:
             self._peers[peer_id] = replace(p, last_seen=time.time(),
                                            rtt_ms=p.rtt_ms if rtt_ms is None else rtt_ms)
 
-    def last_seen(self, peer_id: str) -> float:
-        p = self._peers.get(peer_id)
-        return p.last_seen if p is not None else 0.0
-
     def dropped(self, peer_id: str) -> PeerInfo | None:
         p = self._peers.pop(peer_id, None)
         if p is not None and p.addrs:

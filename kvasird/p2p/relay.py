@@ -211,7 +211,7 @@ class CircuitDialer(Dialer):
         """Redial at least every REDIAL_CAP_S: a private peer that failed on its direct
         addresses gains circuit ones once it holds a reservation."""
         next_try, delay = self._backoff.get(peer_id, (0.0, 0.0))
-        return next_try - delay + min(delay, REDIAL_CAP_S) <= time.monotonic()
+        return next_try - delay + min(delay, REDIAL_CAP_S) <= trio.current_time()
 
     async def dial(self, addrs: list[str]) -> bool:
         direct = [a for a in addrs if not is_circuit(a)]
@@ -235,7 +235,7 @@ class CircuitDialer(Dialer):
         if ok:
             self._backoff.pop(pid, None)
         elif not direct:
-            self._backoff[pid] = (time.monotonic() + CIRCUIT_BACKOFF_S, CIRCUIT_BACKOFF_S)
+            self._backoff[pid] = (trio.current_time() + CIRCUIT_BACKOFF_S, CIRCUIT_BACKOFF_S)
         return ok
 
 

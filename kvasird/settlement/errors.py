@@ -3,6 +3,7 @@
 KvasirError
 └── SettlementError              anything settlement refuses; str() says what to do
     ├── ChainError               the RPC endpoint failed, refused a transaction, or timed out
+    │   └── ChainRefused         it answered with an error: the transaction was not accepted
     ├── WalletError              a keypair file is missing, malformed, or only an address is held
     ├── PaymentRejected          the chain does not prove what a payment claims (never credited)
     │   └── SignatureAlreadyUsed the transaction signature was consumed by an earlier credit
@@ -11,8 +12,11 @@ KvasirError
     ├── ClaimError               nothing to claim, or a payout failed (the balance stays intact)
     ├── ReceiptRejected          a receipt is not signed by the gateway it names, or goes backwards
     ├── GovernanceRejected       governance message not signed by the genesis wallet, or stale
-    └── AdminAuthError           wallet sign-in or TOTP failed
-        └── TotpAlreadyEnrolled  a TOTP secret exists; enrolling again would hand out a new one
+    ├── AdminAuthError           wallet sign-in or TOTP failed
+    │   └── TotpAlreadyEnrolled  a TOTP secret exists; enrolling again would hand out a new one
+    └── NotAdmitted              (admission.py) this node does not work for that gateway now
+
+The whole tree of kvasird's errors is drawn in kvasird/errors.py (and checked by a test).
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ def test_log_softmax_normalises():
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(temperature=float("nan")),
                                  dict(top_k=-2), dict(top_p=0), dict(top_p=1.5),
-                                 dict(repetition_penalty=0)])
+                                 dict(repetition_penalty=0), dict(seed=-1),
+                                 dict(seed=1 << 64)])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(InputError):
         SamplingParams(**bad)

@@ -13,8 +13,16 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.peerinfo import PeerInfo
 
+from kvasird.errors import WireError
 from kvasird.identity.nodekey import create_node_key
-from kvasird.inference.errors import UNREACHABLE_S, HopFailed, Refused, Unreachable, sentence
+from kvasird.inference.errors import (
+    UNREACHABLE_S,
+    HopFailed,
+    Refusal,
+    Refused,
+    Unreachable,
+    sentence,
+)
 from kvasird.inference.transport.channel import Channels, serve
 from kvasird.p2p.host import build_host, parse_listen
 
@@ -43,7 +51,9 @@ async def handler(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
     if msg.get("op") == "slow":
         await trio.sleep(msg["s"])
     if msg.get("op") == "refuse":
-        raise Refused("", "busy", "full")
+        raise Refusal("busy", "full")
+    if msg.get("op") == "odd":  # a peer answering with a code outside the closed set
+        return {"error": "why not", "code": "teapot"}
     return {"echo": msg.get("n")}
 
 
@@ -68,6 +78,9 @@ async def test_concurrent_requests_share_one_stream_and_get_their_own_replies(
         with pytest.raises(Refused) as exc:
             await channels.request(peer, PROTO, {"op": "refuse"}, 5)
         assert exc.value.code == "busy" and exc.value.detail == "full"
+        with pytest.raises(Refused) as exc:
+            await channels.request(peer, PROTO, {"op": "odd"}, 5)
+        assert exc.value.code == "bad" and exc.value.detail == "why not"
         nursery.cancel_scope.cancel()
 
 
@@ -92,7 +105,7 @@ async def test_one_way_messages_get_no_answer_and_an_unknown_peer_is_unreachable
     async def record(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
         seen.append(msg)
         if msg.get("op") == "refuse":
-            raise Refused("", "bad", "no")
+            raise Refusal("bad", "no")
         return {"echo": msg.get("n")}
 
     async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
@@ -110,4 +123,30 @@ async def test_one_way_messages_get_no_answer_and_an_unknown_peer_is_unreachable
         with trio.fail_after(10), pytest.raises(Unreachable) as exc:
             await channels.notify(stranger, PROTO, {"n": 3}, 5)
         assert sentence(exc.value) == UNREACHABLE_S < 300
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_frame_its_protocol_cannot_parse_is_answered_bad_and_never_handled(
+        tmp_path: Path) -> None:
+    seen: list[Any] = []
+
+    def parse(msg: dict[str, Any]) -> int:
+        if not isinstance(msg.get("n"), int):
+            raise WireError("test.n: expected an integer")
+        return msg["n"]
+
+    async def record(caller: str, n: int) -> dict[str, Any]:
+        seen.append(n)
+        return {"echo": n}
+
+    async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
+        b.set_stream_handler(PROTO, lambda s: serve(s, record, idle_s=10, parse=parse))
+        channels = Channels(a, lanes=False)
+        await nursery.start(channels.run)
+        peer = b.get_id().to_string()
+        with pytest.raises(Refused) as exc:
+            await channels.request(peer, PROTO, {"n": "1"}, 5)
+        assert exc.value.code == "bad" and "test.n" in exc.value.detail
+        assert (await channels.request(peer, PROTO, {"n": 2}, 5))["echo"] == 2
+        assert seen == [2]  # the handler got the parsed message, and only that one
         nursery.cancel_scope.cancel()

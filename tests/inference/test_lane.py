@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from trio.testing import MockClock
 
 from kvasird.errors import WireError
 from kvasird.inference.errors import HopFailed
@@ -254,9 +254,18 @@ async def test_a_lane_opens_over_a_websocket_connection(tmp_path: Path) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_a_peer_without_lanes_is_served_over_libp2p(tmp_path: Path) -> None:
+async def test_a_peer_without_lanes_is_served_over_libp2p(tmp_path: Path,
+                                                        mock_clock: MockClock) -> None:
+    mock_clock.rate = 1  # real time for the hosts; the back-off's waits are jumped
+    asked, asks = trio.open_memory_channel[float](16)
+
+    async def no_lanes(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("op") == "lane":
+            asked.send_nowait(trio.current_time())
+        return await handler(caller, msg)
+
     async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
-        b.set_stream_handler(PROTO, lambda s: serve(s, handler, 10))  # offers no lanes
+        b.set_stream_handler(PROTO, lambda s: serve(s, no_lanes, 10))  # offers no lanes
         channels = Channels(a)
         await nursery.start(channels.run)
         peer = b.get_id().to_string()
@@ -264,14 +273,19 @@ async def test_a_peer_without_lanes_is_served_over_libp2p(tmp_path: Path) -> Non
             assert (await channels.request(peer, PROTO, {"n": n}, 5))["echo"] == n
             await trio.sleep(0.05)
         assert not channels.lane_open(peer, PROTO)
-        # asked once, again only after a while, and each time it fails after longer
-        key = (peer, PROTO)
-        waits = []
-        for _ in range(3):
-            waits.append(channels._lane_next[key] - time.monotonic())
-            channels._lane_next[key] = 0  # as if that time had passed
+        at = asks.receive_nowait()  # asked once, with the first request
+        # asked again only after a while, and each time it failed after twice as long
+        for wait in (2.0, 4.0, 8.0):
+            mock_clock.jump(at + wait - 0.1 - trio.current_time())
+            for n in range(2):  # the second's reply comes after any lane request of the first
+                await channels.request(peer, PROTO, {"n": n}, 5)
+            with pytest.raises(trio.WouldBlock):
+                asks.receive_nowait()
+            mock_clock.jump(0.2)
             await channels.request(peer, PROTO, {"n": 9}, 5)
-        assert 1.5 < waits[0] <= 2 and 3.5 < waits[1] <= 4 and 7.5 < waits[2] <= 8
+            with trio.fail_after(5):
+                at = await asks.receive()
+        assert not channels.lane_open(peer, PROTO)
         nursery.cancel_scope.cancel()
 
 

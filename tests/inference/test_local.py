@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
+from typing import Any
 
 import pytest
 import trio
@@ -38,9 +39,9 @@ def local() -> Iterator[LocalGenerator]:
     gen.close()
 
 
-def request(tok: Tokenizer, n: int, **sampling: object) -> GenerationRequest:
+def request(tok: Tokenizer, n: int, logprobs: int = 0, **params: Any) -> GenerationRequest:
     return GenerationRequest(MODEL, tuple(tok.encode(PROMPT, special=True)),
-                             Sampling(max_tokens=n, **sampling),  # type: ignore[arg-type]
+                             Sampling(SamplingParams(**params), n, logprobs),
                              stop_tokens=tok.special.end_of_generation)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import trio
+from trio.testing import MockClock
 
 from kvasird.inference.client.routing import (
     Fitness,
@@ -103,12 +105,16 @@ def test_uncovered_experts_have_no_cover() -> None:
     assert cover_experts(ranges, 0, 16, flat()) is None
 
 
-def test_an_unfit_peer_serves_again_after_its_sentence() -> None:
+async def test_an_unfit_peer_serves_again_after_its_sentence(autojump_clock: MockClock) -> None:
     fitness = Fitness(unfit_s=60)
-    fitness.mark("x", "timed out", for_s=0.0)
+    fitness.mark("x", "timed out", for_s=5.0)
     fitness.mark("y", "spot check failed")
+    assert not fitness.fit("x") and not fitness.fit("y")
+    await trio.sleep(5.01)
     assert fitness.fit("x") and not fitness.fit("y")
     assert fitness.snapshot() == {"y": "spot check failed"}
+    await trio.sleep(55)
+    assert fitness.fit("y") and fitness.snapshot() == {}
 
 
 @pytest.mark.parametrize(("seen", "rtt", "expected"), [([], None, 25.0), ([], 2.0, 2.0),

@@ -13,14 +13,18 @@ import trio
 from kvasird.compute.experts import ExpertShard
 from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.stage import Stage, generate
-from kvasird.inference.client.swarm import Inbox
-from kvasird.inference.errors import HopFailed, Refused
+from kvasird.errors import WireError
+from kvasird.inference.api import TokenEvent
+from kvasird.inference.errors import Refusal, Refused
 from kvasird.inference.protocol import tensors
+from kvasird.inference.protocol.stage import MAX_TRACE, Failure, Result, parse
 from kvasird.inference.server.engine import Holdings, Served
-from kvasird.inference.server.experts import PERTURB_ENV, ExpertServer
-from kvasird.inference.server.stage import MAX_TRACE, StageServer
+from kvasird.inference.server.experts import ExpertServer
+from kvasird.inference.server.stage import StageServer
 from kvasird.model.manifest import HEAD, Unit
 from kvasird.model.testmodels import make_model
+
+from .fakenet import FakeNet, lying
 
 N_LAYER, N_EXPERT = 4, 8
 
@@ -239,28 +243,6 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
         full.close()
 
 
-class Peers:
-    """Stage servers that forward to each other in process, as named peers would."""
-
-    def __init__(self, served: dict[str, Served]) -> None:
-        self.inbox = Inbox()
-        self.sent: list[tuple[str, str, str]] = []
-        """(from, to, op) of every one-way message."""
-        self.down: set[str] = set()
-        self.servers = {name: StageServer(lambda: "m", lambda s=s: s, max_sessions=4, idle_s=60,
-                                          wire_dtype="f32", me=name, send=self._sender(name),
-                                          deliver=self.inbox.deliver if name == "gw" else None)
-                        for name, s in served.items()}
-
-    def _sender(self, me: str):  # noqa: ANN202 - a serving.Send
-        async def send(peer: str, msg: dict[str, Any]) -> None:
-            if peer in self.down or peer not in self.servers:
-                raise HopFailed(peer, "connection refused")
-            self.sent.append((me, peer, msg["op"]))
-            await self.servers[peer].handle(me, msg)
-        return send
-
-
 def chain_step(sid: str, start: int, ids: list[int], route: list[tuple[str, str]],
                ticket: str) -> dict[str, Any]:
     return {"op": "step", "sid": route[0][1], "start": start, "owner": "gw",
@@ -268,15 +250,16 @@ def chain_step(sid: str, start: int, ids: list[int], route: list[tuple[str, str]
             "next": [list(h) for h in route[1:]], "back": {"ticket": ticket}}
 
 
-async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(moe: Path,
-                                                                 worker: Served) -> None:
+async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(
+        moe: Path, worker: Served, nursery: trio.Nursery) -> None:
     a = Served.build([moe], Holdings(head=True, windows=((0, 2),)), threads=1, kv_slots=256,
                      remote=direct(worker))
     b = Served.build([moe], Holdings(windows=((2, 4),)), threads=1, kv_slots=256,
                      remote=direct(worker))
     full = Stage.load(moe, threads=1, kv=KVSpec(n_slots=256, dtype="f32"))
     try:
-        net = Peers({"gw": a, "b": b})
+        net = FakeNet({"gw": a, "b": b}, max_sessions=4)
+        net.nursery = nursery
         route = [("gw", "s0"), ("b", "s1"), ("gw", "s2")]
         for i, ((peer, sid), prev) in enumerate(zip(route, ["", "gw", "b"], strict=True)):
             await net.servers[peer].handle("gw", {**open_msg(sid, *[(0, 2, True, False),
@@ -289,11 +272,11 @@ async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(moe: Path,
             with net.inbox.expect(f"t{n}", {"gw", "b"}) as results:
                 await net.servers["gw"].handle("gw", chain_step("s0", start, history[start:],
                                                                  route, f"t{n}"))
-                reply = results.receive_nowait()
-            assert "error" not in reply, reply
-            got.append(reply["token"])
+                reply = (await results.receive()).result
+            assert isinstance(reply, Result), reply
+            got.append(reply.token.token)
             start = len(history)
-            history.append(reply["token"])
+            history.append(reply.token.token)
         assert got == generate(full, [1, 2, 3], 6)
         # each step: gw -> b (hidden rows), b -> gw (the head's hop), gw -> gw (the result)
         assert net.sent[:3] == [("gw", "b", "step"), ("b", "gw", "step"), ("gw", "gw", "result")]
@@ -306,16 +289,18 @@ async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(moe: Path,
                 await net.servers["gw"].handle("gw", {**chain_step("s0", start, history[start:],
                                                                    route, f"tr{n}"),
                                                       "trace": trace})
-                reply = results.receive_nowait()
+                reply = (await results.receive()).result
+            assert isinstance(reply, Result), reply
             start = len(history)
-            history.append(reply["token"])
+            history.append(reply.token.token)
             if n == 0:
-                assert len(reply["trace"]) == 3 and all(len(hop) == 5 for hop in reply["trace"])
-                stamps = [t for hop in reply["trace"] for t in hop[:4]]
+                assert reply.trace is not None
+                assert len(reply.trace) == 3 and all(len(hop) == 5 for hop in reply.trace)
+                stamps = [t for hop in reply.trace for t in hop[:4]]
                 assert stamps == sorted(stamps) and all(isinstance(t, float) for t in stamps)
-                assert all(hop[4] == 0.0 for hop in reply["trace"])  # its experts are local
+                assert all(hop[4] == 0.0 for hop in reply.trace)  # its experts are local
             else:
-                assert "trace" not in reply
+                assert reply.trace is None
 
         # a peer that is neither the owner nor the hop before cannot step a session
         at = net.servers["b"].sessions[("gw", "s1")].at
@@ -325,8 +310,9 @@ async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(moe: Path,
                                                       "x": tensors.encode(np.zeros((1, 128),
                                                                                    np.float32),
                                                                           "f32")})
-            refused = results.receive_nowait()
-        assert refused["peer"] == "b" and "only the session's owner" in refused["error"]
+            refused = (await results.receive()).result
+        assert isinstance(refused, Failure) and refused.code == "bad"
+        assert refused.peer == "b" and "only the session's owner" in refused.error
         assert net.servers["b"].sessions[("gw", "s1")].at == at
 
         # a hop that cannot reach the next one names it in the result
@@ -334,14 +320,16 @@ async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(moe: Path,
         with net.inbox.expect("down", {"gw", "b"}) as results:
             await net.servers["gw"].handle("gw", chain_step("s0", start, history[start:],
                                                              route, "down"))
-            failed = results.receive_nowait()
-        assert failed["peer"] == "b" and failed["from"] == "gw" and failed["code"] == "gone"
+            arrival = await results.receive()
+        failed = arrival.result
+        assert isinstance(failed, Failure) and arrival.sender == "gw"
+        assert failed.peer == "b" and failed.code == "unreachable"
         pong = await net.servers["gw"].handle("gw", {"op": "ping", "sid": "s0"})
         assert pong == {"at": start + 1}
         # results for no one waiting, or from a peer off the route, are dropped
-        net.inbox.deliver("b", {"op": "result", "ticket": "gone", "token": 1})
+        net.inbox.deliver("b", Result("gone", TokenEvent(1)))
         with net.inbox.expect("t", {"gw"}) as results:
-            net.inbox.deliver("b", {"op": "result", "ticket": "t", "token": 1})
+            net.inbox.deliver("b", Result("t", TokenEvent(1)))
             with pytest.raises(trio.WouldBlock):
                 results.receive_nowait()
         assert net.inbox.dropped == 2
@@ -357,18 +345,18 @@ async def test_admission_refuses_with_a_reason_and_unknown_sessions_are_gone(
                      remote=direct(worker))
     try:
         server = StageServer(lambda: "m", lambda: a, max_sessions=1, idle_s=60, wire_dtype="f32")
-        with pytest.raises(Refused) as exc:
+        with pytest.raises(Refusal) as exc:
             await call(server, open_msg("big", 0, 4, True, True, max_tokens=1000))
         assert exc.value.code == "busy" and "KV" in exc.value.detail
         await call(server, open_msg("one", 0, 4, True, True))
-        with pytest.raises(Refused) as exc:
+        with pytest.raises(Refusal) as exc:
             await call(server, open_msg("two", 0, 4, True, True))
         assert exc.value.code == "busy" and "sessions" in exc.value.detail
-        with pytest.raises(Refused) as exc:
+        with pytest.raises(Refusal) as exc:
             await call(server, {"op": "step", "sid": "nope", "start": 0,
                                 "x": tensors.encode(np.array([1]), "i32")})
         assert exc.value.code == "gone"
-        with pytest.raises(Refused) as exc:
+        with pytest.raises(Refusal) as exc:
             await call(server, open_msg("x", 0, 2, True, False))
         assert exc.value.code == "bad" and "[0, 2)" in exc.value.detail
         server.idle_s = 0.0
@@ -414,16 +402,26 @@ async def test_expert_ids_count_from_the_range_the_caller_saw(worker: Served) ->
                                        "ids": tensors.encode(np.array([[4]]), "i32")})
 
 
-async def test_the_test_only_flag_makes_a_worker_lie(worker: Served,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(PERTURB_ENV, "1")
-    experts = ExpertServer(lambda: worker, window_s=0, wire_dtype="f32")
-    x = np.ones((1, worker.hp.n_embd), np.float32)
-    reply = await experts.handle("stage", {"op": "experts", "layer": 0, "first": 0,
-                                           "rows": tensors.encode(x, "f32"),
-                                           "ids": tensors.encode(np.array([[1]]), "i32")})
-    honest = worker.workers[0](0, x, np.array([[1]]))
-    assert not np.allclose(tensors.decode(reply["out"], "o", ("f32",), (1, 1, None)), honest)
+async def test_a_worker_whose_outputs_are_off_is_caught_by_a_spot_check(
+        worker: Served) -> None:
+    """A spot check recomputes on our own copy of the experts: a lying worker is marked
+    unfit and the true outputs are used instead of its own."""
+    from kvasird.inference.client.dispatch import ExpertDispatcher
+    from kvasird.inference.client.routing import Fitness, Latency
+
+    net, fitness = FakeNet({}, me="stage", experts={"w": worker}), Fitness(60)
+    dispatcher = ExpertDispatcher(
+        "stage", net.holders, net, Latency("stage", lambda p: 1.0),  # type: ignore[arg-type]
+        fitness, lambda layer: (worker.workers[layer], 0, N_EXPERT), timeout_s=5,
+        wire_dtype="f32", spot_check=1.0, tolerance=0.01)
+    rows = np.ones((1, worker.hp.n_embd), np.float32)
+    ids = np.array([[1, 6]])
+    honest = worker.workers[2](2, rows, ids)
+    assert np.array_equal(await dispatcher.checked("w", 0, 2, rows, ids), honest)
+    assert dispatcher.stats["caught"] == 0 and fitness.fit("w")
+    net.faults["w"] = lying
+    assert np.array_equal(await dispatcher.checked("w", 0, 2, rows, ids), honest)
+    assert dispatcher.stats["caught"] == 1 and not fitness.fit("w")
 
 
 def test_only_short_forwarded_steps_on_a_node_without_remote_experts_run_inline(
@@ -434,19 +432,21 @@ def test_only_short_forwarded_steps_on_a_node_without_remote_experts_run_inline(
     remote = Served.build([moe], Holdings(windows=((0, 2),)), threads=1, kv_slots=256,
                           remote=direct(worker))
     try:
-        def step(rows: int, **extra: Any) -> dict[str, Any]:
-            return {"op": "step", "sid": "s", "start": 0, "id": 0, **extra,
-                    "x": tensors.encode(np.zeros((rows, 64), np.float32), "f32")}
+        def step(rows: int, **extra: Any) -> Any:  # as channel.serve hands it over: parsed
+            return parse({"op": "step", "sid": "s", "start": 0, "id": 0, **extra,
+                          "x": tensors.encode(np.zeros((rows, 64), np.float32), "f32")})
 
         forwarded = {"back": {"ticket": "t"}, "next": []}
         plain = StageServer(lambda: "m", lambda: own, max_sessions=4, idle_s=60,
                             wire_dtype="f32")
         assert plain.inline(step(1, **forwarded))
-        assert plain.inline({"op": "result", "ticket": "t", "token": 3})
+        assert plain.inline(Result("t", TokenEvent(3)))
         assert not plain.inline(step(64, **forwarded))  # a prefill goes to a thread
         assert not plain.inline(step(1))  # a request (the gateway waits for its answer)
-        assert not plain.inline({"op": "open", "sid": "s"})
-        assert not plain.inline(step(1, **forwarded) | {"x": {"shape": "bad"}})
+        assert not plain.inline(parse(open_msg("s", 0, N_LAYER, True, True)))
+        with pytest.raises(WireError, match="stage.x"):  # a malformed step never gets here
+            parse({"op": "step", "sid": "s", "start": 0, "id": 0, **forwarded,
+                   "x": {"shape": "bad"}})
         with held_elsewhere(own.backend.lock):  # a long computation in a thread
             assert not plain.inline(step(1, **forwarded))  # the reader must not wait for it
         assert plain.inline(step(1, **forwarded))

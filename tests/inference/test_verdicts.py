@@ -14,7 +14,7 @@ def verdicts(quorum: int) -> tuple[Verdicts, Fitness]:
     return Verdicts(None, "me", fitness, quorum, window_s=60), fitness  # type: ignore[arg-type]
 
 
-def test_one_accuser_is_not_enough_when_the_quorum_is_two() -> None:
+async def test_one_accuser_is_not_enough_when_the_quorum_is_two() -> None:
     v, fitness = verdicts(2)
     v.apply(Verdict("a", 1, 0.0, "liar", "spot check failed on layer 3"))
     v.apply(Verdict("a", 2, 0.0, "liar", "again"))
@@ -23,7 +23,7 @@ def test_one_accuser_is_not_enough_when_the_quorum_is_two() -> None:
     assert not fitness.fit("liar")
 
 
-def test_nobody_can_get_us_to_avoid_ourselves() -> None:
+async def test_nobody_can_get_us_to_avoid_ourselves() -> None:
     v, fitness = verdicts(1)
     v.apply(Verdict("a", 1, 0.0, "me", "lies"))
     assert fitness.fit("me")

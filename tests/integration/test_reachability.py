@@ -82,13 +82,17 @@ def test_node_without_the_pre_shared_key_cannot_connect(localnet: Callable[..., 
     key = tmp_path / "swarm.key"
     key.write_text(f"/key/swarm/psk/1.0.0/\n/base16/\n{secrets.token_hex(32)}\n")
     net = localnet(3)
-    start(net, {1: 0, 2: 0}, {0: {"p2p.psk_file": str(key)}, 1: {"p2p.psk_file": str(key)}})
-    net.wait_until("the node with the key joined", lambda: net.nodes[1].peer_id in
-                   net.nodes[0].peer_ids(), timeout=30)
-    assert net.nodes[0].status()["reachability"]["private_network"]
-    time.sleep(6)
-    assert net.nodes[2].peer_id not in net.nodes[0].peer_ids()
-    assert net.nodes[2].status()["peers"] == 0
+    seed, member, stranger = net.nodes
+    start(net, {1: 0, 2: 0}, {0: {"p2p.psk_file": str(key)}, 1: {"p2p.psk_file": str(key)},
+                              2: {"node.log_level": "debug"}})  # its failed dials are logged
+    net.wait_until("the node with the key joined", lambda: member.peer_id in seed.peer_ids(),
+                   timeout=30)
+    assert seed.status()["reachability"]["private_network"]
+    net.wait_until("the node without the key dialled its bootstrap peer and failed",
+                   lambda: any('"event": "dial failed"' in line and seed.peer_id in line
+                               for line in stranger.log.read_text().splitlines()), timeout=30)
+    assert stranger.peer_id not in seed.peer_ids()
+    assert stranger.status()["peers"] == 0
 
 
 def test_private_node_is_reached_through_a_relay(localnet: Callable[..., LocalNet]) -> None:

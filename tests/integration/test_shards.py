@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from faulty_daemon import command  # type: ignore[import-not-found]
 
 from kvasird.localnet import LocalNet
 from kvasird.market.pinning import parse_hold
@@ -68,8 +69,8 @@ def test_download_resumes_from_another_holder_when_the_source_dies(
     path, manifest = bundled
     net = localnet(3)
     slow, other, learner = net.nodes
-    slow.env = {"KVASIRD_TEST_SHARD_RATE": str(20 * 2**20)}   # 20 MB/s: ~5 s for the model
-    other.env = {"KVASIRD_TEST_SHARD_RATE": str(10 * 2**20)}
+    slow.command = command(f"slow={20 * 2**20}")   # 20 MB/s: ~5 s for the model
+    other.command = command(f"slow={10 * 2**20}")
     for i in (0, 1):
         configure(net, i, **{"market.model": str(path)})
         net.nodes[i].start()
@@ -90,7 +91,7 @@ def test_holder_that_flips_bytes_is_detected_and_avoided(
     path, manifest = bundled
     net = localnet(3)
     liar, honest, learner = net.nodes
-    liar.env = {"KVASIRD_TEST_FLIP_SHARD_BYTES": "1"}
+    liar.command = command("flip")
     for i in (0, 1):
         configure(net, i, **{"market.model": str(path)})
         net.nodes[i].start()

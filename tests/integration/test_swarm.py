@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
+from faulty_daemon import command  # type: ignore[import-not-found]
 
-from kvasird.inference.server.experts import PERTURB_ENV
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import LocalNode
 from kvasird.localnet.placement import pinned
@@ -56,7 +56,7 @@ def start(localnet: Callable[..., LocalNet], model: Path, placement: list[list[s
         previous = net.configure(node, [previous] if previous else [])
     for node in net.nodes:
         if node.index in perturb:
-            node.env[PERTURB_ENV] = "1"
+            node.command = command("lying-experts")
         node.spawn()
     for node in net.nodes:
         node.wait_ready()

@@ -111,11 +111,6 @@ def test_models_resolve_by_name_or_id_prefix(source_store, moe_manifest):
         source_store.resolve("nothing-like-it")
 
 
-def test_adding_a_path_that_is_not_a_file_says_what_to_give(store_factory, tmp_path):
-    with pytest.raises(StoreError, match="bundled:smollm2"):
-        store_factory("s").add(str(tmp_path / "missing.gguf"))
-
-
 def test_an_expert_unit_needs_all_its_slabs_to_be_held(store_factory, moe_manifest):
     store = store_factory("partial")
     store.add_manifest(moe_manifest)

@@ -33,12 +33,12 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import trio
 
 from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch
+from kvasird.errors import WireError
 from kvasird.inference.client.hotcache import HotExperts
 from kvasird.inference.client.routing import (
     Fitness,
@@ -48,7 +48,8 @@ from kvasird.inference.client.routing import (
     expert_holders,
 )
 from kvasird.inference.errors import HopFailed, NoWorkers, sentence
-from kvasird.inference.protocol import EXPERT_PROTOCOL, tensors
+from kvasird.inference.protocol import EXPERT_PROTOCOL
+from kvasird.inference.protocol.experts import ExpertRequest, Outputs
 from kvasird.inference.server.engine import INLINE_TOKENS, run_short
 from kvasird.inference.stepcontext import COMPANY, TALLY
 from kvasird.inference.transport.channel import Channels
@@ -314,19 +315,21 @@ class ExpertDispatcher:
 
     async def _request(self, peer: str, e0: int, layer: int, rows: np.ndarray,
                        gids: np.ndarray, owners: set[str]) -> np.ndarray:
-        msg: dict[str, Any] = {"op": "experts", "layer": layer, "first": e0,
-                               "rows": tensors.encode(rows, self.wire_dtype),
-                               "ids": tensors.encode(gids - e0, "i32"), "for": sorted(owners)}
+        msg = ExpertRequest(layer, e0, rows, gids - e0, tuple(sorted(owners)),
+                            self.wire_dtype).to_wire()
         began = time.perf_counter()
         reply = await self.channels.request(peer, EXPERT_PROTOCOL, msg, self.timeout_s)
         self.latency.observe(peer, (time.perf_counter() - began) * 1000)
         self.stats["calls"] += 1
         self.stats["rows"] += len(rows)
         try:
-            return tensors.decode(reply.get("out"), "experts.out", ("f32", "f16"),
-                                  (len(rows), gids.shape[1], rows.shape[1]))
-        except Exception as exc:  # noqa: BLE001 - a malformed answer is a failed worker
+            out = Outputs.from_wire(reply).out
+        except WireError as exc:  # a malformed answer is a failed worker
             raise HopFailed(peer, f"bad expert output: {exc}") from None
+        if out.shape != (len(rows), gids.shape[1], rows.shape[1]):
+            raise HopFailed(peer, f"bad expert output: shape {list(out.shape)} for "
+                                  f"{len(rows)} rows of {gids.shape[1]} experts")
+        return out
 
 
 @dataclass

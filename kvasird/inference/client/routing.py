@@ -18,9 +18,10 @@ exactly the runs it loaded.
 from __future__ import annotations
 
 import heapq
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+import trio
 
 from kvasird.market.records import CoverageRecord
 
@@ -182,26 +183,29 @@ def cover_experts(ranges: Sequence[tuple[str, int, int]], lo: int, hi: int,
 
 
 class Fitness:
-    """Peers that failed or were caught lying get no work until their sentence ends."""
+    """Peers that failed or were caught lying get no work until their sentence ends.
+
+    Sentences run on trio's clock (a test's MockClock jumps them to their end)."""
 
     def __init__(self, unfit_s: float) -> None:
         self.unfit_s = unfit_s
         self._until: dict[str, tuple[float, str]] = {}
 
     def mark(self, peer: str, reason: str, for_s: float | None = None) -> None:
-        self._until[peer] = (time.monotonic() + (self.unfit_s if for_s is None else for_s), reason)
+        self._until[peer] = (trio.current_time() + (self.unfit_s if for_s is None else for_s),
+                             reason)
 
     def fit(self, peer: str) -> bool:
         until = self._until.get(peer)
         if until is None:
             return True
-        if until[0] < time.monotonic():
+        if until[0] < trio.current_time():
             del self._until[peer]
             return True
         return False
 
     def snapshot(self) -> dict[str, str]:
-        now = time.monotonic()
+        now = trio.current_time()
         return {p: r for p, (until, r) in list(self._until.items()) if until >= now}
 
 

@@ -7,12 +7,14 @@
 Boundaries go stage to stage: the gateway sends a step to the first hop with the rest
 of the route (`next`) and a ticket; each hop computes, sends its hidden rows straight
 to the next one, and the last (the head) returns only the sampled token (and logprobs)
-to the gateway's Inbox, all as one-way messages (serving.py). On the 3-stage ring of the
-bundled model (gateway on the first stage, holding the head) a token costs 3 one-way
-messages where relaying every boundary through the gateway cost 4, and between
-machines one network latency less per token: a chain of n remote hops pays n+1 link
-latencies, not 2n. A hop on this node itself is a direct call (no serialization, no
-network), and it forwards like any other.
+to the gateway's Inbox, all as one-way messages. On the 3-stage ring of the bundled
+model (gateway on the first stage, holding the head) a token costs 3 one-way messages
+where relaying every boundary through the gateway cost 4, and between machines one
+network latency less per token: a chain of n remote hops pays n+1 link latencies, not 2n.
+The messages are kvasird.inference.protocol.stage's types: the generator writes its own
+as those, and reads every reply as one before using it (a malformed reply is the hop's
+failure). A hop on this node itself is a direct call (no framing, no network; its
+messages are parsed like any peer's), and it forwards like any other.
 
 What relaying gave for free is kept by other means:
 - which hop failed: a hop that cannot reach the next one reports it by name (the gateway
@@ -46,17 +48,20 @@ greedy and seeded generations continue with the same tokens.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import trio
 
+from kvasird.compute.sampling import SamplingParams
 from kvasird.config import InferenceConfig
+from kvasird.errors import WireError
 from kvasird.inference.api import (
     Busy,
     Finished,
@@ -78,8 +83,21 @@ from kvasird.inference.client.routing import (
     plan_route,
     uncovered,
 )
-from kvasird.inference.errors import HopFailed, Refused, Unreachable
-from kvasird.inference.protocol import STAGE_PROTOCOL, tensors
+from kvasird.inference.errors import HopFailed, Refusal, Refused, Unreachable
+from kvasird.inference.protocol import STAGE_PROTOCOL
+from kvasird.inference.protocol.stage import (
+    Close,
+    Closed,
+    Failure,
+    Forward,
+    Hidden,
+    Open,
+    Ping,
+    Pong,
+    Result,
+    Step,
+    token_from_wire,
+)
 from kvasird.inference.steptrace import TRACE_EVERY, StepTrace, Traces
 from kvasird.inference.transport.channel import Channels
 from kvasird.logs import get_logger
@@ -105,6 +123,17 @@ log = get_logger("kvasird.inference.client.swarm")
 LocalHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """A forwarded chain's outcome, as the Inbox took it in."""
+
+    result: Result | Failure
+    sender: str
+    """The peer it came from (by its connection, not by anything it said)."""
+    at: float
+    """When it arrived (time.monotonic)."""
+
+
 class Inbox:
     """Results of forwarded steps, by ticket, for the generations waiting on them.
 
@@ -113,27 +142,26 @@ class Inbox:
     """
 
     def __init__(self) -> None:
-        self._waiting: dict[str, tuple[frozenset[str], trio.MemorySendChannel[Any]]] = {}
+        self._waiting: dict[str, tuple[frozenset[str], trio.MemorySendChannel[Arrival]]] = {}
         self.dropped = 0
 
     @contextlib.contextmanager
     def expect(self, ticket: str, peers: Iterable[str]
-               ) -> Iterator[trio.MemoryReceiveChannel[dict[str, Any]]]:
-        send, recv = trio.open_memory_channel[dict[str, Any]](1)
+               ) -> Iterator[trio.MemoryReceiveChannel[Arrival]]:
+        send, recv = trio.open_memory_channel[Arrival](1)
         self._waiting[ticket] = (frozenset(peers), send)
         try:
             yield recv
         finally:
             self._waiting.pop(ticket, None)
 
-    def deliver(self, sender: str, msg: dict[str, Any]) -> None:
-        waiting = self._waiting.get(msg.get("ticket")) if isinstance(msg.get("ticket"), str) \
-            else None
+    def deliver(self, sender: str, result: Result | Failure) -> None:
+        waiting = self._waiting.get(result.ticket)
         if waiting is None or sender not in waiting[0]:
             self.dropped += 1
             return
         with contextlib.suppress(trio.WouldBlock):
-            waiting[1].send_nowait({**msg, "from": sender, "at": time.monotonic()})
+            waiting[1].send_nowait(Arrival(result, sender, time.monotonic()))
 
 
 @dataclass
@@ -230,23 +258,20 @@ class SwarmGenerator:
                        f"{info.context_length}: shorten it")
         rid = request.request_id or secrets.token_hex(8)
         progress = self.active[rid] = Progress()
-        seed = s.seed if s.seed is not None else secrets.randbits(62)
-        sampling = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
-                    "repetition_penalty": s.repetition_penalty, "seed": seed}
-        run = _Run(self, info.model_id, n_prompt + budget, sampling, s.logprobs, progress)
+        # every route the generation takes draws from the same seeded stream
+        params = s.params if s.params.seed is not None else \
+            dataclasses.replace(s.params, seed=secrets.randbits(62))
+        run = _Run(self, info.model_id, n_prompt + budget, params, s.logprobs, progress)
         history, produced, reason = list(request.prompt), 0, "length"
         pending: _Pending | None = None
         try:
-            reply = await run.begin(history)
+            event = await run.begin(history)
             while True:
-                token = int(reply["token"])
-                if token in request.stop_tokens:
+                if event.token in request.stop_tokens:
                     reason = "stop"
                     break
-                top = tuple((int(t), float(lp)) for t, lp in reply.get("top", ()))
-                event = TokenEvent(token, reply.get("logprob"), top)
                 produced += 1
-                history.append(token)
+                history.append(event.token)
                 more = produced < budget
                 if more:  # the next step runs while the consumer handles this token
                     pending = _Pending.start(self.nursery, run.step, history,
@@ -256,7 +281,7 @@ class SwarmGenerator:
                 if not more:
                     break
                 assert pending is not None
-                reply = await pending.result()
+                event = await pending.result()
                 pending = None
             yield Finished(reason, n_prompt, produced)
         finally:
@@ -281,13 +306,13 @@ class _Pending:
     def __init__(self) -> None:
         self.scope = trio.CancelScope()
         self.done = trio.Event()
-        self.value: dict[str, Any] | None = None
+        self.value: TokenEvent | None = None
         self.error: Exception | None = None
-        self.call: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        self.call: Callable[[], Awaitable[TokenEvent]] | None = None
 
     @classmethod
     def start(cls, nursery: trio.Nursery | None,
-              fn: Callable[..., Awaitable[dict[str, Any]]], *args: Any) -> _Pending:
+              fn: Callable[..., Awaitable[TokenEvent]], *args: Any) -> _Pending:
         p = cls()
         if nursery is None:
             p.call = lambda: fn(*args)
@@ -295,7 +320,7 @@ class _Pending:
             nursery.start_soon(p._run, fn, args)
         return p
 
-    async def _run(self, fn: Callable[..., Awaitable[dict[str, Any]]], args: tuple) -> None:
+    async def _run(self, fn: Callable[..., Awaitable[TokenEvent]], args: tuple) -> None:
         try:
             with self.scope:
                 # One turn of the loop first: the consumer's write of the token just yielded
@@ -312,7 +337,7 @@ class _Pending:
         finally:
             self.done.set()
 
-    async def result(self) -> dict[str, Any]:
+    async def result(self) -> TokenEvent:
         if self.call is not None:
             return await self.call()
         await self.done.wait()
@@ -332,7 +357,7 @@ class _Run:
     """The route of one generation, rebuilt on failure."""
 
     def __init__(self, gen: SwarmGenerator, model: str, max_tokens: int,
-                 sampling: dict[str, Any], logprobs: int, progress: Progress) -> None:
+                 sampling: SamplingParams, logprobs: int, progress: Progress) -> None:
         self.gen, self.model, self.max_tokens = gen, model, max_tokens
         self.sampling, self.logprobs, self.progress = sampling, logprobs, progress
         self.route: Route | None = None
@@ -361,27 +386,23 @@ class _Run:
             self.units[hop.peer] += n * (hop.end - hop.first + hop.head)
             self.positions[i] += n
 
-    def _count_experts(self, hop: Hop, i: int, reply: dict[str, Any]) -> None:
+    def _count_experts(self, hop: Hop, i: int, closed: Closed) -> None:
         """The expert work hop i's session reports at close, within what it could have sent."""
-        reported = reply.get("experts")
-        if not isinstance(reported, dict):
-            return
         room = self.positions[i] * (hop.end - hop.first) * MAX_EXPERTS_PER_ROW
-        for peer, units in reported.items():
-            if (isinstance(peer, str) and len(peer) <= 128 and isinstance(units, int)
-                    and 0 < units <= room and peer != hop.peer):
+        for peer, units in closed.experts:
+            if units <= room and peer != hop.peer:
                 self.units[peer] += units
                 room -= units
 
-    async def begin(self, history: list[int]) -> dict[str, Any]:
+    async def begin(self, history: list[int]) -> TokenEvent:
         """Open the first route and prefill the prompt (failing over like a step)."""
         try:
             return await self.start(history, 0, first=True)
         except HopFailed as exc:
             return await self._failover(exc, history, 0)
 
-    async def start(self, history: list[int], produced: int, first: bool = False) -> dict[str, Any]:
-        """Plan a route, open its sessions and prefill `history`; return the head's reply."""
+    async def start(self, history: list[int], produced: int, first: bool = False) -> TokenEvent:
+        """Plan a route, open its sessions and prefill `history`; return the head's token."""
         try:
             # a route refused for capacity answers Busy at once; a failed one may wait
             self.route = self.gen.plan() if first or self.busy else await self.gen.replan()
@@ -398,25 +419,22 @@ class _Run:
         self.steps = 0
         self.positions = Counter()
         for i, hop in enumerate(self.route.hops):
-            await self._call(hop, {
-                "op": "open", "sid": f"{self.sid}.{i}", "model": self.model, "first": hop.first,
-                "end": hop.end, "embed": hop.embed, "head": hop.head,
-                "max_tokens": self.max_tokens, "sampling": self.sampling,
-                "logprobs": self.logprobs, "draws": produced,
-                "prev": self.route.hops[i - 1].peer if i else ""})
-        reply: dict[str, Any] = {}
+            await self._call(hop, Open(f"{self.sid}.{i}", self.model, hop.first, hop.end,
+                                       hop.embed, hop.head, self.max_tokens, self.logprobs,
+                                       self.route.hops[i - 1].peer if i else "", self.sampling,
+                                       produced))
         for c in range(0, len(history), PREFILL_CHUNK):
-            reply = await self._forward(history, c, min(c + PREFILL_CHUNK, len(history)))
-        return reply
+            event = await self._forward(history, c, min(c + PREFILL_CHUNK, len(history)))
+        return event
 
-    async def step(self, history: list[int], start: int, produced: int) -> dict[str, Any]:
+    async def step(self, history: list[int], start: int, produced: int) -> TokenEvent:
         """The next token after `history`, failing over to a new route when a hop fails."""
         try:
             return await self._forward(history, start, len(history))
         except HopFailed as exc:
             return await self._failover(exc, history, produced)
 
-    async def _failover(self, exc: HopFailed, history: list[int], produced: int) -> dict[str, Any]:
+    async def _failover(self, exc: HopFailed, history: list[int], produced: int) -> TokenEvent:
         """Replace the route after `exc` (failover.judge) and replay `history` on the new one."""
         while True:
             self.progress.failovers += 1
@@ -432,68 +450,61 @@ class _Run:
             except HopFailed as again:
                 exc = again
 
-    async def _forward(self, history: list[int], start: int, end: int) -> dict[str, Any]:
+    async def _forward(self, history: list[int], start: int, end: int) -> TokenEvent:
         assert self.route is not None
-        hops = self.route.hops
-        x: dict[str, Any] = tensors.encode(np.asarray(history[start:end]), "i32")
+        ids = tuple(history[start:end])
         self.steps += 1
-        if len(hops) > 1 and (end - start > 1 or self.steps % RELAY_EVERY != 1):
-            reply = await self._chain(x, history[start:end], start)
+        if len(self.route.hops) > 1 and (len(ids) > 1 or self.steps % RELAY_EVERY != 1):
+            event = await self._chain(ids, start)
         else:
-            reply = await self._relay(x, history, start, end)
-        self._count(end - start)
-        return reply
+            event = await self._relay(ids, start)
+        self._count(len(ids))
+        return event
 
-    async def _relay(self, x: dict[str, Any], history: list[int], start: int,
-                     end: int) -> dict[str, Any]:
+    async def _relay(self, ids: tuple[int, ...], start: int) -> TokenEvent:
         """One step relayed hop by hop through this node, each hop timed."""
         assert self.route is not None
-        hops = self.route.hops
-        reply: dict[str, Any] = {}
-        for i, hop in enumerate(hops):
-            msg: dict[str, Any] = {"op": "step", "sid": f"{self.sid}.{i}", "start": start, "x": x}
+        x, dt = np.asarray(ids), "i32"
+        for i, hop in enumerate(self.route.hops):
+            reply = await self._call(hop, Step(f"{self.sid}.{i}", start, x, dt,
+                                               ids if hop.head else None))
             if hop.head:
-                msg["ids"] = history[start:end]
-            reply = await self._call(hop, msg)
-            if not hop.head:
-                x = reply.get("x", {})
-        if "token" not in reply or not isinstance(reply["token"], int):
-            raise HopFailed(self.route.hops[-1].peer, "the last stage returned no token")
-        self.answered = time.monotonic()
-        return reply
+                self.answered = time.monotonic()
+                return _read(hop.peer, _head_reply, reply)
+            hidden = _read(hop.peer, Hidden.from_wire, reply)
+            x, dt = hidden.x, hidden.dt
+        raise HopFailed(self.route.hops[-1].peer, "the route ends before the head")
 
-    async def _chain(self, x: dict[str, Any], ids: list[int], start: int) -> dict[str, Any]:
+    async def _chain(self, ids: tuple[int, ...], start: int) -> TokenEvent:
         """One step forwarded hop to hop; the head's result comes back to our Inbox."""
         assert self.route is not None
         hops, me = self.route.hops, self.gen.me
         ticket = secrets.token_hex(8)
-        msg = {"op": "step", "sid": f"{self.sid}.0", "start": start, "x": x, "ids": ids,
-               "owner": me, "back": {"ticket": ticket},
-               "next": [[h.peer, f"{self.sid}.{i}"] for i, h in enumerate(hops) if i]}
         traced = len(ids) == 1 and self.steps % TRACE_EVERY == 0
-        if traced:
-            msg["trace"] = []
+        msg = Step(f"{self.sid}.0", start, np.asarray(ids), "i32", ids, Forward(
+            ticket, tuple((h.peer, f"{self.sid}.{i}") for i, h in enumerate(hops) if i), me,
+            () if traced else None)).to_wire()
         began, sent = time.perf_counter(), time.monotonic()
         with self.gen.inbox.expect(ticket, {me, *self.route.peers}) as results:
             if hops[0].peer == me:
-                await self.gen.local(me, msg)
+                await self._local(msg)
             else:
                 await self.gen.channels.notify(hops[0].peer, STAGE_PROTOCOL, msg,
                                                self.gen.config.step_timeout_s)
-            reply = await self._await_result(results, start + len(ids))
+            arrival = await self._await_result(results, start + len(ids))
         self.progress.step_ms = round((time.perf_counter() - began) * 1000, 2)
-        if "error" in reply:
-            raise await self._blame(reply)
-        if not isinstance(reply.get("token"), int):
-            raise HopFailed(hops[-1].peer, "the last stage returned no token")
+        result = arrival.result
+        if isinstance(result, Failure):
+            raise await self._blame(arrival.sender, result)
         if traced:
-            self.gen.traces.add(StepTrace.parse(self.route.peers, sent, reply["at"],
-                                                reply.get("trace"), self.answered))
-        self.answered = reply["at"]
-        return reply
+            stamps = [list(h) for h in result.trace] if result.trace is not None else None
+            self.gen.traces.add(StepTrace.parse(self.route.peers, sent, arrival.at, stamps,
+                                                self.answered))
+        self.answered = arrival.at
+        return result.token
 
-    async def _await_result(self, results: trio.MemoryReceiveChannel[dict[str, Any]],
-                            end: int) -> dict[str, Any]:
+    async def _await_result(self, results: trio.MemoryReceiveChannel[Arrival],
+                            end: int) -> Arrival:
         """The chain's result; while it is late, check that every hop is alive and working."""
         assert self.route is not None
         hops = self.route.hops
@@ -515,16 +526,18 @@ class _Run:
             raise HopFailed(hops[lagging].peer, f"no result within "
                             f"{self.gen.config.step_timeout_s:g} s (position {end - 1})")
 
-    async def _ping(self, i: int) -> dict[str, Any]:
-        """Hop i's session: {at: positions computed}, or HopFailed when the hop does not
+    async def _ping(self, i: int) -> Pong:
+        """Hop i's session: the positions it computed, or HopFailed when the hop does not
         answer in time (one computing a step in place answers only after it, so the time
         scales with the route's steps)."""
         assert self.route is not None
-        peer, msg = self.route.hops[i].peer, {"op": "ping", "sid": f"{self.sid}.{i}"}
+        peer, msg = self.route.hops[i].peer, Ping(f"{self.sid}.{i}").to_wire()
         if peer == self.gen.me:
-            return await self.gen.local(peer, msg)
-        wait_s = max(PROBE_TIMEOUT_S, 3 * self.progress.step_ms / 1000)
-        return await self.gen.channels.request(peer, STAGE_PROTOCOL, msg, wait_s)
+            reply = await self._local(msg)
+        else:
+            wait_s = max(PROBE_TIMEOUT_S, 3 * self.progress.step_ms / 1000)
+            reply = await self.gen.channels.request(peer, STAGE_PROTOCOL, msg, wait_s)
+        return _read(peer, Pong.from_wire, reply)
 
     async def _probe(self, end: int) -> tuple[int, str]:
         """Ping every hop: (index, why) of the first that does not answer, else (index, "")
@@ -533,24 +546,23 @@ class _Run:
         first_behind = -1
         for i, hop in enumerate(self.route.hops):
             try:
-                pong = await self._ping(i)
+                at = (await self._ping(i)).at
             except HopFailed as exc:
                 if hop.peer != self.gen.me:
                     return i, f"stopped answering during a step ({exc.reason})"
-                pong = {}
-            if first_behind < 0 and (not isinstance(pong.get("at"), int) or pong["at"] < end):
+                at = -1
+            if first_behind < 0 and at < end:
                 first_behind = i
         return first_behind, ""
 
-    async def _blame(self, reply: dict[str, Any]) -> HopFailed:
+    async def _blame(self, reporter: str, failure: Failure) -> HopFailed:
         """The failure a chain reported, pinned on a peer we checked ourselves.
 
         A hop reporting its own refusal is taken at its word. A hop saying it could not
         reach the next one is believed only if the next one does not answer us either;
         otherwise the reporter (or its link) is the broken part.
         """
-        reporter, accused = str(reply["from"]), str(reply.get("peer", ""))
-        code, detail = str(reply.get("code", "bad")), str(reply["error"])[:500]
+        accused, code, detail = failure.peer, failure.code, failure.error
         if accused in ("", reporter):
             return Refused(reporter, code, detail)
         assert self.route is not None
@@ -567,22 +579,29 @@ class _Run:
         # sentence; a link that broke mid-step is the reporter's failure
         return Unreachable(reporter, why) if code == "unreachable" else HopFailed(reporter, why)
 
-    async def _call(self, hop: Hop, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, hop: Hop, message: Open | Step | Close) -> dict[str, Any]:
+        """A request to one hop; its reply as it came (a step's is timed)."""
         began = time.perf_counter()
         if hop.peer == self.gen.me:
-            try:
-                reply = await self.gen.local(self.gen.me, msg)
-            except Refused as exc:
-                raise Refused(hop.peer, exc.code, exc.detail) from None
+            reply = await self._local(message.to_wire())
         else:
             timeout = self.gen.config.step_timeout_s
-            reply = await self.gen.channels.request(hop.peer, STAGE_PROTOCOL, msg, timeout)
+            reply = await self.gen.channels.request(hop.peer, STAGE_PROTOCOL,
+                                                    message.to_wire(), timeout)
         ms = (time.perf_counter() - began) * 1000
-        if msg["op"] == "step":
+        if isinstance(message, Step):
             self.progress.hop_ms[hop.peer] = round(ms, 2)
             if hop.peer != self.gen.me:
                 self.gen.latency.observe(hop.peer, ms)
         return reply
+
+    async def _local(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A message to this node's own stage server, a direct call: its refusal reads as
+        any hop's, a Refused naming us."""
+        try:
+            return await self.gen.local(self.gen.me, msg)
+        except Refusal as exc:
+            raise Refused(self.gen.me, exc.code, exc.detail) from None
 
     async def close(self) -> None:
         if self.route is None:
@@ -591,7 +610,22 @@ class _Run:
         for i, hop in enumerate(route.hops):
             try:
                 with trio.move_on_after(1):
-                    self._count_experts(hop, i, await self._call(
-                        hop, {"op": "close", "sid": f"{self.sid}.{i}"}))
+                    reply = await self._call(hop, Close(f"{self.sid}.{i}"))
+                    self._count_experts(hop, i, _read(hop.peer, Closed.from_wire, reply))
             except HopFailed:
                 pass
+
+
+T = TypeVar("T")
+
+
+def _read(peer: str, read: Callable[[dict[str, Any]], T], reply: dict[str, Any]) -> T:
+    """A hop's reply as its type; a malformed one is the hop's failure."""
+    try:
+        return read(reply)
+    except WireError as exc:
+        raise HopFailed(peer, f"a malformed answer: {exc}") from None
+
+
+def _head_reply(reply: dict[str, Any]) -> TokenEvent:
+    return token_from_wire(reply, "reply")

@@ -9,7 +9,6 @@ back float32 or int32, so f16 is a wire format only.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,11 +34,13 @@ def decode(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | No
     dt, dims, data = value.get("dt"), value.get("shape"), value.get("data")
     if dt not in kinds:
         raise WireError(f"{what}.dt: expected one of {list(kinds)}, got {dt!r}")
-    if (not isinstance(dims, list) or len(dims) != len(shape)
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims)
-            or any(want is not None and d != want for d, want in zip(dims, shape, strict=True))):
-        raise WireError(f"{what}.shape: expected {list(shape)}, got {dims!r}")
-    n = math.prod(dims)  # exact: numpy's int64 product wraps on huge dimensions
+    if type(dims) is not list or len(dims) != len(shape):
+        raise WireError(f"{what}.shape: expected {list(shape)}, got {dims!r:.60}")
+    n = 1  # exact: numpy's int64 product wraps on huge dimensions
+    for d, want in zip(dims, shape, strict=True):  # a loop: every array of every hop comes here
+        if type(d) is not int or d < 1 or want is not None and d != want:
+            raise WireError(f"{what}.shape: expected {list(shape)}, got {dims!r:.60}")
+        n *= d
     if n > MAX_ELEMENTS:
         raise WireError(f"{what}: {n} elements exceed the limit of {MAX_ELEMENTS}")
     dtype = DTYPES[str(dt)]

@@ -15,5 +15,7 @@ The market's loader hands the units this node enrolled into to ``Served.build``:
 
 A window stage dispatches the experts of its MoE layers that it does not hold through
 the hooks the client side provides (kvasird.inference.client.dispatch). The messages are
-drawn in kvasird.inference.protocol.
+drawn in kvasird.inference.protocol, whose types the handlers receive already validated
+(``answer``; ``handle`` takes a message in its wire form from a caller in this process);
+a server refuses with errors.Refusal and one of its closed set of codes.
 """

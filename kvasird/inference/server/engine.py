@@ -23,7 +23,7 @@ from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.stage import Stage, held_now
 from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights
-from kvasird.inference.errors import Refused
+from kvasird.inference.errors import Refusal
 from kvasird.model.manifest import Unit
 from kvasird.model.slice import contiguous_runs
 
@@ -137,24 +137,24 @@ class Served:
         return any(st.dispatches for st in self.all_stages())
 
     def stages_for(self, first: int, end: int, embed: bool, head: bool) -> list[Stage]:
-        """The chain of stages that computes one hop, or Refused when we lack a part."""
+        """The chain of stages that computes one hop, or Refusal when we lack a part."""
         chain: list[Stage] = []
         if embed:
             if self.embed is None:
-                raise Refused("", "bad", "this node does not hold the head (embedding)")
+                raise Refusal("bad", "this node does not hold the head (embedding)")
             chain.append(self.embed)
         if first < end:
             window = self.windows.get((first, end))
             if window is None:
-                raise Refused("", "bad", f"this node serves no layer window [{first}, {end}); "
-                                         f"it serves {sorted(self.windows)}")
+                raise Refusal("bad", f"this node serves no layer window [{first}, {end}); "
+                                     f"it serves {sorted(self.windows)}")
             chain.append(window)
         if head:
             if self.head is None:
-                raise Refused("", "bad", "this node does not hold the head (output)")
+                raise Refusal("bad", "this node does not hold the head (output)")
             chain.append(self.head)
         if not chain:
-            raise Refused("", "bad", "an empty hop computes nothing")
+            raise Refusal("bad", "an empty hop computes nothing")
         return chain
 
     def all_stages(self) -> list[Stage]:

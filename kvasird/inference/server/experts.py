@@ -2,12 +2,13 @@
 
 Requests for one (worker, layer) that arrive while one is being led into a batch join it:
 one ggml call for all of them. Every request names the gateways whose sessions its rows
-belong to (``for``); on a paid network each must be admitted.
+belong to (``for``); on a paid network each must be admitted. The handler sees only
+requests kvasird.inference.protocol.experts has parsed; what it checks is what depends on
+this node's workers (the layer, the experts held, the row width).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,15 +18,10 @@ import trio
 
 from kvasird.compute.errors import ComputeError
 from kvasird.compute.experts import ExpertWorker
-from kvasird.errors import WireError
-from kvasird.inference.errors import Refused
-from kvasird.inference.protocol import tensors
+from kvasird.inference.errors import Refusal
+from kvasird.inference.protocol.experts import ExpertRequest, Outputs, parse
 from kvasird.inference.server.engine import INLINE_TOKENS, Served, run_short
 from kvasird.inference.server.stage import Admit, _admit_all
-from kvasird.wire import schema
-
-PERTURB_ENV = "KVASIRD_TEST_PERTURB_EXPERTS"
-"""Test-only: a worker started with this set to 1 returns wrong expert outputs."""
 
 
 class ExpertServer:
@@ -41,7 +37,6 @@ class ExpertServer:
                  wire_dtype: str, admit: Admit = _admit_all) -> None:
         self.served, self.window_s, self.wire_dtype = served, window_s, wire_dtype
         self.admit = admit
-        self.perturb = os.environ.get(PERTURB_ENV) == "1"
         self._queues: dict[tuple[int, int], list[_Job]] = {}
         self._last: dict[tuple[int, int], int] = {}
         self.rows = 0
@@ -50,30 +45,25 @@ class ExpertServer:
         """ggml calls made (rows / calls = the batch size achieved)."""
 
     async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """A request in its wire form (from a caller in this process): parsed, answered."""
+        return await self.answer(caller, parse(msg))
+
+    async def answer(self, caller: str, m: ExpertRequest) -> dict[str, Any]:
+        """The reply to a parsed request, in its wire form."""
         served = self.served()
-        if msg.get("op") != "experts":
-            raise WireError(f"experts: unknown op {msg.get('op')!r}")
         if served is None:
-            raise Refused("", "bad", "this node holds no experts")
+            raise Refusal("bad", "this node holds no experts")
         # the gateways the rows are computed for (a stage's own request names none)
-        for gateway in schema.text_list(msg, "for", 64, 128, "experts") if "for" in msg \
-                else (caller,):
+        for gateway in m.gateways if m.gateways is not None else (caller,):
             await self.admit(gateway)
-        layer = schema.integer(msg, "layer", 0, served.hp.n_layer - 1, "experts")
-        worker = served.workers.get(layer)
+        worker = served.workers.get(m.layer)
         if worker is None:
-            raise Refused("", "bad", f"this node holds no experts of layer {layer}")
-        rows = tensors.decode(msg.get("rows"), "experts.rows", ("f32", "f16"),
-                              (None, served.hp.n_embd))
-        ids = tensors.decode(msg.get("ids"), "experts.ids", ("i32",), (len(rows), None))
+            raise Refusal("bad", f"this node holds no experts of layer {m.layer}")
         # ids count from the range start the caller saw advertised; ours may start lower
-        offset = schema.integer(msg, "first", 0, served.hp.n_expert, "experts") \
-            - served.expert_first[layer]
-        rows, ids = worker.validate(layer, rows, ids.astype(np.int64) + offset)
-        out = await self._batched(worker, layer, rows, ids)
-        if self.perturb:
-            out = out * 1.5 + 0.01
-        return {"out": tensors.encode(out, self.wire_dtype)}
+        offset = m.first - served.expert_first[m.layer]
+        rows, ids = worker.validate(m.layer, m.rows, m.ids.astype(np.int64) + offset)
+        out = await self._batched(worker, m.layer, rows, ids)
+        return Outputs(out, self.wire_dtype).to_wire()
 
     async def _batched(self, worker: ExpertWorker, layer: int, rows: np.ndarray,
                        ids: np.ndarray) -> np.ndarray:
@@ -87,7 +77,7 @@ class ExpertServer:
             await self._lead(key, worker, layer)
         self.rows += len(rows)
         if job.error is not None:
-            raise Refused("", "bad", str(job.error))
+            raise Refusal("bad", str(job.error))
         assert job.out is not None
         return job.out
 

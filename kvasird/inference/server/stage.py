@@ -5,7 +5,12 @@ positions start.. ─▶ hidden rows, or the sampled token at the last stage), c
 Sessions are keyed by (caller, session id), bounded in number and KV room (admission
 refuses with "busy" and a reason), and closed when idle. A forwarded step computes and
 hands its output to the next hop itself, or its result to the session's owner; a failure
-on the way names the peer that failed (kvasird.inference.protocol draws the messages).
+on the way names the peer that failed.
+
+The handlers see only messages kvasird.inference.protocol.stage has parsed (``answer``;
+channel.serve parses each frame as it is read, ``handle`` parses an in-process caller's);
+what they check is what depends on this node: the model, its layers, a session's room.
+Refusals are Refusal, with their code.
 
 A step on a stage that dispatches experts runs as steps on the event loop, so the decode
 steps of concurrent sessions interleave (see _run_chain); the step's context
@@ -27,26 +32,36 @@ import trio
 from kvasird.compute.errors import ComputeError, KVCacheFull
 from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch_steps
 from kvasird.compute.kvcache import PAGE, Session
-from kvasird.compute.sampling import Sampler, SamplingParams, log_softmax
+from kvasird.compute.sampling import Sampler, log_softmax
 from kvasird.compute.stage import Stage, held_now, locks_now
 from kvasird.compute.steps import drive_async
 from kvasird.errors import KvasirError, WireError
-from kvasird.inference.errors import HopFailed, NoWorkers, Refused, Unreachable
-from kvasird.inference.protocol import tensors
+from kvasird.inference.api import TokenEvent
+from kvasird.inference.errors import Code, HopFailed, NoWorkers, Refusal, Unreachable
+from kvasird.inference.protocol.stage import (
+    Close,
+    Closed,
+    Failure,
+    Forward,
+    Hidden,
+    Open,
+    Pong,
+    Result,
+    StageMessage,
+    Step,
+    parse,
+    token_to_wire,
+)
 from kvasird.inference.server.engine import INLINE_TOKENS, Served, run_short
 from kvasird.inference.stepcontext import COMPANY, TALLY, Company, Tally
 from kvasird.inference.steptrace import collecting_waits, waiting
 from kvasird.logs import get_logger
-from kvasird.wire import schema
 
 log = get_logger("kvasird.inference.server")
 
 STAGE_POLL_S = (0.0005, 0.008)
 """A decode step waiting for a stage a prefill holds looks again after the first delay,
 doubling up to the second (a long prefill must not cost its waiters' CPU in wake-ups)."""
-MAX_TOP = 20
-MAX_TRACE = 64
-"""Hops a traced step records (a longer trace is dropped, the step goes on)."""
 
 
 @dataclass
@@ -85,7 +100,7 @@ class ServedSession:
 
 
 Admit = Callable[[str], Awaitable[None]]
-"""(gateway peer) -> returns if this node works for that gateway now, else Refused."""
+"""(gateway peer) -> returns if this node works for that gateway now, else Refusal."""
 
 
 async def _admit_all(gateway: str) -> None:
@@ -93,9 +108,10 @@ async def _admit_all(gateway: str) -> None:
 
 
 Send = Callable[[str, dict[str, Any]], Awaitable[None]]
-"""(peer, message) -> sent one-way on the stage protocol (HopFailed when it cannot be)."""
-Deliver = Callable[[str, dict[str, Any]], None]
-"""(sender, result message) -> handed to the generation waiting for it."""
+"""(peer, message in its wire form) -> sent one-way on the stage protocol (HopFailed when
+it cannot be)."""
+Deliver = Callable[[str, Result | Failure], None]
+"""(sender, a forwarded chain's result) -> handed to the generation waiting for it."""
 
 
 async def _cannot_send(peer: str, msg: dict[str, Any]) -> None:
@@ -122,44 +138,46 @@ class StageServer:
         """Decode steps interleaved on this node's stages now (for the expert dispatcher)."""
 
     async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
-        op = msg.get("op")
-        if op == "open":
+        """A message in its wire form (from a caller in this process): parsed, answered."""
+        return await self.answer(caller, parse(msg))
+
+    async def answer(self, caller: str, m: StageMessage) -> dict[str, Any]:
+        """The reply to a parsed message, in its wire form."""
+        if isinstance(m, Step):
+            if m.forward is not None:
+                await self._forwarded(caller, m, m.forward)
+                return {}
+            out = await self._step(self._session((caller, m.sid)), m)
+            return token_to_wire(out) if isinstance(out, TokenEvent) else \
+                Hidden(out, self.wire_dtype).to_wire()
+        if isinstance(m, Open):
             await self.admit(caller)
-            return self._open(caller, msg)
-        if op == "result":
+            self._open(caller, m)
+            return {}
+        if isinstance(m, Result | Failure):
             if self.deliver is None:
                 raise WireError("stage: this node is waiting for no results")
-            self.deliver(caller, msg)
+            self.deliver(caller, m)
             return {}
-        if op == "step" and "back" in msg:
-            await self._forwarded(caller, msg)
-            return {}
-        key = (caller, schema.text(msg, "sid", 64, "stage"))
-        if op == "close":
+        key = (caller, m.sid)
+        if isinstance(m, Close):
             s = self.sessions.get(key)
             self._end([key])
-            return {"experts": dict(s.tally.experts)} if s is not None and s.tally.experts \
-                else {}
-        if op == "ping":
-            return {"at": self._session(key).at}
-        if op == "step":
-            return await self._step(self._session(key), msg)
-        raise WireError(f"stage: unknown op {op!r}")
+            return Closed(tuple(s.tally.experts.items()) if s is not None else ()).to_wire()
+        return Pong(self._session(key).at).to_wire()
 
-    def inline(self, msg: dict[str, Any]) -> bool:
+    def inline(self, m: StageMessage) -> bool:
         """Whether a one-way message may be handled in its stream's reader task: a
         forwarded decode step on a node that dispatches no experts, while nothing else
         computes here, so that it computes in place (holding the event loop anyway) and
         hands its output on; a result for this node. Saves a task start and a pass through
         the scheduler per hop (the ring's queue per hop 0.21-0.23 -> 0.09-0.13 ms)."""
-        if msg.get("op") == "result":
+        if isinstance(m, Result | Failure):
             return True
-        if msg.get("op") != "step" or "back" not in msg:
+        if not isinstance(m, Step) or m.forward is None:
             return False
-        served, x = self.served(), msg.get("x")
-        shape = x.get("shape") if isinstance(x, dict) else None
-        if (served is None or served.dispatches or not isinstance(shape, list) or not shape
-                or not isinstance(shape[0], int) or shape[0] > INLINE_TOKENS):
+        served = self.served()
+        if served is None or served.dispatches or len(m.x) > INLINE_TOKENS:
             return False
         with held_now([served.backend]) as free:  # else the reader would wait for a thread
             return free
@@ -167,125 +185,104 @@ class StageServer:
     def _session(self, key: tuple[str, str]) -> ServedSession:
         s = self.sessions.get(key)
         if s is None:
-            raise Refused("", "gone", "no such session (expired, or this node restarted)")
+            raise Refusal("gone", "no such session (expired, or this node restarted)")
         return s
 
-    async def _forwarded(self, caller: str, msg: dict[str, Any]) -> None:
+    async def _forwarded(self, caller: str, m: Step, f: Forward) -> None:
         """A step of a forwarded chain: compute, then pass the output on (or back home)."""
-        owner = schema.text(msg, "owner", 128, "stage") if "owner" in msg else caller
-        ticket = schema.text(schema.mapping(msg["back"], "stage.back"), "ticket", 64,
-                             "stage.back")
+        owner = f.owner if f.owner is not None else caller
         culprit = self.me
         try:
-            chain = [_hop_ref(h) for h in schema.items(msg, "next", 64, "stage")]
-            s = self._session((owner, schema.text(msg, "sid", 64, "stage")))
+            s = self._session((owner, m.sid))
             if caller not in (owner, s.prev):
-                raise Refused("", "bad", "only the session's owner and the hop before it on "
-                                         "the route may step it")
-            reply = await self._step(s, msg)
-            if chain and "x" not in reply:
-                raise Refused("", "bad", "the route goes on after the head: the head hop "
-                                         "must be the last")
-            if not chain and "x" in reply:
-                raise Refused("", "bad", "the route ends before the head")
-            culprit = chain[0][0] if chain else owner
-            if chain:
-                out = {"op": "step", "sid": chain[0][1], "start": msg["start"], "x": reply["x"],
-                       "ids": msg.get("ids"), "owner": owner, "next": [list(h) for h in chain[1:]],
-                       "back": {"ticket": ticket}}
-                if (trace := _traced(msg, s)) is not None:
-                    out["trace"] = trace
-                await self.send(chain[0][0], out)
+                raise Refusal("bad", "only the session's owner and the hop before it on the "
+                                     "route may step it")
+            out = await self._step(s, m)
+            trace = _traced(f, s)
+            if not isinstance(out, TokenEvent):
+                if not f.next_hops:
+                    raise Refusal("bad", "the route ends before the head")
+                culprit, sid = f.next_hops[0]
+                await self.send(culprit, Step(sid, m.start, out, self.wire_dtype, m.ids, Forward(
+                    f.ticket, f.next_hops[1:], owner, trace)).to_wire())
             else:
-                result = {"op": "result", "ticket": ticket, **reply}
-                if (trace := _traced(msg, s)) is not None:
-                    result["trace"] = trace
-                await self.send(owner, result)
+                if f.next_hops:
+                    raise Refusal("bad", "the route goes on after the head: the head hop "
+                                         "must be the last")
+                culprit = owner
+                await self.send(owner, Result(f.ticket, out, trace).to_wire())
             self.forwarded += 1
-        except KvasirError as exc:  # Refused, HopFailed (forwarding), WireError
-            code, detail = ((exc.code, exc.detail) if isinstance(exc, Refused)
-                            else ("unreachable", exc.reason) if isinstance(exc, Unreachable)
-                            else ("gone", exc.reason) if isinstance(exc, HopFailed)
-                            else ("bad", str(exc)))
+        except KvasirError as exc:  # Refusal, HopFailed (forwarding), WireError
+            failure = Failure(f.ticket, *_why(exc), culprit)
             if culprit == owner:
-                log.debug("result not delivered", owner=owner, reason=detail[:200])
+                log.debug("result not delivered", owner=owner, reason=failure.error[:200])
                 return
             with contextlib.suppress(HopFailed):
-                await self.send(owner, {"op": "result", "ticket": ticket, "error": detail[:500],
-                                        "code": code, "peer": culprit})
+                await self.send(owner, failure.to_wire())
 
-    def _open(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+    def _open(self, caller: str, m: Open) -> None:
         served = self.served()
-        if served is None or schema.text(msg, "model", 64, "stage") != self.model_id():
-            raise Refused("", "bad", "this node serves no stage of that model")
-        sid = schema.text(msg, "sid", 64, "stage")
-        n = served.hp.n_layer
-        first = schema.integer(msg, "first", 0, n, "stage")
-        end = schema.integer(msg, "end", first, n, "stage")
-        max_tokens = schema.integer(msg, "max_tokens", 1, 1 << 22, "stage")
-        chain = served.stages_for(first, end, bool(msg.get("embed")), bool(msg.get("head")))
+        if served is None or m.model != self.model_id():
+            raise Refusal("bad", "this node serves no stage of that model")
+        if m.end > served.hp.n_layer:
+            raise Refusal("bad", f"layers [{m.first}, {m.end}) reach past the model's "
+                                 f"{served.hp.n_layer}")
+        chain = served.stages_for(m.first, m.end, m.embed, m.head)
         self.expire()
-        if len(self.sessions) >= self.max_sessions and (caller, sid) not in self.sessions:
-            raise Refused("", "busy", f"serving {len(self.sessions)} sessions, the limit")
-        need = -(-max_tokens // PAGE) * PAGE
+        key = (caller, m.sid)
+        if len(self.sessions) >= self.max_sessions and key not in self.sessions:
+            raise Refusal("busy", f"serving {len(self.sessions)} sessions, the limit")
+        need = -(-m.max_tokens // PAGE) * PAGE
         for stage in chain:
-            if stage.kv.max_session_tokens < max_tokens or stage.kv.free_tokens < need:
-                raise Refused("", "busy", f"KV cache has {stage.kv.free_tokens} free slots, "
-                                          f"the session needs {need}")
+            if stage.kv.max_session_tokens < m.max_tokens or stage.kv.free_tokens < need:
+                raise Refusal("busy", f"KV cache has {stage.kv.free_tokens} free slots, "
+                                      f"the session needs {need}")
         sampler = None
-        if msg.get("head"):
-            params = _sampling(schema.mapping(msg.get("sampling"), "stage.sampling"))
-            sampler = Sampler(params)
-            if params.temperature > 0:  # a replay continues the seeded stream where it was
-                for _ in range(schema.integer(msg, "draws", 0, 1 << 22, "stage")):
+        if m.head:
+            sampler = Sampler(m.sampling)
+            if m.sampling.temperature > 0:  # a replay continues the seeded stream where it was
+                for _ in range(m.draws):
                     sampler(np.zeros(2))
-        prev = schema.text(msg, "prev", 128, "stage") if "prev" in msg else ""
-        self._end([(caller, sid)])
-        self.sessions[(caller, sid)] = ServedSession(
-            chain, [st.open_session() for st in chain], sampler,
-            schema.integer(msg, "logprobs", 0, MAX_TOP, "stage"), max_tokens, prev,
-            tally=Tally(caller))
-        return {}
+        self._end([key])
+        self.sessions[key] = ServedSession(chain, [st.open_session() for st in chain], sampler,
+                                           m.logprobs, m.max_tokens, m.prev,
+                                           tally=Tally(caller))
 
-    async def _step(self, s: ServedSession, msg: dict[str, Any]) -> dict[str, Any]:
-        start = schema.integer(msg, "start", 0, s.max_tokens, "stage")
-        first = s.chain[0]
-        if first.embed:
-            x = tensors.decode(msg.get("x"), "stage.x", ("i32",), (None,))
-        else:
-            x = tensors.decode(msg.get("x"), "stage.x", ("f32", "f16"), (None, first.hp.n_embd))
-        if start + len(x) > s.max_tokens:
-            raise Refused("", "bad", f"positions up to {start + len(x)} exceed the session's "
-                                     f"{s.max_tokens}")
+    async def _step(self, s: ServedSession, m: Step) -> np.ndarray | TokenEvent:
+        """The hop's output rows, or at the head the sampled token."""
+        x, first = m.x, s.chain[0]
+        if first.embed != (m.dt == "i32") or not first.embed and x.shape[1] != first.hp.n_embd:
+            raise WireError("stage.x: expected " + ("token ids (i32 [T])" if first.embed else
+                                                    f"hidden rows [T, {first.hp.n_embd}]"))
+        if m.start + len(x) > s.max_tokens:
+            raise Refusal("bad", f"positions up to {m.start + len(x)} exceed the session's "
+                                 f"{s.max_tokens}")
         if s.sampler is not None:
-            ids = msg.get("ids")
-            if (not isinstance(ids, list) or len(ids) != len(x)
-                    or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-                raise WireError("stage.ids: expected the token ids of the positions sent")
-            del s.history[start:]
-            s.history += ids
+            if m.ids is None:
+                raise WireError("stage.ids: the head needs the token ids of the positions sent")
+            del s.history[m.start:]
+            s.history += m.ids
         s.used = began = time.monotonic()
         try:
             with collecting_waits() as waited:
-                out = await _run_chain(s, x, start, self.company)
+                out = await _run_chain(s, x, m.start, self.company)
         except (KVCacheFull, NoWorkers) as exc:
-            raise Refused("", "busy", str(exc)) from None
+            raise Refusal("busy", str(exc)) from None
         except ComputeError as exc:
-            raise Refused("", "bad", str(exc)) from None
+            raise Refusal("bad", str(exc)) from None
         finally:
             s.used = time.monotonic()
             s.last_step = (began, s.used, waited[0])
         self.tokens += len(x)
-        s.at = start + len(x)
+        s.at = m.start + len(x)
         if s.sampler is None:
-            return {"x": tensors.encode(out, self.wire_dtype)}
+            return out
         token = s.sampler(out[-1], s.history)
-        reply: dict[str, Any] = {"token": token}
-        if s.logprobs:
-            lp = log_softmax(out[-1])
-            top = np.argsort(-lp, kind="stable")[:s.logprobs]
-            reply.update(logprob=float(lp[token]), top=[[int(i), float(lp[i])] for i in top])
-        return reply
+        if not s.logprobs:
+            return TokenEvent(token)
+        lp = log_softmax(out[-1])
+        top = np.argsort(-lp, kind="stable")[:s.logprobs]
+        return TokenEvent(token, float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -379,42 +376,27 @@ async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
     return await drive_async(dispatch_steps(layer, cur, ids, stage.shards[layer]), shard_outputs)
 
 
-def _traced(msg: dict[str, Any], s: ServedSession) -> list[list[float]] | None:
+def _why(exc: KvasirError) -> tuple[Code, str]:
+    """The code and reason a forwarded chain's failure reports: a refusal's own, or the
+    next hop's (it could not be reached, or broke off)."""
+    if isinstance(exc, Refusal):
+        return exc.code, exc.detail
+    if isinstance(exc, Unreachable):
+        return "unreachable", exc.reason
+    if isinstance(exc, HopFailed):
+        return "gone", exc.reason
+    return "bad", str(exc)
+
+
+def _traced(f: Forward, s: ServedSession) -> tuple[tuple[float, ...], ...] | None:
     """A traced step's stamps so far plus this hop's, as its output is handed on:
-    [received, compute began, compute ended, handed on, experts waited]; None when the
+    (received, compute began, compute ended, handed on, experts waited); None when the
     step is not traced.
 
     `rx` is stamped by `channel.serve` when the frame was read (a step from this node
     itself has none: it was received when it was handed over)."""
-    trace = msg.get("trace")
-    if not isinstance(trace, list) or len(trace) >= MAX_TRACE:
+    if f.trace is None:
         return None
-    rx = msg.get("rx")
     began, ended, experts = s.last_step
-    return [*trace, [rx if isinstance(rx, float) else began, began, ended, time.monotonic(),
-                     experts]]
-
-
-def _hop_ref(value: Any) -> tuple[str, str]:
-    """One entry of a forwarded step's `next`: [peer id, session id]."""
-    if (not isinstance(value, list | tuple) or len(value) != 2
-            or not all(isinstance(v, str) for v in value)
-            or len(value[0]) > 128 or len(value[1]) > 64):
-        raise WireError("stage.next: expected [peer id, session id] pairs")
-    return value[0], value[1]
-
-
-def _sampling(d: dict[str, Any]) -> SamplingParams:
-    seed = d.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise WireError("stage.sampling.seed: expected an integer or nil")
-    try:
-        return SamplingParams(
-            temperature=schema.number(d, "temperature", 0, 1e6, "stage.sampling"),
-            top_k=schema.integer(d, "top_k", 0, 1 << 24, "stage.sampling"),
-            top_p=schema.number(d, "top_p", 0, 1, "stage.sampling"),
-            repetition_penalty=schema.number(d, "repetition_penalty", 1e-6, 1e6, "stage.sampling"),
-            seed=seed)
-    except ComputeError as exc:
-        raise WireError(f"stage.sampling: {exc}") from None
-
+    return (*f.trace, (f.rx if f.rx is not None else began, began, ended, time.monotonic(),
+                       experts))

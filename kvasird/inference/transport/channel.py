@@ -6,9 +6,13 @@ and a reader task hands each reply to its waiter. Every wait has a timeout, beca
 dead peer is never noticed by py-libp2p: on a timeout or a broken stream the channel
 is reset and dropped, and every request still waiting on it fails at once.
 
-    Channels.request(peer, proto, msg) ──▶ Channel ──frame {id, op, ...}──▶ serve()
+    Channels.request(peer, proto, msg) ──▶ Channel ──frame {id, op, ...}──▶ serve() ─parse─▶ handler
                                      ◀── reader task ◀──frame {id, ...}────┘  (one task per request)
     Channels.notify(peer, proto, msg)  ──▶ Channel ──frame {id: 0, op, ...}──▶ serve() (no answer)
+
+serve() hands each frame to its protocol's parse as it is read (kvasird.inference.protocol),
+so a handler only sees validated messages; a handler's Refusal becomes the reply {error,
+code}, which request() raises as Refused (a code outside errors.CODES reads as "bad").
 
 One-way messages carry the stage-to-stage forwarding of a generation's steps (swarm.py):
 whatever they lead to comes back as another message, from another peer. A short one the
@@ -33,7 +37,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
 from kvasird.errors import KvasirError, WireError
-from kvasird.inference.errors import HopFailed, Refused, Unreachable
+from kvasird.inference.errors import HopFailed, Refusal, Refused, Unreachable, code_of
 from kvasird.inference.transport import lane
 from kvasird.logs import get_logger
 from kvasird.p2p.reachability import is_circuit
@@ -46,8 +50,9 @@ LANE_OPEN_S = 2.0
 """Longest a lane may take to come up (offer, TCP connect, confirmation)."""
 log = get_logger("kvasird.inference.transport.channel")
 
-Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
-"""(caller peer id, request) -> reply; raising Refused answers with its code."""
+Handler = Callable[[str, Any], Awaitable[dict[str, Any]]]
+"""(caller peer id, request: the frame as its protocol's parse made it) -> reply; raising
+Refusal answers with its code, any other error with "bad"."""
 
 
 class _Failures:
@@ -98,7 +103,7 @@ class Channel:
         finally:
             self._waiting.pop(rid, None)
         if "error" in reply:
-            raise Refused(self.peer, str(reply.get("code", "bad")), str(reply["error"])[:500])
+            raise Refused(self.peer, code_of(reply.get("code")), str(reply["error"])[:500])
         return reply
 
     async def notify(self, msg: dict[str, Any], wait_s: float) -> None:
@@ -214,7 +219,7 @@ class Channels:
         if lane_channel is not None and not lane_channel.closed:
             return lane_channel
         channel = await self._get_stream(peer, protocol)
-        now = time.monotonic()
+        now = trio.current_time()
         if self.lanes and self._nursery is not None and self._lane_next.get(key, 0) <= now:
             first, most = lane.LANE_RETRY_S
             fails = self._lane_fails.get(key, 0)
@@ -248,7 +253,7 @@ class Channels:
         self._nursery.start_soon(lane_channel.read_replies)
         self._lanes[key] = lane_channel
         self._lane_fails.pop(key, None)
-        self._lane_next[key] = time.monotonic() + 5.0  # a lane that breaks may be renewed soon
+        self._lane_next[key] = trio.current_time() + 5.0  # a lane that breaks may be renewed soon
         log.debug("lane open", peer=peer, protocol=key[1], address=ip)
 
     def _lane_ips(self, peer: str, channel: Channel) -> list[str]:
@@ -323,40 +328,46 @@ async def _reset(stream: INetStream | lane.SealedStream) -> None:
 
 async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s: float, *,
                 peer: str = "", lanes: lane.LaneServer | None = None, protocol: str = "",
-                inline: Callable[[dict[str, Any]], bool] | None = None) -> None:
+                parse: Callable[[dict[str, Any]], Any] | None = None,
+                inline: Callable[[Any], bool] | None = None) -> None:
     """Answer requests on one stream until it ends or stays idle past `idle_s`.
 
-    Each request runs in its own task so a slow one does not hold up the next; replies
-    are written under one lock, whole frames at a time. A one-way message that `inline`
-    accepts is handled in the reader's own task instead (no task to start, no pass through
-    the scheduler before it runs): for short work that would hold the event loop anyway,
-    such as a decode step computed in place; the stream's next frame waits for it.
-    `peer` is the caller (read from the libp2p connection when not given); with `lanes`,
-    a request {op: "lane"} is answered with a ticket for a lane to this `protocol`.
+    Each frame goes through `parse` (the protocol's validation into its message types) as
+    it is read: a malformed one is answered "bad" and never reaches `handle`, which gets
+    the parsed message (the frame itself without `parse`). Each request runs in its own
+    task so a slow one does not hold up the next; replies are written under one lock,
+    whole frames at a time. A one-way message that `inline` accepts is handled in the
+    reader's own task instead (no task to start, no pass through the scheduler before it
+    runs): for short work that would hold the event loop anyway, such as a decode step
+    computed in place; the stream's next frame waits for it. A handler's Refusal is
+    answered with its code, any other error with "bad". `peer` is the caller (read from
+    the libp2p connection when not given); with `lanes`, a request {op: "lane"} is
+    answered with a ticket for a lane to this `protocol`.
     """
     if not peer:
         peer = stream.muxed_conn.peer_id.to_string()  # type: ignore[union-attr]
     reader = FrameReader(stream, MAX_FRAME)
     lock = trio.Lock()
 
-    async def answer(msg: dict[str, Any]) -> None:
-        rid = msg.get("id")
+    async def offer_lane(caller: str, _: Any) -> dict[str, Any]:
+        assert lanes is not None
+        return lanes.offer(caller, protocol)
+
+    async def answer(rid: int, op: Any, handler: Handler, request: Any) -> None:
         try:
-            if msg.get("op") == "lane" and lanes is not None:
-                reply = lanes.offer(peer, protocol)
-            else:
-                reply = await handle(peer, msg)
-        except Refused as exc:
-            reply = {"error": exc.detail, "code": exc.code}
-        except (WireError, KvasirError) as exc:
-            reply = {"error": str(exc)[:500], "code": "bad"}
+            reply = await handler(peer, request)
+        except KvasirError as exc:
+            reply = _refusal(exc)
         except Exception:  # noqa: BLE001 - a bug answers this request, not the stream's others
-            log.exception("request handler failed", peer=peer, op=str(msg.get("op"))[:32])
+            log.exception("request handler failed", peer=peer, op=str(op)[:32])
             reply = {"error": "the peer failed to handle this request (see its log)",
                      "code": "bad"}
+        await send(rid, op, reply)
+
+    async def send(rid: int, op: Any, reply: dict[str, Any]) -> None:
         if rid == 0:  # one-way: nobody waits for an answer
             if "error" in reply:
-                log.debug("one-way request failed", peer=peer, op=str(msg.get("op"))[:32],
+                log.debug("one-way request failed", peer=peer, op=str(op)[:32],
                           error=str(reply["error"])[:200])
             return
         try:
@@ -376,16 +387,30 @@ async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s:
                     msg = await reader.read()
                     if not isinstance(msg, dict) or not isinstance(msg.get("id"), int):
                         raise WireError("request: expected a map with an integer id")
+                    rid, op = msg["id"], msg.get("op")
+                    if op == "lane" and lanes is not None:
+                        nursery.start_soon(answer, rid, op, offer_lane, msg)
+                        continue
                     if "trace" in msg:  # a traced step: when it arrived (its sender cannot say)
                         msg["rx"] = time.monotonic()
-                    if inline is not None and msg["id"] == 0 and inline(msg):
+                    try:
+                        request = msg if parse is None else parse(msg)
+                    except WireError as exc:
+                        nursery.start_soon(send, rid, op, _refusal(exc))
+                        continue
+                    if inline is not None and rid == 0 and inline(request):
                         idle.deadline = math.inf  # the stream is busy, not idle
-                        await answer(msg)
+                        await answer(rid, op, handle, request)
                     else:
-                        nursery.start_soon(answer, msg)
+                        nursery.start_soon(answer, rid, op, handle, request)
             log.debug("stream idle: closing it", peer=peer, idle_s=idle_s)
             nursery.cancel_scope.cancel()
     except Exception as exc:  # noqa: BLE001 - a malformed frame, a reset: in a group, any type
         log.debug("stream ended", peer=peer, reason=repr(exc))
     finally:
         await _reset(stream)
+
+
+def _refusal(exc: KvasirError) -> dict[str, Any]:
+    """The error reply for `exc`: a Refusal's own code, "bad" for anything else."""
+    return (exc if isinstance(exc, Refusal) else Refusal("bad", str(exc))).to_wire()

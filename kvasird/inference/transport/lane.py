@@ -30,7 +30,6 @@ import os
 import re
 import secrets
 import struct
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -232,7 +231,7 @@ class LaneServer:
         """A ticket for `peer` to open a lane for `protocol` (sent over its libp2p channel)."""
         if protocol not in self._serve or not self.port:
             raise WireError(f"no lanes for {protocol} here")
-        now = time.monotonic()
+        now = trio.current_time()
         self._tickets = {t: v for t, v in self._tickets.items() if v[3] > now}
         mine = sorted((v[3], t) for t, v in self._tickets.items() if v[0] == peer)
         for _, token in mine[:max(0, len(mine) - TICKETS_PER_PEER + 1)]:
@@ -251,7 +250,7 @@ class LaneServer:
                         break
                     token += chunk
             ticket = self._tickets.pop(token, None)
-            if ticket is None or ticket[3] < time.monotonic():
+            if ticket is None or ticket[3] < trio.current_time():
                 self.refused += 1
                 return
             peer, protocol, key, _ = ticket

@@ -1,0 +1,399 @@
+"""The stage protocol's messages ("/kvasir/stage/1"), each a frozen type with its wire form.
+
+``parse`` turns a decoded frame into one of Open, Step, Close, Ping, Result or Failure, or
+raises WireError naming the field; the stage server's handlers see nothing else. Bounds
+that depend on what a node serves (its layer count, n_embd, a session's room) are the
+handler's to check; everything a message can be checked for on its own is checked here.
+The replies the client reads are typed the same way: Hidden or a TokenEvent (a step),
+Pong (a ping), Closed (a close). The keys and values are those the package docstring
+draws, so nodes of either side of this change interoperate.
+
+Sampling settings travel as one map, the wire form of compute's SamplingParams (the one
+sampling type from the gateway to the head's sampler):
+
+    {temperature, top_k, top_p, repetition_penalty, seed}
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvasird.compute.errors import ComputeError
+from kvasird.compute.sampling import SamplingParams
+from kvasird.errors import WireError
+from kvasird.inference.api import TokenEvent
+from kvasird.inference.errors import Code, code_of
+from kvasird.inference.protocol import MAX_LAYERS, tensors
+from kvasird.wire import schema
+
+MAX_POSITIONS = 1 << 22
+"""Most positions a session may hold (prompt + completion)."""
+MAX_TOP = 20
+"""Most alternatives a head reports per token."""
+MAX_TRACE = 64
+"""Hops a traced step records (a longer trace is dropped, the step goes on)."""
+MAX_ROUTE = 64
+"""Most hops a forwarded step may still have ahead of it."""
+MAX_TOKEN = (1 << 31) - 1
+MAX_STAMPS = 8
+"""Numbers one hop's trace entry may hold (five are used)."""
+MAX_EXPERT_UNITS = 1 << 40
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    """Open a session on the hop [first, end) of the model (with its embedding or head)."""
+
+    sid: str
+    """The caller's session id (a session is keyed by caller and sid)."""
+    model: str
+    """The model id the caller routes."""
+    first: int
+    """First layer of the hop's window."""
+    end: int
+    """End of the window (first == end: no layers, only the embedding or the head)."""
+    embed: bool
+    """The hop starts with the token embedding (its steps carry token ids)."""
+    head: bool
+    """The hop ends with the head: it samples, and answers steps with tokens."""
+    max_tokens: int
+    """Positions the session may reach (prompt + completion)."""
+    logprobs: int = 0
+    """Alternatives to report per token (0 = none; the head only)."""
+    prev: str = ""
+    """The peer that may forward steps into this session besides its owner ("" = none)."""
+    sampling: SamplingParams = SamplingParams()
+    """How the head samples (sent to every hop; required at the head)."""
+    draws: int = 0
+    """Draws a replay skips, so a seeded stream continues where the failed route stopped."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "open", "sid": self.sid, "model": self.model, "first": self.first,
+                "end": self.end, "embed": self.embed, "head": self.head,
+                "max_tokens": self.max_tokens, "sampling": sampling_to_wire(self.sampling),
+                "logprobs": self.logprobs, "draws": self.draws, "prev": self.prev}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Open:
+        first = schema.integer(d, "first", 0, MAX_LAYERS, "stage")
+        head = _boolean(d, "head", "stage")
+        sampling = (sampling_from_wire(d.get("sampling"), "stage.sampling")
+                    if head or "sampling" in d else SamplingParams())
+        # a replay of a sampled stream must say how far it was drawn; greedy ones draw nothing
+        draws = (schema.integer(d, "draws", 0, MAX_POSITIONS, "stage")
+                 if "draws" in d or (head and sampling.temperature > 0) else 0)
+        return Open(schema.text(d, "sid", 64, "stage"), schema.text(d, "model", 64, "stage"),
+                    first, schema.integer(d, "end", first, MAX_LAYERS, "stage"),
+                    _boolean(d, "embed", "stage"), head,
+                    schema.integer(d, "max_tokens", 1, MAX_POSITIONS, "stage"),
+                    schema.integer(d, "logprobs", 0, MAX_TOP, "stage"),
+                    schema.text(d, "prev", 128, "stage") if "prev" in d else "",
+                    sampling, draws)
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """What makes a step forwarded: nobody waits for its answer; the hop sends its output
+    on to the next hop, or (the last) the token to the owner as a Result."""
+
+    ticket: str
+    """The owner's ticket for the result (the wire's ``back: {ticket}``)."""
+    next_hops: tuple[tuple[str, str], ...]
+    """(peer, session id) of each hop still ahead (the wire's ``next``)."""
+    owner: str | None = None
+    """The gateway whose session it is (None: the caller, which sent it first)."""
+    trace: tuple[tuple[float, ...], ...] | None = None
+    """The stamps of the hops so far, when the step is traced (steptrace)."""
+    rx: float | None = None
+    """When this node read the frame (time.monotonic), stamped by channel.serve for a
+    traced step; not a wire field."""
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Forward:
+        back = schema.mapping(d.get("back"), "stage.back")
+        hops = schema.items(d, "next", MAX_ROUTE, "stage")
+        for h in hops:  # a loop, not all(): this runs for every hop of every token
+            if (type(h) is not list or len(h) != 2 or type(h[0]) is not str
+                    or type(h[1]) is not str or len(h[0]) > 128 or len(h[1]) > 64):
+                raise WireError("stage.next: expected [peer id, session id] pairs")
+        trace = _trace(d["trace"], MAX_TRACE - 1) if "trace" in d else None
+        rx = d.get("rx") if trace is not None else None
+        return Forward(schema.text(back, "ticket", 64, "stage.back"), tuple(map(tuple, hops)),
+                       schema.text(d, "owner", 128, "stage") if "owner" in d else None,
+                       trace, rx if isinstance(rx, float) else None)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Step:
+    """Positions start.. through a session: token ids at a hop that embeds, else the
+    previous hop's hidden rows. Answered with Hidden, or a TokenEvent at the head."""
+
+    sid: str
+    start: int
+    """Position of the first row."""
+    x: np.ndarray
+    """Token ids (int32 [T]) or hidden rows (float32 [T, n_embd])."""
+    dt: str = "i32"
+    """How x travels: "i32" for ids, "f32" or "f16" for rows."""
+    ids: tuple[int, ...] | None = None
+    """The T token ids (the head's repetition penalty needs them; absent before the head
+    on a relayed step)."""
+    forward: Forward | None = None
+    """Present on a forwarded step."""
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": "step", "sid": self.sid, "start": self.start,
+                               "x": tensors.encode(self.x, self.dt)}
+        if self.ids is not None:
+            out["ids"] = list(self.ids)
+        if (f := self.forward) is not None:
+            if f.owner is not None:
+                out["owner"] = f.owner
+            out["back"] = {"ticket": f.ticket}
+            out["next"] = [list(h) for h in f.next_hops]
+            if f.trace is not None:
+                out["trace"] = [list(h) for h in f.trace]
+        return out
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Step:
+        x, dt = _rows(d.get("x"), "stage.x")
+        ids = d.get("ids")
+        return Step(schema.text(d, "sid", 64, "stage"),
+                    schema.integer(d, "start", 0, MAX_POSITIONS, "stage"), x, dt,
+                    None if ids is None else _ids(ids, len(x)),
+                    Forward.from_wire(d) if "back" in d else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """End a session; answered with Closed."""
+
+    sid: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "close", "sid": self.sid}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Close:
+        return Close(schema.text(d, "sid", 64, "stage"))
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """How far a session has computed; answered with Pong."""
+
+    sid: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "ping", "sid": self.sid}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Ping:
+        return Ping(schema.text(d, "sid", 64, "stage"))
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """The token a forwarded chain's last hop sampled, sent one-way to the owner."""
+
+    ticket: str
+    token: TokenEvent
+    trace: tuple[tuple[float, ...], ...] | None = None
+    """Every hop's stamps, when the step was traced."""
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {"op": "result", "ticket": self.ticket, **token_to_wire(self.token)}
+        if self.trace is not None:
+            out["trace"] = [list(h) for h in self.trace]
+        return out
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Result:
+        return Result(schema.text(d, "ticket", 64, "stage"), token_from_wire(d, "stage"),
+                      _trace(d["trace"], MAX_TRACE) if "trace" in d else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A forwarded chain ended early: sent one-way to the owner, naming the peer that
+    failed (the sender itself, or the next hop it could not reach)."""
+
+    ticket: str
+    code: Code
+    """A code outside the closed set reads as "bad"."""
+    error: str
+    peer: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "result", "ticket": self.ticket, "error": self.error[:500],
+                "code": self.code, "peer": self.peer}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Failure:
+        return Failure(schema.text(d, "ticket", 64, "stage"), code_of(d.get("code")),
+                       schema.text(d, "error", 500, "stage"),
+                       schema.text(d, "peer", 128, "stage"))
+
+
+StageMessage = Open | Step | Close | Ping | Result | Failure
+
+
+def parse(msg: dict[str, Any]) -> StageMessage:
+    """The message a decoded stage frame holds, validated (WireError naming the field)."""
+    op = msg.get("op")
+    if op == "step":  # the hot path first
+        return Step.from_wire(msg)
+    if op == "result":
+        return Failure.from_wire(msg) if "error" in msg else Result.from_wire(msg)
+    parser = _PARSERS.get(op) if isinstance(op, str) else None
+    if parser is None:
+        raise WireError(f"stage.op: unknown op {op!r:.40}")
+    return parser(msg)
+
+
+_PARSERS: dict[str, Callable[[dict[str, Any]], StageMessage]] = {
+    "open": Open.from_wire, "close": Close.from_wire, "ping": Ping.from_wire}
+
+
+# --- replies ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Hidden:
+    """A step's answer before the head: the hop's output rows, for the next hop."""
+
+    x: np.ndarray
+    """float32 [T, n_embd]."""
+    dt: str
+    """How the rows travel: "f32" or "f16"."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"x": tensors.encode(self.x, self.dt)}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Hidden:
+        x, dt = _rows(d.get("x"), "reply.x")
+        if dt == "i32":
+            raise WireError("reply.x.dt: expected hidden rows (f32 or f16), got token ids")
+        return Hidden(x, dt)
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """A ping's answer."""
+
+    at: int
+    """Positions the session has computed."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"at": self.at}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Pong:
+        return Pong(schema.integer(d, "at", 0, MAX_POSITIONS, "reply"))
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """A close's answer: the expert work done for the session on other peers."""
+
+    experts: tuple[tuple[str, int], ...] = ()
+    """(worker peer, units: the experts its rows selected), as the stage counted them."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"experts": dict(self.experts)} if self.experts else {}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Closed:
+        if "experts" not in d:
+            return Closed()
+        experts = schema.mapping(d["experts"], "reply.experts")
+        if len(experts) > 4096 or not all(
+                isinstance(p, str) and len(p) <= 128 and type(n) is int
+                and 0 < n <= MAX_EXPERT_UNITS for p, n in experts.items()):
+            raise WireError("reply.experts: expected at most 4096 {peer id: units > 0}")
+        return Closed(tuple(experts.items()))
+
+
+def token_to_wire(t: TokenEvent) -> dict[str, Any]:
+    """A head's sampled token: {token, logprob?, top?: [[token, logprob], ...]}."""
+    if t.logprob is None:
+        return {"token": t.token}
+    return {"token": t.token, "logprob": t.logprob, "top": [list(p) for p in t.top]}
+
+
+def token_from_wire(d: dict[str, Any], what: str) -> TokenEvent:
+    token = schema.integer(d, "token", 0, MAX_TOKEN, what)
+    if "logprob" not in d:
+        return TokenEvent(token)
+    top = schema.items(d, "top", MAX_TOP, what) if "top" in d else ()
+    if not all(isinstance(t, list) and len(t) == 2 and type(t[0]) is int
+               and 0 <= t[0] <= MAX_TOKEN and type(t[1]) is float for t in top):
+        raise WireError(f"{what}.top: expected [token id, logprob] pairs")
+    return TokenEvent(token, schema.number(d, "logprob", -sys.float_info.max, 1e-3, what),
+                      tuple((t[0], t[1]) for t in top))
+
+
+def sampling_to_wire(p: SamplingParams) -> dict[str, Any]:
+    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+            "repetition_penalty": p.repetition_penalty, "seed": p.seed}
+
+
+def sampling_from_wire(value: Any, what: str) -> SamplingParams:
+    d = schema.mapping(value, what)
+    seed = d.get("seed")
+    if seed is not None and type(seed) is not int:
+        raise WireError(f"{what}.seed: expected an integer or nil, got {seed!r:.40}")
+    try:
+        return SamplingParams(
+            temperature=schema.number(d, "temperature", 0, 1e6, what),
+            top_k=schema.integer(d, "top_k", 0, 1 << 24, what),
+            top_p=schema.number(d, "top_p", 0, 1, what),
+            repetition_penalty=schema.number(d, "repetition_penalty", 1e-6, 1e6, what),
+            seed=seed)
+    except ComputeError as exc:  # a value the sampler refuses (top_p 0, a seed past 64 bits)
+        raise WireError(f"{what}: {exc}") from None
+
+
+def _boolean(d: dict[str, Any], key: str, what: str) -> bool:
+    v = d.get(key)
+    if v is not True and v is not False:
+        raise WireError(f"{what}.{key}: expected true or false, got {v!r:.40}")
+    return v
+
+
+def _ids(value: Any, n: int) -> tuple[int, ...]:
+    """The token ids of the n positions a step sends."""
+    if type(value) is not list or len(value) != n:
+        raise WireError(f"stage.ids: expected the {n} token ids of the positions sent")
+    for i in value:
+        if type(i) is not int or not 0 <= i <= MAX_TOKEN:
+            raise WireError(f"stage.ids: expected token ids in 0..{MAX_TOKEN}, got {i!r:.40}")
+    return tuple(value)
+
+
+def _rows(value: Any, what: str) -> tuple[np.ndarray, str]:
+    """Token ids (i32, [T]) or hidden rows (f32/f16, [T, width]) and how they travelled."""
+    dt = value.get("dt") if isinstance(value, dict) else None
+    if dt == "i32":
+        return tensors.decode(value, what, ("i32",), (None,)), "i32"
+    if dt not in ("f32", "f16"):
+        raise WireError(f"{what}.dt: expected one of ['i32', 'f32', 'f16'], got {dt!r:.40}")
+    return tensors.decode(value, what, ("f32", "f16"), (None, None)), dt
+
+
+def _trace(value: Any, most: int) -> tuple[tuple[float, ...], ...] | None:
+    """A traced step's stamps so far; None (dropped, the step goes on) past `most` hops."""
+    if not isinstance(value, list):
+        raise WireError("stage.trace: expected a list of per-hop stamps")
+    if len(value) > most:
+        return None
+    if not all(isinstance(h, list) and len(h) <= MAX_STAMPS
+               and all(type(t) is float for t in h) for h in value):
+        raise WireError(f"stage.trace: expected lists of at most {MAX_STAMPS} floats")
+    return tuple(tuple(h) for h in value)

