@@ -125,7 +125,8 @@ class InferenceConfig:
     spot_tolerance: float = field(default=1e-3, metadata=_range(0, 1e6))
     """Largest relative difference (max |a-b| / max |b|) a spot check accepts."""
     unfit_s: float = field(default=300.0, metadata=_range(1, 86400))
-    """How long a peer that failed or failed a spot check receives no work."""
+    """How long a peer that failed a spot check receives no work; the cap of a peer failing
+    at work, whose sentence starts at 15 s and doubles with each failure in a row."""
     unfit_quorum: int = field(default=2, metadata=_range(1, 64))
     """Distinct peers whose gossiped spot-check verdicts against a worker make us avoid it."""
     max_failovers: int = field(default=4, metadata=_range(0, 64))

@@ -76,11 +76,16 @@ class Unreachable(HopFailed):
 
 
 UNREACHABLE_S = 30.0
+FAILED_S = 15.0
+"""A first failure at work (a timeout, a broken stream, a refusal): short, because the
+usual cause is a peer that restarts or is still loading, and a 300 s sentence turned every
+restart into a five-minute outage of the windows only it served (#24's churn soak)."""
 
 
-def sentence(exc: HopFailed) -> float | None:
-    """How long a peer that failed with `exc` is avoided (None: the configured unfit_s)."""
-    return UNREACHABLE_S if isinstance(exc, Unreachable) else None
+def sentence(exc: HopFailed) -> float:
+    """The first sentence of a peer that failed with `exc` (routing.Fitness.failed doubles
+    it for each failure in a row, up to the configured unfit_s)."""
+    return UNREACHABLE_S if isinstance(exc, Unreachable) else FAILED_S
 
 
 class NoWorkers(ComputeError):

@@ -117,6 +117,23 @@ async def test_an_unfit_peer_serves_again_after_its_sentence(autojump_clock: Moc
     assert fitness.fit("y") and fitness.snapshot() == {}
 
 
+async def test_failures_in_a_row_double_the_sentence_and_working_again_forgives_them(
+        autojump_clock: MockClock) -> None:
+    fitness = Fitness(unfit_s=100)
+    sentences = []
+    for _ in range(5):
+        fitness.failed("x", "timed out", first_s=15)
+        began = trio.current_time()
+        while not fitness.fit("x"):
+            await trio.sleep(1)
+        sentences.append(trio.current_time() - began)
+    assert [round(s) for s in sentences] == [16, 31, 61, 101, 101]  # capped at unfit_s
+    fitness.healthy("x")
+    fitness.failed("x", "timed out", first_s=15)
+    await trio.sleep(15.5)
+    assert fitness.fit("x") and fitness.strikes == {"x": 1}
+
+
 @pytest.mark.parametrize(("seen", "rtt", "expected"), [([], None, 25.0), ([], 2.0, 2.0),
                                                       ([10.0, 20.0], 2.0, 13.0)])
 def test_latency_prefers_what_we_measured_over_heartbeat_rtt(

@@ -31,7 +31,7 @@ from kvasird.inference.api import (
 )
 from kvasird.inference.client.routing import Fitness, Latency
 from kvasird.inference.client.swarm import SwarmGenerator
-from kvasird.inference.errors import UNREACHABLE_S, Refusal
+from kvasird.inference.errors import FAILED_S, UNREACHABLE_S, Refusal
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.model.testmodels import make_model
 
@@ -135,15 +135,23 @@ async def test_traced_steps_say_where_each_hops_time_went(
 
 async def test_a_dead_stage_is_blamed_and_the_replica_continues_the_same_tokens(
         served: dict[str, Served], reference: list[int], mock_clock: MockClock) -> None:
-    mock_clock.rate = 1  # real time, and a jump to see the sentence outlast a short one
+    mock_clock.rate = 1  # real time, and jumps to see the sentence end
     net, fitness = FakeNet(served), Fitness(300)
 
     # the preferred replica (lower latency) dies mid-generation
     assert await run(generator(net, fitness), 10,
                      at_token(4, lambda: net.down.add("b"))) == reference
     assert set(fitness.snapshot()) == {"b"}
-    mock_clock.jump(UNREACHABLE_S + 1)
-    assert not fitness.fit("b")  # the full sentence
+    # a failure at work is a short sentence (a restart, a peer still loading), not unfit_s:
+    # back up, b is routed to again, and having worked its next failure starts over
+    mock_clock.jump(FAILED_S - 1)
+    assert not fitness.fit("b")
+    mock_clock.jump(2)
+    assert fitness.fit("b") and fitness.strikes == {"b": 1}
+    net.down.discard("b")
+    gen = generator(net, fitness)
+    assert await run(gen, 10) == reference
+    assert gen.traces.summary()["route"][1] == "b" and fitness.strikes == {}
 
 
 async def test_a_failover_waits_for_a_replica_missing_from_the_map_for_a_moment(

@@ -110,7 +110,7 @@ class ExpertDispatcher:
             try:
                 pieces, outs = await self._attempt(layer, first, end, rows, gids)
             except HopFailed as exc:
-                self.fitness.mark(exc.peer, exc.reason, sentence(exc))
+                self.fitness.failed(exc.peer, exc.reason, sentence(exc))
                 self.stats["failovers"] += 1
                 log.info("expert worker replaced", peer=exc.peer, layer=layer,
                          reason=exc.reason[:200], attempt=attempt + 1)

@@ -7,7 +7,9 @@ When a hop fails, times out or refuses, the generation (swarm._Run) asks ``judge
     Refused "busy"           ─▶ the peer is avoided BUSY_BACKOFF_S; a route refused only for
                                 capacity answers Busy at once instead of waiting for coverage
     Unreachable              ─▶ avoided errors.UNREACHABLE_S (it may only be not dialled yet)
-    any other failure        ─▶ avoided for the configured unfit_s
+    any other failure        ─▶ avoided errors.FAILED_S (a restart, a peer still loading)
+    (a failure in a row doubles the last two, up to the configured unfit_s; a peer that
+    works again starts over: routing.Fitness.failed / healthy)
 
 This node never sentences itself. The generation then closes the old route's sessions,
 plans a new route from the fit peers, and replays the token history there as a prefill;
@@ -42,5 +44,5 @@ def judge(exc: HopFailed, attempt: int, *, max_failovers: int, me: str,
         fitness.mark(exc.peer, exc.reason, BUSY_BACKOFF_S)
         return exc.detail
     if exc.peer:
-        fitness.mark(exc.peer, exc.reason, sentence(exc))
+        fitness.failed(exc.peer, exc.reason, sentence(exc))
     return ""

@@ -185,15 +185,31 @@ def cover_experts(ranges: Sequence[tuple[str, int, int]], lo: int, hi: int,
 class Fitness:
     """Peers that failed or were caught lying get no work until their sentence ends.
 
+    The sentence fits the failure: a peer caught lying (a spot check, a quorum of
+    accusers) is avoided for unfit_s at once (``mark``); a peer that failed at work
+    (``failed``: a timeout, a broken stream, a refusal) first for a short while, doubling
+    with each failure in a row up to unfit_s, and forgiven once it works again
+    (``healthy``), so a restarted peer is back within seconds, a flapping one is not.
     Sentences run on trio's clock (a test's MockClock jumps them to their end)."""
 
     def __init__(self, unfit_s: float) -> None:
         self.unfit_s = unfit_s
         self._until: dict[str, tuple[float, str]] = {}
+        self.strikes: dict[str, int] = {}
+        """Peer -> failures at work in a row (cleared by ``healthy``)."""
 
     def mark(self, peer: str, reason: str, for_s: float | None = None) -> None:
         self._until[peer] = (trio.current_time() + (self.unfit_s if for_s is None else for_s),
                              reason)
+
+    def failed(self, peer: str, reason: str, first_s: float) -> None:
+        """`peer` failed at work: avoided first_s, twice as long for each failure in a row."""
+        strikes = self.strikes[peer] = self.strikes.get(peer, 0) + 1
+        self.mark(peer, reason, min(self.unfit_s, first_s * 2.0 ** (strikes - 1)))
+
+    def healthy(self, peer: str) -> None:
+        """`peer` did its work: its next failure starts from the short sentence again."""
+        self.strikes.pop(peer, None)
 
     def fit(self, peer: str) -> bool:
         until = self._until.get(peer)

@@ -382,9 +382,12 @@ class _Run:
     def _count(self, n: int) -> None:
         """A step of n positions succeeded on the current route."""
         assert self.route is not None
+        strikes = self.gen.fitness.strikes
         for i, hop in enumerate(self.route.hops):
             self.units[hop.peer] += n * (hop.end - hop.first + hop.head)
             self.positions[i] += n
+            if strikes and hop.peer in strikes:
+                self.gen.fitness.healthy(hop.peer)
 
     def _count_experts(self, hop: Hop, i: int, closed: Closed) -> None:
         """The expert work hop i's session reports at close, within what it could have sent."""
