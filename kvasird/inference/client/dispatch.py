@@ -115,6 +115,9 @@ class ExpertDispatcher:
                 log.info("expert worker replaced", peer=exc.peer, layer=layer,
                          reason=exc.reason[:200], attempt=attempt + 1)
                 continue
+            if strikes := self.fitness.strikes:  # the workers that answered work again
+                for peer in {p[0] for p in pieces} & strikes.keys():
+                    self.fitness.healthy(peer)
             return _combine(layer, rows, gids, pieces, outs)
         raise NoWorkers(f"experts [{first}, {end}) of layer {layer} failed on "
                         f"{MAX_ATTEMPTS} workers")

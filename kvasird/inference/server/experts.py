@@ -21,7 +21,7 @@ from kvasird.compute.experts import ExpertWorker
 from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol.experts import ExpertRequest, Outputs, parse
 from kvasird.inference.server.engine import INLINE_TOKENS, Served, run_short
-from kvasird.inference.server.stage import Admit, _admit_all
+from kvasird.inference.server.stage import Admit, admit_all
 
 
 class ExpertServer:
@@ -34,7 +34,7 @@ class ExpertServer:
     """
 
     def __init__(self, served: Callable[[], Served | None], *, window_s: float,
-                 wire_dtype: str, admit: Admit = _admit_all) -> None:
+                 wire_dtype: str, admit: Admit = admit_all) -> None:
         self.served, self.window_s, self.wire_dtype = served, window_s, wire_dtype
         self.admit = admit
         self._queues: dict[tuple[int, int], list[_Job]] = {}

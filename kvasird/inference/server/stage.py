@@ -103,7 +103,7 @@ Admit = Callable[[str], Awaitable[None]]
 """(gateway peer) -> returns if this node works for that gateway now, else Refusal."""
 
 
-async def _admit_all(gateway: str) -> None:
+async def admit_all(gateway: str) -> None:
     return None
 
 
@@ -124,7 +124,7 @@ class StageServer:
     def __init__(self, model_id: Callable[[], str], served: Callable[[], Served | None], *,
                  max_sessions: int, idle_s: float, wire_dtype: str, me: str = "",
                  send: Send = _cannot_send, deliver: Deliver | None = None,
-                 admit: Admit = _admit_all) -> None:
+                 admit: Admit = admit_all) -> None:
         self.model_id, self.served, self.admit = model_id, served, admit
         self.max_sessions, self.idle_s, self.wire_dtype = max_sessions, idle_s, wire_dtype
         self.me, self.send, self.deliver = me, send, deliver
