@@ -193,6 +193,8 @@ class InferenceService:
                     continue
                 hit = known.get(p)
                 if hit is None or hit[0] is not r:
+                    if hit is not None and r.boot != hit[0].boot and self.fitness.restarted(p):
+                        log.info("peer restarted: its failures are forgiven", peer=p)
                     hit = known[p] = (r, PeerHoldings.of_record(r))
                 out.append(hit[1])
         if self.served is not None:

@@ -175,6 +175,9 @@ class CoverageRecord:
     reach: str = "unknown"
     """Dial-back verdict: "public", "private" (reached through its /p2p-circuit
     addresses) or "unknown"; optional on the wire, so older records still parse."""
+    boot: str = ""
+    """Random id of the sender's process start: a new one tells peers it restarted (and so
+    forgives the failures its old process had). Optional on the wire; "" from older nodes."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "peer": self.peer, "seq": self.seq, "ts": self.ts,
@@ -184,7 +187,8 @@ class CoverageRecord:
                 "budget": self.budget, "holdings": [h.to_wire() for h in self.holdings],
                 "caps": self.caps.to_wire(), "reach": self.reach,
                 "wallet": str(self.link.wallet) if self.link else "",  # read by older peers
-                **({"link": self.link.to_wire()} if self.link is not None else {})}
+                **({"link": self.link.to_wire()} if self.link is not None else {}),
+                **({"boot": self.boot} if self.boot else {})}
 
     @staticmethod
     def from_wire(value: Any) -> CoverageRecord:
@@ -217,6 +221,7 @@ class CoverageRecord:
             link=_link(d),
             has_all=_flag(d, "all"),
             reach=_reach(d),
+            boot=schema.text(d, "boot", 32, "coverage") if "boot" in d else "",
         )
 
     def units(self) -> dict[Unit, str]:

@@ -7,6 +7,7 @@ which both keeps it out of the map and lowers the forwarder's gossipsub score.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,8 @@ class MarketService:
         self.p2p = p2p
         self.config = config
         self.caps = caps
+        self.boot = secrets.token_hex(8)
+        """This process's start, in every record: peers forgive a restarted node's failures."""
         self.loader = loader
         self.shards = shards
         self.model: MarketModel | None = None
@@ -139,7 +142,7 @@ class MarketService:
             protocol=PROTOCOL_VERSION, version=__version__, addrs=tuple(self.p2p.addrs()[:16]),
             model=self.model.model_id if self.model and (self.held or has_all) else "",
             budget=self.budget, holdings=compress(self.held), caps=self.caps, has_all=has_all,
-            reach=self.p2p.reachability.current.verdict, link=self.link)
+            reach=self.p2p.reachability.current.verdict, link=self.link, boot=self.boot)
 
     async def publish(self) -> None:
         data = pack(self.record().to_wire())

@@ -134,6 +134,25 @@ async def test_failures_in_a_row_double_the_sentence_and_working_again_forgives_
     assert fitness.fit("x") and fitness.strikes == {"x": 1}
 
 
+async def test_a_restart_forgives_failures_but_not_lies(autojump_clock: MockClock) -> None:
+    fitness = Fitness(unfit_s=300)
+    for _ in range(4):
+        fitness.failed("slow", "timed out", first_s=15)  # now 120 s
+    fitness.mark("liar", "spot check failed")
+    fitness.failed("liar", "timed out", first_s=15)  # does not shorten its 300 s
+    fitness.mark("busy", "busy", 2.0, lied=False)
+    assert not any(fitness.fit(p) for p in ("slow", "liar", "busy"))
+    assert fitness.restarted("slow") and fitness.restarted("busy")
+    assert not fitness.restarted("liar")
+    assert fitness.fit("slow") and fitness.fit("busy") and fitness.strikes == {}
+    await trio.sleep(299)
+    assert not fitness.fit("liar")
+    await trio.sleep(2)
+    assert fitness.fit("liar")
+    fitness.failed("liar", "timed out", first_s=15)  # its lie was served: a failure is a failure
+    assert fitness.restarted("liar") and fitness.fit("liar")
+
+
 @pytest.mark.parametrize(("seen", "rtt", "expected"), [([], None, 25.0), ([], 2.0, 2.0),
                                                       ([10.0, 20.0], 2.0, 13.0)])
 def test_latency_prefers_what_we_measured_over_heartbeat_rtt(

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from trio.testing import MockClock
 
 from kvasird.compute.experts import ExpertShard
 from kvasird.compute.kvcache import KVSpec
@@ -24,7 +25,7 @@ from kvasird.inference.server.stage import StageServer
 from kvasird.model.manifest import HEAD, Unit
 from kvasird.model.testmodels import make_model
 
-from .fakenet import FakeNet, lying
+from .fakenet import FakeNet, hung, lying
 
 N_LAYER, N_EXPERT = 4, 8
 
@@ -422,6 +423,32 @@ async def test_a_worker_whose_outputs_are_off_is_caught_by_a_spot_check(
     net.faults["w"] = lying
     assert np.array_equal(await dispatcher.checked("w", 0, 2, rows, ids), honest)
     assert dispatcher.stats["caught"] == 1 and not fitness.fit("w")
+
+
+async def test_an_expert_worker_that_answers_again_is_forgiven_its_strikes(
+        worker: Served, autojump_clock: MockClock) -> None:
+    """A worker that failed is avoided for a short sentence; once it computes again its
+    strikes are cleared, so its next failure costs the short sentence again, not double."""
+    from kvasird.inference.client.dispatch import ExpertDispatcher, NoWorkers
+    from kvasird.inference.client.routing import Fitness, Latency
+
+    net, fitness = FakeNet({}, me="stage", experts={"w": worker}), Fitness(300)
+    dispatcher = ExpertDispatcher(
+        "stage", net.holders, net, Latency("stage", lambda p: 1.0),  # type: ignore[arg-type]
+        fitness, lambda layer: None, timeout_s=5, wire_dtype="f32", spot_check=0.0,
+        tolerance=0.01)
+    rows = np.ones((1, worker.hp.n_embd), np.float32)
+    ids = np.array([[1, 6]])
+    net.faults["w"] = hung(lambda msg: True)
+    with pytest.raises(NoWorkers):
+        await dispatcher.compute(0, 0, N_EXPERT, rows, ids)
+    assert fitness.strikes == {"w": 1} and not fitness.fit("w")
+    del net.faults["w"]
+    while not fitness.fit("w"):
+        await trio.sleep(1)
+    out = await dispatcher.compute(0, 0, N_EXPERT, rows, ids)
+    assert np.array_equal(out, worker.workers[0](0, rows, ids))
+    assert fitness.strikes == {}
 
 
 def test_only_short_forwarded_steps_on_a_node_without_remote_experts_run_inline(

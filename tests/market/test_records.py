@@ -24,6 +24,12 @@ def test_round_trip() -> None:
     assert r.units() == {Unit("layer", 0): "online", Unit("layer", 1): "online"}
 
 
+def test_the_boot_id_travels_and_older_records_without_one_still_parse() -> None:
+    r = CoverageRecord.from_wire(record(boot="0123abcd0123abcd"))
+    assert r.boot == "0123abcd0123abcd" and r.to_wire()["boot"] == r.boot
+    assert "boot" not in CoverageRecord.from_wire(record()).to_wire()
+
+
 @pytest.mark.parametrize(("change", "fragment"), [
     ({"v": 2}, "schema version"),
     ({"seq": -1}, "coverage.seq"),
@@ -36,6 +42,8 @@ def test_round_trip() -> None:
     ({"holdings": [["Q"]]}, "holding"),
     ({"holdings": [["L", 0, 1, "online"]] * 5000}, "at most 4096"),
     ({"addrs": ["x" * 300]}, "coverage.addrs"),
+    ({"boot": "b" * 33}, "coverage.boot"),
+    ({"boot": 7}, "coverage.boot"),
     ({"caps": {"backend": "CPU", "precision": "f32", "verdict": "maybe", "threads": 1}}, "verdict"),
     ({"model": "", "holdings": [["H", "online"]]}, "without a model id"),
 ])

@@ -189,23 +189,45 @@ class Fitness:
     accusers) is avoided for unfit_s at once (``mark``); a peer that failed at work
     (``failed``: a timeout, a broken stream, a refusal) first for a short while, doubling
     with each failure in a row up to unfit_s, and forgiven once it works again
-    (``healthy``), so a restarted peer is back within seconds, a flapping one is not.
-    Sentences run on trio's clock (a test's MockClock jumps them to their end)."""
+    (``healthy``), so a restarted peer is back within seconds, a flapping one is not. A
+    peer that restarted (``restarted``: its record carries a new boot id) starts afresh,
+    unless it was caught lying. Sentences run on trio's clock (a test's MockClock jumps
+    them to their end)."""
 
     def __init__(self, unfit_s: float) -> None:
         self.unfit_s = unfit_s
         self._until: dict[str, tuple[float, str]] = {}
+        self._lied: set[str] = set()
+        """Peers whose sentence is for lying: a restart does not end it."""
         self.strikes: dict[str, int] = {}
         """Peer -> failures at work in a row (cleared by ``healthy``)."""
 
-    def mark(self, peer: str, reason: str, for_s: float | None = None) -> None:
-        self._until[peer] = (trio.current_time() + (self.unfit_s if for_s is None else for_s),
-                             reason)
+    def mark(self, peer: str, reason: str, for_s: float | None = None, *,
+             lied: bool = True) -> None:
+        """`peer` is avoided for_s (default unfit_s): for a lie (kept across its restarts)
+        or, with ``lied=False``, for a passing state such as being busy."""
+        self._sentence(peer, reason, self.unfit_s if for_s is None else for_s)
+        if lied:
+            self._lied.add(peer)
 
     def failed(self, peer: str, reason: str, first_s: float) -> None:
         """`peer` failed at work: avoided first_s, twice as long for each failure in a row."""
         strikes = self.strikes[peer] = self.strikes.get(peer, 0) + 1
-        self.mark(peer, reason, min(self.unfit_s, first_s * 2.0 ** (strikes - 1)))
+        self._sentence(peer, reason, min(self.unfit_s, first_s * 2.0 ** (strikes - 1)))
+
+    def _sentence(self, peer: str, reason: str, for_s: float) -> None:
+        until = trio.current_time() + for_s
+        if peer not in self._until or self._until[peer][0] < until:
+            self._until[peer] = (until, reason)
+
+    def restarted(self, peer: str) -> bool:
+        """`peer` started a new process: forgive its failures (not its lies). True when a
+        sentence was lifted."""
+        self.strikes.pop(peer, None)
+        if peer in self._lied and not self.fit(peer):
+            return False
+        self._lied.discard(peer)
+        return self._until.pop(peer, None) is not None
 
     def healthy(self, peer: str) -> None:
         """`peer` did its work: its next failure starts from the short sentence again."""
@@ -217,6 +239,7 @@ class Fitness:
             return True
         if until[0] < trio.current_time():
             del self._until[peer]
+            self._lied.discard(peer)
             return True
         return False
 
