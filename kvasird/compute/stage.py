@@ -16,6 +16,7 @@ a session's KV lives in the stage's pool and advances only when a forward succee
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -135,6 +136,23 @@ class Stage:
         stage._owns_backend = own
         return stage
 
+    def part(self, first: int, end: int) -> Stage:
+        """Layers [first, end) of this window as a stage of their own: what a route that
+        enters or leaves the window at another boundary computes. It shares this stage's
+        weights, KV pool, graph cache and locks (never close it; close this stage); the
+        embedding only if it starts where the window does, the head only if it ends there."""
+        a, b = self.window
+        if not a <= first < end <= b:
+            raise InputError(f"layers [{first}, {end}) are not inside this stage's [{a}, {b})")
+        if (first, end) == (a, b):
+            return self
+        part = copy.copy(self)
+        part.window = (first, end)
+        part.embed, part.head = self.embed and first == a, self.head and end == b
+        part.segments = part._plan()
+        part._owns_backend = False
+        return part
+
     @property
     def nbytes(self) -> int:
         """Backend memory held: weights plus the KV pool (graphs' work buffers excluded)."""
@@ -221,7 +239,7 @@ class Stage:
                   "v_slots": self.kv.v_index(slots), "kv_pages": session.page_list(n_kv_b // PAGE),
                   "mask": mask}
         for i, seg in enumerate(self.segments):
-            key = (i, T, n_kv_b, mode)
+            key = (self.window, i, T, n_kv_b, mode)  # parts of a window share its cache
             with self.graphs.using(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode)) \
                     as graph:
                 feed = {name: shared[name] for name in graph.inputs if name in shared}

@@ -80,6 +80,30 @@ def test_bundled_window_split_gives_the_same_logits(bundled, bundled_stage):
     rest.close()
 
 
+@pytest.mark.parametrize("model", ["moe", "llama"])
+def test_a_part_of_a_window_computes_what_a_window_of_its_own_does(models, model):
+    """A route entering [0, n) at layer 1 and one entering [1, n) get the same bits; the
+    part shares its window's KV pool and graph cache, and is no stage to close."""
+    whole = Stage.load(models[model], threads=1, kv=EXACT_KV)
+    n = whole.hp.n_layer
+    first = Stage.load(models[model], (0, 1), threads=1, kv=EXACT_KV)
+    own = Stage.load(models[model], (1, n), threads=1, kv=EXACT_KV)
+    body = Stage.load(models[model], (0, n), embed=False, head=True, threads=1, kv=EXACT_KV)
+    part = body.part(1, n)
+    assert part.window == (1, n) and part.head and not part.embed and part.kv is body.kv
+    assert body.part(0, n) is body
+    with pytest.raises(InputError, match="not inside"):
+        body.part(1, n + 1)
+    with first.open_session() as a, own.open_session() as b, part.open_session() as c:
+        x = first.forward(a, PROMPT)
+        np.testing.assert_array_equal(part.forward(c, x, logits="all"),
+                                      own.forward(b, x, logits="all"))
+        y = first.forward(a, np.array([42]))
+        np.testing.assert_array_equal(part.forward(c, y), own.forward(b, y))
+    for st in (whole, first, own, body):
+        st.close()
+
+
 def test_decode_steps_match_one_prefill(models):
     stage = Stage.load(models["moe"], threads=1, kv=EXACT_KV)
     with stage.open_session() as a, stage.open_session() as b:

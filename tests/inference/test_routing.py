@@ -63,6 +63,20 @@ def test_each_hop_costs_besides_its_latency() -> None:
     assert free is not None and free.peers == ("a", "b", "c", "a")
 
 
+def test_windows_that_overlap_chain_by_entering_one_past_its_start() -> None:
+    """What a market that counts replicas per unit leaves after a kill: [0, 15) and
+    [10, 30) cover every layer but do not meet at a boundary."""
+    route = plan_route(L, [holder("a", head=True), holder("b", (0, 15)), holder("c", (10, 30))],
+                       flat())
+    assert route is not None
+    assert route.hops == (Hop("a", 0, 0, True, False), Hop("b", 0, 15, False, False),
+                          Hop("c", 15, 30, False, False), Hop("a", 30, 30, False, True))
+    ends_at_head = plan_route(L, [holder("a", (0, 20), head=True), holder("c", (5, 30), head=True)],
+                              flat())
+    assert ends_at_head is not None
+    assert ends_at_head.hops == (Hop("a", 0, 20, True, False), Hop("c", 20, 30, False, True))
+
+
 def test_a_gap_in_the_layers_means_no_route() -> None:
     assert plan_route(L, [holder("a", (0, 10), head=True), holder("c", (20, 30))], flat()) is None
 
@@ -76,9 +90,9 @@ def test_what_is_uncovered_is_named_in_runs() -> None:
                          holder("d", (24, 26))]) == ["layers 10-20"]
     assert uncovered(L, [holder("a", (0, 5)), holder("b", (9, 12))]) == [
         "head", "layers 5-9", "layers 12-30"]
-    # covered layer by layer, yet windows that overlap do not chain (windows are used whole)
+    # covered layer by layer: windows that overlap chain, so uncovered() == [] means a route
     overlapping = [holder("a", (0, 12), head=True), holder("b", (10, 30))]
-    assert uncovered(L, overlapping) == [] and plan_route(L, overlapping, flat()) is None
+    assert uncovered(L, overlapping) == [] and plan_route(L, overlapping, flat()) is not None
 
 
 def test_online_holdings_are_read_from_a_record_and_others_ignored() -> None:

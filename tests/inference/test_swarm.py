@@ -120,6 +120,21 @@ async def test_a_forwarded_route_generates_the_tokens_of_the_whole_model(
     assert all(s.sessions == {} for s in net.servers.values())
 
 
+async def test_windows_that_overlap_chain_and_generate_the_tokens_of_the_whole_model(
+        model: Path, served: dict[str, Served], reference: list[int]) -> None:
+    """d holds layers 2-3, overlapping b's 1-2: with c gone the route enters d's window at
+    layer 3, a part of the stage d loaded."""
+    d = Served.build([model], Holdings(windows=((2, 4),)), threads=1, kv_slots=256,
+                     remote=_no_experts)
+    try:
+        net = FakeNet({"gw": served["gw"], "b": served["b"], "d": d})
+        gen = generator(net, Fitness(300))
+        assert await run(gen, 10) == reference
+        assert gen.traces.summary()["route"] == ["gw", "b", "d", "gw"]
+    finally:
+        d.close()
+
+
 async def test_traced_steps_say_where_each_hops_time_went(
         served: dict[str, Served], reference: list[int]) -> None:
     net = FakeNet({k: v for k, v in served.items() if k != "b2"})

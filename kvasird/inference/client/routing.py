@@ -11,8 +11,11 @@ to a head holder (a ring). Routing is a shortest path over layer boundaries 0..L
 a start (tokens) and an end (sampled token): an edge per usable hop, weighted by the
 expected time of that hop — our measured latency to the peer (the EWMA of step times
 we saw, else the heartbeat RTT) plus a per-layer compute estimate. Unfit peers (failed,
-timed out, caught by a spot check) get no edges. Windows are used whole: a peer serves
-exactly the runs it loaded.
+timed out, caught by a spot check) get no edges. A hop enters a window at its start or
+at any boundary inside it, and runs to its end: so windows that overlap ([0, 15) and
+[10, 30)) still chain, and whenever every layer has an online holder a route exists (the
+market's replicas need not line up). A peer serves such a part of a window from the
+stage it loaded (Stage.part).
 """
 
 from __future__ import annotations
@@ -109,11 +112,12 @@ def plan_route(n_layer: int, holders: Sequence[PeerHoldings], cost: Callable[[st
             edge(start, 0, Hop(h.peer, 0, 0, True, False))
             edge(n_layer, end, Hop(h.peer, n_layer, n_layer, False, True))
         for a, b in h.windows:
-            edge(a, b, Hop(h.peer, a, b, False, False))
+            for a_in in range(a, b):  # enter at the start or at any boundary inside
+                edge(a_in, b, Hop(h.peer, a_in, b, False, False))
+                if h.head and b == n_layer:
+                    edge(a_in, end, Hop(h.peer, a_in, b, False, True))
             if h.head and a == 0:
                 edge(start, b, Hop(h.peer, 0, b, True, False))
-            if h.head and b == n_layer:
-                edge(a, end, Hop(h.peer, a, b, False, True))
             if h.head and a == 0 and b == n_layer:
                 edge(start, end, Hop(h.peer, 0, b, True, True))
     best: dict[int, tuple[float, tuple[Hop, ...]]] = {start: (0.0, ())}

@@ -74,6 +74,8 @@ class Served:
         self.embed: Stage | None = None
         self.head: Stage | None = None
         self.windows: dict[tuple[int, int], Stage] = {}
+        self._parts: dict[tuple[int, int], Stage] = {}
+        """Sub-ranges of windows that routes asked for (Stage.part), made once."""
         self.workers: dict[int, ExpertWorker] = {}
         """Layer -> the worker computing this node's held experts of it."""
         self.expert_first: dict[int, int] = {}
@@ -144,11 +146,7 @@ class Served:
                 raise Refusal("bad", "this node does not hold the head (embedding)")
             chain.append(self.embed)
         if first < end:
-            window = self.windows.get((first, end))
-            if window is None:
-                raise Refusal("bad", f"this node serves no layer window [{first}, {end}); "
-                                     f"it serves {sorted(self.windows)}")
-            chain.append(window)
+            chain.append(self.window(first, end))
         if head:
             if self.head is None:
                 raise Refusal("bad", "this node does not hold the head (output)")
@@ -156,6 +154,22 @@ class Served:
         if not chain:
             raise Refusal("bad", "an empty hop computes nothing")
         return chain
+
+    def window(self, first: int, end: int) -> Stage:
+        """The stage computing layers [first, end): a held window, or a part of one (a
+        route may enter a window past its start and leave it before its end, so that
+        windows which overlap still chain)."""
+        stage = self.windows.get((first, end))
+        if stage is None:
+            stage = self._parts.get((first, end))
+        if stage is not None:
+            return stage
+        for (a, b), whole in self.windows.items():
+            if a <= first and end <= b:
+                stage = self._parts[(first, end)] = whole.part(first, end)
+                return stage
+        raise Refusal("bad", f"this node serves no layer window holding [{first}, {end}); "
+                             f"it serves {sorted(self.windows)}")
 
     def all_stages(self) -> list[Stage]:
         return [st for st in (self.embed, self.head, *self.windows.values()) if st is not None]
