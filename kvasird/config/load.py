@@ -3,6 +3,13 @@
 Validation is driven by the dataclass fields in ``model``: their type and metadata
 (range, choices, pattern, multiaddr, loopback). Every error names the file, the key
 and what is allowed, because the operator fixing it has only the message.
+
+A file cut short (a full disk, an interrupted copy) often still parses: cut at a section
+boundary, or inside a number, it is valid TOML, and the defaults would fill the rest
+(0.0.0.0 listeners, an empty bootstrap list). So the file ``kvasird init`` writes begins
+with HEADER and ends with the line END, and a file that begins with HEADER is refused
+unless END is its last line; ``render`` keeps END last. Files without HEADER (written by
+hand, or by an older init) are only parsed.
 """
 
 from __future__ import annotations
@@ -22,6 +29,11 @@ from kvasird.errors import ConfigError
 _REPO_DEFAULT = Path(__file__).resolve().parents[2] / "config" / "kvasird.toml"
 _INSTALLED_DEFAULT = Path(sys.prefix) / "share" / "kvasird" / "kvasird.toml"
 
+END = "# end of kvasird.toml"
+"""The last line of a whole file of the kind init writes."""
+HEADER = f'# kvasird configuration; its last line is "{END}"'
+"""How such a file begins: a file that begins so must end with END."""
+
 
 def default_text() -> str:
     """The commented default kvasird.toml (from the source tree, else the installed copy)."""
@@ -38,15 +50,26 @@ def load(path: Path) -> Config:
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path} does not exist: run `kvasird init` first") from None
+    if not text:
+        raise _cut_short(str(path), "it is empty, 0 bytes")
     return load_text(text, source=str(path))
 
 
 def load_text(text: str, source: str = "kvasird.toml") -> Config:
+    head = text.strip()
+    cut = _last_line(text) != END if text.startswith(HEADER) else \
+        bool(head) and HEADER.startswith(head)
+    last = f"line {text.count(chr(10)) + (not text.endswith(chr(10)))}"
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source} is not valid TOML ({exc}): fix the file or re-create it "
+        error = str(exc).replace("at end of document", f"at the end, {last}")
+        if cut:
+            raise _cut_short(source, f"it ends in invalid TOML: {error}") from None
+        raise ConfigError(f"{source} is not valid TOML ({error}): fix the file or re-create it "
                           "with `kvasird init` in an empty directory") from None
+    if cut:
+        raise _cut_short(source, f"it ends at {last}, {_last_line(text)[:40]!r}")
     defaults = tomllib.loads(default_text())
     known = sections()
     for name in data:
@@ -58,6 +81,17 @@ def load_text(text: str, source: str = "kvasird.toml") -> Config:
         merged = {**defaults.get(name, {}), **_table(data.get(name, {}), source, name)}
         built[name] = _section(cls, merged, source, name)
     return Config(**built)
+
+
+def _last_line(text: str) -> str:
+    lines = text.rstrip().splitlines()
+    return lines[-1].strip() if lines else ""
+
+
+def _cut_short(source: str, why: str) -> ConfigError:
+    return ConfigError(f"{source} was cut short ({why}): restore it from a backup, or complete "
+                       f"it from {_REPO_DEFAULT if _REPO_DEFAULT.is_file() else _INSTALLED_DEFAULT}"
+                       f" (what `kvasird init` wrote it from), ending with the line {END!r}")
 
 
 def _table(value: Any, source: str, name: str) -> dict[str, Any]:
@@ -151,7 +185,7 @@ def render(text: str, values: dict[str, Any]) -> str:
     """``text`` with the values of ``{"section.key": value}`` set, comments kept.
 
     A key the file lacks is added at the end of its section (the section is added
-    at the end of the file when missing).
+    at the end of the file when missing, before the END line and its comment).
     """
     lines = text.splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
@@ -166,14 +200,31 @@ def render(text: str, values: dict[str, Any]) -> str:
             lines[i] = f"{m.group(1)} = {_toml(todo.pop(f'{section}.{m.group(1)}'))}\n"
         if stripped and not stripped.startswith("#"):
             section_end[section] = i + 1
+    new: dict[str, list[str]] = {}
     for dotted, value in reversed(list(todo.items())):
         name, key = dotted.split(".", 1)
         entry = f"{key} = {_toml(value)}\n"
         if name in section_end:
             lines.insert(section_end[name], entry)
         else:
-            lines.extend([f"\n[{name}]\n", entry])
+            new.setdefault(name, []).insert(0, entry)
+    tail = _tail(lines)
+    for name, entries in reversed(list(new.items())):
+        lines[tail:tail] = [f"\n[{name}]\n", *entries] if tail == len(lines) else \
+            [f"[{name}]\n", *entries, "\n"]
     return "".join(lines)
+
+
+def _tail(lines: list[str]) -> int:
+    """Where new sections go: before the END line and the comments just above it, else
+    at the end."""
+    filled = [i for i, line in enumerate(lines) if line.strip()]
+    if not filled or lines[filled[-1]].strip() != END:
+        return len(lines)
+    at = filled[-1]
+    while at > 0 and lines[at - 1].startswith("#"):
+        at -= 1
+    return at
 
 
 def _toml(value: Any) -> str:

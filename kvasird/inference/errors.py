@@ -22,14 +22,17 @@ from typing import Any, Literal, cast, get_args
 from kvasird.compute.errors import ComputeError
 from kvasird.errors import KvasirError, PeerError
 
-Code = Literal["busy", "gone", "bad", "unpaid", "unreachable"]
+Code = Literal["busy", "gone", "bad", "unpaid", "unreachable", "broken"]
 """Why a peer refused, the whole closed set:
     busy         out of capacity now (sessions, KV room, expert workers): retry elsewhere, soon
     gone         no such session (expired, or the node restarted); on a forwarded chain, the
                  next hop failed
     bad          the request was malformed or asked for what this node does not serve
     unpaid       this node works only for gateways that pay it (a paid network)
-    unreachable  on a forwarded chain: no stream to the next hop could be opened"""
+    unreachable  on a forwarded chain: no stream to the next hop could be opened
+    broken       this node's own output was unusable (NaN or infinity: its weights may be
+                 corrupt); the fault is the refusing node's, never the caller's
+A node older than a code reads it as "bad", which blames the refusing node all the same."""
 CODES: frozenset[str] = frozenset(get_args(Code))
 
 

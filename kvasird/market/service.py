@@ -19,7 +19,7 @@ from libp2p.pubsub.pb import rpc_pb2
 
 from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.config import MarketConfig
-from kvasird.errors import WireError
+from kvasird.errors import ConfigError, WireError
 from kvasird.logs import get_logger
 from kvasird.market.coverage import CoverageMap
 from kvasird.market.demand import Demand, fully_covered, segments
@@ -47,6 +47,16 @@ log = get_logger("kvasird.market")
 COVERAGE = "coverage"
 LOAD = "load"
 TTL_HEARTBEATS = 3
+MIN_TTL_S = 10.0
+"""A record lives TTL_HEARTBEATS heartbeats, but never less than this: a sender starved for
+a few seconds by its own work (a node computing for several clients on a small machine)
+must not drop out of every map, which turned a busy replica into an outage (#24). A
+dead node is found sooner anyway: by its connections and by the first step it fails."""
+
+
+def record_ttl(heartbeat_s: float) -> float:
+    """Seconds a coverage record stays valid without a newer one."""
+    return max(heartbeat_s * TTL_HEARTBEATS, MIN_TTL_S)
 Loader = Callable[[list[Unit]], Awaitable[None]]
 
 
@@ -69,6 +79,7 @@ class MarketService:
         self.map: CoverageMap | None = None
         self.demand: Demand | None = None
         self.budget = 0
+        self.pinned = {u for pin in config.hold for u in parse_hold(pin)}
         if model is not None:
             self._use(model)
         self.announcers: dict[str, set[str]] = {}
@@ -79,7 +90,6 @@ class MarketService:
         self.link: WalletLink | None = None
         """This node's payout wallet link, published in its record (set by the daemon once
         settlement runs)."""
-        self.pinned = {u for pin in config.hold for u in parse_hold(pin)}
         self.rng = np.random.default_rng(seed)
         self._seq = 0
 
@@ -88,6 +98,23 @@ class MarketService:
         self.map = CoverageMap(model)
         self.demand = Demand(model)
         self.budget = self.config.memory_budget_mb * 1024 * 1024
+        self._check_pins(model)
+
+    def _check_pins(self, model: MarketModel) -> None:
+        """Refuse pins the model lacks or the budget cannot hold: peers refuse a record
+        that claims more than its budget, so such a node would serve no one, and only
+        their logs would say why."""
+        where = f"{self.p2p.config_path}: [market] hold"
+        if outside := sorted(str(u) for u in self.pinned if not model.contains(u)):
+            raise ConfigError(f"{where} names {', '.join(outside[:3])}, which the model "
+                              f"lacks ({model.n_layer} layers, {model.n_expert} experts per "
+                              "layer): pin units inside it")
+        need = sum(model.size(u) for u in self.pinned)
+        if need > self.budget:
+            mb = -(-need // (1024 * 1024))
+            raise ConfigError(f"{where} pins {len(self.pinned)} units that need {need / 2**20:.1f} "
+                              f"MB, more than memory_budget_mb = {self.config.memory_budget_mb}"
+                              f": set memory_budget_mb to at least {mb}, or pin fewer units")
 
     # --- gossip in -------------------------------------------------------------------
 
@@ -138,7 +165,7 @@ class MarketService:
         has_all = bool(self.model and self.shards and self.shards.has_all(self.model.model_id))
         return CoverageRecord(
             peer=self.p2p.peer_id, seq=self.next_seq(), ts=time.time(),
-            ttl=self.config.heartbeat_s * TTL_HEARTBEATS, state=self.state,
+            ttl=record_ttl(self.config.heartbeat_s), state=self.state,
             protocol=PROTOCOL_VERSION, version=__version__, addrs=tuple(self.p2p.addrs()[:16]),
             model=self.model.model_id if self.model and (self.held or has_all) else "",
             budget=self.budget, holdings=compress(self.held), caps=self.caps, has_all=has_all,

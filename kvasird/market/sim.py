@@ -76,7 +76,7 @@ from kvasird.market.records import (
     LoadReport,
     compress,
 )
-from kvasird.market.service import COVERAGE, TTL_HEARTBEATS
+from kvasird.market.service import COVERAGE, TTL_HEARTBEATS, record_ttl
 from kvasird.model.manifest import Unit
 from kvasird.wire import pack, unpack
 
@@ -334,7 +334,7 @@ class MarketSim:
         self._dirty = True
         self._hops = max(1, math.ceil(math.log(max(config.nodes, 2))
                                       / math.log(config.mesh_degree)))
-        self._ttl = config.heartbeat_s * TTL_HEARTBEATS
+        self._ttl = record_ttl(config.heartbeat_s)
         self._popularity = self._zipf()
         # per-minute traffic bins: records, changes, record bytes, envelope bytes, load
         # bytes, bytes of the changes (record + envelope)

@@ -358,8 +358,8 @@ async def test_admission_refuses_with_a_reason_and_unknown_sessions_are_gone(
                                 "x": tensors.encode(np.array([1]), "i32")})
         assert exc.value.code == "gone"
         with pytest.raises(Refusal) as exc:
-            await call(server, open_msg("x", 0, 2, True, False))
-        assert exc.value.code == "bad" and "[0, 2)" in exc.value.detail
+            await call(server, open_msg("x", 0, 5, True, False))
+        assert exc.value.code == "bad" and "[0, 5)" in exc.value.detail
         server.idle_s = 0.0
         server.expire()
         assert server.sessions == {}

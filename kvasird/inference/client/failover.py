@@ -7,7 +7,10 @@ When a hop fails, times out or refuses, the generation (swarm._Run) asks ``judge
     Refused "busy"           ─▶ the peer is avoided BUSY_BACKOFF_S; a route refused only for
                                 capacity answers Busy at once instead of waiting for coverage
     Unreachable              ─▶ avoided errors.UNREACHABLE_S (it may only be not dialled yet)
-    any other failure        ─▶ avoided errors.FAILED_S (a restart, a peer still loading)
+    any other failure        ─▶ avoided errors.FAILED_S (a restart, a peer still loading);
+                                Refused "broken" among them: the peer refused its own NaN
+                                output (a corrupt slice), before the next hop could refuse
+                                it as input and be blamed in its place
     (a failure in a row doubles the last two, up to the configured unfit_s; a peer that
     works again starts over: routing.Fitness.failed / healthy)
 
@@ -41,7 +44,7 @@ def judge(exc: HopFailed, attempt: int, *, max_failovers: int, me: str,
     if exc.peer == me:
         return ""  # our own hop failing is not a peer to avoid
     if busy:
-        fitness.mark(exc.peer, exc.reason, BUSY_BACKOFF_S)
+        fitness.mark(exc.peer, exc.reason, BUSY_BACKOFF_S, lied=False)
         return exc.detail
     if exc.peer:
         fitness.failed(exc.peer, exc.reason, sentence(exc))

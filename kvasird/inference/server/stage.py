@@ -273,6 +273,8 @@ class StageServer:
         finally:
             s.used = time.monotonic()
             s.last_step = (began, s.used, waited[0])
+        if not np.isfinite(out).all():
+            raise self._broken(s, m, len(x))
         self.tokens += len(x)
         s.at = m.start + len(x)
         if s.sampler is None:
@@ -283,6 +285,20 @@ class StageServer:
         lp = log_softmax(out[-1])
         top = np.argsort(-lp, kind="stable")[:s.logprobs]
         return TokenEvent(token, float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
+
+    def _broken(self, s: ServedSession, m: Step, n: int) -> Refusal:
+        """The refusal of a step whose output is not finite: this node's fault (a corrupt
+        slice computes NaN), said before the output reaches the next hop, which would refuse
+        it and be blamed in our place. The check costs ~7 us a hidden row and ~25 us the
+        logits of a 49k vocabulary, against ~56 ms a decode step of the bundled model."""
+        what = "logits" if s.sampler is not None else "hidden states"
+        layers = f"layers [{s.chain[0].window[0]}, {s.chain[-1].window[1]})"
+        positions = f"{m.start}..{m.start + n - 1}"
+        log.warning("computed non-finite output: refusing to send it (are the model's slices "
+                    "corrupt?)", what=what, layers=layers, positions=positions)
+        return Refusal("broken", f"this node computed NaN or infinite {what} at {layers}, "
+                                 f"positions {positions}: its weights may be corrupt; route "
+                                 "around it")
 
     def expire(self) -> None:
         now = time.monotonic()
