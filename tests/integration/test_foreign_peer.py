@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
+import httpx
 import pytest
 import trio
+from fuzz_peer import FuzzPeer  # type: ignore[import-not-found]
 from gossip_peer import GossipPeer  # type: ignore[import-not-found]
 
 from kvasird.localnet import LocalNet
+from kvasird.localnet.placement import pinned
+from kvasird.model.bundled import bundled_path
 
 pytestmark = pytest.mark.slow
 
@@ -42,3 +47,65 @@ def test_malformed_gossip_rpcs_end_the_stream_not_the_node(
     net.wait_until("the node still has its honest peer",
                    lambda: target.peer_ids() >= {net.nodes[1].peer_id}, timeout=15)
     assert "gossip stream from a peer failed" in target.log.read_text()
+
+
+FUZZ_S = 20.0
+"""The suite's share of bench/fuzz_peer.py's minute."""
+
+
+def test_a_node_under_fuzz_from_two_foreign_peers_stays_up_and_keeps_serving(
+        localnet: Callable[..., LocalNet]) -> None:
+    """Every protocol, topic and the lane port get garbage, oversized, truncated, slow and
+    half-closed input, from one peer that answers the heartbeat and one that never does;
+    meanwhile the node answers every generation and keeps its honest peer."""
+    net = localnet(2)
+    previous = ""
+    for node, pins in zip(net.nodes, [["head", "layers:0-30"], []], strict=True):
+        node.settings = pinned(bundled_path(), pins) if pins else {}
+        previous = net.configure(node, [previous] if previous else [])
+    for node in net.nodes:
+        node.start()
+    target = net.nodes[0]
+    net.wait_until("the node serves", lambda: generate_ok(target), timeout=90)
+    lane = target.get("/v0/inference")["lanes"]["port"]
+    served = {"ok": 0, "failed": 0}
+    done = threading.Event()
+
+    def client() -> None:
+        while not done.is_set():
+            served["ok" if generate_ok(target) else "failed"] += 1
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    counts: list[dict] = []
+
+    async def attack() -> None:
+        async with trio.open_nursery() as nursery:
+            for i, answers in enumerate((True, False)):
+                async def one(answers: bool = answers, i: int = i) -> None:
+                    counts.append(await FuzzPeer("localnet", answer_liveness=answers, seed=i)
+                                  .run(target.join_addr, target.peer_id, lane, FUZZ_S))
+                nursery.start_soon(one)
+
+    try:
+        trio.run(attack)
+    finally:
+        done.set()
+        thread.join(60)
+    sent = sum(sum(c.values()) for c in counts)
+    print(f"{sent} messages sent; generations: {served}")
+    assert target.alive(), target.tail()
+    assert sent > 100 and served["ok"] > 0 and served["failed"] == 0, (served, target.tail())
+    kinds = {k for c in counts for _, k in c}
+    assert {"garbage", "oversized", "truncated", "slow", "half-closed"} <= kinds
+    net.wait_until("the node still has its honest peer",
+                   lambda: target.peer_ids() >= {net.nodes[1].peer_id}, timeout=15)
+
+
+def generate_ok(node) -> bool:  # noqa: ANN001
+    body = {"prompt": [1, 504, 3458], "max_tokens": 4, "temperature": 0}
+    try:
+        resp = httpx.post(node.home.admin_address() + "/v0/generate", json=body, timeout=30)
+    except httpx.HTTPError:
+        return False
+    return resp.status_code == 200 and '"error"' not in resp.text
