@@ -213,6 +213,15 @@ def test_optional_fields_take_their_meaning_when_left_out() -> None:
     assert stage.sampling_from_wire({**SAMPLING, "seed": None}, "s").seed is None
 
 
+def test_a_replay_of_decode_steps_says_so_only_when_it_is_one() -> None:
+    step = stage.parse(forwarded_wire())
+    assert isinstance(step, Step) and not step.singly and "singly" not in step.to_wire()
+    replay = stage.parse({**forwarded_wire(), "singly": True})
+    assert isinstance(replay, Step) and replay.singly and replay.to_wire()["singly"] is True
+    with pytest.raises(WireError, match="stage.singly: expected true or false, got 1"):
+        stage.parse({**forwarded_wire(), "singly": 1})
+
+
 def test_a_trace_past_its_hops_is_dropped_and_the_step_goes_on() -> None:
     long = [[1.0] * 5] * MAX_TRACE
     s = stage.parse(edited(forwarded_wire(), "trace", long))

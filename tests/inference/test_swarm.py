@@ -169,6 +169,37 @@ async def test_a_dead_stage_is_blamed_and_the_replica_continues_the_same_tokens(
     assert gen.traces.summary()["route"][1] == "b" and fitness.strikes == {}
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0),
+                                    SamplingParams(temperature=0.9, top_k=20, seed=7)],
+                         ids=["greedy", "seeded"])
+async def test_a_failover_replays_the_bits_of_an_undisturbed_run(
+        served: dict[str, Served], params: SamplingParams) -> None:
+    """b dies after 7 tokens; its replica rebuilds the KV from the replay. The tokens and
+    log probabilities of every later token are the undisturbed run's to the last bit (a
+    replay of the generated tokens as one prefill rounds differently: ~1e-5 on this f32
+    model), and a seeded stream continues where it was."""
+    async def logprobs(net: FakeNet, on_token: Any = None) -> list[tuple[int, float]]:
+        gen = generator(net, Fitness(300))
+        req = GenerationRequest("m", tuple(PROMPT), Sampling(params, 14, logprobs=2))
+        out: list[tuple[int, float]] = []
+        async with net.running() as nursery:
+            gen.nursery = nursery
+            async for event in gen.generate(req):
+                if isinstance(event, TokenEvent):
+                    assert event.logprob is not None
+                    out.append((event.token, event.logprob))
+                    if on_token is not None:
+                        on_token(len(out))
+        for server in net.servers.values():  # b's sessions, cut off: free their KV
+            server.close_all()
+        return out
+
+    undisturbed = await logprobs(FakeNet(served))
+    net = FakeNet(served)
+    replayed = await logprobs(net, at_token(7, lambda: net.down.add("b")))
+    assert "b" in net.down and replayed == undisturbed
+
+
 async def test_a_failover_waits_for_a_replica_missing_from_the_map_for_a_moment(
         served: dict[str, Served], reference: list[int]) -> None:
     """b dies while its replica b2 is not in the coverage map (its record late: under load,

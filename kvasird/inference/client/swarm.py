@@ -38,11 +38,16 @@ stages' close replies add the expert rows they had computed elsewhere for the se
 they did; a failed step counts for no one. `work(request_id)` hands the totals to the
 gateway once the generation has ended.
 
-Failover: when a hop fails, times out or refuses, its peer is marked unfit for
-`unfit_s`, sessions on the old route are closed, a new route is planned, and the
-token history (prompt + tokens already emitted) is replayed there as a prefill. The
-new route's head continues the seeded sampling stream where the old one stopped, so
-greedy and seeded generations continue with the same tokens.
+Failover: when a hop fails, times out or refuses, its peer is avoided for a while
+(failover.judge), sessions on the old route are closed, a new route is planned, and the
+token history is replayed there exactly as it was first computed: the prompt in the
+same prefill chunks, then the generated tokens as one step the stages compute a
+position at a time (Step.singly), as the decode steps they were, because a batch of T
+positions rounds differently from T steps of one. So the new route's KV holds the same
+bits as the old one's, its head has drawn from the seeded sampling stream as often as
+the old one had, and greedy and seeded generations continue with the tokens an
+undisturbed run gives. A replayed token costs one step of one position at each hop
+(compute only: the replay is one message per hop).
 """
 
 from __future__ import annotations
@@ -425,9 +430,12 @@ class _Run:
             await self._call(hop, Open(f"{self.sid}.{i}", self.model, hop.first, hop.end,
                                        hop.embed, hop.head, self.max_tokens, self.logprobs,
                                        self.route.hops[i - 1].peer if i else "", self.sampling,
-                                       produced))
-        for c in range(0, len(history), PREFILL_CHUNK):
-            event = await self._forward(history, c, min(c + PREFILL_CHUNK, len(history)))
+                                       max(produced - 1, 0)))
+        prompt = len(history) - produced
+        for c in range(0, prompt, PREFILL_CHUNK):
+            event = await self._forward(history, c, min(c + PREFILL_CHUNK, prompt))
+        if produced:
+            event = await self._forward(history, prompt, len(history), singly=True)
         return event
 
     async def step(self, history: list[int], start: int, produced: int) -> TokenEvent:
@@ -453,24 +461,26 @@ class _Run:
             except HopFailed as again:
                 exc = again
 
-    async def _forward(self, history: list[int], start: int, end: int) -> TokenEvent:
+    async def _forward(self, history: list[int], start: int, end: int,
+                       singly: bool = False) -> TokenEvent:
         assert self.route is not None
         ids = tuple(history[start:end])
         self.steps += 1
         if len(self.route.hops) > 1 and (len(ids) > 1 or self.steps % RELAY_EVERY != 1):
-            event = await self._chain(ids, start)
+            event = await self._chain(ids, start, singly)
         else:
-            event = await self._relay(ids, start)
+            event = await self._relay(ids, start, singly)
         self._count(len(ids))
         return event
 
-    async def _relay(self, ids: tuple[int, ...], start: int) -> TokenEvent:
+    async def _relay(self, ids: tuple[int, ...], start: int, singly: bool = False
+                     ) -> TokenEvent:
         """One step relayed hop by hop through this node, each hop timed."""
         assert self.route is not None
         x, dt = np.asarray(ids), "i32"
         for i, hop in enumerate(self.route.hops):
             reply = await self._call(hop, Step(f"{self.sid}.{i}", start, x, dt,
-                                               ids if hop.head else None))
+                                               ids if hop.head else None, singly=singly))
             if hop.head:
                 self.answered = time.monotonic()
                 return _read(hop.peer, _head_reply, reply)
@@ -478,7 +488,8 @@ class _Run:
             x, dt = hidden.x, hidden.dt
         raise HopFailed(self.route.hops[-1].peer, "the route ends before the head")
 
-    async def _chain(self, ids: tuple[int, ...], start: int) -> TokenEvent:
+    async def _chain(self, ids: tuple[int, ...], start: int, singly: bool = False
+                     ) -> TokenEvent:
         """One step forwarded hop to hop; the head's result comes back to our Inbox."""
         assert self.route is not None
         hops, me = self.route.hops, self.gen.me
@@ -486,7 +497,7 @@ class _Run:
         traced = len(ids) == 1 and self.steps % TRACE_EVERY == 0
         msg = Step(f"{self.sid}.0", start, np.asarray(ids), "i32", ids, Forward(
             ticket, tuple((h.peer, f"{self.sid}.{i}") for i, h in enumerate(hops) if i), me,
-            () if traced else None)).to_wire()
+            () if traced else None), singly).to_wire()
         began, sent = time.perf_counter(), time.monotonic()
         with self.gen.inbox.expect(ticket, {me, *self.route.peers}) as results:
             if hops[0].peer == me:

@@ -17,8 +17,9 @@ defines for it and for its reply:
     Open    {op: open, sid, model, first, end, embed, head, max_tokens, logprobs, prev,
              sampling: {temperature, top_k, top_p, repetition_penalty, seed}, draws}  -> {}
     Step    {op: step, sid, start, x: i32 [T] | f32/f16 [T, n_embd], ids (head hop: the T
-             tokens)}  -> Hidden {x: [T, n_embd]}  or, at the head,  TokenEvent {token,
-             logprob?, top?: [[token, logprob], ...]}
+             tokens), singly? (true: compute the T positions one at a time, an exact
+             replay of decode steps)}  -> Hidden {x: [T, n_embd]}  or, at the head,
+             TokenEvent {token, logprob?, top?: [[token, logprob], ...]}
     Close   {op: close, sid}                        -> Closed {experts?: {worker peer: units}}
     Ping    {op: ping, sid}                                  -> Pong {at: positions computed}
     ExpertRequest {op: experts, layer, first, rows: [m, n_embd], ids: i32 [m, n] counted
@@ -38,7 +39,8 @@ gateway whose session it is; ``next`` one shorter); the last hop sends a Result 
 result, ticket, token, logprob?, top?}`` to the owner. Any failure on the way ends the
 chain with a Failure ``{op: result, ticket, error, code, peer}`` to the owner, naming the
 peer that failed: itself, or the next hop it could not reach (code "gone", or
-"unreachable" when no stream to it could be opened). A session takes forwarded steps only
+"unreachable" when no stream to it could be opened; "broken" when its own output was not
+finite). A session takes forwarded steps only
 from its owner and from the peer the owner named as the hop before it (``prev`` at open).
 A traced step also carries ``trace``: each hop's stamps so far (steptrace).
 """

@@ -145,12 +145,19 @@ class Step:
     on a relayed step)."""
     forward: Forward | None = None
     """Present on a forwarded step."""
+    singly: bool = False
+    """Compute the T positions one at a time, as the decode steps they first were: what an
+    exact replay after a failover sends for the generated tokens (a batch of T rounds
+    differently from T steps of one). The head samples once, after the last. Optional on
+    the wire; an older node computes them as one batch."""
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"op": "step", "sid": self.sid, "start": self.start,
                                "x": tensors.encode(self.x, self.dt)}
         if self.ids is not None:
             out["ids"] = list(self.ids)
+        if self.singly:
+            out["singly"] = True
         if (f := self.forward) is not None:
             if f.owner is not None:
                 out["owner"] = f.owner
@@ -167,7 +174,8 @@ class Step:
         return Step(schema.text(d, "sid", 64, "stage"),
                     schema.integer(d, "start", 0, MAX_POSITIONS, "stage"), x, dt,
                     None if ids is None else _ids(ids, len(x)),
-                    Forward.from_wire(d) if "back" in d else None)
+                    Forward.from_wire(d) if "back" in d else None,
+                    "singly" in d and _boolean(d, "singly", "stage"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -204,7 +204,7 @@ class StageServer:
                     raise Refusal("bad", "the route ends before the head")
                 culprit, sid = f.next_hops[0]
                 await self.send(culprit, Step(sid, m.start, out, self.wire_dtype, m.ids, Forward(
-                    f.ticket, f.next_hops[1:], owner, trace)).to_wire())
+                    f.ticket, f.next_hops[1:], owner, trace), m.singly).to_wire())
             else:
                 if f.next_hops:
                     raise Refusal("bad", "the route goes on after the head: the head hop "
@@ -265,7 +265,12 @@ class StageServer:
         s.used = began = time.monotonic()
         try:
             with collecting_waits() as waited:
-                out = await _run_chain(s, x, m.start, self.company)
+                if m.singly:  # a replay of decode steps: each position as it first ran
+                    outs = [await _run_chain(s, x[i:i + 1], m.start + i, self.company)
+                            for i in range(len(x))]
+                    out = outs[-1] if s.sampler is not None else np.concatenate(outs)
+                else:
+                    out = await _run_chain(s, x, m.start, self.company)
         except (KVCacheFull, NoWorkers) as exc:
             raise Refusal("busy", str(exc)) from None
         except ComputeError as exc:
