@@ -61,10 +61,20 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _add(args: argparse.Namespace) -> int:
+    from kvasird.model.progress import Meter, TerminalBar
+
     t = time.perf_counter()
     ref = ModelRef.parse(args.source)
-    with _store(args) as store:
-        manifest = store.add(ref, args.name)
+    with _store(args) as store, TerminalBar("hashing", 0) as bar:
+        meters: dict[str, Meter] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            now = time.monotonic()
+            meter = meters.setdefault(phase, Meter(total, 0, now))
+            meter.update(done, now)
+            bar.show(meter, description=phase)
+
+        manifest = store.add(ref, args.name, progress=progress)
     print(f"added {manifest.model_id}")
     print(f"  {manifest.arch}, {manifest.n_layer} layers, {manifest.n_expert} experts, "
           f"{_mb(manifest.total_bytes)} in {len(manifest.unit_sizes)} units "

@@ -17,6 +17,7 @@ from libp2p.peer.id import ID
 
 from kvasird.logs import get_logger
 from kvasird.model.manifest import Manifest, Unit
+from kvasird.model.progress import mb_s
 from kvasird.model.ref import ModelRef
 from kvasird.model.slice import contiguous_runs, parse_spec
 from kvasird.model.store import ShardStore
@@ -48,6 +49,9 @@ class ShardService:
         self._serving = trio.CapacityLimiter(MAX_SERVING_STREAMS)
         self.last_report: TransferReport | None = None
         self.progress: Progress | None = None
+        """The running (or else the last) download: bytes done and total, rate and ETA,
+        overall and per unit; updated about 4 times a second. ``view()["progress"]`` is
+        the same as JSON."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.p2p.host.set_stream_handler(PROTOCOL_ID, self._serve)
@@ -93,8 +97,10 @@ class ShardService:
             return False
 
     async def fetch(self, model_id: str, units: Iterable[Unit], holders: list[str]) -> TransferReport | None:
-        """Download the units not yet on disk from ``holders``; None when nothing was missing."""
-        held = set(self.store.held_units(model_id))
+        """Download the units not yet on disk, or no longer intact there, from ``holders``;
+        None when nothing was missing."""
+        units = list(units)
+        held = set(await trio.to_thread.run_sync(self.store.verified_held, model_id, units))
         missing = [u for u in units if u not in held]
         if not missing:
             return None
@@ -111,7 +117,9 @@ class ShardService:
         """GGUF files holding ``units`` for the compute engine.
 
         The imported original when it is still on disk (no copy), else mini-GGUF slices
-        assembled from the verified pieces in the store (written once, reused).
+        assembled from the verified pieces in the store (written once, reused while they
+        still match the manifest: a damaged one is assembled again). Reads files: call
+        it in a worker thread.
         """
         record = next((m for m in self.store.models() if m.model_id == model_id), None)
         if record and record.source and Path(record.source).is_file() and self.has_all(model_id):
@@ -119,11 +127,11 @@ class ShardService:
         folder = self.store.root.parent / "slices" / model_id
         folder.mkdir(parents=True, exist_ok=True)
         out = []
-        for spec in slice_specs(units):
-            name = spec.replace("=", "-").replace(":", "_").replace(",", "+")
-            path = folder / f"{name}.gguf"
-            if not path.exists():
-                self.store.write_slice(model_id, parse_spec(spec), path)
+        for text in slice_specs(units):
+            name = text.replace("=", "-").replace(":", "_").replace(",", "+")
+            path, spec = folder / f"{name}.gguf", parse_spec(text)
+            if not self.store.check_slice(model_id, spec, path):
+                self.store.write_slice(model_id, spec, path)
             out.append(path)
         return out
 
@@ -135,8 +143,7 @@ class ShardService:
         return {
             "models": [{"model_id": m.model_id, "name": m.name, "held_bytes": m.held_bytes,
                         "total_bytes": m.total_bytes} for m in self.store.models()],
-            "progress": None if p is None else {"done_bytes": p.done_bytes,
-                                                "total_bytes": p.total_bytes, "rate": p.rate},
+            "progress": None if p is None else progress_view(p),
             "last_download": None if r is None else {
                 "units": len(r.units), "total_bytes": r.total_bytes,
                 "received_bytes": r.received_bytes, "resumed_bytes": r.resumed_bytes,
@@ -159,3 +166,12 @@ def slice_specs(units: Iterable[Unit]) -> list[str]:
         specs += [f"experts={layer}:{a}:{b}" for a, b in contiguous_runs(es)]
     return specs
 
+
+def progress_view(p: Progress) -> dict[str, Any]:
+    """A download's progress as JSON: overall and per unit (rates in bytes/s and MB/s)."""
+    return {"done_bytes": p.done_bytes, "total_bytes": p.total_bytes, "rate": p.rate,
+            "mb_s": mb_s(p.rate), "eta_s": p.eta_s, "holders": p.holders,
+            "finished": p.finished,
+            "units": [{"unit": str(u.unit), "done_bytes": u.done_bytes,
+                       "total_bytes": u.total_bytes, "mb_s": mb_s(u.rate), "eta_s": u.eta_s}
+                      for u in p.units]}

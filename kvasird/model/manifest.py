@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -184,14 +184,21 @@ class Manifest:
         return hashlib.sha256(self.raw).hexdigest()
 
     @classmethod
-    def from_gguf(cls, path: Path) -> Manifest:
-        """Hash a GGUF file into its manifest (about 1 s per GB on one core)."""
+    def from_gguf(cls, path: Path,
+                  progress: Callable[[int, int], None] | None = None) -> Manifest:
+        """Hash a GGUF file into its manifest (about 1 s per GB on one core);
+        ``progress(done, total)`` is called after each tensor with the bytes hashed."""
         header = read_header(path)
+        total, done, entries = sum(t.length for t in header.tensors), 0, []
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             view = memoryview(mm)
             try:
-                entries = [_hash_tensor(view, header.data_offset, t.name, t.ggml_type, t.ne,
-                                        t.offset, t.length) for t in header.tensors]
+                for t in header.tensors:
+                    entries.append(_hash_tensor(view, header.data_offset, t.name, t.ggml_type,
+                                                t.ne, t.offset, t.length))
+                    done += t.length
+                    if progress is not None:
+                        progress(done, total)
             finally:
                 view.release()
         return cls.build(header.metadata, entries, header.alignment)

@@ -7,10 +7,17 @@
 
 Every byte enters through ``put_piece`` or ``accept_chunk``, which hash it against the
 manifest before it lands (verified on write); ``read_piece`` hashes again (verified on
-load) and a blob that went bad is deleted. A unit is *pending* while it downloads and
-*held* once all its pieces are in; both protect its blobs from ``gc``, which deletes
-blobs no unit refers to once a unit or model is dropped. Identical pieces (e.g. equal
-norm vectors) are stored once.
+load). Blobs and assembled slices that are reused (served, resumed, loaded again after a
+restart) are checked against the manifest too, hashed once per version of the file:
+``shard_verified`` remembers, with what the file should hold (a piece's hash, a model's
+slice), the (size, mtime_ns, inode) it had when it last hashed right, so a restart costs
+a stat per file, not a rehash. A blob that went bad is deleted and every unit needing it
+goes back to *pending* (no longer held, so ``has_all`` and the shard records stop
+counting it) until it is downloaded again.
+
+A unit is *pending* while it downloads and *held* once all its pieces are in; both
+protect its blobs from ``gc``, which deletes blobs no unit refers to once a unit or
+model is dropped. Identical pieces (e.g. equal norm vectors) are stored once.
 
 SQLite is used from one thread (the trio thread); the file and hashing methods
 (``accept_chunk``, ``read_range``, ``read_piece``...) are safe to run in worker threads.
@@ -24,13 +31,14 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvasird import db
 from kvasird.errors import ModelError
 from kvasird.home import Home
+from kvasird.logs import get_logger
 from kvasird.model.manifest import Manifest, ManifestError, Piece, Unit
 from kvasird.model.ref import ModelRef
 from kvasird.model.slice import SliceSpec, gguf_pieces, units_of, verify_slice, write_slice
@@ -47,7 +55,16 @@ CREATE TABLE IF NOT EXISTS shard_refs (
     model_id TEXT NOT NULL, unit TEXT NOT NULL, sha256 BLOB NOT NULL,
     PRIMARY KEY (model_id, unit, sha256));
 CREATE INDEX IF NOT EXISTS shard_refs_by_sha ON shard_refs (sha256);
+CREATE TABLE IF NOT EXISTS shard_verified (
+    path TEXT PRIMARY KEY, content TEXT NOT NULL,
+    size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, inode INTEGER NOT NULL);
 """
+
+
+log = get_logger("kvasird.shards")
+
+ImportProgress = Callable[[str, int, int], None]
+"""Called with (phase, done bytes, total bytes) while a GGUF is imported."""
 
 
 class StoreError(ModelError):
@@ -88,7 +105,8 @@ class ShardStore:
         self._db = db.connect(db_path)
         db.ensure_schema(self._db, _SCHEMA)
         self._manifests: dict[str, Manifest] = {}
-        self._checked: set[bytes] = set()
+        self._lock = threading.Lock()
+        """Serialises this store's writes from worker threads (downloads, slice loads)."""
 
     @classmethod
     def open(cls, home: Home) -> ShardStore:
@@ -157,22 +175,31 @@ class ShardStore:
                                    len(held), source))
         return out
 
-    def import_gguf(self, path: Path, name: str = "", source: str = "") -> Manifest:
-        """Import a full GGUF: every unit of the model becomes held here."""
-        manifest = Manifest.from_gguf(path)
+    def import_gguf(self, path: Path, name: str = "", source: str = "",
+                    progress: ImportProgress | None = None) -> Manifest:
+        """Import a full GGUF: every unit of the model becomes held here (a stored piece
+        that no longer matches is replaced). ``progress(phase, done, total)`` follows
+        the hashing of the file, then the storing of its pieces."""
+        manifest = Manifest.from_gguf(path, progress=None if progress is None else (
+            lambda done, total: progress("hashing", done, total)))
         self.add_manifest(manifest, name, source or str(path))
         units = list(manifest.unit_sizes)
         self.begin(manifest.model_id, units)
+        done, total = 0, manifest.total_bytes
         with gguf_pieces(path, manifest) as read:
             for piece in manifest.all_pieces:
-                if not self.has_piece(piece):
+                if not self.check_piece(piece):
                     self.put_piece(piece, read(piece))
+                done += piece.length
+                if progress is not None:
+                    progress("storing", done, total)
         self.mark_held(manifest.model_id, units)
         return manifest
 
-    def add(self, ref: ModelRef, name: str = "") -> Manifest:
+    def add(self, ref: ModelRef, name: str = "",
+            progress: ImportProgress | None = None) -> Manifest:
         """`kvasird model add`: import the GGUF of a path or bundled:NAME (not of an id)."""
-        return self.import_gguf(ref.gguf(), name, source=str(ref))
+        return self.import_gguf(ref.gguf(), name, source=str(ref), progress=progress)
 
     def drop_model(self, model_id: str) -> int:
         """Forget a model and delete its pieces; returns bytes freed."""
@@ -187,6 +214,16 @@ class ShardStore:
 
     def held_units(self, model_id: str) -> list[Unit]:
         return sorted(Unit.parse(u) for u in self._units(model_id, "held"))
+
+    def verified_held(self, model_id: str, units: Iterable[Unit]) -> list[Unit]:
+        """Which of ``units`` are held with every piece intact (each blob hashed once per
+        file version). Units with a corrupt piece stop being held (see ``check_piece``).
+        Reads files: run it in a worker thread."""
+        held = set(self.held_units(model_id)) & set(units)
+        for piece in self.manifest(model_id).pieces(held):
+            if not self.check_piece(piece):
+                held.discard(piece.unit)
+        return sorted(set(self.held_units(model_id)) & held)
 
     def begin(self, model_id: str, units: Iterable[Unit]) -> None:
         """Record that these units are being obtained, so gc keeps their pieces."""
@@ -232,13 +269,25 @@ class ShardStore:
     def has_piece(self, piece: Piece) -> bool:
         return self._blob(piece.sha256).exists()
 
+    def check_piece(self, piece: Piece) -> bool:
+        """Whether the piece's blob is here and matches the manifest, hashed only when the
+        file changed since it last did. A corrupt blob is deleted, every unit that needs
+        it is no longer held (it is pending: a download fetches it again), and one
+        warning says so."""
+        path = self._blob(piece.sha256)
+        if self._verified(path, piece.sha256.hex(), lambda: _file_sha256(path) == piece.sha256):
+            return True
+        if path.exists():
+            self._corrupt(piece)
+        return False
+
     def put_piece(self, piece: Piece, data: bytes | memoryview) -> None:
         """Store a whole piece after checking its hash."""
         if len(data) != piece.length or hashlib.sha256(data).digest() != piece.sha256:
             raise CorruptPiece(f"bytes for {piece.tensor} piece {piece.expert} do not match "
                                "the manifest; they were not stored")
         _write_atomic(self._blob(piece.sha256), data)
-        self._checked.add(piece.sha256)
+        self._remember(self._blob(piece.sha256), piece.sha256.hex())
 
     def accept_chunk(self, piece: Piece, offset: int, data: bytes | memoryview,
                      expected: bytes) -> bool:
@@ -251,7 +300,7 @@ class ShardStore:
             return False
         if offset == 0 and len(data) == piece.length:
             _write_atomic(self._blob(piece.sha256), data)
-            self._checked.add(piece.sha256)
+            self._remember(self._blob(piece.sha256), piece.sha256.hex())
             return True
         fd = os.open(self._partial(piece.sha256), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
@@ -269,7 +318,7 @@ class ShardStore:
                                "its partial file was deleted, download it again")
         self._blob(piece.sha256).parent.mkdir(exist_ok=True)
         part.replace(self._blob(piece.sha256))
-        self._checked.add(piece.sha256)
+        self._remember(self._blob(piece.sha256), piece.sha256.hex())
 
     def resume_point(self, piece: Piece, chunk_size: int) -> set[int]:
         """Indexes of chunks of a partially downloaded piece that are already good."""
@@ -292,27 +341,25 @@ class ShardStore:
             raise StoreError(f"{piece.tensor} piece {piece.expert} is not in the store: "
                              "download its unit first") from None
         if hashlib.sha256(data).digest() != piece.sha256:
-            self._blob(piece.sha256).unlink(missing_ok=True)
+            self._corrupt(piece)
             raise CorruptPiece(f"stored {piece.tensor} piece {piece.expert} is corrupt and was "
-                               "deleted: download its unit again")
-        self._checked.add(piece.sha256)
+                               f"deleted: download its unit again ({piece.unit} is no longer "
+                               "held)")
         return data
 
     def read_range(self, model_id: str, tensor: str, expert: int, offset: int,
                    length: int) -> bytes | None:
-        """Bytes of a piece for a peer; None if we do not have it. A blob this process did
-        not write itself is re-verified the first time it is served, so bit rot on disk is
-        not passed on (and peers do not take us for a liar)."""
+        """Bytes of a piece for a peer; None if we do not have it. A blob is verified
+        before it is served (once per file version), so bit rot on disk is not passed on
+        (and peers do not take us for a liar): a corrupt one is not had."""
         manifest = self._manifests.get(model_id) or self._try_manifest(model_id)
         if manifest is None:
             return None
         piece = manifest.piece(tensor, expert)
         if not 0 <= offset <= offset + length <= piece.length:
             raise StoreError(f"range {offset}+{length} is outside {tensor} piece {expert}")
-        if not self.has_piece(piece):
+        if not self.check_piece(piece):
             return None
-        if piece.sha256 not in self._checked:
-            self.read_piece(piece)
         with open(self._blob(piece.sha256), "rb") as f:
             return os.pread(f.fileno(), length, offset)
 
@@ -334,9 +381,76 @@ class ShardStore:
             tmp.replace(path)
         finally:
             tmp.unlink(missing_ok=True)
+        self._remember(path, _slice_content(model_id, spec))
         return path
 
+    def check_slice(self, model_id: str, spec: SliceSpec, path: Path) -> bool:
+        """Whether an assembled slice file may be reused: it is there and every piece of it
+        matches the manifest (hashed once per file version). A corrupt one is deleted,
+        with one warning; assemble it again with ``write_slice``."""
+        manifest = self.manifest(model_id)
+
+        def intact() -> bool:
+            try:
+                return str(verify_slice(path, manifest).spec) == str(spec)
+            except (ModelError, OSError, ValueError):
+                return False
+
+        if self._verified(path, _slice_content(model_id, spec), intact):
+            return True
+        if path.exists():
+            log.warning("stored slice is corrupt: deleted, assembling it again from the "
+                        "verified pieces", model=model_id[:16], slice=str(spec), path=str(path))
+            self._forget(path)
+            path.unlink(missing_ok=True)
+        return False
+
     # internals
+
+    def _verified(self, path: Path, content: str, check: Callable[[], bool]) -> bool:
+        """True when ``path`` exists and passed ``check`` for ``content`` in this version
+        of the file (same size, mtime_ns and inode), or passes it now (then remembered)."""
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return False
+        row = self._db.execute("SELECT content, size, mtime_ns, inode FROM shard_verified "
+                               "WHERE path = ?", (str(path),)).fetchone()
+        if row == (content, st.st_size, st.st_mtime_ns, st.st_ino):
+            return True
+        if not check():
+            return False
+        self._remember(path, content, st)
+        return True
+
+    def _remember(self, path: Path, content: str, st: os.stat_result | None = None) -> None:
+        """Record that this version of the file holds ``content`` (written or checked)."""
+        st = path.stat() if st is None else st
+        with self._lock, self._db:
+            self._db.execute("INSERT OR REPLACE INTO shard_verified VALUES (?, ?, ?, ?, ?)",
+                             (str(path), content, st.st_size, st.st_mtime_ns, st.st_ino))
+
+    def _forget(self, path: Path) -> None:
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM shard_verified WHERE path = ?", (str(path),))
+
+    def _corrupt(self, piece: Piece) -> list[Unit]:
+        """Delete a blob that failed its hash; the units needing it are no longer held."""
+        path = self._blob(piece.sha256)
+        self._forget(path)
+        path.unlink(missing_ok=True)
+        with self._lock, self._db:
+            rows = self._db.execute(
+                "SELECT u.model_id, u.unit FROM shard_units u JOIN shard_refs r "
+                "ON r.model_id = u.model_id AND r.unit = u.unit "
+                "WHERE r.sha256 = ? AND u.state = 'held'", (piece.sha256,)).fetchall()
+            self._db.executemany("UPDATE shard_units SET state = 'pending' "
+                                 "WHERE model_id = ? AND unit = ?", rows)
+        units = sorted(Unit.parse(u) for _, u in rows)
+        log.warning("stored shard piece is corrupt: deleted; its units are no longer held "
+                    "and are downloaded again", tensor=piece.tensor, expert=piece.expert,
+                    units=[str(u) for u in units], path=str(path))
+        return units
 
     def _try_manifest(self, model_id: str) -> Manifest | None:
         try:
@@ -359,6 +473,7 @@ class ShardStore:
                 with contextlib.suppress(FileNotFoundError):
                     freed += path.stat().st_size
                     path.unlink()
+                    self._forget(path)
         return freed
 
     def _manifest_path(self, model_id: str) -> Path:
@@ -380,6 +495,10 @@ def _write_atomic(path: Path, data: bytes | memoryview) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     tmp.replace(path)
+
+
+def _slice_content(model_id: str, spec: SliceSpec) -> str:
+    return f"{model_id}/{spec}"
 
 
 def _file_sha256(path: Path) -> bytes:

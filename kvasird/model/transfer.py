@@ -33,6 +33,7 @@ import trio
 
 from kvasird.errors import KvasirError, ModelError, PeerError, WireError
 from kvasird.model.manifest import MAX_MANIFEST, Manifest, ManifestError, Piece, Unit
+from kvasird.model.progress import LogPacer, Meter, TerminalBar, mb_s
 from kvasird.model.store import ShardStore, StoreError
 from kvasird.wire.framing import ByteStream, FrameReader, write_frame
 
@@ -90,6 +91,29 @@ class Progress:
     """Seconds left at the recent rate; None before there is a rate."""
     holders: int
     """Holders still serving this download."""
+    units: tuple[UnitProgress, ...] = ()
+    """The same per wanted unit, in unit order."""
+
+    @property
+    def finished(self) -> bool:
+        return self.done_bytes >= self.total_bytes
+
+
+@dataclass(frozen=True)
+class UnitProgress:
+    """One unit's share of a download: the bytes this download fetches for it (a piece
+    shared by several units counts for the first)."""
+
+    unit: Unit
+    """The unit."""
+    done_bytes: int
+    """Verified bytes on disk."""
+    total_bytes: int
+    """Bytes of its pieces."""
+    rate: float
+    """Recent verified bytes per second for this unit."""
+    eta_s: float | None
+    """Seconds left at its recent rate; 0.0 when done, None while it has no rate."""
 
 
 @dataclass(frozen=True)
@@ -223,7 +247,8 @@ async def download(store: ShardStore, model_id: str, units: Iterable[Unit] | Non
     model_id. The units are recorded as pending first (gc keeps their partial pieces)
     and as held once every piece is in. On TransferError they stay pending: call again
     with other holders to resume, or ``store.drop(model_id, units)`` to give up.
-    `progress` is called about 4 times a second and once at the end.
+    `progress` is called about 4 times a second and once at the end; a terminal shows a
+    bar, and the log gets a "shard download progress" event every 5 s or 10 %.
     """
     start = trio.current_time()
     manifest = await ensure_manifest(store, model_id, holders, open_stream, stall_timeout)
@@ -241,7 +266,6 @@ async def download(store: ShardStore, model_id: str, units: Iterable[Unit] | Non
                 workers.start_soon(_Holder(job, peer, open_stream, stall_timeout, retries,
                                            batch_bytes).run)
         nursery.cancel_scope.cancel()
-    job.emit()
     if any(job.left.values()):
         raise TransferError(
             f"download of {model_id[:16]} stopped with {job.total - job.done:,} bytes missing: "
@@ -275,30 +299,42 @@ class _Work:
     total: int
     resumed: int
     left: dict[bytes, int] = field(default_factory=dict)
+    unit_total: dict[Unit, int] = field(default_factory=dict)
+    unit_done: dict[Unit, int] = field(default_factory=dict)
 
 
 def _plan(store: ShardStore, manifest: Manifest, units: list[Unit]) -> _Work:
-    """Chunks still to fetch; done chunks of earlier runs are found by hashing partial files."""
+    """Chunks still to fetch; done chunks of earlier runs are found by hashing partial files.
+
+    A piece already in the store is checked against its hash first (once per file
+    version): a corrupt blob is deleted and fetched again.
+    """
     chunks, seen, total, resumed, left = [], set(), 0, 0, {}
+    unit_total: dict[Unit, int] = dict.fromkeys(units, 0)
+    unit_done: dict[Unit, int] = {}
     for piece in manifest.pieces(units):
         if piece.sha256 in seen:
             continue
         seen.add(piece.sha256)
         total += piece.length
-        if store.has_piece(piece):
+        unit_total[piece.unit] += piece.length
+        if store.check_piece(piece):
             resumed += piece.length
+            unit_done[piece.unit] = unit_done.get(piece.unit, 0) + piece.length
             continue
         spans = piece.spans(manifest.chunk_size)
         done = store.resume_point(piece, manifest.chunk_size) if len(spans) > 1 else set()
         todo = [_Chunk(piece, off, n, sha)
                 for i, (off, n, sha) in enumerate(spans) if i not in done]
         resumed += piece.length - sum(c.length for c in todo)
+        unit_done[piece.unit] = unit_done.get(piece.unit, 0) + piece.length - sum(
+            c.length for c in todo)
         if todo:
             left[piece.sha256] = len(todo)
             chunks += todo
         else:
             store.finish_piece(piece)
-    return _Work(chunks, total, resumed, left)
+    return _Work(chunks, total, resumed, left, unit_total, unit_done)
 
 
 class _Job:
@@ -317,8 +353,12 @@ class _Job:
         self.refused: dict[Peer, set[tuple[bytes, int]]] = {}
         self._changed = trio.Event()
         self._progress = progress
-        self._start = start
-        self._samples: deque[tuple[float, int]] = deque([(start, self.done)])
+        self.meter = Meter(self.total, self.done, start)
+        self.units = {u: Meter(n, work.unit_done.get(u, 0), start)
+                      for u, n in sorted(work.unit_total.items())}
+        self._unit_done = dict(work.unit_done)
+        self._pacer = LogPacer(start)
+        self._bar = TerminalBar(f"shards {manifest.model_id[:8]}", self.total)
 
     def take(self, peer: Peer, max_bytes: int) -> list[_Chunk]:
         """The next chunks in file order, up to max_bytes (at least one), skipping those
@@ -353,6 +393,8 @@ class _Job:
         """Count a verified chunk; True when its piece is now complete on disk."""
         self.in_flight -= 1
         self.done += chunk.length
+        unit = chunk.piece.unit
+        self._unit_done[unit] = self._unit_done.get(unit, 0) + chunk.length
         self.left[chunk.piece.sha256] -= 1
         self._changed.set()
         return self.left[chunk.piece.sha256] == 0 and len(chunk.piece.spans(
@@ -369,26 +411,38 @@ class _Job:
         self._changed.set()
 
     def emit(self) -> None:
+        """Measure now; tell the callback, the terminal bar and (when due) the log."""
         now = trio.current_time()
-        self._samples.append((now, self.done))
-        while len(self._samples) > 2 and now - self._samples[0][0] > 5.0:
-            self._samples.popleft()
-        t0, d0 = self._samples[0]
-        rate = (self.done - d0) / (now - t0) if now > t0 else 0.0
-        remaining = self.total - self.done
-        eta = remaining / rate if rate > 0 else (0.0 if not remaining else None)
+        self.meter.update(self.done, now)
+        for u, meter in self.units.items():
+            meter.update(self._unit_done.get(u, 0), now)
+        p = Progress(self.done, self.total, self.meter.rate, self.meter.eta_s, self.active,
+                     tuple(UnitProgress(u, m.done, m.total, m.rate, m.eta_s)
+                           for u, m in self.units.items()))
         if self._progress is not None:
-            self._progress(Progress(self.done, self.total, rate, eta, self.active))
+            self._progress(p)
+        self._bar.show(self.meter)
+        if self._pacer.due(self.meter.fraction, now):
+            self._log(p)
+
+    def _log(self, p: Progress) -> None:
+        busy = [u for u in p.units if 0 < u.done_bytes < u.total_bytes] or \
+            [u for u in p.units if u.done_bytes < u.total_bytes][:1]
+        log.info("shard download progress", model=self.manifest.model_id[:16],
+                 unit=",".join(str(u.unit) for u in busy) or "-",
+                 units_done=sum(u.done_bytes >= u.total_bytes for u in p.units),
+                 units=len(p.units), bytes=p.done_bytes, total=p.total_bytes,
+                 pct=round(100 * self.meter.fraction, 1), mb_s=mb_s(p.rate),
+                 eta_s=None if p.eta_s is None else round(p.eta_s, 1), holders=p.holders)
 
     async def report_progress(self) -> None:
-        last_log = trio.current_time()
-        while True:
-            await trio.sleep(0.25)
-            self.emit()
-            if trio.current_time() - last_log >= 5.0:
-                last_log = trio.current_time()
-                log.info("shard download progress", model=self.manifest.model_id[:16],
-                         done=self.done, total=self.total, holders=self.active)
+        with self._bar:
+            try:
+                while True:
+                    self.emit()
+                    await trio.sleep(0.25)
+            finally:
+                self.emit()
 
 
 class _Holder:

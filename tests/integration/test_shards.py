@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -38,8 +40,28 @@ def slice_bytes(manifest: Manifest, pins: list[str]) -> int:
     return sum(manifest.unit_sizes[u] for u in units)
 
 
+def holding(manifest: Manifest, pins: list[str]) -> dict[str, object]:
+    """Settings of a node that names the model by id and holds ``pins`` (fetched from peers),
+    with a budget just big enough for them."""
+    return {"market.model": manifest.model_id, "market.hold": pins,
+            "market.memory_budget_mb": math.ceil(slice_bytes(manifest, pins) / 2**20)}
+
+
 def held(node) -> int:  # noqa: ANN001
     return sum(m["held_bytes"] for m in node.get("/v0/shards")["models"])
+
+
+def progress_events(node) -> list[dict]:  # noqa: ANN001
+    """The node's "shard download progress" log events (its log is JSON off a terminal)."""
+    out = []
+    for line in node.log.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "shard download progress":
+            out.append(event)
+    return out
 
 
 def test_nodes_download_only_their_windows_from_the_seed(
@@ -51,16 +73,27 @@ def test_nodes_download_only_their_windows_from_the_seed(
     seed.start()
     pins = {1: ["head", "layers:0-15"], 2: ["layers:15-30"]}
     for i, node in ((1, a), (2, b)):
-        configure(net, i, **{"market.model": manifest.model_id, "market.hold": pins[i]})
+        configure(net, i, **holding(manifest, pins[i]))
         node.start()
     for node in (a, b):
         want = slice_bytes(manifest, pins[node.index])
         net.wait_until(f"node {node.index} holds its {want} bytes",
                        lambda node=node, want=want: held(node) >= want, timeout=90)
-        report = node.get("/v0/shards")["last_download"]
+        shards = node.get("/v0/shards")
+        report = shards["last_download"]
         assert want <= report["received_bytes"] <= want * 1.02
         assert report["bad_holders"] == []
         assert held(node) < 0.7 * manifest.total_bytes  # a slice, not the model
+        # the download was followed: periodic log events, and the numbers in /v0/shards
+        events = progress_events(node)
+        assert events and events[-1]["bytes"] == events[-1]["total"] == want
+        assert events[-1]["units_done"] == events[-1]["units"] == len(
+            {u for pin in pins[node.index] for u in parse_hold(pin)})
+        assert all({"unit", "mb_s", "eta_s", "pct", "holders"} <= set(e) for e in events)
+        progress = shards["progress"]
+        assert progress["finished"] and progress["done_bytes"] == progress["total_bytes"] == want
+        assert sum(u["total_bytes"] for u in progress["units"]) == want
+        assert all(u["done_bytes"] == u["total_bytes"] for u in progress["units"])
     assert held(seed) == manifest.total_bytes
 
 
@@ -74,7 +107,7 @@ def test_download_resumes_from_another_holder_when_the_source_dies(
     for i in (0, 1):
         configure(net, i, **{"market.model": str(path)})
         net.nodes[i].start()
-    configure(net, 2, **{"market.model": manifest.model_id, "market.hold": ["head", "layers:0-30"]})
+    configure(net, 2, **holding(manifest, ["head", "layers:0-30"]))
     learner.start()
     net.wait_until("the download is under way",
                    lambda: (learner.get("/v0/shards")["progress"] or {}).get("done_bytes", 0) > 10 * 2**20,
@@ -96,7 +129,7 @@ def test_holder_that_flips_bytes_is_detected_and_avoided(
         configure(net, i, **{"market.model": str(path)})
         net.nodes[i].start()
     pins = ["layers:0-10"]
-    configure(net, 2, **{"market.model": manifest.model_id, "market.hold": pins})
+    configure(net, 2, **holding(manifest, pins))
     learner.start()
     want = slice_bytes(manifest, pins)
     net.wait_until("the learner holds its window", lambda: held(learner) >= want, timeout=90)

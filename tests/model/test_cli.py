@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +62,39 @@ def test_the_bundled_model_is_added_by_name(tmp_path, capsys):
     assert main([*home, "model", "list", "--json"]) == 0
     [listed] = json.loads(capsys.readouterr().out)
     assert listed["source"] == "bundled:smollm2" and listed["held_units"] == 31
+
+
+def _add_on_a_terminal(home: Path, source: Path) -> tuple[int, str]:
+    """Run `kvasird model add` as a process with its stderr on a pseudo-terminal."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "kvasird", "--home", str(home), "model", "add",
+                             str(source)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=slave, env={**os.environ, "COLUMNS": "120"})
+    os.close(slave)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the process closed the terminal
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(master)
+    proc.communicate(timeout=120)
+    return proc.returncode, err.decode(errors="replace")
+
+
+def test_adding_a_model_on_a_terminal_shows_its_progress(moe_path, tmp_path):
+    code, err = _add_on_a_terminal(tmp_path / "home", moe_path)
+    assert code == 0
+    assert "hashing" in err and "storing" in err
+    assert "MB/s" in err and "eta 0:00" in err
+
+
+def test_adding_a_model_off_a_terminal_prints_no_bar(moe_path, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kvasird", "--home", str(tmp_path / "home"),
+                           "model", "add", str(moe_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "added" in done.stdout
+    assert "MB/s" not in done.stderr
