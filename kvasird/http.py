@@ -2,12 +2,17 @@
 
 Every app served here is behind a HostGuard: both surfaces are meant for this machine
 (or names the operator listed), never for whatever web page the operator's browser shows.
+Every request is logged once, by AccessLog, without anything secret.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import time
+import typing
+from collections.abc import MutableMapping
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -15,7 +20,15 @@ from hypercorn.trio import serve
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvasird.errors import ConfigError
+from kvasird.logs import get_logger
+from kvasird.ports import listen_error
+
+log = get_logger("kvasird.http")
+
+ACCESS_NOTES = "kvasird.access"
+"""The scope key of the dict whose items an app adds to its request's access event."""
+MAX_LOGGED_PATH = 200
+"""Characters of a request's path logged (a client chooses the path of a 404)."""
 
 
 async def serve_asgi(app: ASGIApp, bind: str, *, what: str, section: str, config_path: str,
@@ -31,14 +44,70 @@ async def serve_asgi(app: ASGIApp, bind: str, *, what: str, section: str, config
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("hypercorn.error")
     cfg.graceful_timeout = 2.0
-    guarded = HostGuard(app, bind, allowed_hosts, what=what,
-                        hint=f"[{section}] allowed_hosts in {config_path}")
+    guarded = AccessLog(HostGuard(app, bind, allowed_hosts, what=what,
+                                  hint=f"[{section}] allowed_hosts in {config_path}"), what=what)
+    started = _FirstBind(task_status)
     try:
         await serve(guarded, cfg,  # type: ignore[arg-type] # starlette and hypercorn type ASGI apart
-                    task_status=_FirstBind(task_status))
-    except OSError as exc:
-        raise ConfigError(f"cannot listen for the {what} on {bind} ({exc.strerror}): "
-                          f"set [{section}] listen in {config_path} to a free port") from None
+                    task_status=started)
+    except* OSError as group:  # hypercorn binds inside its nursery
+        if started.listening:
+            raise
+        exc: BaseException = group
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        host, _, port = bind.rpartition(":")
+        raise listen_error(f"[{section}] listen", host.strip("[]"), int(port),
+                           typing.cast(OSError, exc), config_path) from None
+
+
+def note_access(scope: MutableMapping[str, Any], **fields: int | str) -> None:
+    """Add ``fields`` (token counts, say) to the access event of the request of ``scope``.
+
+    Only counts and names belong here: the event is written to the log as it is.
+    """
+    notes = scope.get(ACCESS_NOTES)
+    if notes is not None:
+        notes.update(fields)
+
+
+class AccessLog:
+    """ASGI middleware that logs one "request" event per HTTP request once it is answered:
+    the surface, method, path, status, milliseconds, and what the app noted (note_access).
+
+    Never the query string, headers or body: they carry API keys, payment proofs and
+    prompts. A request whose answer never started (the client left) has status 499.
+    """
+
+    def __init__(self, app: ASGIApp, *, what: str) -> None:
+        self.app = app
+        self.what = what
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 0
+        notes: dict[str, Any] = {}
+        scope[ACCESS_NOTES] = notes
+
+        async def send_noting_status(message: MutableMapping[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        except Exception:
+            status = status or 500
+            raise
+        finally:
+            log.info("request", **{**notes, "api": self.what, "method": scope["method"],
+                                   "path": scope["path"][:MAX_LOGGED_PATH],
+                                   "status": status or 499,
+                                   "ms": round((time.perf_counter() - started) * 1000, 1)})
 
 
 def is_loopback(host: str) -> bool:
@@ -144,6 +213,8 @@ class _FirstBind:
 
     def __init__(self, status: trio.TaskStatus[str]) -> None:
         self._status = status
+        self.listening = False
 
     def started(self, binds: list[str] | None = None) -> None:
+        self.listening = True
         self._status.started((binds or [""])[0])

@@ -1,13 +1,20 @@
 """Logging: structlog everywhere, JSON lines off a terminal (journald), text on one.
 
 The stdlib loggers of our dependencies (libp2p prints raw warnings otherwise, STACK.md)
-are routed through the same renderer, so nothing reaches stderr unformatted.
+are routed through the same renderer, so nothing reaches stderr unformatted: libp2p turns
+off propagation from its loggers, so the renderer is also the handler of last resort, and
+Python's warnings are logged. With JSON logs and stdout off a terminal, what anything
+prints to stdout becomes a log event too (the journal then holds only JSON), and the
+banner one event with its fields.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
+import threading
+from typing import Any
 
 import structlog
 
@@ -16,12 +23,18 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 # Dependencies are chatty at INFO; keep them at WARNING unless we run at debug.
 _QUIET = ("libp2p", "multiaddr", "httpx", "httpcore", "hypercorn", "trio_websocket", "asyncio")
 
+_json = False
+"""Whether configure() chose JSON lines."""
+
 
 def configure(level: str = "info", json: bool | None = None) -> None:
+    global _json
     json = (not sys.stderr.isatty()) if json is None else json
+    _json = json
     numeric = _LEVELS[level]
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_logger_name,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
@@ -44,6 +57,50 @@ def configure(level: str = "info", json: bool | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
+    logging.lastResort = handler
+    logging.captureWarnings(True)
+    if json and not isinstance(sys.stdout, _PrintsToLog) and not sys.stdout.isatty():
+        sys.stdout = _PrintsToLog(logging.getLogger("stdout"))
+
+
+def banner(text: str, **fields: Any) -> None:
+    """Show the startup banner: as text on a terminal (or with text logs), else as one
+    "banner" event with ``fields`` (the journal of a service holds only JSON)."""
+    if _json and not sys.stdout.isatty():
+        get_logger("kvasird.daemon").info("banner", **fields)
+    else:
+        print(text, flush=True, file=sys.stdout)
+
+
+class _PrintsToLog(io.TextIOBase):
+    """stdout that logs what is printed: one INFO event per completed print (or flush)."""
+
+    encoding = "utf-8"
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            done = self._pending.endswith("\n")
+        if done:
+            self.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            text, self._pending = self._pending.rstrip("\n"), ""
+        if text:
+            self._logger.info(text)
 
 
 def _quiet_dependencies(record: logging.LogRecord) -> bool:

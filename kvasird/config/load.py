@@ -111,7 +111,10 @@ def _section(cls: type, values: dict[str, Any], source: str, section: str) -> An
     for key, f in fields.items():
         where = f"{source}: {section}.{key}"
         out[key] = _check(values.get(key, f.default), hints[key], dict(f.metadata), where)
-    return cls(**out)
+    try:
+        return cls(**out)
+    except ConfigError as exc:  # a check across keys, in the section's __post_init__
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def _check(value: Any, hint: Any, meta: dict[str, Any], where: str) -> Any:

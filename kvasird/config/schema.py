@@ -7,6 +7,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvasird.errors import ConfigError
+
+MAX_PORT = 65535
+
 
 def _range(lo: float, hi: float) -> dict[str, Any]:
     return {"range": (lo, hi)}
@@ -14,6 +18,14 @@ def _range(lo: float, hi: float) -> dict[str, Any]:
 
 def _choice(*values: str) -> dict[str, Any]:
     return {"choices": values}
+
+
+def _check_port(key: str, host_port: str) -> None:
+    """Refuse a host:port whose port is past MAX_PORT (its pattern lets five digits by)."""
+    port = host_port.rpartition(":")[2]
+    if port.isdigit() and int(port) > MAX_PORT:
+        raise ConfigError(f"{key} = {host_port!r} has port {port}, which is out of range: "
+                          f"allowed 0..{MAX_PORT} (0 = any free port)")
 
 
 _HOST_NAME = {"pattern": r"[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*"
@@ -170,6 +182,9 @@ class GatewayConfig:
     """Generations in flight at once; more get HTTP 429."""
     ping_s: float = field(default=10.0, metadata=_range(0.01, 300))
     """Seconds without output after which a streaming response sends a keep-alive ping."""
+
+    def __post_init__(self) -> None:
+        _check_port("gateway.listen", self.listen)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from kvasird.gateway import payment
 from kvasird.gateway.errors import ApiError, from_generation
 from kvasird.gateway.generation import Done, Piece, pieces
 from kvasird.gateway.stats import Slot
+from kvasird.http import note_access
 from kvasird.inference.api import TokenEvent
 from kvasird.logs import get_logger
 
@@ -77,6 +78,8 @@ class GenerationResponse:
         """The payment covering this request (None: free)."""
         self.produced = 0
         """Tokens handed to the client so far."""
+        self.prompt_tokens = 0
+        """Tokens in the prompt, once the generation has finished."""
         self.began = 0.0
         self.settled = False
         """The payment was split (or refunded) already."""
@@ -106,6 +109,7 @@ class GenerationResponse:
             if nursery.cancel_scope.cancelled_caught and not slot.finished:
                 log.info("client disconnected: generation cancelled",
                          request_id=self.job.request.request_id)
+        note_access(scope, prompt_tokens=self.prompt_tokens, completion_tokens=self.produced)
 
     async def _run(self, send: Send, slot: Slot) -> None:
         job = self.job
@@ -141,6 +145,7 @@ class GenerationResponse:
             slot.finish(err.status)
             return
         slot.finish(200, item.completion_tokens)
+        self.prompt_tokens = item.prompt_tokens
         await send_json(send, 200, self.renderer.body("".join(texts), tokens, item))
 
     async def _stream(self, first: Piece | Done, items: AsyncIterator[Piece | Done], send: Send,
@@ -160,6 +165,7 @@ class GenerationResponse:
                     self.produced += len(item.tokens)
                     item = await anext(items)
                 slot.finish(200, item.completion_tokens)
+                self.prompt_tokens = item.prompt_tokens
                 await out.write(r.stream_end(item))
             except KvasirError as exc:
                 err = await self._failed(from_generation(exc))

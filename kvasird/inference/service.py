@@ -88,8 +88,8 @@ class InferenceService:
         """Each peer's holdings as last read from its record (kept while the record is the
         same object: holders() runs for every remote MoE layer of every token)."""
         self.channels = Channels(p2p.host, lanes=c.lanes, connect=p2p.connect)
-        self.lanes = LaneServer(_lane_host(config.p2p.listen), c.lane_port, MAX_FRAME) \
-            if c.lanes else None
+        self.lanes = LaneServer(_lane_host(config.p2p.listen), c.lane_port, MAX_FRAME,
+                                p2p.config_path) if c.lanes else None
         self.fitness = Fitness(c.unfit_s)
         self.latency = Latency(p2p.peer_id, self._rtt)
         self.verdicts = Verdicts(p2p.gossip, p2p.peer_id, self.fitness, c.unfit_quorum,

@@ -2,7 +2,8 @@
 
 py-libp2p's defaults are wrong for us in three measured ways (STACK.md): they accept
 plaintext peers, every connect waits out a 250 ms happy-eyeballs delay, and an
-auto-dialer redials the whole peerstore every 10 s. All three are fixed here.
+auto-dialer redials the whole peerstore every 10 s. Its TCP listeners also share their
+port with any other process that asks (SO_REUSEPORT). All four are fixed here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import socket
 import struct
 
 import libp2p.network.swarm as _swarm
+import libp2p.transport.tcp.tcp as _tcp
 import multiaddr
+import trio
 from libp2p import new_host
 from libp2p.abc import IHost
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519
@@ -33,6 +36,21 @@ os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
 # The delay is waited out even after a successful dial; dials are sequential per peer
 # for us anyway (one connection per peer), so there is nothing to race.
 _swarm._HAPPY_EYEBALLS_DELAY = 0
+
+
+async def _open_exclusive_listeners(host: str | None, port: int) -> list[trio.SocketListener]:
+    """TCP listeners that own their port, in place of py-libp2p's SO_REUSEPORT ones.
+
+    py-libp2p sets SO_REUSEPORT so that hole punching can dial from the listen port; we
+    never hole-punch (its dial falls back to an ephemeral port), and with it a second
+    daemon on the same port listened too, the kernel splitting incoming handshakes
+    between the two. trio's listeners set only SO_REUSEADDR: a taken port fails to bind.
+    """
+    return await trio.open_tcp_listeners(port, host=host)
+
+
+# Looked up by name when a listener starts, so replacing it here covers every host.
+_tcp._open_reuseport_listeners = _open_exclusive_listeners
 
 
 def build_host(key: NodeKey, listen: list[str], announce: list[str], max_peers: int,

@@ -11,6 +11,7 @@ import trio
 
 from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.config import P2PConfig
+from kvasird.errors import ConfigError
 from kvasird.identity import NodeKey
 from kvasird.logs import get_logger
 from kvasird.p2p.dht import PeerRouting
@@ -24,6 +25,7 @@ from kvasird.p2p.peers import PeerTable
 from kvasird.p2p.psk import fingerprint, load_psk
 from kvasird.p2p.reachability import DialBack, Reachability
 from kvasird.p2p.relay import AddressPush, CircuitDialer, Relays
+from kvasird.ports import bind_exclusively, listen_error, multiaddr_tcp
 
 log = get_logger("kvasird.p2p")
 
@@ -34,6 +36,7 @@ class P2PNode:
         self.key = key
         self.config = config
         self.network = network
+        self.config_path = config_path
         self.listen = parse_listen(config.listen)
         self.psk = load_psk(config.psk_file)
         self.host = build_host(key, self.listen, list(config.announce), config.max_peers, self.psk)
@@ -112,6 +115,7 @@ class P2PNode:
         waiting out a liveness timeout.
         """
         async with self.host.run([multiaddr.Multiaddr(a) for a in self.listen]):
+            self._check_listening()
             # The swarm's auto-connector redials the whole peerstore toward a target
             # between its watermarks; whom we dial is the dialer's decision alone.
             await self.host.get_network().auto_connector.stop()
@@ -136,6 +140,26 @@ class P2PNode:
                 with trio.move_on_after(3) as scope:
                     scope.shield = True
                     await self.close_all()
+
+    def _check_listening(self) -> None:
+        """Raise a ConfigError naming [p2p] listen when an address is not listened on.
+
+        py-libp2p logs a failed listen at debug level and runs on without it, so a taken
+        port would leave the node unreachable at the address it announces.
+        """
+        listening = self.host.get_network().listeners
+        for addr in self.listen:
+            if str(multiaddr.Multiaddr(addr)) in listening:
+                continue
+            host, port = multiaddr_tcp(addr)
+            if port:
+                try:
+                    bind_exclusively(host, port).close()
+                except OSError as exc:
+                    raise listen_error("[p2p] listen", host, port, exc,
+                                       self.config_path) from None
+            raise ConfigError(f"cannot listen on {addr}: set [p2p] listen in "
+                              f"{self.config_path} to an address of this machine")
 
     async def close_all(self) -> None:
         network = self.host.get_network()

@@ -32,12 +32,30 @@ def test_missing_keys_take_the_defaults() -> None:
     ('[p2p]\nbootstrap = ["/ip4/127.0.0.1/tcp/4001"]\n', "lacks /p2p/<peer id>"),
     ('[p2p]\nlisten = ["tcp://127.0.0.1:4001"]\n', "is not a multiaddr"),
     ("[p2p\n", "is not valid TOML"),
+    ('[p2p]\nlisten = ["/ip4/0.0.0.0/tcp/99999"]\n', "p2p.listen: '/ip4/0.0.0.0/tcp/99999' is not"),
+    ('[p2p]\nannounce = ["/ip4/1.2.3.4/tcp/65536"]\n', "p2p.announce: '/ip4/1.2.3.4/tcp/65536'"),
+    ('[admin]\nlisten = "127.0.0.1:99999"\n', "admin.listen = '127.0.0.1:99999' must be"),
+    ('[gateway]\nlisten = "127.0.0.1"\n', "gateway.listen = '127.0.0.1' must match"),
+    ('[gateway]\nlisten = "127.0.0.1:123456"\n', "gateway.listen = '127.0.0.1:123456'"),
+    ("[inference]\nlane_port = 70000\n", "inference.lane_port = 70000 is out of range"),
+    ("[inference]\nlane_port = -1\n", "inference.lane_port = -1 is out of range"),
 ])
 def test_bad_values_name_file_key_and_what_is_allowed(text: str, fragment: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_text(text, source="/etc/x/kvasird.toml")
     assert "/etc/x/kvasird.toml" in str(err.value)
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "[::1]:65536", "localhost:70000"])
+def test_gateway_port_past_65535_is_refused_naming_the_key(listen: str) -> None:
+    with pytest.raises(ConfigError, match=r"gateway\.listen = .* out of range: allowed 0\.\.65535"):
+        load_text(f'[gateway]\nlisten = "{listen}"\n')
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.1:65535", "[::1]:8080", "localhost:1"])
+def test_gateway_ports_in_range_are_accepted(listen: str) -> None:
+    assert load_text(f'[gateway]\nlisten = "{listen}"\n').gateway.listen == listen
 
 
 def test_missing_file_says_to_run_init(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from kvasird.errors import WireError
 from kvasird.logs import get_logger
+from kvasird.ports import listen_error
 
 TICKET_S = 30.0
 """An offered ticket must be used within this time."""
@@ -209,8 +210,10 @@ class SealedStream:
 class LaneServer:
     """Listens for lanes and hands each one to the protocol its ticket was offered for."""
 
-    def __init__(self, host: str, port: int, max_record: int) -> None:
+    def __init__(self, host: str, port: int, max_record: int,
+                 config_path: str = "kvasird.toml") -> None:
         self.host, self.port, self.max_record = host, port, max_record
+        self.config_path = config_path
         self._serve: dict[str, Serve] = {}
         self._tickets: dict[bytes, tuple[str, str, bytes, float]] = {}
         self.lanes = 0
@@ -222,7 +225,11 @@ class LaneServer:
         self._serve[protocol] = serve
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        try:
+            listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        except OSError as exc:
+            raise listen_error("[inference] lane_port", self.host, self.port, exc,
+                               self.config_path) from None
         self.port = listeners[0].socket.getsockname()[1]
         log.info("lanes listening", host=self.host, port=self.port)
         await trio.serve_listeners(self._accept, listeners, task_status=task_status)
