@@ -2,8 +2,9 @@
 
 The daemon routes and generates (POST /v0/generate on its admin API, token ids in, an
 NDJSON token stream out); this command tokenizes with the model's own tokenizer (from
-the GGUF at ``--model PATH`` or the daemon's ``[market] model``) and prints text as it
-arrives. ``--tokens 1,2,3`` sends ids as they are and prints ids.
+the GGUF at ``--model PATH`` or the daemon's ``[market] model``; for a model named by id
+or label, from its manifest in this home's shard store) and prints text as it arrives.
+``--tokens 1,2,3`` sends ids as they are and prints ids.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvasird.inference.chat import ChatTemplate, Message
 from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.manifest import Manifest
 from kvasird.model.ref import ModelRef
+from kvasird.model.store import ShardStore, StoreError
 
 
 class GenerateError(GenerationError):
@@ -46,9 +48,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if not (args.tokens or args.prompt.strip()):
+        raise GenerateError("the prompt is empty: give the text to continue, e.g. "
+                            "`kvasird generate \"Once upon a time\"`, or --tokens 1,2,3")
     home = home_of(args)
-    path, model = _model(home, args.model)
-    tokenizer = Tokenizer.from_gguf(path) if path and not args.tokens else None
+    tokenizer, model = _model(home, args.model, tokenize=not args.tokens)
     prompt = _prompt(args, tokenizer)
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": args.seed}
@@ -66,16 +70,36 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model(home: Home, name: str) -> tuple[Path | None, str]:
-    """(GGUF path to tokenize with, model name the daemon resolves)."""
-    if name and Path(name).expanduser().is_file():
-        path = Path(name).expanduser()
-        return path, Manifest.from_gguf(path).model_id
+def _model(home: Home, name: str, tokenize: bool) -> tuple[Tokenizer | None, str]:
+    """(the model's tokenizer, None unless ``tokenize``; the model name the daemon resolves)."""
+    path = Path(name).expanduser()
+    if name and path.is_file():
+        return (Tokenizer.from_gguf(path) if tokenize else None), Manifest.from_gguf(path).model_id
+    if not tokenize:
+        return None, name
+    if name:
+        return _stored_tokenizer(home, name), name
     served = load(home.config).market.model
     if not served:
         return None, name
     ref = ModelRef.parse(served, where="market.model")
-    return (None if ref.kind == "id" else ref.gguf()), name
+    return (_stored_tokenizer(home, ref.value) if ref.kind == "id"
+            else Tokenizer.from_gguf(ref.gguf())), name
+
+
+def _stored_tokenizer(home: Home, name: str) -> Tokenizer:
+    """The tokenizer of a model named by id, id prefix or label, from its manifest in the
+    shard store: every node that holds any part of the model (or learnt of it from the
+    peers serving it) has the manifest, and the manifest has the GGUF's metadata."""
+    with ShardStore.open(home) as store:
+        try:
+            model_id = store.resolve(name)
+            manifest = store.manifest(model_id)
+        except StoreError as exc:
+            raise GenerateError(f"cannot tokenize for {name!r}: {exc} (a node has a model's "
+                                "manifest once it finds a peer serving it; or pass --model "
+                                "FILE.gguf, or --tokens 1,2,3)") from None
+    return Tokenizer.from_metadata(manifest.metadata, f"model {model_id[:16]}")
 
 
 def _prompt(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[int]:

@@ -49,5 +49,5 @@ def init_home(home: Home, values: dict[str, Any]) -> str:
     key = create_node_key(home.node_key)
     if not home.config.exists():
         home.config.write_text(text)
-    connect(home.db).close()
+    connect(home.db, create=True).close()  # a home being made may start from an empty file
     return key.peer_id.to_string()

@@ -1,7 +1,10 @@
 """``kvasird service install``: run this checkout as a hardened systemd service.
 
 Creates the system user, writes the unit (pointing at this installation's ``kvasird``),
-reloads systemd and enables the service. ``--dry-run`` prints what it would do.
+reloads systemd and enables the service. ``--dry-run`` prints what it would do. It refuses
+an installation the service could not reach, which would never start: one that the unit's
+ProtectHome hides (a venv whose python links into a home directory, as pyenv's do), or
+one behind a directory its user may not enter.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +21,10 @@ from kvasird.errors import KvasirError
 
 UNIT_TEMPLATE = Path(__file__).resolve().parents[2] / "systemd" / "kvasird.service"
 TEMPLATE_BIN = "/opt/kvasird/.venv/bin/kvasird"
+HOMES = ("/home", "/root", "/run/user")
+"""What ProtectHome=yes (or tmpfs) hides from the service; read-only and no hide nothing."""
+INSTALL_ELSEWHERE = ("install kvasird under /opt with a python outside any home directory "
+                     "(e.g. /usr/bin/python3 -m venv /opt/kvasird/.venv)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,29 +35,85 @@ def register(sub: argparse._SubParsersAction) -> None:
     inst.add_argument("--unit-dir", type=Path, default=Path("/etc/systemd/system"))
     inst.add_argument("--dry-run", action="store_true", help="print the steps and the unit only")
     inst.add_argument("--no-start", action="store_true", help="install and enable, but do not start")
+    inst.add_argument("--protect-home", choices=("yes", "read-only"), default="yes",
+                      help="ProtectHome= of the unit: read-only lets the service run a kvasird "
+                           "installed in a home directory (default yes: homes are hidden)")
     inst.set_defaults(func=_install)
 
 
-def render_unit(user: str, binary: str) -> str:
-    """The repository's unit with this installation's binary and the chosen user."""
+def render_unit(user: str, binary: str, protect_home: str = "yes") -> str:
+    """The repository's unit with this installation's binary, the chosen user and ProtectHome."""
     text = UNIT_TEMPLATE.read_text().replace(TEMPLATE_BIN, binary)
+    text = text.replace("ProtectHome=yes", f"ProtectHome={protect_home}")
     return text.replace("User=kvasird", f"User={user}").replace("Group=kvasird", f"Group={user}")
 
 
+def installation() -> dict[str, Path]:
+    """What the service runs of this installation: each must be visible in its sandbox."""
+    import kvasird
+
+    return {"kvasird": Path(sys.prefix) / "bin" / "kvasird", "its python": Path(sys.executable),
+            "the python's standard library": Path(sys.base_prefix),
+            "the kvasird package": Path(kvasird.__file__).parent}
+
+
+def unreachable_by_service(unit: str, paths: dict[str, Path]) -> str | None:
+    """Why the service could not use one of ``paths`` (symlinks followed), or None: the
+    unit's ProtectHome= hides it, or a directory on the way is closed to the unit's user."""
+    protect = _setting(unit, "ProtectHome", "no")
+    hidden = HOMES if protect in ("yes", "tmpfs") else ()
+    user = _setting(unit, "User", "root")
+    for what, path in paths.items():
+        real = os.path.realpath(path)
+        shown = str(path) if real == str(path) else f"{path} -> {real}"
+        closed = _closed_directory(real) if user != "root" else None
+        top = next((h for h in hidden if real == h or real.startswith(h + "/")), None)
+        if top is not None:
+            also = "" if closed else ", or rerun with --protect-home read-only"
+            return (f"the service could not start: {what} ({shown}) is in {top}, which "
+                    f"ProtectHome={protect} hides from it; {INSTALL_ELSEWHERE}{also}")
+        if closed is not None:
+            return (f"the service could not start: {what} ({shown}) is in {closed}, which "
+                    f"user {user} may not enter; {INSTALL_ELSEWHERE}")
+    return None
+
+
+def _setting(unit: str, key: str, default: str) -> str:
+    return next((line.split("=", 1)[1].strip() for line in reversed(unit.splitlines())
+                 if line.startswith(f"{key}=")), default)
+
+
+def _closed_directory(real: str) -> str | None:
+    """The first directory above ``real`` that users other than its owner cannot enter."""
+    for parent in reversed(Path(real).parents):
+        try:
+            if not parent.stat().st_mode & stat.S_IXOTH:
+                return str(parent)
+        except OSError:
+            return None
+    return None
+
+
 def _install(args: argparse.Namespace) -> int:
-    binary = str(Path(sys.prefix) / "bin" / "kvasird")
-    unit = render_unit(args.user, binary)
+    runs = installation()
+    unit = render_unit(args.user, str(runs["kvasird"]), args.protect_home)
+    hidden = unreachable_by_service(unit, runs)
     target = args.unit_dir / "kvasird.service"
     steps = [
         ["useradd", "--system", "--home-dir", "/var/lib/kvasird", "--shell", "/usr/sbin/nologin",
          args.user],
         ["systemctl", "daemon-reload"],
-        ["systemctl", "enable", "kvasird"] + ([] if args.no_start else ["--now"]),
+        # --no-block: READY=1 waits until the gateway can serve, which a first download
+        # may make long; `systemctl status kvasird` shows what it waits for meanwhile.
+        ["systemctl", "enable", "kvasird"] + ([] if args.no_start else ["--now", "--no-block"]),
     ]
     if args.dry_run:
         print(f"# would write {target}:\n{unit}")
         for step in steps:
             print("# would run: " + " ".join(step))
+    if hidden is not None:
+        raise KvasirError(hidden)
+    if args.dry_run:
         return 0
     if os.geteuid() != 0:
         raise KvasirError("installing a service needs root: run it with sudo, or use --dry-run")
@@ -60,5 +124,6 @@ def _install(args: argparse.Namespace) -> int:
     target.write_text(unit)
     for step in steps[1:]:
         subprocess.run(step, check=True)
-    print(f"installed {target}; follow it with: journalctl -u kvasird -f")
+    print(f"installed {target}; follow it with: journalctl -u kvasird -f "
+          "(systemctl status kvasird says what it waits for)")
     return 0

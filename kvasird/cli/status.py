@@ -7,7 +7,6 @@ import json
 
 from kvasird.admin import client
 from kvasird.cli import home_of
-from kvasird.settlement.token import format_kvr
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +26,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"uptime       {status['uptime_s']:.0f} s")
     print(f"peers        {status['peers']}")
     if (earned := status.get("earnings")) is not None:
+        from kvasird.settlement.token import format_kvr  # deferred: loads solders and spl
+
         print(f"earnings     {format_kvr(earned['earned'])} KVR from {earned['gateways']} "
               f"gateway(s), {format_kvr(earned['received'])} received, "
               f"{format_kvr(earned['pending'])} pending (`kvasird wallet claim`)")

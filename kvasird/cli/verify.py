@@ -42,7 +42,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _configured_threads(args: argparse.Namespace) -> int:
     from kvasird.cli import home_of
 
-    path = home_of(args).config
+    path = home_of(args, required=False).config
     if not path.exists():
         return 0  # verify needs no initialised home: fall back to one thread per core
     return load_config(path).compute.threads

@@ -11,15 +11,20 @@ from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
 from kvasird.cli import home_of
+from kvasird.config.schema import SettlementSection
+from kvasird.db import connect
 from kvasird.errors import ConfigError, HomeError
 from kvasird.home import Home
 from kvasird.settlement.chain import ChainClient
+from kvasird.settlement.errors import WalletError
 from kvasird.settlement.ledger import Ledger
 from kvasird.settlement.receipts import ReceiptBook
 from kvasird.settlement.token import KVR_DECIMALS, format_kvr
 from kvasird.settlement.wallet import Wallet, parse_address, read_keypair, sign_link, write_keypair
 
 _LAMPORTS_PER_SOL = 10**9
+LOCAL_RPC = "http://127.0.0.1:8899"
+"""Where `kvasird localchain` listens by default."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,11 +32,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "wallet", help="operator wallet: address, SOL/KVR balances, pending earnings"
     )
     p.add_argument(
-        "--keypair", type=Path, default=None, help="keypair file (default: <home>/wallet.json)"
+        "--keypair", type=Path, default=None,
+        help="keypair file (default: [settlement] wallet, else <home>/wallet.json)",
     )
     p.add_argument("--address", default="", help="show this address instead of a keypair file's")
-    p.add_argument("--rpc", default="http://127.0.0.1:8899", help="Solana JSON-RPC URL")
-    p.add_argument("--mint", default="", help="KVR mint (default: ask the local chain)")
+    p.add_argument("--rpc", default="",
+                   help=f"Solana JSON-RPC URL (default: [settlement] rpc_url, else {LOCAL_RPC})")
+    p.add_argument("--mint", default="",
+                   help="KVR mint (default: [settlement] kvr_mint, else ask the local chain)")
     p.set_defaults(func=_show)
     cmds = p.add_subparsers(dest="wallet_command", metavar="ACTION")
     new = cmds.add_parser("new", help="create a keypair file (Solana JSON format, mode 0600)")
@@ -49,8 +57,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     faucet.set_defaults(func=_faucet)
 
 
+def _home(args: argparse.Namespace) -> Home:
+    """The home; needed only when neither --address nor --keypair says which wallet."""
+    return home_of(args, required=not (args.address or args.keypair))
+
+
+def _settlement(home: Home) -> SettlementSection | None:
+    """The home's [settlement] section (None where the home has no kvasird.toml yet)."""
+    from kvasird.config.load import load
+
+    if not home.config.exists():
+        return None
+    return load(home.config).settlement
+
+
 def _keypair_path(args: argparse.Namespace) -> Path:
-    return (args.keypair or home_of(args).root / "wallet.json").expanduser()
+    if args.keypair:
+        return args.keypair.expanduser()
+    home = _home(args)
+    configured = _settlement(home)
+    name = configured.wallet if configured and configured.wallet else "wallet.json"
+    return home.root / Path(name).expanduser()
+
+
+def _rpc(args: argparse.Namespace) -> tuple[str, str]:
+    """(RPC URL, KVR mint) from the flags, else [settlement], else the local chain's."""
+    configured = _settlement(_home(args))
+    rpc = args.rpc or (configured.rpc_url if configured else "") or LOCAL_RPC
+    return rpc, args.mint or (configured.kvr_mint if configured else "")
 
 
 def _wallet(args: argparse.Namespace) -> Wallet:
@@ -61,11 +95,11 @@ def _wallet(args: argparse.Namespace) -> Wallet:
 
 def _show(args: argparse.Namespace) -> int:
     wallet = _wallet(args)
-    sol, kvr = trio.run(_balances, args.rpc, args.mint, wallet.address)
+    sol, kvr = trio.run(_balances, *_rpc(args), wallet.address)
     print(f"address           {wallet.address}")
     print(f"SOL               {sol / _LAMPORTS_PER_SOL:.9f}")
     print(f"KVR               {format_kvr(kvr)}")
-    gateways = _receipts(home_of(args))
+    gateways = _receipts(_home(args))
     pending = sum(unpaid for _, _, unpaid in gateways)
     print(f"pending earnings  {format_kvr(pending)} KVR (receipts not yet paid)")
     for gateway, peer_id, unpaid in gateways:
@@ -90,6 +124,7 @@ def _receipts(home: Home) -> list[tuple[Pubkey, str, int]]:
     """(gateway wallet, its peer id, unpaid) of every gateway this node holds receipts of."""
     if not home.db.exists():
         return []
+    connect(home.db).close()  # a damaged or empty state.db is one line, and never replaced
     ledger = Ledger(home.db)
     try:
         return ReceiptBook(ledger, "", "").gateways()
@@ -118,6 +153,9 @@ def _claim(args: argparse.Namespace) -> int:
 
 def _new(args: argparse.Namespace) -> int:
     path = _keypair_path(args)
+    if not path.parent.is_dir():
+        raise WalletError(f"cannot write {path}: {path.parent} does not exist "
+                          "(create it, or pass --keypair FILE in an existing directory)")
     keypair = Keypair()
     write_keypair(path, keypair)
     print(f"address  {keypair.pubkey()}")
@@ -154,7 +192,7 @@ def _faucet(args: argparse.Namespace) -> int:
     wallet = _wallet(args)
     trio.run(
         _fund,
-        args.rpc,
+        _rpc(args)[0],
         wallet.address,
         int(args.kvr * 10**KVR_DECIMALS),
         int(args.sol * _LAMPORTS_PER_SOL),
@@ -166,6 +204,3 @@ def _faucet(args: argparse.Namespace) -> int:
 async def _fund(rpc: str, address: Pubkey, kvr: int, lamports: int) -> None:
     async with ChainClient(rpc) as chain:
         await chain.faucet(address, kvr=kvr, lamports=lamports)
-
-
-

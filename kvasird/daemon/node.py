@@ -27,6 +27,7 @@ from kvasird.market.service import MarketService, metadata_only
 from kvasird.model.distribution import ShardService
 from kvasird.model.store import ShardStore
 from kvasird.p2p import P2PNode
+from kvasird.ports import check_ports
 from kvasird.settlement.admission import Admission
 from kvasird.settlement.config import SettlementConfig
 from kvasird.settlement.exchange import SETTLE_PROTOCOL, Exchange
@@ -36,6 +37,9 @@ from kvasird.settlement.service import Settlement, run_settlement
 log = get_logger("kvasird.daemon")
 
 NO_PEERS_DIAGNOSIS_S = 60.0
+READY_POLL_S = 1.0
+START_EXTEND_S = 30.0
+"""How long systemd waits, past TimeoutStartSec, for the next STATUS= while not ready."""
 DRAIN_TIMEOUT_S = 8.0
 
 
@@ -83,6 +87,7 @@ class Node:
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Run every service; report the admin URL once all listen. Cancel to drain."""
         try:
+            check_ports(self.config, str(self.home.config))  # one line for a taken port
             async with self.p2p.running(), trio.open_nursery() as nursery:
                 await nursery.start(self.shards.run)
                 if self.config.settlement.enabled:
@@ -106,12 +111,34 @@ class Node:
                     nursery.start_soon(systemd.keep_watchdog_fed, interval)
                 print_banner(self.status(), admin_url, str(self.home.config))
                 log.info("ready", peer_id=self.p2p.peer_id, admin=admin_url)
-                systemd.notify("READY=1")
+                nursery.start_soon(self._tell_systemd_when_serving)
                 task_status.started(admin_url)
                 await trio.sleep_forever()
         finally:
             self.home.clear_admin_address()
             self.db.close()
+
+    async def _tell_systemd_when_serving(self) -> None:
+        """Type=notify: READY=1 once the gateway can serve its model (at once on a node with
+        no gateway or no model to serve). Until then a STATUS= line says what it waits for,
+        with EXTEND_TIMEOUT_USEC= so that systemd's start timeout fires only when this loop
+        stops (a first download or a route through the swarm may take long)."""
+        while True:
+            ready, status = self._readiness()
+            if ready:
+                systemd.notify(f"READY=1\nSTATUS={status}")
+                return
+            systemd.notify(f"STATUS={status}\nEXTEND_TIMEOUT_USEC={int(START_EXTEND_S * 1e6)}")
+            await trio.sleep(READY_POLL_S)
+
+    def _readiness(self) -> tuple[bool, str]:
+        """Whether this node does what it is for now, and what it does or waits for."""
+        if not self.config.gateway.enabled or not self.config.market.model:
+            return True, f"running without a gateway model, peer id {self.p2p.peer_id}"
+        health = self.gateway.health()
+        if health.status == "ok":
+            return True, f"gateway {self.gateway.url}: {health.reason}"
+        return False, f"waiting ({health.status}): {health.reason}"
 
     async def _exchange_receipts(self, s: Settlement, *,
                                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

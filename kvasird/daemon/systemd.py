@@ -33,6 +33,10 @@ def watchdog_interval_s() -> float | None:
 
 
 async def keep_watchdog_fed(interval_s: float) -> None:
+    """WATCHDOG=1 every ``interval_s``, from a task of the node's nursery: the pings stop
+    when the trio loop stalls (a blocking call, a livelock), and systemd restarts the daemon
+    after WatchdogSec=. systemd arms the watchdog at READY=1; until then the node's
+    EXTEND_TIMEOUT_USEC= lines, sent from the loop as well, play its part."""
     while True:
         notify("WATCHDOG=1")
         await trio.sleep(interval_s)

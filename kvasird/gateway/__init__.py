@@ -9,7 +9,10 @@
     stops       text-level stop sequences with held-back partial matches
     response    the ASGI response that runs a generation: SSE or JSON, pings, disconnects
     stats       admission (concurrency limit) and what was served: requests, tokens, speeds
-    status      /health, /status and the HTML page with the coverage picture
+    status      /health (ok | starting | no_model | no_route, with the reason) and /status
+                (the JSON snapshot the page polls)
+    dashboard   the node's HTML page: topology and route, peers, live tokens/s and latency,
+                earnings and claims, the price band, shard downloads, a web chat
     errors      ApiError and its statuses (400, 402, 403, 404, 413, 415, 429, 503)
 
 Data flow of one request:

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from kvasird.gateway import anthropic, openai, payment, status
+from kvasird.gateway import anthropic, dashboard, openai, payment, status
 from kvasird.gateway.body import read_json
 from kvasird.gateway.errors import ApiError, BadRequest, NotFound
 from kvasird.gateway.service import Gateway
@@ -42,7 +42,8 @@ def build_app(gw: Gateway) -> Starlette:
         return JSONResponse(payment.quote(gw, max_tokens, client))
 
     async def status_page(_: Request) -> HTMLResponse:
-        return HTMLResponse(status.page(status.snapshot(gw)))
+        return HTMLResponse(dashboard.page(status.snapshot(gw)),
+                            headers={"Cache-Control": "no-store"})
 
     return Starlette(routes=[
         Route("/v1/chat/completions", bind(openai.chat_completions), methods=["POST"]),

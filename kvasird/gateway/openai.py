@@ -21,9 +21,10 @@ from kvasird.gateway.errors import ApiError, BadRequest
 from kvasird.gateway.generation import Done, Piece
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
-from kvasird.inference.api import Sampling, TokenEvent
+from kvasird.inference.api import ModelInfo, Sampling, TokenEvent
 from kvasird.inference.chat import Message
 from kvasird.inference.tokenizer import Tokenizer
+from kvasird.model.names import slug
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16
@@ -71,9 +72,18 @@ async def completions(gw: Gateway, request: Request) -> GenerationResponse:
 
 
 async def models(gw: Gateway, _: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [
-        {"id": m.model_id, "object": "model", "created": 0, "owned_by": "kvasir",
-         "label": m.label, "context_length": m.context_length} for m in gw.models()]})
+    return JSONResponse({"object": "list", "data": [model_object(m) for m in gw.models()]})
+
+
+def model_object(m: ModelInfo) -> dict[str, Any]:
+    """OpenAI's model object. ``id`` stays the model id: it is unique (two quantizations of
+    one model share a name), the same on every node, and what clients send back. ``name``
+    is the field chat UIs show in its place (Open WebUI does); ``slug`` is that name as a
+    request may give it. A request may name the model by either, by the id or by an 8+
+    hex digit prefix of it."""
+    return {"id": m.model_id, "object": "model", "created": 0, "owned_by": "kvasir",
+            "name": m.label, "slug": slug(m.label), "label": m.label,
+            "context_length": m.context_length}
 
 
 def messages(f: Fields) -> list[Message]:

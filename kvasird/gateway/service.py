@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import trio
 
@@ -23,13 +23,15 @@ from kvasird.errors import KvasirError
 from kvasird.gateway.errors import BadRequest, NotFound, Unavailable
 from kvasird.gateway.stats import GatewayStats
 from kvasird.http import serve_asgi
-from kvasird.inference.api import GenerationRequest, Generator, ModelInfo, Sampling
+from kvasird.inference.api import GenerationRequest, Generator, ModelInfo, NoRoute, Sampling
 from kvasird.inference.chat import ChatTemplate, ChatTemplateError, Message
 from kvasird.inference.tokenizer import Tokenizer
 from kvasird.logs import get_logger
 
 if TYPE_CHECKING:
     from kvasird.daemon.node import Node
+    from kvasird.inference.client.routing import Route
+    from kvasird.inference.client.swarm import Progress
 
 log = get_logger("kvasird.gateway")
 
@@ -54,6 +56,34 @@ class Job:
     """OpenAI's stream_options.include_usage: a last chunk with usage and no choices."""
     top_logprobs: int = -1
     """Alternatives reported per token; -1 = no logprobs at all."""
+
+
+HealthStatus = Literal["ok", "starting", "no_model", "no_route"]
+
+
+@dataclass(frozen=True)
+class Health:
+    """Whether this gateway can serve its model now, and why not. Never carries a secret
+    (a path, a key, an address): /health shows it to anyone who asks."""
+
+    status: HealthStatus
+    """ok: a request would be served now; starting: the model or its tokenizer is still
+    loading; no_model: this gateway has no model to serve; no_route: the online peers do
+    not cover the model."""
+    reason: str
+    """In words, for a person."""
+
+
+@runtime_checkable
+class Routing(Protocol):
+    """A generator that plans a route through the swarm (SwarmGenerator)."""
+
+    active: dict[str, Progress]
+    """Generations in flight, by request id."""
+
+    def plan(self) -> Route: ...
+
+    def missing(self) -> str: ...
 
 
 ModelSource = Callable[[], "Path | None"]
@@ -83,6 +113,8 @@ class Gateway:
         self._load = load
         self._tokenizers: dict[str, tuple[Tokenizer, ChatTemplate]] = {}
         self._loaded = model is None
+        self._loading = "waiting for the model's GGUF (a model id's head comes from peers)"
+        """What the gateway waits for while it starts, in words."""
         self._config_path = config_path
 
     @classmethod
@@ -110,8 +142,34 @@ class Gateway:
 
     @property
     def ready(self) -> bool:
-        """Tokenizer read and a generator that serves at least one model."""
-        return self._loaded and bool(self.models())
+        """A request for the model would be served now (health is ok)."""
+        return self.health().status == "ok"
+
+    def health(self) -> Health:
+        if self.generator is None and self._model is None:
+            return Health("no_model", "this node serves no model: set [market] model in its "
+                                      "kvasird.toml")
+        if not self._loaded:
+            return Health("starting", self._loading)
+        models = self.models()
+        if not models:
+            return Health("no_model", "the model could not be loaded for generation here "
+                                      "(see the node's log)" if self._load is not None else
+                                      "the generator serves no model yet")
+        route, missing = self.route_now()
+        if route is None and missing:
+            return Health("no_route", f"the online peers do not cover the model: {missing}")
+        return Health("ok", f"serving {models[0].label}")
+
+    def route_now(self) -> tuple[Route | None, str]:
+        """The route a request would take now and, when there is none, what is missing.
+        (None, "") for a generator that needs no route (the whole model loaded here)."""
+        if not isinstance(self.generator, Routing):
+            return None, ""
+        try:
+            return self.generator.plan(), ""
+        except NoRoute:
+            return None, self.generator.missing()
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen, report the URL, then read the tokenizer and load the generator off-loop."""
@@ -132,10 +190,11 @@ class Gateway:
                     path, model_id, tok = await self._wait_for_model(self._model)
                     self._tokenizers[model_id] = (tok, ChatTemplate.of(tok))
                     if self._load is not None:
+                        self._loading = "loading the model for local generation"
                         owned = self.generator = await self._load_generator(path, model_id)
                     self._loaded = True
-                log.info("gateway ready" if self.ready else "gateway listening without a model",
-                         url=self.url)
+                health = self.health()
+                log.info(f"gateway {health.status}", url=self.url, reason=health.reason)
         finally:
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
@@ -149,6 +208,7 @@ class Gateway:
             try:
                 path = await trio.to_thread.run_sync(source)
                 if path is not None:
+                    self._loading = "reading the model's tokenizer"
                     model_id, tok = await trio.to_thread.run_sync(_read_model, path)
                     return path, model_id, tok
             except (KvasirError, OSError, ValueError) as exc:
@@ -172,14 +232,13 @@ class Gateway:
         return self.generator.models() if self.generator is not None else []
 
     def resolve(self, name: str) -> tuple[ModelInfo, Tokenizer, ChatTemplate]:
-        """The model a request names (id, 8+ hex digit id prefix, or label) and its tokenizer."""
+        """The model a request names (ModelInfo.answers_to) and its tokenizer."""
         if self.generator is None:
             raise Unavailable("this gateway has no generator yet: it is still loading, or the "
                               "node serves no model ([gateway] local / [market] model)",
                               code="not_ready")
         for info in self.generator.models():
-            if name in (info.model_id, info.label) or (
-                    len(name) >= 8 and info.model_id.startswith(name.lower())):
+            if info.answers_to(name):
                 if info.model_id not in self._tokenizers:
                     raise Unavailable(f"the tokenizer of {info.label} is not loaded yet",
                                       code="not_ready")
@@ -255,6 +314,6 @@ def _read_model(path: Path) -> tuple[str, Tokenizer]:
 
 def _label(path: Path) -> str:
     from kvasird.compute.ggufview import GGUFFile
+    from kvasird.model.names import human_name
 
-    name = GGUFFile(path).get("general.name")
-    return str(name) if name else path.stem
+    return human_name(GGUFFile(path).metadata, path.name)

@@ -2,7 +2,7 @@
 
 Every generation holds a Slot from admission to its last byte; the number of slots is
 the concurrency limit (HTTP 429 past it), and a finished slot adds its numbers to the
-recent window the status page reports.
+recent window the status page reports, and to the per-interval series its charts draw.
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ from kvasird.gateway.errors import TooManyRequests
 
 RECENT = 64
 """Requests the rates are computed over."""
+SERIES_S = 5.0
+"""Width of one interval of the charts' series."""
+SERIES_LEN = 60
+"""Intervals kept (five minutes)."""
+ROUTES = 8
+"""Routes remembered for the status page."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,8 @@ class Served:
     """Tokens generated."""
     decode_s: float
     """Seconds from the first token to the last."""
+    at: float = 0.0
+    """When it finished (time.monotonic)."""
 
 
 class GatewayStats:
@@ -37,6 +45,10 @@ class GatewayStats:
         self.by_status: Counter[int] = Counter()
         self.tokens = 0
         self.recent: deque[Served] = deque(maxlen=RECENT)
+        self.history: deque[Served] = deque(maxlen=4096)
+        """What finished in the last SERIES_LEN intervals (older entries are dropped)."""
+        self.routes: dict[tuple[str, ...], float] = {}
+        """Route (its peers in order) -> when a generation was last seen on it."""
 
     def admit(self, limit: int) -> Slot:
         if self.in_flight >= limit:
@@ -57,6 +69,45 @@ class GatewayStats:
             "ttft_ms_median": round(median(s.ttft_s for s in recent) * 1000, 1) if recent else None,
             "decode_tokens_per_s": round(decoded / decode_s, 1) if decode_s > 0 else None,
         }
+
+    def series(self, now: float | None = None) -> list[dict[str, Any]]:
+        """Per interval of SERIES_S seconds, oldest first: tokens per second generated and
+        the median time to first token (None when nothing finished in it)."""
+        now = time.monotonic() if now is None else now
+        start = now - SERIES_LEN * SERIES_S
+        tokens = [0.0] * SERIES_LEN
+        firsts: list[list[float]] = [[] for _ in range(SERIES_LEN)]
+        for s in self.history:
+            # a generation's tokens are spread over the time it decoded them
+            t0 = s.at - s.decode_s
+            last = min(_bucket(s.at, start), SERIES_LEN - 1)
+            for i in range(max(_bucket(t0, start), 0), last + 1):
+                lo, hi = start + i * SERIES_S, start + (i + 1) * SERIES_S
+                share = (min(hi, s.at) - max(lo, t0)) / s.decode_s if s.decode_s > 0 else 1.0
+                tokens[i] += s.tokens * share
+            if 0 <= (i := _bucket(t0, start)) < SERIES_LEN:
+                firsts[i].append(s.ttft_s)
+        return [{"tokens_per_s": round(n / SERIES_S, 2),
+                 "ttft_ms": round(median(f) * 1000) if f else None}
+                for n, f in zip(tokens, firsts, strict=True)]
+
+    def saw_routes(self, routes: list[tuple[str, ...]], now: float | None = None) -> None:
+        """Generations were running on ``routes`` just now; only the newest ROUTES are kept."""
+        now = time.monotonic() if now is None else now
+        for route in routes:
+            if route:
+                self.routes[route] = now
+        for old in sorted(self.routes, key=self.routes.__getitem__)[:-ROUTES]:
+            del self.routes[old]
+
+    def recent_routes(self, now: float | None = None) -> list[dict[str, Any]]:
+        now = time.monotonic() if now is None else now
+        return [{"peers": list(r), "seen_s_ago": round(now - t, 1)}
+                for r, t in sorted(self.routes.items(), key=lambda rt: -rt[1])]
+
+
+def _bucket(t: float, start: float) -> int:
+    return int((t - start) // SERIES_S)
 
 
 class Slot:
@@ -81,8 +132,10 @@ class Slot:
         stats.by_status[status] += 1
         stats.tokens += tokens
         if status == 200 and self._first is not None:
-            stats.recent.append(Served(self._first - self._t0, tokens,
-                                       time.monotonic() - self._first))
+            now = time.monotonic()
+            served = Served(self._first - self._t0, tokens, now - self._first, now)
+            stats.recent.append(served)
+            stats.history.append(served)
 
     def __enter__(self) -> Slot:
         return self

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from kvasird.compute.sampling import SamplingParams
 from kvasird.errors import KvasirError
+from kvasird.model.names import slug
 
 
 class GenerationError(KvasirError):
@@ -88,9 +89,15 @@ class ModelInfo:
     model_id: str
     """sha256 of the manifest (hex)."""
     label: str
-    """Human name (general.name of the GGUF)."""
+    """Human name ("SmolLM2 135M Instruct": model.names.human_name)."""
     context_length: int
     """Longest prompt + completion the route accepts."""
+
+    def answers_to(self, name: str) -> bool:
+        """Whether a request naming `name` means this model: its id, an id prefix of 8+
+        hex digits, its name, or the name's slug ("smollm2-135m-instruct")."""
+        return (name in (self.model_id, self.label) or name.lower() == slug(self.label)
+                or (len(name) >= 8 and self.model_id.startswith(name.lower())))
 
 
 @dataclass(frozen=True)

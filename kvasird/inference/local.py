@@ -64,10 +64,9 @@ class LocalGenerator:
         self.stage.close()
 
     def resolve(self, name: str) -> ModelInfo:
-        """The model a request names: its id, a unique id prefix (8+ hex digits) or its label."""
+        """The model a request names (ModelInfo.answers_to)."""
         info = self.info
-        if name in (info.model_id, info.label) or (len(name) >= 8
-                                                    and info.model_id.startswith(name.lower())):
+        if info.answers_to(name):
             return info
         raise UnknownModel(f"model {name!r} is not served here; GET /v1/models lists "
                            f"{info.model_id} ({info.label})")

@@ -125,6 +125,13 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         return _from_gguf(Path(path))
 
+    @classmethod
+    def from_metadata(cls, metadata: Iterable[tuple[str, int, object]], source: str) -> Tokenizer:
+        """The tokenizer in a GGUF's metadata (as a manifest carries it: a node that holds
+        any part of a model can tokenize for it); ``source`` names it in errors."""
+        return _from_meta({key: value for key, _, value in metadata
+                           if key.startswith("tokenizer.")}, source)
+
     @property
     def n_vocab(self) -> int:
         return len(self.tokens)
@@ -182,12 +189,16 @@ def _from_gguf(path: Path) -> Tokenizer:
                 if key.startswith("tokenizer.")}
     except (GGUFFormatError, OSError) as exc:
         raise TokenizerError(f"cannot read the tokenizer of {path}: {exc}") from None
+    return _from_meta(meta, str(path))
+
+
+def _from_meta(meta: dict[str, object], source: str) -> Tokenizer:
     kind = _text(meta.get("tokenizer.ggml.model", b""))
     if kind != "gpt2":
-        raise TokenizerError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level "
-                             "BPE, tokenizer.ggml.model = \"gpt2\")")
-    tokens = [_text(t) for t in _strings(meta, "tokenizer.ggml.tokens", path)]
-    merges = [_text(m) for m in _strings(meta, "tokenizer.ggml.merges", path)]
+        raise TokenizerError(f"{source}: tokenizer model {kind!r} is not supported (only "
+                             "byte-level BPE, tokenizer.ggml.model = \"gpt2\")")
+    tokens = [_text(t) for t in _strings(meta, "tokenizer.ggml.tokens", source)]
+    merges = [_text(m) for m in _strings(meta, "tokenizer.ggml.merges", source)]
     types_raw = meta.get("tokenizer.ggml.token_type")
     types = (list(struct.unpack(f"<{len(tokens)}i", types_raw[1]))
              if isinstance(types_raw, tuple) and len(types_raw[1]) == 4 * len(tokens)
@@ -208,10 +219,10 @@ def _from_gguf(path: Path) -> Tokenizer:
                      special, _text(template) if template else None)
 
 
-def _strings(meta: dict[str, object], key: str, path: Path) -> list[bytes]:
+def _strings(meta: dict[str, object], key: str, source: str) -> list[bytes]:
     value = meta.get(key)
     if not (isinstance(value, tuple) and isinstance(value[1], list)):
-        raise TokenizerError(f"{path} lacks {key}: the GGUF has no usable tokenizer")
+        raise TokenizerError(f"{source} lacks {key}: the GGUF has no usable tokenizer")
     return value[1]
 
 

@@ -40,6 +40,7 @@ from kvasird.errors import ModelError
 from kvasird.home import Home
 from kvasird.logs import get_logger
 from kvasird.model.manifest import Manifest, ManifestError, Piece, Unit
+from kvasird.model.names import human_name
 from kvasird.model.ref import ModelRef
 from kvasird.model.slice import SliceSpec, gguf_pieces, units_of, verify_slice, write_slice
 
@@ -82,7 +83,7 @@ class ModelRecord:
     model_id: str
     """sha256 of the manifest."""
     name: str
-    """Human name (general.name, or the file name)."""
+    """Human name (model.names.human_name of its metadata and file name)."""
     arch: str
     """GGUF architecture, e.g. llama, qwen3moe."""
     total_bytes: int
@@ -128,11 +129,12 @@ class ShardStore:
         if not path.exists():
             _write_atomic(path, manifest.raw)
         self._manifests[manifest.model_id] = manifest
+        shown = name or human_name({k: v for k, _, v in manifest.metadata})
         with self._db:
             self._db.execute(
                 "INSERT OR IGNORE INTO shard_models VALUES (?, ?, ?, ?, ?, ?)",
-                (manifest.model_id, name or str(manifest.meta("general.name", "")) or manifest.arch,
-                 manifest.arch, manifest.total_bytes, source, time.time()))
+                (manifest.model_id, shown, manifest.arch, manifest.total_bytes, source,
+                 time.time()))
             if name:
                 self._db.execute("UPDATE shard_models SET name = ? WHERE model_id = ?",
                                  (name, manifest.model_id))
@@ -160,8 +162,8 @@ class ShardStore:
             "OR (length(?) >= 4 AND model_id LIKE ? || '%')", (ref, ref, ref, ref)).fetchall()
         ids = sorted({r[0] for r in rows})
         if len(ids) != 1:
-            raise StoreError(f"{'no model' if not ids else 'several models'} match {ref!r}: "
-                             "see `kvasird model list`")
+            which = "no model matches" if not ids else "several models match"
+            raise StoreError(f"{which} {ref!r}: see `kvasird model list`")
         return ids[0]
 
     def models(self) -> list[ModelRecord]:
@@ -182,7 +184,8 @@ class ShardStore:
         the hashing of the file, then the storing of its pieces."""
         manifest = Manifest.from_gguf(path, progress=None if progress is None else (
             lambda done, total: progress("hashing", done, total)))
-        self.add_manifest(manifest, name, source or str(path))
+        self.add_manifest(manifest, name or human_name(
+            {k: v for k, _, v in manifest.metadata}, path.name), source or str(path))
         units = list(manifest.unit_sizes)
         self.begin(manifest.model_id, units)
         done, total = 0, manifest.total_bytes

@@ -128,4 +128,4 @@ def test_the_daemon_still_answers_after_all_of_it(oa: openai.OpenAI, daemon: Dae
     assert daemon.node.alive()
     r = oa.chat.completions.create(model=daemon.model, messages=HI, max_tokens=4)  # type: ignore[arg-type]
     assert r.choices[0].message.content
-    assert httpx.get(daemon.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(daemon.url + "/health").json()["status"] == "ok"

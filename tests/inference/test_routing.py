@@ -87,9 +87,9 @@ def test_without_a_head_holder_there_is_no_route() -> None:
 
 def test_what_is_uncovered_is_named_in_runs() -> None:
     assert uncovered(L, [holder("a", (0, 10), head=True), holder("c", (20, 30)),
-                         holder("d", (24, 26))]) == ["layers 10-20"]
+                         holder("d", (24, 26))]) == ["layers 10-19"]
     assert uncovered(L, [holder("a", (0, 5)), holder("b", (9, 12))]) == [
-        "head", "layers 5-9", "layers 12-30"]
+        "head", "layers 5-8", "layers 12-29"]
     # covered layer by layer: windows that overlap chain, so uncovered() == [] means a route
     overlapping = [holder("a", (0, 12), head=True), holder("b", (10, 30))]
     assert uncovered(L, overlapping) == [] and plan_route(L, overlapping, flat()) is not None

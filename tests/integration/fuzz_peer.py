@@ -16,6 +16,7 @@ Used by tests/integration/test_foreign_peer.py and bench/fuzz_peer.py; every cou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import struct
@@ -23,6 +24,7 @@ from collections import Counter
 
 import multiaddr
 import trio
+import trio.lowlevel
 from gossip_peer import GossipPeer  # type: ignore[import-not-found]
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -113,16 +115,12 @@ class FuzzPeer(GossipPeer):
                     continue
                 self.counts[(proto, kind)] += 1
                 try:
-                    await self._send(stream, proto, kind)
-                except Exception:  # noqa: BLE001 - the node hung up on us, as it should
-                    pass
+                    with contextlib.suppress(Exception):  # the node hung up on us, as it should
+                        await self._send(stream, proto, kind)
                 finally:
-                    with trio.move_on_after(1):
-                        try:
-                            await stream.reset()
-                        except Exception:  # noqa: BLE001
-                            pass
-            await trio.sleep(0)
+                    with trio.move_on_after(1), contextlib.suppress(Exception):
+                        await stream.reset()
+            await trio.lowlevel.checkpoint()
 
     async def _send(self, stream, proto: str, kind: str) -> None:  # noqa: ANN001
         if kind == "half-closed":
@@ -150,10 +148,8 @@ class FuzzPeer(GossipPeer):
                     b"x" * 600_000 if kind == "oversized" else
                     pack(self.rng.choice(WRONG_SHAPES)))
             self.counts[(f"gossip:{topic}", kind)] += 1
-            try:
+            with contextlib.suppress(Exception):  # our own router may refuse an oversized one
                 await self.publish(topic, data)
-            except Exception:  # noqa: BLE001 - our own router may refuse an oversized one
-                pass
             await trio.sleep(0.05)
 
     async def _lane(self, port: int) -> None:

@@ -24,7 +24,7 @@ from kvasird.wire import pack
 pytestmark = pytest.mark.slow
 
 N_NODES = 10
-HEARTBEAT_S = 2.0  # records live MIN_TTL_S (10 s): a busy 2-core CI box can delay a heartbeat by seconds
+HEARTBEAT_S = 2.0  # records live MIN_TTL_S (10 s): a busy 2-core box delays heartbeats seconds
 CONVERGE_S = 90.0
 HOT_CONVERGE_S = 180.0
 """Skewed demand moves replicas over several rebalance rounds; on a 2-core machine at the

@@ -84,3 +84,44 @@ def test_native_info_reports_the_cpu_backend(capsys: pytest.CaptureFixture[str])
     assert main(["native", "info", "--json"]) == 0
     out = capsys.readouterr().out
     assert '"CPU"' in out and '"threads"' in out
+
+
+def test_home_is_accepted_after_the_subcommand_too(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    home = tmp_path / "home"
+    assert main(["init", "--home", str(home), "--network", "demo"]) == 0
+    assert load(home / "kvasird.toml").node.network == "demo"
+    assert main(["bootstrap", "add", ADDR, "--home", str(home)]) == 0
+    assert main(["wallet", "--home", str(home), "new"]) == 0
+    assert (home / "wallet.json").exists()
+    capsys.readouterr()
+    elsewhere = str(tmp_path / "elsewhere")
+    assert main(["--home", elsewhere, "bootstrap", "list", "--home", str(home)]) == 0
+    assert capsys.readouterr().out.split() == [ADDR]
+
+
+@pytest.mark.parametrize("command", [
+    ["status"], ["peers"], ["id"], ["coverage"], ["run"], ["model", "list"],
+    ["model", "inspect", "tiny"], ["model", "drop", "tiny"], ["bootstrap", "list"],
+    ["wallet"], ["wallet", "new"], ["wallet", "link"], ["generate", "hello"], ["chat", "hi"],
+])
+def test_a_command_on_a_missing_home_says_how_to_make_one_and_creates_nothing(
+        command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    typo = tmp_path / "typo"
+    assert main(["--home", str(typo), *command]) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert f"no kvasird home at {typo}" in line and f"kvasird init --home {typo}" in line
+    assert not typo.exists()
+
+
+def test_the_command_list_matches_what_each_command_registers() -> None:
+    import argparse
+    import importlib
+
+    from kvasird.cli import COMMANDS
+
+    for name, text in COMMANDS.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(f"kvasird.cli.{name}").register(sub)
+        [shown] = [a.help for a in sub._choices_actions if a.dest == name]
+        assert shown == text, name

@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 
 from kvasird.cli import main
-from kvasird.cli.service import render_unit
+from kvasird.cli.service import installation, render_unit, unreachable_by_service
 from kvasird.daemon import systemd
 
 UNIT = Path(__file__).resolve().parents[2] / "systemd" / "kvasird.service"
+EXPOSURE_BOUND = 13
+"""systemd-analyze security's overall exposure, times ten: 1.3 (1.4 before the unit allowed
+AF_NETLINK and gained PrivateMounts=)."""
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
@@ -32,6 +35,18 @@ def test_unit_is_notify_type_and_hardened() -> None:
     for line in ("Type=notify", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
                  "StateDirectory=kvasird", "User=kvasird", "WatchdogSec="):
         assert line in text
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_exposure_is_no_worse_than_before(tmp_path: Path) -> None:
+    # The daemon itself runs under this unit's sandbox in tests/integration/test_unit_sandbox.py.
+    done = subprocess.run(["systemd-analyze", "security", "--offline=yes",
+                           f"--threshold={EXPOSURE_BOUND}", str(UNIT)],
+                          capture_output=True, text=True)
+    if "--offline" in done.stderr and "unrecognized" in done.stderr:
+        pytest.skip("this systemd-analyze has no --offline (systemd < 250)")
+    overall = [line for line in done.stdout.splitlines() if "Overall exposure" in line]
+    assert done.returncode == 0, overall or done.stderr
 
 
 def test_sd_notify_sends_to_the_notify_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,7 +72,45 @@ def test_watchdog_interval_is_half_the_period(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_service_install_dry_run_shows_unit_and_steps(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["service", "install", "--dry-run"]) == 0
+    # As root with ProtectHome=read-only the service reaches any installation.
+    assert main(["service", "install", "--dry-run", "--user", "root",
+                 "--protect-home", "read-only"]) == 0
     out = capsys.readouterr().out
     assert f"ExecStart={Path(sys.prefix) / 'bin' / 'kvasird'} run" in out
-    assert "useradd --system" in out and "systemctl enable kvasird --now" in out
+    assert "\nProtectHome=read-only\n" in out and "\nUser=root\n" in out
+    assert "useradd --system" in out and "systemctl enable kvasird --now --no-block" in out
+
+
+def test_a_python_linked_into_a_home_is_refused_under_protect_home(tmp_path: Path) -> None:
+    python = tmp_path / "venv" / "bin" / "python3"
+    python.parent.mkdir(parents=True)
+    python.symlink_to("/home/alice/.pyenv/versions/3.11.7/bin/python3.11")
+    unit = render_unit("kvasird", str(tmp_path / "venv" / "bin" / "kvasird"))
+    why = unreachable_by_service(unit, {"its python": python})
+    assert why == (
+        f"the service could not start: its python ({python} -> /home/alice/.pyenv/versions/"
+        "3.11.7/bin/python3.11) is in /home, which ProtectHome=yes hides from it; install "
+        "kvasird under /opt with a python outside any home directory (e.g. /usr/bin/python3 "
+        "-m venv /opt/kvasird/.venv), or rerun with --protect-home read-only")
+    assert unreachable_by_service(render_unit("kvasird", "/opt/k", "read-only"),
+                                  {"its python": python}) is None
+
+
+def test_an_installation_its_user_may_not_enter_is_refused(tmp_path: Path) -> None:
+    private = tmp_path / "private"
+    (private / "bin").mkdir(parents=True)
+    private.chmod(0o700)
+    unit = render_unit("kvasird", "/opt/k", "read-only")
+    why = unreachable_by_service(unit, {"kvasird": private / "bin" / "kvasird"})
+    assert why is not None and "which user kvasird may not enter; install kvasird under /opt" in why
+    assert unreachable_by_service(render_unit("root", "/opt/k", "read-only"),
+                                  {"kvasird": private / "bin" / "kvasird"}) is None
+
+
+def test_service_install_refuses_this_installation_exactly_when_the_service_cannot_reach_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    runs = installation()
+    why = unreachable_by_service(render_unit("kvasird", str(runs["kvasird"])), runs)
+    assert main(["service", "install", "--dry-run"]) == (0 if why is None else 1)
+    err = capsys.readouterr().err
+    assert (why is None and err == "") or err == f"kvasird: {why}\n"

@@ -139,8 +139,9 @@ def plan_route(n_layer: int, holders: Sequence[PeerHoldings], cost: Callable[[st
 
 
 def uncovered(n_layer: int, holders: Iterable[PeerHoldings]) -> list[str]:
-    """What no holder in `holders` serves, for an error a person can act on:
-    ["head", "layers 10-20", ...]; empty when they cover the model."""
+    """What no holder in `holders` serves, for an error a person can act on, layers
+    counted inclusively as the status page shows holdings: ["head", "layer 7",
+    "layers 10-19", ...]; empty when they cover the model."""
     holders = list(holders)
     served = [False] * n_layer
     for h in holders:
@@ -156,7 +157,7 @@ def uncovered(n_layer: int, holders: Iterable[PeerHoldings]) -> list[str]:
         end = layer
         while end < n_layer and not served[end]:
             end += 1
-        gaps.append(f"layers {layer}-{end}")
+        gaps.append(f"layer {layer}" if end == layer + 1 else f"layers {layer}-{end - 1}")
         layer = end
     return gaps
 

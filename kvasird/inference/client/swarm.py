@@ -211,8 +211,7 @@ class SwarmGenerator:
 
     def resolve(self, name: str) -> ModelInfo:
         info = self.info()
-        if info is not None and (name in ("", info.model_id, info.label) or (
-                len(name) >= 8 and info.model_id.startswith(name.lower()))):
+        if info is not None and (name == "" or info.answers_to(name)):
             return info
         known = f"{info.model_id} ({info.label})" if info else "none (set [market] model)"
         raise UnknownModel(f"model {name!r} is not known here; this node routes {known}")
