@@ -11,6 +11,7 @@ KvasirError                      errors               anything kvasird raises on
 ├── PeerError                    errors               a peer could not be reached or misbehaved
 │   ├── HopFailed                inference.errors     a stage or worker failed: route around it
 │   │   ├── Refused              inference.errors     it answered no: busy, gone or bad request
+│   │   ├── Silent               inference.errors     it did not answer in time: busy or hung
 │   │   └── Unreachable          inference.errors     no stream to it could be opened (yet)
 │   └── _Missing                 model.transfer       a holder lacks pieces (the next one is asked)
 ├── Refusal                      inference.errors     this node refuses a peer's request; the peer

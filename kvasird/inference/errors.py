@@ -10,6 +10,7 @@ turns that answer into a Refused naming the peer, which failover routes around.
     PeerError (kvasird.errors)
     └── HopFailed          a stage or worker failed, refused or timed out: route around it
         ├── Refused        it answered with a Refusal's code and reason
+        ├── Silent         it did not answer in time, though nothing broke (busy, or hung)
         └── Unreachable    no stream to it could be opened (it may only be not dialled yet)
     ComputeError (kvasird.compute.errors)
     └── NoWorkers          no fit peer holds experts a stage must dispatch (a stage answers "busy")
@@ -70,6 +71,12 @@ class Refused(HopFailed):
         super().__init__(peer, f"{code}: {reason}")
         self.code: Code = code
         self.detail = reason
+
+
+class Silent(HopFailed):
+    """The peer did not answer in time, though nothing broke: busy on a loaded machine,
+    or hung. Unlike a broken stream or a refused connection, one missed answer proves
+    little."""
 
 
 class Unreachable(HopFailed):

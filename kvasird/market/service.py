@@ -305,6 +305,7 @@ class MarketService:
             "model": {"id": self.model.model_id, "n_layer": self.model.n_layer,
                       "n_expert": self.model.n_expert, "bytes": self.model.total_bytes},
             "holders": {p: {"state": e.record.state, "budget": e.record.budget,
+                            "boot": e.record.boot,
                             "holdings": [h.to_wire() for h in e.record.holdings]}
                         for p, e in self.map.entries.items()},
             "segments": segments(self.model, self.map.active, targets),

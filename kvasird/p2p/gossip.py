@@ -16,6 +16,7 @@ loop and the tasks it starts per message are contained (``_ContainedPubsub``).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -58,6 +59,13 @@ class Gossip:
             score_params=SCORE_PARAMS,
         )
         self.pubsub = _ContainedPubsub(host, self.router, strict_signing=True)
+        # A message's id is (signer, seqno), and py-libp2p counts seqnos up from the start
+        # time in seconds. A node publishing more than once a second runs ahead of the
+        # clock, so after a restart its new messages reuse ids its peers saw from the old
+        # process: dropped as duplicates (seen for 120 s) or as equivocation, its records
+        # unheard for half a minute or more. Counting from the start in microseconds
+        # keeps a restarted node's seqnos past its old ones.
+        self.pubsub.counter = time.time_ns() // 1000
 
     def topic(self, name: str) -> str:
         return f"kvasir/{self.network}/{name}"

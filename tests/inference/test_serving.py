@@ -364,6 +364,12 @@ async def test_admission_refuses_with_a_reason_and_unknown_sessions_are_gone(
         server.expire()
         assert server.sessions == {}
         await call(server, open_msg("two", 0, 4, True, True))
+        # a node that restarted and is loading is busy for a moment, not at fault
+        loading = StageServer(lambda: "m", lambda: None, max_sessions=1, idle_s=60,
+                              wire_dtype="f32")
+        with pytest.raises(Refusal) as exc:
+            await call(loading, open_msg("l", 0, 4, True, True))
+        assert exc.value.code == "busy" and "loading" in exc.value.detail
     finally:
         a.close()
 

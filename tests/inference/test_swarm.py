@@ -22,6 +22,7 @@ from kvasird.compute.stage import Stage, generate
 from kvasird.config import InferenceConfig
 from kvasird.inference.api import (
     Busy,
+    NoRoute,
     Finished,
     GenerationError,
     GenerationRequest,
@@ -260,6 +261,24 @@ async def test_a_stage_that_cannot_reach_the_next_one_is_blamed_when_we_can(
     assert "answers us" in fitness.snapshot()["b"]
     mock_clock.jump(UNREACHABLE_S)
     assert fitness.fit("b")
+
+
+async def test_a_peer_that_failed_once_is_a_last_resort_and_a_liar_never(
+        served: dict[str, Served], reference: list[int]) -> None:
+    """c, the only holder of layer 3, timed out once (slowed by its machine): a route
+    through it beats no route. Twice in a row, or caught lying, and it is not used."""
+    net, fitness = FakeNet({k: v for k, v in served.items() if k != "b2"}), Fitness(300)
+    fitness.failed("c", "no result within 10 s", first_s=FAILED_S)
+    assert await run(generator(net, fitness), 10) == reference
+    assert fitness.strikes == {}  # it worked: forgiven
+    fitness.failed("c", "no result within 10 s", first_s=FAILED_S)
+    fitness.failed("c", "no result within 10 s", first_s=FAILED_S)
+    with pytest.raises(NoRoute):
+        generator(net, fitness).plan()
+    liar = Fitness(300)
+    liar.mark("c", "spot check failed")
+    with pytest.raises(NoRoute):
+        generator(net, liar).plan()
 
 
 async def test_a_silent_chain_is_probed_and_the_hop_that_did_not_compute_is_blamed(

@@ -197,3 +197,4 @@ def test_adversarial_gossip_never_enters_an_honest_map(
     target = net.nodes[0].get("/v0/coverage")
     assert target["rejected"].get(rogue.peer_id, 0) >= 6
     assert scores[rogue.peer_id] < 0
+

@@ -238,6 +238,10 @@ class Fitness:
         """`peer` did its work: its next failure starts from the short sentence again."""
         self.strikes.pop(peer, None)
 
+    def lied(self, peer: str) -> bool:
+        """Whether `peer` is serving a sentence for a lie (never routed to as a last resort)."""
+        return peer in self._lied and not self.fit(peer)
+
     def fit(self, peer: str) -> bool:
         until = self._until.get(peer)
         if until is None:

@@ -88,7 +88,7 @@ from kvasird.inference.client.routing import (
     plan_route,
     uncovered,
 )
-from kvasird.inference.errors import HopFailed, Refusal, Refused, Unreachable
+from kvasird.inference.errors import HopFailed, Refusal, Refused, Silent, Unreachable
 from kvasird.inference.protocol import STAGE_PROTOCOL
 from kvasird.inference.protocol.stage import (
     Close,
@@ -117,6 +117,9 @@ PROBE_TIMEOUT_S = 1.0
 time, if longer: a hop computing a step in place answers once it is done)."""
 PREFILL_CHUNK = 256
 """Tokens per prefill message: bounds one frame (256 × n_embd × 4 B)."""
+AVOIDED_MS = 60_000.0
+"""What a route counts for each peer avoided after failing, when only such routes exist:
+enough that every route over fit peers is cheaper."""
 MAX_EXPERTS_PER_ROW = 64
 """Most experts one row selects in any layer: caps the expert units a stage may report."""
 KEEP_WORK = 1024
@@ -219,8 +222,21 @@ class SwarmGenerator:
     def _fit(self) -> list[PeerHoldings]:
         return [h for h in self.holders() if self.fitness.fit(h.peer)]
 
-    def plan(self) -> Route:
+    def plan(self, last_resort: bool = True) -> Route:
+        """The cheapest route over fit peers; when there is none (and `last_resort`), the
+        cheapest that needs peers avoided after one failure: a slow or just restarted peer
+        beats no route (a sentence for failing once is a preference, not a ban). Never
+        one through a liar, or a peer that failed twice in a row."""
         route = plan_route(self.n_layer(), self._fit(), self.latency)
+        if route is None and last_resort:
+            fitness = self.fitness
+            second_chance = [h for h in self.holders() if fitness.fit(h.peer) or (
+                not fitness.lied(h.peer) and fitness.strikes.get(h.peer, 0) <= 1)]
+            route = plan_route(self.n_layer(), second_chance, lambda p: self.latency(p) + (
+                0.0 if fitness.fit(p) else AVOIDED_MS))
+            if route is not None:
+                log.info("no route without peers that failed lately: trying one through them",
+                         avoided=[p for p in route.peers if not fitness.fit(p)])
         if route is None:
             raise NoRoute(f"the online peers do not cover the model ({self.missing()}): see "
                           "`kvasird coverage`, and retry when the market has filled the gaps")
@@ -237,12 +253,14 @@ class SwarmGenerator:
     async def replan(self) -> Route:
         """A route for a generation whose route just failed: the coverage map may lack its
         replacement for a moment (a replica's record late or expired, a replica still
-        loading), so wait up to the step timeout for one."""
+        loading), so wait up to the step timeout for one, through peers that failed lately
+        only after half of it (the one that just failed is likely among them)."""
         give_up = trio.current_time() + self.config.step_timeout_s
+        last_resort = trio.current_time() + self.config.step_timeout_s / 2
         waited = False
         while True:
             try:
-                return self.plan()
+                return self.plan(last_resort=trio.current_time() >= last_resort)
             except NoRoute as exc:
                 if trio.current_time() >= give_up:
                     raise
@@ -542,14 +560,19 @@ class _Run:
     async def _ping(self, i: int) -> Pong:
         """Hop i's session: the positions it computed, or HopFailed when the hop does not
         answer in time (one computing a step in place answers only after it, so the time
-        scales with the route's steps)."""
+        scales with the route's steps). A hop that is silent (nothing broke) gets a
+        second ping with twice the time: a node starved for a second by its machine
+        is not taken for a hung one (which still fails within ~3 s)."""
         assert self.route is not None
         peer, msg = self.route.hops[i].peer, Ping(f"{self.sid}.{i}").to_wire()
         if peer == self.gen.me:
             reply = await self._local(msg)
         else:
             wait_s = max(PROBE_TIMEOUT_S, 3 * self.progress.step_ms / 1000)
-            reply = await self.gen.channels.request(peer, STAGE_PROTOCOL, msg, wait_s)
+            try:
+                reply = await self.gen.channels.request(peer, STAGE_PROTOCOL, msg, wait_s)
+            except Silent:
+                reply = await self.gen.channels.request(peer, STAGE_PROTOCOL, msg, 2 * wait_s)
         return _read(peer, Pong.from_wire, reply)
 
     async def _probe(self, end: int) -> tuple[int, str]:

@@ -222,8 +222,10 @@ class StageServer:
 
     def _open(self, caller: str, m: Open) -> None:
         served = self.served()
-        if served is None or m.model != self.model_id():
+        if m.model != self.model_id():
             raise Refusal("bad", "this node serves no stage of that model")
+        if served is None:  # a node that just (re)started: a passing state, not a fault
+            raise Refusal("busy", "this node is still loading the model: retry shortly")
         if m.end > served.hp.n_layer:
             raise Refusal("bad", f"layers [{m.first}, {m.end}) reach past the model's "
                                  f"{served.hp.n_layer}")

@@ -37,7 +37,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
 from kvasird.errors import KvasirError, WireError
-from kvasird.inference.errors import HopFailed, Refusal, Refused, Unreachable, code_of
+from kvasird.inference.errors import HopFailed, Refusal, Refused, Silent, Unreachable, code_of
 from kvasird.inference.transport import lane
 from kvasird.logs import get_logger
 from kvasird.p2p.reachability import is_circuit
@@ -70,7 +70,7 @@ class _Failures:
         if exc is None or isinstance(exc, KvasirError):
             return False
         if isinstance(exc, trio.TooSlowError):
-            raise HopFailed(self.peer, self.timed_out) from None
+            raise Silent(self.peer, self.timed_out) from None
         if isinstance(exc, trio.EndOfChannel | trio.BrokenResourceError
                       | trio.ClosedResourceError):
             raise HopFailed(self.peer, "the stream broke") from None
