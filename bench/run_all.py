@@ -73,6 +73,19 @@ BENCHES = (
           "being paid adds nothing measurable to a decode step; receipts off the token path"),
     Bench("relay", "Relayed vs direct RTT and throughput", ("bench_relay.py",),
           ("bench_relay.py",), "relayed path usable for latency-tolerant work"),
+    Bench("cli", "Command-line start-up: --version, status, peers",
+          ("bench_cli.py", "--runs", "15"), ("bench_cli.py", "--runs", "5"),
+          "under 0.3 s for --version, status and peers"),
+    Bench("replay", "Exact failover replay: one position at a time against one batch",
+          ("bench_replay.py", "--rounds", "5"), ("bench_replay.py", "--rounds", "2"),
+          "a failover continues with the bits of an undisturbed run; cost per replayed token"),
+    Bench("fuzz", "A node under fuzz from foreign peers", ("fuzz_peer.py", "--seconds", "60"),
+          ("fuzz_peer.py", "--seconds", "20"),
+          "the node stays up and answers every request while fuzzed"),
+    Bench("soak", "Churn soak: kills, restarts and a slowed node under four clients",
+          ("soak.py", "--seconds", "300"), ("soak.py", "--seconds", "90"),
+          ">= 99 % of requests complete, every greedy output the undisturbed one",
+          timeout_s=1200.0),
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -25,6 +26,8 @@ from kvasird.logs import get_logger
 from kvasird.market.records import Capabilities
 from kvasird.market.service import MarketService, metadata_only
 from kvasird.model.distribution import ShardService
+from kvasird.model.gguffile import read_header
+from kvasird.model.ref import ModelRef
 from kvasird.model.store import ShardStore
 from kvasird.p2p import P2PNode
 from kvasird.ports import check_ports
@@ -88,6 +91,7 @@ class Node:
         """Run every service; report the admin URL once all listen. Cancel to drain."""
         try:
             check_ports(self.config, str(self.home.config))  # one line for a taken port
+            self._check_model_file()
             async with self.p2p.running(), trio.open_nursery() as nursery:
                 await nursery.start(self.shards.run)
                 if self.config.settlement.enabled:
@@ -117,6 +121,15 @@ class Node:
         finally:
             self.home.clear_admin_address()
             self.db.close()
+
+    def _check_model_file(self) -> None:
+        """A [market] model given as a file must be a readable GGUF before anything says
+        "ready" (it used to print ready, then exit 1 once the import read the file)."""
+        text = self.config.market.model
+        if text:
+            ref = ModelRef.parse(text, f"{self.home.config}: [market] model")
+            if ref.kind == "path":
+                read_header(Path(ref.value).expanduser())
 
     async def _tell_systemd_when_serving(self) -> None:
         """Type=notify: READY=1 once the gateway can serve its model (at once on a node with

@@ -281,18 +281,18 @@ def _earnings(snap: dict[str, Any]) -> str:
     if not claims.get("enabled"):
         return "<p>Settlement is off on this node: it serves for free and earns nothing.</p>"
     total = snap["node"].get("earnings") or {}
-    out = _table([("earned (receipts)", _kvr(total.get("earned", 0))),
-                  ("received on chain", _kvr(total.get("received", 0))),
-                  ("pending", _kvr(total.get("pending", 0)))])
+    out = _table([("earned (receipts)", kvr(total.get("earned", 0))),
+                  ("received on chain", kvr(total.get("received", 0))),
+                  ("pending", kvr(total.get("pending", 0)))])
     if claims["gateways"]:
         out += "<h3>From gateways</h3>" + _grid(
             ["gateway", "earned", "received", "pending"],
-            [[_short(g["peer_id"]), _kvr(g["earned"]), _kvr(g["received"]), _kvr(g["pending"])]
+            [[_short(g["peer_id"]), kvr(g["earned"]), kvr(g["received"]), kvr(g["pending"])]
              for g in claims["gateways"]])
     if claims.get("owed_to_peers"):
         out += "<h3>This gateway owes</h3>" + _grid(
             ["peer", "earned", "paid", "units"],
-            [[_short(p["peer_id"]), _kvr(p["earned"]), _kvr(p["paid"]),
+            [[_short(p["peer_id"]), kvr(p["earned"]), kvr(p["paid"]),
               str(p["measured_units"])] for p in claims["owed_to_peers"]])
     if claims.get("pending"):
         out += "<p>Claim what is pending with <code>kvasird wallet claim</code>.</p>"
@@ -307,10 +307,10 @@ def _price(price: dict[str, int] | None) -> str:
         return "<p>The network is free (its governance set the price to zero).</p>"
     # the controller moves the price by factors, so the band is drawn on a log scale
     at = 0.0 if hi <= lo else (math.log(max(p, lo)) - math.log(lo)) / (math.log(hi) - math.log(lo))
-    return (f'<p class="big">{_kvr(p)} <small>per 1000 tokens</small></p>'
+    return (f'<p class="big">{kvr(p)} <small>per 1000 tokens</small></p>'
             f'<div class="band" role="img" aria-label="price inside its band">'
             f'<i style="left:{100 * min(max(at, 0.0), 1.0):.1f}%"></i></div>'
-            f'<p class="ends"><span>floor {_kvr(lo)}</span><span>ceiling {_kvr(hi)}</span></p>'
+            f'<p class="ends"><span>floor {kvr(lo)}</span><span>ceiling {kvr(hi)}</span></p>'
             "<p>Utilization moves the price inside the band governance sets.</p>")
 
 
@@ -376,12 +376,13 @@ def _unit(value: float | None, unit: str, prefix: str = "") -> str:
     return f"{prefix}{value:.0f} {unit}" if value >= 10 else f"{prefix}{value:.1f} {unit}"
 
 
-def _kvr(base_units: int) -> str:
-    kvr = base_units / 10**KVR_DECIMALS
-    if kvr == 0 or kvr >= 100:
-        return f"{kvr:,.2f} KVR"
-    digits = min(KVR_DECIMALS, max(2, 2 - math.floor(math.log10(kvr))))  # 3 significant
-    return f"{kvr:.{digits}f} KVR"
+def kvr(base_units: int) -> str:
+    """KVR as the page shows it: to 3 significant digits (2 decimals from 100 KVR)."""
+    amount = base_units / 10**KVR_DECIMALS
+    if amount == 0 or amount >= 100:
+        return f"{amount:,.2f} KVR"
+    digits = min(KVR_DECIMALS, max(2, 2 - math.floor(math.log10(amount))))  # 3 significant
+    return f"{amount:.{digits}f} KVR"
 
 
 def _bytes(n: int) -> str:

@@ -31,6 +31,8 @@ from kvasird.cli.chat import Chat, edited_lines, listed_models
 from kvasird.config import default_text, render
 from kvasird.daemon.banner import print_banner
 
+pytestmark = pytest.mark.slow  # a real daemon per module
+
 NAME, SLUG = "SmolLM2 135M Instruct", "smollm2-135m-instruct"
 WAIT_S = 60.0
 UP = "\x1b[A"

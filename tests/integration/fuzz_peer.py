@@ -22,6 +22,7 @@ import random
 import struct
 from collections import Counter
 
+import httpx
 import multiaddr
 import trio
 import trio.lowlevel
@@ -30,6 +31,9 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.utils import encode_varint_prefixed
 
+from kvasird.localnet import LocalNet, LocalNode
+from kvasird.localnet.placement import pinned
+from kvasird.model.bundled import bundled_path
 from kvasird.wire import pack
 
 STREAM_PROTOCOLS = ("/kvasir/heartbeat/1", "/kvasir/px/1", "/kvasir/dialback/1",
@@ -47,6 +51,32 @@ WRONG_SHAPES = (
     {"op": "claim", "receipt": {"amount": -5}},
     [1, 2, 3], "a string", 12345, None,
 )
+
+
+def start_target(net: LocalNet) -> LocalNode:
+    """Node 0 of a two-node `net` holds the whole bundled model (the node to fuzz), node 1
+    nothing (its honest peer); node 0 once it serves generations."""
+    previous = ""
+    for node, pins in zip(net.nodes, [["head", "layers:0-30"], []], strict=True):
+        node.settings = pinned(bundled_path(), pins) if pins else {}
+        previous = net.configure(node, [previous] if previous else [])
+    for node in net.nodes:
+        node.start()
+    net.wait_until("the node serves", lambda: generate_ok(net.nodes[0]), timeout=120)
+    return net.nodes[0]
+
+
+def generate_ok(node: LocalNode) -> bool:
+    """Whether a 4-token greedy generation through `node`'s admin API succeeds."""
+    body = {"prompt": [1, 504, 3458], "max_tokens": 4, "temperature": 0}
+    url = node.home.admin_address()
+    if url is None:
+        return False
+    try:
+        resp = httpx.post(url + "/v0/generate", json=body, timeout=30)
+    except httpx.HTTPError:
+        return False
+    return resp.status_code == 200 and '"error"' not in resp.text
 
 
 def _frame(body: bytes) -> bytes:

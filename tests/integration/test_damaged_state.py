@@ -108,3 +108,16 @@ def test_pins_outside_the_model_are_refused_at_start(tmp_path: Path) -> None:
                               "market.memory_budget_mb": 100, "inference.serve": False})
     line = _refusal(home)
     assert "[market] hold names layer:2, which the model lacks (2 layers" in line
+
+
+def test_a_model_file_that_is_no_gguf_is_refused_before_ready(tmp_path: Path) -> None:
+    """It used to print the banner and "ready" (and would tell systemd READY=1), then exit
+    once the import read the file."""
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"\x00" * 4096)
+    home = _home(tmp_path, **{"market.model": str(bad), "market.memory_budget_mb": 100})
+    proc = subprocess.run([sys.executable, "-m", "kvasird", "--home", str(home.root), "run"],
+                          capture_output=True, text=True, timeout=RUN_S)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"kvasird: {bad} is not a GGUF file (bad magic)"
+    assert '"ready"' not in proc.stderr and "ready" not in proc.stdout

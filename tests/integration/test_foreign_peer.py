@@ -5,15 +5,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-import httpx
 import pytest
 import trio
-from fuzz_peer import FuzzPeer  # type: ignore[import-not-found]
+from fuzz_peer import FuzzPeer, generate_ok, start_target  # type: ignore[import-not-found]
 from gossip_peer import GossipPeer  # type: ignore[import-not-found]
 
 from kvasird.localnet import LocalNet
-from kvasird.localnet.placement import pinned
-from kvasird.model.bundled import bundled_path
 
 pytestmark = pytest.mark.slow
 
@@ -59,14 +56,7 @@ def test_a_node_under_fuzz_from_two_foreign_peers_stays_up_and_keeps_serving(
     half-closed input, from one peer that answers the heartbeat and one that never does;
     meanwhile the node answers every generation and keeps its honest peer."""
     net = localnet(2)
-    previous = ""
-    for node, pins in zip(net.nodes, [["head", "layers:0-30"], []], strict=True):
-        node.settings = pinned(bundled_path(), pins) if pins else {}
-        previous = net.configure(node, [previous] if previous else [])
-    for node in net.nodes:
-        node.start()
-    target = net.nodes[0]
-    net.wait_until("the node serves", lambda: generate_ok(target), timeout=90)
+    target = start_target(net)
     lane = target.get("/v0/inference")["lanes"]["port"]
     served = {"ok": 0, "failed": 0}
     done = threading.Event()
@@ -101,11 +91,3 @@ def test_a_node_under_fuzz_from_two_foreign_peers_stays_up_and_keeps_serving(
     net.wait_until("the node still has its honest peer",
                    lambda: target.peer_ids() >= {net.nodes[1].peer_id}, timeout=15)
 
-
-def generate_ok(node) -> bool:  # noqa: ANN001
-    body = {"prompt": [1, 504, 3458], "max_tokens": 4, "temperature": 0}
-    try:
-        resp = httpx.post(node.home.admin_address() + "/v0/generate", json=body, timeout=30)
-    except httpx.HTTPError:
-        return False
-    return resp.status_code == 200 and '"error"' not in resp.text

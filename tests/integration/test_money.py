@@ -23,6 +23,7 @@ from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.system_program import TransferParams, transfer
 
+from kvasird.gateway import dashboard
 from kvasird.localnet import LocalNet
 from kvasird.localnet.demo import held_from, kvr_balance
 from kvasird.localnet.launcher import LocalNode
@@ -32,7 +33,6 @@ from kvasird.model.testmodels import make_model
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
 from kvasird.settlement.pricing import GENESIS_STAKE_MIN
-from kvasird.settlement.token import format_kvr
 from kvasird.settlement.wallet import read_keypair
 
 pytestmark = pytest.mark.slow
@@ -160,7 +160,7 @@ def test_ring_peers_are_paid_on_chain_exactly_their_measured_share(
     assert net.nodes[1].status()["earnings"] == {"earned": earned, "received": earned,
                                                  "pending": 0, "gateways": 1}
     page = httpx.get(net.nodes[1].status()["gateway"] + "/", timeout=10).text
-    assert f"<th>received on chain</th><td>{format_kvr(earned)} KVR" in page
+    assert f"<th>received on chain</th><td>{dashboard.kvr(earned)}</td>" in page
 
     # a paid request that fails before its first token is refunded, on chain, in full
     net.nodes[2].signal(signal.SIGKILL)  # the only holder of layers 20-30: no route is left
