@@ -104,8 +104,11 @@ def test_the_main_command_answers_a_paid_prompt_and_cleans_up(tmp_path: Path) ->
     line = commands()[0].split("&&", 1)[1].strip()  # setup has run: the test command did it
     args = kvasird_args(line)
     assert args is not None
+    # Ctrl-C as a terminal sends it, whatever this test process's own SIGINT disposition
+    # (an ignored signal is inherited across exec, and Python then never raises on it)
     proc = subprocess.Popen([*KVASIRD, *args, "--dir", str(tmp_path / "ln")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
     seen: list[str] = []
     deadline = time.monotonic() + 300
