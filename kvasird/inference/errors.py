@@ -31,8 +31,9 @@ Code = Literal["busy", "gone", "bad", "unpaid", "unreachable", "broken"]
     bad          the request was malformed or asked for what this node does not serve
     unpaid       this node works only for gateways that pay it (a paid network)
     unreachable  on a forwarded chain: no stream to the next hop could be opened
-    broken       this node's own output was unusable (NaN or infinity: its weights may be
-                 corrupt); the fault is the refusing node's, never the caller's
+    broken       the named peer's output was unusable (NaN or infinity: its weights may be
+                 corrupt): the refusing node's own, or on a forwarded chain the hop before
+                 it, which sent such rows on unchecked
 A node older than a code reads it as "bad", which blames the refusing node all the same."""
 CODES: frozenset[str] = frozenset(get_args(Code))
 

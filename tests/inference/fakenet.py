@@ -128,3 +128,8 @@ class FakeNet:
 
     async def notify(self, peer: str, protocol: str, msg: dict[str, Any], wait_s: float) -> None:
         await self._sender(self.me)(peer, msg)
+
+
+def no_experts(layer: int, first: int, end: int) -> Any:
+    """The expert dispatcher of a dense model's engine: never called."""
+    raise AssertionError("a dense model dispatches nothing")

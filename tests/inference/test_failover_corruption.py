@@ -1,6 +1,7 @@
-"""A stage whose slice is corrupt computes NaN: it refuses its own output, so the gateway
-avoids it (not the healthy neighbour its output would have reached) and the generation
-goes on through a replica."""
+"""A stage whose slice is corrupt computes NaN: it refuses its own output (or, when it does
+not check it, the stage it sends it to refuses it and names it), so the gateway avoids it
+(not the healthy neighbour its output would have reached) and the generation goes on
+through a replica."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from kvasird.inference.server.engine import Holdings, Served
 from kvasird.model.gguffile import read_header
 from kvasird.model.testmodels import make_model
 
-from .fakenet import FakeNet
-from .test_swarm import N_LAYER, PROMPT, generator, run
+from .conftest import N_LAYER, PROMPT
+from .fakenet import FakeNet, no_experts
+from .test_swarm import generator, run
 
 CORRUPT = "blk.2.ffn_down.weight"
 """A tensor of b's window (layers 1-3): NaN in its stored bytes."""
@@ -53,15 +55,11 @@ def served(models: tuple[Path, Path]) -> Iterator[dict[str, Served]]:
     parts = {"gw": (good, Holdings(head=True, windows=((0, 1),))),
              "b": (bad, Holdings(windows=((1, 3),))), "b2": (good, Holdings(windows=((1, 3),))),
              "c": (good, Holdings(windows=((3, 4),)))}
-    out = {name: Served.build([path], h, threads=1, kv_slots=256, remote=_no_experts)
+    out = {name: Served.build([path], h, threads=1, kv_slots=256, remote=no_experts)
            for name, (path, h) in parts.items()}
     yield out
     for s in out.values():
         s.close()
-
-
-def _no_experts(layer: int, first: int, end: int) -> object:
-    raise AssertionError("a dense model dispatches nothing")
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +106,18 @@ async def test_a_stage_refuses_its_own_non_finite_output_as_broken(
     healthy = net.servers["b2"]
     await healthy.handle("gw", Open("s", "m", 1, 3, False, False, 16).to_wire())
     assert "x" in await healthy.handle("gw", Step("s", 0, rows, "f32").to_wire())
+
+
+async def test_a_stage_that_sends_nan_unchecked_is_blamed_by_its_receiver(
+        served: dict[str, Served], reference: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """b does not check its own output (a faulty build, or a peer that read the code): c
+    refuses the NaN rows as input and names b, the gateway avoids b and not c, and the
+    replica b2 completes the generation as an undisturbed run does."""
+    net, fitness = FakeNet(served), Fitness(300)
+    monkeypatch.setattr(net.servers["b"], "_check_finite", lambda *args: None)
+    with trio.fail_after(60):
+        assert await run(_gateway(net, fitness), 10) == reference
+    assert set(fitness.snapshot()) == {"b"}
+    assert "NaN" in fitness.snapshot()["b"] and "hidden states" in fitness.snapshot()["b"]
+    assert ("b", "c", "step") in net.sent  # the NaN did reach c, which refused it

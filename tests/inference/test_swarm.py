@@ -16,17 +16,15 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.sampling import SamplingParams
-from kvasird.compute.stage import Stage, generate
 from kvasird.config import InferenceConfig
 from kvasird.inference.api import (
     Busy,
-    NoRoute,
     Finished,
     GenerationError,
     GenerationRequest,
     ModelInfo,
+    NoRoute,
     Sampling,
     TokenEvent,
 )
@@ -34,18 +32,9 @@ from kvasird.inference.client.routing import Fitness, Latency
 from kvasird.inference.client.swarm import SwarmGenerator
 from kvasird.inference.errors import FAILED_S, UNREACHABLE_S, Refusal
 from kvasird.inference.server.engine import Holdings, Served
-from kvasird.model.testmodels import make_model
 
-from .fakenet import FakeNet, hung
-
-N_LAYER = 4
-PROMPT = [3, 1, 4, 1, 5, 9]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("m") / "dense.gguf", arch="llama",
-                      n_layer=N_LAYER, dtype="f32")
+from .conftest import N_LAYER, PROMPT
+from .fakenet import FakeNet, hung, no_experts
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +42,11 @@ def served(model: Path) -> Iterator[dict[str, Served]]:
     """gw: head + layers 0-1; b and b2: layers 1-3 (replicas); c: layer 3."""
     parts = {"gw": Holdings(head=True, windows=((0, 1),)), "b": Holdings(windows=((1, 3),)),
              "b2": Holdings(windows=((1, 3),)), "c": Holdings(windows=((3, 4),))}
-    out = {name: Served.build([model], h, threads=1, kv_slots=256, remote=_no_experts)
+    out = {name: Served.build([model], h, threads=1, kv_slots=256, remote=no_experts)
            for name, h in parts.items()}
     yield out
     for s in out.values():
         s.close()
-
-
-def _no_experts(layer: int, first: int, end: int) -> Any:
-    raise AssertionError("a dense model dispatches nothing")
 
 
 def generator(net: FakeNet, fitness: Fitness) -> SwarmGenerator:
@@ -103,15 +88,6 @@ def at_token(n: int, act: Callable[[], object]) -> Callable[[int], None]:
     return on_token
 
 
-@pytest.fixture(scope="module")
-def reference(model: Path) -> list[int]:
-    full = Stage.load(model, threads=1, kv=KVSpec(n_slots=256, dtype="f32"))
-    try:
-        return generate(full, PROMPT, 10)
-    finally:
-        full.close()
-
-
 async def test_a_forwarded_route_generates_the_tokens_of_the_whole_model(
         served: dict[str, Served], reference: list[int]) -> None:
     net = FakeNet({k: v for k, v in served.items() if k != "b2"})
@@ -126,7 +102,7 @@ async def test_windows_that_overlap_chain_and_generate_the_tokens_of_the_whole_m
     """d holds layers 2-3, overlapping b's 1-2: with c gone the route enters d's window at
     layer 3, a part of the stage d loaded."""
     d = Served.build([model], Holdings(windows=((2, 4),)), threads=1, kv_slots=256,
-                     remote=_no_experts)
+                     remote=no_experts)
     try:
         net = FakeNet({"gw": served["gw"], "b": served["b"], "d": d})
         gen = generator(net, Fitness(300))

@@ -18,7 +18,8 @@ messages are parsed like any peer's), and it forwards like any other.
 
 What relaying gave for free is kept by other means:
 - which hop failed: a hop that cannot reach the next one reports it by name (the gateway
-  checks the accusation with a ping of its own); a chain that goes silent is probed by
+  checks the accusation with a ping of its own), a hop handed NaN rows names the hop
+  before it (failover.Accusations weighs that); a chain that goes silent is probed by
   the gateway (`ping` answers with the positions a session has computed), and the first
   hop that does not answer, or has not reached the step, is the one replaced. Checking
   progress after PROBE_AFTER_S (doubling) finds a SIGKILLed stage in about a second
@@ -78,7 +79,7 @@ from kvasird.inference.api import (
     TokenEvent,
     UnknownModel,
 )
-from kvasird.inference.client.failover import judge
+from kvasird.inference.client.failover import Accusations, judge
 from kvasird.inference.client.routing import (
     Fitness,
     Hop,
@@ -202,6 +203,8 @@ class SwarmGenerator:
         self.traces = Traces()
         """Where the traced steps' time went (steptrace)."""
         self._work: dict[str, tuple[HopWork, ...]] = {}
+        self.accusations = Accusations(me)
+        """Which hops accused which of sending them NaN, lately (failover.Accusations)."""
         self.nursery: trio.Nursery | None = None
         """Where steps run ahead of the consumer (set by the service once it runs)."""
 
@@ -594,14 +597,21 @@ class _Run:
     async def _blame(self, reporter: str, failure: Failure) -> HopFailed:
         """The failure a chain reported, pinned on a peer we checked ourselves.
 
-        A hop reporting its own refusal is taken at its word. A hop saying it could not
-        reach the next one is believed only if the next one does not answer us either;
-        otherwise the reporter (or its link) is the broken part.
+        A hop reporting its own refusal is taken at its word. A hop saying a peer sent it
+        NaN or infinite rows ("broken") is weighed by failover.Accusations when that peer
+        is the hop before it on the route, else it is the failed hop. A hop saying it
+        could not reach the next one is believed only if the next one does not answer us
+        either; otherwise the reporter (or its link) is the broken part.
         """
         accused, code, detail = failure.peer, failure.code, failure.error
         if accused in ("", reporter):
             return Refused(reporter, code, detail)
         assert self.route is not None
+        if code == "broken":
+            hops = self.route.hops
+            if not any(a.peer == accused and b.peer == reporter for a, b in zip(hops, hops[1:])):
+                return HopFailed(reporter, f"accused a peer that sent it nothing: {detail}")
+            return self.gen.accusations.weigh(reporter, accused, detail)
         index = next((i for i, h in enumerate(self.route.hops) if h.peer == accused), None)
         if index is None:
             return HopFailed(reporter, f"blamed a peer that is not on the route: {detail}")

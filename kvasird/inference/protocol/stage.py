@@ -137,7 +137,9 @@ class Step:
     start: int
     """Position of the first row."""
     x: np.ndarray
-    """Token ids (int32 [T]) or hidden rows (float32 [T, n_embd])."""
+    """Token ids (int32 [T]) or hidden rows (float32 [T, n_embd]); on a forwarded step
+    the rows as sent, NaN or infinity included, for the stage to refuse naming the hop
+    that sent them (read strictly, the frame would be dropped and nobody told why)."""
     dt: str = "i32"
     """How x travels: "i32" for ids, "f32" or "f16" for rows."""
     ids: tuple[int, ...] | None = None
@@ -169,7 +171,7 @@ class Step:
 
     @staticmethod
     def from_wire(d: dict[str, Any]) -> Step:
-        x, dt = _rows(d.get("x"), "stage.x")
+        x, dt = _rows(d.get("x"), "stage.x", finite="back" not in d)
         ids = d.get("ids")
         return Step(schema.text(d, "sid", 64, "stage"),
                     schema.integer(d, "start", 0, MAX_POSITIONS, "stage"), x, dt,
@@ -230,7 +232,8 @@ class Result:
 @dataclass(frozen=True, slots=True)
 class Failure:
     """A forwarded chain ended early: sent one-way to the owner, naming the peer that
-    failed (the sender itself, or the next hop it could not reach)."""
+    failed: the sender itself, the next hop it could not reach, or (code "broken") the hop
+    before it, which sent it NaN or infinite hidden states."""
 
     ticket: str
     code: Code
@@ -385,14 +388,15 @@ def _ids(value: Any, n: int) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _rows(value: Any, what: str) -> tuple[np.ndarray, str]:
-    """Token ids (i32, [T]) or hidden rows (f32/f16, [T, width]) and how they travelled."""
+def _rows(value: Any, what: str, finite: bool = True) -> tuple[np.ndarray, str]:
+    """Token ids (i32, [T]) or hidden rows (f32/f16, [T, width]) and how they travelled;
+    rows that are not all finite only when not `finite` (tensors.decode)."""
     dt = value.get("dt") if isinstance(value, dict) else None
     if dt == "i32":
         return tensors.decode(value, what, ("i32",), (None,)), "i32"
     if dt not in ("f32", "f16"):
         raise WireError(f"{what}.dt: expected one of ['i32', 'f32', 'f16'], got {dt!r:.40}")
-    return tensors.decode(value, what, ("f32", "f16"), (None, None)), dt
+    return tensors.decode(value, what, ("f32", "f16"), (None, None), finite=finite), dt
 
 
 def _trace(value: Any, most: int) -> tuple[tuple[float, ...], ...] | None:

@@ -4,7 +4,9 @@
 
 Decoding checks everything against the receiver's expectations (dtype set, rank, fixed
 dimensions, element limit, byte length) before numpy sees the bytes, and always hands
-back float32 or int32, so f16 is a wire format only.
+back float32 or int32, so f16 is a wire format only. Floats must be finite, unless the
+receiver asks for them as sent (``finite=False``) to say itself whose fault they are not:
+a stage handed NaN rows by the hop before it names that hop (server.stage).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ def encode(x: np.ndarray, dt: str) -> dict[str, Any]:
     return {"dt": dt, "shape": list(data.shape), "data": data.tobytes()}
 
 
-def decode(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | None]) -> np.ndarray:
-    """A validated array; `shape` gives the rank, with None for a free dimension (>= 1)."""
+def decode(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | None], *,
+           finite: bool = True) -> np.ndarray:
+    """A validated array; `shape` gives the rank, with None for a free dimension (>= 1).
+    With ``finite=False`` floats may hold NaN or infinity: the caller checks them."""
     if not isinstance(value, dict):
         raise WireError(f"{what}: expected an array map")
     dt, dims, data = value.get("dt"), value.get("shape"), value.get("data")
@@ -50,6 +54,6 @@ def decode(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | No
     if dt == "i32":
         return x
     x = x.astype(np.float32)
-    if not np.isfinite(x).all():
+    if finite and not np.isfinite(x).all():
         raise WireError(f"{what}: contains NaN or infinity")
     return x

@@ -5,7 +5,8 @@ positions start.. ─▶ hidden rows, or the sampled token at the last stage), c
 Sessions are keyed by (caller, session id), bounded in number and KV room (admission
 refuses with "busy" and a reason), and closed when idle. A forwarded step computes and
 hands its output to the next hop itself, or its result to the session's owner; a failure
-on the way names the peer that failed.
+on the way names the peer that failed (this node, the next hop, or the hop before it when
+it sent rows that are not finite).
 
 The handlers see only messages kvasird.inference.protocol.stage has parsed (``answer``;
 channel.serve parses each frame as it is read, ``handle`` parses an in-process caller's);
@@ -197,6 +198,9 @@ class StageServer:
             if caller not in (owner, s.prev):
                 raise Refusal("bad", "only the session's owner and the hop before it on the "
                                      "route may step it")
+            if m.dt != "i32" and not np.isfinite(m.x).all():
+                culprit = caller
+                raise self._unusable_input(s, m, caller)
             out = await self._step(s, m)
             trace = _traced(f, s)
             if not isinstance(out, TokenEvent):
@@ -280,8 +284,7 @@ class StageServer:
         finally:
             s.used = time.monotonic()
             s.last_step = (began, s.used, waited[0])
-        if not np.isfinite(out).all():
-            raise self._broken(s, m, len(x))
+        self._check_finite(s, m, out)
         self.tokens += len(x)
         s.at = m.start + len(x)
         if s.sampler is None:
@@ -293,19 +296,30 @@ class StageServer:
         top = np.argsort(-lp, kind="stable")[:s.logprobs]
         return TokenEvent(token, float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
 
-    def _broken(self, s: ServedSession, m: Step, n: int) -> Refusal:
-        """The refusal of a step whose output is not finite: this node's fault (a corrupt
-        slice computes NaN), said before the output reaches the next hop, which would refuse
-        it and be blamed in our place. The check costs ~7 us a hidden row and ~25 us the
+    def _check_finite(self, s: ServedSession, m: Step, out: np.ndarray) -> None:
+        """Refuse a step whose output is not finite: this node's fault (a corrupt slice
+        computes NaN), said before the output reaches the next hop, which would refuse it
+        and be blamed in our place. The check costs ~7 us a hidden row and ~25 us the
         logits of a 49k vocabulary, against ~56 ms a decode step of the bundled model."""
+        if np.isfinite(out).all():
+            return
         what = "logits" if s.sampler is not None else "hidden states"
-        layers = f"layers [{s.chain[0].window[0]}, {s.chain[-1].window[1]})"
-        positions = f"{m.start}..{m.start + n - 1}"
+        layers, positions = _where(s, m)
         log.warning("computed non-finite output: refusing to send it (are the model's slices "
                     "corrupt?)", what=what, layers=layers, positions=positions)
-        return Refusal("broken", f"this node computed NaN or infinite {what} at {layers}, "
-                                 f"positions {positions}: its weights may be corrupt; route "
-                                 "around it")
+        raise Refusal("broken", f"this node computed NaN or infinite {what} at {layers}, "
+                                f"positions {positions}: its weights may be corrupt; route "
+                                "around it")
+
+    def _unusable_input(self, s: ServedSession, m: Step, sender: str) -> Refusal:
+        """The refusal of forwarded rows that are not finite, which blames their sender: a
+        peer that does not check its own output (a faulty build, or a hostile peer) would
+        otherwise have this node taken for the broken one."""
+        layers, positions = _where(s, m)
+        log.warning("received non-finite hidden states: refusing them and naming the sender",
+                    sender=sender, layers=layers, positions=positions)
+        return Refusal("broken", f"sent NaN or infinite hidden states for {layers}, positions "
+                                 f"{positions}: its weights may be corrupt; route around it")
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -397,6 +411,12 @@ async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
         return await run_short(holders, True, shard.call, layer, rows, sel)
 
     return await drive_async(dispatch_steps(layer, cur, ids, stage.shards[layer]), shard_outputs)
+
+
+def _where(s: ServedSession, m: Step) -> tuple[str, str]:
+    """The layers and positions of a step, as a refusal names them."""
+    return (f"layers [{s.chain[0].window[0]}, {s.chain[-1].window[1]})",
+            f"{m.start}..{m.start + len(m.x) - 1}")
 
 
 def _why(exc: KvasirError) -> tuple[Code, str]:
