@@ -84,9 +84,10 @@ class InferenceService:
         c = config.inference
         self.served: Served | None = None
         self.holdings = Holdings()
-        self._holdings_of: dict[str, tuple[CoverageRecord, PeerHoldings]] = {}
-        """Each peer's holdings as last read from its record (kept while the record is the
-        same object: holders() runs for every remote MoE layer of every token)."""
+        self._holdings_of: dict[str, tuple[CoverageRecord, int, PeerHoldings]] = {}
+        """Each peer's proven holdings as last read from its record (kept while the record
+        is the same object and no proof changed: holders() runs for every remote MoE
+        layer of every token)."""
         self.channels = Channels(p2p.host, lanes=c.lanes, connect=p2p.connect)
         self.lanes = LaneServer(_lane_host(config.p2p.listen), c.lane_port, MAX_FRAME,
                                 p2p.config_path) if c.lanes else None
@@ -183,6 +184,8 @@ class InferenceService:
         Peers speaking another wire protocol version are never routed to.
         """
         out: list[PeerHoldings] = []
+        proofs = self.market.proofs
+        version = proofs.version if proofs is not None else 0
         if self.market.map is not None:
             entries, known = self.market.map.entries, self._holdings_of
             if len(known) > 2 * len(entries) + 16:  # forget peers gone from the map
@@ -192,11 +195,13 @@ class InferenceService:
                 if p == self.p2p.peer_id or r.state == "offline" or r.protocol != PROTOCOL_VERSION:
                     continue
                 hit = known.get(p)
-                if hit is None or hit[0] is not r:
+                if hit is None or hit[0] is not r or hit[1] != version:
                     if hit is not None and r.boot != hit[0].boot and self.fitness.restarted(p):
                         log.info("peer restarted: its failures are forgiven", peer=p)
-                    hit = known[p] = (r, PeerHoldings.of_record(r))
-                out.append(hit[1])
+                    held = PeerHoldings.of_record(
+                        r, proofs.proven(r) if proofs is not None else None)
+                    hit = known[p] = (r, version, held)
+                out.append(hit[2])
         if self.served is not None:
             h = self.holdings
             out.append(PeerHoldings(self.p2p.peer_id, h.head, h.windows, h.experts))

@@ -108,6 +108,12 @@ class CoverageMap:
             if h.state == "online":
                 self.online.add(h, sign)
 
+    def remove(self, peer: str) -> None:
+        """Take a peer out (caught lying): its holdings no longer count."""
+        entry = self.entries.pop(peer, None)
+        if entry is not None:
+            self._count(entry.record, -1)
+
     def expire(self, now: float) -> list[str]:
         """Remove peers whose last record outlived its TTL; return their ids."""
         gone = [p for p, e in self.entries.items() if e.expires < now]

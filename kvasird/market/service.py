@@ -27,6 +27,7 @@ from kvasird.market.enroll import decide
 from kvasird.market.gate import RecordGate, Stale
 from kvasird.market.model import MarketModel
 from kvasird.market.pinning import parse_hold
+from kvasird.market.proofs import ClaimChecker
 from kvasird.market.records import (
     MAX_RECORD_BYTES,
     Capabilities,
@@ -34,7 +35,7 @@ from kvasird.market.records import (
     LoadReport,
     compress,
 )
-from kvasird.model.manifest import Unit
+from kvasird.model.manifest import Manifest, Unit
 from kvasird.p2p import P2PNode
 from kvasird.settlement.wallet import WalletLink
 
@@ -92,6 +93,11 @@ class MarketService:
         settlement runs)."""
         self.rng = np.random.default_rng(seed)
         self._seq = 0
+        self.proofs: ClaimChecker | None = None if shards is None else ClaimChecker(
+            p2p.peer_id, shards.store, shards.open_stream, self._latest, self._caught_lying,
+            np.random.default_rng(), on_pardon=lambda peer: self.p2p.gossip.unban(peer))
+        """Checks what peers claim to hold before routing trusts it (None without a store:
+        every claim is taken as it comes)."""
 
     def _use(self, model: MarketModel) -> None:
         self.model = model
@@ -141,13 +147,43 @@ class MarketService:
 
     def _apply_coverage(self, value: Any, signer: str, now: float) -> None:
         record = CoverageRecord.from_wire(value)
+        if self.proofs is not None and self.proofs.banned(record.peer):
+            raise Stale("the peer was caught lying about its holdings")  # ignored, quietly
         if self.map is not None and record.model == self.map.model.model_id:
             self.map.check(record)
         self.gate.check(COVERAGE, signer, record.peer, record.seq, record.ts, now)
         if record.model and record.peer != self.p2p.peer_id:
             self.announcers.setdefault(record.model, set()).add(record.peer)
+        if self.map is not None and self.map.apply(record, now) and self.proofs is not None \
+                and record.peer in self.map.entries and (manifest := self._manifest()) is not None:
+            self.proofs.note(record, manifest)
+
+    # --- claims checked ----------------------------------------------------------------
+
+    def _manifest(self) -> Manifest | None:
+        """The manifest of the model we serve, once the store has it."""
+        if self.model is None or self.shards is None:
+            return None
+        try:
+            return self.shards.store.manifest(self.model.model_id)
+        except Exception:  # noqa: BLE001 - not resolved yet
+            return None
+
+    def _latest(self, peer: str) -> CoverageRecord | None:
+        entry = self.map.entries.get(peer) if self.map is not None else None
+        return entry.record if entry is not None else None
+
+    def _caught_lying(self, peer: str, why: str) -> None:
         if self.map is not None:
-            self.map.apply(record, now)
+            self.map.remove(peer)
+        self.gate.rejected[peer] += 1
+        self.gate.forget(peer)
+        for announced in self.announcers.values():
+            announced.discard(peer)
+        try:
+            self.p2p.gossip.ban(peer)
+        except Exception as exc:  # noqa: BLE001 - the gossip service is stopping
+            log.debug("could not ban a liar from gossip", peer=peer, error=repr(exc))
 
     def _apply_load(self, value: Any, signer: str, now: float) -> None:
         report = LoadReport.from_wire(value)
@@ -192,6 +228,8 @@ class MarketService:
             async with trio.open_nursery() as nursery:
                 for sub in subs:
                     nursery.start_soon(_drain, sub)
+                if self.proofs is not None:
+                    await nursery.start(self.proofs.run, self._manifest)
                 nursery.start_soon(self._heartbeat)
                 if self.model is None and self.config.model and self.shards is not None:
                     nursery.start_soon(self._resolve_then_enroll)
@@ -220,6 +258,8 @@ class MarketService:
                 for peer in self.map.expire(time.time() - stall):
                     log.info("holder's coverage expired (no record within its TTL)", peer=peer)
                     self.gate.forget(peer)
+                    if self.proofs is not None:
+                        self.proofs.forget(peer)
             await self.publish()
             began = trio.current_time()
             await trio.sleep(self.config.heartbeat_s)
@@ -274,7 +314,11 @@ class MarketService:
             await self.publish()
             try:
                 if self.shards is not None:
-                    await self.shards.fetch(self.model.model_id, plan.add, self.sources(plan.add))
+                    report = await self.shards.fetch(self.model.model_id, plan.add,
+                                                     self.sources(plan.add))
+                    if report is not None and self.proofs is not None:
+                        for peer in report.bad_holders:
+                            self.proofs.condemn(peer, "sent bytes that are not the model's")
                 await self.loader(list(plan.add))
             except Exception as exc:  # noqa: BLE001 - a failed download or load gives the units up
                 log.warning("could not obtain or load enrolled units; giving them up",
@@ -306,8 +350,11 @@ class MarketService:
                       "n_expert": self.model.n_expert, "bytes": self.model.total_bytes},
             "holders": {p: {"state": e.record.state, "budget": e.record.budget,
                             "boot": e.record.boot,
-                            "holdings": [h.to_wire() for h in e.record.holdings]}
+                            "holdings": [h.to_wire() for h in e.record.holdings],
+                            "proven_units": None if self.proofs is None
+                            else len(self.proofs.proven(e.record))}
                         for p, e in self.map.entries.items()},
+            "proofs": None if self.proofs is None else self.proofs.view(),
             "segments": segments(self.model, self.map.active, targets),
             "fully_covered": fully_covered(self.map.active, targets),
             "routable": fully_covered(self.map.online, self.demand.targets(1)),

@@ -7,6 +7,8 @@ tests). On one stream the client sends requests one after another, each a msgpac
     {"op": "manifest", "model": ID}                   → header, then the manifest bytes
     {"op": "read", "model": ID, "ranges": [[tensor, expert, offset, length], ...]}
                                                       → header, then the ranges' bytes, concatenated
+    {"op": "prove", "model": ID, "nonce": BYTES, "ranges": [...]}
+                                                      → header, then sha256(nonce ‖ the ranges' bytes)
     header: {"ok": true, "len": N} | {"ok": false, "error": TEXT, "missing": [range index...]}
 
 Download (``download``): the wanted units' pieces that the store lacks are cut into
@@ -22,6 +24,7 @@ the partial files, so a download resumes where it stopped.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
@@ -43,6 +46,8 @@ MAX_REQUEST_FRAME = 1 << 20
 MAX_RANGES = 4096
 MAX_READ = 16 << 20
 """Most bytes one read request may ask for."""
+NONCE_BYTES = (16, 64)
+"""Length bounds of a proof request's nonce."""
 BATCH_BYTES = 4 << 20
 """What a client asks one holder for per request."""
 READ_SIZE = 1 << 20
@@ -57,6 +62,10 @@ log = structlog.get_logger("kvasird.model.transfer")
 
 class TransferError(ModelError):
     """A download could not finish; what was verified so far stays on disk for a retry."""
+
+
+class PeerMissing(PeerError):
+    """A peer answered that it does not hold pieces it was asked for."""
 
 
 class ShardStream(ByteStream, Protocol):
@@ -177,15 +186,30 @@ def _answer(source: ShardSource, request: Any) -> tuple[dict[str, Any], list[byt
         if raw is None:
             return {"ok": False, "error": "unknown model", "missing": [0]}, []
         return {"ok": True, "len": len(raw)}, [raw]
-    if op != "read":
+    if op not in ("read", "prove"):
         raise WireError(f"unknown shard op {op!r}")
+    nonce = request.get("nonce") if op == "prove" else b""
+    if not isinstance(nonce, bytes) or op == "prove" and not (
+            NONCE_BYTES[0] <= len(nonce) <= NONCE_BYTES[1]):
+        raise WireError(f"a proof request needs a nonce of {NONCE_BYTES[0]}-{NONCE_BYTES[1]} bytes")
     ranges = _ranges(request.get("ranges"))
     parts = [source.read_range(model, *r) for r in ranges]
     held = [p for p in parts if p is not None]
     if len(held) < len(parts):
         missing = [i for i, p in enumerate(parts) if p is None]
         return {"ok": False, "error": "pieces not held here", "missing": missing}, []
+    if op == "prove":
+        return {"ok": True, "len": 32}, [proof_digest(nonce, held)]
     return {"ok": True, "len": sum(len(p) for p in held)}, held
+
+
+def proof_digest(nonce: bytes, parts: Iterable[bytes]) -> bytes:
+    """What a holder answers to a proof request: sha256 of the nonce and the bytes asked for.
+    A fresh nonce makes it unanswerable without the bytes themselves."""
+    h = hashlib.sha256(nonce)
+    for part in parts:
+        h.update(part)
+    return h.digest()
 
 
 def _ranges(value: Any) -> list[tuple[str, int, int, int]]:
@@ -204,6 +228,26 @@ def _ranges(value: Any) -> list[tuple[str, int, int, int]]:
 
 
 # client
+
+Range = tuple[str, int, int, int]
+"""(tensor, expert, offset, length): bytes of one piece."""
+
+
+async def ask(open_stream: OpenStream, peer: Peer, request: dict[str, Any], max_len: int,
+              stall_timeout: float) -> bytes:
+    """One request on a stream of its own, and its answer's bytes. Raises PeerMissing when
+    the holder says it lacks a piece asked for; other errors as they come (a transport
+    failure, WireError for a malformed answer, trio.TooSlowError past stall_timeout)."""
+    stream = await open_stream(peer)
+    try:
+        with trio.fail_after(stall_timeout):
+            await write_frame(stream, request)
+            return bytes(await _response(stream, max_len))
+    except _Missing:
+        raise PeerMissing(f"{str(peer)[:16]} lacks pieces it was asked for") from None
+    finally:
+        await _close(stream)
+
 
 async def fetch_manifest(open_stream: OpenStream, holders: Sequence[Peer], model_id: str,
                          stall_timeout: float = 30.0) -> Manifest:

@@ -78,6 +78,15 @@ class Gossip:
                 await trio.sleep(EQUIVOCATION_SWEEP_S)
                 self.router.equivocation_detection.clear()
 
+    def ban(self, peer: str) -> None:
+        """Drop every message ``peer`` signs or forwards, until ``unban``: a liar. Dropped
+        before any validator, so the honest peers that forward its records before they
+        caught it themselves are not scored down for them."""
+        self.pubsub.add_to_blacklist(ID.from_base58(peer))
+
+    def unban(self, peer: str) -> None:
+        self.pubsub.remove_from_blacklist(ID.from_base58(peer))
+
     def set_validator(self, name: str, validator: Validator) -> None:
         self.pubsub.set_topic_validator(self.topic(name), validator, True)
 

@@ -2,7 +2,9 @@
 
 It answers kvasird's heartbeat (hello + pong) so it is not dropped as dead, and
 publishes whatever bytes a test gives it on a network's gossip topics: load reports
-of a pretend stage, or garbage and lies of an adversary.
+of a pretend stage, or garbage and lies of an adversary. With ``lie_about_shards`` it
+also answers the shard protocol, with bytes that are not the model's (a peer that claims
+units it does not hold, and answers the challenges of its claims as best it can).
 """
 
 from __future__ import annotations
@@ -43,19 +45,41 @@ class GossipPeer:
             await reader.read()
             await write_frame(stream, {"t": "hello", "network": self.network,
                                        "protocol": PROTOCOL_VERSION, "version": "test",
-                                       "addrs": []})
+                                       "addrs": self.advertised})
             while True:
                 msg = await reader.read()
                 await write_frame(stream, {"t": "pong", "n": msg["n"]})
         except Exception:  # noqa: BLE001 - the daemon hung up
             return
 
+    async def _lying_shards(self, stream) -> None:  # noqa: ANN001
+        """Every shard request answered "ok" with as many zero bytes as it asks for (32 for
+        a proof), and counted in ``shard_requests``."""
+        reader = FrameReader(stream)
+        try:
+            while True:
+                request = await reader.read()
+                self.shard_requests.append(request.get("op", "?"))
+                n = 32 if request.get("op") == "prove" else sum(r[3] for r in request["ranges"])
+                await write_frame(stream, {"ok": True, "len": n})
+                await stream.write(bytes(n))
+        except Exception:  # noqa: BLE001 - the daemon hung up
+            return
+
     @asynccontextmanager
-    async def running(self, join: str) -> AsyncIterator[GossipPeer]:
+    async def running(self, join: str, *, lie_about_shards: bool = False
+                      ) -> AsyncIterator[GossipPeer]:
+        self.shard_requests: list[str] = []
+        self.advertised: list[str] = []
+        """Addresses told in the hello: a peer that lies about shards wants to be dialled."""
+        if lie_about_shards:
+            self.host.set_stream_handler("/kvasir/shard/1", self._lying_shards)
         self.host.set_stream_handler("/kvasir/heartbeat/1", self._heartbeat)
         async with self.host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]), \
                 background_trio_service(self.pubsub), background_trio_service(self.router):
             await self.pubsub.wait_until_ready()
+            if lie_about_shards:
+                self.advertised = [str(a) for a in self.host.get_addrs()]
             await self.host.connect(info_from_p2p_addr(multiaddr.Multiaddr(join)))
             for name in ("coverage", "load"):
                 await self.pubsub.subscribe(f"kvasir/{self.network}/{name}")

@@ -134,6 +134,12 @@ def test_holder_that_flips_bytes_is_detected_and_avoided(
     want = slice_bytes(manifest, pins)
     net.wait_until("the learner holds its window", lambda: held(learner) >= want, timeout=90)
     report = learner.get("/v0/shards")["last_download"]
-    assert report["bad_holders"] == [liar.peer_id]
-    assert report["rejected_bytes"] > 0
-    assert "shard holder sent wrong bytes" in learner.log.read_text()
+    assert report["bad_holders"] in ([], [liar.peer_id])
+    # Caught by the challenge of its claim (usually before the download began), or while
+    # downloading: either way a liar, out of the learner's map.
+    net.wait_until("the learner took the flipper for a liar", lambda: liar.peer_id in (
+        learner.get("/v0/coverage")["proofs"]["liars"]), timeout=30)
+    if report["bad_holders"]:
+        assert report["rejected_bytes"] > 0
+        assert "shard holder sent wrong bytes" in learner.log.read_text()
+    assert liar.peer_id not in learner.get("/v0/coverage")["holders"]

@@ -21,12 +21,13 @@ stage it loaded (Stage.part).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 
 import trio
 
-from kvasird.market.records import CoverageRecord
+from kvasird.market.records import CoverageRecord, Holding
+from kvasird.model.manifest import Unit
 
 DEFAULT_LATENCY_MS = 25.0
 """Assumed for a peer we have no measurement of yet."""
@@ -52,11 +53,28 @@ class PeerHoldings:
     """(layer, e0, e1) expert ranges it serves as a worker."""
 
     @classmethod
-    def of_record(cls, record: CoverageRecord) -> PeerHoldings:
+    def of_record(cls, record: CoverageRecord,
+                  proven: Container[Unit] | None = None) -> PeerHoldings:
+        """Its online holdings; only the units in ``proven`` when given (market.proofs)."""
         online = [h for h in record.holdings if h.state == "online"]
+        if proven is not None:
+            online = [Holding(h.kind, h.start, a, b, h.state) for h in online
+                      for a, b in _runs(h, proven)]
         windows = _merge([(h.lo, h.hi) for h in online if h.kind == "L"])
         experts = tuple((h.start, h.lo, h.hi) for h in online if h.kind == "E")
         return cls(record.peer, any(h.kind == "H" for h in online), windows, experts)
+
+
+def _runs(h: Holding, proven: Container[Unit]) -> list[tuple[int, int]]:
+    """The [lo, hi) runs of a holding whose units are all in ``proven``."""
+    out: list[tuple[int, int]] = []
+    for i, u in zip(range(h.lo, h.hi), h.units(), strict=True):
+        if u in proven:
+            if out and out[-1][1] == i:
+                out[-1] = (out[-1][0], i + 1)
+            else:
+                out.append((i, i + 1))
+    return out
 
 
 def _merge(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
