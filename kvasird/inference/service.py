@@ -247,7 +247,7 @@ class InferenceService:
                 return
             c = self.config
             began = time.monotonic()
-            served = await trio.to_thread.run_sync(lambda: Served.build(
+            served = None if not held else await trio.to_thread.run_sync(lambda: Served.build(
                 self._sources(held), wanted, threads=c.compute.threads,
                 kv_slots=c.inference.kv_slots, kv_dtype=c.inference.kv_dtype,
                 remote=self.dispatcher.shard))

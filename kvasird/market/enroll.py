@@ -12,7 +12,7 @@ holders (the same deterministic choice on every node), so a unit is never left u
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +35,14 @@ class Plan:
 
 def decide(model: MarketModel, counts: Counts, targets: Targets, me: str, budget: int,
            held: set[Unit], pinned: set[Unit], holders: Callable[[Unit], list[str]],
-           rng: np.random.Generator, peers: int = 1) -> Plan:
+           rng: np.random.Generator, peers: int = 1,
+           stored: Set[Unit] = frozenset()) -> Plan:
     """``counts`` include our own holdings; ``holders(unit)`` lists the active holders.
+
+    ``stored`` are units whose bytes are on our disk already (a restarted node's previous
+    holdings): among equally scarce runs they are taken first, and a run is entered at
+    them, so a restart takes back what it held where the market still wants it, with no
+    download.
 
     ``peers`` is how many nodes take part in the market. Filling free budget is always
     done; giving a unit up to take a scarce one (a swap) is done by each node only with
@@ -50,7 +56,7 @@ def decide(model: MarketModel, counts: Counts, targets: Targets, me: str, budget
     counts = _copy(counts)
     for u in add:
         _bump(counts, u)
-    wanted = _scarce_runs(model, counts, targets, held | set(add), rng)
+    wanted = _scarce_runs(model, counts, targets, held | set(add), rng, stored)
     droppable = _surplus(model, counts, targets, me, held - pinned, holders)
     spare = sum(model.size(u) for u in droppable)
     drop: list[Unit] = []
@@ -85,8 +91,9 @@ def _bump(c: Counts, u: Unit) -> None:
 
 
 def _scarce_runs(model: MarketModel, counts: Counts, targets: Targets, held: set[Unit],
-                 rng: np.random.Generator) -> list[list[Unit]]:
-    """Runs of scarce units we don't hold, scarcest first, each rotated to a random start."""
+                 rng: np.random.Generator, stored: Set[Unit] = frozenset()) -> list[list[Unit]]:
+    """Runs of scarce units we don't hold, scarcest first, each rotated to a random start
+    (to its first stored unit when it has one)."""
     s_layer, s_expert, s_head = scarcity(counts, targets)
     runs: list[tuple[float, int, float, list[Unit]]] = []
     if s_head > 0 and HEAD not in held:
@@ -99,10 +106,16 @@ def _scarce_runs(model: MarketModel, counts: Counts, targets: Targets, held: set
     # Equally scarce: the largest unit first (first-fit decreasing). A node that filled its
     # budget with small layers first could leave no room anywhere for the head (30 of 42
     # MiB per node in the 3-node demo), and nodes only give up surplus: it stayed uncovered.
-    runs.sort(key=lambda r: (-r[0], -r[1], r[2]))
+    # Before both: runs with more bytes already on our disk.
+    def on_disk(units: list[Unit]) -> int:
+        return sum(model.size(u) for u in units if u in stored)
+
+    runs.sort(key=lambda r: (-r[0], -on_disk(r[3]), -r[1], r[2]))
     out = []
     for _, _, _, units in runs:
         k = int(rng.integers(len(units)))
+        k = next((i for i, u in enumerate(units) if u in stored and (
+            i == 0 or units[i - 1] not in stored)), k) if stored else k
         out.append(units[k:] + units[:k])
     return out
 

@@ -292,46 +292,79 @@ class MarketService:
             await trio.sleep(self.config.rebalance_s * float(self.rng.uniform(0.7, 1.3)))
 
     async def rebalance(self) -> None:
+        """One round: decide, announce, obtain and load; then the engine serves exactly what
+        ``held`` says (rebuilt when an add failed after its drop), and a downloaded model's
+        store is pruned back to the budget."""
         assert self.map is not None and self.model is not None and self.demand is not None
         self.map.expire(time.time())
         plan = decide(self.model, self.map.active, self.demand.targets(self.config.target_replicas),
                       self.p2p.peer_id, self.budget, set(self.held), self.pinned,
-                      self.map.holders, self.rng, peers=max(len(self.map.entries), 1))
+                      self.map.holders, self.rng, peers=max(len(self.map.entries), 1),
+                      stored=await self._stored())
         if plan.drop:
             for u in plan.drop:
                 self.held[u] = "draining"
             await self.publish()
             for u in plan.drop:
                 del self.held[u]
-        if plan.add:
-            log.info("enrolling", units=len(plan.add), dropping=len(plan.drop),
-                     bytes=sum(self.model.size(u) for u in plan.add))
-            for u in plan.add:
-                self.held[u] = "joining"
-            await self.publish()
-            for u in plan.add:
-                self.held[u] = "loading"
-            await self.publish()
-            try:
-                if self.shards is not None:
-                    report = await self.shards.fetch(self.model.model_id, plan.add,
-                                                     self.sources(plan.add))
-                    if report is not None and self.proofs is not None:
-                        for peer in report.bad_holders:
-                            self.proofs.condemn(peer, "sent bytes that are not the model's")
-                await self.loader(list(plan.add))
-            except Exception as exc:  # noqa: BLE001 - a failed download or load gives the units up
-                log.warning("could not obtain or load enrolled units; giving them up",
-                            units=len(plan.add), error=str(exc)[:300])
-                for u in plan.add:
-                    del self.held[u]
+        added = not plan.add or await self._add(plan.add, len(plan.drop))
+        if not added:  # (units are dropped only to make room for an add)
+            await self._sync_engine()
+        if added:
+            self.state = "online"
+            if plan.add or plan.drop:
                 await self.publish()
-                return
-            for u in plan.add:
-                self.held[u] = "online"
-        self.state = "online"
         if plan.add or plan.drop:
+            await self._prune()
+
+    async def _stored(self) -> set[Unit]:
+        """Units whose bytes are in our store already (a restart's previous holdings)."""
+        if self.shards is None or self.model is None or self.held:
+            return set()  # only the first round after a start needs it
+        return set(await trio.to_thread.run_sync(self.shards.store.held_units, self.model.model_id))
+
+    async def _sync_engine(self) -> None:
+        """Rebuild the engine for what we hold now (a drop, or an add that failed after it,
+        left it serving units no longer in our record and in our budget)."""
+        try:
+            await self.loader([])
+        except Exception as exc:  # noqa: BLE001 - the old engine serves on, a superset
+            log.warning("could not rebuild the engine for the units still held; it serves "
+                        "what it held before", error=str(exc)[:300])
+
+    async def _prune(self) -> None:
+        if self.shards is not None and self.model is not None:
+            await trio.to_thread.run_sync(self.shards.prune, self.model.model_id,
+                                          set(self.held), self.budget)
+
+    async def _add(self, add: tuple[Unit, ...], dropping: int) -> bool:
+        """Announce, obtain and load ``add``; False (the units given up) when that failed."""
+        assert self.model is not None
+        log.info("enrolling", units=len(add), dropping=dropping,
+                 bytes=sum(self.model.size(u) for u in add))
+        for u in add:
+            self.held[u] = "joining"
+        await self.publish()
+        for u in add:
+            self.held[u] = "loading"
+        await self.publish()
+        try:
+            if self.shards is not None:
+                report = await self.shards.fetch(self.model.model_id, add, self.sources(add))
+                if report is not None and self.proofs is not None:
+                    for peer in report.bad_holders:
+                        self.proofs.condemn(peer, "sent bytes that are not the model's")
+            await self.loader(list(add))
+        except Exception as exc:  # noqa: BLE001 - a failed download or load gives the units up
+            log.warning("could not obtain or load enrolled units; giving them up",
+                        units=len(add), error=str(exc)[:300])
+            for u in add:
+                del self.held[u]
             await self.publish()
+            return False
+        for u in add:
+            self.held[u] = "online"
+        return True
 
     # --- views -----------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ peers announce) into a manifest.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ from kvasird.model.transfer import (
 from kvasird.p2p import P2PNode
 
 log = get_logger("kvasird.shards")
+
+SLICE_GRACE_S = 120.0
+"""An expert slice assembled this recently is not pruned: a hot expert's may be loading."""
 
 MAX_SERVING_STREAMS = 4
 OPEN_TIMEOUT_S = 10.0
@@ -128,12 +132,39 @@ class ShardService:
         folder.mkdir(parents=True, exist_ok=True)
         out = []
         for text in slice_specs(units):
-            name = text.replace("=", "-").replace(":", "_").replace(",", "+")
-            path, spec = folder / f"{name}.gguf", parse_spec(text)
+            path, spec = folder / _slice_name(text), parse_spec(text)
             if not self.store.check_slice(model_id, spec, path):
                 self.store.write_slice(model_id, spec, path)
             out.append(path)
         return out
+
+    def prune(self, model_id: str, keep: Iterable[Unit], budget: int) -> int:
+        """Keep a downloaded model's share of the disk within ``budget``: once the units held
+        in the store pass it, every unit not in ``keep`` (those the market holds) is
+        dropped, and every assembled slice the engine no longer loads is deleted. A model
+        imported here (``kvasird model add``) is the owner's whole copy and is kept.
+        Returns bytes freed. Reads and deletes files: call it in a worker thread."""
+        record = next((m for m in self.store.models() if m.model_id == model_id), None)
+        if record is None or record.source != "peer":
+            return 0
+        keep = set(keep)
+        sizes = self.store.manifest(model_id).unit_sizes
+        held = set(self.store.held_units(model_id))
+        freed = 0
+        if sum(sizes[u] for u in held) > budget and held - keep:
+            freed = self.store.drop(model_id, sorted(held - keep))
+        folder = self.store.root.parent / "slices" / model_id
+        used = {_slice_name(text) for text in slice_specs(keep)}
+        recent = time.time() - SLICE_GRACE_S
+        for path in folder.glob("*.gguf") if folder.is_dir() else ():
+            hot = path.name.startswith("experts")  # perhaps a hot expert's, loading now
+            if path.name not in used and not (hot and path.stat().st_mtime >= recent):
+                freed += path.stat().st_size
+                path.unlink(missing_ok=True)
+        if freed:
+            log.info("store pruned to the budget", model=model_id[:16], freed_bytes=freed,
+                     kept_units=len(keep))
+        return freed
 
     def _progress(self, p: Progress) -> None:
         self.progress = p
@@ -165,6 +196,11 @@ def slice_specs(units: Iterable[Unit]) -> list[str]:
     for layer, es in sorted(by_layer.items()):
         specs += [f"experts={layer}:{a}:{b}" for a, b in contiguous_runs(es)]
     return specs
+
+
+def _slice_name(spec: str) -> str:
+    """The file an assembled slice is kept in, under slices/<model id>/."""
+    return spec.replace("=", "-").replace(":", "_").replace(",", "+") + ".gguf"
 
 
 def progress_view(p: Progress) -> dict[str, Any]:

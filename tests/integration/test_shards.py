@@ -143,3 +143,45 @@ def test_holder_that_flips_bytes_is_detected_and_avoided(
         assert report["rejected_bytes"] > 0
         assert "shard holder sent wrong bytes" in learner.log.read_text()
     assert liar.peer_id not in learner.get("/v0/coverage")["holders"]
+
+
+def test_a_restart_takes_back_its_holdings_and_a_new_placement_prunes_the_store(
+        localnet: Callable[..., LocalNet], bundled: tuple[Path, Manifest]) -> None:
+    """The seed has the model on disk and holds nothing in memory, so every layer is equally
+    scarce: the node takes ten at a random place. Restarted, it takes the same ten back
+    (nothing downloaded); given other units to hold, its store drops the old ones."""
+    path, manifest = bundled
+    net = localnet(2)
+    seed, node = net.nodes
+    configure(net, 0, **{"market.model": str(path)})
+    seed.start()
+    ten = slice_bytes(manifest, ["layers:0-10"])
+    budget_mb = math.ceil(ten / 2**20)
+    configure(net, 1, **{"market.model": manifest.model_id, "market.memory_budget_mb": budget_mb})
+    node.start()
+
+    def holdings() -> list[str]:
+        view = node.get("/v0/coverage")
+        return view["held"] if view["state"] == "online" and view["held"] else []
+
+    net.wait_until("the node holds its layers", lambda: bool(holdings()), timeout=90)
+    before = holdings()
+    assert len(before) >= 9 and held(node) <= budget_mb * 2**20
+    node.stop()
+    node.start()
+    net.wait_until("the restarted node holds layers again", lambda: bool(holdings()), timeout=90)
+    assert holdings() == before
+    assert node.get("/v0/shards")["last_download"] is None  # taken from its own disk
+
+    node.stop()
+    other = ["layers:20-30"] if "layer:20" not in before else ["layers:0-10"]
+    configure(net, 1, **holding(manifest, other))
+    node.start()
+    want = sorted(str(u) for pin in other for u in parse_hold(pin))
+    net.wait_until("the node holds its new window", lambda: sorted(holdings()) == want, timeout=90)
+    budget = math.ceil(slice_bytes(manifest, other) / 2**20) * 2**20
+    net.wait_until("its store is back within the budget", lambda: held(node) <= budget, timeout=30)
+    blobs = sum(p.stat().st_size for p in (node.home.shards / "blobs").rglob("*") if p.is_file())
+    assert blobs <= budget
+    slices = sorted(p.name for p in (node.home.root / "slices").rglob("*.gguf"))
+    assert slices == [f"layers-{other[0][7:].replace('-', '_')}+no-experts.gguf"]

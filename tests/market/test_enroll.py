@@ -52,6 +52,23 @@ def test_scarcest_units_are_taken_first(model: MarketModel) -> None:
     assert plan.add == (Unit("layer", 3),)  # uncovered (scarcity 1) beats half-covered (0.5)
 
 
+def test_a_restarted_node_takes_back_what_is_on_its_disk_among_equally_scarce_units(
+        model: MarketModel) -> None:
+    """Nothing is held yet, so every expert is equally scarce: a node that held experts 2-5
+    of layer 1 before its restart (their bytes still on its disk) takes those back."""
+    stored = {Unit("expert", 1, e) for e in range(2, 6)}
+    cmap = CoverageMap(model)
+    cmap.apply(CoverageRecord("a", 1, 0, 60, "online", 1, "", (), MODEL_ID, 10**6, compress(
+        {u: "online" for u in model.units() if u.kind != "expert"})), 0)
+    for seed in range(20):
+        plan = decide(model, cmap.active, Demand(model).targets(1), "me", 40, set(), set(),
+                      cmap.holders, np.random.default_rng(seed), stored=stored)
+        assert set(plan.add) == stored, seed
+    fresh = [decide(model, cmap.active, Demand(model).targets(1), "me", 40, set(), set(),
+                    cmap.holders, np.random.default_rng(seed)).add for seed in range(20)]
+    assert sum(set(add) == stored for add in fresh) < 5  # without the disk: anywhere
+
+
 def test_surplus_is_dropped_only_for_scarcer_units_and_never_below_target(model: MarketModel) -> None:
     cmap = CoverageMap(model)
     for i, peer in enumerate(["a", "b", "c"]):
