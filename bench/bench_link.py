@@ -206,7 +206,7 @@ async def _trio_main(index: int, ports: list[int], ready: Any, go: Any, out: Any
 
 def _trio(index: int, ports: list[int], ready: Any, go: Any, out: Any, rounds: int,
           compute_ms: float, ours: bool) -> None:
-    configure("warning")  # a lane ending when the bench stops is not news
+    configure("warning", json=False)  # a lane ending when the bench stops is not news
     trio.run(_trio_main, index, ports, ready, go, out, rounds, compute_ms, ours)
 
 

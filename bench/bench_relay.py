@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=32)
     parser.add_argument("--helper", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    configure("warning")
+    configure("warning", json=False)
     if args.helper:
         role, work, relay_addr = args.helper
         trio.run(_helper, role, Path(work), relay_addr)

@@ -182,7 +182,7 @@ async def over_libp2p(a, peer, model_id: str, tmp: Path, args: argparse.Namespac
 def serve_in_child(tmp: Path, conn: Connection) -> None:
     """Host B in its own process (its own GIL), serving the source store until told to stop."""
     async def run() -> None:
-        configure("warning")
+        configure("warning", json=False)
         b, listen = new_host(tmp, "child")
         with ShardStore(tmp / "src" / "shards", tmp / "src.db") as source:
             mount(b, source)
@@ -195,7 +195,7 @@ def serve_in_child(tmp: Path, conn: Connection) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    configure("warning")
+    configure("warning", json=False)
     best: dict[str, tuple[int, float]] = {}
     stats = None
     with tempfile.TemporaryDirectory() as tmpdir:

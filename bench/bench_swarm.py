@@ -482,7 +482,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=[],
                     help="run only these layouts (e.g. '1 node' '3-stage ring')")
     args = ap.parse_args()
-    configure("warning")  # the in-process parts' own logs stay out of the table
+    configure("warning", json=False)  # the in-process parts' own logs stay out of the table
     bundled = bundled_path()
     if args.in_process:
         report_in_process(bundled, args)
