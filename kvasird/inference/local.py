@@ -29,6 +29,8 @@ from kvasird.inference.api import (
     TokenEvent,
     UnknownModel,
 )
+from kvasird.inference.grammar import Constraint, vocabulary
+from kvasird.inference.tokenizer import Tokenizer
 
 PREFILL_CHUNK = 128
 """Prompt tokens computed per turn of the lock (a turn of a decoding request is 1 token)."""
@@ -44,6 +46,9 @@ class LocalGenerator:
         self.info = info
         self._lock = trio.Lock()
         self._promised = 0
+        self.path: Path | None = None
+        """The GGUF it was loaded from (its tokenizer compiles grammars)."""
+        self._tokenizer: Tokenizer | None = None
 
     @classmethod
     def open(cls, path: str | Path, model_id: str, label: str, *, threads: int = 0,
@@ -51,7 +56,20 @@ class LocalGenerator:
         """Load the whole GGUF at ``path`` (blocking: call it from a worker thread)."""
         stage = Stage.load(path, threads=threads, kv=KVSpec(n_slots=kv_tokens))
         context = min(stage.hp.n_ctx_train, stage.kv.max_session_tokens)
-        return cls(stage, ModelInfo(model_id, label, context))
+        generator = cls(stage, ModelInfo(model_id, label, context))
+        generator.path = Path(path)
+        return generator
+
+    def _constraint(self, grammar: str) -> Constraint | None:
+        """A generation's grammar state (None without a grammar)."""
+        if not grammar:
+            return None
+        if self._tokenizer is None:
+            if self.path is None:
+                raise UnknownModel("this generator was not loaded from a file: it has no "
+                                   "tokenizer to compile a grammar against")
+            self._tokenizer = Tokenizer.from_gguf(self.path)
+        return Constraint(vocabulary(self._tokenizer), grammar)
 
     def work(self, request_id: str) -> tuple[HopWork, ...]:
         """Nothing to tell: this node computed all of it (the gateway counts it itself)."""
@@ -87,7 +105,7 @@ class LocalGenerator:
         session: Session | None = None
         try:
             session = await self._step(self.stage.open_session)
-            sampler = Sampler(s.params)
+            sampler = Sampler(s.params, self._constraint(s.params.grammar), n_prompt)
             history = list(request.prompt)
             logits = None
             for c in range(0, n_prompt, PREFILL_CHUNK):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.stage import Stage, generate
+from kvasird.inference.server.engine import Holdings, Served
 from kvasird.model.testmodels import make_model
+
+from .fakenet import no_experts
 
 N_LAYER = 4
 PROMPT = [3, 1, 4, 1, 5, 9]
@@ -28,3 +32,15 @@ def reference(model: Path) -> list[int]:
         return generate(full, PROMPT, 10)
     finally:
         full.close()
+
+
+@pytest.fixture(scope="module")
+def served(model: Path) -> Iterator[dict[str, Served]]:
+    """gw: head + layers 0-1; b and b2: layers 1-3 (replicas); c: layer 3."""
+    parts = {"gw": Holdings(head=True, windows=((0, 1),)), "b": Holdings(windows=((1, 3),)),
+             "b2": Holdings(windows=((1, 3),)), "c": Holdings(windows=((3, 4),))}
+    out = {name: Served.build([model], h, threads=1, kv_slots=256, remote=no_experts)
+           for name, h in parts.items()}
+    yield out
+    for s in out.values():
+        s.close()

@@ -94,6 +94,9 @@ BAD = [
     ("open", "first", "2", "stage.first"), ("open", "first", True, "stage.first"),
     ("open", "end", 1, "stage.end"), ("open", "end", 5000, "stage.end"),
     ("open", "embed", 1, "stage.embed"), ("open", "head", 1, "stage.head"),
+    ("open", "prompt", -1, "stage.prompt"), ("open", "prompt", "3", "stage.prompt"),
+    ("open", "sampling.grammar", 7, "stage.sampling.grammar"),
+    ("open", "sampling.grammar", "x" * (256 * 1024 + 1), "stage.sampling.grammar"),
     ("open", "head", "true", "stage.head"), ("open", "embed", GONE, "stage.embed"),
     ("open", "max_tokens", 0, "stage.max_tokens"),
     ("open", "max_tokens", 1 << 23, "stage.max_tokens"),
@@ -310,3 +313,10 @@ def test_each_api_builds_the_one_sampling_type_with_its_own_defaults() -> None:
     assert asked.logprobs == 2 and asked.max_tokens == 16
     wire = Open("s", "m", 0, 1, True, True, 16, sampling=asked.params).to_wire()
     assert stage.sampling_from_wire(unpack(pack(wire))["sampling"], "s") == asked.params
+
+
+def test_a_grammar_and_the_prompt_length_travel_to_the_head() -> None:
+    o = stage.parse(edited(edited(open_wire(), "prompt", 6), "sampling.grammar", "start: /a+/"))
+    assert o.prompt == 6 and o.sampling.grammar == "start: /a+/"
+    assert stage.parse(unpack(pack(o.to_wire()))) == o
+    assert "grammar" not in stage.parse(open_wire()).to_wire()["sampling"]

@@ -7,7 +7,7 @@ lanes; here each failure is placed exactly, to check whom the gateway blames for
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +35,6 @@ from kvasird.inference.server.engine import Holdings, Served
 
 from .conftest import N_LAYER, PROMPT
 from .fakenet import FakeNet, hung, no_experts
-
-
-@pytest.fixture(scope="module")
-def served(model: Path) -> Iterator[dict[str, Served]]:
-    """gw: head + layers 0-1; b and b2: layers 1-3 (replicas); c: layer 3."""
-    parts = {"gw": Holdings(head=True, windows=((0, 1),)), "b": Holdings(windows=((1, 3),)),
-             "b2": Holdings(windows=((1, 3),)), "c": Holdings(windows=((3, 4),))}
-    out = {name: Served.build([model], h, threads=1, kv_slots=256, remote=no_experts)
-           for name, h in parts.items()}
-    yield out
-    for s in out.values():
-        s.close()
 
 
 def generator(net: FakeNet, fitness: Fitness) -> SwarmGenerator:
@@ -78,6 +66,23 @@ async def run(gen: SwarmGenerator, n: int, on_token: Any = None) -> list[int]:
     if failed is not None:
         raise failed
     return tokens
+
+
+async def token_events(net: FakeNet, request: GenerationRequest,
+                       on_token: Any = None) -> list[TokenEvent]:
+    """The token events of one generation through `net` (the sessions it cut off freed)."""
+    gen = generator(net, Fitness(300))
+    out: list[TokenEvent] = []
+    async with net.running() as nursery:
+        gen.nursery = nursery
+        async for event in gen.generate(request):
+            if isinstance(event, TokenEvent):
+                out.append(event)
+                if on_token is not None:
+                    on_token(len(out))
+    for server in net.servers.values():  # a dead peer's sessions: free their KV
+        server.close_all()
+    return out
 
 
 def at_token(n: int, act: Callable[[], object]) -> Callable[[int], None]:
@@ -156,20 +161,10 @@ async def test_a_failover_replays_the_bits_of_an_undisturbed_run(
     replay of the generated tokens as one prefill rounds differently: ~1e-5 on this f32
     model), and a seeded stream continues where it was."""
     async def logprobs(net: FakeNet, on_token: Any = None) -> list[tuple[int, float]]:
-        gen = generator(net, Fitness(300))
         req = GenerationRequest("m", tuple(PROMPT), Sampling(params, 14, logprobs=2))
-        out: list[tuple[int, float]] = []
-        async with net.running() as nursery:
-            gen.nursery = nursery
-            async for event in gen.generate(req):
-                if isinstance(event, TokenEvent):
-                    assert event.logprob is not None
-                    out.append((event.token, event.logprob))
-                    if on_token is not None:
-                        on_token(len(out))
-        for server in net.servers.values():  # b's sessions, cut off: free their KV
-            server.close_all()
-        return out
+        out = await token_events(net, req, on_token)
+        assert all(e.logprob is not None for e in out)
+        return [(e.token, e.logprob) for e in out]  # type: ignore[misc]
 
     undisturbed = await logprobs(FakeNet(served))
     net = FakeNet(served)

@@ -446,12 +446,12 @@ class _Run:
         self.progress.route = self.route.peers
         self.steps = 0
         self.positions = Counter()
+        prompt = len(history) - produced
         for i, hop in enumerate(self.route.hops):
             await self._call(hop, Open(f"{self.sid}.{i}", self.model, hop.first, hop.end,
                                        hop.embed, hop.head, self.max_tokens, self.logprobs,
                                        self.route.hops[i - 1].peer if i else "", self.sampling,
-                                       max(produced - 1, 0)))
-        prompt = len(history) - produced
+                                       max(produced - 1, 0), prompt))
         for c in range(0, prompt, PREFILL_CHUNK):
             event = await self._forward(history, c, min(c + PREFILL_CHUNK, prompt))
         if produced:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvasird.compute.errors import ComputeError
-from kvasird.compute.sampling import SamplingParams
+from kvasird.compute.sampling import MAX_GRAMMAR_CHARS, SamplingParams
 from kvasird.errors import WireError
 from kvasird.inference.api import TokenEvent
 from kvasird.inference.errors import Code, code_of
@@ -71,12 +71,15 @@ class Open:
     """How the head samples (sent to every hop; required at the head)."""
     draws: int = 0
     """Draws a replay skips, so a seeded stream continues where the failed route stopped."""
+    prompt: int = 0
+    """Positions of the prompt: a grammar (sampling.grammar) constrains what follows them."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": "open", "sid": self.sid, "model": self.model, "first": self.first,
-                "end": self.end, "embed": self.embed, "head": self.head,
-                "max_tokens": self.max_tokens, "sampling": sampling_to_wire(self.sampling),
-                "logprobs": self.logprobs, "draws": self.draws, "prev": self.prev}
+        out = {"op": "open", "sid": self.sid, "model": self.model, "first": self.first,
+               "end": self.end, "embed": self.embed, "head": self.head,
+               "max_tokens": self.max_tokens, "sampling": sampling_to_wire(self.sampling),
+               "logprobs": self.logprobs, "draws": self.draws, "prev": self.prev}
+        return {**out, "prompt": self.prompt} if self.prompt else out
 
     @staticmethod
     def from_wire(d: dict[str, Any]) -> Open:
@@ -93,7 +96,8 @@ class Open:
                     schema.integer(d, "max_tokens", 1, MAX_POSITIONS, "stage"),
                     schema.integer(d, "logprobs", 0, MAX_TOP, "stage"),
                     schema.text(d, "prev", 128, "stage") if "prev" in d else "",
-                    sampling, draws)
+                    sampling, draws,
+                    schema.integer(d, "prompt", 0, MAX_POSITIONS, "stage") if "prompt" in d else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,8 +355,9 @@ def token_from_wire(d: dict[str, Any], what: str) -> TokenEvent:
 
 
 def sampling_to_wire(p: SamplingParams) -> dict[str, Any]:
-    return {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-            "repetition_penalty": p.repetition_penalty, "seed": p.seed}
+    out = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
+           "repetition_penalty": p.repetition_penalty, "seed": p.seed}
+    return {**out, "grammar": p.grammar} if p.grammar else out
 
 
 def sampling_from_wire(value: Any, what: str) -> SamplingParams:
@@ -366,7 +371,8 @@ def sampling_from_wire(value: Any, what: str) -> SamplingParams:
             top_k=schema.integer(d, "top_k", 0, 1 << 24, what),
             top_p=schema.number(d, "top_p", 0, 1, what),
             repetition_penalty=schema.number(d, "repetition_penalty", 1e-6, 1e6, what),
-            seed=seed)
+            seed=seed, grammar=schema.text(d, "grammar", MAX_GRAMMAR_CHARS, what)
+            if "grammar" in d else "")
     except ComputeError as exc:  # a value the sampler refuses (top_p 0, a seed past 64 bits)
         raise WireError(f"{what}: {exc}") from None
 

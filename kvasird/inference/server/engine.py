@@ -24,6 +24,7 @@ from kvasird.compute.runtime import compute_threads
 from kvasird.compute.stage import Stage, held_now
 from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights
 from kvasird.inference.errors import Refusal
+from kvasird.inference.tokenizer import Tokenizer, TokenizerError
 from kvasird.model.manifest import Unit
 from kvasird.model.names import human_name
 from kvasird.model.slice import contiguous_runs
@@ -82,6 +83,7 @@ class Served:
         self.expert_first: dict[int, int] = {}
         """Layer -> global id of the first expert held (local ids count from here)."""
         self._extra: Weights | None = None
+        self._tokenizer: Tokenizer | None = None
 
     @classmethod
     def build(cls, sources: list[Path], holdings: Holdings, *, threads: int, kv_slots: int,
@@ -174,6 +176,21 @@ class Served:
 
     def all_stages(self) -> list[Stage]:
         return [st for st in (self.embed, self.head, *self.windows.values()) if st is not None]
+
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (what a grammar is compiled against at the head), read once
+        from the first source that carries it: the whole file, or the head's slice."""
+        if self._tokenizer is None:
+            for source in self.sources:
+                try:
+                    self._tokenizer = Tokenizer.from_gguf(source)
+                    break
+                except TokenizerError:
+                    continue
+            else:
+                raise Refusal("bad", "this node holds no part of the model that carries its "
+                                     "tokenizer, so it cannot follow a grammar")
+        return self._tokenizer
 
     def close(self) -> None:
         for stage in self.all_stages():

@@ -39,6 +39,7 @@ from kvasird.compute.steps import drive_async
 from kvasird.errors import KvasirError, WireError
 from kvasird.inference.api import TokenEvent
 from kvasird.inference.errors import Code, HopFailed, NoWorkers, Refusal, Unreachable
+from kvasird.inference.grammar import Constraint, GrammarError, vocabulary
 from kvasird.inference.protocol.stage import (
     Close,
     Closed,
@@ -245,10 +246,15 @@ class StageServer:
                                       f"the session needs {need}")
         sampler = None
         if m.head:
-            sampler = Sampler(m.sampling)
+            constraint = None
+            if m.sampling.grammar:
+                try:
+                    constraint = Constraint(vocabulary(served.tokenizer()), m.sampling.grammar)
+                except GrammarError as exc:
+                    raise Refusal("bad", str(exc)) from None
+            sampler = Sampler(m.sampling, constraint, m.prompt)
             if m.sampling.temperature > 0:  # a replay continues the seeded stream where it was
-                for _ in range(m.draws):
-                    sampler(np.zeros(2))
+                sampler.skip(m.draws)
         self._end([key])
         self.sessions[key] = ServedSession(chain, [st.open_session() for st in chain], sampler,
                                            m.logprobs, m.max_tokens, m.prev,
