@@ -24,6 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvasird.errors import ModelError
 from kvasird.inference.tokenizer import Tokenizer
+from kvasird.inference.tools import Format, Tool, ToolCall, format_of, reads_tools
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
@@ -37,9 +38,15 @@ class ChatTemplateError(ModelError):
 @dataclass(frozen=True)
 class Message:
     role: str
-    """"system", "user" or "assistant"."""
+    """"system", "user", "assistant" or "tool" (a tool's result)."""
     content: str
     """The message text."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """An assistant's calls of tools (kvasird.inference.tools)."""
+    tool_call_id: str = ""
+    """A tool result: the call it answers."""
+    name: str = ""
+    """A tool result: the tool's name."""
 
 
 class ChatTemplate:
@@ -55,6 +62,7 @@ class ChatTemplate:
         except TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from None
         self._bos, self._eos = bos, eos
+        self.source = source
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> ChatTemplate:
@@ -64,19 +72,47 @@ class ChatTemplate:
             return tokenizer.tokens[token] if token is not None else ""
         return cls(tokenizer.chat_template, text(sp.bos), text(sp.eos))
 
-    def render(self, messages: Sequence[Message]) -> str:
-        """The prompt for ``messages``, ending where the assistant's reply begins."""
+    @property
+    def tool_format(self) -> Format:
+        """How this model writes tool calls (kvasird.inference.tools.format_of)."""
+        return format_of(self.source)
+
+    def render(self, messages: Sequence[Message], tools: Sequence[Tool] = ()) -> str:
+        """The prompt for ``messages``, ending where the assistant's reply begins. ``tools``
+        go to a template that reads them, else into the system message (tools module)."""
         prefill = ""
-        if messages and messages[-1].role == "assistant":
+        if messages and messages[-1].role == "assistant" and not messages[-1].tool_calls:
             prefill, messages = messages[-1].content, messages[:-1]
-        plain = [{"role": m.role, "content": m.content} for m in messages]
+        native = reads_tools(self.source)
+        plain = [_as_dict(m, native) for m in messages]
+        if (tools or any(m.tool_calls or m.role == "tool" for m in messages)) and not native:
+            plain = self.tool_format.plain(plain)
+            if tools:
+                text = self.tool_format.system_text(tools)
+                if plain and plain[0]["role"] == "system":
+                    plain[0] = {**plain[0], "content": plain[0]["content"] + "\n\n" + text}
+                else:
+                    plain.insert(0, {"role": "system", "content": text})
+        extra = {"tools": [t.openai() for t in tools]} if tools and native else {}
         try:
             text = self._template.render(messages=plain, add_generation_prompt=True,
-                                         bos_token=self._bos, eos_token=self._eos)
+                                         bos_token=self._bos, eos_token=self._eos, **extra)
         except TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") \
                 from None
         return text + prefill
+
+
+def _as_dict(m: Message, native: bool) -> dict[str, Any]:
+    """A message as templates read it: OpenAI's shape for one that knows tools."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": json.loads(c.arguments or "{}")}}
+            for c in m.tool_calls] if native else list(m.tool_calls)
+    if m.role == "tool":
+        out.update(tool_call_id=m.tool_call_id, name=m.name)
+    return out
 
 
 def _raise(message: str) -> None:

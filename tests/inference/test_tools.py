@@ -1,0 +1,135 @@
+"""Tool calls per format: model output in the family's syntax parsed into calls, grammars
+that only allow valid calls, and tools and tool messages rendered into the prompt."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from kvasird.compute.sampling import Sampler, SamplingParams
+from kvasird.inference.chat import ChatTemplate, Message
+from kvasird.inference.grammar import Constraint, GrammarError, vocabulary
+from kvasird.inference.tokenizer import Tokenizer
+from kvasird.inference.tools import FORMATS, Tool, ToolCall, format_of
+from kvasird.model.bundled import bundled_path
+
+WEATHER = Tool("get_weather", "The weather in a city", {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False})
+TIME = Tool("get_time", "The time in a zone", {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False})
+TOOLS = [WEATHER, TIME]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf(bundled_path())
+
+
+def test_hermes_output_with_two_calls_and_text_is_parsed() -> None:
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+            '"unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+            '{"zone": "cet"}}\n</tool_call>')
+    content, calls = FORMATS["hermes"].parse(text, TOOLS)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "c"}), ("get_time", {"zone": "cet"})]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',     # a tool not offered
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": \n</tool_call>',  # broken JSON
+    "The weather is fine."])
+def test_hermes_blocks_that_are_no_call_of_an_offered_tool_stay_text(text: str) -> None:
+    assert FORMATS["hermes"].parse(text, TOOLS) == (text, [])
+
+
+def test_llama3_output_is_parsed_with_or_without_the_python_tag() -> None:
+    f = FORMATS["llama3"]
+    _, calls = f.parse('<|python_tag|>{"name": "get_time", "parameters": {"zone": "utc"}}', TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "utc"})]
+    _, two = f.parse('{"name": "get_time", "parameters": {"zone": "utc"}}; '
+                     '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "f"}}', TOOLS)
+    assert [c.name for c in two] == ["get_time", "get_weather"]
+    assert f.parse("It is noon.", TOOLS) == ("It is noon.", [])
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_tool_grammar_only_lets_a_model_write_valid_calls(tok: Tokenizer, name: str) -> None:
+    """Random logits under the grammar: every output parses into calls of offered tools whose
+    arguments validate against their schemas."""
+    f = FORMATS[name]
+    grammar = f.grammar(TOOLS)
+    schemas = {t.name: t.parameters for t in TOOLS}
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed),
+                          Constraint(vocabulary(tok), grammar))
+        out: list[int] = []
+        for _ in range(400):
+            token = sampler(rng.normal(size=tok.n_vocab).astype(np.float32), out)
+            if token in tok.special.end_of_generation:
+                break
+            out.append(token)
+        else:
+            raise AssertionError(f"no end: {tok.decode(out)!r}")
+        content, calls = f.parse(tok.decode(out), TOOLS)
+        assert calls and content == "", tok.decode(out)
+        for c in calls:
+            jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+
+
+def test_a_call_of_one_named_tool_is_all_its_grammar_allows(tok: Tokenizer) -> None:
+    c = Constraint(vocabulary(tok), FORMATS["hermes"].grammar([TIME], parallel=False))
+    good = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
+    for t in tok.encode(good):
+        assert c.allowed([])[t]
+        c.consume(t)
+    assert c.complete
+    bad = Constraint(vocabulary(tok), FORMATS["hermes"].grammar([TIME], parallel=False))
+    prefix = tok.encode('<tool_call>\n{"name": "get_weather"')
+    with pytest.raises(GrammarError):
+        for t in prefix:
+            bad.consume(t)
+
+
+def test_the_format_follows_the_template() -> None:
+    assert format_of(None).name == "hermes"
+    assert format_of("{{ '<|python_tag|>' }}{{ '<|eom_id|>' }}").name == "llama3"
+    with pytest.raises(GrammarError, match="harmony"):
+        format_of("<|start|>assistant<|channel|>analysis")
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_as_text(
+        tok: Tokenizer) -> None:
+    template = ChatTemplate.of(tok)  # the bundled ChatML template knows no tools
+    call = ToolCall("call_1", "get_time", '{"zone": "utc"}')
+    text = template.render([Message("user", "What time is it?"),
+                            Message("assistant", "", (call,)),
+                            Message("tool", "12:00", tool_call_id="call_1", name="get_time")],
+                           TOOLS)
+    assert text.startswith("<|im_start|>system\n# Tools")
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {"zone": '
+            '"utc"}}\n</tool_call><|im_end|>') in text
+    assert "<|im_start|>user\n<tool_response>\n12:00\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_that_reads_tools_gets_them_and_the_calls_itself() -> None:
+    source = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+              "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+              "{% for c in m.tool_calls or [] %}<{{ c.function.name }} "
+              "{{ c.function.arguments | tojson }}>{% endfor %}"
+              "{% if m.role == 'tool' %}({{ m.tool_call_id }}){% endif %};{% endfor %}")
+    call = ToolCall("call_9", "get_time", '{"zone": "cet"}')
+    text = ChatTemplate(source).render([Message("user", "hi"), Message("assistant", "", (call,)),
+                                        Message("tool", "13:00", tool_call_id="call_9")], TOOLS)
+    assert text == ('[get_weather][get_time]user:hi;assistant:<get_time {"zone": "cet"}>;'
+                    'tool:13:00(call_9);')
