@@ -12,7 +12,9 @@ KvasirError                      errors               anything kvasird raises on
 │   ├── HopFailed                inference.errors     a stage or worker failed: route around it
 │   │   ├── Refused              inference.errors     it answered no: busy, gone or bad request
 │   │   ├── Silent               inference.errors     it did not answer in time: busy or hung
-│   │   └── Unreachable          inference.errors     no stream to it could be opened (yet)
+│   │   ├── Unreachable          inference.errors     no stream to it could be opened (yet)
+│   │   └── Lied                 inference.client.failover  it accused peers that did nothing
+│   ├── PeerMissing              model.transfer       it lacks pieces it was asked for (a proof)
 │   └── _Missing                 model.transfer       a holder lacks pieces (the next one is asked)
 ├── Refusal                      inference.errors     this node refuses a peer's request; the peer
 │                                                     gets its code (busy, gone, bad...) and why
@@ -20,6 +22,7 @@ KvasirError                      errors               anything kvasird raises on
 │   └── ComputeError             compute.errors       the engine refuses; nothing reached ggml
 │       ├── WeightsError         compute.errors       the GGUF lacks a tensor, a shape, or an arch
 │       ├── InputError           compute.errors       a shape, token, position or expert is bad
+│       │   └── GrammarError     inference.grammar    a grammar or schema cannot be followed
 │       ├── KVCacheFull          compute.errors       no KV cache room for more tokens
 │       └── NoWorkers            inference.errors     no fit peer holds experts a stage needs now
 ├── ModelError                   errors               a model cannot be named, read or obtained

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,36 @@ def _check_port(key: str, host_port: str) -> None:
     if port.isdigit() and int(port) > MAX_PORT:
         raise ConfigError(f"{key} = {host_port!r} has port {port}, which is out of range: "
                           f"allowed 0..{MAX_PORT} (0 = any free port)")
+
+
+_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)"
+                     r"(:[0-9]{1,5})?")
+"""An origin as a browser sends it: scheme, host and port, no path."""
+
+
+def _check_origin(origin: str, hosts: tuple[str, ...]) -> None:
+    """A CORS origin whose host the Host guard lets through (loopback or one of ``hosts``):
+    an origin it refuses would look allowed here and fail in the browser."""
+    if origin == "*":
+        return
+    match = _ORIGIN.fullmatch(origin)
+    if match is None:
+        raise ConfigError(f"gateway.cors_origins has {origin!r}, which is not an origin: write "
+                          "scheme://host[:port] with no path, e.g. \"http://localhost:5173\", "
+                          "or \"*\" for any")
+    host = match.group(1).strip("[]").lower()
+    if not _is_local(host) and host not in {h.strip("[]").lower() for h in hosts}:
+        raise ConfigError(f"gateway.cors_origins has {origin!r}, but the gateway refuses pages "
+                          f"of {host!r}: add {host!r} to gateway.allowed_hosts too")
+
+
+def _is_local(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 _HOST_NAME = {"pattern": r"[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*"
@@ -182,9 +214,24 @@ class GatewayConfig:
     """Generations in flight at once; more get HTTP 429."""
     ping_s: float = field(default=10.0, metadata=_range(0.01, 300))
     """Seconds without output after which a streaming response sends a keep-alive ping."""
+    max_n: int = field(default=8, metadata=_range(1, 128))
+    """Most choices (`n`) one completion request may ask for; each is a generation of its
+    own, so a request of n choices counts, and is priced, as n generations."""
+    parse_special: bool = True
+    """Read a raw /v1/completions string prompt as llama-server does: a control token's
+    text (``<|im_start|>``, ``<|im_end|>``) becomes that one token, so chat markup written
+    by hand means what the chat template means. Off: every prompt is plain text (the
+    markup is spelled out in ordinary tokens). Chat requests always render through the
+    template, whose markers are control tokens either way."""
+    cors_origins: tuple[str, ...] = ()
+    """Web page origins (``scheme://host[:port]``, or "*" for any) whose scripts may read
+    the gateway's answers (CORS); none by default. The host of a page must also pass the
+    Host guard: loopback, the host of ``listen``, or one of ``allowed_hosts``."""
 
     def __post_init__(self) -> None:
         _check_port("gateway.listen", self.listen)
+        for origin in self.cors_origins:
+            _check_origin(origin, (*self.allowed_hosts, self.listen.rpartition(":")[0]))
 
 
 @dataclass(frozen=True)

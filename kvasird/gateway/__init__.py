@@ -1,11 +1,12 @@
 """The gateway: OpenAI- and Anthropic-compatible HTTP on any peer, and the node's status page.
 
     service     Gateway (the HTTP service in the daemon's nursery) and Job (a checked request)
-    app         the Starlette routes; errors rendered in the calling API's shape
+    app         the Starlette routes, CORS for the allowed origins; errors in each API's shape
     body        reading a body within the size limit; typed fields, errors naming the field
-    openai      /v1/chat/completions, /v1/completions, /v1/models: parsing and rendering
+    openai      /v1/chat/completions, /v1/completions, /v1/models[/{id}]: parsing, rendering
     anthropic   /v1/messages, /v1/messages/count_tokens: parsing and rendering
-    generation  a Generator's token events -> text pieces (whole characters, stop sequences)
+    generation  a Generator's token events -> text pieces (whole characters, stop sequences);
+                the generations of a request's n choices
     stops       text-level stop sequences with held-back partial matches
     response    the ASGI response that runs a generation: SSE or JSON, pings, disconnects
     stats       admission (concurrency limit) and what was served: requests, tokens, speeds
@@ -19,7 +20,7 @@ Data flow of one request:
 
     HTTP body ─▶ body.read_json (413/415/400) ─▶ openai|anthropic parse ─▶ Gateway.resolve (404/503)
       ─▶ chat template + tokenizer ─▶ limits (400) ─▶ Job
-      ─▶ GenerationResponse: admit (429) ─▶ Generator.generate ─▶ generation.pieces
+      ─▶ GenerationResponse: admit (429) ─▶ Generator.generate (once a choice) ─▶ pieces
       ─▶ renderer ─▶ SSE events or one JSON body          (client gone ─▶ cancel ─▶ KV freed)
 
 The gateway only ever talks to a Generator through kvasird.inference.api, so a node

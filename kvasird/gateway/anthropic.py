@@ -16,11 +16,11 @@ from starlette.responses import JSONResponse
 from kvasird.compute.sampling import SamplingParams
 from kvasird.gateway.body import Fields, objects, read_json
 from kvasird.gateway.errors import ApiError, BadRequest
-from kvasird.gateway.generation import Done, Piece
+from kvasird.gateway.generation import Choice, Done, Piece
 from kvasird.gateway.openai import content_text, stops, top_p
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
-from kvasird.inference.api import Sampling, TokenEvent
+from kvasird.inference.api import Sampling
 from kvasird.inference.chat import Message
 
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence"}
@@ -94,8 +94,10 @@ class MessagesRenderer:
                 "usage": {"input_tokens": len(self.job.request.prompt),
                           "output_tokens": output_tokens}}
 
-    def body(self, text: str, tokens: list[TokenEvent], done: Done) -> dict[str, Any]:
-        return self.message([{"type": "text", "text": text}], done, done.completion_tokens)
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        (only,) = choices  # Anthropic's API has no `n`
+        return self.message([{"type": "text", "text": only.text}], only.done,
+                            only.done.completion_tokens)
 
     def stream_start(self) -> list[bytes]:
         return [sse({"type": "message_start", "message": self.message([], None, 0)},
@@ -110,7 +112,8 @@ class MessagesRenderer:
         return [sse({"type": "content_block_delta", "index": 0,
                      "delta": {"type": "text_delta", "text": piece.text}}, "content_block_delta")]
 
-    def stream_end(self, done: Done) -> list[bytes]:
+    def stream_end(self, dones: list[Done]) -> list[bytes]:
+        (done,) = dones
         return [sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
                 sse({"type": "message_delta",
                      "delta": {"stop_reason": STOP_REASON[done.reason],

@@ -1,4 +1,8 @@
-"""The Starlette app: routes bound to one Gateway, and errors in each API's own shape."""
+"""The Starlette app: routes bound to one Gateway, and errors in each API's own shape.
+
+Cross-origin reads (CORS) are off unless [gateway] cors_origins names the web pages
+that may make them; those get preflight answers and Access-Control-Allow-* headers.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -38,8 +44,9 @@ def build_app(gw: Gateway) -> Starlette:
     async def quote(request: Request) -> JSONResponse:
         f = await read_json(request, gw.config.max_body_bytes)
         max_tokens = f.integer("max_tokens", gw.config.max_tokens, 1, gw.config.max_tokens)
+        n = gw.choices(f.integer("n", 1))
         client = request.client.host if request.client else "an unknown address"
-        return JSONResponse(payment.quote(gw, max_tokens, client))
+        return JSONResponse(payment.quote(gw, n * max_tokens, client))
 
     async def status_page(_: Request) -> HTMLResponse:
         return HTMLResponse(dashboard.page(status.snapshot(gw)),
@@ -49,14 +56,25 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/v1/chat/completions", bind(openai.chat_completions), methods=["POST"]),
         Route("/v1/completions", bind(openai.completions), methods=["POST"]),
         Route("/v1/models", bind(openai.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", bind(openai.model), methods=["GET"]),
         Route("/v1/messages", bind(anthropic.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", bind(anthropic.count_tokens), methods=["POST"]),
         Route("/v1/kvasir/quote", quote, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/status", status_json, methods=["GET"]),
         Route("/", status_page, methods=["GET"]),
-    ], exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+    ], middleware=_cors(gw.config.cors_origins),
+       exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                            Exception: _unexpected})
+
+
+def _cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """CORS for the pages of ``origins`` (none: no CORS headers at all, so browsers keep
+    other pages from reading answers). No credentials: the API takes keys in headers."""
+    if not origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                       allow_headers=["*"], max_age=600)]
 
 
 def _render(request: Request, err: ApiError) -> JSONResponse:

@@ -1,9 +1,11 @@
-"""OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models.
+"""OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /v1/models/{model}.
 
 Streams exactly as the official client parses them: ``data: {chunk}`` events, the
 first chat delta carrying the role, a last chunk with ``finish_reason``, then (with
 ``stream_options.include_usage``) a chunk with empty ``choices`` and the usage, and
-``data: [DONE]`` always last, after an error too. Keep-alives are SSE comments.
+``data: [DONE]`` always last, after an error too. Keep-alives are SSE comments. With
+``n`` choices every chunk carries its choice's ``index``, each choice gets its own
+first and last chunk, and the usage counts the prompt once and the tokens of every choice.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from starlette.responses import JSONResponse
 from kvasird import __version__
 from kvasird.compute.sampling import SamplingParams
 from kvasird.gateway.body import Fields, objects, read_json, text
-from kvasird.gateway.errors import ApiError, BadRequest
-from kvasird.gateway.generation import Done, Piece
+from kvasird.gateway.errors import ApiError, BadRequest, NotFound
+from kvasird.gateway.generation import Choice, Done, Piece
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
 from kvasird.inference.api import ModelInfo, Sampling, TokenEvent
 from kvasird.inference.chat import Message
+from kvasird.inference.grammar import JSON_OBJECT, GrammarError, check, for_json_schema
 from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.names import slug
 
@@ -47,7 +50,8 @@ async def chat_completions(gw: Gateway, request: Request) -> GenerationResponse:
     job = gw.job(info, tok, name, prompt, sampling(f, max_tokens, top if logprobs else -1),
                  stops=stops(f), stream=f.boolean("stream", False),
                  include_usage=f.obj("stream_options").boolean("include_usage", False),
-                 top_logprobs=top if logprobs else -1, ignore_eos=f.boolean("ignore_eos", False))
+                 top_logprobs=top if logprobs else -1, ignore_eos=f.boolean("ignore_eos", False),
+                 n=gw.choices(f.integer("n", 1)))
     return GenerationResponse(gw, job, ChatRenderer(job))
 
 
@@ -55,7 +59,7 @@ async def completions(gw: Gateway, request: Request) -> GenerationResponse:
     f = await read_json(request, gw.config.max_body_bytes)
     name = f.string("model")
     info, tok, _ = gw.resolve(name)
-    prompt = gw.check_prompt(info, prompt_tokens(f, tok), "prompt")
+    prompt = gw.check_prompt(info, prompt_tokens(f, tok, gw.config.parse_special), "prompt")
     if f.boolean("echo", False):
         raise BadRequest("`echo` is not supported by this gateway", "echo")
     if f.has("suffix"):
@@ -67,21 +71,34 @@ async def completions(gw: Gateway, request: Request) -> GenerationResponse:
     job = gw.job(info, tok, name, prompt, sampling(f, max_tokens, top), stops=stops(f),
                  stream=f.boolean("stream", False),
                  include_usage=f.obj("stream_options").boolean("include_usage", False),
-                 top_logprobs=top, ignore_eos=f.boolean("ignore_eos", False))
+                 top_logprobs=top, ignore_eos=f.boolean("ignore_eos", False),
+                 n=gw.choices(f.integer("n", 1)))
     return GenerationResponse(gw, job, CompletionRenderer(job))
 
 
 async def models(gw: Gateway, _: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [model_object(m) for m in gw.models()]})
+    return JSONResponse({"object": "list",
+                         "data": [model_object(m, gw.created) for m in gw.models()]})
 
 
-def model_object(m: ModelInfo) -> dict[str, Any]:
+async def model(gw: Gateway, request: Request) -> JSONResponse:
+    """One model object, found by any name a request may give it (``model_object``)."""
+    name = request.path_params["model"]
+    for m in gw.models():
+        if m.answers_to(name):
+            return JSONResponse(model_object(m, gw.created))
+    known = ", ".join(f"{m.model_id} ({m.label})" for m in gw.models()) or "none"
+    raise NotFound(f"model {name!r} is not served by this gateway; models: {known}", "model",
+                   "model_not_found")
+
+
+def model_object(m: ModelInfo, created: int) -> dict[str, Any]:
     """OpenAI's model object. ``id`` stays the model id: it is unique (two quantizations of
     one model share a name), the same on every node, and what clients send back. ``name``
     is the field chat UIs show in its place (Open WebUI does); ``slug`` is that name as a
     request may give it. A request may name the model by either, by the id or by an 8+
     hex digit prefix of it."""
-    return {"id": m.model_id, "object": "model", "created": 0, "owned_by": "kvasir",
+    return {"id": m.model_id, "object": "model", "created": created, "owned_by": "kvasir",
             "name": m.label, "slug": slug(m.label), "label": m.label,
             "context_length": m.context_length}
 
@@ -121,41 +138,62 @@ def content_text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def prompt_tokens(f: Fields, tok: Tokenizer) -> list[int]:
-    """A completion prompt: a string, one-string array, token ids, or one array of ids."""
+def prompt_tokens(f: Fields, tok: Tokenizer, special: bool) -> list[int]:
+    """A completion prompt: a string, one-string array, token ids, or one array of ids.
+    With ``special`` (``[gateway] parse_special``) a string's control-token markers become
+    those tokens, as llama-server reads them."""
     raw = f.value.get("prompt")
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
         raw = raw[0]
     if isinstance(raw, str):
-        return tok.encode(text(raw, "prompt"))
+        return tok.encode(text(raw, "prompt"), special=special)
     if isinstance(raw, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
         bad = [t for t in raw if not 0 <= t < tok.n_vocab]
         if bad:
             raise BadRequest(f"`prompt` holds token id {bad[0]}, outside the vocabulary "
                              f"0..{tok.n_vocab - 1}", "prompt")
         return list(raw)
-    raise BadRequest("`prompt` must be a string or an array of token ids (one prompt: n = 1)",
-                     "prompt")
+    raise BadRequest("`prompt` must be a string or an array of token ids (one prompt; for "
+                     "several answers to it, ask for `n` choices)", "prompt")
 
 
 def sampling(f: Fields, max_tokens: int, top_logprobs: int) -> Sampling:
-    if f.integer("n", 1) != 1:
-        raise BadRequest("`n` must be 1: this gateway generates one choice per request", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if f.number(name, 0.0, -2, 2) != 0:
             raise BadRequest(f"`{name}` is not supported (only 0); use `repetition_penalty`", name)
     for name in ("tools", "functions", "logit_bias"):
         if f.value.get(name):
             raise BadRequest(f"`{name}` is not supported by this gateway", name)
-    if f.obj("response_format").string("type", "text") != "text":
-        raise BadRequest("only `response_format: {\"type\": \"text\"}` is supported",
-                         "response_format")
     seed = f.integer("seed", None)
     params = SamplingParams(temperature=f.number("temperature", 1.0, 0, 2), top_p=top_p(f),
                             top_k=f.integer("top_k", 0, 0, 1 << 20),
                             repetition_penalty=f.number("repetition_penalty", 1.0, 0.01, 10),
-                            seed=None if seed is None else seed % (1 << 64))
+                            seed=None if seed is None else seed % (1 << 64),
+                            grammar=response_format(f.obj("response_format")))
     return Sampling(params, max_tokens, max(top_logprobs, 1) if top_logprobs >= 0 else 0)
+
+
+def response_format(f: Fields) -> str:
+    """The grammar a ``response_format`` asks for ("" for text): ``json_object`` (any JSON
+    object) or ``json_schema`` (``{"json_schema": {"name", "schema", "strict"}}``: output
+    that validates against the schema, whether ``strict`` is set or not)."""
+    kind = f.string("type", "text")
+    try:
+        if kind == "text":
+            return ""
+        if kind == "json_object":
+            grammar = for_json_schema(JSON_OBJECT)
+        elif kind == "json_schema":
+            spec = f.obj("json_schema")
+            spec.string("name", "")
+            grammar = for_json_schema(spec.value.get("schema", {}), f"{spec.where('schema')}")
+        else:
+            raise BadRequest(f"`{f.where('type')}` must be \"text\", \"json_object\" or "
+                             f"\"json_schema\", got {kind!r}", f.where("type"))
+        check(grammar, f.path)
+    except GrammarError as exc:
+        raise BadRequest(f"`{f.path}`: {exc}", f.path) from None
+    return grammar
 
 
 def top_p(f: Fields) -> float:
@@ -199,9 +237,15 @@ class _OpenAIRenderer:
     def stream_error(self, err: ApiError) -> list[bytes]:
         return [sse(err.openai()), DONE]
 
-    def usage(self, done: Done) -> dict[str, int]:
-        return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                "total_tokens": done.prompt_tokens + done.completion_tokens}
+    def usage(self, dones: list[Done]) -> dict[str, int]:
+        """The prompt once (every choice continues the same one), the tokens of all choices."""
+        prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        return {**self.envelope([self.choice(c) for c in choices]),
+                "usage": self.usage([c.done for c in choices])}
 
     def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         out = {"id": self.id, "object": self.kind, "created": self.created,
@@ -211,11 +255,14 @@ class _OpenAIRenderer:
             out.setdefault("usage", None)
         return out
 
-    def stream_end(self, done: Done) -> list[bytes]:
-        out = [sse(self.envelope([self.final_choice(done)]))]
+    def stream_end(self, dones: list[Done]) -> list[bytes]:
+        out = [sse(self.envelope([self.final_choice(d)])) for d in dones]
         if self.job.include_usage:
-            out.append(sse(self.envelope([], usage=self.usage(done))))
+            out.append(sse(self.envelope([], usage=self.usage(dones))))
         return [*out, DONE]
+
+    def choice(self, c: Choice) -> dict[str, Any]:
+        raise NotImplementedError
 
     def final_choice(self, done: Done) -> dict[str, Any]:
         raise NotImplementedError
@@ -224,24 +271,29 @@ class _OpenAIRenderer:
 class ChatRenderer(_OpenAIRenderer):
     prefix, kind = "chatcmpl", "chat.completion.chunk"
 
-    def body(self, text: str, tokens: list[TokenEvent], done: Done) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": self.logprobs(tokens), "finish_reason": FINISH[done.reason]}
-        return {**self.envelope([choice]), "object": "chat.completion", "usage": self.usage(done)}
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        return {**super().body(choices), "object": "chat.completion"}
+
+    def choice(self, c: Choice) -> dict[str, Any]:
+        return {"index": c.done.index,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": self.logprobs(list(c.tokens)), "finish_reason": FINISH[c.done.reason]}
 
     def stream_start(self) -> list[bytes]:
-        return [sse(self.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]))]
+        return [sse(self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]))
+                for i in range(self.job.n)]
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
         if not piece.text and self.job.top_logprobs < 0:
             return []
-        return [sse(self.envelope([{"index": 0, "delta": {"content": piece.text},
+        return [sse(self.envelope([{"index": piece.index, "delta": {"content": piece.text},
                                     "logprobs": self.logprobs(list(piece.tokens)),
                                     "finish_reason": None}]))]
 
     def final_choice(self, done: Done) -> dict[str, Any]:
-        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": FINISH[done.reason]}
+        return {"index": done.index, "delta": {}, "logprobs": None,
+                "finish_reason": FINISH[done.reason]}
 
     def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
         if self.job.top_logprobs < 0:
@@ -255,10 +307,9 @@ class ChatRenderer(_OpenAIRenderer):
 class CompletionRenderer(_OpenAIRenderer):
     prefix, kind = "cmpl", "text_completion"
 
-    def body(self, text: str, tokens: list[TokenEvent], done: Done) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": self.logprobs(tokens),
-                  "finish_reason": FINISH[done.reason]}
-        return {**self.envelope([choice]), "usage": self.usage(done)}
+    def choice(self, c: Choice) -> dict[str, Any]:
+        return {"index": c.done.index, "text": c.text, "logprobs": self.logprobs(list(c.tokens)),
+                "finish_reason": FINISH[c.done.reason]}
 
     def stream_start(self) -> list[bytes]:
         return []
@@ -266,12 +317,13 @@ class CompletionRenderer(_OpenAIRenderer):
     def stream_piece(self, piece: Piece) -> list[bytes]:
         if not piece.text and self.job.top_logprobs < 0:
             return []
-        return [sse(self.envelope([{"index": 0, "text": piece.text,
+        return [sse(self.envelope([{"index": piece.index, "text": piece.text,
                                     "logprobs": self.logprobs(list(piece.tokens)),
                                     "finish_reason": None}]))]
 
     def final_choice(self, done: Done) -> dict[str, Any]:
-        return {"index": 0, "text": "", "logprobs": None, "finish_reason": FINISH[done.reason]}
+        return {"index": done.index, "text": "", "logprobs": None,
+                "finish_reason": FINISH[done.reason]}
 
     def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
         if self.job.top_logprobs < 0:

@@ -1,6 +1,7 @@
 """Pay-per-inference at the gateway: quote -> payment on chain -> inference -> receipts.
 
     POST /v1/kvasir/quote {"max_tokens": N}   -> a quote: request_id (secret), memo, amount, vault
+        ({"max_tokens": N, "n": K} for a request of K choices: it may generate K x N tokens)
     the consumer transfers `amount` KVR to the vault with `memo` on chain
     any generation request with  X-Kvasir-Payment: <request_id>:<signature>
 
@@ -74,11 +75,11 @@ async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> PaymentProof |
         proof = await s.payments.settle_quote(request_id.strip(), signature)
     except KvasirError as exc:
         raise PaymentRequired(f"payment not accepted: {exc}") from None
-    covered = s.payments.quoted_tokens(proof.key)
-    if covered < job.request.sampling.max_tokens:
+    covered, asked = s.payments.quoted_tokens(proof.key), job.n * job.request.sampling.max_tokens
+    if covered < asked:
+        each = f" ({job.n} choices of up to {job.request.sampling.max_tokens})" if job.n > 1 else ""
         raise PaymentRequired(f"the quote covers {covered} tokens but the request asks for up to "
-                              f"{job.request.sampling.max_tokens}: lower max_tokens or get a "
-                              "bigger quote")
+                              f"{asked}{each}: lower max_tokens or n, or get a bigger quote")
     _redeem(gw, proof.key)
     return proof
 
@@ -141,13 +142,14 @@ async def refund(gw: Gateway, proof: PaymentProof, job: Job, tokens: int,
 
 def _measured(gw: Gateway, job: Job, tokens: int, seconds: float) -> list[MeasuredWork]:
     """Who did the work of ``job`` and how much, as this node measured it: the generator's
-    record of every hop, or (a generator that ran here alone) this node for all of it."""
-    done = job.generator.work(job.request.request_id)
+    record of every hop of every choice, or (a generator that ran here alone) this node for
+    all of it: each choice computed the prompt and its own tokens."""
+    done = [w for r in job.requests() for w in job.generator.work(r.request_id)]
     if done:
         return [MeasuredWork(w.peer, w.units, w.ms_per_token) for w in done]
     assert gw.node is not None
     n_layer = gw.node.market.model.n_layer if gw.node.market.model else 1
-    positions = len(job.request.prompt) + tokens
+    positions = job.n * len(job.request.prompt) + tokens
     return [MeasuredWork(gw.node.p2p.peer_id, MeasuredWork.stage_units(positions, n_layer + 1),
                          1000.0 * seconds / max(tokens, 1))]
 

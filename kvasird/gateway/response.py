@@ -4,15 +4,16 @@ It owns the request's lifetime: admission (the concurrency limit), a watcher tha
 cancels everything when the client disconnects (which closes the Generator's stream
 and frees its KV cache), the first event awaited *before* any header is sent (so a
 generator that cannot start still gets its own status: 404, 429, 503), then either
-SSE events with keep-alive pings while nothing else is sent, or one JSON body.
+SSE events with keep-alive pings while nothing else is sent, or one JSON body. The
+choices of a request (``n``) generate side by side; it ends when each has its Done,
+and the first error of any ends them all.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -20,7 +21,7 @@ import trio
 from kvasird.errors import KvasirError
 from kvasird.gateway import payment
 from kvasird.gateway.errors import ApiError, from_generation
-from kvasird.gateway.generation import Done, Piece, pieces
+from kvasird.gateway.generation import Choice, Done, Piece, produce
 from kvasird.gateway.stats import Slot
 from kvasird.http import note_access
 from kvasird.inference.api import TokenEvent
@@ -44,13 +45,15 @@ class Renderer(Protocol):
 
     def error(self, err: ApiError) -> dict[str, Any]: ...
 
-    def body(self, text: str, tokens: list[TokenEvent], done: Done) -> dict[str, Any]: ...
+    def body(self, choices: list[Choice]) -> dict[str, Any]: ...
 
     def stream_start(self) -> list[bytes]: ...
 
     def stream_piece(self, piece: Piece) -> list[bytes]: ...
 
-    def stream_end(self, done: Done) -> list[bytes]: ...
+    def stream_end(self, dones: list[Done]) -> list[bytes]:
+        """After the last choice ended; ``dones`` by choice index."""
+        ...
 
     def stream_error(self, err: ApiError) -> list[bytes]: ...
 
@@ -113,42 +116,53 @@ class GenerationResponse:
 
     async def _run(self, send: Send, slot: Slot) -> None:
         job = self.job
-        stream = pieces(job.generator, job.tokenizer, job.request, job.stops)
-        async with aclosing(stream) as items:
+        out, received = trio.open_memory_channel[Piece | Done | KvasirError](0)
+        async with trio.open_nursery() as nursery:
+            async with out:
+                for i, request in enumerate(job.requests()):
+                    nursery.start_soon(produce, job.generator, job.tokenizer, request, job.stops,
+                                       i, out.clone())
+            items = _Choices(received, job.n)
             try:
-                first = await anext(items)
+                first = await items.next()
             except KvasirError as exc:
                 err = await self._failed(from_generation(exc))
                 await send_json(send, err.status, self.renderer.error(err))
                 slot.finish(err.status)
+                nursery.cancel_scope.cancel()
                 return
             slot.first_token()
             if job.stream:
                 await self._stream(first, items, send, slot)
             else:
                 await self._whole(first, items, send, slot)
+            nursery.cancel_scope.cancel()
 
-    async def _whole(self, first: Piece | Done, items: AsyncIterator[Piece | Done], send: Send,
+    async def _whole(self, first: Piece | Done | None, items: _Choices, send: Send,
                      slot: Slot) -> None:
-        texts: list[str] = []
-        tokens: list[TokenEvent] = []
-        item: Piece | Done = first
+        texts: list[list[str]] = [[] for _ in range(self.job.n)]
+        tokens: list[list[TokenEvent]] = [[] for _ in range(self.job.n)]
+        item: Piece | Done | None = first
         try:
-            while isinstance(item, Piece):
-                texts.append(item.text)
-                tokens.extend(item.tokens)
-                self.produced += len(item.tokens)
-                item = await anext(items)
+            while item is not None:
+                if isinstance(item, Piece):
+                    texts[item.index].append(item.text)
+                    tokens[item.index].extend(item.tokens)
+                    self.produced += len(item.tokens)
+                item = await items.next()
         except KvasirError as exc:
             err = await self._failed(from_generation(exc))
             await send_json(send, err.status, self.renderer.error(err))
             slot.finish(err.status)
             return
-        slot.finish(200, item.completion_tokens)
-        self.prompt_tokens = item.prompt_tokens
-        await send_json(send, 200, self.renderer.body("".join(texts), tokens, item))
+        dones = items.dones()
+        slot.finish(200, sum(d.completion_tokens for d in dones))
+        self.prompt_tokens = dones[0].prompt_tokens
+        await send_json(send, 200, self.renderer.body(
+            [Choice("".join(t), tuple(e), d) for t, e, d in zip(texts, tokens, dones,
+                                                                 strict=True)]))
 
-    async def _stream(self, first: Piece | Done, items: AsyncIterator[Piece | Done], send: Send,
+    async def _stream(self, first: Piece | Done | None, items: _Choices, send: Send,
                       slot: Slot) -> None:
         r = self.renderer
         await send({"type": "http.response.start", "status": 200, "headers": [
@@ -158,15 +172,17 @@ class GenerationResponse:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(out.keep_alive, r.ping, self.gateway.config.ping_s)
             await out.write(r.stream_start())
-            item: Piece | Done = first
+            item: Piece | Done | None = first
             try:
-                while isinstance(item, Piece):
-                    await out.write(r.stream_piece(item))
-                    self.produced += len(item.tokens)
-                    item = await anext(items)
-                slot.finish(200, item.completion_tokens)
-                self.prompt_tokens = item.prompt_tokens
-                await out.write(r.stream_end(item))
+                while item is not None:
+                    if isinstance(item, Piece):
+                        await out.write(r.stream_piece(item))
+                        self.produced += len(item.tokens)
+                    item = await items.next()
+                dones = items.dones()
+                slot.finish(200, sum(d.completion_tokens for d in dones))
+                self.prompt_tokens = dones[0].prompt_tokens
+                await out.write(r.stream_end(dones))
             except KvasirError as exc:
                 err = await self._failed(from_generation(exc))
                 await out.write(r.stream_error(err))
@@ -184,6 +200,31 @@ class GenerationResponse:
                 err.message += await payment.refund(self.gateway, self.proof, self.job,
                                                     self.produced, time.monotonic() - self.began)
         return err
+
+
+class _Choices:
+    """The merged pieces of a request's choices, until each choice has ended."""
+
+    def __init__(self, received: trio.MemoryReceiveChannel[Piece | Done | KvasirError],
+                 n: int) -> None:
+        self._received = received
+        self._done: dict[int, Done] = {}
+        self._n = n
+
+    async def next(self) -> Piece | Done | None:
+        """The next piece or Done of any choice; None once all have ended; a choice's
+        error is raised."""
+        if len(self._done) == self._n:
+            return None
+        item = await self._received.receive()
+        if isinstance(item, KvasirError):
+            raise item
+        if isinstance(item, Done):
+            self._done[item.index] = item
+        return item
+
+    def dones(self) -> list[Done]:
+        return [self._done[i] for i in range(self._n)]
 
 
 class EventWriter:

@@ -10,6 +10,7 @@ tokenizer of each model, the limits, and the counters the status page shows.
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -21,6 +22,7 @@ import trio
 from kvasird.config import GatewayConfig
 from kvasird.errors import KvasirError
 from kvasird.gateway.errors import BadRequest, NotFound, Unavailable
+from kvasird.gateway.generation import for_choice
 from kvasird.gateway.stats import GatewayStats
 from kvasird.http import serve_asgi
 from kvasird.inference.api import GenerationRequest, Generator, ModelInfo, NoRoute, Sampling
@@ -56,6 +58,12 @@ class Job:
     """OpenAI's stream_options.include_usage: a last chunk with usage and no choices."""
     top_logprobs: int = -1
     """Alternatives reported per token; -1 = no logprobs at all."""
+    n: int = 1
+    """Choices asked for: each is a generation of its own (``requests``)."""
+
+    def requests(self) -> tuple[GenerationRequest, ...]:
+        """What the Generator gets for each choice (``request`` is choice 0's)."""
+        return tuple(for_choice(self.request, i) for i in range(self.n))
 
 
 HealthStatus = Literal["ok", "starting", "no_model", "no_route"]
@@ -109,6 +117,9 @@ class Gateway:
         self.generator = generator
         self.stats = GatewayStats()
         self.url = ""
+        self.created = int(time.time())
+        """When this gateway started: the ``created`` of its models in OpenAI's model
+        objects (a model file carries no date of its own)."""
         self._model = model
         self._load = load
         self._tokenizers: dict[str, tuple[Tokenizer, ChatTemplate]] = {}
@@ -279,6 +290,16 @@ class Gateway:
         if requested > cap:
             raise BadRequest(f"`{field}` = {requested} exceeds this gateway's limit of {cap} "
                              "([gateway] max_tokens)", field)
+        return requested
+
+    def choices(self, requested: int) -> int:
+        """OpenAI's ``n``, within [gateway] max_n."""
+        cap = self.config.max_n
+        if requested < 1:
+            raise BadRequest(f"`n` must be at least 1, got {requested}", "n")
+        if requested > cap:
+            raise BadRequest(f"`n` = {requested} exceeds this gateway's limit of {cap} choices "
+                             "([gateway] max_n)", "n")
         return requested
 
     def job(self, info: ModelInfo, tokenizer: Tokenizer, name: str, prompt: list[int],

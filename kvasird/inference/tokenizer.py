@@ -10,8 +10,10 @@ split across tokens, so text is released only once its bytes form whole UTF-8
 characters (``StreamDecoder``).
 
 Special tokens (control and user-defined types) are recognised in text only when the
-caller asks (``special=True``): the gateway asks for the rendered chat template, whose
-role markers must become control tokens; everything else is encoded as plain text.
+caller asks (``special=True``, llama.cpp's ``parse_special``): the gateway asks for the
+rendered chat template, whose role markers must become control tokens, and for raw
+/v1/completions prompts unless ``[gateway] parse_special`` is off (llama-server parses
+them too); everything else, a chat message's own text included, is encoded as plain text.
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""A paid request for n choices pays for n generations (a real daemon on the local chain)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+
+from kvasird.localnet import LocalNet
+from kvasird.model.bundled import bundled_path
+from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
+
+pytestmark = pytest.mark.slow
+
+KVR = 10**6
+READY_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def paid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNet, str]]:
+    """A one-node network on the local chain whose gateway charges even this machine."""
+    net = LocalNet(tmp_path_factory.mktemp("paid"), 1, chain=True, settings={
+        "market.model": str(bundled_path()), "market.memory_budget_mb": 200,
+        "market.target_replicas": 1, "market.heartbeat_s": 1.0, "market.enroll_delay_s": 0.0,
+        "compute.threads": 1, "gateway.local": True, "settlement.free_local": False})
+    try:
+        net.up()
+        url = net.nodes[0].status()["gateway"]
+        deadline = time.monotonic() + READY_S
+        while httpx.get(url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, f"gateway not ready:\n{net.nodes[0].tail()}"
+            time.sleep(0.2)
+        yield net, url
+    finally:
+        net.down()
+
+
+def ask(url: str, model: str, header: str, n: int) -> Any:
+    with openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60) as c:
+        return c.completions.create(model=model, prompt="Once upon a time", max_tokens=4, n=n,
+                                    temperature=1.0, seed=2, extra_headers={PAYMENT_HEADER: header})
+
+
+def test_n_choices_need_a_quote_for_n_generations(paid: tuple[LocalNet, str]) -> None:
+    net, url = paid
+    assert net.chain is not None
+    rpc = net.chain.info["RPC URL"]
+    wallet = trio.run(funded_wallet, rpc, 100 * KVR)
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    one = get_quote(url, 4)
+    three = httpx.post(url + "/v1/kvasir/quote", json={"max_tokens": 4, "n": 3}, timeout=30)
+    assert three.status_code == 200
+    assert three.json()["amount"] == get_quote(url, 12)["amount"]
+    with pytest.raises(openai.APIStatusError) as info:
+        ask(url, model, trio.run(pay_quote, rpc, wallet, one), 3)
+    assert info.value.status_code == 402
+    assert "covers 4 tokens but the request asks for up to 12 (3 choices of up to 4)" in \
+        info.value.body["message"]  # type: ignore[index]
+    r = ask(url, model, trio.run(pay_quote, rpc, wallet, three.json()), 3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage is not None and r.usage.completion_tokens <= 12
