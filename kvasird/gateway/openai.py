@@ -23,15 +23,18 @@ from kvasird.gateway.errors import ApiError, BadRequest, NotFound
 from kvasird.gateway.generation import Choice, Done, Piece
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
+from kvasird.gateway.tools import ToolUse, openai_calls, openai_tool_calls, openai_tool_use
 from kvasird.inference.api import ModelInfo, Sampling, TokenEvent
 from kvasird.inference.chat import Message
 from kvasird.inference.grammar import JSON_OBJECT, GrammarError, check, for_json_schema
 from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.names import slug
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 MAX_STOPS = 16
-FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length"}
+FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length",
+          "tool_calls": "tool_calls"}
 DONE = b"data: [DONE]\n\n"
 
 
@@ -39,20 +42,22 @@ async def chat_completions(gw: Gateway, request: Request) -> GenerationResponse:
     f = await read_json(request, gw.config.max_body_bytes)
     name = f.string("model")
     info, tok, template = gw.resolve(name)
-    prompt = gw.check_prompt(info, gw.chat_prompt(template, tok, messages(f), "messages"),
-                             "messages")
+    use = openai_tool_use(f, template)
+    prompt = gw.check_prompt(info, gw.chat_prompt(template, tok, messages(f), "messages",
+                                                  use.tools), "messages")
     logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", 0, 0, 20)
     if top and not logprobs:
         raise BadRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     field = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
     max_tokens = gw.max_tokens(f.integer(field, None), field)
-    job = gw.job(info, tok, name, prompt, sampling(f, max_tokens, top if logprobs else -1),
+    job = gw.job(info, tok, name, prompt, sampling(f, max_tokens, top if logprobs else -1,
+                                                   use.grammar),
                  stops=stops(f), stream=f.boolean("stream", False),
                  include_usage=f.obj("stream_options").boolean("include_usage", False),
                  top_logprobs=top if logprobs else -1, ignore_eos=f.boolean("ignore_eos", False),
                  n=gw.choices(f.integer("n", 1)))
-    return GenerationResponse(gw, job, ChatRenderer(job))
+    return GenerationResponse(gw, job, ChatRenderer(job, use))
 
 
 async def completions(gw: Gateway, request: Request) -> GenerationResponse:
@@ -116,7 +121,14 @@ def messages(f: Fields) -> list[Message]:
         content = m.value.get("content")
         if content is None and role != "assistant":
             raise BadRequest(f"`{m.where('content')}` is required", m.where("content"))
-        out.append(Message(ROLES[role], content_text(content, m.where("content"))))
+        text_ = content_text(content, m.where("content"))
+        if role == "tool":
+            out.append(Message("tool", text_, tool_call_id=m.string("tool_call_id", ""),
+                               name=m.string("name", "")))
+        elif role == "assistant" and m.has("tool_calls"):
+            out.append(Message("assistant", text_, openai_calls(m)))
+        else:
+            out.append(Message(ROLES[role], text_))
     return out
 
 
@@ -157,19 +169,24 @@ def prompt_tokens(f: Fields, tok: Tokenizer, special: bool) -> list[int]:
                      "several answers to it, ask for `n` choices)", "prompt")
 
 
-def sampling(f: Fields, max_tokens: int, top_logprobs: int) -> Sampling:
+def sampling(f: Fields, max_tokens: int, top_logprobs: int, tool_grammar: str = "") -> Sampling:
+    """The sampling settings of a request; ``tool_grammar`` forces tool calls (tools)."""
     for name in ("presence_penalty", "frequency_penalty"):
         if f.number(name, 0.0, -2, 2) != 0:
             raise BadRequest(f"`{name}` is not supported (only 0); use `repetition_penalty`", name)
-    for name in ("tools", "functions", "logit_bias"):
+    for name in ("functions", "logit_bias"):
         if f.value.get(name):
-            raise BadRequest(f"`{name}` is not supported by this gateway", name)
+            raise BadRequest(f"`{name}` is not supported by this gateway"
+                             + (": use `tools`" if name == "functions" else ""), name)
     seed = f.integer("seed", None)
     params = SamplingParams(temperature=f.number("temperature", 1.0, 0, 2), top_p=top_p(f),
                             top_k=f.integer("top_k", 0, 0, 1 << 20),
                             repetition_penalty=f.number("repetition_penalty", 1.0, 0.01, 10),
                             seed=None if seed is None else seed % (1 << 64),
-                            grammar=response_format(f.obj("response_format")))
+                            grammar=tool_grammar or response_format(f.obj("response_format")))
+    if tool_grammar and response_format(f.obj("response_format")):
+        raise BadRequest("`response_format` and a `tool_choice` that forces a call cannot "
+                         "both hold the reply: drop one", "response_format")
     return Sampling(params, max_tokens, max(top_logprobs, 1) if top_logprobs >= 0 else 0)
 
 
@@ -269,15 +286,32 @@ class _OpenAIRenderer:
 
 
 class ChatRenderer(_OpenAIRenderer):
+    """Chat completions. With tools, each choice's text is parsed into its content and its
+    tool calls; a stream holds a choice's text back until its end, then sends the content
+    and the calls (whole arguments), since a call can only be told from text once it is
+    complete."""
+
     prefix, kind = "chatcmpl", "chat.completion.chunk"
+
+    def __init__(self, job: Job, use: ToolUse | None = None) -> None:
+        super().__init__(job)
+        self.use = use or ToolUse()
+        self._held: dict[int, list[str]] = {}
+        """A choice's streamed text, held back while tools are offered."""
+        self._called: set[int] = set()
+        """Choices whose reply was tool calls."""
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
         return {**super().body(choices), "object": "chat.completion"}
 
     def choice(self, c: Choice) -> dict[str, Any]:
-        return {"index": c.done.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": self.logprobs(list(c.tokens)), "finish_reason": FINISH[c.done.reason]}
+        content, calls = self.use.parse(c.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if calls:
+            message.update(content=content or None, tool_calls=openai_tool_calls(calls))
+        return {"index": c.done.index, "message": message,
+                "logprobs": self.logprobs(list(c.tokens)),
+                "finish_reason": "tool_calls" if calls else FINISH[c.done.reason]}
 
     def stream_start(self) -> list[bytes]:
         return [sse(self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -285,15 +319,35 @@ class ChatRenderer(_OpenAIRenderer):
                 for i in range(self.job.n)]
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
+        if self.use.tools:
+            self._held.setdefault(piece.index, []).append(piece.text)
+            return []
         if not piece.text and self.job.top_logprobs < 0:
             return []
         return [sse(self.envelope([{"index": piece.index, "delta": {"content": piece.text},
                                     "logprobs": self.logprobs(list(piece.tokens)),
                                     "finish_reason": None}]))]
 
+    def stream_end(self, dones: list[Done]) -> list[bytes]:
+        if not self.use.tools:
+            return super().stream_end(dones)
+        out = []
+        for done in dones:
+            content, calls = self.use.parse("".join(self._held.get(done.index, [])))
+            if content:
+                out.append(sse(self.envelope([{"index": done.index, "delta": {
+                    "content": content}, "logprobs": None, "finish_reason": None}])))
+            if calls:
+                deltas = [{"index": k, **call} for k, call in enumerate(openai_tool_calls(calls))]
+                out.append(sse(self.envelope([{"index": done.index, "delta": {
+                    "tool_calls": deltas}, "logprobs": None, "finish_reason": None}])))
+            if calls:
+                self._called.add(done.index)
+        return out + super().stream_end(dones)
+
     def final_choice(self, done: Done) -> dict[str, Any]:
-        return {"index": done.index, "delta": {}, "logprobs": None,
-                "finish_reason": FINISH[done.reason]}
+        return {"index": done.index, "delta": {}, "logprobs": None, "finish_reason":
+                "tool_calls" if done.index in self._called else FINISH[done.reason]}
 
     def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
         if self.job.top_logprobs < 0:

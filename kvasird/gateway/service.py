@@ -28,6 +28,7 @@ from kvasird.http import serve_asgi
 from kvasird.inference.api import GenerationRequest, Generator, ModelInfo, NoRoute, Sampling
 from kvasird.inference.chat import ChatTemplate, ChatTemplateError, Message
 from kvasird.inference.tokenizer import Tokenizer
+from kvasird.inference.tools import Tool
 from kvasird.logs import get_logger
 
 if TYPE_CHECKING:
@@ -260,10 +261,12 @@ class Gateway:
                        "model", "model_not_found")
 
     def chat_prompt(self, template: ChatTemplate, tokenizer: Tokenizer,
-                    messages: Sequence[Message], field: str) -> list[int]:
-        """Token ids of the messages through the model's chat template (no limits applied)."""
+                    messages: Sequence[Message], field: str,
+                    tools: Sequence[Tool] = ()) -> list[int]:
+        """Token ids of the messages (and tools offered) through the model's chat template
+        (no limits applied)."""
         try:
-            text = template.render(messages)
+            text = template.render(messages, tools)
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), field) from None
         return tokenizer.encode(text, special=True)

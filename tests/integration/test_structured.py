@@ -1,13 +1,15 @@
-"""Structured output through the gateway of a 3-node ring, with the official openai client:
-`response_format` json_schema (20 schemas) and json_object, stream and not; a schema the
-server cannot follow is a 400 naming the parameter."""
+"""Structured output and tool calls through the gateway of a 3-node ring, with the official
+openai and anthropic clients: `response_format` json_schema (20 schemas) and json_object,
+stream and not; a forced tool call whose arguments validate (both APIs, stream and not); a
+two-turn tool loop; a schema the server cannot follow is a 400 naming the parameter."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -48,11 +50,18 @@ def schemas() -> list[dict[str, Any]]:
     return out
 
 
-def test_json_schema_and_json_object_output_validates_through_a_ring(
-        localnet: Callable[..., LocalNet]) -> None:
-    net = start(localnet, bundled_path(), PLACEMENT)
-    client = openai.OpenAI(base_url=net.nodes[0].status()["gateway"] + "/v1", api_key="local",
-                           max_retries=0, timeout=120)
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The gateway URL of a 3-node ring of the bundled model."""
+    net = LocalNet(tmp_path_factory.mktemp("ring"), len(PLACEMENT))
+    with net:
+        start(lambda n: net, bundled_path(), PLACEMENT)
+        yield net.nodes[0].status()["gateway"]
+
+
+def test_json_schema_and_json_object_output_validates_through_a_ring(gateway: str) -> None:
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="local", max_retries=0,
+                           timeout=120)
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "Describe your favourite thing as JSON."}]
     for i, schema in enumerate(schemas()):
@@ -84,3 +93,67 @@ def test_json_schema_and_json_object_output_validates_through_a_ring(
                 "name": "bad", "schema": {"type": "object", "properties": {
                     "a": {"$ref": "#/definitions/nowhere"}}}}})
     assert caught.value.body["param"] == "response_format"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_a_forced_tool_call_validates_and_a_tool_loop_completes_with_openai(gateway: str) -> None:
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="local", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    tools = [{"type": "function", "function": {"name": "get_weather", "description":
+                                               "The weather in a city", "parameters": WEATHER}}]
+    reply = client.chat.completions.create(model=model, messages=ASK, tools=tools,
+                                           tool_choice="required", temperature=0, max_tokens=80)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+    chunks = list(client.chat.completions.create(
+        model=model, messages=ASK, tools=tools, temperature=0, max_tokens=80, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    streamed = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [d.function.name for d in streamed] == ["get_weather"]
+    jsonschema.validate(json.loads(streamed[0].function.arguments), WEATHER)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}]
+    final = client.chat.completions.create(model=model, messages=turn, tools=tools,
+                                           temperature=0, max_tokens=40)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert final.choices[0].message.content or final.choices[0].message.tool_calls
+
+
+def test_a_forced_tool_use_validates_with_anthropic(gateway: str) -> None:
+    with anthropic.Anthropic(base_url=gateway, api_key="local", max_retries=0,
+                             timeout=120) as client:
+        model = openai.OpenAI(base_url=gateway + "/v1", api_key="x").models.list().data[0].id
+        tools = [{"name": "get_weather", "description": "The weather in a city",
+                  "input_schema": WEATHER}]
+        reply = client.messages.create(model=model, messages=ASK, tools=tools, max_tokens=80,
+                                       tool_choice={"type": "any"})
+        assert reply.stop_reason == "tool_use"
+        (use,) = [b for b in reply.content if b.type == "tool_use"]
+        assert use.name == "get_weather"
+        jsonschema.validate(use.input, WEATHER)
+
+        with client.messages.stream(model=model, messages=ASK, tools=tools, max_tokens=80,
+                                    tool_choice={"type": "tool", "name": "get_weather"}) as s:
+            message = s.get_final_message()
+        assert message.stop_reason == "tool_use"
+        (streamed,) = [b for b in message.content if b.type == "tool_use"]
+        jsonschema.validate(streamed.input, WEATHER)
+
+        answer = client.messages.create(model=model, max_tokens=40, tools=tools,
+                                        messages=[*ASK, {"role": "assistant", "content": [
+                                            use.model_dump()]}, {"role": "user", "content": [
+                                                {"type": "tool_result", "tool_use_id": use.id,
+                                                 "content": '{"temperature": 18}'}]}])
+        assert answer.content

@@ -1,0 +1,179 @@
+"""Tools in the two APIs: what a request offers and forces, and the calls in a reply.
+
+    request    OpenAI     tools [{type: "function", function: {name, description, parameters}}],
+                          tool_choice "none" | "auto" | "required" | {type, function: {name}},
+                          parallel_tool_calls
+               Anthropic  tools [{name, description, input_schema}],
+                          tool_choice {type: "auto" | "any" | "tool" (name) | "none",
+                                       disable_parallel_tool_use}
+               -> ToolUse: the tools the prompt offers, and the grammar that forces a call
+                  ("" under "auto": the model may answer in text, its calls are parsed out)
+    messages   OpenAI assistant ``tool_calls`` and role "tool"; Anthropic ``tool_use`` and
+               ``tool_result`` blocks -> chat Messages the template renders back
+    reply      the model's text parsed by its family's format (kvasird.inference.tools) ->
+               OpenAI ``message.tool_calls`` / Anthropic ``tool_use`` blocks, with finish
+               reason "tool_calls" / stop reason "tool_use"
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvasird.gateway.body import Fields, objects
+from kvasird.gateway.errors import BadRequest
+from kvasird.inference.chat import ChatTemplate, Message
+from kvasird.inference.grammar import GrammarError, for_json_schema
+from kvasird.inference.tools import MAX_TOOLS, Format, Tool, ToolCall
+
+NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a request asked of tools."""
+
+    tools: tuple[Tool, ...] = ()
+    """Offered to the model in the prompt (none under tool_choice "none")."""
+    grammar: str = ""
+    """Forces the reply to be calls ("" = the model chooses)."""
+    format: Format | None = None
+    """How the model writes calls (None without tools)."""
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The reply's text outside calls, and its calls."""
+        if self.format is None or not self.tools:
+            return text, []
+        return self.format.parse(text, self.tools)
+
+
+def openai_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
+    raw = f.value.get("tools")
+    if not raw:
+        if f.value.get("tool_choice") not in (None, "none", "auto"):
+            raise BadRequest("`tool_choice` asks for a tool call but `tools` is empty",
+                             "tool_choice")
+        return ToolUse()
+    tools = []
+    for t in _items(f, "tools"):
+        if t.string("type", "function") != "function":
+            raise BadRequest(f"`{t.where('type')}` must be \"function\"", t.where("type"))
+        fn = t.obj("function")
+        tools.append(_tool(fn, "name", "description", "parameters"))
+    choice = f.value.get("tool_choice", "auto")
+    parallel = f.boolean("parallel_tool_calls", True)
+    if choice in ("none", "auto", "required"):
+        return _use(tools, template, choice, None, parallel, "tool_choice")
+    c = f.obj("tool_choice")
+    return _use(tools, template, "named", c.obj("function").string("name"), parallel,
+                "tool_choice")
+
+
+def anthropic_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
+    if not f.value.get("tools"):
+        return ToolUse()
+    tools = [_tool(t, "name", "description", "input_schema") for t in _items(f, "tools")]
+    c = f.obj("tool_choice")
+    kind = c.string("type", "auto")
+    modes = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
+    if kind not in modes:
+        raise BadRequest(f"`{c.where('type')}` must be one of {', '.join(modes)}",
+                         c.where("type"))
+    parallel = not c.boolean("disable_parallel_tool_use", False)
+    return _use(tools, template, modes[kind], c.string("name") if kind == "tool" else None,
+                parallel, "tool_choice")
+
+
+def _items(f: Fields, name: str) -> list[Fields]:
+    raw = f.array(name)
+    if len(raw) > MAX_TOOLS:
+        raise BadRequest(f"`{name}` holds {len(raw)} tools, more than {MAX_TOOLS}", name)
+    return objects(raw, name)
+
+
+def _tool(t: Fields, name_key: str, description_key: str, schema_key: str) -> Tool:
+    name = t.string(name_key)
+    if not NAME.match(name):
+        raise BadRequest(f"`{t.where(name_key)}` must be 1-64 letters, digits, '_', '-' or "
+                         f"'.', got {name!r}", t.where(name_key))
+    schema = t.obj(schema_key).value or {"type": "object", "properties": {}}
+    try:
+        for_json_schema(schema, t.where(schema_key))
+    except GrammarError as exc:
+        raise BadRequest(str(exc), t.where(schema_key)) from None
+    return Tool(name, t.string(description_key, ""), schema)
+
+
+def _use(tools: list[Tool], template: ChatTemplate, mode: str, name: str | None,
+         parallel: bool, where: str) -> ToolUse:
+    if mode == "none":
+        return ToolUse()
+    try:
+        fmt = template.tool_format
+        if mode == "auto":
+            return ToolUse(tuple(tools), "", fmt)
+        if mode == "named":
+            chosen = [t for t in tools if t.name == name]
+            if not chosen:
+                raise BadRequest(f"`{where}` names {name!r}, which is not among `tools`", where)
+            return ToolUse(tuple(tools), fmt.grammar(chosen, parallel=False), fmt)
+        return ToolUse(tuple(tools), fmt.grammar(tools, parallel), fmt)
+    except GrammarError as exc:
+        raise BadRequest(f"`tools`: {exc}", "tools") from None
+
+
+# --- messages ------------------------------------------------------------------------
+
+def openai_calls(m: Fields) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls``."""
+    out = []
+    for c in objects(m.array("tool_calls"), m.where("tool_calls")):
+        fn = c.obj("function")
+        arguments = fn.string("arguments", "{}")
+        try:
+            json.loads(arguments)
+        except ValueError:
+            raise BadRequest(f"`{fn.where('arguments')}` must be a JSON object as text",
+                             fn.where("arguments")) from None
+        out.append(ToolCall(c.string("id", ""), fn.string("name"), arguments))
+    return tuple(out)
+
+
+def anthropic_blocks(role: str, content: Any, where: str) -> list[Message]:
+    """An Anthropic message whose content holds tool_use or tool_result blocks: its text and
+    calls (assistant), or its results, one tool message each, then any text (user)."""
+    text, calls, results = [], [], []
+    for block in objects(content, where):
+        kind = block.string("type")
+        if kind == "text":
+            text.append(block.string("text"))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(ToolCall(block.string("id", ""), block.string("name"),
+                                  json.dumps(block.obj("input").value, ensure_ascii=False)))
+        elif kind == "tool_result" and role == "user":
+            body = block.value.get("content", "")
+            if isinstance(body, list):
+                body = "".join(p.string("text") for p in objects(body, block.where("content"))
+                               if p.string("type") == "text")
+            results.append(Message("tool", str(body), tool_call_id=block.string("tool_use_id")))
+        else:
+            raise BadRequest(f"`{block.where('type')}` is {kind!r}: a {role} message holds "
+                             f"text{' and tool_use' if role == 'assistant' else ' and tool_result'}"
+                             " blocks", block.where("type"))
+    if role == "assistant":
+        return [Message("assistant", "".join(text), tuple(calls))]
+    return [*results, *([Message("user", "".join(text))] if text else [])]
+
+
+# --- replies -------------------------------------------------------------------------
+
+def openai_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def anthropic_tool_blocks(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
+             "input": json.loads(c.arguments)} for c in calls]
