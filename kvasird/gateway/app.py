@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from kvasird.gateway import anthropic, dashboard, openai, payment, status
+from kvasird.gateway import anthropic, dashboard, openai, payment, responses, status
 from kvasird.gateway.body import read_json
 from kvasird.gateway.errors import ApiError, BadRequest, NotFound
 from kvasird.gateway.service import Gateway
@@ -57,6 +57,8 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/v1/completions", bind(openai.completions), methods=["POST"]),
         Route("/v1/models", bind(openai.models), methods=["GET"]),
         Route("/v1/models/{model:path}", bind(openai.model), methods=["GET"]),
+        Route("/v1/responses", bind(responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", bind(responses.retrieve), methods=["GET"]),
         Route("/v1/messages", bind(anthropic.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", bind(anthropic.count_tokens), methods=["POST"]),
         Route("/v1/kvasir/quote", quote, methods=["POST"]),

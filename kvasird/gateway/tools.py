@@ -57,24 +57,24 @@ def openai_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
                              "tool_choice")
         return ToolUse()
     tools = []
-    for t in _items(f, "tools"):
+    for t in tool_items(f, "tools"):
         if t.string("type", "function") != "function":
             raise BadRequest(f"`{t.where('type')}` must be \"function\"", t.where("type"))
         fn = t.obj("function")
-        tools.append(_tool(fn, "name", "description", "parameters"))
+        tools.append(parse_tool(fn, "name", "description", "parameters"))
     choice = f.value.get("tool_choice", "auto")
     parallel = f.boolean("parallel_tool_calls", True)
     if choice in ("none", "auto", "required"):
-        return _use(tools, template, choice, None, parallel, "tool_choice")
+        return choose(tools, template, choice, None, parallel, "tool_choice")
     c = f.obj("tool_choice")
-    return _use(tools, template, "named", c.obj("function").string("name"), parallel,
+    return choose(tools, template, "named", c.obj("function").string("name"), parallel,
                 "tool_choice")
 
 
 def anthropic_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
     if not f.value.get("tools"):
         return ToolUse()
-    tools = [_tool(t, "name", "description", "input_schema") for t in _items(f, "tools")]
+    tools = [parse_tool(t, "name", "description", "input_schema") for t in tool_items(f, "tools")]
     c = f.obj("tool_choice")
     kind = c.string("type", "auto")
     modes = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
@@ -82,18 +82,18 @@ def anthropic_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
         raise BadRequest(f"`{c.where('type')}` must be one of {', '.join(modes)}",
                          c.where("type"))
     parallel = not c.boolean("disable_parallel_tool_use", False)
-    return _use(tools, template, modes[kind], c.string("name") if kind == "tool" else None,
+    return choose(tools, template, modes[kind], c.string("name") if kind == "tool" else None,
                 parallel, "tool_choice")
 
 
-def _items(f: Fields, name: str) -> list[Fields]:
+def tool_items(f: Fields, name: str) -> list[Fields]:
     raw = f.array(name)
     if len(raw) > MAX_TOOLS:
         raise BadRequest(f"`{name}` holds {len(raw)} tools, more than {MAX_TOOLS}", name)
     return objects(raw, name)
 
 
-def _tool(t: Fields, name_key: str, description_key: str, schema_key: str) -> Tool:
+def parse_tool(t: Fields, name_key: str, description_key: str, schema_key: str) -> Tool:
     name = t.string(name_key)
     if not NAME.match(name):
         raise BadRequest(f"`{t.where(name_key)}` must be 1-64 letters, digits, '_', '-' or "
@@ -106,8 +106,9 @@ def _tool(t: Fields, name_key: str, description_key: str, schema_key: str) -> To
     return Tool(name, t.string(description_key, ""), schema)
 
 
-def _use(tools: list[Tool], template: ChatTemplate, mode: str, name: str | None,
-         parallel: bool, where: str) -> ToolUse:
+def choose(tools: list[Tool], template: ChatTemplate, mode: str, name: str | None,
+           parallel: bool, where: str) -> ToolUse:
+    """What ``mode`` ("none", "auto", "required", "named" with ``name``) asks of ``tools``."""
     if mode == "none":
         return ToolUse()
     try:

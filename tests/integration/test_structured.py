@@ -157,3 +157,37 @@ def test_a_forced_tool_use_validates_with_anthropic(gateway: str) -> None:
                                                 {"type": "tool_result", "tool_use_id": use.id,
                                                  "content": '{"temperature": 18}'}]}])
         assert answer.content
+
+
+def test_the_responses_api_answers_streams_and_round_trips_a_function_call(gateway: str) -> None:
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="local", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    first = client.responses.create(model=model, instructions="Answer in one short sentence.",
+                                    input="What is the capital of France?", temperature=0,
+                                    max_output_tokens=24)
+    assert first.status in ("completed", "incomplete") and first.output_text
+    assert first.usage.output_tokens > 0 and first.id.startswith("resp_")
+
+    events = list(client.responses.create(model=model, input="Say hello.", temperature=0,
+                                          max_output_tokens=16, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas and deltas == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+              "parameters": WEATHER}]
+    called = client.responses.create(model=model, input="What is the weather in Paris?",
+                                     tools=tools, tool_choice="required", temperature=0,
+                                     max_output_tokens=80)
+    (call,) = [o for o in called.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    answer = client.responses.create(
+        model=model, previous_response_id=called.id, tools=tools, temperature=0,
+        max_output_tokens=30, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                      "output": '{"temperature": 18}'}])
+    assert answer.output and answer.previous_response_id == called.id
+    assert client.responses.retrieve(answer.id).id == answer.id

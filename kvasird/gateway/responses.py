@@ -1,0 +1,317 @@
+"""OpenAI's Responses API: POST /v1/responses, GET /v1/responses/{id}.
+
+    request   model, instructions, input (a string, or items: messages with input_text /
+              output_text parts, function_call and function_call_output items), tools
+              (flat: {type: "function", name, description, parameters}), tool_choice,
+              parallel_tool_calls, text.format (text | json_object | json_schema),
+              temperature, top_p, max_output_tokens, stream, previous_response_id, store
+    prompt    the previous response's conversation (when named), then the instructions as
+              the system message (instructions are not carried over, as OpenAI documents),
+              then the input, through the model's chat template with the tools
+    reply     a response object: output items (a message with output_text, function_call
+              items for the calls the model made), usage, status "completed" or
+              "incomplete" (max_output_tokens)
+    stream    response.created, response.in_progress, then per output item
+              output_item.added, (content_part.added, output_text.delta..., output_text.done,
+              content_part.done | function_call_arguments.delta, .done), output_item.done,
+              then response.completed; every event numbered (sequence_number). With tools the
+              text is held back to the end, where it can be told from calls.
+    store     responses kept STORE_S (at most STORE_MAX, the oldest dropped first) in this
+              gateway's memory, for previous_response_id and GET: a chain of turns without
+              resending them, within a bounded time
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from typing import Any
+from weakref import WeakKeyDictionary
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from kvasird.compute.sampling import SamplingParams
+from kvasird.gateway.body import Fields, objects, read_json, text
+from kvasird.gateway.errors import ApiError, BadRequest, NotFound
+from kvasird.gateway.generation import Choice, Done, Piece
+from kvasird.gateway.openai import response_format, top_p
+from kvasird.gateway.response import GenerationResponse, sse
+from kvasird.gateway.service import Gateway, Job
+from kvasird.gateway.tools import ToolUse, choose, parse_tool, tool_items
+from kvasird.inference.api import Sampling
+from kvasird.inference.chat import Message
+from kvasird.inference.tools import ToolCall
+
+STORE_S = 3600.0
+STORE_MAX = 256
+
+
+class Store:
+    """Stored responses: id -> (time, the conversation so far, the response object)."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, tuple[float, list[Message], dict[str, Any]]] = OrderedDict()
+
+    def put(self, rid: str, conversation: list[Message], body: dict[str, Any]) -> None:
+        self._items[rid] = (time.monotonic(), conversation, body)
+        self._items.move_to_end(rid)
+        while len(self._items) > STORE_MAX:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str, where: str) -> tuple[list[Message], dict[str, Any]]:
+        hit = self._items.get(rid)
+        if hit is None or time.monotonic() - hit[0] > STORE_S:
+            self._items.pop(rid, None)
+            raise NotFound(f"response {rid!r} is not stored here (responses are kept "
+                           f"{STORE_S / 60:g} minutes, {STORE_MAX} at most): send the whole "
+                           "conversation as `input` instead", where, "response_not_found")
+        return hit[1], hit[2]
+
+
+_stores: WeakKeyDictionary[Gateway, Store] = WeakKeyDictionary()
+
+
+def store_of(gw: Gateway) -> Store:
+    if gw not in _stores:
+        _stores[gw] = Store()
+    return _stores[gw]
+
+
+async def create(gw: Gateway, request: Request) -> GenerationResponse:
+    f = await read_json(request, gw.config.max_body_bytes)
+    name = f.string("model")
+    info, tok, template = gw.resolve(name)
+    previous = f.string("previous_response_id", None)
+    history = list(store_of(gw).get(previous, "previous_response_id")[0]) if previous else []
+    conversation = [*history, *input_items(f)]
+    if not conversation:
+        raise BadRequest("`input` is empty: there is nothing to answer", "input")
+    system = [Message("system", f.string("instructions"))] if f.has("instructions") else []
+    use = tool_use(f, template)
+    prompt = gw.check_prompt(info, gw.chat_prompt(template, tok, [*system, *conversation],
+                                                  "input", use.tools), "input")
+    fmt = f.obj("text").obj("format")
+    grammar = use.grammar or response_format(_as_response_format(fmt))
+    if use.grammar and fmt.string("type", "text") != "text":
+        raise BadRequest("`text.format` and a `tool_choice` that forces a call cannot both "
+                         "hold the reply: drop one", "text.format")
+    params = SamplingParams(temperature=f.number("temperature", 1.0, 0, 2), top_p=top_p(f),
+                            grammar=grammar)
+    max_tokens = gw.max_tokens(f.integer("max_output_tokens", None), "max_output_tokens")
+    job = gw.job(info, tok, name, prompt, Sampling(params, max_tokens),
+                 stream=f.boolean("stream", False))
+    echo = {"instructions": f.value.get("instructions"), "previous_response_id": previous,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "max_output_tokens": max_tokens, "tools": f.value.get("tools") or [],
+            "tool_choice": f.value.get("tool_choice", "auto"),
+            "parallel_tool_calls": f.boolean("parallel_tool_calls", True),
+            "text": {"format": fmt.value or {"type": "text"}},
+            "metadata": f.obj("metadata").value}
+    renderer = ResponsesRenderer(job, use, echo, conversation,
+                                 store_of(gw) if f.boolean("store", True) else None)
+    return GenerationResponse(gw, job, renderer)
+
+
+async def retrieve(gw: Gateway, request: Request) -> JSONResponse:
+    return JSONResponse(store_of(gw).get(request.path_params["response_id"], "response_id")[1])
+
+
+def _as_response_format(fmt: Fields) -> Fields:
+    """text.format as Chat Completions' response_format (json_schema's fields sit flat)."""
+    if fmt.string("type", "text") != "json_schema":
+        return fmt
+    return Fields({"type": "json_schema", "json_schema": {
+        "name": fmt.string("name", ""), "schema": fmt.obj("schema").value}}, fmt.path)
+
+
+def input_items(f: Fields) -> list[Message]:
+    raw = f.value.get("input")
+    if isinstance(raw, str):
+        return [Message("user", str(text(raw, "input")))]
+    if not isinstance(raw, list):
+        raise BadRequest("`input` must be a string or an array of input items", "input")
+    out: list[Message] = []
+    for item in objects(raw, "input"):
+        kind = item.string("type", "message")
+        if kind == "message":
+            role = item.string("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise BadRequest(f"`{item.where('role')}` must be user, assistant, system or "
+                                 f"developer, got {role!r}", item.where("role"))
+            out.append(Message("system" if role == "developer" else role,
+                               _parts(item.value.get("content"), item.where("content"))))
+        elif kind == "function_call":
+            call = ToolCall(item.string("call_id"), item.string("name"),
+                            item.string("arguments", "{}"))
+            if out and out[-1].role == "assistant" and out[-1].tool_calls:
+                last = out.pop()
+                out.append(Message("assistant", last.content, (*last.tool_calls, call)))
+            else:
+                out.append(Message("assistant", "", (call,)))
+        elif kind == "function_call_output":
+            output = item.value.get("output")
+            out.append(Message("tool", output if isinstance(output, str) else json.dumps(output),
+                               tool_call_id=item.string("call_id")))
+        else:
+            raise BadRequest(f"`{item.where('type')}` is {kind!r}: this gateway takes message, "
+                             "function_call and function_call_output items", item.where("type"))
+    return out
+
+
+def _parts(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return str(text(content, where))
+    if not isinstance(content, list):
+        raise BadRequest(f"`{where}` must be a string or an array of text parts", where)
+    parts = []
+    for part in objects(content, where):
+        kind = part.string("type")
+        if kind not in ("input_text", "output_text", "text"):
+            raise BadRequest(f"`{part.where('type')}` is {kind!r}: only text parts are "
+                             "supported", part.where("type"))
+        parts.append(part.string("text"))
+    return "".join(parts)
+
+
+def tool_use(f: Fields, template: Any) -> ToolUse:
+    """The Responses API's tools (flat function objects) and tool_choice."""
+    if not f.value.get("tools"):
+        return ToolUse()
+    tools = []
+    for t in tool_items(f, "tools"):
+        if t.string("type") != "function":
+            raise BadRequest(f"`{t.where('type')}` is {t.string('type')!r}: only function "
+                             "tools are supported", t.where("type"))
+        tools.append(parse_tool(t, "name", "description", "parameters"))
+    choice = f.value.get("tool_choice", "auto")
+    parallel = f.boolean("parallel_tool_calls", True)
+    if choice in ("none", "auto", "required"):
+        return choose(tools, template, choice, None, parallel, "tool_choice")
+    return choose(tools, template, "named", f.obj("tool_choice").string("name"), parallel,
+                  "tool_choice")
+
+
+class ResponsesRenderer:
+    ping = b": ping\n\n"
+
+    def __init__(self, job: Job, use: ToolUse, echo: dict[str, Any],
+                 conversation: list[Message], store: Store | None) -> None:
+        self.job, self.use, self.echo = job, use, echo
+        self.conversation, self.store = conversation, store
+        self.id = f"resp_{job.request.request_id}"
+        self.msg_id = f"msg_{job.request.request_id}"
+        self.created = time.time()
+        self._seq = 0
+        self._held: list[str] = []
+
+    # --- the response object ----------------------------------------------------------
+
+    def response(self, status: str, output: list[dict[str, Any]],
+                 done: Done | None) -> dict[str, Any]:
+        usage = None if done is None else {
+            "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+        return {"id": self.id, "object": "response", "created_at": self.created,
+                "status": status, "model": self.job.model_name, "output": output,
+                "error": None, "incomplete_details": {"reason": "max_output_tokens"}
+                if status == "incomplete" else None, "usage": usage, "truncation": "disabled",
+                "store": self.store is not None, **self.echo}
+
+    def _message(self, text_: str, status: str) -> dict[str, Any]:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text_, "annotations": [],
+                             "logprobs": []}] if text_ or status == "completed" else []}
+
+    def _call(self, c: ToolCall) -> dict[str, Any]:
+        return {"type": "function_call", "id": "fc_" + c.id.removeprefix("call_"),
+                "call_id": c.id, "name": c.name, "arguments": c.arguments,
+                "status": "completed"}
+
+    def _finish(self, full: str, done: Done) -> dict[str, Any]:
+        content, calls = self.use.parse(full)
+        output = ([self._message(content, "completed")] if content or not calls else []) + \
+            [self._call(c) for c in calls]
+        status = "incomplete" if done.reason == "length" and not calls else "completed"
+        body = self.response(status, output, done)
+        if self.store is not None:
+            self.store.put(self.id, [*self.conversation, Message("assistant", content,
+                                                                  tuple(calls))], body)
+        return body
+
+    # --- Renderer -----------------------------------------------------------------------
+
+    def error(self, err: ApiError) -> dict[str, Any]:
+        return err.openai()
+
+    def body(self, choices: list[Choice]) -> dict[str, Any]:
+        (only,) = choices
+        return self._finish(only.text, only.done)
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        self._seq += 1
+        return sse({"type": kind, "sequence_number": self._seq - 1, **fields}, kind)
+
+    def stream_start(self) -> list[bytes]:
+        start = self.response("in_progress", [], None)
+        out = [self._event("response.created", response=start),
+               self._event("response.in_progress", response=start)]
+        if not self.use.tools:
+            out += self._open_text()
+        return out
+
+    def _open_text(self) -> list[bytes]:
+        return [self._event("response.output_item.added", output_index=0,
+                            item=self._message("", "in_progress")),
+                self._event("response.content_part.added", item_id=self.msg_id,
+                            output_index=0, content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": [],
+                                  "logprobs": []})]
+
+    def stream_piece(self, piece: Piece) -> list[bytes]:
+        self._held.append(piece.text)
+        if self.use.tools or not piece.text:
+            return []
+        return [self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
+                            content_index=0, delta=piece.text, logprobs=[])]
+
+    def stream_end(self, dones: list[Done]) -> list[bytes]:
+        (done,) = dones
+        body = self._finish("".join(self._held), done)
+        out: list[bytes] = []
+        for i, item in enumerate(body["output"]):
+            if item["type"] == "message":
+                said = item["content"][0]["text"]
+                if self.use.tools:
+                    out += self._open_text()
+                    if said:
+                        out.append(self._event("response.output_text.delta", item_id=item["id"],
+                                               output_index=i, content_index=0, delta=said,
+                                               logprobs=[]))
+                out += [self._event("response.output_text.done", item_id=item["id"],
+                                    output_index=i, content_index=0, text=said, logprobs=[]),
+                        self._event("response.content_part.done", item_id=item["id"],
+                                    output_index=i, content_index=0, part=item["content"][0])]
+            else:
+                out += [self._event("response.output_item.added", output_index=i,
+                                    item={**item, "arguments": "", "status": "in_progress"}),
+                        self._event("response.function_call_arguments.delta",
+                                    item_id=item["id"], output_index=i,
+                                    delta=item["arguments"]),
+                        self._event("response.function_call_arguments.done",
+                                    item_id=item["id"], output_index=i, name=item["name"],
+                                    arguments=item["arguments"])]
+            out.append(self._event("response.output_item.done", output_index=i, item=item))
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        return [*out, self._event(kind, response=body)]
+
+    def stream_error(self, err: ApiError) -> list[bytes]:
+        body = self.response("failed", [], None)
+        body["error"] = {"code": err.openai()["error"].get("code") or "server_error",
+                         "message": err.openai()["error"]["message"]}
+        return [self._event("error", code=body["error"]["code"],
+                            message=body["error"]["message"], param=None),
+                self._event("response.failed", response=body)]
