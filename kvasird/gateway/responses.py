@@ -310,8 +310,7 @@ class ResponsesRenderer:
 
     def stream_error(self, err: ApiError) -> list[bytes]:
         body = self.response("failed", [], None)
-        body["error"] = {"code": err.openai()["error"].get("code") or "server_error",
-                         "message": err.openai()["error"]["message"]}
-        return [self._event("error", code=body["error"]["code"],
-                            message=body["error"]["message"], param=None),
+        code, message = err.code or "server_error", err.message
+        body["error"] = {"code": code, "message": message}
+        return [self._event("error", code=code, message=message, param=err.param),
                 self._event("response.failed", response=body)]
