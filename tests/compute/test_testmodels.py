@@ -65,11 +65,20 @@ def test_tokenizer_is_the_bundled_one_and_gguf_py_reads_it(tmp_path, bundled):
     assert int(embd.shape[1]) == len(tokens)
 
 
+QUANTIZED_DIMS = dict(n_layer=1, n_embd=256, head_dim=64, n_ff_exp=256, tied_output=True)
+
+
+@pytest.fixture(scope="module")
+def f32_up(tmp_path_factory):
+    """The f32 model's UP weights, which every quantized file is compared with."""
+    path = make_model(tmp_path_factory.mktemp("f32") / "f.gguf", dtype="f32", **QUANTIZED_DIMS)
+    return Oracle(path).w(UP)
+
+
 @pytest.mark.parametrize("dtype, tol", [("f16", 2e-3), ("q8_0", 2e-2), ("q4_k", 0.2)])
-def test_quantized_file_holds_the_same_weights_as_f32(tmp_path, dtype, tol):
-    dims = dict(n_layer=1, n_embd=256, head_dim=64, n_ff_exp=256, tied_output=True)
-    want = Oracle(make_model(tmp_path / "f.gguf", dtype="f32", **dims)).w(UP)
-    got = Oracle(make_model(tmp_path / "q.gguf", dtype=dtype, **dims))
+def test_quantized_file_holds_the_same_weights_as_f32(tmp_path, f32_up, dtype, tol):
+    want = f32_up
+    got = Oracle(make_model(tmp_path / "q.gguf", dtype=dtype, **QUANTIZED_DIMS))
     assert got.file.info(UP).type == DTYPES[dtype]
     assert np.abs(got.w(UP) - want).max() < tol * np.abs(want).max()
 

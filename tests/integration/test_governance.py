@@ -31,18 +31,21 @@ def test_only_the_genesis_wallet_changes_network_parameters(localnet: Callable[.
     wrong_net = sign_governance(genesis.authority, "othernet", raised)
     real = sign_governance(genesis.authority, "localnet", raised)
 
+    def applied() -> bool:
+        return all(n.get("/v0/settlement")["params"]["version"] == raised.version
+                   for n in net.nodes)
+
     async def announce() -> None:
         peer = GossipPeer("localnet")
         async with peer.running(net.nodes[0].join_addr):
             for message in (forged, wrong_net, real):
                 await peer.pubsub.publish("kvasir/localnet/governance", pack(message.to_wire()))
                 await trio.sleep(0.5)
-            await trio.sleep(2)
+            # connected until the nodes have it: the last message is not lost on hanging up
+            await trio.to_thread.run_sync(
+                net.wait_until, "every node applies the genesis-signed parameters", applied, 20)
 
     trio.run(announce)
-    net.wait_until("every node applies the genesis-signed parameters",
-                   lambda: all(n.get("/v0/settlement")["params"]["version"] == raised.version
-                               for n in net.nodes), timeout=20)
     for node in net.nodes:
         assert node.get("/v0/settlement")["params"]["floor"] == raised.floor
     log = net.nodes[0].log.read_text()

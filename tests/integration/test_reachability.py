@@ -4,7 +4,7 @@ A node is made "private" on loopback by announcing an address where nothing list
 the dial-back check then fails exactly as it does behind a NAT, and everything after
 (reservations, circuit addresses, relayed dials) is the real code path.
 
-The last test is a real NAT built from network namespaces (netns, see netns.py): it
+The NAT tests use a real NAT built from network namespaces (netns, see netns.py): it
 creates its own namespaces with 10.77.x.x test addresses and removes them afterwards,
 and skips with the reason where namespaces or NAT tools are not available.
 """
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,32 +94,6 @@ def test_node_without_the_pre_shared_key_cannot_connect(localnet: Callable[..., 
                                for line in stranger.log.read_text().splitlines()), timeout=30)
     assert stranger.peer_id not in seed.peer_ids()
     assert stranger.status()["peers"] == 0
-
-
-def test_private_node_is_reached_through_a_relay(localnet: Callable[..., LocalNet]) -> None:
-    """R and A are public; C announces a dead port, so nobody can dial it directly."""
-    net = localnet(3)
-    relay, a, c = net.nodes
-    start(net, {1: 0, 2: 0}, {2: {
-        "p2p.announce": [f"/ip4/127.0.0.1/tcp/{free_port()}"],
-        # C dials no one but its relay itself: every other connection must come in via R.
-        "p2p.peer_exchange": False, "p2p.dht": False, "p2p.relay_reservations": 1}})
-    net.wait_until("C finds it is private and holds a reservation on R",
-                   lambda: reach(c)["verdict"] == "private"
-                   and reach(c)["relays"] == [relay.peer_id],
-                   timeout=40)
-    assert reach(relay)["relay_service"] is True
-    circuit = reach(c)["circuit_addrs"]
-    via_r = f"/p2p/{relay.peer_id}/p2p-circuit/p2p/{c.peer_id}"
-    assert circuit and all(via_r in x for x in circuit)
-    took = net.wait_until("A is connected to C and heartbeats flow through R",
-                          lambda: (peer_entry(a, c.peer_id) or {}).get("rtt_ms") is not None,
-                          timeout=40)
-    print(f"A reached C through R {took:.1f} s after C's reservation")
-    seen = peer_entry(a, c.peer_id)
-    assert seen is not None and any("/p2p-circuit/" in x for x in seen["addrs"])
-    assert reach(a)["verdict"] == "public"
-    assert c.peer_id in a.peer_ids() and a.peer_id in c.peer_ids()
 
 
 def test_ten_daemons_in_a_chain_find_everyone_through_the_dht_alone(
@@ -258,34 +233,85 @@ def test_node_behind_a_real_nat_is_reached_through_a_relay(
     assert result["header"]["ok"] is False and "error" in result["header"]
 
 
-def test_a_private_stage_serves_a_ring_through_the_relay(localnet: Callable[..., LocalNet]) -> None:
-    """C holds layers 10-30 and is reachable only through R: A's generations run through it.
+def _routable(node: LocalNode) -> bool:
+    import httpx
 
-    C offers no lanes (as behind a NAT that no direct connection crosses), so every stage
-    step goes over libp2p through the relay; the tokens equal the engine's own.
+    url = node.home.admin_address()
+    body = {"prompt": [1], "max_tokens": 1}
+    return url is not None and httpx.post(url + "/v0/generate", json=body,
+                                          timeout=30).status_code == 200
+
+
+# --- one relayed network for the last tests (kept until the module ends) --------------
+
+@dataclass
+class Relayed:
+    """R and A public, C private: C announces a dead port, so nobody can dial it directly.
+
+    C dials no one but its relay itself: every other connection must come in via R. C holds
+    layers 10-30 and offers no lanes (as behind a NAT that no direct connection crosses), A
+    the head and layers 0-10, R nothing. Shared by the tests below, which leave it running.
     """
-    from test_swarm import PROMPTS, generate, settings
+
+    net: LocalNet
+    reached_s: float
+    """How long after C's reservation A was connected to C through R."""
+
+
+@pytest.fixture(scope="module")
+def relayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relayed]:
+    from test_swarm import settings
+
+    from kvasird.model.bundled import bundled_path
+
+    model = bundled_path()
+    net = LocalNet(tmp_path_factory.mktemp("relayed"), 3)
+    relay, a, c = net.nodes
+    private = {"p2p.announce": [f"/ip4/127.0.0.1/tcp/{free_port()}"], "p2p.peer_exchange": False,
+               "p2p.dht": False, "p2p.relay_reservations": 1, "inference.lanes": False}
+    with net:
+        start(net, {1: 0, 2: 0}, {0: settings(model, []),
+                                  1: settings(model, ["head", "layers:0-10"]),
+                                  2: {**settings(model, ["layers:10-30"]), **private}})
+        net.wait_until("C finds it is private and holds a reservation on R",
+                       lambda: reach(c)["verdict"] == "private"
+                       and reach(c)["relays"] == [relay.peer_id],
+                       timeout=60)
+        took = net.wait_until("A is connected to C and heartbeats flow through R",
+                              lambda: (peer_entry(a, c.peer_id) or {}).get("rtt_ms") is not None,
+                              timeout=60)
+        yield Relayed(net, took)
+
+
+def test_private_node_is_reached_through_a_relay(relayed: Relayed) -> None:
+    relay, a, c = relayed.net.nodes
+    assert reach(c)["verdict"] == "private" and reach(c)["relays"] == [relay.peer_id]
+    assert reach(relay)["relay_service"] is True
+    circuit = reach(c)["circuit_addrs"]
+    via_r = f"/p2p/{relay.peer_id}/p2p-circuit/p2p/{c.peer_id}"
+    assert circuit and all(via_r in x for x in circuit)
+    print(f"A reached C through R {relayed.reached_s:.1f} s after C's reservation")
+    seen = peer_entry(a, c.peer_id)
+    assert seen is not None and any("/p2p-circuit/" in x for x in seen["addrs"])
+    assert seen["rtt_ms"] is not None
+    assert reach(a)["verdict"] == "public"
+    assert c.peer_id in a.peer_ids() and a.peer_id in c.peer_ids()
+
+
+def test_a_private_stage_serves_a_ring_through_the_relay(relayed: Relayed) -> None:
+    """A's generations run through C, reachable only through R: every stage step goes over
+    libp2p through the relay; the tokens equal the engine's own."""
+    from test_swarm import PROMPTS, generate
 
     from kvasird.compute.kvcache import KVSpec
     from kvasird.compute.stage import Stage
     from kvasird.compute.stage import generate as engine_generate
     from kvasird.model.bundled import bundled_path
 
-    model = bundled_path()
-    net = localnet(3)
-    relay, a, c = net.nodes
-    private = {"p2p.announce": [f"/ip4/127.0.0.1/tcp/{free_port()}"], "p2p.peer_exchange": False,
-               "p2p.dht": False, "p2p.relay_reservations": 1, "inference.lanes": False}
-    start(net, {1: 0, 2: 0}, {0: settings(model, []),
-                              1: settings(model, ["head", "layers:0-10"]),
-                              2: {**settings(model, ["layers:10-30"]), **private}})
-    net.wait_until("C is private with a reservation on R",
-                   lambda: reach(c)["verdict"] == "private" and reach(c)["relays"] == [relay.peer_id],
-                   timeout=60)
-    net.wait_until("A is connected to C through R",
-                   lambda: (peer_entry(a, c.peer_id) or {}).get("rtt_ms") is not None, timeout=60)
+    net = relayed.net
+    _, a, c = net.nodes
     net.wait_until("A has a route through C", lambda: _routable(a), timeout=60)
-    stage = Stage.load(model, threads=1, kv=KVSpec(n_slots=512, dtype="f16"))
+    stage = Stage.load(bundled_path(), threads=1, kv=KVSpec(n_slots=512, dtype="f16"))
     try:
         want = engine_generate(stage, PROMPTS[0], 12)
     finally:
@@ -294,12 +320,3 @@ def test_a_private_stage_serves_a_ring_through_the_relay(localnet: Callable[...,
     seen = peer_entry(a, c.peer_id)
     assert seen is not None and any("/p2p-circuit/" in x for x in seen["addrs"])
     assert a.get("/v0/inference")["lanes"]["open_to"] == []
-
-
-def _routable(node: LocalNode) -> bool:
-    import httpx
-
-    url = node.home.admin_address()
-    body = {"prompt": [1], "max_tokens": 1}
-    return url is not None and httpx.post(url + "/v0/generate", json=body,
-                                          timeout=30).status_code == 200

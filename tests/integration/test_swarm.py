@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,42 +131,6 @@ def reference(bundled: Path, tmp_path_factory: pytest.TempPathFactory) -> list[l
         return [generate(net.nodes[0], p) for p in PROMPTS]
 
 
-def test_three_stage_ring_generates_the_tokens_of_one_node(
-        localnet: Callable[..., LocalNet], bundled: Path, reference: list[list[int]]) -> None:
-    net = start(localnet, bundled, [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"]])
-    got = [generate(net.nodes[0], p) for p in PROMPTS]
-    assert got == reference
-    cli = kvasird(net.nodes[0], "generate", "--tokens", ",".join(map(str, PROMPTS[0])),
-                  "--max-tokens", str(N_TOKENS))
-    assert [int(t) for t in cli.stdout.split()] == reference[0]
-    text = kvasird(net.nodes[0], "generate", "--chat", "What is the capital of France?",
-                   "--max-tokens", "8")
-    assert text.returncode == 0 and text.stdout.strip() and "generated tokens" in text.stderr
-    route = net.nodes[0].get("/v0/inference")
-    assert route["generations"] == {}
-    assert route["serving"]["sessions"] == 0
-    # the hops go over lanes (direct TCP keyed over libp2p) once they are up; a lane whose
-    # first attempt failed (two peers dialling each other at start-up) is asked for again
-    # within seconds, on the next use
-    peers = {net.nodes[1].peer_id, net.nodes[2].peer_id}
-
-    def lanes_up() -> bool:
-        lanes = net.nodes[0].get("/v0/inference")["lanes"]
-        if set(lanes["open_to"]) == peers and lanes["libp2p_to"] == []:
-            return True
-        generate(net.nodes[0], [1], 1)  # a use: a lane due for another attempt is asked for
-        return False
-
-    net.wait_until("lanes to both remote stages", lanes_up, 30)
-    assert all(n.get("/v0/inference")["lanes"]["accepted"] >= 1 for n in net.nodes[1:])
-    # boundaries went stage to stage: each remote stage sent its output on itself
-    assert all(n.get("/v0/inference")["serving"]["forwarded"] >= N_TOKENS for n in net.nodes[1:])
-    # traced steps split the step's time per hop on the real route
-    breakdown = net.nodes[0].get("/v0/inference")["breakdown"]
-    assert breakdown["route"] == [n.peer_id for n in (*net.nodes, net.nodes[0])]
-    assert breakdown["steps"] >= 2 and all(h["compute_ms"] > 0 for h in breakdown["hops"])
-
-
 def test_ring_without_lanes_through_windows_that_overlap_generates_the_same_tokens(
         localnet: Callable[..., LocalNet], bundled: Path, reference: list[list[int]]) -> None:
     """Over libp2p streams only; the windows overlap (a market's replicas need not meet at
@@ -177,20 +141,6 @@ def test_ring_without_lanes_through_windows_that_overlap_generates_the_same_toke
     view = net.nodes[0].get("/v0/inference")["lanes"]
     assert view["open_to"] == [] and view["port"] is None
     assert set(view["libp2p_to"]) == {net.nodes[1].peer_id, net.nodes[2].peer_id}
-
-
-def test_a_client_that_goes_away_frees_every_session_on_the_route(
-        localnet: Callable[..., LocalNet], bundled: Path) -> None:
-    net = start(localnet, bundled, [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"]])
-    body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}
-    with httpx.stream("POST", net.nodes[0].home.admin_address() + "/v0/generate", json=body,
-                      timeout=60) as resp:
-        lines = resp.iter_lines()
-        next(lines), next(lines)
-        assert all(n.get("/v0/inference")["serving"]["sessions"] > 0 for n in net.nodes)
-    net.wait_until("every stage closed its session",
-                   lambda: all(n.get("/v0/inference")["serving"]["sessions"] == 0
-                               for n in net.nodes), timeout=10)
 
 
 @pytest.mark.parametrize(("window", "sig"), [(1, signal.SIGKILL), (2, signal.SIGKILL),
@@ -325,3 +275,63 @@ def test_hot_experts_are_cached_by_the_stage_and_the_output_is_unchanged(
     model = net.nodes[0].get("/v0/shards")["models"][0]
     assert model["held_bytes"] < model["total_bytes"]  # its window and the cached experts
     assert net.nodes[0].get("/v0/inference")["dispatch"]["hot_fetched"] > 0
+
+
+# --- one three-stage ring for the last tests (kept until the module ends) ------------
+
+@pytest.fixture(scope="module")
+def ring(bundled: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNet]:
+    """Three stages of ten layers each, shared by the tests that leave every stage running."""
+    net = LocalNet(tmp_path_factory.mktemp("ring"), 3)
+    with net:
+        yield start(lambda n: net, bundled, [["head", "layers:0-10"], ["layers:10-20"],
+                                             ["layers:20-30"]])
+
+
+def test_three_stage_ring_generates_the_tokens_of_one_node(
+        ring: LocalNet, reference: list[list[int]]) -> None:
+    net = ring
+    got = [generate(net.nodes[0], p) for p in PROMPTS]
+    assert got == reference
+    cli = kvasird(net.nodes[0], "generate", "--tokens", ",".join(map(str, PROMPTS[0])),
+                  "--max-tokens", str(N_TOKENS))
+    assert [int(t) for t in cli.stdout.split()] == reference[0]
+    text = kvasird(net.nodes[0], "generate", "--chat", "What is the capital of France?",
+                   "--max-tokens", "8")
+    assert text.returncode == 0 and text.stdout.strip() and "generated tokens" in text.stderr
+    route = net.nodes[0].get("/v0/inference")
+    assert route["generations"] == {}
+    assert route["serving"]["sessions"] == 0
+    # the hops go over lanes (direct TCP keyed over libp2p) once they are up; a lane whose
+    # first attempt failed (two peers dialling each other at start-up) is asked for again
+    # within seconds, on the next use
+    peers = {net.nodes[1].peer_id, net.nodes[2].peer_id}
+
+    def lanes_up() -> bool:
+        lanes = net.nodes[0].get("/v0/inference")["lanes"]
+        if set(lanes["open_to"]) == peers and lanes["libp2p_to"] == []:
+            return True
+        generate(net.nodes[0], [1], 1)  # a use: a lane due for another attempt is asked for
+        return False
+
+    net.wait_until("lanes to both remote stages", lanes_up, 30)
+    assert all(n.get("/v0/inference")["lanes"]["accepted"] >= 1 for n in net.nodes[1:])
+    # boundaries went stage to stage: each remote stage sent its output on itself
+    assert all(n.get("/v0/inference")["serving"]["forwarded"] >= N_TOKENS for n in net.nodes[1:])
+    # traced steps split the step's time per hop on the real route
+    breakdown = net.nodes[0].get("/v0/inference")["breakdown"]
+    assert breakdown["route"] == [n.peer_id for n in (*net.nodes, net.nodes[0])]
+    assert breakdown["steps"] >= 2 and all(h["compute_ms"] > 0 for h in breakdown["hops"])
+
+
+def test_a_client_that_goes_away_frees_every_session_on_the_route(ring: LocalNet) -> None:
+    net = ring
+    body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}
+    with httpx.stream("POST", net.nodes[0].home.admin_address() + "/v0/generate", json=body,
+                      timeout=60) as resp:
+        lines = resp.iter_lines()
+        next(lines), next(lines)
+        assert all(n.get("/v0/inference")["serving"]["sessions"] > 0 for n in net.nodes)
+    net.wait_until("every stage closed its session",
+                   lambda: all(n.get("/v0/inference")["serving"]["sessions"] == 0
+                               for n in net.nodes), timeout=10)

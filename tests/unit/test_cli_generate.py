@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -17,17 +19,20 @@ from kvasird.localnet import LocalNet
 from kvasird.model.manifest import Manifest
 
 
-@pytest.fixture
-def home_serving_by_id(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, str]:
+@pytest.fixture(scope="module")
+def home_serving_by_id(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A home whose [market] model is a model id, with only that model's manifest and shards
-    in its store (the GGUF it came from is gone, as on a node that joined by id)."""
-    home, gguf = tmp_path / "home", tmp_path / "tiny.gguf"
+    in its store (the GGUF it came from is gone, as on a node that joined by id). The tests
+    only read it, so the module shares one."""
+    root = tmp_path_factory.mktemp("by-id")
+    home, gguf = root / "home", root / "tiny.gguf"
     assert main(["dev", "make-model", str(gguf), "--layers", "1"]) == 0
     assert main(["--home", str(home), "init"]) == 0
     assert main(["--home", str(home), "model", "add", str(gguf), "--name", "tiny"]) == 0
-    capsys.readouterr()
-    assert main(["--home", str(home), "model", "list", "--json"]) == 0
-    [model] = json.loads(capsys.readouterr().out)
+    listed = io.StringIO()
+    with contextlib.redirect_stdout(listed):
+        assert main(["--home", str(home), "model", "list", "--json"]) == 0
+    [model] = json.loads(listed.getvalue())
     config = home / "kvasird.toml"
     config.write_text(render(config.read_text(), {"market.model": model["model_id"]}))
     expected = Tokenizer.from_gguf(gguf).encode("Hello there")
@@ -74,8 +79,9 @@ def test_generate_works_on_a_node_that_names_its_model_by_id(tmp_path: Path) -> 
     assert main(["dev", "make-model", str(gguf), "--layers", "1"]) == 0
     model_id = Manifest.from_gguf(gguf).model_id
     with LocalNet(tmp_path / "net", 1, settings={
-            "market.model": model_id,
-            "market.memory_budget_mb": 200}) as net:
+            "market.model": model_id, "market.memory_budget_mb": 200,
+            # it enrolls at once, not after the default 10 s a joining node waits
+            "market.enroll_delay_s": 0.0, "market.heartbeat_s": 1.0}) as net:
         node = net.nodes[0]
         net.configure(node, [])
         assert main(["--home", str(node.home.root), "model", "add", str(gguf)]) == 0
