@@ -191,3 +191,14 @@ def test_the_responses_api_answers_streams_and_round_trips_a_function_call(gatew
                                       "output": '{"temperature": 18}'}])
     assert answer.output and answer.previous_response_id == called.id
     assert client.responses.retrieve(answer.id).id == answer.id
+
+
+def test_three_choices_through_the_ring(gateway: str) -> None:
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="local", max_retries=0,
+                           timeout=120)
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=ASK, n=3, temperature=1.0,
+                                           seed=5, max_tokens=8)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len({c.message.content for c in reply.choices}) > 1  # sampled independently
+    assert 3 <= reply.usage.completion_tokens <= 3 * 8  # every choice's tokens
