@@ -19,7 +19,7 @@ honest holders into giving units up (#24). So a claim is checked before it is tr
               "not held" for a unit its newest record still claims, twice in a row (the
                 first may race a drop whose record is still on its way) -> a liar
               no answer (a timeout, no route, a busy peer) -> not proven; asked again
-                after a back-off that doubles from RETRY_S up to MAX_RETRY_S
+                after a back-off that doubles from RETRY_S up to MAX_RETRY_S (15 s)
 
 A liar (so is a holder a download caught sending wrong bytes: ``condemn``) is reported
 to ``on_liar`` (the market takes it out of its map and refuses its records) and stays
@@ -61,8 +61,12 @@ RANGE_BYTES = 4096
 """Longest of those ranges."""
 TIMEOUT_S = 15.0
 """For one question, stream opening included."""
-RETRY_S = 2.0
-MAX_RETRY_S = 300.0
+RETRY_S = 1.0
+MAX_RETRY_S = 15.0
+"""An unanswered claim is asked again soon: until it is proven the peer is not routed to,
+and the usual reasons (a peer just restarted, stopped for a moment, its address not yet
+dialled) pass in seconds. A longer back-off kept a restarted replica out of routes for
+minutes in the churn soak (65.7 % of requests completed instead of 99 %)."""
 LIAR_BAN_S = 3600.0
 """How long a peer caught lying stays out of this node's map (its restarts do not end it)."""
 PARALLEL = 4
@@ -253,10 +257,10 @@ class ClaimChecker:
                 self._liar(peer, "claims units it says it does not hold")
                 return "liar"
             c.missing |= wanted
-            self._later(c, "said it lacks units it claims")
+            self._later(peer, c, "said it lacks units it claims")
             return "doubt"
         except (Exception, trio.TooSlowError) as exc:  # noqa: BLE001 - unreachable, slow, gone
-            self._later(c, repr(exc)[:200])
+            self._later(peer, c, repr(exc)[:200])
             return "unanswered"
         c.proven |= wanted
         c.missing -= wanted
@@ -265,7 +269,7 @@ class ClaimChecker:
         newest = self.latest(peer)
         if newest is None or not claimed(newest, manifest) - c.proven:
             self._due.discard(peer)
-        log.debug("claim proven", peer=peer, units=len(wanted), questions=len(questions))
+        log.info("claim proven", peer=peer, units=len(wanted), questions=len(questions))
         return "proven"
 
     async def _ask(self, peer: str, model_id: str, q: Question) -> bool:
@@ -286,10 +290,10 @@ class ClaimChecker:
         self.asked["read_bytes"] += len(got)
         return hashlib.sha256(got).digest() == q.sha256
 
-    def _later(self, c: _Claims, why: str) -> None:
+    def _later(self, peer: str, c: _Claims, why: str) -> None:
         c.retry_at = trio.current_time() + c.backoff_s
+        log.info("claim not proven yet: asking again", peer=peer, why=why, retry_s=c.backoff_s)
         c.backoff_s = min(c.backoff_s * 2, MAX_RETRY_S)
-        log.debug("claim not proven yet", why=why, retry_s=c.backoff_s)
 
     def condemn(self, peer: str, why: str) -> None:
         """``peer`` was caught lying elsewhere (a download got wrong bytes from it)."""
