@@ -262,6 +262,8 @@ class ClaimChecker:
         except (Exception, trio.TooSlowError) as exc:  # noqa: BLE001 - unreachable, slow, gone
             self._later(peer, c, repr(exc)[:200])
             return "unanswered"
+        if self.claims.get(peer) is not c:  # it restarted meanwhile: its new claim is due
+            return "nothing"
         c.proven |= wanted
         c.missing -= wanted
         c.backoff_s = RETRY_S

@@ -148,3 +148,28 @@ def test_routing_uses_only_the_proven_units_of_a_record(moe_manifest):
     assert some.windows == ((0, 1), (2, 3)) and not some.head
     assert PeerHoldings.of_record(r, set()) == PeerHoldings("p", False, (), ())
     assert Holding("H", 0, 0, 1, "online") in r.holdings
+
+
+async def test_a_restart_during_a_check_leaves_the_new_claim_to_be_checked(
+        swarm, source_store, moe_manifest):
+    """The answer to the old boot's question arrives after the peer restarted: it proves
+    nothing of the new boot, whose claim stays due."""
+    swarm.add("p", source_store)
+    verifier = Checker(swarm, source_store)
+    old = record("p", moe_manifest, LAYERS, boot="b1")
+    verifier.records["p"] = old
+    verifier.c.note(old, moe_manifest)
+    real_ask = verifier.c._ask
+
+    async def ask_then_restart(*args):
+        new = record("p", moe_manifest, LAYERS, boot="b2", seq=2)
+        verifier.records["p"] = new
+        verifier.c.note(new, moe_manifest)
+        return await real_ask(*args)
+
+    verifier.c._ask = ask_then_restart
+    assert await verifier.c.check("p", moe_manifest) == "nothing"
+    assert verifier.c.proven(verifier.records["p"]) == set()
+    assert "p" in verifier.c.view()["unproven"]
+    verifier.c._ask = real_ask
+    assert await verifier.c.check("p", moe_manifest) == "proven"
