@@ -114,8 +114,9 @@ def _scarce_runs(model: MarketModel, counts: Counts, targets: Targets, held: set
     out = []
     for _, _, _, units in runs:
         k = int(rng.integers(len(units)))
-        k = next((i for i, u in enumerate(units) if u in stored and (
-            i == 0 or units[i - 1] not in stored)), k) if stored else k
+        # enter at a stored segment's start (cyclically: a run taken at 23 wrapped to 0-2)
+        k = next((i for i, u in enumerate(units) if u in stored
+                  and units[i - 1] not in stored), k) if stored else k
         out.append(units[k:] + units[:k])
     return out
 

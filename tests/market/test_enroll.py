@@ -67,6 +67,11 @@ def test_a_restarted_node_takes_back_what_is_on_its_disk_among_equally_scarce_un
     fresh = [decide(model, cmap.active, Demand(model).targets(1), "me", 40, set(), set(),
                     cmap.holders, np.random.default_rng(seed)).add for seed in range(20)]
     assert sum(set(add) == stored for add in fresh) < 5  # without the disk: anywhere
+    wrapped = {Unit("expert", 1, e) for e in (6, 7, 0, 1)}  # a run once taken at 6, wrapped
+    for seed in range(20):
+        plan = decide(model, cmap.active, Demand(model).targets(1), "me", 40, set(), set(),
+                      cmap.holders, np.random.default_rng(seed), stored=wrapped)
+        assert set(plan.add) == wrapped, seed
 
 
 def test_surplus_is_dropped_only_for_scarcer_units_and_never_below_target(model: MarketModel) -> None:
