@@ -132,8 +132,8 @@ def messages(f: Fields) -> list[Message]:
     return out
 
 
-def content_text(content: Any, where: str) -> str:
-    """A message's text: a string, or the text parts of a content array (both APIs)."""
+def content_text(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A message's text: a string, or the text parts (of ``kinds``) of a content array."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -143,7 +143,7 @@ def content_text(content: Any, where: str) -> str:
     parts = []
     for part in objects(content, where):
         kind = part.string("type")
-        if kind != "text":
+        if kind not in kinds:
             raise BadRequest(f"`{part.where('type')}` is {kind!r}: only text content is "
                              "supported", part.where("type"))
         parts.append(part.string("text"))

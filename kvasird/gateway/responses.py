@@ -36,7 +36,7 @@ from kvasird.compute.sampling import SamplingParams
 from kvasird.gateway.body import Fields, objects, read_json, text
 from kvasird.gateway.errors import ApiError, BadRequest, NotFound
 from kvasird.gateway.generation import Choice, Done, Piece
-from kvasird.gateway.openai import response_format, top_p
+from kvasird.gateway.openai import content_text, response_format, top_p
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
 from kvasird.gateway.tools import ToolUse, choose, parse_tool, tool_items
@@ -141,7 +141,8 @@ def input_items(f: Fields) -> list[Message]:
                 raise BadRequest(f"`{item.where('role')}` must be user, assistant, system or "
                                  f"developer, got {role!r}", item.where("role"))
             out.append(Message("system" if role == "developer" else role,
-                               _parts(item.value.get("content"), item.where("content"))))
+                               content_text(item.value.get("content"), item.where("content"),
+                                            ("input_text", "output_text", "text"))))
         elif kind == "function_call":
             call = ToolCall(item.string("call_id"), item.string("name"),
                             item.string("arguments", "{}"))
@@ -158,21 +159,6 @@ def input_items(f: Fields) -> list[Message]:
             raise BadRequest(f"`{item.where('type')}` is {kind!r}: this gateway takes message, "
                              "function_call and function_call_output items", item.where("type"))
     return out
-
-
-def _parts(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return str(text(content, where))
-    if not isinstance(content, list):
-        raise BadRequest(f"`{where}` must be a string or an array of text parts", where)
-    parts = []
-    for part in objects(content, where):
-        kind = part.string("type")
-        if kind not in ("input_text", "output_text", "text"):
-            raise BadRequest(f"`{part.where('type')}` is {kind!r}: only text parts are "
-                             "supported", part.where("type"))
-        parts.append(part.string("text"))
-    return "".join(parts)
 
 
 def tool_use(f: Fields, template: Any) -> ToolUse:

@@ -68,6 +68,8 @@ class Format:
 
     name = "hermes"
     start, end = "<tool_call>\n", "\n</tool_call>"
+    separator = "\n"
+    """Between parallel calls."""
     arguments_key = "arguments"
 
     def system_text(self, tools: Sequence[Tool]) -> str:
@@ -91,9 +93,9 @@ class Format:
         """Output that is one call (or, with ``parallel``, several) of ``tools``, each with
         arguments that validate against that tool's schema."""
         one = " | ".join(f"c{i}" for i in range(len(tools)))
-        more = ' ("\\n" call)*' if parallel else ""
-        rules = [f"start: call{more}",
-                 f"call: {json.dumps(self.start)} ({one}) {json.dumps(self.end)}"]
+        more = f" ({json.dumps(self.separator)} call)*" if parallel else ""
+        body = f"{json.dumps(self.start)} ({one}) {json.dumps(self.end)}" if self.start else one
+        rules = [f"start: call{more}", f"call: {body}"]
         rules += [f"c{i}: %json {json.dumps(self._schema(t))}" for i, t in enumerate(tools)]
         grammar = LLMatcher.grammar_from_lark("\n".join(rules))
         check(grammar, "tools")
@@ -158,6 +160,7 @@ class Llama3(Format):
 
     name = "llama3"
     start, end = "", ""
+    separator = "; "
     arguments_key = "parameters"
 
     def system_text(self, tools: Sequence[Tool]) -> str:
@@ -181,15 +184,6 @@ class Llama3(Format):
                 return text, []
             calls.append(call)
         return "", calls
-
-    def grammar(self, tools: Sequence[Tool], parallel: bool = True) -> str:
-        one = " | ".join(f"c{i}" for i in range(len(tools)))
-        more = ' ("; " call)*' if parallel else ""
-        rules = [f"start: call{more}", f"call: {one}"]
-        rules += [f"c{i}: %json {json.dumps(self._schema(t))}" for i, t in enumerate(tools)]
-        grammar = LLMatcher.grammar_from_lark("\n".join(rules))
-        check(grammar, "tools")
-        return grammar
 
 
 FORMATS: dict[str, Format] = {"hermes": Format(), "llama3": Llama3()}

@@ -35,7 +35,7 @@ def test_a_bad_value_names_its_key_and_what_to_write(text: str, fragment: str) -
     'cors_origins = ["*"]',
     'cors_origins = ["http://localhost:5173", "http://127.0.0.1:3000", "http://[::1]:8000"]',
     'cors_origins = ["https://ui.example.com"]\nallowed_hosts = ["ui.example.com"]',
-    'cors_origins = ["http://192.168.1.5:3000"]\nlisten = "192.168.1.5:8080"',
+    'cors_origins = ["http://203.0.113.5:3000"]\nlisten = "203.0.113.5:8080"',
 ])
 def test_origins_the_host_guard_admits_are_accepted(settings: str) -> None:
     assert load_text(f"[gateway]\n{settings}\n").gateway.cors_origins
