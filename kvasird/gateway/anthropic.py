@@ -8,7 +8,6 @@ generation fails after it started. Keep-alives are ``ping`` events.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from starlette.requests import Request
@@ -26,9 +25,12 @@ from kvasird.gateway.tools import (
     anthropic_blocks,
     anthropic_tool_blocks,
     anthropic_tool_use,
+    finish_with_calls,
+    tool_use_id,
 )
 from kvasird.inference.api import Sampling
 from kvasird.inference.chat import Message
+from kvasird.inference.tools import Args, Event, Opened, Said
 
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence"}
 
@@ -84,9 +86,9 @@ def conversation(f: Fields) -> list[Message]:
 
 
 class MessagesRenderer:
-    """Messages. With tools, the reply is parsed into a text block and tool_use blocks; a
-    stream holds the text back until the end, then sends the text block and each call as
-    a tool_use block with its input as one input_json_delta."""
+    """Messages. With tools, the reply is parsed into text blocks and tool_use blocks; a
+    stream sends text as soon as it cannot be the start of a call, and each call as a
+    tool_use block as it is written, its input as input_json_delta events of partial JSON."""
 
     ping = sse({"type": "ping"}, "ping")
 
@@ -94,7 +96,12 @@ class MessagesRenderer:
         self.job = job
         self.id = f"msg_{job.request.request_id}"
         self.use = use or ToolUse()
-        self._held: list[str] = []
+        self._reader = self.use.reader() if self.use.tools else None
+        self._block = 0
+        """The index of the stream's last content block."""
+        self._open: str | None = "text"
+        """Its type while it is open (None once stopped)."""
+        self._called = False
 
     def error(self, err: ApiError) -> dict[str, Any]:
         return err.anthropic()
@@ -103,21 +110,24 @@ class MessagesRenderer:
         return [sse(err.anthropic(), "error")]
 
     def message(self, content: list[dict[str, Any]], done: Done | None,
-                output_tokens: int) -> dict[str, Any]:
+                output_tokens: int, called: bool = False) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant",
                 "model": self.job.model_name, "content": content,
-                "stop_reason": STOP_REASON[done.reason] if done else None,
+                "stop_reason": self.stop_reason(done, called) if done else None,
                 "stop_sequence": done.stop_sequence if done else None,
                 "usage": {"input_tokens": len(self.job.request.prompt),
                           "output_tokens": output_tokens}}
+
+    @staticmethod
+    def stop_reason(done: Done, called: bool) -> str:
+        return "tool_use" if finish_with_calls(done.reason, called) else STOP_REASON[done.reason]
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
         (only,) = choices  # Anthropic's API has no `n`
         text, calls = self.use.parse(only.text)
         blocks = [{"type": "text", "text": text}] if text or not calls else []
-        body = self.message(blocks + anthropic_tool_blocks(calls), only.done,
-                            only.done.completion_tokens)
-        return {**body, "stop_reason": "tool_use"} if calls else body
+        return self.message(blocks + anthropic_tool_blocks(calls), only.done,
+                            only.done.completion_tokens, bool(calls))
 
     def stream_start(self) -> list[bytes]:
         return [sse({"type": "message_start", "message": self.message([], None, 0)},
@@ -127,31 +137,49 @@ class MessagesRenderer:
                 self.ping]
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
-        if self.use.tools:
-            self._held.append(piece.text)
+        if self._reader is not None:
+            return self._blocks(self._reader.feed(piece.text))
+        return self._blocks([Said(piece.text)] if piece.text else [])
+
+    def _blocks(self, events: list[Event]) -> list[bytes]:
+        out = []
+        for e in events:
+            if isinstance(e, Said):
+                if self._open != "text":
+                    out += self._start({"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": e.text}))
+            elif isinstance(e, Opened):
+                self._called = True
+                out += self._start({"type": "tool_use", "id": tool_use_id(e.id),
+                                    "name": e.name, "input": {}})
+            elif isinstance(e, Args):
+                out.append(self._delta({"type": "input_json_delta", "partial_json": e.text}))
+            else:
+                out += self._stop()
+        return out
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        out = self._stop()
+        self._block, self._open = self._block + 1, block["type"]
+        return [*out, sse({"type": "content_block_start", "index": self._block,
+                           "content_block": block}, "content_block_start")]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse({"type": "content_block_delta", "index": self._block, "delta": delta},
+                   "content_block_delta")
+
+    def _stop(self) -> list[bytes]:
+        if self._open is None:
             return []
-        if not piece.text:
-            return []
-        return [sse({"type": "content_block_delta", "index": 0,
-                     "delta": {"type": "text_delta", "text": piece.text}}, "content_block_delta")]
+        self._open = None
+        return [sse({"type": "content_block_stop", "index": self._block}, "content_block_stop")]
 
     def stream_end(self, dones: list[Done]) -> list[bytes]:
         (done,) = dones
-        text, calls = self.use.parse("".join(self._held))
-        out = [sse({"type": "content_block_delta", "index": 0,
-                    "delta": {"type": "text_delta", "text": text}}, "content_block_delta")
-               ] if text else []
-        out.append(sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
-        for i, block in enumerate(anthropic_tool_blocks(calls), start=1):
-            out += [sse({"type": "content_block_start", "index": i,
-                         "content_block": {**block, "input": {}}}, "content_block_start"),
-                    sse({"type": "content_block_delta", "index": i, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(block["input"])}},
-                        "content_block_delta"),
-                    sse({"type": "content_block_stop", "index": i}, "content_block_stop")]
-        return out + [
+        out = self._blocks(self._reader.end()) if self._reader is not None else []
+        return out + self._stop() + [
                 sse({"type": "message_delta",
-                     "delta": {"stop_reason": "tool_use" if calls else STOP_REASON[done.reason],
+                     "delta": {"stop_reason": self.stop_reason(done, self._called),
                                "stop_sequence": done.stop_sequence},
                      "usage": {"output_tokens": done.completion_tokens}}, "message_delta"),
                 sse({"type": "message_stop"}, "message_stop")]

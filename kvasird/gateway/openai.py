@@ -23,11 +23,18 @@ from kvasird.gateway.errors import ApiError, BadRequest, NotFound
 from kvasird.gateway.generation import Choice, Done, Piece
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
-from kvasird.gateway.tools import ToolUse, openai_calls, openai_tool_calls, openai_tool_use
+from kvasird.gateway.tools import (
+    ToolUse,
+    finish_with_calls,
+    openai_calls,
+    openai_tool_calls,
+    openai_tool_use,
+)
 from kvasird.inference.api import ModelInfo, Sampling, TokenEvent
 from kvasird.inference.chat import Message
 from kvasird.inference.grammar import JSON_OBJECT, GrammarError, check, for_json_schema
 from kvasird.inference.tokenizer import Tokenizer
+from kvasird.inference.tools import Args, Event, Opened, Reader, Said
 from kvasird.model.names import slug
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -287,19 +294,19 @@ class _OpenAIRenderer:
 
 class ChatRenderer(_OpenAIRenderer):
     """Chat completions. With tools, each choice's text is parsed into its content and its
-    tool calls; a stream holds a choice's text back until its end, then sends the content
-    and the calls (whole arguments), since a call can only be told from text once it is
-    complete."""
+    tool calls; a stream sends content as soon as it cannot be the start of a call, and
+    each call as it is written: a first ``delta.tool_calls`` entry with its id and name,
+    then its arguments as partial JSON (as OpenAI streams them)."""
 
     prefix, kind = "chatcmpl", "chat.completion.chunk"
 
     def __init__(self, job: Job, use: ToolUse | None = None) -> None:
         super().__init__(job)
         self.use = use or ToolUse()
-        self._held: dict[int, list[str]] = {}
-        """A choice's streamed text, held back while tools are offered."""
+        self._readers: dict[int, Reader] = {}
+        """Each choice's reply being read for calls, while tools are offered."""
         self._called: set[int] = set()
-        """Choices whose reply was tool calls."""
+        """Choices that made a call."""
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
         return {**super().body(choices), "object": "chat.completion"}
@@ -311,7 +318,10 @@ class ChatRenderer(_OpenAIRenderer):
             message.update(content=content or None, tool_calls=openai_tool_calls(calls))
         return {"index": c.done.index, "message": message,
                 "logprobs": self.logprobs(list(c.tokens)),
-                "finish_reason": "tool_calls" if calls else FINISH[c.done.reason]}
+                "finish_reason": self.finish(c.done, bool(calls))}
+
+    def finish(self, done: Done, called: bool) -> str:
+        return "tool_calls" if finish_with_calls(done.reason, called) else FINISH[done.reason]
 
     def stream_start(self) -> list[bytes]:
         return [sse(self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -320,8 +330,7 @@ class ChatRenderer(_OpenAIRenderer):
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
         if self.use.tools:
-            self._held.setdefault(piece.index, []).append(piece.text)
-            return []
+            return self._deltas(piece.index, self._reader(piece.index).feed(piece.text))
         if not piece.text and self.job.top_logprobs < 0:
             return []
         return [sse(self.envelope([{"index": piece.index, "delta": {"content": piece.text},
@@ -329,25 +338,37 @@ class ChatRenderer(_OpenAIRenderer):
                                     "finish_reason": None}]))]
 
     def stream_end(self, dones: list[Done]) -> list[bytes]:
-        if not self.use.tools:
-            return super().stream_end(dones)
         out = []
-        for done in dones:
-            content, calls = self.use.parse("".join(self._held.get(done.index, [])))
-            if content:
-                out.append(sse(self.envelope([{"index": done.index, "delta": {
-                    "content": content}, "logprobs": None, "finish_reason": None}])))
-            if calls:
-                deltas = [{"index": k, **call} for k, call in enumerate(openai_tool_calls(calls))]
-                out.append(sse(self.envelope([{"index": done.index, "delta": {
-                    "tool_calls": deltas}, "logprobs": None, "finish_reason": None}])))
-            if calls:
-                self._called.add(done.index)
+        if self.use.tools:
+            for done in dones:
+                out += self._deltas(done.index, self._reader(done.index).end())
         return out + super().stream_end(dones)
 
+    def _reader(self, index: int) -> Reader:
+        if index not in self._readers:
+            self._readers[index] = self.use.reader()
+        return self._readers[index]
+
+    def _deltas(self, index: int, events: list[Event]) -> list[bytes]:
+        out = []
+        for e in events:
+            if isinstance(e, Said):
+                delta: dict[str, Any] = {"content": e.text}
+            elif isinstance(e, Opened):
+                self._called.add(index)
+                delta = {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                         "function": {"name": e.name, "arguments": ""}}]}
+            elif isinstance(e, Args):
+                delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+            else:
+                continue
+            out.append(sse(self.envelope([{"index": index, "delta": delta, "logprobs": None,
+                                           "finish_reason": None}])))
+        return out
+
     def final_choice(self, done: Done) -> dict[str, Any]:
-        return {"index": done.index, "delta": {}, "logprobs": None, "finish_reason":
-                "tool_calls" if done.index in self._called else FINISH[done.reason]}
+        return {"index": done.index, "delta": {}, "logprobs": None,
+                "finish_reason": self.finish(done, done.index in self._called)}
 
     def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
         if self.job.top_logprobs < 0:

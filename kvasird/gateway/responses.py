@@ -14,8 +14,10 @@
     stream    response.created, response.in_progress, then per output item
               output_item.added, (content_part.added, output_text.delta..., output_text.done,
               content_part.done | function_call_arguments.delta, .done), output_item.done,
-              then response.completed; every event numbered (sequence_number). With tools the
-              text is held back to the end, where it can be told from calls.
+              then response.completed; every event numbered (sequence_number). With tools,
+              text is sent as soon as it cannot be the start of a call, and each call as it
+              is written (its arguments as partial JSON); a call cut off by the token limit
+              ends "incomplete".
     store     responses kept STORE_S (at most STORE_MAX, the oldest dropped first) in this
               gateway's memory, for previous_response_id and GET: a chain of turns without
               resending them, within a bounded time
@@ -42,7 +44,7 @@ from kvasird.gateway.service import Gateway, Job
 from kvasird.gateway.tools import ToolUse, choose, parse_tool, tool_items
 from kvasird.inference.api import Sampling
 from kvasird.inference.chat import Message
-from kvasird.inference.tools import ToolCall
+from kvasird.inference.tools import Args, Broken, Closed, Event, Opened, Said, ToolCall
 
 STORE_S = 3600.0
 STORE_MAX = 256
@@ -190,7 +192,11 @@ class ResponsesRenderer:
         self.msg_id = f"msg_{job.request.request_id}"
         self.created = time.time()
         self._seq = 0
-        self._held: list[str] = []
+        self._reader = use.reader() if use.tools else None
+        self._items: list[dict[str, Any]] = []
+        """The output items so far, in order (the open one is still being written)."""
+        self._open: dict[str, Any] | None = None
+        self._messages = 0
 
     # --- the response object ----------------------------------------------------------
 
@@ -207,26 +213,84 @@ class ResponsesRenderer:
                 if status == "incomplete" else None, "usage": usage, "truncation": "disabled",
                 "store": self.store is not None, **self.echo}
 
-    def _message(self, text_: str, status: str) -> dict[str, Any]:
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text_, "annotations": [],
-                             "logprobs": []}] if text_ or status == "completed" else []}
-
-    def _call(self, c: ToolCall) -> dict[str, Any]:
-        return {"type": "function_call", "id": "fc_" + c.id.removeprefix("call_"),
-                "call_id": c.id, "name": c.name, "arguments": c.arguments,
-                "status": "completed"}
-
-    def _finish(self, full: str, done: Done) -> dict[str, Any]:
-        content, calls = self.use.parse(full)
-        output = ([self._message(content, "completed")] if content or not calls else []) + \
-            [self._call(c) for c in calls]
-        status = "incomplete" if done.reason == "length" and not calls else "completed"
-        body = self.response(status, output, done)
+    def _finish(self, done: Done) -> dict[str, Any]:
+        if not self._items:
+            self._apply([Said("")])
+        self._close("incomplete" if self._reader is not None and self._reader.cut
+                    else "completed")
+        said = "".join(i["content"][0]["text"] for i in self._items if i["type"] == "message"
+                       and i["content"])
+        calls = tuple(ToolCall(i["call_id"], i["name"], i["arguments"]) for i in self._items
+                      if i["type"] == "function_call" and i["status"] == "completed")
+        status = "incomplete" if done.reason == "length" else "completed"
+        body = self.response(status, self._items, done)
         if self.store is not None:
-            self.store.put(self.id, [*self.conversation, Message("assistant", content,
-                                                                  tuple(calls))], body)
+            self.store.put(self.id, [*self.conversation, Message("assistant", said, calls)], body)
         return body
+
+    # --- output items, built from the reply's events in order --------------------------
+
+    def _events_of(self, text_: str, end: bool = False) -> list[Event]:
+        if self._reader is None:
+            return [Said(text_)] if text_ else []
+        return [*self._reader.feed(text_), *(self._reader.end() if end else [])]
+
+    def _apply(self, events: list[Event]) -> list[bytes]:
+        out: list[bytes] = []
+        for e in events:
+            i = len(self._items) - 1
+            if isinstance(e, Said):
+                if self._open is None or self._open["type"] != "message":
+                    out += self._close("completed")
+                    ident = self.msg_id + (f"_{self._messages}" if self._messages else "")
+                    self._messages += 1
+                    self._open = {"type": "message", "id": ident, "status": "in_progress",
+                                  "role": "assistant", "content": []}
+                    self._items.append(self._open)
+                    i += 1
+                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                    out += [self._event("response.output_item.added", output_index=i,
+                                        item=self._open),
+                            self._event("response.content_part.added", item_id=ident,
+                                        output_index=i, content_index=0, part=part)]
+                    self._open["content"].append(part)
+                if e.text:
+                    self._open["content"][0]["text"] += e.text
+                    out.append(self._event("response.output_text.delta", item_id=self._open["id"],
+                                           output_index=i, content_index=0, delta=e.text,
+                                           logprobs=[]))
+            elif isinstance(e, Opened):
+                out += self._close("completed")
+                self._open = {"type": "function_call", "id": "fc_" + e.id.removeprefix("call_"),
+                              "call_id": e.id, "name": e.name, "arguments": "",
+                              "status": "in_progress"}
+                self._items.append(self._open)
+                out.append(self._event("response.output_item.added", output_index=i + 1,
+                                       item=self._open))
+            elif isinstance(e, Args) and self._open is not None:
+                self._open["arguments"] += e.text
+                out.append(self._event("response.function_call_arguments.delta",
+                                       item_id=self._open["id"], output_index=i, delta=e.text))
+            elif isinstance(e, Closed | Broken):
+                out += self._close("completed" if isinstance(e, Closed) else "incomplete")
+        return out
+
+    def _close(self, status: str) -> list[bytes]:
+        item, i = self._open, len(self._items) - 1
+        if item is None:
+            return []
+        self._open = None
+        item["status"] = status
+        if item["type"] == "message":
+            part = item["content"][0]
+            out = [self._event("response.output_text.done", item_id=item["id"], output_index=i,
+                               content_index=0, text=part["text"], logprobs=[]),
+                   self._event("response.content_part.done", item_id=item["id"],
+                               output_index=i, content_index=0, part=part)]
+        else:
+            out = [self._event("response.function_call_arguments.done", item_id=item["id"],
+                               output_index=i, name=item["name"], arguments=item["arguments"])]
+        return [*out, self._event("response.output_item.done", output_index=i, item=item)]
 
     # --- Renderer -----------------------------------------------------------------------
 
@@ -235,7 +299,8 @@ class ResponsesRenderer:
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
         (only,) = choices
-        return self._finish(only.text, only.done)
+        self._apply(self._events_of(only.text, end=True))
+        return self._finish(only.done)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         self._seq += 1
@@ -243,54 +308,20 @@ class ResponsesRenderer:
 
     def stream_start(self) -> list[bytes]:
         start = self.response("in_progress", [], None)
-        out = [self._event("response.created", response=start),
-               self._event("response.in_progress", response=start)]
-        if not self.use.tools:
-            out += self._open_text()
-        return out
-
-    def _open_text(self) -> list[bytes]:
-        return [self._event("response.output_item.added", output_index=0,
-                            item=self._message("", "in_progress")),
-                self._event("response.content_part.added", item_id=self.msg_id,
-                            output_index=0, content_index=0,
-                            part={"type": "output_text", "text": "", "annotations": [],
-                                  "logprobs": []})]
+        return [self._event("response.created", response=start),
+                self._event("response.in_progress", response=start)]
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
-        self._held.append(piece.text)
-        if self.use.tools or not piece.text:
-            return []
-        return [self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
-                            content_index=0, delta=piece.text, logprobs=[])]
+        return self._apply(self._events_of(piece.text))
 
     def stream_end(self, dones: list[Done]) -> list[bytes]:
         (done,) = dones
-        body = self._finish("".join(self._held), done)
-        out: list[bytes] = []
-        for i, item in enumerate(body["output"]):
-            if item["type"] == "message":
-                said = item["content"][0]["text"]
-                if self.use.tools:
-                    out += self._open_text()
-                    if said:
-                        out.append(self._event("response.output_text.delta", item_id=item["id"],
-                                               output_index=i, content_index=0, delta=said,
-                                               logprobs=[]))
-                out += [self._event("response.output_text.done", item_id=item["id"],
-                                    output_index=i, content_index=0, text=said, logprobs=[]),
-                        self._event("response.content_part.done", item_id=item["id"],
-                                    output_index=i, content_index=0, part=item["content"][0])]
-            else:
-                out += [self._event("response.output_item.added", output_index=i,
-                                    item={**item, "arguments": "", "status": "in_progress"}),
-                        self._event("response.function_call_arguments.delta",
-                                    item_id=item["id"], output_index=i,
-                                    delta=item["arguments"]),
-                        self._event("response.function_call_arguments.done",
-                                    item_id=item["id"], output_index=i, name=item["name"],
-                                    arguments=item["arguments"])]
-            out.append(self._event("response.output_item.done", output_index=i, item=item))
+        out = self._apply(self._events_of("", end=True))
+        if not self._items:
+            out += self._apply([Said("")])
+        out += self._close("incomplete" if self._reader is not None and self._reader.cut
+                           else "completed")
+        body = self._finish(done)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return [*out, self._event(kind, response=body)]
 

@@ -12,7 +12,9 @@
                ``tool_result`` blocks -> chat Messages the template renders back
     reply      the model's text parsed by its family's format (kvasird.inference.tools) ->
                OpenAI ``message.tool_calls`` / Anthropic ``tool_use`` blocks, with finish
-               reason "tool_calls" / stop reason "tool_use"
+               reason "tool_calls" / stop reason "tool_use"; streamed as it is generated
+               (``ToolUse.reader``): a call's name as soon as it is written, its arguments
+               as partial JSON
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvasird.gateway.body import Fields, objects
 from kvasird.gateway.errors import BadRequest
 from kvasird.inference.chat import ChatTemplate, Message
 from kvasird.inference.grammar import GrammarError, for_json_schema
-from kvasird.inference.tools import MAX_TOOLS, Format, Tool, ToolCall
+from kvasird.inference.tools import MAX_TOOLS, Format, Reader, Tool, ToolCall
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -43,10 +45,21 @@ class ToolUse:
     """How the model writes calls (None without tools)."""
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The reply's text outside calls, and its calls."""
+        """The reply's text outside calls, and its complete calls."""
         if self.format is None or not self.tools:
             return text, []
         return self.format.parse(text, self.tools)
+
+    def reader(self) -> Reader:
+        """Reads one reply as it streams (kvasird.inference.tools.Format.stream)."""
+        assert self.format is not None and self.tools
+        return self.format.stream(self.tools)
+
+
+def finish_with_calls(reason: str, called: bool) -> bool:
+    """Whether a reply ends as tool calls: it made one and the model stopped by itself (a
+    reply cut off by the token limit says so, whatever calls it holds)."""
+    return called and reason != "length"
 
 
 def openai_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
@@ -176,5 +189,18 @@ def openai_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
 
 
 def anthropic_tool_blocks(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    return [{"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
-             "input": json.loads(c.arguments)} for c in calls]
+    return [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name,
+             "input": _object(c.arguments)} for c in calls]
+
+
+def tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _object(arguments: str) -> dict[str, Any]:
+    """A call's arguments as an object ({} for text the model wrote that is none)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

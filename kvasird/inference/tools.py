@@ -17,6 +17,15 @@
                 schemas (``Format.grammar``, an llguidance Lark grammar with %json parts)
     parse       ``Format.parse(text)`` -> the text outside calls and the calls, for "auto"
                 (the model may call or answer) and the constrained choices alike
+    stream      ``Format.stream(tools)`` reads a reply as it is generated and hands on
+                events: Said (text that can no longer be the start of a call), Opened (a
+                call's name, as soon as it is written), Args (its arguments' JSON text as it
+                comes) and Closed (the call whole; its arguments are exactly the Args
+                joined). ``parse`` is a stream fed the whole text, so a streamed reply and
+                a whole one hold the same text and calls. A call cut off by the token limit
+                is never Closed: a stream has sent its start, a whole reply leaves it out.
+                Hermes is read incrementally; Llama 3 (no start marker, and a reply is
+                either all calls or all text) is held to the end.
 
 gpt-oss's harmony format is not built yet: its template is refused with tools (the gateway
 says so) rather than misread.
@@ -29,7 +38,7 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from llguidance import LLMatcher
 
@@ -59,8 +68,11 @@ class ToolCall:
 
     @staticmethod
     def new(name: str, arguments: Any) -> ToolCall:
-        return ToolCall(f"call_{secrets.token_hex(12)}", name,
-                        json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
 
 
 class Format:
@@ -107,21 +119,18 @@ class Format:
                                self.arguments_key: tool.parameters or {"type": "object"}},
                 "required": ["name", self.arguments_key], "additionalProperties": False}
 
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+    def stream(self, tools: Sequence[Tool]) -> Reader:
+        """A reader of one reply, fed as it is generated."""
+        return CallStream(self, tools)
 
     def parse(self, text: str, tools: Sequence[Tool]) -> tuple[str, list[ToolCall]]:
-        """The text outside calls, and the calls of known tools (in order). A block that is
-        not a call of a tool offered stays text."""
-        calls: list[ToolCall] = []
-
-        def take(m: re.Match[str]) -> str:
-            call = self._call(m.group(1), tools)
-            if call is None:
-                return m.group(0)
-            calls.append(call)
-            return ""
-        rest = self._block.sub(take, text)
-        return rest.strip() if calls else text, calls
+        """The text outside calls, and the complete calls of known tools (in order). A block
+        that is not a call of a tool offered stays text."""
+        reader = self.stream(tools)
+        events = [*reader.feed(text), *reader.end()]
+        calls = [e.call for e in events if isinstance(e, Closed)]
+        said = "".join(e.text for e in events if isinstance(e, Said | Broken))
+        return said.strip() if calls else said, calls
 
     def _call(self, body: str, tools: Sequence[Tool]) -> ToolCall | None:
         try:
@@ -175,6 +184,9 @@ class Llama3(Format):
 
     _object = re.compile(r"(?:<\|python_tag\|>)?\s*(\{.*\})\s*$", re.S)
 
+    def stream(self, tools: Sequence[Tool]) -> Reader:
+        return HeldStream(self, tools)
+
     def parse(self, text: str, tools: Sequence[Tool]) -> tuple[str, list[ToolCall]]:
         calls = []
         for part in text.split(";"):
@@ -187,6 +199,249 @@ class Llama3(Format):
 
 
 FORMATS: dict[str, Format] = {"hermes": Format(), "llama3": Llama3()}
+
+
+# --- reading a reply as it is generated --------------------------------------------------
+
+@dataclass(frozen=True)
+class Said:
+    """Text outside calls."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A call began; ``index`` counts the reply's calls from 0."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Args:
+    """More of call ``index``'s arguments, as JSON text."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Closed:
+    """Call ``index`` is complete."""
+
+    index: int
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class Broken:
+    """Call ``index`` ended before its arguments did: it was no call. ``text`` is the block
+    as written (a whole reply keeps it as text; a stream has sent its start already)."""
+
+    index: int
+    text: str
+
+
+Event = Said | Opened | Args | Closed | Broken
+
+
+class Reader(Protocol):
+    def feed(self, text: str) -> list[Event]: ...
+
+    def end(self) -> list[Event]:
+        """The events left once the reply has ended."""
+        ...
+
+    @property
+    def cut(self) -> bool:
+        """Whether the reply ended inside a call."""
+        ...
+
+
+class CallStream:
+    """Hermes-style calls, ``start`` JSON ``end``, read incrementally.
+
+    Text is handed on except a tail that could begin ``start`` and trailing whitespace
+    (dropped if a call follows). In a call, once ``{"name": "<a tool>", "<arguments key>":``
+    has been written the call is Opened and its arguments object is passed on character by
+    character, its end found by counting braces outside strings. A call written otherwise
+    (keys in another order, arguments as a string) is handed on whole at ``end``; a block
+    naming no tool offered stays text."""
+
+    _START, _END = "<tool_call>", "</tool_call>"
+
+    def __init__(self, fmt: Format, tools: Sequence[Tool]) -> None:
+        self.fmt, self.tools = fmt, tools
+        self._names = {t.name for t in tools}
+        self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"'
+                                + re.escape(fmt.arguments_key) + r'"\s*:\s*')
+        self._text = ""
+        """Held text outside calls."""
+        self._space = ""
+        """Held trailing whitespace."""
+        self._body: str | None = None
+        """The current call's text after ``start`` (None outside calls)."""
+        self._open: Opened | None = None
+        self._args_at = 0
+        """Where the open call's arguments begin in ``_body``."""
+        self._scan = 0
+        """How far the arguments have been scanned (and sent)."""
+        self._depth, self._in_string, self._escape = 0, False, False
+        self._args_end = 0
+        """Where the arguments end in ``_body`` (0 until they do)."""
+        self._calls = 0
+
+    @property
+    def cut(self) -> bool:
+        return self._body is not None
+
+    def feed(self, text: str) -> list[Event]:
+        out: list[Event] = []
+        if self._body is None:
+            self._text += text
+        else:
+            self._body += text
+        while True:
+            if self._body is None:
+                i = self._text.find(self._START)
+                if i < 0:
+                    keep = len(self._text) - self._prefix(self._text)
+                    self._say(self._text[:keep], out)
+                    self._text = self._text[keep:]
+                    return out
+                self._say(self._text[:i], out)
+                self._space, self._body = "", self._text[i + len(self._START):]
+                self._text = ""
+            if not self._read_call(out):
+                return out
+
+    def end(self) -> list[Event]:
+        out: list[Event] = []
+        if self._body is None:
+            self._say(self._text, out)
+            if self._space and not self._calls:
+                out.append(Said(self._space))
+            self._text = self._space = ""
+        return out
+
+    # --- text ---
+
+    def _prefix(self, text: str) -> int:
+        """The length of the longest tail of ``text`` that begins ``start``."""
+        for k in range(min(len(self._START) - 1, len(text)), 0, -1):
+            if self._START.startswith(text[-k:]):
+                return k
+        return 0
+
+    def _say(self, text: str, out: list[Event]) -> None:
+        body = text.rstrip()
+        if body:
+            out.append(Said(self._space + body))
+            self._space = text[len(body):]
+        else:
+            self._space += text
+
+    # --- a call ---
+
+    def _read_call(self, out: list[Event]) -> bool:
+        """Reads the current call; True when it ended (the rest is text again)."""
+        body = self._body or ""
+        if self._open is None:
+            m = self._head.match(body)
+            if m and len(body) > m.end() and m.group(1) in self._names and body[m.end()] == "{":
+                self._open = Opened(self._calls, new_call_id(), m.group(1))
+                out.append(self._open)
+                self._args_at = self._scan = m.end()
+        if self._open is not None and not self._args_end:
+            broken = self._scan_args(body, out)
+            if broken >= 0:
+                out.append(Broken(self._open.index, self._START + body[:broken] + self._END))
+                self._calls += 1
+                return self._next(body[broken + len(self._END):])
+            if not self._args_end:
+                return False
+        j = body.find(self._END, self._args_end)
+        if j < 0:
+            return False
+        whole, rest = body[:j], body[j + len(self._END):]
+        call = self.fmt._call(whole.strip(), self.tools)
+        if self._open is not None:
+            raw = body[self._args_at:self._args_end]
+            out.append(Closed(self._open.index, ToolCall(self._open.id, self._open.name, raw)))
+            self._calls += 1
+        elif call is not None:
+            out += [Opened(self._calls, call.id, call.name), Args(self._calls, call.arguments),
+                    Closed(self._calls, call)]
+            self._calls += 1
+        else:
+            self._say(self._START + whole + self._END, out)
+        return self._next(rest)
+
+    def _next(self, rest: str) -> bool:
+        """The call is over; ``rest`` is text again."""
+        self._body, self._open, self._args_end, self._depth = None, None, 0, 0
+        self._in_string = self._escape = False
+        self._text = rest
+        return True
+
+    def _scan_args(self, body: str, out: list[Event]) -> int:
+        """Passes on the arguments written since the last scan; where ``end`` was written
+        inside them (outside strings), or -1."""
+        start, broken = self._scan, -1
+        for i in range(start, len(body)):
+            c = body[i]
+            if c == "<" and not self._in_string and \
+                    self._END.startswith(body[i:i + len(self._END)]):
+                if body.startswith(self._END, i):
+                    broken = i
+                self._scan = i  # an end marker, or the start of one: not arguments
+                break
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._args_end = i + 1
+                    break
+        else:
+            self._scan = len(body)
+        if self._args_end:
+            self._scan = self._args_end
+        if self._scan > start and self._open is not None:
+            out.append(Args(self._open.index, body[start:self._scan]))
+        return broken
+
+
+class HeldStream:
+    """A format read only whole: everything is held until ``end``, then handed on."""
+
+    def __init__(self, fmt: Format, tools: Sequence[Tool]) -> None:
+        self.fmt, self.tools = fmt, tools
+        self._held: list[str] = []
+
+    cut = False
+
+    def feed(self, text: str) -> list[Event]:
+        self._held.append(text)
+        return []
+
+    def end(self) -> list[Event]:
+        text, calls = self.fmt.parse("".join(self._held), self.tools)
+        out: list[Event] = [Said(text)] if text else []
+        for k, c in enumerate(calls):
+            out += [Opened(k, c.id, c.name), Args(k, c.arguments), Closed(k, c)]
+        return out
 
 
 def format_of(template: str | None) -> Format:

@@ -1,4 +1,5 @@
-"""A paid request for n choices pays for n generations (a real daemon on the local chain)."""
+"""A paid request for n choices pays for n generations, and a paid tool call is served within
+its quote (a real daemon on the local chain)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,30 @@ def test_n_choices_need_a_quote_for_n_generations(paid: tuple[LocalNet, str]) ->
     r = ask(url, model, trio.run(pay_quote, rpc, wallet, three.json()), 3)
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert r.usage is not None and r.usage.completion_tokens <= 12
+
+
+def test_a_paid_tool_call_is_served_within_its_quote(paid: tuple[LocalNet, str]) -> None:
+    """A forced tool call is generation like any other: its tokens are within the quote and
+    counted in usage (and so in the work split among the peers that computed them)."""
+    net, url = paid
+    assert net.chain is not None
+    rpc = net.chain.info["RPC URL"]
+    wallet = trio.run(funded_wallet, rpc, 100 * KVR)
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+        "required": ["zone"], "additionalProperties": False}}}]
+    header = trio.run(pay_quote, rpc, wallet, get_quote(url, 60))
+    with openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60) as c:
+        with pytest.raises(openai.APIStatusError) as info:  # tools do not widen the quote
+            c.chat.completions.create(model=model, messages=[{"role": "user", "content": "?"}],
+                                      tools=tools, tool_choice="required", max_tokens=61,
+                                      extra_headers={PAYMENT_HEADER: header})
+        assert info.value.status_code == 402
+        r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "?"}],
+                                      tools=tools, tool_choice="required",
+                                      parallel_tool_calls=False, max_tokens=60, temperature=0,
+                                      extra_headers={PAYMENT_HEADER: header})
+    (call,) = r.choices[0].message.tool_calls or []
+    assert call.function.name == "get_time"
+    assert r.usage is not None and 0 < r.usage.completion_tokens < 60

@@ -44,7 +44,8 @@ def test_a_tool_request_it_cannot_honour_is_a_400_naming_the_field(
 
 
 def test_a_forced_call_through_the_local_engine_in_both_apis(daemon: Daemon) -> None:
-    r = chat(daemon, tools=TOOLS, tool_choice="required", temperature=0)
+    r = chat(daemon, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+             temperature=0)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"

@@ -13,7 +13,18 @@ from kvasird.compute.sampling import Sampler, SamplingParams
 from kvasird.inference.chat import ChatTemplate, Message
 from kvasird.inference.grammar import Constraint, GrammarError, vocabulary
 from kvasird.inference.tokenizer import Tokenizer
-from kvasird.inference.tools import FORMATS, Tool, ToolCall, format_of
+from kvasird.inference.tools import (
+    FORMATS,
+    Args,
+    Broken,
+    Closed,
+    Event,
+    Opened,
+    Said,
+    Tool,
+    ToolCall,
+    format_of,
+)
 from kvasird.model.bundled import bundled_path
 
 WEATHER = Tool("get_weather", "The weather in a city", {
@@ -48,6 +59,71 @@ def test_hermes_output_with_two_calls_and_text_is_parsed() -> None:
     "The weather is fine."])
 def test_hermes_blocks_that_are_no_call_of_an_offered_tool_stay_text(text: str) -> None:
     assert FORMATS["hermes"].parse(text, TOOLS) == (text, [])
+
+
+def streamed(fmt: str, text: str, step: int) -> list[Event]:
+    """``text`` fed to a reader ``step`` characters at a time, then ended."""
+    reader = FORMATS[fmt].stream(TOOLS)
+    events = [e for i in range(0, len(text), step) for e in reader.feed(text[i:i + step])]
+    return events + reader.end()
+
+
+TWO_CALLS = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+             '"a}</tool_call>\\"{", "unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": '
+             '"get_time", "arguments": {"zone": "cet"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 8, 1000])
+def test_a_streamed_reply_holds_the_text_and_calls_of_the_whole_one(step: int) -> None:
+    events = streamed("hermes", TWO_CALLS, step)
+    content, calls = FORMATS["hermes"].parse(TWO_CALLS, TOOLS)
+    assert "".join(e.text for e in events if isinstance(e, Said)) == content
+    closed = [e.call for e in events if isinstance(e, Closed)]
+    assert [(c.name, c.arguments) for c in closed] == [(c.name, c.arguments) for c in calls]
+    for k, call in enumerate(closed):  # the arguments sent are the call's, exactly
+        assert "".join(e.text for e in events if isinstance(e, Args) and e.index == k) == \
+            call.arguments
+    assert json.loads(closed[0].arguments) == {"city": 'a}</tool_call>"{', "unit": "c"}
+    opened = [e for e in events if isinstance(e, Opened)]
+    assert [(o.index, o.id, o.name) for o in opened] == [(k, c.id, c.name)
+                                                         for k, c in enumerate(closed)]
+
+
+def test_a_call_is_announced_as_soon_as_its_name_is_written() -> None:
+    reader = FORMATS["hermes"].stream(TOOLS)
+    assert reader.feed("Sure. <tool") == [Said("Sure.")]  # "<tool" may begin a call
+    assert reader.feed('_call>\n{"name": "get_time", "arguments": ') == []
+    (opened, args) = reader.feed('{"zo')
+    assert isinstance(opened, Opened) and opened.name == "get_time"
+    assert args == Args(0, '{"zo')
+    assert reader.feed('ne": "utc"}') == [Args(0, 'ne": "utc"}')]
+    assert reader.feed("}\n</tool_") == []
+    (closed,) = reader.feed("call>")
+    assert isinstance(closed, Closed) and closed.call.arguments == '{"zone": "utc"}'
+    assert not reader.cut and reader.end() == []
+
+
+def test_a_reply_cut_inside_a_call_keeps_it_out_of_a_whole_reply() -> None:
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "ut'
+    events = streamed("hermes", text, 4)
+    assert [type(e) for e in events][:2] == [Opened, Args] and not any(
+        isinstance(e, Closed) for e in events)
+    assert FORMATS["hermes"].parse(text, TOOLS) == ("", [])
+
+
+def test_a_call_that_ends_inside_its_arguments_was_no_call() -> None:
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": \n</tool_call> Noon.'
+    events = streamed("hermes", text, 3)
+    (broken,) = [e for e in events if isinstance(e, Broken)]
+    assert broken.text == text[:-len(" Noon.")]
+    assert "".join(e.text for e in events if isinstance(e, Said)) == " Noon."
+
+
+def test_llama3_replies_are_read_whole() -> None:
+    text = '{"name": "get_time", "parameters": {"zone": "utc"}}'
+    reader = FORMATS["llama3"].stream(TOOLS)
+    assert reader.feed(text) == []
+    assert [type(e) for e in reader.end()] == [Opened, Args, Closed]
 
 
 def test_llama3_output_is_parsed_with_or_without_the_python_tag() -> None:

@@ -1,7 +1,8 @@
 """Structured output and tool calls through the gateway of a 3-node ring, with the official
 openai and anthropic clients: `response_format` json_schema (20 schemas) and json_object,
-stream and not; a forced tool call whose arguments validate (both APIs, stream and not); a
-two-turn tool loop; a schema the server cannot follow is a 400 naming the parameter."""
+stream and not; a forced tool call whose arguments validate (both APIs, stream and not, the
+arguments streamed as they are written); a two-turn tool loop; the Responses API with a
+function call round trip; n = 3; an OpenAI Agents SDK agent running a tool-using task."""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def test_a_forced_tool_call_validates_and_a_tool_loop_completes_with_openai(gate
     tools = [{"type": "function", "function": {"name": "get_weather", "description":
                                                "The weather in a city", "parameters": WEATHER}}]
     reply = client.chat.completions.create(model=model, messages=ASK, tools=tools,
-                                           tool_choice="required", temperature=0, max_tokens=80)
+                                           tool_choice="required", parallel_tool_calls=False,
+                                           temperature=0, max_tokens=80)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
@@ -119,8 +121,10 @@ def test_a_forced_tool_call_validates_and_a_tool_loop_completes_with_openai(gate
         model=model, messages=ASK, tools=tools, temperature=0, max_tokens=80, stream=True,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     streamed = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
-    assert [d.function.name for d in streamed] == ["get_weather"]
-    jsonschema.validate(json.loads(streamed[0].function.arguments), WEATHER)
+    assert [d.function.name for d in streamed if d.function.name] == ["get_weather"]
+    assert len([d for d in streamed if d.function.arguments]) > 1  # sent as it is written
+    jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in streamed)),
+                        WEATHER)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -138,24 +142,34 @@ def test_a_forced_tool_use_validates_with_anthropic(gateway: str) -> None:
         tools = [{"name": "get_weather", "description": "The weather in a city",
                   "input_schema": WEATHER}]
         reply = client.messages.create(model=model, messages=ASK, tools=tools, max_tokens=80,
-                                       tool_choice={"type": "any"})
+                                       tool_choice={"type": "any",
+                                                    "disable_parallel_tool_use": True},
+                                       extra_body={"temperature": 0})
         assert reply.stop_reason == "tool_use"
-        (use,) = [b for b in reply.content if b.type == "tool_use"]
-        assert use.name == "get_weather"
-        jsonschema.validate(use.input, WEATHER)
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        assert len(uses) == 1
+        for use in uses:
+            assert use.name == "get_weather"
+            jsonschema.validate(use.input, WEATHER)
 
         with client.messages.stream(model=model, messages=ASK, tools=tools, max_tokens=80,
                                     tool_choice={"type": "tool", "name": "get_weather"}) as s:
+            pieces = [e for e in s if e.type == "content_block_delta"
+                      and e.delta.type == "input_json_delta"]
             message = s.get_final_message()
+        assert len(pieces) > 1  # the input sent as it is written
         assert message.stop_reason == "tool_use"
-        (streamed,) = [b for b in message.content if b.type == "tool_use"]
-        jsonschema.validate(streamed.input, WEATHER)
+        streamed = [b for b in message.content if b.type == "tool_use"]
+        assert streamed
+        for use in streamed:
+            jsonschema.validate(use.input, WEATHER)
 
+        results = [{"type": "tool_result", "tool_use_id": use.id, "content": '{"temperature": 18}'}
+                   for use in uses]
         answer = client.messages.create(model=model, max_tokens=40, tools=tools,
                                         messages=[*ASK, {"role": "assistant", "content": [
-                                            use.model_dump()]}, {"role": "user", "content": [
-                                                {"type": "tool_result", "tool_use_id": use.id,
-                                                 "content": '{"temperature": 18}'}]}])
+                                            use.model_dump() for use in uses]},
+                                                  {"role": "user", "content": results}])
         assert answer.content
 
 
@@ -182,9 +196,16 @@ def test_the_responses_api_answers_streams_and_round_trips_a_function_call(gatew
               "parameters": WEATHER}]
     called = client.responses.create(model=model, input="What is the weather in Paris?",
                                      tools=tools, tool_choice="required", temperature=0,
-                                     max_output_tokens=80)
+                                     parallel_tool_calls=False, max_output_tokens=80)
     (call,) = [o for o in called.output if o.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), WEATHER)
+    events = list(client.responses.create(model=model, input="What is the weather in Paris?",
+                                          tools=tools, tool_choice="required", temperature=0,
+                                          parallel_tool_calls=False, max_output_tokens=80,
+                                          stream=True))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(deltas) > 1 and "".join(deltas) == done.arguments == call.arguments
     answer = client.responses.create(
         model=model, previous_response_id=called.id, tools=tools, temperature=0,
         max_output_tokens=30, input=[{"type": "function_call_output", "call_id": call.call_id,
@@ -202,3 +223,37 @@ def test_three_choices_through_the_ring(gateway: str) -> None:
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert len({c.message.content for c in reply.choices}) > 1  # sampled independently
     assert 3 <= reply.usage.completion_tokens <= 3 * 8  # every choice's tokens
+
+
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_an_openai_agents_sdk_agent_calls_its_tool_and_answers(gateway: str, api: str) -> None:
+    """The OpenAI Agents SDK runs a tool-using task against the gateway: the model is made to
+    call the tool once (the SDK then resets tool_choice to auto), the SDK runs the Python
+    function, sends its result back and the agent ends with an answer."""
+    import agents
+
+    client = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="local", max_retries=0,
+                                timeout=120)
+    model_id = openai.OpenAI(base_url=gateway + "/v1", api_key="x").models.list().data[0].id
+    model = (agents.OpenAIResponsesModel(model_id, client) if api == "responses"
+             else agents.OpenAIChatCompletionsModel(model_id, client))
+    asked: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return json.dumps({"city": city, "temperature": 18, "sky": "clear"})
+
+    agent = agents.Agent(name="weather", instructions="Answer questions about the weather.",
+                         model=model, tools=[get_weather],
+                         model_settings=agents.ModelSettings(
+                             tool_choice="required", parallel_tool_calls=False, temperature=0,
+                             max_tokens=100))
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=6,
+                                    run_config=agents.RunConfig(tracing_disabled=True))
+    assert asked and all(isinstance(c, str) and c for c in asked)
+    calls = [i for i in result.new_items if i.type == "tool_call_item"]
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+    assert len(calls) == len(outputs) == len(asked)
+    assert isinstance(result.final_output, str) and result.final_output
