@@ -13,19 +13,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmds = p.add_subparsers(dest="dev_command", metavar="ACTION", required=True)
     mk = cmds.add_parser("make-model", help="write a small random-weight GGUF (llama.cpp loads it)")
     mk.add_argument("out", type=Path, help="output .gguf path")
-    mk.add_argument("--arch", choices=ARCHS, default="qwen3moe")
+    mk.add_argument("--arch", choices=ARCHS, default="qwen3moe",
+                    help="mixtral: a llama file with routed experts")
     mk.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
     mk.add_argument("--layers", type=int, default=2, help="transformer blocks")
     mk.add_argument("--embd", type=int, default=64, help="hidden size")
     mk.add_argument("--heads", type=int, default=4, help="attention heads")
     mk.add_argument("--heads-kv", type=int, default=2, help="key/value heads")
     mk.add_argument("--head-dim", type=int, default=16, help="per-head size")
-    mk.add_argument("--ff", type=int, default=128, help="dense FFN size (llama)")
-    mk.add_argument("--experts", type=int, default=8, help="experts per layer (qwen3moe)")
+    mk.add_argument("--ff", type=int, default=128, help="dense FFN size (llama, qwen3)")
+    mk.add_argument("--experts", type=int, default=8, help="experts per layer (qwen3moe, mixtral)")
     mk.add_argument("--experts-used", type=int, default=2, help="top-k experts per token")
-    mk.add_argument("--ff-exp", type=int, default=32, help="expert FFN size (qwen3moe)")
+    mk.add_argument("--ff-exp", type=int, default=32, help="expert FFN size (qwen3moe, mixtral)")
+    mk.add_argument("--sliding-window", type=int, default=4,
+                    help="gemma3: positions a sliding-window layer sees")
+    mk.add_argument("--swa-pattern", type=int, default=2,
+                    help="gemma3: every N-th layer global, the others windowed (0: all windowed)")
     mk.add_argument("--tied", action=argparse.BooleanOptionalAction, default=None,
-                    help="omit `output` and reuse token_embd (default: llama tied, qwen3moe not)")
+                    help="omit `output` and reuse token_embd (default: llama and gemma3 tied)")
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=_make_model)
 
@@ -35,6 +40,7 @@ def _make_model(args: argparse.Namespace) -> int:
         arch=args.arch, n_layer=args.layers, n_embd=args.embd, n_head=args.heads,
         n_head_kv=args.heads_kv, head_dim=args.head_dim, n_ff=args.ff, n_expert=args.experts,
         n_expert_used=args.experts_used, n_ff_exp=args.ff_exp, dtype=args.dtype,
+        sliding_window=args.sliding_window, swa_pattern=args.swa_pattern,
         tied_output=args.tied, seed=args.seed,
     )
     path = write_model(args.out, spec)

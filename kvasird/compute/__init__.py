@@ -9,7 +9,8 @@
     weights     load named tensors (and expert ranges) from a GGUF or slice mini-GGUFs
     kvcache     the bounded KV pool of a stage, handed to Sessions in pages
     blocks      graph building blocks: norms, attention over the pool, FFNs, router, experts
-    arch/       one module per architecture (llama, qwen3moe) composing the blocks
+    arch/       one module per architecture (llama, llama with experts, qwen3, qwen3moe,
+                gemma3) composing the blocks
     experts     ExpertWorker (the pure expert function) and split / dispatch / combine
     stage       Stage: a layer window [a, b) with optional embedding and head; generate()
     sampling    greedy / temperature / top-k / top-p / repetition penalty, seeded

@@ -2,13 +2,14 @@
 
 Architectures (kvasird/compute/arch/) compose these into a layer. Shapes are in ggml
 order: a hidden state is [n_embd, n_tokens]. The per-call inputs every layer of a
-graph shares (positions, KV slots, the session's pages and the mask) are created once by
+graph shares (positions, KV slots, the session's pages and the masks) are created once by
 `Blocks` and set by the stage before each compute.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvasird.compute.graph import F32, I32, I64, Builder, Tensor, ggml
@@ -19,6 +20,11 @@ ROPE_NORMAL = 0
 """Rotate adjacent pairs (llama)."""
 ROPE_NEOX = ggml.GGML_ROPE_TYPE_NEOX
 """Rotate the two halves of each head (qwen3, gpt-neox)."""
+
+SWIGLU = ggml.ggml_swiglu_split
+"""silu(gate) * up (llama, qwen3)."""
+GEGLU = ggml.ggml_geglu_split
+"""gelu(gate) * up, ggml's tanh approximation (gemma)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,11 @@ class Blocks:
     def mask(self) -> Tensor:
         return self._input("mask", F32, self.n_kv, self.T)
 
+    @property
+    def mask_swa(self) -> Tensor:
+        """The causal mask narrowed to the sliding window (hp.n_swa newest positions)."""
+        return self._input("mask_swa", F32, self.n_kv, self.T)
+
     def t(self, name: str) -> Tensor:
         return self.w.get(name)
 
@@ -79,13 +90,20 @@ class Blocks:
     def mm(self, weight: str, x: Tensor) -> Tensor:
         return ggml.ggml_mul_mat(self.ctx, self.t(weight), x)
 
-    def embed(self, tokens: Tensor) -> Tensor:
-        return ggml.ggml_get_rows(self.ctx, self.t("token_embd.weight"), tokens)
+    def embed(self, tokens: Tensor, scale: float | None = None) -> Tensor:
+        x = ggml.ggml_get_rows(self.ctx, self.t("token_embd.weight"), tokens)
+        return x if scale is None else ggml.ggml_scale(self.ctx, x, scale)
 
     def head(self, x: Tensor) -> Tensor:
-        """Final norm and output matrix (token_embd when `output` is absent: tied)."""
+        """Final norm and output matrix (token_embd when `output` is absent: tied), and the
+        logit soft-cap where the model has one."""
         out = "output.weight" if self.w.has("output.weight") else "token_embd.weight"
-        return self.mm(out, self.norm(x, "output_norm.weight"))
+        logits = self.mm(out, self.norm(x, "output_norm.weight"))
+        cap = self.hp.logit_softcap
+        if cap:
+            logits = ggml.ggml_scale(self.ctx, ggml.ggml_tanh(
+                self.ctx, ggml.ggml_scale(self.ctx, logits, 1.0 / cap)), cap)
+        return logits
 
     def last_column(self, x: Tensor) -> Tensor:
         c = x.contents
@@ -93,9 +111,17 @@ class Blocks:
         return ggml.ggml_view_2d(self.ctx, x, int(c.ne[0]), 1, row, row * (self.T - 1))
 
     def attention(self, layer: int, x: Tensor, rope_mode: int, qk_norm: bool) -> Tensor:
-        """x + attn(norm(x)): GQA, RoPE, causal over the session's cached and new tokens."""
+        """x + attn(norm(x))."""
+        cur = self.norm(x, f"blk.{layer}.attn_norm.weight")
+        return ggml.ggml_add(self.ctx, x, self.self_attention(layer, cur, rope_mode, qk_norm))
+
+    def self_attention(self, layer: int, cur: Tensor, rope_mode: int, qk_norm: bool,
+                       scale_q: bool = False) -> Tensor:
+        """attn_output(attention over cur), no residual: GQA, RoPE with the layer's base,
+        causal over the session's cached and new tokens, through the sliding window on the
+        layers that have one. `scale_q` scales q before the product rather than the
+        product itself (gemma), as llama.cpp does: with an F16 cache that rounds otherwise."""
         hp, ctx, p = self.hp, self.ctx, f"blk.{layer}."
-        cur = self.norm(x, p + "attn_norm.weight")
         d, T = hp.head_dim, self.T
         q = ggml.ggml_reshape_3d(ctx, self.mm(p + "attn_q.weight", cur), d, hp.n_head, T)
         k = ggml.ggml_reshape_3d(ctx, self.mm(p + "attn_k.weight", cur), d, hp.n_head_kv, T)
@@ -103,17 +129,23 @@ class Blocks:
         if qk_norm:
             q = self.norm(q, p + "attn_q_norm.weight")
             k = self.norm(k, p + "attn_k_norm.weight")
-        q = self.rope(q, rope_mode)
-        k = self.rope(k, rope_mode)
-        out = self.attend(layer, q, k, v)
-        return ggml.ggml_add(ctx, x, self.mm(p + "attn_output.weight", out))
+        swa = hp.is_swa(layer)
+        base = hp.rope_base_swa if swa else hp.rope_base
+        q = self.rope(q, rope_mode, base)
+        k = self.rope(k, rope_mode, base)
+        scale = hp.attn_scale or 1.0 / math.sqrt(d)
+        if scale_q:
+            q, scale = ggml.ggml_scale(ctx, q, scale), 1.0
+        out = self.attend(layer, q, k, v, scale, self.mask_swa if swa else self.mask)
+        return self.mm(p + "attn_output.weight", out)
 
-    def rope(self, x: Tensor, mode: int) -> Tensor:
+    def rope(self, x: Tensor, mode: int, base: float) -> Tensor:
         return ggml.ggml_rope_ext(self.ctx, x, self.pos, None, self.hp.head_dim, mode,
-                                  self.hp.n_ctx_train, self.hp.rope_base, 1.0, 0.0, 1.0, 32.0, 1.0)
+                                  self.hp.n_ctx_train, base, 1.0, 0.0, 1.0, 32.0, 1.0)
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Write k, v to the pool, gather the session's pages, softmax(qK^T/sqrt(d) + mask) V.
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float,
+               mask: Tensor) -> Tensor:
+        """Write k, v to the pool, gather the session's pages, softmax(scale·qK^T + mask) V.
 
         The products are llama.cpp's: K and V^T in the cache's precision, so with an F16
         cache q and the attention weights are rounded to F16 inside the matmuls exactly as
@@ -143,18 +175,21 @@ class Blocks:
                                0, 2, 1, 3)                             # [d, n_kv, h_kv]
         qq = ggml.ggml_permute(ctx, q, 0, 2, 1, 3)                     # [d, T, h]
         kq = ggml.ggml_mul_mat(ctx, kk, qq)                            # [n_kv, T, h]
-        kq = ggml.ggml_soft_max_ext(ctx, kq, self.mask, 1.0 / math.sqrt(hp.head_dim), 0.0)
+        kq = ggml.ggml_soft_max_ext(ctx, kq, mask, scale, 0.0)
         kqv = ggml.ggml_mul_mat(ctx, vt, kq)                           # [d, T, h]
         merged = ggml.ggml_permute(ctx, kqv, 0, 2, 1, 3)               # [d, h, T]
         return ggml.ggml_cont_2d(ctx, merged, hp.head_dim * hp.n_head, T)
 
     def swiglu_ffn(self, layer: int, x: Tensor) -> Tensor:
         """x + down(silu(gate(norm x)) * up(norm x)): the dense llama FFN."""
-        p, ctx = f"blk.{layer}.", self.ctx
-        cur = self.norm(x, p + "ffn_norm.weight")
+        cur = self.norm(x, f"blk.{layer}.ffn_norm.weight")
+        return ggml.ggml_add(self.ctx, x, self.ffn(layer, cur, SWIGLU))
+
+    def ffn(self, layer: int, cur: Tensor, glu: Callable[..., Tensor]) -> Tensor:
+        """down(glu(gate cur, up cur)), no norm, no residual."""
+        p = f"blk.{layer}."
         gate, up = self.mm(p + "ffn_gate.weight", cur), self.mm(p + "ffn_up.weight", cur)
-        h = ggml.ggml_swiglu_split(ctx, gate, up)
-        return ggml.ggml_add(ctx, x, self.mm(p + "ffn_down.weight", h))
+        return self.mm(p + "ffn_down.weight", glu(self.ctx, gate, up))
 
     def router(self, layer: int, x: Tensor, normalise: bool) -> RouterOut:
         """Router authority: softmax over all experts, top-k, optionally renormalise the k."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ class Stage:
         hp = weights.hparams
         a, b = _check_window(window, hp)
         self.weights, self.hp, self.backend = weights, hp, backend
-        self.arch = archs.get(hp.arch)
+        self.arch = archs.for_hparams(hp)
         self.window, self.embed, self.head = (a, b), embed, head
         self.n_vocab = ne_of(weights.get("token_embd.weight"))[1] if embed else hp.n_vocab
         self.shards = {int(k): check_shards(int(k), v, hp.n_expert)
@@ -116,7 +117,7 @@ class Stage:
         head = b == hp.n_layer if head is None else head
         ranged = {**slice_expert_ranges(files), **(expert_ranges or {})}
         tied = not any("output.weight" in f.tensors for f in files)
-        names = tensor_names(hp.arch, (a, b), embed=embed, head=head, tied=tied,
+        names = tensor_names(archs.for_hparams(hp), (a, b), embed=embed, head=head, tied=tied,
                              skip_experts=set(experts or ()) - set(ranged))
         own = backend is None
         backend = backend or Backend(compute_threads(threads))
@@ -233,11 +234,15 @@ class Stage:
         n_kv_b = -(-n_kv // KV_BUCKET) * KV_BUCKET
         j = np.arange(n_kv_b)[None, :]
         q = np.arange(start, start + T)[:, None]
-        mask = np.where((j <= q) & (j < n_kv), 0.0, -np.inf).astype(np.float32)
+        seen = (j <= q) & (j < n_kv)
+        mask = np.where(seen, 0.0, -np.inf).astype(np.float32)
         slots = session.slots(start, start + T)
         shared = {"pos": np.arange(start, start + T, dtype=np.int32), "slots": slots,
                   "v_slots": self.kv.v_index(slots), "kv_pages": session.page_list(n_kv_b // PAGE),
                   "mask": mask}
+        if self.hp.n_swa:
+            shared["mask_swa"] = np.where(seen & (q - j < self.hp.n_swa), 0.0,
+                                          -np.inf).astype(np.float32)
         for i, seg in enumerate(self.segments):
             key = (self.window, i, T, n_kv_b, mode)  # parts of a window share its cache
             with self.graphs.using(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode)) \
@@ -261,7 +266,8 @@ class Stage:
         def build(b: Builder) -> dict:
             blocks = Blocks(b, self.weights, self.kv, T, n_kv)
             if seg.embed:
-                x = blocks.embed(b.input("x", I32, T))
+                x = blocks.embed(b.input("x", I32, T),
+                                 math.sqrt(hp.n_embd) if arch.scaled_embedding else None)
             else:
                 x = b.input("x", F32, hp.n_embd, T)
             for layer in range(seg.first, seg.end):
@@ -357,10 +363,10 @@ def _check_window(window: tuple[int, int], hp: HParams) -> tuple[int, int]:
     return a, b
 
 
-def tensor_names(arch_name: str, window: tuple[int, int], *, embed: bool, head: bool,
+def tensor_names(arch: archs.Architecture, window: tuple[int, int], *, embed: bool, head: bool,
                  tied: bool, skip_experts: Iterable[int] = ()) -> list[str]:
     """Names of every tensor a window needs (the head's output is token_embd when tied)."""
-    arch, skip = archs.get(arch_name), set(skip_experts)
+    skip = set(skip_experts)
     names = []
     for layer in range(*window):
         names += [f"blk.{layer}.{s}" for s in arch.dense_tensors]

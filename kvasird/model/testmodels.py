@@ -2,8 +2,10 @@
 
 No MoE model small enough for CI is published (STACK.md), so MoE paths are tested on
 generated files. They carry the real architecture keys and tensor names of llama.cpp
-(``qwen3moe`` and ``llama``) and the bundled SmolLM2 tokenizer, so llama.cpp itself
-loads them and vocab sizes match the bundled model. A file is a pure function of its
+(``qwen3moe``, ``qwen3``, ``llama``, ``gemma3``, and ``mixtral``: a ``llama`` file with
+experts) and
+the bundled SmolLM2 tokenizer, so llama.cpp itself loads them and vocab sizes match the
+bundled model. A file is a pure function of its
 arguments: the same seed gives the same bytes.
 
 Weight types: ``f32``, ``f16``, ``q8_0``, ``q4_0``, ``q4_1`` and the K-quants ``q4_k``,
@@ -31,7 +33,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from kvasird.errors import ModelError
 from kvasird.model import bundled
 
-ARCHS = ("qwen3moe", "llama")
+ARCHS = ("qwen3moe", "llama", "qwen3", "mixtral", "gemma3")
+"""What the generator writes; "mixtral" is llama.cpp's "llama" with routed experts."""
 
 DTYPES: dict[str, GGMLQuantizationType] = {
     "f32": GGMLQuantizationType.F32,
@@ -59,7 +62,7 @@ class TestModelSpec:
     __test__ = False
 
     arch: str = "qwen3moe"
-    """llama.cpp architecture name: "qwen3moe" or "llama"."""
+    """A name of ARCHS: llama.cpp's architecture, or "mixtral" (written as "llama")."""
     n_layer: int = 2
     """Number of transformer blocks."""
     n_embd: int = 64
@@ -69,21 +72,29 @@ class TestModelSpec:
     n_head_kv: int = 2
     """Key/value heads (grouped-query attention when fewer than n_head)."""
     head_dim: int = 16
-    """Per-head size; qwen3moe stores it as key_length/value_length."""
+    """Per-head size; the qwen3 family stores it as key_length/value_length."""
     n_ff: int = 128
-    """Dense FFN size (llama); qwen3moe records it as feed_forward_length only."""
+    """Dense FFN size (llama, qwen3); qwen3moe records it as feed_forward_length only."""
     n_expert: int = 8
-    """Experts per MoE layer (qwen3moe)."""
+    """Experts per MoE layer (qwen3moe, mixtral)."""
     n_expert_used: int = 2
     """Experts each token is routed to (top-k)."""
     n_ff_exp: int = 32
-    """Hidden size of one expert's FFN."""
+    """Hidden size of one expert's FFN (mixtral writes it as feed_forward_length)."""
     dtype: str = "f32"
     """Type of the weight matrices, a key of DTYPES."""
     tied_output: bool | None = None
     """Omit `output` so the head reuses token_embd; None = the arch's usual (llama tied)."""
     rope_base: float = 10000.0
     """RoPE frequency base."""
+    sliding_window: int = 4
+    """gemma3: how many positions back a sliding-window layer's query sees."""
+    swa_pattern: int = 2
+    """gemma3: every swa_pattern-th layer attends globally, the others through the window."""
+    rope_base_swa: float = 1000.0
+    """gemma3: RoPE base of the sliding-window layers."""
+    logit_softcap: float = 0.0
+    """gemma3: final logits soft-capped at this value (0: not capped)."""
     rms_eps: float = 1e-6
     """RMS-norm epsilon."""
     context_length: int = 4096
@@ -95,7 +106,24 @@ class TestModelSpec:
 
     @property
     def tied(self) -> bool:
-        return self.arch == "llama" if self.tied_output is None else self.tied_output
+        if self.tied_output is None:
+            return self.arch in ("llama", "gemma3")
+        return self.tied_output
+
+    @property
+    def gguf_arch(self) -> str:
+        """`general.architecture` of the file."""
+        return "llama" if self.arch == "mixtral" else self.arch
+
+    @property
+    def routed(self) -> bool:
+        """Layers have routed experts instead of a dense FFN."""
+        return self.arch in ("qwen3moe", "mixtral")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Layers hold per-head Q/K norms."""
+        return self.arch in ("qwen3moe", "qwen3", "gemma3")
 
 
 def make_model(path: str | Path, arch: str = "qwen3moe", **dims: Any) -> Path:
@@ -111,7 +139,7 @@ def write_model(path: Path, spec: TestModelSpec) -> Path:
     _check(spec)
     tok = bundled_tokenizer()
     n_vocab = len(tok["tokenizer.ggml.tokens"][2])
-    writer = GGUFWriter(str(path), spec.arch)
+    writer = GGUFWriter(str(path), spec.gguf_arch)
     _write_metadata(writer, spec, n_vocab)
     for key, (vtype, sub, value) in tok.items():
         writer.add_key_value(key, value, GGUFValueType(vtype), GGUFValueType(sub) if sub else None)
@@ -136,12 +164,15 @@ def _check(spec: TestModelSpec) -> None:
                              f"n_head_kv {spec.n_head_kv}")
     if spec.head_dim % 2:
         raise TestModelError(f"head_dim {spec.head_dim} must be even (RoPE rotates pairs)")
-    if spec.arch == "qwen3moe" and not 0 < spec.n_expert_used <= spec.n_expert:
+    if spec.routed and not 0 < spec.n_expert_used <= spec.n_expert:
         raise TestModelError(f"n_expert_used {spec.n_expert_used} must be in "
                              f"1..n_expert {spec.n_expert}")
+    if spec.arch == "gemma3" and (spec.sliding_window < 1 or spec.swa_pattern < 0):
+        raise TestModelError(f"sliding_window {spec.sliding_window} must be at least 1 and "
+                             f"swa_pattern {spec.swa_pattern} at least 0")
     block = GGML_QUANT_SIZES[DTYPES[spec.dtype]][0]
     rows = {"n_embd": spec.n_embd, "n_head*head_dim": spec.n_head * spec.head_dim}
-    rows.update({"n_ff_exp": spec.n_ff_exp} if spec.arch == "qwen3moe" else {"n_ff": spec.n_ff})
+    rows.update({"n_ff_exp": spec.n_ff_exp} if spec.routed else {"n_ff": spec.n_ff})
     for what, n in rows.items():
         if n % block:
             raise TestModelError(f"{what} = {n} must be a multiple of {block} for {spec.dtype}")
@@ -158,16 +189,24 @@ def _write_metadata(w: GGUFWriter, s: TestModelSpec, n_vocab: int) -> None:
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_vocab_size(n_vocab)
-    if s.arch == "qwen3moe":
+    if s.arch in ("qwen3moe", "qwen3", "gemma3"):
         w.add_feed_forward_length(s.n_ff)
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
+    else:
+        w.add_feed_forward_length(s.n_ff_exp if s.routed else s.n_ff)
+        w.add_rope_dimension_count(s.head_dim)
+    if s.routed:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
+    if s.arch == "qwen3moe":
         w.add_expert_feed_forward_length(s.n_ff_exp)
-    else:
-        w.add_feed_forward_length(s.n_ff)
-        w.add_rope_dimension_count(s.head_dim)
+    if s.arch == "gemma3":
+        w.add_sliding_window(s.sliding_window)
+        w.add_uint32("gemma3.attention.sliding_window_pattern", s.swa_pattern)
+        w.add_float32("gemma3.rope.freq_base_swa", s.rope_base_swa)
+        if s.logit_softcap:
+            w.add_final_logit_softcapping(s.logit_softcap)
 
 
 def _tensors(s: TestModelSpec, n_vocab: int, rng: np.random.Generator):
@@ -190,12 +229,14 @@ def _tensors(s: TestModelSpec, n_vocab: int, rng: np.random.Generator):
         yield b + "attn_q.weight", w(q, e), mat
         yield b + "attn_k.weight", w(kv, e), mat
         yield b + "attn_v.weight", w(kv, e), mat
-        if s.arch == "qwen3moe":
+        if s.qk_norm:
             yield b + "attn_q_norm.weight", norm(s.head_dim), f32
             yield b + "attn_k_norm.weight", norm(s.head_dim), f32
         yield b + "attn_output.weight", w(e, q), mat
+        if s.arch == "gemma3":
+            yield b + "post_attention_norm.weight", norm(e), f32
         yield b + "ffn_norm.weight", norm(e), f32
-        if s.arch == "qwen3moe":
+        if s.routed:
             yield b + "ffn_gate_inp.weight", np.float32(4) * w(s.n_expert, e), f32
             yield b + "ffn_gate_exps.weight", w(s.n_expert, s.n_ff_exp, e), mat
             yield b + "ffn_up_exps.weight", w(s.n_expert, s.n_ff_exp, e), mat
@@ -204,6 +245,8 @@ def _tensors(s: TestModelSpec, n_vocab: int, rng: np.random.Generator):
             yield b + "ffn_gate.weight", w(s.n_ff, e), mat
             yield b + "ffn_up.weight", w(s.n_ff, e), mat
             yield b + "ffn_down.weight", w(e, s.n_ff), mat
+        if s.arch == "gemma3":
+            yield b + "post_ffw_norm.weight", norm(e), f32
     yield "output_norm.weight", norm(e), f32
     if not s.tied:
         yield "output.weight", w(n_vocab, e), big

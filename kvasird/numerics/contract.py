@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
+import kvasird.compute.arch as archs
 from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Backend
 from kvasird.compute.kvcache import KVSpec
@@ -180,7 +181,7 @@ def verify(path: str | Path, threads: int = 0, plan: VerifyPlan = VerifyPlan()) 
         backend=backend.name,
         precision=f"f32 accumulate; weights {'+'.join(types)}; kv {plan.kv_dtype}",
         passed=all(c.ok for c in checks),
-        model=f"{path.name} ({oracle.hp.arch}, {oracle.hp.n_layer} layers)",
+        model=f"{path.name} ({archs.for_hparams(oracle.hp).label}, {oracle.hp.n_layer} layers)",
         checks=tuple(checks), ops=tuple(ops), drift=tuple(drift), logits=logits,
         greedy_divergence=divergence,
     )

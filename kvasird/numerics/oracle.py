@@ -1,6 +1,9 @@
-"""The float64 oracle: llama and qwen3moe in plain numpy, from dequantized weights.
+"""The float64 oracle: llama (dense and with experts), qwen3, qwen3moe and gemma3 in plain
+numpy, from dequantized weights.
 
-Independent of the engine on purpose: no ggml op, no shared block code. Weights are
+Independent of the engine on purpose: no ggml op, no shared block code, not even its
+architecture table: a layer is computed from `Features` (RoPE mode, Q/K norms, routed
+experts), which `FEATURES` gives per llama.cpp architecture name. Weights are
 dequantized by gguf-py (only the GGUF header is read through ggml's parser, for speed).
 It is the reference the tests and `kvasird verify` measure the engine against; it is
 slow (minutes per token on a large model) and never serves requests.
@@ -11,16 +14,54 @@ Shapes are numpy order: a hidden state is [T, n_embd]; a weight W of ggml shape
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from kvasird.compute.errors import WeightsError
 from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.hparams import HParams
+
+
+@dataclass(frozen=True)
+class Features:
+    """What sets one architecture's layer apart from another's."""
+
+    rope_neox: bool = False
+    """RoPE rotates the two halves of a head (NEOX) rather than adjacent pairs."""
+    qk_norm: bool = False
+    """Per-head RMS norms of queries and keys before RoPE."""
+    experts: bool = False
+    """Routed experts (softmax, top-k, renormalised) in place of the dense FFN."""
+    post_norms: bool = False
+    """RMS norms of the attention and FFN outputs before each residual add."""
+    geglu: bool = False
+    """GELU (tanh approximation) gates the FFN instead of SiLU."""
+    embed_scale: bool = False
+    """Embedding rows multiplied by sqrt(n_embd)."""
+
+
+FEATURES: dict[str, Features] = {
+    "llama": Features(),
+    "qwen3": Features(rope_neox=True, qk_norm=True),
+    "qwen3moe": Features(rope_neox=True, qk_norm=True),
+    "gemma3": Features(rope_neox=True, qk_norm=True, post_norms=True, geglu=True,
+                       embed_scale=True),
+}
+"""Per llama.cpp architecture name, from llama-model.cpp's rope types and the models/
+graphs. Whether a layer has experts is read from the file, and so are the numbers
+(sliding window and its layers, RoPE bases, attention scale, logit soft-cap)."""
+
+
+def features_of(hp: HParams) -> Features:
+    if hp.arch not in FEATURES:
+        raise WeightsError(f"the oracle has no architecture {hp.arch!r} "
+                           f"(it knows {', '.join(FEATURES)})")
+    return dataclasses.replace(FEATURES[hp.arch], experts=hp.n_expert > 0)
 
 
 @dataclass
@@ -39,6 +80,7 @@ class Oracle:
     def __init__(self, path: str | Path, emulate: bool = False, kv_f16: bool = False) -> None:
         self.file = GGUFFile(path)
         self.hp = HParams.from_gguf(self.file)
+        self.features = features_of(self.hp)
         self.emulate = emulate
         """Round activations as ggml's CPU matmuls do (to the weight type's dot-product type)."""
         self.kv_f16 = kv_f16
@@ -94,20 +136,19 @@ class Oracle:
             self._w[name] = arr.astype(np.float64)
         return self._w[name]
 
-    @cached_property
-    def moe(self) -> bool:
-        return self.hp.arch == "qwen3moe"
-
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        return self.w("token_embd.weight")[np.asarray(tokens)]
+        x = self.w("token_embd.weight")[np.asarray(tokens)]
+        return x * np.sqrt(self.hp.n_embd) if self.features.embed_scale else x
 
     def rms_norm(self, x: np.ndarray, weight: str | None = None) -> np.ndarray:
         y = rms_norm(x, self.hp.rms_eps)
         return y * self.w(weight) if weight else y
 
-    def rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """x [T, heads, d]: NEOX (halves) for qwen3moe, adjacent pairs for llama."""
-        return rope(x, positions, self.hp.rope_base, neox=self.moe)
+    def rope(self, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
+        """x [T, heads, d]: halves rotated (NEOX) or adjacent pairs, as the features say,
+        with the layer's base (sliding-window layers may have their own)."""
+        base = self.hp.rope_base_swa if self.hp.is_swa(layer) else self.hp.rope_base
+        return rope(x, positions, base, neox=self.features.rope_neox)
 
     def attention(self, layer: int, x: np.ndarray, start: int, cache: OracleCache) -> np.ndarray:
         hp, p, T = self.hp, f"blk.{layer}.", len(x)
@@ -115,11 +156,11 @@ class Oracle:
         q = self.mm(h, p + "attn_q.weight").reshape(T, hp.n_head, hp.head_dim)
         k = self.mm(h, p + "attn_k.weight").reshape(T, hp.n_head_kv, hp.head_dim)
         v = self.mm(h, p + "attn_v.weight").reshape(T, hp.n_head_kv, hp.head_dim)
-        if self.moe:
+        if self.features.qk_norm:
             q = self.rms_norm(q, p + "attn_q_norm.weight")
             k = self.rms_norm(k, p + "attn_k_norm.weight")
         pos = np.arange(start, start + T)
-        q, k = self.rope(q, pos), self.rope(k, pos)
+        q, k = self.rope(q, pos, layer), self.rope(k, pos, layer)
         if self.kv_f16:
             k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
         ks = np.concatenate([cache.k.get(layer, k[:0])[:start], k])
@@ -128,18 +169,29 @@ class Oracle:
         group = hp.n_head // hp.n_head_kv
         kh = np.repeat(ks, group, axis=1)                         # [S, H, d]
         vh = np.repeat(vs, group, axis=1)
-        scores = np.einsum("thd,shd->hts", q, kh) / np.sqrt(hp.head_dim)
-        allowed = np.arange(len(ks))[None, :] <= pos[:, None]
+        scores = np.einsum("thd,shd->hts", q, kh) * (hp.attn_scale or hp.head_dim ** -0.5)
+        back = pos[:, None] - np.arange(len(ks))[None, :]
+        allowed = (back >= 0) & ((back < hp.n_swa) if hp.is_swa(layer) else True)
         scores = np.where(allowed[None], scores, -np.inf)
         probs = softmax(scores)
         out = np.einsum("hts,shd->thd", probs, vh).reshape(T, hp.n_head * hp.head_dim)
-        return x + self.mm(out, p + "attn_output.weight")
+        return x + self.post_norm(self.mm(out, p + "attn_output.weight"),
+                                  p + "post_attention_norm.weight")
+
+    def post_norm(self, out: np.ndarray, weight: str) -> np.ndarray:
+        return self.rms_norm(out, weight) if self.features.post_norms else out
+
+    def glu(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        if not self.features.geglu:
+            return swiglu(g, u)
+        return (gelu_f16_table(g) if self.emulate else gelu(g)) * u
 
     def dense_ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         p = f"blk.{layer}."
         h = self.rms_norm(x, p + "ffn_norm.weight")
         g, u = self.mm(h, p + "ffn_gate.weight"), self.mm(h, p + "ffn_up.weight")
-        return x + self.mm(swiglu(g, u), p + "ffn_down.weight")
+        return x + self.post_norm(self.mm(self.glu(g, u), p + "ffn_down.weight"),
+                                  p + "post_ffw_norm.weight")
 
     def route(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(normed rows, top-k ids [T, k] best first, renormalised weights [T, k])."""
@@ -166,11 +218,13 @@ class Oracle:
 
     def layer(self, layer: int, x: np.ndarray, start: int, cache: OracleCache) -> np.ndarray:
         x = self.attention(layer, x, start, cache)
-        return self.moe_ffn(layer, x) if self.moe else self.dense_ffn(layer, x)
+        return self.moe_ffn(layer, x) if self.features.experts else self.dense_ffn(layer, x)
 
     def head(self, x: np.ndarray) -> np.ndarray:
         out = "output.weight" if "output.weight" in self.file.tensors else "token_embd.weight"
-        return self.mm(self.rms_norm(x, "output_norm.weight"), out)
+        logits = self.mm(self.rms_norm(x, "output_norm.weight"), out)
+        cap = self.hp.logit_softcap
+        return cap * np.tanh(logits / cap) if cap else logits
 
     def hidden(self, tokens: np.ndarray, layers: int | None = None) -> list[np.ndarray]:
         """Hidden states after the embedding and after each layer (prefill from position 0)."""
@@ -208,6 +262,22 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return g / (1.0 + np.exp(-g)) * u
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (ggml_gelu)."""
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * x * (1.0 + 0.044715 * x * x)))
+
+
+def gelu_f16_table(x: np.ndarray) -> np.ndarray:
+    """GELU as ggml's CPU computes it: looked up in a float16 table by float16(x) (0 at or
+    below -10, x at or above 10), the table's entries gelu in float32 rounded to float16."""
+    x32 = np.asarray(x, np.float32)
+    h = x32.astype(np.float16).astype(np.float32)
+    c, a = np.float32(np.sqrt(2.0 / np.pi)), np.float32(0.044715)
+    table = np.float32(0.5) * h * (np.float32(1) + np.tanh(c * h * (np.float32(1) + a * h * h)))
+    y = table.astype(np.float16).astype(np.float64)
+    return np.where(x32 <= -10, 0.0, np.where(x32 >= 10, x, y))
 
 
 def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:

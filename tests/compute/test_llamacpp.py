@@ -110,3 +110,48 @@ def test_llamacpp_runs_generated_qwen3moe_with_our_logits(models, capsys):
                   f"top-1 {m.top1:.2f}, max |delta| "
                   f"{np.abs(np.array(got) - np.array(want)).max():.3g}")
         assert m.cosine > 0.9999
+
+
+def ours_and_llamacpp(path: Path, prompts: list[list[int]], n_new: int):
+    """(our last-position logits, theirs, our greedy tokens, theirs) on the same token ids."""
+    ref = run_llamacpp(path, "tokens", prompts, n_new)
+    stage = Stage.load(path, threads=1, kv=SAME_KV)
+    try:
+        got = []
+        for p in prompts:
+            with stage.open_session() as s:
+                got.append(stage.forward(s, np.array(p))[0])
+        greedy = [generate(stage, p, n_new) for p in prompts]
+    finally:
+        stage.close()
+    return (np.array(got), np.array([r["logits"] for r in ref]), greedy,
+            [r["greedy"] for r in ref])
+
+
+def random_prompts(n: int, length: int) -> list[list[int]]:
+    return [[int(t) for t in np.random.default_rng(i).integers(0, 49152, length)]
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("arch, dtype", [(a, t) for a in ("qwen3", "mixtral", "gemma3")
+                                         for t in ("f32", "q8_0")] + [("gemma3", "softcap")])
+def test_new_architectures_give_llamacpp_logits_and_greedy_tokens(arch_models, arch, dtype,
+                                                                   capsys, tmp_path):
+    """qwen3, llama with experts and gemma3 (12-token prompts: past its 4-position sliding
+    window), as llama.cpp itself computes them (not our oracle)."""
+    if dtype == "softcap":
+        from kvasird.model.testmodels import make_model
+
+        path = make_model(tmp_path / "capped.gguf", arch="gemma3", n_layer=3, logit_softcap=3.0)
+    else:
+        path = arch_models[arch, dtype]
+    got, want, ours, theirs = ours_and_llamacpp(path, random_prompts(5, 12), 8)
+    m = compare(got, want)
+    delta = float(np.abs(got - want).max())
+    agree = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    with capsys.disabled():
+        print(f"\n{arch} {dtype}: llama.cpp vs kvasird logits cosine {m.cosine:.8f}, "
+              f"top-1 {m.top1:.2f}, max |delta| {delta:.3g}, greedy {agree}/{len(ours)}")
+    assert m.top1 == 1.0
+    assert delta < 1e-4 * np.abs(want).max()
+    assert ours == theirs

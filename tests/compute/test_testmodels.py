@@ -54,6 +54,47 @@ def test_llama_is_tied_and_dense(tmp_path):
     assert not any("exps" in n or "q_norm" in n for n in names)
 
 
+def test_qwen3_is_dense_with_qk_norms_and_qwen3_keys(tmp_path):
+    reader, kv = _fields(make_model(tmp_path / "q.gguf", arch="qwen3", n_layer=2, n_ff=96))
+    assert kv["general.architecture"] == "qwen3"
+    assert kv["qwen3.feed_forward_length"] == 96
+    assert kv["qwen3.attention.key_length"] == kv["qwen3.attention.value_length"] == 16
+    assert not any(k.startswith("qwen3.expert") for k in kv)
+    ne = {name: list(t.ne) for name, t in reader.tensors.items()}
+    assert ne["blk.1.attn_q_norm.weight"] == ne["blk.1.attn_k_norm.weight"] == [16]
+    assert ne["blk.1.ffn_gate.weight"] == [64, 96] and ne["blk.1.ffn_down.weight"] == [96, 64]
+    assert "output.weight" in ne and not any("exps" in n or "gate_inp" in n for n in ne)
+
+
+def test_mixtral_is_a_llama_file_with_experts_sized_by_feed_forward_length(tmp_path):
+    reader, kv = _fields(make_model(tmp_path / "x.gguf", arch="mixtral", n_layer=2, n_expert=4,
+                                    n_expert_used=2, n_ff_exp=64, n_ff=999))
+    assert kv["general.architecture"] == "llama"
+    assert (kv["llama.expert_count"], kv["llama.expert_used_count"]) == (4, 2)
+    assert kv["llama.feed_forward_length"] == 64 and kv["llama.rope.dimension_count"] == 16
+    assert "llama.expert_feed_forward_length" not in kv
+    ne = {name: list(t.ne) for name, t in reader.tensors.items()}
+    assert ne["blk.1.ffn_gate_inp.weight"] == [64, 4]
+    assert ne["blk.1.ffn_gate_exps.weight"] == [64, 64, 4]
+    assert ne["blk.1.ffn_down_exps.weight"] == [64, 64, 4]
+    assert "output.weight" in ne
+    assert not any(n.endswith(("ffn_gate.weight", "ffn_up.weight", "q_norm.weight")) for n in ne)
+
+
+def test_gemma3_carries_its_window_and_extra_norms(tmp_path):
+    reader, kv = _fields(make_model(tmp_path / "g.gguf", arch="gemma3", n_layer=2,
+                                    sliding_window=8, swa_pattern=3, logit_softcap=30.0))
+    assert kv["general.architecture"] == "gemma3"
+    assert kv["gemma3.attention.sliding_window"] == 8
+    assert kv["gemma3.attention.sliding_window_pattern"] == 3
+    assert kv["gemma3.final_logit_softcapping"] == 30.0
+    assert kv["gemma3.rope.freq_base"] != kv["gemma3.rope.freq_base_swa"]
+    names = set(reader.tensors)
+    assert {"blk.1.post_attention_norm.weight", "blk.1.post_ffw_norm.weight",
+            "blk.1.attn_q_norm.weight", "blk.1.ffn_gate.weight"} <= names
+    assert "output.weight" not in names
+
+
 def test_tokenizer_is_the_bundled_one_and_gguf_py_reads_it(tmp_path, bundled):
     reader = GGUFReader(make_model(tmp_path / "m.gguf", n_layer=1))
     ref = bundled_tokenizer()
@@ -85,7 +126,11 @@ def test_quantized_file_holds_the_same_weights_as_f32(tmp_path, f32_up, dtype, t
 
 @pytest.mark.parametrize("dims", [dict(dtype="q8_0", n_embd=48), dict(dtype="q4_k", n_embd=64),
                                   dict(n_head=4, n_head_kv=3), dict(n_expert_used=9),
-                                  dict(arch="gpt9"), dict(dtype="q3_z")])
+                                  dict(arch="gpt9"), dict(dtype="q3_z"),
+                                  dict(arch="mixtral", n_expert_used=9),
+                                  dict(arch="mixtral", dtype="q8_0", n_ff_exp=48),
+                                  dict(arch="qwen3", dtype="q8_0", n_ff=48),
+                                  dict(arch="gemma3", sliding_window=0)])
 def test_impossible_dimensions_raise_a_clear_error(tmp_path, dims):
     with pytest.raises(TestModelError):
         make_model(tmp_path / "x.gguf", **dims)
@@ -98,3 +143,14 @@ def test_cli_writes_a_model(tmp_path, capsys):
     _, kv = _fields(out)
     assert kv["llama.block_count"] == 1
     assert str(out) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch, gguf_arch", [("qwen3", "qwen3"), ("mixtral", "llama"),
+                                             ("gemma3", "gemma3")])
+def test_cli_writes_the_new_architectures(tmp_path, arch, gguf_arch):
+    out = tmp_path / f"{arch}.gguf"
+    assert main(["dev", "make-model", str(out), "--arch", arch, "--layers", "1",
+                 "--experts", "4", "--experts-used", "1"]) == 0
+    _, kv = _fields(out)
+    assert kv["general.architecture"] == gguf_arch
+    assert kv.get(f"{gguf_arch}.expert_count") == (4 if arch == "mixtral" else None)

@@ -91,6 +91,21 @@ def test_units_partition_every_tensor_byte(moe_manifest):
     assert all(p.unit.kind == "expert" for p in moe_manifest.pieces() if "_exps" in p.tensor)
 
 
+def test_a_llama_file_with_experts_is_held_in_expert_units(tmp_path):
+    """Mixtral's layout: general.architecture llama, experts as stacked _exps tensors."""
+    from kvasird.model.testmodels import make_model
+
+    m = Manifest.from_gguf(make_model(tmp_path / "mixtral.gguf", arch="mixtral", n_layer=2,
+                                      n_expert=4, n_expert_used=2))
+    assert (m.arch, m.n_layer, m.n_expert) == ("llama", 2, 4)
+    sizes = m.unit_sizes
+    assert sum(sizes.values()) == m.total_bytes
+    assert {u for u in sizes if u.kind == "expert"} == {Unit("expert", layer, e)
+                                                        for layer in range(2) for e in range(4)}
+    layer = {p.tensor for p in m.pieces([Unit("layer", 1)])}
+    assert "blk.1.ffn_gate_inp.weight" in layer and not any("_exps" in t for t in layer)
+
+
 def test_long_pieces_carry_chunk_hashes(moe_manifest):
     embd = moe_manifest.piece("token_embd.weight", -1)
     spans = embd.spans(moe_manifest.chunk_size)

@@ -5,10 +5,15 @@ architectures split a layer in two at the router (`dense`), so that the stage ca
 the routed rows to experts held elsewhere and add the combined result itself; `layer`
 is the whole layer with every expert held locally. Adding an architecture is adding
 a module here and its name to `_MODULES`.
+
+llama.cpp's name alone does not always say which: "llama" is dense Llama and, with
+`llama.expert_count` > 0, Mixtral's routed experts. So an architecture is looked up by
+its name and whether the file has experts (`get(name, n_expert)`, `for_hparams(hp)`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,8 +21,9 @@ from dataclasses import dataclass
 from kvasird.compute.blocks import Blocks, RouterOut
 from kvasird.compute.errors import WeightsError
 from kvasird.compute.graph import Tensor
+from kvasird.compute.hparams import HParams
 
-_MODULES = ("llama", "qwen3moe")
+_MODULES = ("llama", "llama_moe", "qwen3", "qwen3moe", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -34,14 +40,57 @@ class Architecture:
     """Whole layer: hidden [n_embd, T] in, hidden out (experts, if any, held locally)."""
     dense: Callable[[Blocks, int, Tensor], RouterOut] | None = None
     """MoE only: attention and router, stopping where the expert FFN begins."""
+    scaled_embedding: bool = False
+    """The embedding rows are multiplied by sqrt(n_embd) (gemma)."""
 
     @property
     def is_moe(self) -> bool:
         return self.dense is not None
 
+    @property
+    def label(self) -> str:
+        """How a person names it: llama.cpp's name, plus "with experts" where that name
+        also covers a dense variant."""
+        dense_too = any(a.name == self.name and not a.is_moe for a in _all())
+        return f"{self.name} with experts" if self.is_moe and dense_too else self.name
 
-def get(name: str) -> Architecture:
-    if name not in _MODULES:
-        raise WeightsError(f"architecture {name!r} is not supported "
-                           f"(supported: {', '.join(_MODULES)})")
-    return importlib.import_module(f"kvasird.compute.arch.{name}").ARCH
+
+def routed_layer(dense: Callable[[Blocks, int, Tensor], RouterOut]
+                 ) -> Callable[[Blocks, int, Tensor], Tensor]:
+    """A MoE architecture's whole layer: its dense part, then every routed expert held
+    locally, combined into the residual."""
+    def layer(b: Blocks, layer: int, x: Tensor) -> Tensor:
+        r = dense(b, layer, x)
+        return b.combine(r, b.experts(layer, r.cur, r.ids))
+    return layer
+
+
+@functools.cache
+def _all() -> tuple[Architecture, ...]:
+    return tuple(importlib.import_module(f"kvasird.compute.arch.{m}").ARCH for m in _MODULES)
+
+
+def supported() -> tuple[str, ...]:
+    """Every supported architecture's label, for error messages and listings."""
+    return tuple(a.label for a in _all())
+
+
+def get(name: str, n_expert: int | None = None) -> Architecture:
+    """The architecture for llama.cpp's `general.architecture` `name` with `n_expert`
+    experts per layer (0: dense). Without a count, the name's only layout, or its dense
+    one where it has both (as llama.cpp reads a file without `expert_count`)."""
+    named = [a for a in _all() if a.name == name]
+    if n_expert is None and named:
+        return next((a for a in named if not a.is_moe), named[0])
+    for a in named:
+        if a.is_moe == bool(n_expert):
+            return a
+    what = repr(name)
+    if named:
+        what += f" with {n_expert} experts" if n_expert else " without experts"
+    raise WeightsError(f"architecture {what} is not supported "
+                       f"(supported: {', '.join(supported())})")
+
+
+def for_hparams(hp: HParams) -> Architecture:
+    return get(hp.arch, hp.n_expert)

@@ -5,7 +5,7 @@ Routing: softmax over all experts, top-k, then the k weights renormalised to sum
 
 from __future__ import annotations
 
-from kvasird.compute.arch import Architecture
+from kvasird.compute.arch import Architecture, routed_layer
 from kvasird.compute.blocks import ROPE_NEOX, Blocks, RouterOut
 from kvasird.compute.graph import Tensor
 
@@ -15,17 +15,12 @@ def _dense(b: Blocks, layer: int, x: Tensor) -> RouterOut:
     return b.router(layer, x, normalise=True)
 
 
-def _layer(b: Blocks, layer: int, x: Tensor) -> Tensor:
-    r = _dense(b, layer, x)
-    return b.combine(r, b.experts(layer, r.cur, r.ids))
-
-
 ARCH = Architecture(
     name="qwen3moe",
     dense_tensors=("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
                    "attn_q_norm.weight", "attn_k_norm.weight", "attn_output.weight",
                    "ffn_norm.weight", "ffn_gate_inp.weight"),
     expert_tensors=("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"),
-    layer=_layer,
+    layer=routed_layer(_dense),
     dense=_dense,
 )
