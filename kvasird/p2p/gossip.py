@@ -121,6 +121,19 @@ class _ContainedPubsub(Pubsub):
                 await stream.reset()
             self._handle_dead_peer(peer)
 
+    async def _teardown_if_connected(self, peer_id: ID) -> None:
+        """A banned peer's stream closed and the peer forgotten, as py-libp2p does, but
+        safe against the peer going away meanwhile: its read loop drops it while the reset
+        is awaited, and py-libp2p's ``del self.peers[peer_id]`` then raised a KeyError that
+        ended the pubsub service and the daemon with it (seen under load when a liar was
+        banned)."""
+        stream = self.peers.get(peer_id)
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                await stream.reset()
+            self.peers.pop(peer_id, None)
+        self._forget_all_subscriptions(peer_id)
+
     async def push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
         try:
             await super().push_msg(msg_forwarder, msg)
