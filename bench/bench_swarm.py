@@ -415,7 +415,7 @@ def overlapped_sessions(moe: Path, threads: int, away_ms: float, sessions: int =
                           threads=threads, kv_slots=256, remote=lambda *a: None)  # type: ignore[arg-type,return-value]
 
     def hook(layer: int, first: int, end: int) -> ExpertShard:
-        w = worker.workers[layer]
+        w = worker.run_of(layer, 0).worker  # type: ignore[union-attr]
 
         async def acall(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
             out = w(lay, rows, sel + first)

@@ -2,10 +2,11 @@
 
 A node holds only its units: a layer window, expert ranges, the head. The loader is
 told *by tensor name* what to load, so it serves a full GGUF and a slice alike. For
-3-D expert tensors it is also told the expert range held: from a full file it copies
-just that range's slab (expert e's bytes are one contiguous block); from a slice whose
-tensor already holds exactly that many experts it copies the tensor whole. Inside the
-engine experts are addressed by *local* id, 0 .. e1-e0.
+3-D expert tensors it is also told the expert range held: from a full file, or from a
+slice whose range covers it, it copies just that range's slab (expert e's bytes are one
+contiguous block). A node may hold several ranges of one layer, each in a slice of its
+own: the slice that covers the requested range is the one read. Inside the engine experts
+are addressed by *local* id, 0 .. e1-e0.
 """
 
 from __future__ import annotations
@@ -81,14 +82,17 @@ def open_sources(sources: Source | Sequence[Source]) -> list[GGUFFile]:
 
 def slice_expert_ranges(files: Sequence[GGUFFile]) -> dict[int, tuple[int, int]]:
     """Expert ranges recorded by kvasird.model.slice in `kvasir.slice` ("experts=L:E0:E1")."""
-    out = {}
-    for f in files:
-        text = f.get(KEY_SLICE)
-        if isinstance(text, str) and text.startswith("experts="):
-            spec = parse_spec(text)
-            if isinstance(spec, SliceExperts):
-                out[spec.layer] = (spec.start, spec.stop)
-    return out
+    return {r[0]: r[1:] for r in map(_slice_experts, files) if r is not None}
+
+
+def _slice_experts(f: GGUFFile) -> tuple[int, int, int] | None:
+    """(layer, e0, e1) of a slice holding one layer's experts [e0, e1), else None."""
+    text = f.get(KEY_SLICE)
+    if isinstance(text, str) and text.startswith("experts="):
+        spec = parse_spec(text)
+        if isinstance(spec, SliceExperts):
+            return spec.layer, spec.start, spec.stop
+    return None
 
 
 def load_weights(sources: Source | Sequence[Source], backend: Backend,
@@ -100,24 +104,35 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
     """
     files = open_sources(sources)
     hp = HParams.from_gguf(files[0])
-    where = {}
+    given = {**slice_expert_ranges(files), **(experts or {})}
+    ranges = {int(layer): ExpertRange(*map(int, r)) for layer, r in given.items()}
+    where: dict[str, tuple[GGUFFile, int]] = {}
     for f in files:
+        held = _slice_experts(f)
         for n in f.tensors:
-            where.setdefault(n, f)
+            if n in where:
+                continue
+            if n.endswith(EXPERT_SUFFIXES) and held is not None:
+                layer, e0, e1 = held
+                r = ranges.get(layer)
+                if r is not None and not e0 <= r.first < r.end <= e1:
+                    continue  # another range of the layer's experts: another slice's
+                where[n] = f, e0
+            else:
+                where[n] = f, 0
     wanted = list(where) if names is None else list(dict.fromkeys(names))
     missing = [n for n in wanted if n not in where]
     if missing:
         raise WeightsError(f"{', '.join(str(f.path) for f in files)} hold no tensor {missing[0]!r}"
-                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    given = {**slice_expert_ranges(files), **(experts or {})}
-    ranges = {int(layer): ExpertRange(*map(int, r)) for layer, r in given.items()}
-    plan = [_plan(where[name], hp, name, ranges) for name in wanted]
+                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                           + _range_hint(missing[0], ranges))
+    plan = [_plan(*where[name], hp, name, ranges) for name in wanted]
     arena = TensorArena(len(plan))
     for name, type_, ne, _, _ in plan:
         arena.new(name, type_, ne)
     arena.allocate(backend)
     for name, _, _, start, size in plan:
-        set_bytes(arena.tensors[name], where[name].data(name)[start:start + size])
+        set_bytes(arena.tensors[name], where[name][0].data(name)[start:start + size])
     held: dict[int, ExpertRange] = {}
     for name, _, ne, _, _ in plan:
         if name.endswith(EXPERT_SUFFIXES):
@@ -126,21 +141,31 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
     return Weights(hparams=hp, source=files[0].path, arena=arena, experts=held)
 
 
-def _plan(f: GGUFFile, hp: HParams, name: str, ranges: Mapping[int, ExpertRange]):
-    """(name, type, ne, byte start, byte size) of what to copy for one tensor."""
+def _range_hint(name: str, ranges: Mapping[int, ExpertRange]) -> str:
+    if not name.endswith(EXPERT_SUFFIXES):
+        return ""
+    r = ranges.get(int(name.split(".")[1]))
+    return f" for experts [{r.first}, {r.end})" if r is not None else ""
+
+
+def _plan(f: GGUFFile, file_first: int, hp: HParams, name: str,
+          ranges: Mapping[int, ExpertRange]):
+    """(name, type, ne, byte start, byte size) of what to copy for one tensor; a file's
+    experts are global ids from ``file_first`` on."""
     info = f.info(name)
     if not name.endswith(EXPERT_SUFFIXES):
         return name, info.type, info.ne, 0, info.nbytes
     layer = int(name.split(".")[1])
     n_file = info.ne[2]
-    r = ranges.get(layer, ExpertRange(0, n_file))
+    r = ranges.get(layer, ExpertRange(file_first, file_first + n_file))
     if not 0 <= r.first < r.end <= hp.n_expert:
         raise WeightsError(f"expert range [{r.first}, {r.end}) of layer {layer} is outside "
                            f"0..{hp.n_expert}")
-    slab = info.nbytes // n_file
+    if not file_first <= r.first < r.end <= file_first + n_file:
+        raise WeightsError(f"{f.path}: {name} holds experts [{file_first}, "
+                           f"{file_first + n_file}), not the requested [{r.first}, {r.end})")
     if n_file == r.count:
         return name, info.type, info.ne, 0, info.nbytes
-    if n_file == hp.n_expert:
-        return name, info.type, (info.ne[0], info.ne[1], r.count), r.first * slab, r.count * slab
-    raise WeightsError(f"{f.path}: {name} holds {n_file} experts, neither the whole layer "
-                       f"({hp.n_expert}) nor the requested range [{r.first}, {r.end})")
+    slab = info.nbytes // n_file
+    return (name, info.type, (info.ne[0], info.ne[1], r.count), (r.first - file_first) * slab,
+            r.count * slab)

@@ -138,12 +138,10 @@ class InferenceService:
             return self.market.shards.model_files(self.market.model.model_id, units)
         return [Path(self.config.market.model).expanduser()]
 
-    def _own_experts(self, layer: int) -> tuple[ExpertWorker, int, int] | None:
-        served = self.served
-        if served is None or layer not in served.workers:
-            return None
-        r = served.workers[layer].held(layer)
-        return served.workers[layer], r.first, r.end
+    def _own_experts(self, layer: int, expert: int) -> tuple[ExpertWorker, int, int] | None:
+        """The worker of our held range of ``layer``'s experts that holds ``expert``."""
+        run = None if self.served is None else self.served.run_of(layer, expert)
+        return None if run is None else (run.worker, run.first, run.end)
 
     async def _load_hot(self, layer: int, expert: int) -> ExpertWorker:
         """One expert into a worker of the hot-expert cache: its bytes fetched from the

@@ -176,21 +176,21 @@ async def test_cached_experts_compute_while_the_remote_request_is_out(
         me = a.get_id().to_string()
         dispatcher = ExpertDispatcher(
             me, lambda: holders, channels, Latency(me, lambda p: 1.0),
-            Fitness(60), lambda layer: None, timeout_s=10, wire_dtype="f32", spot_check=0,
+            Fitness(60), lambda layer, expert: None, timeout_s=10, wire_dtype="f32", spot_check=0,
             tolerance=0.01, hot=hot)
         try:
             ids = np.array([[1, 6]])
             out = await dispatcher.compute(2, 0, N_EXPERT, rows, ids)
             assert made == [(2, 1)] and seen == [True]
             assert dispatcher.stats["hot_rows"] == 1 and dispatcher.stats["calls"] == 1
-            assert np.allclose(out, worker.workers[2](2, rows, ids), atol=1e-5)
+            assert np.allclose(out, worker.run_of(2, 0).worker(2, rows, ids), atol=1e-5)
             # the second call caches the other expert too: no request at all
             waiting[0] = False
             asked.clear()
             out = await dispatcher.compute(2, 0, N_EXPERT, rows, ids)
             assert made == [(2, 1), (2, 6)] and dispatcher.stats["hot_rows"] == 3
             assert dispatcher.stats["calls"] == 1 and not asked.is_set()
-            assert np.allclose(out, worker.workers[2](2, rows, ids), atol=1e-5)
+            assert np.allclose(out, worker.run_of(2, 0).worker(2, rows, ids), atol=1e-5)
         finally:
             nursery.cancel_scope.cancel()
             hot.close()

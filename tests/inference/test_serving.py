@@ -22,7 +22,9 @@ from kvasird.inference.protocol.stage import MAX_TRACE, Failure, Result, parse
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.experts import ExpertServer
 from kvasird.inference.server.stage import StageServer
-from kvasird.model.manifest import HEAD, Unit
+from kvasird.model.manifest import HEAD, Manifest, Unit
+from kvasird.model.slice import ExpertRange as SliceExperts
+from kvasird.model.slice import LayerWindow, gguf_pieces, write_slice
 from kvasird.model.testmodels import make_model
 
 from .fakenet import FakeNet, hung, lying
@@ -51,7 +53,7 @@ def _no_remote(layer: int, first: int, end: int) -> ExpertShard:
 
 def direct(worker: Served):  # noqa: ANN201 - a RemoteHook
     def hook(layer: int, first: int, end: int) -> ExpertShard:
-        w = worker.workers[layer]
+        w = worker.run_of(layer, 0).worker
         return ExpertShard(first, end, lambda lay, rows, sel: w(lay, rows, sel + first))
     return hook
 
@@ -59,7 +61,7 @@ def direct(worker: Served):  # noqa: ANN201 - a RemoteHook
 def test_holdings_are_the_ranges_the_engine_loads() -> None:
     units = [HEAD, *(Unit("layer", i) for i in (0, 1, 2, 5, 6)),
              *(Unit("expert", 3, e) for e in (2, 3, 6))]
-    assert Holdings.of(units) == Holdings(True, ((0, 3), (5, 7)), ((3, 2, 7),))
+    assert Holdings.of(units) == Holdings(True, ((0, 3), (5, 7)), ((3, 2, 4), (3, 6, 7)))
 
 
 async def call(server: StageServer, msg: dict[str, Any]) -> dict[str, Any]:
@@ -74,12 +76,31 @@ def open_msg(sid: str, first: int, end: int, embed: bool, head: bool,
                          "repetition_penalty": 1.0, "seed": 1}}
 
 
+def slices(moe: Path, holdings: Holdings, where: Path) -> list[Path]:
+    """What a node that downloaded ``holdings`` loads: a slice per window and per range."""
+    manifest = Manifest.from_gguf(moe)
+    specs = [LayerWindow(a, b, experts=False) for a, b in holdings.windows]
+    specs += [SliceExperts(layer, e0, e1) for layer, e0, e1 in holdings.experts]
+    with gguf_pieces(moe, manifest) as read:
+        return [write_slice(manifest, spec, where / f"{i}.gguf", read)
+                for i, spec in enumerate(specs)]
+
+
+@pytest.mark.parametrize("held, sliced", [
+    (((3, 2, 5),), False),
+    # several ranges of one layer (the market takes experts one by one), as a node that
+    # downloaded them holds them: a slice per range (they once failed to load)
+    (((2, 0, 2), (2, 5, 8), (3, 1, 3), (3, 4, 5), (3, 6, 8)), True),
+    (((2, 0, 2), (2, 5, 8), (3, 1, 3), (3, 4, 5), (3, 6, 8)), False)])
 async def test_a_two_node_ring_with_dispatched_experts_equals_the_whole_model(
-        moe: Path, worker: Served) -> None:
+        moe: Path, worker: Served, held: tuple[tuple[int, int, int], ...], sliced: bool,
+        tmp_path: Path) -> None:
     a = Served.build([moe], Holdings(head=True, windows=((0, 2),)), threads=1, kv_slots=256,
                      remote=direct(worker))
-    b = Served.build([moe], Holdings(windows=((2, 4),), experts=((3, 2, 5),)), threads=1,
+    holdings = Holdings(windows=((2, 4),), experts=held)
+    b = Served.build(slices(moe, holdings, tmp_path) if sliced else [moe], holdings, threads=1,
                      kv_slots=256, remote=direct(worker))
+    assert [(lay, r.first, r.end) for lay in sorted(b.runs) for r in b.runs[lay]] == list(held)
     full = Stage.load(moe, threads=1, kv=KVSpec(n_slots=256, dtype="f32"))
     try:
         sa = StageServer(lambda: "m", lambda: a, max_sessions=4, idle_s=60, wire_dtype="f32")
@@ -122,7 +143,7 @@ async def test_a_dispatching_stage_awaits_its_experts_on_the_event_loop_for_deco
     waiting = [0, 0]  # expert calls awaited now, the most at once
 
     def hook(layer: int, first: int, end: int) -> ExpertShard:
-        w = worker.workers[layer]
+        w = worker.run_of(layer, 0).worker
 
         async def acall(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
             paths.append("awaited")
@@ -392,7 +413,7 @@ async def test_concurrent_requests_for_one_layer_are_batched_into_one_call(worke
             nursery.start_soon(one, i)
     assert experts.calls == 1 and experts.rows == 6
     for i in range(3):
-        assert np.array_equal(outs[i], worker.workers[1](1, rows[i], ids[i]))
+        assert np.array_equal(outs[i], worker.run_of(1, 0).worker(1, rows[i], ids[i]))
 
 
 async def test_expert_ids_count_from_the_range_the_caller_saw(worker: Served) -> None:
@@ -401,7 +422,7 @@ async def test_expert_ids_count_from_the_range_the_caller_saw(worker: Served) ->
     reply = await experts.handle("stage", {"op": "experts", "layer": 0, "first": 4,
                                            "rows": tensors.encode(x, "f32"),
                                            "ids": tensors.encode(np.array([[1]]), "i32")})
-    want = worker.workers[0](0, x, np.array([[5]]))
+    want = worker.run_of(0, 0).worker(0, x, np.array([[5]]))
     assert np.array_equal(tensors.decode(reply["out"], "o", ("f32",), (1, 1, None)), want)
     with pytest.raises(Exception, match="outside"):
         await experts.handle("stage", {"op": "experts", "layer": 0, "first": 4,
@@ -419,11 +440,11 @@ async def test_a_worker_whose_outputs_are_off_is_caught_by_a_spot_check(
     net, fitness = FakeNet({}, me="stage", experts={"w": worker}), Fitness(60)
     dispatcher = ExpertDispatcher(
         "stage", net.holders, net, Latency("stage", lambda p: 1.0),  # type: ignore[arg-type]
-        fitness, lambda layer: (worker.workers[layer], 0, N_EXPERT), timeout_s=5,
+        fitness, lambda layer, expert: (worker.run_of(layer, 0).worker, 0, N_EXPERT), timeout_s=5,
         wire_dtype="f32", spot_check=1.0, tolerance=0.01)
     rows = np.ones((1, worker.hp.n_embd), np.float32)
     ids = np.array([[1, 6]])
-    honest = worker.workers[2](2, rows, ids)
+    honest = worker.run_of(2, 0).worker(2, rows, ids)
     assert np.array_equal(await dispatcher.checked("w", 0, 2, rows, ids), honest)
     assert dispatcher.stats["caught"] == 0 and fitness.fit("w")
     net.faults["w"] = lying
@@ -441,7 +462,7 @@ async def test_an_expert_worker_that_answers_again_is_forgiven_its_strikes(
     net, fitness = FakeNet({}, me="stage", experts={"w": worker}), Fitness(300)
     dispatcher = ExpertDispatcher(
         "stage", net.holders, net, Latency("stage", lambda p: 1.0),  # type: ignore[arg-type]
-        fitness, lambda layer: None, timeout_s=5, wire_dtype="f32", spot_check=0.0,
+        fitness, lambda layer, expert: None, timeout_s=5, wire_dtype="f32", spot_check=0.0,
         tolerance=0.01)
     rows = np.ones((1, worker.hp.n_embd), np.float32)
     ids = np.array([[1, 6]])
@@ -453,7 +474,7 @@ async def test_an_expert_worker_that_answers_again_is_forgiven_its_strikes(
     while not fitness.fit("w"):
         await trio.sleep(1)
     out = await dispatcher.compute(0, 0, N_EXPERT, rows, ids)
-    assert np.array_equal(out, worker.workers[0](0, rows, ids))
+    assert np.array_equal(out, worker.run_of(0, 0).worker(0, rows, ids))
     assert fitness.strikes == {}
 
 
@@ -520,7 +541,7 @@ async def test_concurrent_sessions_rows_for_one_worker_go_as_one_message(
                                                        for lay in range(N_LAYER)))]
         dispatcher = ExpertDispatcher(
             a.get_id().to_string(), lambda: holders, channels, Latency("me", lambda p: 1.0),
-            Fitness(60), lambda layer: None, timeout_s=5, wire_dtype="f32", spot_check=0,
+            Fitness(60), lambda layer, expert: None, timeout_s=5, wire_dtype="f32", spot_check=0,
             tolerance=0.01, hot=HotExperts(None, 0, 0), window_s=0.5)
         outs: list[Any] = [None] * 3
 
@@ -537,7 +558,7 @@ async def test_concurrent_sessions_rows_for_one_worker_go_as_one_message(
                     inner.start_soon(step, i, company)
             assert dispatcher.stats["calls"] - calls == (3 if company is None else 1)
             for i in range(3):
-                assert np.array_equal(outs[i], worker.workers[1](1, rows[i], gids[i]))
+                assert np.array_equal(outs[i], worker.run_of(1, 0).worker(1, rows[i], gids[i]))
         assert dispatcher.stats["coalesced"] == 2
         # the worker refusing the message fails every session that was in it
         refused: list[Exception] = []

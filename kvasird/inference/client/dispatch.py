@@ -58,8 +58,9 @@ from kvasird.logs import get_logger
 MAX_ATTEMPTS = 4
 Piece = tuple[str, int, int, int, int]
 """(worker, first expert, end, the worker's advertised range start e0, its end)."""
-LocalExperts = Callable[[int], "tuple[ExpertWorker, int, int] | None"]
-"""layer -> our own worker for it and the global range [first, end) it holds, if any."""
+LocalExperts = Callable[[int, int], "tuple[ExpertWorker, int, int] | None"]
+"""(layer, expert) -> our own worker holding that expert of the layer and the global range
+[first, end) it holds, if any."""
 log = get_logger("kvasird.inference.client.dispatch")
 
 
@@ -202,7 +203,7 @@ class ExpertDispatcher:
         if self.spot_check <= 0 or self._rng.random() >= self.spot_check:
             return out
         self.stats["spot_checks"] += 1
-        own = self.local(layer)
+        own = self.local(layer, int(gids.min()))
         if own is not None and own[1] <= int(gids.min()) and int(gids.max()) < own[2]:
             worker, first, _ = own
             ref = await run_short([worker], len(rows) <= INLINE_TOKENS, worker, layer, rows,

@@ -47,9 +47,9 @@ class Holdings:
     windows: tuple[tuple[int, int], ...] = ()
     """Contiguous layer runs [a, b) (dense paths)."""
     experts: tuple[tuple[int, int, int], ...] = ()
-    """(layer, e0, e1) per layer: the span from the first to the last held expert. Loading
-    the span (gaps included) keeps every advertised expert servable with one contiguous
-    range, which is what a worker's graph indexes."""
+    """(layer, e0, e1) for each contiguous run of held experts: a layer may have several
+    (the market takes experts one by one, hot ones wherever they are), each loaded as a
+    range of its own from the slice that holds it."""
 
     @classmethod
     def of(cls, units: Iterable[Unit]) -> Holdings:
@@ -59,11 +59,21 @@ class Holdings:
         for u in units:
             if u.kind == "expert":
                 by_layer.setdefault(u.layer, []).append(u.expert)
-        experts = tuple((layer, min(es), max(es) + 1) for layer, es in sorted(by_layer.items()))
+        experts = tuple((layer, a, b) for layer, es in sorted(by_layer.items())
+                        for a, b in contiguous_runs(sorted(es)))
         return cls(any(u.kind == "head" for u in units), tuple(contiguous_runs(layers)), experts)
 
-    def expert_range(self, layer: int) -> tuple[int, int] | None:
-        return next(((e0, e1) for lay, e0, e1 in self.experts if lay == layer), None)
+    def expert_ranges(self, layer: int) -> list[tuple[int, int]]:
+        return [(e0, e1) for lay, e0, e1 in self.experts if lay == layer]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One contiguous range of a layer's experts held here, and the worker computing it."""
+
+    first: int
+    end: int
+    worker: ExpertWorker
 
 
 class Served:
@@ -78,11 +88,10 @@ class Served:
         self.windows: dict[tuple[int, int], Stage] = {}
         self._parts: dict[tuple[int, int], Stage] = {}
         """Sub-ranges of windows that routes asked for (Stage.part), made once."""
-        self.workers: dict[int, ExpertWorker] = {}
-        """Layer -> the worker computing this node's held experts of it."""
-        self.expert_first: dict[int, int] = {}
-        """Layer -> global id of the first expert held (local ids count from here)."""
-        self._extra: Weights | None = None
+        self.runs: dict[int, list[Run]] = {}
+        """Layer -> the ranges of its experts held here, each with its worker (local ids of
+        a worker count from its range's first expert)."""
+        self._extra: list[Weights] = []
         self._tokenizer: Tokenizer | None = None
 
     @classmethod
@@ -107,34 +116,48 @@ class Served:
                                     kv=positions)
             self.head = Stage.load(self.sources, (hp.n_layer, hp.n_layer), embed=False, head=True,
                                    backend=be, kv=positions)
-        in_window: set[int] = set()
+        extra: list[tuple[int, int, int]] = []
         for a, b in h.windows:
             shards: dict[int, list[ExpertShard]] = {}
             ranges: dict[int, tuple[int, int]] = {}
             for layer in range(a, b) if hp.is_moe else ():
-                held = h.expert_range(layer)
-                if held == (0, hp.n_expert):
+                held = h.expert_ranges(layer)
+                if held == [(0, hp.n_expert)]:
                     continue
-                if held is not None:
-                    ranges[layer] = held
+                if held:  # the stage loads the largest, other workers the rest
+                    ranges[layer] = max(held, key=lambda r: r[1] - r[0])
+                    extra += [(layer, *r) for r in held if r != ranges[layer]]
                 shards[layer] = [remote(layer, lo, hi) for lo, hi in _complement(held, hp.n_expert)]
             stage = Stage.load(self.sources, (a, b), embed=False, head=False, backend=be,
                                kv=kv, experts=shards,
                                expert_ranges=ranges)
             self.windows[(a, b)] = stage
             local = stage.local_worker()
-            for layer in ranges:
-                stage.set_experts(layer, [*shards[layer], local.shard(layer)])
             for layer, r in stage.weights.experts.items():
-                self.workers[layer], self.expert_first[layer] = local, r.first
-                in_window.add(layer)
-        rest = {layer: (e0, e1) for layer, e0, e1 in h.experts if layer not in in_window}
-        if rest:
-            names = [f"blk.{layer}.{s}" for layer in rest for s in EXPERT_SUFFIXES]
-            self._extra = load_weights(self.sources, be, names, rest)
-            worker = ExpertWorker(self._extra, be)
-            for layer, r in self._extra.experts.items():
-                self.workers[layer], self.expert_first[layer] = worker, r.first
+                self.runs.setdefault(layer, []).append(Run(r.first, r.end, local))
+        in_window = {layer for a, b in h.windows for layer in range(a, b)}
+        extra += [(layer, e0, e1) for layer, e0, e1 in h.experts if layer not in in_window]
+        # one load per "tier": the k-th extra range of every layer (a load holds one range
+        # of a layer)
+        while extra:
+            tier = {layer: (e0, e1) for layer, e0, e1 in reversed(extra)}
+            extra = [x for x in extra if tier[x[0]] != x[1:]]
+            names = [f"blk.{layer}.{s}" for layer in tier for s in EXPERT_SUFFIXES]
+            weights = load_weights(self.sources, be, names, tier)
+            self._extra.append(weights)
+            worker = ExpertWorker(weights, be)
+            for layer, r in weights.experts.items():
+                self.runs.setdefault(layer, []).append(Run(r.first, r.end, worker))
+        for layer, stage in ((lay, st) for st in self.windows.values() for lay in st.shards):
+            own = [run.worker.shard(layer) for run in self.runs.get(layer, ())]
+            if own:
+                stage.set_experts(layer, [*stage.shards[layer], *own])
+        for runs in self.runs.values():
+            runs.sort(key=lambda run: run.first)
+
+    def run_of(self, layer: int, expert: int) -> Run | None:
+        """The held range of ``layer``'s experts that holds ``expert``, if any."""
+        return next((r for r in self.runs.get(layer, ()) if r.first <= expert < r.end), None)
 
     @functools.cached_property
     def dispatches(self) -> bool:
@@ -197,17 +220,21 @@ class Served:
             stage.graphs.close()
             stage.kv.close()
             stage.weights.close()
-        for worker in set(self.workers.values()):
+        for worker in {run.worker for runs in self.runs.values() for run in runs}:
             worker.close()
-        if self._extra is not None:
-            self._extra.close()
+        for weights in self._extra:
+            weights.close()
         self.backend.close()
 
 
-def _complement(held: tuple[int, int] | None, n: int) -> list[tuple[int, int]]:
-    if held is None:
-        return [(0, n)]
-    return [(lo, hi) for lo, hi in ((0, held[0]), (held[1], n)) if lo < hi]
+def _complement(held: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The ranges of [0, n) outside the sorted, disjoint ``held``."""
+    out, e = [], 0
+    for lo, hi in sorted(held):
+        if e < lo:
+            out.append((e, lo))
+        e = hi
+    return out + [(e, n)] if e < n else out
 
 
 async def run_short(holders: Sequence[Stage | ExpertWorker | Backend], short: bool,

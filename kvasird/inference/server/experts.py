@@ -56,12 +56,13 @@ class ExpertServer:
         # the gateways the rows are computed for (a stage's own request names none)
         for gateway in m.gateways if m.gateways is not None else (caller,):
             await self.admit(gateway)
-        worker = served.workers.get(m.layer)
-        if worker is None:
-            raise Refusal("bad", f"this node holds no experts of layer {m.layer}")
+        run = served.run_of(m.layer, m.first)
+        if run is None:
+            raise Refusal("bad", f"this node holds no experts of layer {m.layer} from "
+                                 f"expert {m.first} on")
+        worker = run.worker
         # ids count from the range start the caller saw advertised; ours may start lower
-        offset = m.first - served.expert_first[m.layer]
-        rows, ids = worker.validate(m.layer, m.rows, m.ids.astype(np.int64) + offset)
+        rows, ids = worker.validate(m.layer, m.rows, m.ids.astype(np.int64) + m.first - run.first)
         out = await self._batched(worker, m.layer, rows, ids)
         return Outputs(out, self.wire_dtype).to_wire()
 

@@ -1,0 +1,143 @@
+"""Each architecture the engine serves, through ``kvasird localnet up --model FILE``: three
+daemons split a generated model (the market decides who holds which layers and experts),
+and node 0's gateway answers a /v1/completions request whose prompt is token ids with the
+greedy tokens and top-20 logprobs of llama.cpp where it is built (``native/llamacpp``),
+and of one process of ours holding the whole model in any case."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from kvasird.compute.stage import Stage
+from kvasird.inference.tokenizer import Tokenizer
+from kvasird.model.testmodels import make_model
+
+pytestmark = pytest.mark.slow
+
+LLAMACPP_PYTHON = Path(__file__).resolve().parents[2] / ".cache/llamacpp-venv/bin/python"
+PROMPT = [1, 504, 3458, 282, 4649, 314, 9052, 30, 12, 88, 1523, 42]
+N_NEW = 8
+TOP = 20
+# Wide FFNs (or many experts) and a tied head: the layers outweigh the embedding, so the
+# market, giving each node ~45 % of the model, has to split them among the three.
+SHAPES = {
+    "qwen3": {"n_ff": 3072},
+    "mixtral": {"n_ff_exp": 384, "n_expert": 8, "n_expert_used": 2},
+    "gemma3": {"n_ff": 3072},
+    "qwen3moe": {"n_ff_exp": 384, "n_expert": 8, "n_expert_used": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    from kvasird.model.bundled import bundled_path
+    return Tokenizer.from_gguf(bundled_path())
+
+
+def model(arch: str, where: Path) -> Path:
+    return make_model(where / f"{arch}.gguf", arch=arch, n_layer=12, n_embd=128, n_head=4,
+                      n_head_kv=2, head_dim=32, dtype="q8_0", tied_output=True, seed=7,
+                      **SHAPES[arch])
+
+
+def top(logits: np.ndarray) -> dict[int, float]:
+    x = logits.astype(np.float64)
+    lp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+    return {int(i): float(lp[i]) for i in np.argsort(-lp, kind="stable")[:TOP]}
+
+
+def one_process(path: Path) -> tuple[list[int], list[dict[int, float]]]:
+    """Greedy tokens and each position's top-20 log-probabilities, the whole model in one
+    stage of this process."""
+    stage = Stage.load(path, threads=1)
+    tokens, tops = [], []
+    try:
+        with stage.open_session() as s:
+            logits = stage.forward(s, np.asarray(PROMPT, np.int64))[-1]
+            for _ in range(N_NEW):
+                tops.append(top(logits))
+                tokens.append(next(iter(tops[-1])))
+                logits = stage.forward(s, np.asarray([tokens[-1]], np.int64))[-1]
+    finally:
+        stage.close()
+    return tokens, tops
+
+
+LLAMACPP = f"""
+import json, sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_threads=1, logits_all=True,
+                      verbose=False)
+llm.eval({PROMPT})
+rows = []
+for _ in range({N_NEW}):
+    row = llm.scores[llm.n_tokens - 1].tolist()
+    rows.append(row)
+    llm.eval([max(range(len(row)), key=row.__getitem__)])
+json.dump(rows, sys.stdout)
+"""
+
+
+def llamacpp(path: Path) -> tuple[list[int], list[dict[int, float]]] | None:
+    """llama.cpp's greedy tokens and top-20 log-probabilities, or None where it is not built."""
+    if not LLAMACPP_PYTHON.exists():
+        return None
+    done = subprocess.run([str(LLAMACPP_PYTHON), "-c", LLAMACPP, str(path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tops = [top(np.asarray(row, np.float32)) for row in json.loads(done.stdout)]
+    return [next(iter(t)) for t in tops], tops
+
+
+def matches(got: dict, tokens: list[int], tops: list[dict[int, float]],
+            tokenizer: Tokenizer) -> None:
+    """The gateway's tokens and top logprobs are ``tokens``/``tops`` within float rounding."""
+    assert got["tokens"] == [tokenizer.token_bytes(t).decode("utf-8", "replace") for t in tokens]
+    for theirs, ours in zip(got["top_logprobs"], tops, strict=True):
+        mine = {tokenizer.token_bytes(t).decode("utf-8", "replace"): lp for t, lp in ours.items()}
+        # keyed by text: tokens that decode alike share a key
+        assert TOP - 2 <= len(theirs) <= TOP, theirs
+        # the 20th and 21st can tie or swap within rounding: every other must be there
+        missing = [w for w in theirs if w not in mine]
+        assert len(missing) <= 1, (missing, theirs, mine)
+        for word, lp in theirs.items():
+            if word in mine:
+                assert abs(lp - mine[word]) < 1e-3, (word, lp, mine[word])
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_a_localnet_of_the_architecture_answers_as_one_process_and_llamacpp_do(
+        arch: str, tmp_path: Path, tokenizer: Tokenizer) -> None:
+    path = model(arch, tmp_path)
+    root = tmp_path / "ln"
+    kvasird = [sys.executable, "-m", "kvasird", "localnet"]
+    try:
+        up = subprocess.run([*kvasird, "up", "--nodes", "3", "--detach", "--model", str(path),
+                             "--dir", str(root)], capture_output=True, text=True, timeout=420)
+        assert up.returncode == 0, up.stdout + up.stderr
+        held = dict(re.findall(r"^  node(\d): layers (.*)$", up.stdout, re.M))
+        assert len(held) == 3 and "0-11 + head" not in held.values(), up.stdout  # split
+        gateway = re.search(r"^gateway: (\S+)", up.stdout, re.M)
+        assert gateway, up.stdout
+        url = gateway.group(1)
+        name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": name, "prompt": PROMPT, "max_tokens": N_NEW, "temperature": 0,
+            "logprobs": TOP, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["logprobs"]
+    finally:
+        subprocess.run([*kvasird, "down", "--dir", str(root)], capture_output=True, timeout=120)
+    tokens, tops = one_process(path)
+    print(f"{arch}: holdings {held}; greedy {tokens}")
+    matches(got, tokens, tops, tokenizer)
+    reference = llamacpp(path)
+    if reference is not None:
+        matches(got, *reference, tokenizer)
