@@ -1,18 +1,22 @@
-"""Building blocks shared by every architecture: norms, attention with the KV pool, FFNs, router.
+"""Building blocks shared by every architecture: norms, attention with the KV pool, the gated
+delta-net with its recurrent state, FFNs, router.
 
 Architectures (kvasird/compute/arch/) compose these into a layer. Shapes are in ggml
 order: a hidden state is [n_embd, n_tokens]. The per-call inputs every layer of a
-graph shares (positions, KV slots, the session's pages and the masks) are created once by
-`Blocks` and set by the stage before each compute.
+graph shares (positions, KV slots, the session's pages, the masks and its recurrent-state
+slot) are created once by `Blocks` and set by the stage before each compute. What a graph
+writes back without reading it (a delta-net's new state) goes in the builder's effects.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvasird.compute.graph import F32, I32, I64, Builder, Tensor, ggml
+from kvasird.compute.graph import F32, I32, I64, Builder, Tensor, ggml, ne_of
+from kvasird.compute.hparams import HParams
 from kvasird.compute.kvcache import PAGE, KVPool
 from kvasird.compute.weights import Weights
 
@@ -20,11 +24,26 @@ ROPE_NORMAL = 0
 """Rotate adjacent pairs (llama)."""
 ROPE_NEOX = ggml.GGML_ROPE_TYPE_NEOX
 """Rotate the two halves of each head (qwen3, gpt-neox)."""
+ROPE_IMROPE = ggml.GGML_ROPE_TYPE_IMROPE
+"""Interleaved multi-section RoPE, halves rotated (Qwen3.5); a text token has the same
+position in its first three sections, so it rotates as NEOX over the first n_rot dims."""
 
 SWIGLU = ggml.ggml_swiglu_split
 """silu(gate) * up (llama, qwen3)."""
 GEGLU = ggml.ggml_geglu_split
 """gelu(gate) * up, ggml's tanh approximation (gemma)."""
+
+
+def l2_norm(ctx: object, x: Tensor, eps: float) -> Tensor:
+    """Each row over sqrt(its squared sum + eps), as llama.cpp's delta-nets compute it: an
+    RMS norm with eps / n, scaled by 1 / sqrt(n)."""
+    n = ne_of(x)[0]
+    return ggml.ggml_scale(ctx, ggml.ggml_rms_norm(ctx, x, eps / n), 1.0 / math.sqrt(n))
+
+
+def rope_sections(hp: HParams) -> ctypes.Array[ctypes.c_int]:
+    """Multi-section RoPE's section sizes as ggml takes them."""
+    return (ctypes.c_int * 4)(*hp.rope_sections)
 
 
 @dataclass(frozen=True)
@@ -39,6 +58,9 @@ class RouterOut:
     """Selected global expert ids, [k, T] int32."""
     weights: Tensor
     """Their router weights, [k, T] float32, already normalised by the architecture's rule."""
+    shared: Tensor | None = None
+    """The gated shared expert's output [n_embd, T], added to the routed experts' sum
+    before the residual (qwen35moe), or None."""
 
 
 class Blocks:
@@ -74,6 +96,22 @@ class Blocks:
     @property
     def mask(self) -> Tensor:
         return self._input("mask", F32, self.n_kv, self.T)
+
+    @property
+    def pos_sections(self) -> Tensor:
+        """Positions per RoPE section, section-major: each token's position in the first
+        three sections, 0 in the fourth (a text token, as llama.cpp feeds them)."""
+        return self._input("pos_sections", I32, 4 * self.T)
+
+    @property
+    def state_slot(self) -> Tensor:
+        """The session's recurrent-state slot, to read its rows."""
+        return self._input("state_slot", I32, 1)
+
+    @property
+    def state_row(self) -> Tensor:
+        """The same slot, to write its rows."""
+        return self._input("state_row", I64, 1)
 
     @property
     def mask_swa(self) -> Tensor:
@@ -140,8 +178,85 @@ class Blocks:
         return self.mm(p + "attn_output.weight", out)
 
     def rope(self, x: Tensor, mode: int, base: float) -> Tensor:
+        if mode == ROPE_IMROPE:
+            return ggml.ggml_rope_multi(self.ctx, x, self.pos_sections, None, self.hp.rot_dims,
+                                        rope_sections(self.hp), mode, self.hp.n_ctx_train, base,
+                                        1.0, 0.0, 1.0, 32.0, 1.0)
         return ggml.ggml_rope_ext(self.ctx, x, self.pos, None, self.hp.head_dim, mode,
                                   self.hp.n_ctx_train, base, 1.0, 0.0, 1.0, 32.0, 1.0)
+
+    def gated_attention(self, layer: int, cur: Tensor) -> Tensor:
+        """attn_output(attention(cur) * sigmoid(gate)), no residual: Qwen3.5's full attention.
+
+        One projection gives each head its query and then its gate; Q/K RMS norms, partial
+        multi-section RoPE, causal GQA over the session's KV, the output gated per channel.
+        """
+        hp, ctx, p = self.hp, self.ctx, f"blk.{layer}."
+        d, T = hp.head_dim, self.T
+        qg = self.mm(p + "attn_q.weight", cur)                        # [2 d n_head, T]
+        size = ggml.ggml_element_size(qg)
+        q, gate = (ggml.ggml_view_3d(ctx, qg, d, hp.n_head, T, 2 * d * size,
+                                     2 * d * hp.n_head * size, at * d * size) for at in (0, 1))
+        gate = ggml.ggml_cont_2d(ctx, gate, d * hp.n_head, T)
+        k = ggml.ggml_reshape_3d(ctx, self.mm(p + "attn_k.weight", cur), d, hp.n_head_kv, T)
+        q = self.rope(self.norm(q, p + "attn_q_norm.weight"), ROPE_IMROPE, hp.rope_base)
+        k = self.rope(self.norm(k, p + "attn_k_norm.weight"), ROPE_IMROPE, hp.rope_base)
+        out = self.attend(layer, q, k, self.mm(p + "attn_v.weight", cur), 1.0 / math.sqrt(d),
+                          self.mask)
+        gated = ggml.ggml_mul(ctx, out, ggml.ggml_sigmoid(ctx, gate))
+        return self.mm(p + "attn_output.weight", gated)
+
+    def delta_net(self, layer: int, cur: Tensor) -> Tensor:
+        """ssm_out(RMSNorm(o)·ssm_norm·silu(z)), no residual: a gated delta-net layer over the
+        session's recurrent state, all T tokens in one op (prefill and decode alike).
+
+        q, k, v come from a causal depthwise convolution (kernel ssm_conv) over the joint
+        projection, continued from the session's last ssm_conv - 1 inputs, then SiLU; q
+        and k are L2-normalised. Per value head: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T;
+        o = S^T q / sqrt(d), with g = softplus(alpha + dt_bias) * ssm_a and beta = sigmoid.
+        The convolution's last inputs and S are written back to the session's slot.
+        """
+        hp, ctx, p, T, pool = self.hp, self.ctx, f"blk.{layer}.", self.T, self.kv
+        assert pool is not None
+        d, hk, hv, C, width = hp.ssm_head_dim, hp.ssm_k_heads, hp.ssm_v_heads, \
+            hp.conv_channels, hp.ssm_conv
+        qkv = self.mm(p + "attn_qkv.weight", cur)                       # [C, T]
+        z = ggml.ggml_reshape_4d(ctx, self.mm(p + "attn_gate.weight", cur), d, hv, T, 1)
+        beta = ggml.ggml_sigmoid(ctx, ggml.ggml_reshape_4d(
+            ctx, self.mm(p + "ssm_beta.weight", cur), 1, hv, T, 1))
+        alpha = ggml.ggml_add(ctx, self.mm(p + "ssm_alpha.weight", cur), self.t(p + "ssm_dt.bias"))
+        g = ggml.ggml_mul(ctx, ggml.ggml_softplus(ctx, alpha), self.t(p + "ssm_a"))
+        g = ggml.ggml_reshape_4d(ctx, g, 1, hv, T, 1)
+
+        held = ggml.ggml_get_rows(ctx, pool.conv[layer], self.state_slot)
+        held = ggml.ggml_reshape_3d(ctx, held, width - 1, C, 1)
+        conv_in = ggml.ggml_concat(ctx, held, ggml.ggml_transpose(
+            ctx, ggml.ggml_reshape_3d(ctx, qkv, C, T, 1)), 0)           # [width-1+T, C, 1]
+        c = conv_in.contents
+        tail = ggml.ggml_cont(ctx, ggml.ggml_view_3d(ctx, conv_in, width - 1, C, 1, int(c.nb[1]),
+                                                     int(c.nb[2]), T * int(c.nb[0])))
+        self.b.effects.append(ggml.ggml_set_rows(
+            ctx, pool.conv[layer], ggml.ggml_reshape_2d(ctx, tail, (width - 1) * C, 1),
+            self.state_row))
+        conv = ggml.ggml_ssm_conv(ctx, conv_in, self.t(p + "ssm_conv1d.weight"))  # [C, T, 1]
+        conv = ggml.ggml_silu(ctx, conv)
+        f = ggml.ggml_element_size(conv)
+
+        def heads(n: int, at: int) -> Tensor:
+            return ggml.ggml_view_4d(ctx, conv, d, n, T, 1, d * f, C * f, C * f * T, at * f)
+
+        q, k, v = heads(hk, 0), heads(hk, d * hk), heads(hv, 2 * d * hk)
+        q, k = l2_norm(ctx, q, hp.rms_eps), l2_norm(ctx, k, hp.rms_eps)
+        s0 = ggml.ggml_reshape_4d(ctx, ggml.ggml_get_rows(ctx, pool.delta[layer], self.state_slot),
+                                  d, d, hv, 1)
+        res = ggml.ggml_gated_delta_net(ctx, q, k, v, g, beta, s0, 1)  # [d hv, T + d]: o, S
+        o = ggml.ggml_view_4d(ctx, res, d, hv, T, 1, d * f, d * hv * f, d * hv * T * f, 0)
+        self.b.effects.append(ggml.ggml_set_rows(
+            ctx, pool.delta[layer], ggml.ggml_view_2d(ctx, res, hp.delta_state, 1,
+                                                      hp.delta_state * f, d * hv * T * f),
+            self.state_row))
+        out = ggml.ggml_mul(ctx, self.norm(o, p + "ssm_norm.weight"), ggml.ggml_silu(ctx, z))
+        return self.mm(p + "ssm_out.weight", ggml.ggml_reshape_2d(ctx, out, d * hv, T))
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float,
                mask: Tensor) -> Tensor:
@@ -185,23 +300,34 @@ class Blocks:
         cur = self.norm(x, f"blk.{layer}.ffn_norm.weight")
         return ggml.ggml_add(self.ctx, x, self.ffn(layer, cur, SWIGLU))
 
-    def ffn(self, layer: int, cur: Tensor, glu: Callable[..., Tensor]) -> Tensor:
-        """down(glu(gate cur, up cur)), no norm, no residual."""
+    def ffn(self, layer: int, cur: Tensor, glu: Callable[..., Tensor], kind: str = "") -> Tensor:
+        """down(glu(gate cur, up cur)), no norm, no residual; `kind` "_shexp" is the shared
+        expert's."""
         p = f"blk.{layer}."
-        gate, up = self.mm(p + "ffn_gate.weight", cur), self.mm(p + "ffn_up.weight", cur)
-        return self.mm(p + "ffn_down.weight", glu(self.ctx, gate, up))
+        gate = self.mm(p + f"ffn_gate{kind}.weight", cur)
+        up = self.mm(p + f"ffn_up{kind}.weight", cur)
+        return self.mm(p + f"ffn_down{kind}.weight", glu(self.ctx, gate, up))
 
-    def router(self, layer: int, x: Tensor, normalise: bool) -> RouterOut:
-        """Router authority: softmax over all experts, top-k, optionally renormalise the k."""
+    def shared_expert(self, layer: int, cur: Tensor) -> Tensor:
+        """The shared expert's SwiGLU FFN scaled by sigmoid(ffn_gate_inp_shexp · cur)."""
+        gate = self.mm(f"blk.{layer}.ffn_gate_inp_shexp.weight", cur)          # [1, T]
+        return ggml.ggml_mul(self.ctx, self.ffn(layer, cur, SWIGLU, "_shexp"),
+                             ggml.ggml_sigmoid(self.ctx, gate))
+
+    def router(self, layer: int, x: Tensor, normalise: bool, norm: str = "ffn_norm.weight",
+               shared: bool = False) -> RouterOut:
+        """Router authority: softmax over all experts, top-k, optionally renormalise the k;
+        the FFN input is x normed by `norm`; with `shared`, the shared expert runs here too."""
         hp, ctx, p, T = self.hp, self.ctx, f"blk.{layer}.", self.T
-        cur = self.norm(x, p + "ffn_norm.weight")
+        cur = self.norm(x, p + norm)
         probs = ggml.ggml_soft_max(ctx, self.mm(p + "ffn_gate_inp.weight", cur))  # [n_exp, T]
         ids = ggml.ggml_argsort_top_k(ctx, probs, hp.n_expert_used)               # [k, T]
         w = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, hp.n_expert, T), ids)
         w = ggml.ggml_reshape_2d(ctx, w, hp.n_expert_used, T)
         if normalise:
             w = ggml.ggml_div(ctx, w, ggml.ggml_sum_rows(ctx, w))
-        return RouterOut(resid=x, cur=cur, ids=ids, weights=w)
+        return RouterOut(resid=x, cur=cur, ids=ids, weights=w,
+                         shared=self.shared_expert(layer, cur) if shared else None)
 
     def experts(self, layer: int, cur: Tensor, ids: Tensor) -> Tensor:
         """Per (token, slot) expert FFN outputs [n_embd, k, T] for local ids [k, T]."""
@@ -213,7 +339,8 @@ class Blocks:
                                     ggml.ggml_swiglu_split(ctx, gate, up), ids)
 
     def combine(self, r: RouterOut, outs: Tensor) -> Tensor:
-        """resid + sum_k weight_k * expert_k, summed in slot order (as `combine_rows` does)."""
+        """resid + (sum_k weight_k * expert_k [+ shared]), summed in slot order (as
+        `combine_rows` does)."""
         ctx, k, T = self.ctx, self.hp.n_expert_used, self.T
         weighted = ggml.ggml_mul(ctx, outs, ggml.ggml_reshape_3d(ctx, r.weights, 1, k, T))
         c = weighted.contents
@@ -222,4 +349,6 @@ class Blocks:
         for j in range(k):
             part = ggml.ggml_view_2d(ctx, weighted, n_embd, T, nb2, j * nb1)
             total = part if total is None else ggml.ggml_add(ctx, total, part)
+        if r.shared is not None:
+            total = ggml.ggml_add(ctx, total, r.shared)
         return ggml.ggml_add(ctx, r.resid, total)

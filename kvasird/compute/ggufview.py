@@ -8,14 +8,16 @@ absolute, and memory-maps the data so nothing is read whole.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGUFValueType
 
 from kvasird.compute.errors import WeightsError
-from kvasird.model.gguffile import GGUFFormatError, read_header
+from kvasird.model.gguffile import SCALAR_FORMATS, GGUFFormatError, read_header
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class GGUFFile:
         except GGUFFormatError as exc:
             raise WeightsError(f"{self.path} is not a readable GGUF file: {exc}") from None
         self.metadata = {key: _plain(value) for key, _, value in header.metadata}
+        self._arrays = {key: value for key, vtype, value in header.metadata
+                        if vtype == GGUFValueType.ARRAY}
         self.tensors = {
             t.name: TensorInfo(t.name, t.ggml_type, t.ne, header.data_offset + t.offset, t.length)
             for t in header.tensors}
@@ -58,6 +62,16 @@ class GGUFFile:
         if key not in self.metadata:
             raise WeightsError(f"{self.path} lacks metadata key {key!r}")
         return self.metadata[key]
+
+    def numbers(self, key: str) -> tuple[float | int, ...] | None:
+        """A numeric array's values (metadata keeps only its length), or None if absent."""
+        if key not in self._arrays:
+            return None
+        sub, raw = self._arrays[key]
+        fmt = SCALAR_FORMATS.get(sub)
+        if fmt is None:
+            raise WeightsError(f"{self.path}: metadata key {key!r} is not a numeric array")
+        return tuple(struct.unpack(f"<{len(raw) // struct.calcsize(fmt)}{fmt}", raw))
 
     def info(self, name: str) -> TensorInfo:
         try:

@@ -144,6 +144,9 @@ class Builder:
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
         self.inputs: dict[str, Tensor] = {}
+        self.effects: list[Tensor] = []
+        """Writes into backend tensors that no output depends on (a session's recurrent
+        state): computed with the graph, never read back."""
 
     def input(self, name: str, type_: int, *ne: int) -> Tensor:
         makers = {1: ggml.ggml_new_tensor_1d, 2: ggml.ggml_new_tensor_2d,
@@ -173,6 +176,8 @@ class Graph:
         self.graph = ggml.ggml_new_graph_custom(self.ctx, max_nodes, False)
         for t in self.outputs.values():
             ggml.ggml_set_output(t)
+            ggml.ggml_build_forward_expand(self.graph, t)
+        for t in builder.effects:
             ggml.ggml_build_forward_expand(self.graph, t)
         self.users = 0
         """Forwards between fetching this graph and getting its outputs (GraphCache.using):

@@ -13,10 +13,12 @@ class HParams:
     """The numbers every graph and every validation depends on."""
 
     arch: str
-    """llama.cpp architecture name ("llama", "qwen3", "qwen3moe"); "llama" with experts
-    is Mixtral's layout (compute.arch.for_hparams tells them apart)."""
+    """llama.cpp architecture name ("llama", "qwen3", "qwen3moe", "gemma3", "qwen35",
+    "qwen35moe"); "llama" with experts is Mixtral's layout (compute.arch.for_hparams tells
+    them apart)."""
     n_layer: int
-    """Transformer blocks in the whole model (not only those held)."""
+    """Transformer blocks in the whole model (not only those held), without the draft
+    (multi-token prediction) blocks some files append."""
     n_embd: int
     """Hidden size."""
     n_head: int
@@ -53,10 +55,50 @@ class HParams:
     """Scale of q·k (0: 1/sqrt(head_dim))."""
     logit_softcap: float = 0.0
     """Final logits become c·tanh(logits/c) (0: not capped)."""
+    n_rot: int = 0
+    """Dimensions of each head RoPE rotates, the first n_rot (0: the whole head)."""
+    rope_sections: tuple[int, ...] = ()
+    """Multi-section RoPE's four section sizes in rotated pairs (empty: one-section RoPE)."""
+    recurrent_layers: tuple[bool, ...] = ()
+    """Per layer, whether it is a gated delta-net (linear attention with a recurrent state)
+    instead of attention (empty: none is)."""
+    ssm_conv: int = 0
+    """Delta-net layers: width of the causal depthwise convolution over q, k, v."""
+    ssm_head_dim: int = 0
+    """Delta-net layers: size of a key head and of a value head."""
+    ssm_k_heads: int = 0
+    """Delta-net layers: key (and query) heads."""
+    ssm_v_heads: int = 0
+    """Delta-net layers: value heads, a multiple of the key heads (value head j reads key
+    head j mod ssm_k_heads)."""
+    n_ff_shexp: int = 0
+    """Hidden size of the shared expert beside the routed ones (0: no shared expert)."""
 
     @property
     def kv_dim(self) -> int:
         return self.n_head_kv * self.head_dim
+
+    @property
+    def rot_dims(self) -> int:
+        return self.n_rot or self.head_dim
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels the delta-net convolution runs over: q, k and v side by side."""
+        return self.ssm_head_dim * (2 * self.ssm_k_heads + self.ssm_v_heads)
+
+    @property
+    def conv_state(self) -> int:
+        """Floats of one delta-net layer's convolution state: the last ssm_conv - 1 inputs."""
+        return (self.ssm_conv - 1) * self.conv_channels
+
+    @property
+    def delta_state(self) -> int:
+        """Floats of one delta-net layer's recurrent state: a d x d matrix per value head."""
+        return self.ssm_head_dim * self.ssm_head_dim * self.ssm_v_heads
 
     def is_swa(self, layer: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[layer]
@@ -71,7 +113,8 @@ class HParams:
         k = f"{arch}."
         n_embd = int(f.require(k + "embedding_length"))
         n_head = int(f.require(k + "attention.head_count"))
-        n_layer = int(f.require(k + "block_count"))
+        # the trunk: multi-token-prediction blocks after it are llama.cpp's draft head, not layers
+        n_layer = int(f.require(k + "block_count")) - int(f.get(k + "nextn_predict_layers", 0))
         n_ff = int(f.get(k + "feed_forward_length", 0))
         n_expert = int(f.get(k + "expert_count", 0))
         n_vocab = f.get(k + "vocab_size") or f.get("tokenizer.ggml.tokens") or 0
@@ -96,12 +139,17 @@ class HParams:
             **_windows(f, arch, n_layer),
             attn_scale=_attn_scale(arch, n_embd, n_head, n_layer),
             logit_softcap=float(f.get(k + "final_logit_softcapping", 0.0)),
+            n_rot=int(f.get(k + "rope.dimension_count", 0)),
+            **_delta_net(f, arch, n_layer),
         )
         value_len = int(f.get(k + "attention.value_length", hp.head_dim))
-        n_rot = int(f.get(k + "rope.dimension_count", hp.head_dim))
-        if n_rot != hp.head_dim:
+        n_rot = hp.rot_dims
+        if n_rot != hp.head_dim and (arch not in _HYBRID or n_rot > hp.head_dim or n_rot % 2):
             raise WeightsError(f"{f.path}: RoPE over {n_rot} of {hp.head_dim} head dimensions "
                                "(partial rotary) is not supported")
+        if hp.rope_sections and not 0 < sum(hp.rope_sections) <= hp.head_dim:
+            raise WeightsError(f"{f.path}: RoPE sections {list(hp.rope_sections)} do not fit a "
+                               f"head of {hp.head_dim}")  # ggml would abort on them
         if value_len != hp.head_dim or hp.n_head % hp.n_head_kv:
             raise WeightsError(f"{f.path}: unsupported head layout (value_length {value_len}, "
                                f"heads {hp.n_head}/{hp.n_head_kv})")
@@ -109,6 +157,40 @@ class HParams:
             raise WeightsError(f"{f.path}: expert_used_count {hp.n_expert_used} is not in "
                                f"1..{hp.n_expert}")
         return hp
+
+
+_HYBRID = ("qwen35", "qwen35moe")
+"""Architectures of gated delta-net layers beside full-attention ones (llama.cpp's Qwen3.5),
+whose attention rotates part of each head with multi-section RoPE."""
+
+
+def _delta_net(f: GGUFFile, arch: str, n_layer: int) -> dict[str, object]:
+    """The hybrid's hparams as llama.cpp reads them: every full_attention_interval-th layer
+    (the last of each interval) attends, the others are delta-nets, unless the file lists
+    them (attention.recurrent_layers)."""
+    if arch not in _HYBRID:
+        return {}
+    k = f"{arch}."
+    listed = f.numbers(k + "attention.recurrent_layers")
+    if listed is None:
+        every = int(f.get(k + "full_attention_interval", 4))
+        layers = tuple((i + 1) % every != 0 for i in range(n_layer))
+    else:
+        layers = tuple(bool(x) for x in listed[:n_layer])
+    sections = f.numbers(k + "rope.dimension_sections")
+    if sections is None:
+        raise WeightsError(f"{f.path} lacks metadata key {k + 'rope.dimension_sections'!r}")
+    d_state, d_inner, k_heads, v_heads = (int(f.require(k + "ssm." + key)) for key in (
+        "state_size", "inner_size", "group_count", "time_step_rank"))
+    if d_inner != d_state * v_heads or not k_heads or v_heads % k_heads:
+        raise WeightsError(f"{f.path}: unsupported delta-net layout (inner size {d_inner}, state "
+                           f"size {d_state}, value heads {v_heads}, key heads {k_heads})")
+    n_ff = int(f.get(k + "feed_forward_length", 0))
+    return {"rope_sections": tuple(int(x) for x in (tuple(sections) + (0, 0, 0, 0))[:4]),
+            "recurrent_layers": layers, "ssm_conv": int(f.require(k + "ssm.conv_kernel")),
+            "ssm_head_dim": d_state, "ssm_k_heads": k_heads, "ssm_v_heads": v_heads,
+            "n_ff_shexp": int(f.get(k + "expert_shared_feed_forward_length", n_ff))
+            if arch == "qwen35moe" else 0}
 
 
 _SWA_PATTERN = {"gemma3": 6}

@@ -11,6 +11,13 @@ Graphs write new keys with `set_rows` by slot, new values by (slot, channel) thr
 one cached graph serves every session: nothing session-specific is baked into a graph.
 Memory is fixed when the stage starts; a session that cannot get a page gets
 KVCacheFull, never an allocation inside ggml.
+
+A gated delta-net layer (the Qwen3.5 hybrids) keeps no KV: its session state is a fixed
+size, the convolution's last inputs and the delta rule's matrices, and it lives here too,
+one row per state slot of `cache_conv.N` and `cache_delta.N`. A session takes a slot when
+it first runs and gives it back when it closes, so the same limits and expiry cover it.
+Such a state only moves forward: a session can continue where it is or start again at
+position 0 (a replay rebuilds it), never rewind in between.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ class KVSpec:
     """Storage type, "f16" (llama.cpp's default) or "f32" (bit-faithful to the activations)."""
     max_session_tokens: int = 0
     """Per-session limit; 0 = the whole pool."""
+    state_slots: int = 8
+    """Sessions that can hold a recurrent state at once (models with delta-net layers)."""
 
 
 class KVPool:
@@ -55,14 +64,30 @@ class KVPool:
         self.arena = TensorArena(2 * len(layers))
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
+        self.conv: dict[int, Tensor] = {}
+        """Delta-net layers' convolution states, [conv_state, state_slots] float32."""
+        self.delta: dict[int, Tensor] = {}
+        """Delta-net layers' recurrent matrices, [delta_state, state_slots] float32."""
         for layer in layers:
+            if hp.is_recurrent(layer):
+                self.conv[layer] = self.arena.new(f"cache_conv.{layer}", F32,
+                                                  (hp.conv_state, spec.state_slots))
+                self.delta[layer] = self.arena.new(f"cache_delta.{layer}", F32,
+                                                   (hp.delta_state, spec.state_slots))
+                continue
             type_ = KV_TYPES[spec.dtype]
             self.k[layer] = self.arena.new(f"cache_k.{layer}", type_, (hp.kv_dim, self.n_slots))
             self.v[layer] = self.arena.new(f"cache_v.{layer}", type_, (hp.kv_dim * PAGE, n_pages))
         if layers:
             self.arena.allocate(backend)
         self._free = list(range(n_pages - 1, -1, -1))
+        self._free_states = list(range(spec.state_slots - 1, -1, -1)) if self.conv else []
         self.max_session_tokens = spec.max_session_tokens or self.n_slots
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the pool holds delta-net layers (sessions then keep a state slot)."""
+        return bool(self.conv)
 
     def v_flat(self, ctx: object, layer: int) -> Tensor:
         """Layer's V cache as [1, n_slots * kv_dim]: one value per row, for `set_rows`."""
@@ -79,6 +104,11 @@ class KVPool:
     def free_tokens(self) -> int:
         return len(self._free) * PAGE
 
+    @property
+    def free_states(self) -> int:
+        """Recurrent-state slots no session holds (0 where the pool has no delta-net layer)."""
+        return len(self._free_states)
+
     def open(self) -> Session:
         return Session(self)
 
@@ -91,6 +121,18 @@ class KVPool:
     def _give(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
 
+    def _take_state(self) -> int:
+        if not self._free_states:
+            raise KVCacheFull(f"all {self.spec.state_slots} recurrent-state slots are in use: "
+                              "close idle sessions or raise the number of state slots")
+        return self._free_states.pop()
+
+    def _clear_state(self, slot: int) -> None:
+        """Zero a slot's states: a delta-net starts from nothing at position 0."""
+        for t in (*self.conv.values(), *self.delta.values()):
+            row = int(t.contents.nb[1])
+            ggml.ggml_backend_tensor_memset(t, 0, slot * row, row)
+
     def close(self) -> None:
         self.arena.close()
 
@@ -102,6 +144,9 @@ class Session:
         self.pool: KVPool | None = pool
         self.pages: list[int] = []
         self.n_past = 0
+        self.state: int | None = None
+        """The pool's recurrent-state slot this session holds (None: none yet, or no
+        delta-net layer here)."""
 
     def reserve(self, start: int, n_tokens: int) -> None:
         """Make room for positions [start, start + n_tokens), dropping cached positions >= start."""
@@ -109,6 +154,9 @@ class Session:
         if not 0 <= start <= self.n_past:
             raise InputError(f"position {start} is past the cached context ({self.n_past} tokens): "
                              "send the missing tokens first")
+        if pool.recurrent and 0 < start < self.n_past:
+            raise InputError(f"a recurrent state cannot go back to position {start} "
+                             f"(it holds {self.n_past}): replay the history from position 0")
         end = start + n_tokens
         if end > pool.max_session_tokens:
             raise KVCacheFull(f"{end} tokens exceed the session limit of {pool.max_session_tokens}")
@@ -116,6 +164,11 @@ class Session:
         if need > len(pool._free):
             raise KVCacheFull(f"the KV pool has {pool.free_tokens} free slots, this request needs "
                               f"{need * PAGE} more: close idle sessions or raise the pool size")
+        if pool.recurrent:
+            if self.state is None:
+                self.state = pool._take_state()
+            if start == 0:
+                pool._clear_state(self.state)
         for _ in range(need):
             self.pages.append(pool._take())
         self.n_past = start
@@ -139,12 +192,18 @@ class Session:
         """Forget positions >= n (a replay after failover, or a rejected draft)."""
         if not 0 <= n <= self.n_past:
             raise InputError(f"cannot truncate to {n}: the session holds {self.n_past} positions")
+        if self.pool is not None and self.pool.recurrent and 0 < n < self.n_past:
+            raise InputError(f"a recurrent state cannot be truncated to {n} of {self.n_past} "
+                             "positions: replay the history from position 0")
         self.n_past = n
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool._give(self.pages)
             self.pages = []
+            if self.state is not None:
+                self.pool._free_states.append(self.state)
+                self.state = None
             self.pool = None
 
     def _live(self) -> KVPool:

@@ -117,8 +117,8 @@ class Stage:
         head = b == hp.n_layer if head is None else head
         ranged = {**slice_expert_ranges(files), **(expert_ranges or {})}
         tied = not any("output.weight" in f.tensors for f in files)
-        names = tensor_names(archs.for_hparams(hp), (a, b), embed=embed, head=head, tied=tied,
-                             skip_experts=set(experts or ()) - set(ranged))
+        names = tensor_names(archs.for_hparams(hp), hp, (a, b), embed=embed, head=head,
+                             tied=tied, skip_experts=set(experts or ()) - set(ranged))
         own = backend is None
         backend = backend or Backend(compute_threads(threads))
         try:
@@ -243,6 +243,12 @@ class Stage:
         if self.hp.n_swa:
             shared["mask_swa"] = np.where(seen & (q - j < self.hp.n_swa), 0.0,
                                           -np.inf).astype(np.float32)
+        if self.hp.rope_sections:
+            shared["pos_sections"] = np.concatenate([np.tile(shared["pos"], 3),
+                                                     np.zeros(T, np.int32)])
+        if session.state is not None:
+            shared["state_slot"] = np.array([session.state], np.int32)
+            shared["state_row"] = np.array([session.state], np.int64)
         for i, seg in enumerate(self.segments):
             key = (self.window, i, T, n_kv_b, mode)  # parts of a window share its cache
             with self.graphs.using(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode)) \
@@ -257,7 +263,10 @@ class Stage:
             layer, E, k = seg.router, self.hp.n_embd, self.hp.n_expert_used
             cur, ids = out["cur"].reshape(T, E), out["ids"].reshape(T, k)
             y = yield "experts", layer, cur, ids
-            x = combine(out["resid"].reshape(T, E), y, out["weights"].reshape(T, k))
+            resid, w = out["resid"].reshape(T, E), out["weights"].reshape(T, k)
+            # a shared expert joins the routed sum before the residual, as in the graph
+            x = combine(resid, y, w) if "shared" not in out else \
+                resid + combine(out["shared"].reshape(T, E), y, w)
         return x
 
     def _build(self, seg: Segment, T: int, n_kv: int, mode: str):
@@ -275,8 +284,9 @@ class Stage:
             if seg.router is not None:
                 assert arch.dense is not None
                 r = arch.dense(blocks, seg.router, x)
-                return {"resid": r.resid, "cur": r.cur, "ids": ggml.ggml_cont(b.ctx, r.ids),
+                outs = {"resid": r.resid, "cur": r.cur, "ids": ggml.ggml_cont(b.ctx, r.ids),
                         "weights": ggml.ggml_cont(b.ctx, r.weights)}
+                return outs if r.shared is None else {**outs, "shared": r.shared}
             if seg.head and mode != "skip":
                 x = blocks.head(blocks.last_column(x) if mode == "last" else x)
             return {"out": x}
@@ -363,13 +373,13 @@ def _check_window(window: tuple[int, int], hp: HParams) -> tuple[int, int]:
     return a, b
 
 
-def tensor_names(arch: archs.Architecture, window: tuple[int, int], *, embed: bool, head: bool,
-                 tied: bool, skip_experts: Iterable[int] = ()) -> list[str]:
+def tensor_names(arch: archs.Architecture, hp: HParams, window: tuple[int, int], *, embed: bool,
+                 head: bool, tied: bool, skip_experts: Iterable[int] = ()) -> list[str]:
     """Names of every tensor a window needs (the head's output is token_embd when tied)."""
     skip = set(skip_experts)
     names = []
     for layer in range(*window):
-        names += [f"blk.{layer}.{s}" for s in arch.dense_tensors]
+        names += [f"blk.{layer}.{s}" for s in arch.layer_tensors(hp, layer)]
         if layer not in skip:
             names += [f"blk.{layer}.{s}" for s in arch.expert_tensors]
     if embed:

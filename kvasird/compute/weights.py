@@ -106,7 +106,7 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
     hp = HParams.from_gguf(files[0])
     given = {**slice_expert_ranges(files), **(experts or {})}
     ranges = {int(layer): ExpertRange(*map(int, r)) for layer, r in given.items()}
-    where: dict[str, tuple[GGUFFile, int]] = {}
+    where: dict[str, tuple[GGUFFile, int | None]] = {}
     for f in files:
         held = _slice_experts(f)
         for n in f.tensors:
@@ -119,7 +119,7 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
                     continue  # another range of the layer's experts: another slice's
                 where[n] = f, e0
             else:
-                where[n] = f, 0
+                where[n] = f, None
     wanted = list(where) if names is None else list(dict.fromkeys(names))
     missing = [n for n in wanted if n not in where]
     if missing:
@@ -148,16 +148,20 @@ def _range_hint(name: str, ranges: Mapping[int, ExpertRange]) -> str:
     return f" for experts [{r.first}, {r.end})" if r is not None else ""
 
 
-def _plan(f: GGUFFile, file_first: int, hp: HParams, name: str,
+def _plan(f: GGUFFile, file_first: int | None, hp: HParams, name: str,
           ranges: Mapping[int, ExpertRange]):
-    """(name, type, ne, byte start, byte size) of what to copy for one tensor; a file's
-    experts are global ids from ``file_first`` on."""
+    """(name, type, ne, byte start, byte size) of what to copy for one tensor; a recorded
+    slice's experts are global ids from ``file_first`` on, another file's are the whole
+    layer's or, fewer, the requested range's."""
     info = f.info(name)
     if not name.endswith(EXPERT_SUFFIXES):
         return name, info.type, info.ne, 0, info.nbytes
     layer = int(name.split(".")[1])
     n_file = info.ne[2]
-    r = ranges.get(layer, ExpertRange(file_first, file_first + n_file))
+    r = ranges.get(layer)
+    if file_first is None:
+        file_first = 0 if r is None or n_file == hp.n_expert else r.first
+    r = r or ExpertRange(file_first, file_first + n_file)
     if not 0 <= r.first < r.end <= hp.n_expert:
         raise WeightsError(f"expert range [{r.first}, {r.end}) of layer {layer} is outside "
                            f"0..{hp.n_expert}")

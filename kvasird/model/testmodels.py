@@ -2,10 +2,10 @@
 
 No MoE model small enough for CI is published (STACK.md), so MoE paths are tested on
 generated files. They carry the real architecture keys and tensor names of llama.cpp
-(``qwen3moe``, ``qwen3``, ``llama``, ``gemma3``, and ``mixtral``: a ``llama`` file with
-experts) and
-the bundled SmolLM2 tokenizer, so llama.cpp itself loads them and vocab sizes match the
-bundled model. A file is a pure function of its
+(``qwen3moe``, ``qwen3``, ``llama``, ``gemma3``, ``mixtral``: a ``llama`` file with
+experts, and the Qwen3.5 hybrids ``qwen35`` and ``qwen35moe``: gated delta-net layers
+between full-attention ones) and the bundled SmolLM2 tokenizer, so llama.cpp itself loads
+them and vocab sizes match the bundled model. A file is a pure function of its
 arguments: the same seed gives the same bytes.
 
 Weight types: ``f32``, ``f16``, ``q8_0``, ``q4_0``, ``q4_1`` and the K-quants ``q4_k``,
@@ -33,7 +33,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from kvasird.errors import ModelError
 from kvasird.model import bundled
 
-ARCHS = ("qwen3moe", "llama", "qwen3", "mixtral", "gemma3")
+ARCHS = ("qwen3moe", "llama", "qwen3", "mixtral", "gemma3", "qwen35moe", "qwen35")
 """What the generator writes; "mixtral" is llama.cpp's "llama" with routed experts."""
 
 DTYPES: dict[str, GGMLQuantizationType] = {
@@ -95,6 +95,21 @@ class TestModelSpec:
     """gemma3: RoPE base of the sliding-window layers."""
     logit_softcap: float = 0.0
     """gemma3: final logits soft-capped at this value (0: not capped)."""
+    full_attention_interval: int = 2
+    """qwen35*: every full_attention_interval-th layer attends, the others are delta-nets."""
+    n_rot: int = 8
+    """qwen35*: head dimensions RoPE rotates (partial rotary), in sections [n_rot/4, n_rot/8,
+    n_rot/8, 0] pairs."""
+    ssm_conv: int = 4
+    """qwen35*: width of the delta-net's causal convolution."""
+    ssm_head_dim: int = 16
+    """qwen35*: size of a delta-net key or value head."""
+    ssm_k_heads: int = 2
+    """qwen35*: delta-net key heads."""
+    ssm_v_heads: int = 4
+    """qwen35*: delta-net value heads (a multiple of the key heads)."""
+    n_ff_shexp: int = 32
+    """qwen35moe: hidden size of the shared expert."""
     rms_eps: float = 1e-6
     """RMS-norm epsilon."""
     context_length: int = 4096
@@ -118,12 +133,21 @@ class TestModelSpec:
     @property
     def routed(self) -> bool:
         """Layers have routed experts instead of a dense FFN."""
-        return self.arch in ("qwen3moe", "mixtral")
+        return self.arch in ("qwen3moe", "mixtral", "qwen35moe")
 
     @property
     def qk_norm(self) -> bool:
         """Layers hold per-head Q/K norms."""
-        return self.arch in ("qwen3moe", "qwen3", "gemma3")
+        return self.arch in ("qwen3moe", "qwen3", "gemma3", "qwen35moe", "qwen35")
+
+    @property
+    def hybrid(self) -> bool:
+        """Gated delta-net layers between full-attention ones (Qwen3.5)."""
+        return self.arch in ("qwen35moe", "qwen35")
+
+    def recurrent(self, layer: int) -> bool:
+        """Whether `layer` is a delta-net (llama.cpp's rule for full_attention_interval)."""
+        return self.hybrid and (layer + 1) % self.full_attention_interval != 0
 
 
 def make_model(path: str | Path, arch: str = "qwen3moe", **dims: Any) -> Path:
@@ -146,6 +170,11 @@ def write_model(path: Path, spec: TestModelSpec) -> Path:
     rng = np.random.default_rng(spec.seed)
     for name, data, qtype in _tensors(spec, n_vocab, rng):
         _add_tensor(writer, name, data, qtype)
+    return save(writer, path)
+
+
+def save(writer: GGUFWriter, path: Path) -> Path:
+    """Write what ``writer`` was given to ``path`` (its folder made), and close it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -170,9 +199,18 @@ def _check(spec: TestModelSpec) -> None:
     if spec.arch == "gemma3" and (spec.sliding_window < 1 or spec.swa_pattern < 0):
         raise TestModelError(f"sliding_window {spec.sliding_window} must be at least 1 and "
                              f"swa_pattern {spec.swa_pattern} at least 0")
+    if spec.hybrid and (spec.ssm_v_heads % spec.ssm_k_heads or spec.n_rot % 8
+                        or not 0 < spec.n_rot <= spec.head_dim or spec.full_attention_interval < 1):
+        raise TestModelError(f"ssm_v_heads {spec.ssm_v_heads} must be a multiple of ssm_k_heads "
+                             f"{spec.ssm_k_heads}, n_rot {spec.n_rot} a multiple of 8 up to "
+                             f"head_dim {spec.head_dim}, full_attention_interval at least 1")
     block = GGML_QUANT_SIZES[DTYPES[spec.dtype]][0]
     rows = {"n_embd": spec.n_embd, "n_head*head_dim": spec.n_head * spec.head_dim}
     rows.update({"n_ff_exp": spec.n_ff_exp} if spec.routed else {"n_ff": spec.n_ff})
+    if spec.hybrid:
+        rows["ssm_head_dim*ssm_v_heads"] = spec.ssm_head_dim * spec.ssm_v_heads
+    if spec.arch == "qwen35moe":
+        rows["n_ff_shexp"] = spec.n_ff_shexp
     for what, n in rows.items():
         if n % block:
             raise TestModelError(f"{what} = {n} must be a multiple of {block} for {spec.dtype}")
@@ -189,7 +227,7 @@ def _write_metadata(w: GGUFWriter, s: TestModelSpec, n_vocab: int) -> None:
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_vocab_size(n_vocab)
-    if s.arch in ("qwen3moe", "qwen3", "gemma3"):
+    if s.arch in ("qwen3moe", "qwen3", "gemma3", "qwen35moe", "qwen35"):
         w.add_feed_forward_length(s.n_ff)
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
@@ -199,8 +237,19 @@ def _write_metadata(w: GGUFWriter, s: TestModelSpec, n_vocab: int) -> None:
     if s.routed:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
-    if s.arch == "qwen3moe":
+    if s.arch in ("qwen3moe", "qwen35moe"):
         w.add_expert_feed_forward_length(s.n_ff_exp)
+    if s.arch == "qwen35moe":
+        w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
+    if s.hybrid:
+        w.add_rope_dimension_count(s.n_rot)
+        w.add_rope_dimension_sections([s.n_rot // 4, s.n_rot // 8, s.n_rot // 8, 0])
+        w.add_full_attention_interval(s.full_attention_interval)
+        w.add_ssm_conv_kernel(s.ssm_conv)
+        w.add_ssm_inner_size(s.ssm_head_dim * s.ssm_v_heads)
+        w.add_ssm_state_size(s.ssm_head_dim)
+        w.add_ssm_time_step_rank(s.ssm_v_heads)
+        w.add_ssm_group_count(s.ssm_k_heads)
     if s.arch == "gemma3":
         w.add_sliding_window(s.sliding_window)
         w.add_uint32("gemma3.attention.sliding_window_pattern", s.swa_pattern)
@@ -224,6 +273,9 @@ def _tensors(s: TestModelSpec, n_vocab: int, rng: np.random.Generator):
 
     yield "token_embd.weight", rng.standard_normal((n_vocab, e), dtype=np.float32), big
     for i in range(s.n_layer):
+        if s.hybrid:
+            yield from _hybrid_layer(s, i, w, norm)
+            continue
         b = f"blk.{i}."
         yield b + "attn_norm.weight", norm(e), f32
         yield b + "attn_q.weight", w(q, e), mat
@@ -250,6 +302,47 @@ def _tensors(s: TestModelSpec, n_vocab: int, rng: np.random.Generator):
     yield "output_norm.weight", norm(e), f32
     if not s.tied:
         yield "output.weight", w(n_vocab, e), big
+
+
+def _hybrid_layer(s: TestModelSpec, i: int, w: Any, norm: Any):
+    """A Qwen3.5 layer: a delta-net or gated attention, then the FFN on the post-attention
+    norm (routed experts and a sigmoid-gated shared expert for qwen35moe)."""
+    mat, f32, b, e = DTYPES[s.dtype], GGMLQuantizationType.F32, f"blk.{i}.", s.n_embd
+    q, kv = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    d, hv = s.ssm_head_dim, s.ssm_v_heads
+    yield b + "attn_norm.weight", norm(e), f32
+    if s.recurrent(i):
+        channels = d * (2 * s.ssm_k_heads + hv)
+        yield b + "attn_qkv.weight", w(channels, e), mat
+        yield b + "attn_gate.weight", w(d * hv, e), mat
+        yield b + "ssm_conv1d.weight", w(channels, s.ssm_conv), f32
+        yield b + "ssm_dt.bias", np.float32(0.5) * w(hv, 1)[:, 0], f32
+        yield b + "ssm_a", -np.exp(np.float32(0.5) * w(hv, 1)[:, 0]), f32
+        yield b + "ssm_beta.weight", w(hv, e), mat
+        yield b + "ssm_alpha.weight", w(hv, e), mat
+        yield b + "ssm_norm.weight", norm(d), f32
+        yield b + "ssm_out.weight", w(e, d * hv), mat
+    else:
+        yield b + "attn_q.weight", w(2 * q, e), mat   # per head: its query, then its gate
+        yield b + "attn_k.weight", w(kv, e), mat
+        yield b + "attn_v.weight", w(kv, e), mat
+        yield b + "attn_q_norm.weight", norm(s.head_dim), f32
+        yield b + "attn_k_norm.weight", norm(s.head_dim), f32
+        yield b + "attn_output.weight", w(e, q), mat
+    yield b + "post_attention_norm.weight", norm(e), f32
+    if not s.routed:
+        yield b + "ffn_gate.weight", w(s.n_ff, e), mat
+        yield b + "ffn_up.weight", w(s.n_ff, e), mat
+        yield b + "ffn_down.weight", w(e, s.n_ff), mat
+        return
+    yield b + "ffn_gate_inp.weight", np.float32(4) * w(s.n_expert, e), f32
+    yield b + "ffn_gate_exps.weight", w(s.n_expert, s.n_ff_exp, e), mat
+    yield b + "ffn_up_exps.weight", w(s.n_expert, s.n_ff_exp, e), mat
+    yield b + "ffn_down_exps.weight", w(s.n_expert, e, s.n_ff_exp), mat
+    yield b + "ffn_gate_inp_shexp.weight", np.float32(4) * w(1, e)[0], f32
+    yield b + "ffn_gate_shexp.weight", w(s.n_ff_shexp, e), mat
+    yield b + "ffn_up_shexp.weight", w(s.n_ff_shexp, e), mat
+    yield b + "ffn_down_shexp.weight", w(e, s.n_ff_shexp), mat
 
 
 def _add_tensor(w: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> None:

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from kvasird.compute.blocks import ROPE_IMROPE, l2_norm, rope_sections
 from kvasird.compute.ggufview import GGUFFile
-from kvasird.compute.graph import F32, I32, Backend, Builder, Graph, ggml
+from kvasird.compute.hparams import HParams
+from kvasird.compute.graph import F32, I32, Backend, Builder, Graph, Tensor, ggml
 from kvasird.compute.weights import load_weights
 from kvasird.numerics import oracle
 from kvasird.numerics.metrics import Delta, compare
@@ -77,6 +79,8 @@ def probe_ops(path: str, backend: Backend, seed: int = 0) -> list[OpDelta]:
                        b.ctx, t["q"], t["pos"], None, d, mode, o.hp.n_ctx_train, o.hp.rope_base,
                        1.0, 0.0, 1.0, 32.0, 1.0))
         add(name, got, oracle.rope(q.astype(np.float64), pos, o.hp.rope_base, neox=bool(mode)))
+    if o.hp.recurrent_layers:
+        out += [OpDelta(name, delta, "F32") for name, delta in _delta_net_ops(backend, o.hp, rng)]
     for wname in _one_matrix_per_type(f):
         wt = load_weights(f, backend, [wname])
         try:
@@ -91,6 +95,53 @@ def probe_ops(path: str, backend: Backend, seed: int = 0) -> list[OpDelta]:
         finally:
             wt.close()
     return out
+
+
+def _delta_net_ops(backend: Backend, hp: HParams, rng: np.random.Generator):
+    """A hybrid's own ops: multi-section RoPE over part of a head, the L2 norm, the causal
+    convolution, and the gated delta rule over a sequence from a nonzero state."""
+    T, d, hk, hv, width = 7, hp.ssm_head_dim, hp.ssm_k_heads, hp.ssm_v_heads, hp.ssm_conv
+    n = hp.rot_dims
+    x = rng.standard_normal((T, hp.n_head, hp.head_dim)).astype(np.float32)
+    pos = np.sort(rng.integers(0, 4096, T)).astype(np.int32)
+    got = _run(backend, {"x": (x, F32), "pos": (np.concatenate([np.tile(pos, 3), 0 * pos]), I32)},
+               lambda b, t: ggml.ggml_rope_multi(
+                   b.ctx, t["x"], t["pos"], None, n, rope_sections(hp), ROPE_IMROPE,
+                   hp.n_ctx_train, hp.rope_base, 1.0, 0.0, 1.0, 32.0, 1.0))
+    x64 = x.astype(np.float64)
+    want = np.concatenate([oracle.rope(x64[..., :n], pos, hp.rope_base, neox=True), x64[..., n:]],
+                          axis=-1)
+    yield "rope_multi", compare(got.reshape(want.shape), want)
+    got = _run(backend, {"x": (x, F32)}, lambda b, t: l2_norm(b.ctx, t["x"], hp.rms_eps))
+    yield "l2_norm", compare(got.reshape(x.shape), oracle.l2_norm(x64, hp.rms_eps))
+    seq = rng.standard_normal((width - 1 + T, hp.conv_channels)).astype(np.float32)
+    kernel = rng.standard_normal((hp.conv_channels, width)).astype(np.float32)
+    got = _run(backend, {"seq": (np.ascontiguousarray(seq.T), F32), "kernel": (kernel, F32)},
+               lambda b, t: ggml.ggml_ssm_conv(b.ctx, t["seq"], t["kernel"]))
+    want = oracle.causal_conv(seq.astype(np.float64), kernel.astype(np.float64))
+    yield "ssm_conv", compare(got.reshape(want.shape), want)
+    q, k = (oracle.l2_norm(rng.standard_normal((T, hk, d)), 1e-6).astype(np.float32)
+            for _ in range(2))
+    v = rng.standard_normal((T, hv, d)).astype(np.float32)
+    g = -rng.uniform(0.05, 2.0, (T, hv)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (T, hv)).astype(np.float32)
+    s0 = rng.standard_normal((hv, d, d)).astype(np.float32) * np.float32(0.3)
+
+    def gdn(b: Builder, t: dict) -> Tensor:
+        r4 = ggml.ggml_reshape_4d
+        return ggml.ggml_gated_delta_net(
+            b.ctx, r4(b.ctx, t["q"], d, hk, T, 1), r4(b.ctx, t["k"], d, hk, T, 1),
+            r4(b.ctx, t["v"], d, hv, T, 1), r4(b.ctx, t["g"], 1, hv, T, 1),
+            r4(b.ctx, t["beta"], 1, hv, T, 1), r4(b.ctx, t["s"], d, d, hv, 1), 1)
+
+    # ggml keeps each head's state transposed: row j holds S[:, j]
+    got = _run(backend, {"q": (q, F32), "k": (k, F32), "v": (v, F32), "g": (g, F32),
+                         "beta": (beta, F32), "s": (np.ascontiguousarray(s0.transpose(0, 2, 1)),
+                                                    F32)}, gdn).reshape(T + d, hv * d)
+    o, s = oracle.delta_rule(*(a.astype(np.float64) for a in (q, k, v, g, beta, s0)))
+    got_s = got[T:].reshape(hv, d, d).transpose(0, 2, 1)
+    yield "gated_delta_net", compare(np.concatenate([got[:T].ravel(), got_s.ravel()]),
+                                     np.concatenate([o.ravel(), s.ravel()]))
 
 
 def _one_matrix_per_type(f: GGUFFile) -> list[str]:

@@ -1,5 +1,5 @@
-"""The float64 oracle: llama (dense and with experts), qwen3, qwen3moe and gemma3 in plain
-numpy, from dequantized weights.
+"""The float64 oracle: llama (dense and with experts), qwen3, qwen3moe, gemma3 and the
+Qwen3.5 hybrids (qwen35, qwen35moe) in plain numpy, from dequantized weights.
 
 Independent of the engine on purpose: no ggml op, no shared block code, not even its
 architecture table: a layer is computed from `Features` (RoPE mode, Q/K norms, routed
@@ -43,6 +43,10 @@ class Features:
     """GELU (tanh approximation) gates the FFN instead of SiLU."""
     embed_scale: bool = False
     """Embedding rows multiplied by sqrt(n_embd)."""
+    hybrid: bool = False
+    """Qwen3.5: the file's recurrent layers are gated delta-nets, the others attend with a
+    sigmoid output gate and partial RoPE; the FFN reads the post-attention norm and a
+    shared expert (where the file has one) joins the routed ones."""
 
 
 FEATURES: dict[str, Features] = {
@@ -51,6 +55,8 @@ FEATURES: dict[str, Features] = {
     "qwen3moe": Features(rope_neox=True, qk_norm=True),
     "gemma3": Features(rope_neox=True, qk_norm=True, post_norms=True, geglu=True,
                        embed_scale=True),
+    "qwen35": Features(rope_neox=True, qk_norm=True, hybrid=True),
+    "qwen35moe": Features(rope_neox=True, qk_norm=True, hybrid=True),
 }
 """Per llama.cpp architecture name, from llama-model.cpp's rope types and the models/
 graphs. Whether a layer has experts is read from the file, and so are the numbers
@@ -72,6 +78,10 @@ class OracleCache:
     """Cached keys (after RoPE) per layer."""
     v: dict[int, np.ndarray] = field(default_factory=dict)
     """Cached values per layer."""
+    conv: dict[int, np.ndarray] = field(default_factory=dict)
+    """Delta-net layers: the convolution's last inputs, [ssm_conv - 1, channels]."""
+    delta: dict[int, np.ndarray] = field(default_factory=dict)
+    """Delta-net layers: the state per value head, [heads, d_k, d_v]."""
 
 
 class Oracle:
@@ -148,12 +158,20 @@ class Oracle:
         """x [T, heads, d]: halves rotated (NEOX) or adjacent pairs, as the features say,
         with the layer's base (sliding-window layers may have their own)."""
         base = self.hp.rope_base_swa if self.hp.is_swa(layer) else self.hp.rope_base
-        return rope(x, positions, base, neox=self.features.rope_neox)
+        n = self.hp.rot_dims
+        turned = rope(x[..., :n], positions, base, neox=self.features.rope_neox)
+        return np.concatenate([turned, x[..., n:]], axis=-1)
 
     def attention(self, layer: int, x: np.ndarray, start: int, cache: OracleCache) -> np.ndarray:
         hp, p, T = self.hp, f"blk.{layer}.", len(x)
         h = self.rms_norm(x, p + "attn_norm.weight")
-        q = self.mm(h, p + "attn_q.weight").reshape(T, hp.n_head, hp.head_dim)
+        if self.features.hybrid and hp.is_recurrent(layer):
+            return x + self.delta_net(layer, h, start, cache)
+        if self.features.hybrid:  # each head's query, then its output gate
+            qg = self.mm(h, p + "attn_q.weight").reshape(T, hp.n_head, 2 * hp.head_dim)
+            q, gate = qg[..., :hp.head_dim], qg[..., hp.head_dim:].reshape(T, -1)
+        else:
+            q = self.mm(h, p + "attn_q.weight").reshape(T, hp.n_head, hp.head_dim)
         k = self.mm(h, p + "attn_k.weight").reshape(T, hp.n_head_kv, hp.head_dim)
         v = self.mm(h, p + "attn_v.weight").reshape(T, hp.n_head_kv, hp.head_dim)
         if self.features.qk_norm:
@@ -175,8 +193,35 @@ class Oracle:
         scores = np.where(allowed[None], scores, -np.inf)
         probs = softmax(scores)
         out = np.einsum("hts,shd->thd", probs, vh).reshape(T, hp.n_head * hp.head_dim)
+        if self.features.hybrid:
+            out = out * sigmoid(gate)
         return x + self.post_norm(self.mm(out, p + "attn_output.weight"),
                                   p + "post_attention_norm.weight")
+
+    def delta_net(self, layer: int, h: np.ndarray, start: int, cache: OracleCache) -> np.ndarray:
+        """A gated delta-net over normed rows h [T, n_embd], token by token from the cached
+        state (zero at position 0): causal depthwise convolution, SiLU, L2-normalised q and
+        k (value head j reads key head j mod n_k), then per head S <- e^g S,
+        S <- S + k (beta (v - S^T k))^T, o = S^T q / sqrt(d); out RMSNorm(o)·w·silu(z)."""
+        hp, p, T = self.hp, f"blk.{layer}.", len(h)
+        d, hk, hv, width = hp.ssm_head_dim, hp.ssm_k_heads, hp.ssm_v_heads, hp.ssm_conv
+        fresh = start == 0 or layer not in cache.conv
+        held = np.zeros((width - 1, hp.conv_channels)) if fresh else cache.conv[layer]
+        seq = np.concatenate([held, self.mm(h, p + "attn_qkv.weight")])   # [width-1+T, C]
+        cache.conv[layer] = seq[T:]
+        conv = causal_conv(seq, self.w(p + "ssm_conv1d.weight"))
+        conv = conv * sigmoid(conv)
+        q = l2_norm(conv[:, :d * hk].reshape(T, hk, d), hp.rms_eps)
+        k = l2_norm(conv[:, d * hk:2 * d * hk].reshape(T, hk, d), hp.rms_eps)
+        v = conv[:, 2 * d * hk:].reshape(T, hv, d)
+        beta = sigmoid(self.mm(h, p + "ssm_beta.weight"))
+        g = softplus(self.mm(h, p + "ssm_alpha.weight") + self.w(p + "ssm_dt.bias")) \
+            * self.w(p + "ssm_a")
+        state = np.zeros((hv, d, d)) if fresh else cache.delta[layer]
+        out, cache.delta[layer] = delta_rule(q, k, v, g, beta, state)
+        z = self.mm(h, p + "attn_gate.weight").reshape(T, hv, d)
+        gated = self.rms_norm(out, p + "ssm_norm.weight") * (z * sigmoid(z))
+        return self.mm(gated.reshape(T, hv * d), p + "ssm_out.weight")
 
     def post_norm(self, out: np.ndarray, weight: str) -> np.ndarray:
         return self.rms_norm(out, weight) if self.features.post_norms else out
@@ -186,16 +231,23 @@ class Oracle:
             return swiglu(g, u)
         return (gelu_f16_table(g) if self.emulate else gelu(g)) * u
 
+    @property
+    def ffn_norm(self) -> str:
+        """The FFN input's norm (the hybrids norm it with post_attention_norm)."""
+        return "post_attention_norm.weight" if self.features.hybrid else "ffn_norm.weight"
+
     def dense_ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         p = f"blk.{layer}."
-        h = self.rms_norm(x, p + "ffn_norm.weight")
-        g, u = self.mm(h, p + "ffn_gate.weight"), self.mm(h, p + "ffn_up.weight")
-        return x + self.post_norm(self.mm(self.glu(g, u), p + "ffn_down.weight"),
-                                  p + "post_ffw_norm.weight")
+        h = self.rms_norm(x, p + self.ffn_norm)
+        return x + self.post_norm(self.swiglu_ffn(h, p, ""), p + "post_ffw_norm.weight")
+
+    def swiglu_ffn(self, h: np.ndarray, p: str, kind: str) -> np.ndarray:
+        g, u = self.mm(h, p + f"ffn_gate{kind}.weight"), self.mm(h, p + f"ffn_up{kind}.weight")
+        return self.mm(self.glu(g, u), p + f"ffn_down{kind}.weight")
 
     def route(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(normed rows, top-k ids [T, k] best first, renormalised weights [T, k])."""
-        h = self.rms_norm(x, f"blk.{layer}.ffn_norm.weight")
+        h = self.rms_norm(x, f"blk.{layer}." + self.ffn_norm)
         probs = softmax(self.mm(h, f"blk.{layer}.ffn_gate_inp.weight"))
         ids = np.argsort(-probs, axis=-1, kind="stable")[:, : self.hp.n_expert_used]
         w = np.take_along_axis(probs, ids, axis=-1)
@@ -214,7 +266,12 @@ class Oracle:
 
     def moe_ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         h, ids, w = self.route(layer, x)
-        return x + np.einsum("tk,tke->te", w, self.experts(layer, h, ids))
+        out = np.einsum("tk,tke->te", w, self.experts(layer, h, ids))
+        if self.hp.n_ff_shexp:
+            p = f"blk.{layer}."
+            gate = sigmoid(self.mm(h, p + "ffn_gate_inp_shexp.weight"))
+            out = out + self.swiglu_ffn(h, p, "_shexp") * gate.reshape(len(h), 1)
+        return x + out
 
     def layer(self, layer: int, x: np.ndarray, start: int, cache: OracleCache) -> np.ndarray:
         x = self.attention(layer, x, start, cache)
@@ -258,6 +315,45 @@ def softmax(x: np.ndarray) -> np.ndarray:
     m = np.max(x, axis=-1, keepdims=True)
     e = np.exp(x - m)
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x)
+
+
+def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(sum x^2 + eps) along the last axis (what llama.cpp's delta-nets compute)."""
+    return x / np.sqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def causal_conv(seq: np.ndarray, kernel: np.ndarray) -> np.ndarray:
+    """Depthwise convolution of seq [width - 1 + T, C] (the held inputs, then T new ones)
+    with kernel [C, width], column width - 1 weighing the current input: [T, C]."""
+    width = kernel.shape[1]
+    return np.stack([(seq[t:t + width] * kernel.T).sum(axis=0)
+                     for t in range(len(seq) - width + 1)])
+
+
+def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+               state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule token by token: q, k [T, n_k, d], v [T, n_v, d], g and beta
+    [T, n_v], state [n_v, d_k, d_v]; value head j reads key head j mod n_k. Per token and
+    head S <- e^g S; S <- S + k (beta (v - S^T k))^T; o = S^T q / sqrt(d).
+    Returns (o [T, n_v, d], the last state)."""
+    T, hv, d = v.shape
+    tile = np.arange(hv) % k.shape[1]
+    out = np.empty((T, hv, d))
+    for t in range(T):
+        kt, qt = k[t, tile], q[t, tile]                                   # [hv, d]
+        state = state * np.exp(g[t])[:, None, None]
+        err = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", state, kt))
+        state = state + kt[:, :, None] * err[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", state, qt) / np.sqrt(d)
+    return out, state
 
 
 def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:

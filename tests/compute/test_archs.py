@@ -1,6 +1,7 @@
-"""qwen3, llama with experts (Mixtral) and gemma3 end to end: the engine against the
-float64 oracle, a model split in ring windows and expert ranges against one node holding
-it all, sliding windows, and how the registry tells llama's two layouts apart."""
+"""qwen3, llama with experts (Mixtral), gemma3 and the Qwen3.5 hybrids (qwen35, qwen35moe)
+end to end: the engine against the float64 oracle, a model split in ring windows and
+expert ranges against one node holding it all, sliding windows, the delta-net's recurrent
+state in sessions, and how the registry tells llama's two layouts apart."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import numpy as np
 import pytest
 
 from kvasird.compute import arch as archs
-from kvasird.compute.errors import WeightsError
+from kvasird.compute.errors import InputError, KVCacheFull, WeightsError
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.ggufview import GGUFFile
-from kvasird.compute.graph import Backend
+from kvasird.compute.graph import Backend, ggml
 from kvasird.compute.hparams import HParams
 from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.stage import Stage
@@ -28,7 +29,7 @@ EXACT_KV = KVSpec(n_slots=512, dtype="f32")
 """F32 KV: the engine then differs from the float64 oracle only by float32 rounding."""
 
 PROMPT = np.array([1, 504, 3458, 314, 4649, 282, 4649, 30, 7000, 12])
-NEW = ["qwen3", "mixtral", "gemma3"]
+NEW = ["qwen3", "mixtral", "gemma3", "qwen35", "qwen35moe"]
 BOTH = [(a, t) for a in NEW for t in ("f32", "q8_0")]
 EXPS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 WINDOWS = [(0, 1), (1, 2), (2, 3)]
@@ -73,7 +74,9 @@ def test_each_f32_layer_matches_the_oracle(arch_models, arch):
         with stage.open_session() as s:
             got = stage.forward(s, PROMPT)
         stage.close()
-        assert compare(got, hidden[k]).rel_linf < 1e-5, f"layer {k - 1}"
+        # float32 rounding: gemma3's four norms a layer reach 1.5e-5 by layer 2 on some
+        # machines (linf 4e-4 on values up to 26), 5e-6 on others
+        assert compare(got, hidden[k]).rel_linf < 3e-5, f"layer {k - 1}"
 
 
 @pytest.mark.parametrize("arch", NEW)
@@ -133,12 +136,14 @@ def expert_workers(path, cuts: list[int]) -> Iterator[list[ExpertWorker]]:
         backend.close()
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen35moe"])
 @pytest.mark.parametrize("dtype", ["f32", "q8_0"])
 @pytest.mark.parametrize("cuts", [[0, 4, 8], [0, 3, 6, 8], [0, 2, 4, 6, 8]])
-def test_mixtral_experts_in_ranges_across_three_windows_equal_one_node(arch_models, dtype, cuts):
-    """Each ring window holds only its layers' dense paths and routes to 2-4 workers of
-    expert ranges; the combine runs in numpy rather than in the graph, so float rounding."""
-    path = arch_models["mixtral", dtype]
+def test_experts_in_ranges_across_three_windows_equal_one_node(arch_models, arch, dtype, cuts):
+    """Each ring window holds only its layers' dense paths (qwen35moe: delta-net layers in
+    the first and last, with the shared expert) and routes to 2-4 workers of expert
+    ranges; the combine runs in numpy rather than in the graph, so float rounding."""
+    path = arch_models[arch, dtype]
     whole = Stage.load(path, threads=1, kv=EXACT_KV)
     with expert_workers(path, cuts) as workers:
         ring = [Stage.load(path, (a, b), threads=1, kv=EXACT_KV,
@@ -189,7 +194,7 @@ def test_llama_with_experts_is_an_architecture_of_its_own(arch_models):
     assert archs.for_hparams(HParams.from_gguf(GGUFFile(arch_models["qwen3", "f32"]))) \
         is archs.get("qwen3")
     assert set(archs.supported()) == {"llama", "llama with experts", "qwen3", "qwen3moe",
-                                      "gemma3"}
+                                      "gemma3", "qwen35", "qwen35moe"}
     # without a count: the name's only layout, or the dense one (no expert_count key)
     assert archs.get("llama") is dense and archs.get("qwen3moe").is_moe
 
@@ -211,7 +216,8 @@ def test_mixtral_experts_are_as_wide_as_llama_feed_forward_length(arch_models):
 def test_an_unsupported_layout_names_what_is_supported(name, n_expert, says):
     with pytest.raises(WeightsError, match=says) as err:
         archs.get(name, n_expert)
-    assert "(supported: llama, llama with experts, qwen3, qwen3moe, gemma3)" in str(err.value)
+    assert ("(supported: llama, llama with experts, qwen3, qwen3moe, gemma3, qwen35, "
+            "qwen35moe)") in str(err.value)
 
 
 def test_partial_rotary_is_refused_at_load(arch_models, tmp_path):
@@ -235,6 +241,8 @@ def test_oracle_computes_from_features(arch_models):
         Features(rope_neox=False, qk_norm=False, experts=True)
     assert Oracle(arch_models["gemma3", "f32"]).features == \
         Features(rope_neox=True, qk_norm=True, post_norms=True, geglu=True, embed_scale=True)
+    assert Oracle(arch_models["qwen35moe", "f32"]).features == \
+        Features(rope_neox=True, qk_norm=True, experts=True, hybrid=True)
 
 
 @pytest.mark.parametrize("arch", NEW)
@@ -243,3 +251,108 @@ def test_verify_passes(arch_models, arch):
     verdict = verify(arch_models[arch, "f32"], threads=1, plan=plan)
     assert verdict.passed, [c for c in verdict.checks if not c.ok]
     assert verdict.logits.top1 == 1.0
+
+
+def test_qwen35_layers_alternate_as_full_attention_interval_says(arch_models):
+    hp = HParams.from_gguf(GGUFFile(arch_models["qwen35moe", "f32"]))
+    assert hp.recurrent_layers == (True, False, True)
+    assert (hp.n_rot, hp.head_dim, hp.rope_sections) == (8, 16, (2, 1, 1, 0))
+    assert (hp.ssm_k_heads, hp.ssm_v_heads, hp.ssm_head_dim, hp.n_ff_shexp) == (2, 4, 16, 32)
+    moe = archs.for_hparams(hp)
+    assert "ssm_a" in moe.layer_tensors(hp, 0) and "attn_qkv.weight" not in moe.layer_tensors(hp, 1)
+    stage = Stage.load(arch_models["qwen35moe", "f32"], threads=1, kv=EXACT_KV)
+    assert sorted(stage.kv.conv) == [0, 2] and sorted(stage.kv.k) == [1]
+    stage.close()
+
+
+@pytest.fixture
+def hybrid_stage(arch_models):
+    stage = Stage.load(arch_models["qwen35moe", "f32"], threads=1,
+                       kv=KVSpec(n_slots=512, dtype="f32", state_slots=2))
+    yield stage
+    stage.close()
+
+
+def test_interleaved_sessions_keep_their_own_recurrent_state(hybrid_stage):
+    stage = hybrid_stage
+    other = PROMPT[::-1].copy()
+
+    def steps(a, b=None) -> np.ndarray:
+        mine = [stage.forward(a, PROMPT[:3], logits="all")]
+        for i in range(3, len(PROMPT)):
+            if b is not None:
+                stage.forward(b, other[i:i + 1])
+            mine.append(stage.forward(a, PROMPT[i:i + 1]))
+        return np.concatenate(mine)
+
+    with stage.open_session() as a:
+        alone = steps(a)
+    with stage.open_session() as a, stage.open_session() as b:
+        stage.forward(b, other[:3])
+        together = steps(a, b)
+        assert a.state != b.state
+    np.testing.assert_array_equal(together, alone)
+
+
+def test_a_replay_from_position_zero_rebuilds_the_state(hybrid_stage):
+    """Failover replays the history as one prefill: the state starts again from zero."""
+    stage = hybrid_stage
+    with stage.open_session() as s:
+        stage.forward(s, PROMPT[::-1].copy())
+        again = stage.forward(s, PROMPT, start=0, logits="all")
+        s.truncate(0)
+        third = stage.forward(s, PROMPT, logits="all")
+    np.testing.assert_array_equal(again, all_logits(stage))
+    np.testing.assert_array_equal(third, again)
+
+
+def test_a_recurrent_state_cannot_rewind(hybrid_stage):
+    stage = hybrid_stage
+    with stage.open_session() as s:
+        stage.forward(s, PROMPT)
+        with pytest.raises(InputError, match="replay the history from position 0"):
+            stage.forward(s, PROMPT[5:6], start=5)
+        with pytest.raises(InputError, match="replay the history from position 0"):
+            s.truncate(4)
+        assert s.n_past == len(PROMPT)
+
+
+def test_state_slots_bound_the_sessions_and_come_back_on_close(hybrid_stage):
+    stage = hybrid_stage
+    a, b, c = (stage.open_session() for _ in range(3))
+    stage.forward(a, PROMPT[:2])
+    stage.forward(b, PROMPT[:2])
+    assert stage.kv.free_states == 0
+    with pytest.raises(KVCacheFull, match="recurrent-state slots"):
+        stage.forward(c, PROMPT[:2])
+    a.close()
+    stage.forward(c, PROMPT[:2])
+    b.close()
+    c.close()
+    assert stage.kv.free_states == 2
+
+
+def test_a_prefill_longer_than_one_graph_carries_the_state_across_chunks(arch_models):
+    """600 tokens run as two graphs (MAX_CHUNK): the state and the KV cross between them
+    as between two requests."""
+    stage = Stage.load(arch_models["qwen35", "f32"], threads=1,
+                       kv=KVSpec(n_slots=1280, dtype="f32"))
+    prompt = np.random.default_rng(0).integers(0, 49152, 600)
+    with stage.open_session() as a, stage.open_session() as b:
+        whole = stage.forward(a, prompt)
+        stage.forward(b, prompt[:100])
+        parts = stage.forward(b, prompt[100:])
+    stage.close()
+    assert compare(parts, whole).rel_linf < 1e-5
+
+
+def test_a_prefill_runs_each_delta_net_once_over_the_whole_prompt(arch_models):
+    """Not token by token: one gated-delta-net op per delta-net layer for all 10 tokens."""
+    stage = Stage.load(arch_models["qwen35", "f32"], threads=1, kv=EXACT_KV)
+    all_logits(stage)
+    [(_, graph)] = stage.graphs.items()
+    nodes = [ggml.ggml_graph_node(graph.graph, i).contents
+             for i in range(ggml.ggml_graph_n_nodes(graph.graph))]
+    stage.close()
+    runs = [n for n in nodes if n.op == ggml.GGML_OP_GATED_DELTA_NET]
+    assert len(runs) == 2 and all(n.src[2].contents.ne[2] == len(PROMPT) for n in runs)

@@ -19,10 +19,10 @@ EXACT_KV = KVSpec(n_slots=512, dtype="f32")
 PROMPT = np.array([1, 504, 3458, 314, 4649, 282])
 
 
-@pytest.mark.parametrize("model", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("model", ["qwen3moe", "mixtral", "qwen35moe"])
 def test_ring_of_slices_with_expert_slices_matches_full_model(models, arch_models, tmp_path,
                                                               model):
-    path = models["moe"] if model == "qwen3moe" else arch_models["mixtral", "q8_0"]
+    path = models["moe"] if model == "qwen3moe" else arch_models[model, "q8_0"]
     manifest = Manifest.from_gguf(path)
     specs = {"a": LayerWindow(0, 2, experts=False), "b": LayerWindow(2, 3), "head": HeadSlice()}
     specs |= {f"x{layer}{e}": ExpertRange(layer, e, e + 4) for layer in (0, 1) for e in (0, 4)}

@@ -95,6 +95,26 @@ def test_gemma3_carries_its_window_and_extra_norms(tmp_path):
     assert "output.weight" not in names
 
 
+def test_qwen35moe_carries_delta_net_and_shared_expert_keys_and_tensors(tmp_path):
+    f, kv = _fields(make_model(tmp_path / "h.gguf", arch="qwen35moe", n_layer=4,
+                               full_attention_interval=2))
+    assert kv["general.architecture"] == "qwen35moe"
+    assert (kv["qwen35moe.full_attention_interval"], kv["qwen35moe.rope.dimension_count"]) == (2, 8)
+    assert f.numbers("qwen35moe.rope.dimension_sections") == (2, 1, 1, 0)
+    ssm = ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")
+    assert [kv[f"qwen35moe.ssm.{k}"] for k in ssm] == [4, 16, 2, 4, 64]
+    assert kv["qwen35moe.expert_shared_feed_forward_length"] == 32
+    names = set(f.tensors)
+    assert {"blk.0.attn_qkv.weight", "blk.0.ssm_a", "blk.0.ssm_dt.bias",
+            "blk.2.ssm_conv1d.weight", "blk.1.attn_q.weight", "blk.3.attn_q_norm.weight",
+            "blk.1.ffn_gate_inp_shexp.weight", "blk.0.post_attention_norm.weight"} <= names
+    assert not {"blk.1.attn_qkv.weight", "blk.0.attn_q.weight", "blk.0.ffn_norm.weight"} & names
+    assert list(f.tensors["blk.1.attn_q.weight"].ne) == [64, 2 * 4 * 16]  # query and gate
+    assert list(f.tensors["blk.0.ssm_conv1d.weight"].ne) == [4, 16 * (2 * 2 + 4)]
+    dense = make_model(tmp_path / "d.gguf", arch="qwen35", n_layer=2)
+    assert "blk.0.ffn_up.weight" in GGUFFile(dense).tensors
+
+
 def test_tokenizer_is_the_bundled_one_and_gguf_py_reads_it(tmp_path, bundled):
     reader = GGUFReader(make_model(tmp_path / "m.gguf", n_layer=1))
     ref = bundled_tokenizer()
@@ -130,7 +150,9 @@ def test_quantized_file_holds_the_same_weights_as_f32(tmp_path, f32_up, dtype, t
                                   dict(arch="mixtral", n_expert_used=9),
                                   dict(arch="mixtral", dtype="q8_0", n_ff_exp=48),
                                   dict(arch="qwen3", dtype="q8_0", n_ff=48),
-                                  dict(arch="gemma3", sliding_window=0)])
+                                  dict(arch="gemma3", sliding_window=0),
+                                  dict(arch="qwen35", ssm_v_heads=3),
+                                  dict(arch="qwen35moe", dtype="q8_0", n_ff_shexp=48)])
 def test_impossible_dimensions_raise_a_clear_error(tmp_path, dims):
     with pytest.raises(TestModelError):
         make_model(tmp_path / "x.gguf", **dims)
@@ -146,11 +168,13 @@ def test_cli_writes_a_model(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("arch, gguf_arch", [("qwen3", "qwen3"), ("mixtral", "llama"),
-                                             ("gemma3", "gemma3")])
+                                             ("gemma3", "gemma3"), ("qwen35", "qwen35"),
+                                             ("qwen35moe", "qwen35moe")])
 def test_cli_writes_the_new_architectures(tmp_path, arch, gguf_arch):
     out = tmp_path / f"{arch}.gguf"
     assert main(["dev", "make-model", str(out), "--arch", arch, "--layers", "1",
                  "--experts", "4", "--experts-used", "1"]) == 0
     _, kv = _fields(out)
     assert kv["general.architecture"] == gguf_arch
-    assert kv.get(f"{gguf_arch}.expert_count") == (4 if arch == "mixtral" else None)
+    assert kv.get(f"{gguf_arch}.expert_count") == (4 if arch in ("mixtral", "qwen35moe")
+                                                    else None)

@@ -23,7 +23,7 @@ from kvasird.compute.errors import WeightsError
 from kvasird.compute.graph import Tensor
 from kvasird.compute.hparams import HParams
 
-_MODULES = ("llama", "llama_moe", "qwen3", "qwen3moe", "gemma3")
+_MODULES = ("llama", "llama_moe", "qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class Architecture:
     name: str
     """llama.cpp's `general.architecture` value."""
     dense_tensors: tuple[str, ...]
-    """Per-layer tensor suffixes of the dense path (after "blk.N.")."""
+    """Per-layer tensor suffixes of the dense path (after "blk.N."), in every layer (a
+    hybrid's layers add those of their kind)."""
     expert_tensors: tuple[str, ...]
     """Per-layer suffixes of the 3-D expert tensors (empty for dense models)."""
     layer: Callable[[Blocks, int, Tensor], Tensor]
@@ -42,6 +43,15 @@ class Architecture:
     """MoE only: attention and router, stopping where the expert FFN begins."""
     scaled_embedding: bool = False
     """The embedding rows are multiplied by sqrt(n_embd) (gemma)."""
+    attention_tensors: tuple[str, ...] = ()
+    """Hybrids: a full-attention layer's own dense-path suffixes."""
+    recurrent_tensors: tuple[str, ...] = ()
+    """Hybrids: a delta-net layer's own dense-path suffixes."""
+
+    def layer_tensors(self, hp: HParams, layer: int) -> tuple[str, ...]:
+        """The dense-path suffixes `layer` holds."""
+        own = self.recurrent_tensors if hp.is_recurrent(layer) else self.attention_tensors
+        return self.dense_tensors + own
 
     @property
     def is_moe(self) -> bool:
