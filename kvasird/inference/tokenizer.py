@@ -1,13 +1,15 @@
 """The model's tokenizer, built from the GGUF's own vocabulary (no hub, no extra files).
 
-A GGUF carries everything a byte-level BPE needs under ``tokenizer.ggml.*``: the token
+A GGUF carries everything its tokenizer needs under ``tokenizer.ggml.*``. Most are
+byte-level BPE (``tokenizer.ggml.model = "gpt2"``): the token
 strings (in GPT-2's byte-to-unicode alphabet), the merge list, token types (control,
 user-defined...), the special token ids, and the name of the pre-tokenizer (the regex
 that splits text into words before merging). We hand vocabulary, merges and the
 pre-tokenizer llama.cpp uses for that name to HF ``tokenizers`` (maintained, Rust, fast)
 and keep decoding to ourselves: a token is a run of *bytes*, and a character may be
 split across tokens, so text is released only once its bytes form whole UTF-8
-characters (``StreamDecoder``).
+characters (``StreamDecoder``). SentencePiece vocabularies (``"llama"``: gemma, Llama 2,
+Mistral) are encoded by ``kvasird.inference.spm`` as llama.cpp encodes them.
 
 Special tokens (control and user-defined types) are recognised in text only when the
 caller asks (``special=True``, llama.cpp's ``parse_special``): the gateway asks for the
@@ -30,6 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
 from kvasird.errors import ModelError
+from kvasird.inference.spm import SentencePiece
 from kvasird.model.gguffile import GGUFFormatError, read_header
 
 CONTROL, USER_DEFINED = 3, 4
@@ -45,6 +48,17 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
            r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|"
           r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|"
+           r"[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+           r"\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+          r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+          r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_REGEXES = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "qwen2": _QWEN2, "qwen35": _QWEN35,
+            "gpt-4o": _GPT4O}
+"""Pre-tokenizer names (llama.cpp's) -> the split regex of the model's tokenizer.json."""
 _STARCODER_FAMILY = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
                      "minerva")
 
@@ -61,10 +75,10 @@ def pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
     if name in _STARCODER_FAMILY:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         byte_level])
-    regex = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "qwen2": _QWEN2}.get(name)
+    regex = _REGEXES.get(name)
     if regex is None:
         raise TokenizerError(f"pre-tokenizer {name!r} (tokenizer.ggml.pre) is not supported; "
-                             "supported: gpt2, llama-bpe, qwen2, " + ", ".join(_STARCODER_FAMILY))
+                             "supported: gpt2, " + ", ".join([*_REGEXES, *_STARCODER_FAMILY]))
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(regex), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -105,10 +119,25 @@ class Tokenizer:
     """Text <-> token ids for one model; also the chat template's source text."""
 
     def __init__(self, tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str],
-                 pre: str, special: SpecialTokens, chat_template: str | None = None) -> None:
+                 pre: str, special: SpecialTokens, chat_template: str | None = None, *,
+                 sentencepiece: tuple[Sequence[float], bool] | None = None) -> None:
+        """A byte-level BPE of ``merges`` split by the pre-tokenizer ``pre``; or, given
+        ``sentencepiece`` = (scores, add_space_prefix), a SentencePiece vocabulary."""
         self.tokens = list(tokens)
         self.special = special
         self.chat_template = chat_template
+        self._special_ids = frozenset(i for i, k in enumerate(token_types)
+                                      if k in (CONTROL, USER_DEFINED))
+        self._hf: HFTokenizer | None = None
+        self._spm: SentencePiece | None = None
+        if sentencepiece is not None:
+            scores, prefix = sentencepiece
+            self._spm = SentencePiece(
+                self.tokens, scores, token_types, sorted(self._special_ids),
+                [i for i, k in enumerate(token_types) if k == USER_DEFINED], prefix)
+            self._bytes = [t.encode() if i in self._special_ids else self._spm.token_bytes[i]
+                           for i, t in enumerate(self.tokens)]
+            return
         vocab = {t: i for i, t in enumerate(self.tokens)}
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         hf = HFTokenizer(BPE(vocab=vocab, merges=pairs, ignore_merges=False))  # type: ignore[arg-type]
@@ -117,8 +146,6 @@ class Tokenizer:
                                for t, kind in zip(self.tokens, token_types, strict=True)
                                if kind in (CONTROL, USER_DEFINED)])
         self._hf = hf
-        self._special_ids = frozenset(i for i, k in enumerate(token_types)
-                                      if k in (CONTROL, USER_DEFINED))
         byte_of = _unicode_to_byte()
         self._bytes = [t.encode() if i in self._special_ids else
                        bytes(byte_of.get(c, 0x3F) for c in t) for i, t in enumerate(self.tokens)]
@@ -143,6 +170,9 @@ class Tokenizer:
 
         BOS is never added here: the chat template (or the caller) decides.
         """
+        if self._spm is not None:
+            return self._spm.encode(text, special=special)
+        assert self._hf is not None
         self._hf.encode_special_tokens = not special
         return list(self._hf.encode(text, add_special_tokens=False).ids)
 
@@ -196,15 +226,21 @@ def _from_gguf(path: Path) -> Tokenizer:
 
 def _from_meta(meta: dict[str, object], source: str) -> Tokenizer:
     kind = _text(meta.get("tokenizer.ggml.model", b""))
-    if kind != "gpt2":
-        raise TokenizerError(f"{source}: tokenizer model {kind!r} is not supported (only "
-                             "byte-level BPE, tokenizer.ggml.model = \"gpt2\")")
+    if kind not in ("gpt2", "llama"):
+        raise TokenizerError(f"{source}: tokenizer model {kind!r} is not supported (supported: "
+                             "byte-level BPE \"gpt2\", SentencePiece \"llama\")")
     tokens = [_text(t) for t in _strings(meta, "tokenizer.ggml.tokens", source)]
-    merges = [_text(m) for m in _strings(meta, "tokenizer.ggml.merges", source)]
-    types_raw = meta.get("tokenizer.ggml.token_type")
-    types = (list(struct.unpack(f"<{len(tokens)}i", types_raw[1]))
-             if isinstance(types_raw, tuple) and len(types_raw[1]) == 4 * len(tokens)
-             else [1] * len(tokens))
+    types = _numbers(meta, "tokenizer.ggml.token_type", "i", len(tokens)) or [1] * len(tokens)
+    merges: list[str] = []
+    sentencepiece = None
+    if kind == "llama":
+        scores = _numbers(meta, "tokenizer.ggml.scores", "f", len(tokens))
+        if scores is None:
+            raise TokenizerError(f"{source} lacks tokenizer.ggml.scores: a SentencePiece "
+                                 "vocabulary needs its token scores")
+        sentencepiece = scores, bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    else:
+        merges = [_text(m) for m in _strings(meta, "tokenizer.ggml.merges", source)]
 
     def token_id(name: str) -> int | None:
         value = meta.get(f"tokenizer.ggml.{name}_token_id")
@@ -218,7 +254,8 @@ def _from_meta(meta: dict[str, object], source: str) -> Tokenizer:
                             end_of_generation=frozenset(ends))
     template = meta.get("tokenizer.chat_template")
     return Tokenizer(tokens, types, merges, _text(meta.get("tokenizer.ggml.pre", b"default")),
-                     special, _text(template) if template else None)
+                     special, _text(template) if template else None,
+                     sentencepiece=sentencepiece)
 
 
 def _strings(meta: dict[str, object], key: str, source: str) -> list[bytes]:
@@ -226,6 +263,16 @@ def _strings(meta: dict[str, object], key: str, source: str) -> list[bytes]:
     if not (isinstance(value, tuple) and isinstance(value[1], list)):
         raise TokenizerError(f"{source} lacks {key}: the GGUF has no usable tokenizer")
     return value[1]
+
+
+def _numbers(meta: dict[str, object], key: str, code: str, n: int) -> list | None:
+    """A numeric array of ``n`` items ("i" int32, "f" float32), or None if absent."""
+    value = meta.get(key)
+    if isinstance(value, tuple) and isinstance(value[1], bytes) and len(value[1]) == 4 * n:
+        return list(struct.unpack(f"<{n}{code}", value[1]))
+    if isinstance(value, tuple) and isinstance(value[1], list) and len(value[1]) == n:
+        return list(value[1])
+    return None
 
 
 def _text(value: object) -> str:
