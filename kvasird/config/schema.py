@@ -150,6 +150,10 @@ class InferenceConfig:
     """Sessions this node serves at once; more are refused as busy."""
     kv_slots: int = field(default=8192, metadata=_range(64, 1 << 22))
     """KV cache slots (tokens, all sessions together) of each layer window served."""
+    state_slots: int = field(default=8, metadata=_range(1, 4096))
+    """Sessions that can hold a recurrent state at once in each layer window with delta-net
+    layers (Qwen3.5): a fixed block per session (about 2 MiB per delta-net layer at
+    Qwen3.5-35B's width), preallocated; more sessions are refused as busy."""
     kv_dtype: str = field(default="f16", metadata=_choice("f16", "f32"))
     """KV cache precision: "f16" (half the memory; llama.cpp's default, with which our
     logits equal llama.cpp's bit for bit) or "f32"."""

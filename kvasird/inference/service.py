@@ -248,7 +248,7 @@ class InferenceService:
             served = None if not held else await trio.to_thread.run_sync(lambda: Served.build(
                 self._sources(held), wanted, threads=c.compute.threads,
                 kv_slots=c.inference.kv_slots, kv_dtype=c.inference.kv_dtype,
-                remote=self.dispatcher.shard))
+                state_slots=c.inference.state_slots, remote=self.dispatcher.shard))
             old, self.served, self.holdings = self.served, served, wanted
             if old is not None and self._nursery is not None:
                 self._nursery.start_soon(self._retire, old)

@@ -395,6 +395,27 @@ async def test_admission_refuses_with_a_reason_and_unknown_sessions_are_gone(
         a.close()
 
 
+async def test_sessions_beyond_the_recurrent_state_slots_are_busy_until_one_closes(
+        tmp_path: Path) -> None:
+    """A delta-net layer's state is a fixed block per session: a stage admits only as many
+    sessions as it has state slots, and a closed session's slot serves the next."""
+    hybrid = make_model(tmp_path / "qwen35.gguf", arch="qwen35", n_layer=2, dtype="f32")
+    a = Served.build([hybrid], Holdings(head=True, windows=((0, 2),)), threads=1, kv_slots=128,
+                     remote=_no_remote, state_slots=1)
+    try:
+        server = StageServer(lambda: "m", lambda: a, max_sessions=4, idle_s=60, wire_dtype="f32")
+        await call(server, open_msg("one", 0, 2, True, True))
+        await call(server, {"op": "step", "sid": "one", "start": 0, "ids": [1, 2],
+                            "x": tensors.encode(np.array([1, 2]), "i32")})
+        with pytest.raises(Refusal) as exc:
+            await call(server, open_msg("two", 0, 2, True, True))
+        assert exc.value.code == "busy" and "recurrent-state" in exc.value.detail
+        await call(server, {"op": "close", "sid": "one"})
+        await call(server, open_msg("two", 0, 2, True, True))
+    finally:
+        a.close()
+
+
 async def test_concurrent_requests_for_one_layer_are_batched_into_one_call(worker: Served) -> None:
     experts = ExpertServer(lambda: worker, window_s=0.05, wire_dtype="f32")
     rng = np.random.default_rng(1)

@@ -33,6 +33,8 @@ SHAPES = {
     "mixtral": {"n_ff_exp": 384, "n_expert": 8, "n_expert_used": 2},
     "gemma3": {"n_ff": 3072},
     "qwen3moe": {"n_ff_exp": 384, "n_expert": 8, "n_expert_used": 2},
+    "qwen35": {"n_ff": 3072},
+    "qwen35moe": {"n_ff_exp": 384, "n_expert": 8, "n_expert_used": 2},
 }
 
 

@@ -244,6 +244,9 @@ class StageServer:
             if stage.kv.max_session_tokens < m.max_tokens or stage.kv.free_tokens < need:
                 raise Refusal("busy", f"KV cache has {stage.kv.free_tokens} free slots, "
                                       f"the session needs {need}")
+            if stage.kv.recurrent and not stage.kv.free_states:
+                raise Refusal("busy", f"all {stage.kv.spec.state_slots} recurrent-state slots "
+                                      "of this stage's delta-net layers are in use")
         sampler = None
         if m.head:
             constraint = None
