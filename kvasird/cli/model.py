@@ -65,6 +65,9 @@ def _add(args: argparse.Namespace) -> int:
 
     t = time.perf_counter()
     ref = ModelRef.parse(args.source)
+    if ref.kind == "path":  # refused before it is hashed and copied, with what is supported
+        from kvasird.compute.arch import check_file
+        check_file(Path(ref.value).expanduser())
     with _store(args) as store, TerminalBar("hashing", 0) as bar:
         meters: dict[str, Meter] = {}
 

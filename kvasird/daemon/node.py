@@ -26,6 +26,7 @@ from kvasird.logs import get_logger
 from kvasird.market.records import Capabilities
 from kvasird.market.service import MarketService, metadata_only
 from kvasird.model.distribution import ShardService
+from kvasird.compute import arch as archs
 from kvasird.model.gguffile import read_header
 from kvasird.model.ref import ModelRef
 from kvasird.model.store import ShardStore
@@ -129,7 +130,10 @@ class Node:
         if text:
             ref = ModelRef.parse(text, f"{self.home.config}: [market] model")
             if ref.kind == "path":
-                read_header(Path(ref.value).expanduser())
+                path = Path(ref.value).expanduser()
+                read_header(path)
+                if self.config.inference.serve:
+                    archs.check_file(path)
 
     async def _tell_systemd_when_serving(self) -> None:
         """Type=notify: READY=1 once the gateway can serve its model (at once on a node with

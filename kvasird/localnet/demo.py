@@ -18,6 +18,7 @@ import httpx
 import trio
 from solders.pubkey import Pubkey
 
+from kvasird.compute import arch as archs
 from kvasird.localnet.launcher import LocalNet, LocalNetError, LocalNode
 from kvasird.model.manifest import Manifest
 from kvasird.settlement.chain import ChainClient
@@ -33,12 +34,16 @@ are a helpful assistant." the first token led by 0.13: the CPU's rounding picked
 
 def serve_model(net: LocalNet, path: Path) -> Manifest:
     """Configure the nodes so that the market splits the GGUF at ``path`` among them (call
-    before up)."""
+    before up). A file the engine cannot serve is refused here, in seconds, with what is
+    supported (not after the wait for coverage)."""
+    archs.check_file(path)
     manifest = Manifest.from_gguf(path)
     n = len(net.nodes)
     # Each node may hold a bit more than its share: together they cover the model once,
-    # and the market, not this function, decides which node holds which units.
-    budget_mb = int(manifest.total_bytes * 1.35 / n / 2**20) + 1
+    # and the market, not this function, decides which node holds which units. The
+    # largest unit (the head, with a large vocabulary) must fit one node's budget.
+    largest = max(manifest.unit_sizes.values())
+    budget_mb = int(max(manifest.total_bytes * 1.35 / n, largest * 1.05) / 2**20) + 1
     net.settings.update({"market.memory_budget_mb": budget_mb, "market.target_replicas": 1,
                          "market.heartbeat_s": 1.0, "market.rebalance_s": 2.0,
                          "market.enroll_delay_s": 1.0, "compute.threads": 1})

@@ -10,11 +10,13 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+from test_damaged_state import foreign_model  # type: ignore[import-not-found]
 
 from kvasird.compute.stage import Stage
 from kvasird.inference.tokenizer import Tokenizer
@@ -143,3 +145,31 @@ def test_a_localnet_of_the_architecture_answers_as_one_process_and_llamacpp_do(
     reference = llamacpp(path)
     if reference is not None:
         matches(got, *reference, tokenizer)
+
+
+def test_a_file_the_engine_cannot_serve_ends_localnet_up_in_seconds(tmp_path: Path) -> None:
+    """It used to start three daemons and wait 240 s for a coverage that never came."""
+    model = foreign_model(tmp_path / "phi3.gguf")
+    began = time.monotonic()
+    up = subprocess.run([sys.executable, "-m", "kvasird", "localnet", "up", "--nodes", "3",
+                         "--detach", "--model", str(model), "--dir", str(tmp_path / "ln")],
+                        capture_output=True, text=True, timeout=120)
+    assert up.returncode == 1, up.stdout + up.stderr
+    assert "architecture 'phi3' is not supported (supported: llama" in up.stderr
+    assert time.monotonic() - began < 60 and not (tmp_path / "ln").exists()
+
+
+def test_a_model_whose_head_outweighs_a_share_is_still_split(tmp_path: Path) -> None:
+    """A large vocabulary's head (here 91 % of the file) is more than a third of the model
+    plus slack: the budgets grow to fit it, so one node takes it and the rest is split."""
+    path = make_model(tmp_path / "wide.gguf", arch="qwen3", n_layer=4, n_embd=256, n_head=4,
+                      n_head_kv=2, head_dim=64, dtype="q8_0", tied_output=True, seed=3)
+    root = tmp_path / "ln"
+    kvasird = [sys.executable, "-m", "kvasird", "localnet"]
+    try:
+        up = subprocess.run([*kvasird, "up", "--nodes", "3", "--detach", "--model", str(path),
+                             "--dir", str(root)], capture_output=True, text=True, timeout=420)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert re.search(r"^  node\d: .*\+ head", up.stdout, re.M), up.stdout
+    finally:
+        subprocess.run([*kvasird, "down", "--dir", str(root)], capture_output=True, timeout=120)

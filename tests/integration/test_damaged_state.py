@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from gguf import GGUFWriter
 
 from kvasird.cli.init import init_home
 from kvasird.db import connect, ensure_schema
 from kvasird.home import Home
-from kvasird.model.testmodels import make_model
+from kvasird.model.testmodels import make_model, save
 
 pytestmark = pytest.mark.slow
 
@@ -121,3 +123,24 @@ def test_a_model_file_that_is_no_gguf_is_refused_before_ready(tmp_path: Path) ->
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"kvasird: {bad} is not a GGUF file (bad magic)"
     assert '"ready"' not in proc.stderr and "ready" not in proc.stdout
+
+
+def foreign_model(path: Path) -> Path:
+    """A GGUF of an architecture the engine does not serve (phi3), as such a file starts."""
+    writer = GGUFWriter(str(path), "phi3")
+    writer.add_uint32("phi3.block_count", 1)
+    writer.add_uint32("phi3.embedding_length", 8)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    return save(writer, path)
+
+
+def test_a_model_of_an_architecture_not_served_is_refused_at_start(tmp_path: Path) -> None:
+    model = foreign_model(tmp_path / "phi3.gguf")
+    home = _home(tmp_path, **{"market.model": str(model), "market.memory_budget_mb": 100})
+    line = _refusal(home)
+    assert f"{model}: architecture 'phi3' is not supported (supported: llama," in line
+    assert "qwen35moe" in line
+    done = subprocess.run([sys.executable, "-m", "kvasird", "--home", str(tmp_path / "h2"),
+                           "model", "add", str(model)], capture_output=True, text=True,
+                          timeout=RUN_S)
+    assert done.returncode == 1 and "architecture 'phi3' is not supported" in done.stderr

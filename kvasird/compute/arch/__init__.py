@@ -17,9 +17,11 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvasird.compute.blocks import Blocks, RouterOut
 from kvasird.compute.errors import WeightsError
+from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Tensor
 from kvasird.compute.hparams import HParams
 
@@ -104,3 +106,17 @@ def get(name: str, n_expert: int | None = None) -> Architecture:
 
 def for_hparams(hp: HParams) -> Architecture:
     return get(hp.arch, hp.n_expert)
+
+
+def check_file(path: str | Path) -> HParams:
+    """What the engine needs of a GGUF before anything is loaded, imported or announced: an
+    architecture it serves, in a layout it supports. WeightsError says what is supported."""
+    f = GGUFFile(path)
+    name = f.get("general.architecture")
+    if not isinstance(name, str):
+        raise WeightsError(f"{f.path} names no general.architecture: it is no model file")
+    try:
+        get(name, int(f.get(f"{name}.expert_count", 0) or 0))
+    except WeightsError as exc:
+        raise WeightsError(f"{f.path}: {exc}") from None
+    return HParams.from_gguf(f)
