@@ -145,7 +145,8 @@ class Gateway:
             from kvasird.inference.local import LocalGenerator  # deferred: loads ggml
 
             def load(path: Path, model_id: str) -> Generator:
-                return LocalGenerator.open(path, model_id, _label(path),
+                return LocalGenerator.open(path, model_id,
+                                           node.shards.store.name_of(model_id) or _label(path),
                                            threads=cfg.compute.threads,
                                            kv_tokens=cfg.gateway.kv_tokens)
         swarm = None if load is not None else node.inference.generator

@@ -124,12 +124,15 @@ class ShardStore:
 
     # models
 
-    def add_manifest(self, manifest: Manifest, name: str = "", source: str = "peer") -> None:
+    def add_manifest(self, manifest: Manifest, name: str = "", source: str = "peer",
+                     default: str = "") -> None:
+        """Know ``manifest``'s model, listed as ``name`` (it replaces the name it had), or,
+        for a model new here, ``default`` or the human name of its metadata."""
         path = self._manifest_path(manifest.model_id)
         if not path.exists():
             _write_atomic(path, manifest.raw)
         self._manifests[manifest.model_id] = manifest
-        shown = name or human_name({k: v for k, _, v in manifest.metadata})
+        shown = name or default or human_name({k: v for k, _, v in manifest.metadata})
         with self._db:
             self._db.execute(
                 "INSERT OR IGNORE INTO shard_models VALUES (?, ?, ?, ?, ?, ?)",
@@ -166,6 +169,13 @@ class ShardStore:
             raise StoreError(f"{which} {ref!r}: see `kvasird model list`")
         return ids[0]
 
+    def name_of(self, model_id: str) -> str | None:
+        """The name a model is listed under (`kvasird model add --name`, else its human
+        name), or None if the store does not know it."""
+        row = self._db.execute("SELECT name FROM shard_models WHERE model_id = ?",
+                               (model_id,)).fetchone()
+        return row[0] if row and row[0] else None
+
     def models(self) -> list[ModelRecord]:
         out = []
         rows = self._db.execute("SELECT model_id, name, arch, total_bytes, source "
@@ -184,8 +194,9 @@ class ShardStore:
         the hashing of the file, then the storing of its pieces."""
         manifest = Manifest.from_gguf(path, progress=None if progress is None else (
             lambda done, total: progress("hashing", done, total)))
-        self.add_manifest(manifest, name or human_name(
-            {k: v for k, _, v in manifest.metadata}, path.name), source or str(path))
+        # a daemon importing its [market] model again keeps the name the owner gave it
+        self.add_manifest(manifest, name, source or str(path), default=human_name(
+            {k: v for k, _, v in manifest.metadata}, path.name))
         units = list(manifest.unit_sizes)
         self.begin(manifest.model_id, units)
         done, total = 0, manifest.total_bytes
