@@ -7,7 +7,8 @@ For each architecture the generator writes (kvasird.model.testmodels.ARCHS) and 
 weight type, a tiny random-weight model is generated (the bundled tokenizer, real
 llama.cpp metadata), and llama.cpp (llama-cpp-python from .cache/llamacpp-venv, built by
 native/llamacpp) and kvasird (one stage holding the whole model, F16 KV as llama.cpp's
-default) run the same random prompts. One table: cosine, top-1 agreement and max |delta|
+default) run the same random prompts; gpt-oss also as its files ship, its experts in
+MXFP4 and the rest Q8_0 (type "mxfp4"). One table: cosine, top-1 agreement and max |delta|
 of the last-position logits over all prompts, and how many prompts' greedy continuations
 are equal token for token.
 """
@@ -43,6 +44,10 @@ def measure(path: Path, prompts: list[list[int]], n_new: int) -> dict[str, float
             "greedy": f"{agree}/{len(prompts)}"}
 
 
+AS_SHIPPED = {"gpt-oss": {"mxfp4": {"dtype": "q8_0", "expert_dtype": "mxfp4"}}}
+"""Extra rows: an architecture's released files' mix of types, by the row's type label."""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=8, help="random prompts per model")
@@ -62,9 +67,10 @@ def main() -> int:
           f"{'greedy equal':>13}")
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ARCHS:
-            for dtype in args.dtypes.split(","):
+            rows = {t: {"dtype": t} for t in args.dtypes.split(",")} | AS_SHIPPED.get(arch, {})
+            for dtype, types in rows.items():
                 path = make_model(Path(tmp) / f"{arch}_{dtype}.gguf", arch=arch,
-                                  n_layer=args.layers, dtype=dtype)
+                                  n_layer=args.layers, **types)
                 label = archs.for_hparams(HParams.from_gguf(GGUFFile(path))).label
                 r = measure(path, prompts, args.new)
                 print(f"{label:20} {dtype:6} {r['cosine']:12.9f} {r['top1']:6.2f} "

@@ -120,7 +120,9 @@ def _print_holdings(net: LocalNet) -> None:
         span = ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a)
                          for a, b in contiguous_runs(layers)) or "none"
         head = " + head" if "head" in held else ""
-        print(f"  node{node.index}: layers {span}{head}")
+        experts = sum(u.startswith("expert:") for u in held)
+        print(f"  node{node.index}: layers {span}{head}"
+              + (f" + {experts} experts" if experts else ""))
 
 
 def _print_snippets(gateway: str, model: str) -> None:

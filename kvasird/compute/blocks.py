@@ -32,6 +32,8 @@ SWIGLU = ggml.ggml_swiglu_split
 """silu(gate) * up (llama, qwen3)."""
 GEGLU = ggml.ggml_geglu_split
 """gelu(gate) * up, ggml's tanh approximation (gemma)."""
+SWIGLU_ALPHA = 1.702
+"""The clamped SwiGLU's sigmoid slope (gpt-oss)."""
 
 
 def l2_norm(ctx: object, x: Tensor, eps: float) -> Tensor:
@@ -128,6 +130,12 @@ class Blocks:
     def mm(self, weight: str, x: Tensor) -> Tensor:
         return ggml.ggml_mul_mat(self.ctx, self.t(weight), x)
 
+    def linear(self, name: str, x: Tensor) -> Tensor:
+        """name.weight · x, plus name.bias where the layer has one."""
+        out = self.mm(name + ".weight", x)
+        bias = name + ".bias"
+        return ggml.ggml_add(self.ctx, out, self.t(bias)) if self.w.has(bias) else out
+
     def embed(self, tokens: Tensor, scale: float | None = None) -> Tensor:
         x = ggml.ggml_get_rows(self.ctx, self.t("token_embd.weight"), tokens)
         return x if scale is None else ggml.ggml_scale(self.ctx, x, scale)
@@ -161,29 +169,34 @@ class Blocks:
         product itself (gemma), as llama.cpp does: with an F16 cache that rounds otherwise."""
         hp, ctx, p = self.hp, self.ctx, f"blk.{layer}."
         d, T = hp.head_dim, self.T
-        q = ggml.ggml_reshape_3d(ctx, self.mm(p + "attn_q.weight", cur), d, hp.n_head, T)
-        k = ggml.ggml_reshape_3d(ctx, self.mm(p + "attn_k.weight", cur), d, hp.n_head_kv, T)
-        v = self.mm(p + "attn_v.weight", cur)
+        q = ggml.ggml_reshape_3d(ctx, self.linear(p + "attn_q", cur), d, hp.n_head, T)
+        k = ggml.ggml_reshape_3d(ctx, self.linear(p + "attn_k", cur), d, hp.n_head_kv, T)
+        v = self.linear(p + "attn_v", cur)
         if qk_norm:
             q = self.norm(q, p + "attn_q_norm.weight")
             k = self.norm(k, p + "attn_k_norm.weight")
         swa = hp.is_swa(layer)
-        base = hp.rope_base_swa if swa else hp.rope_base
-        q = self.rope(q, rope_mode, base)
-        k = self.rope(k, rope_mode, base)
+        q = self.rope(q, rope_mode, layer)
+        k = self.rope(k, rope_mode, layer)
         scale = hp.attn_scale or 1.0 / math.sqrt(d)
         if scale_q:
             q, scale = ggml.ggml_scale(ctx, q, scale), 1.0
         out = self.attend(layer, q, k, v, scale, self.mask_swa if swa else self.mask)
-        return self.mm(p + "attn_output.weight", out)
+        return self.linear(p + "attn_output", out)
 
-    def rope(self, x: Tensor, mode: int, base: float) -> Tensor:
+    def rope(self, x: Tensor, mode: int, layer: int) -> Tensor:
+        """RoPE with the layer's base and frequency scale (sliding-window layers may have
+        their own), YaRN-corrected where the model scales with YaRN."""
+        hp = self.hp
+        swa = hp.is_swa(layer)
+        base, scale = (hp.rope_base_swa, hp.rope_scale_swa) if swa else \
+            (hp.rope_base, hp.rope_scale)
+        yarn = (hp.yarn_ext, hp.yarn_attn, 32.0, 1.0)
         if mode == ROPE_IMROPE:
-            return ggml.ggml_rope_multi(self.ctx, x, self.pos_sections, None, self.hp.rot_dims,
-                                        rope_sections(self.hp), mode, self.hp.n_ctx_train, base,
-                                        1.0, 0.0, 1.0, 32.0, 1.0)
-        return ggml.ggml_rope_ext(self.ctx, x, self.pos, None, self.hp.head_dim, mode,
-                                  self.hp.n_ctx_train, base, 1.0, 0.0, 1.0, 32.0, 1.0)
+            return ggml.ggml_rope_multi(self.ctx, x, self.pos_sections, None, hp.rot_dims,
+                                        rope_sections(hp), mode, hp.rope_ctx, base, scale, *yarn)
+        return ggml.ggml_rope_ext(self.ctx, x, self.pos, None, hp.head_dim, mode, hp.rope_ctx,
+                                  base, scale, *yarn)
 
     def gated_attention(self, layer: int, cur: Tensor) -> Tensor:
         """attn_output(attention(cur) * sigmoid(gate)), no residual: Qwen3.5's full attention.
@@ -199,8 +212,8 @@ class Blocks:
                                      2 * d * hp.n_head * size, at * d * size) for at in (0, 1))
         gate = ggml.ggml_cont_2d(ctx, gate, d * hp.n_head, T)
         k = ggml.ggml_reshape_3d(ctx, self.mm(p + "attn_k.weight", cur), d, hp.n_head_kv, T)
-        q = self.rope(self.norm(q, p + "attn_q_norm.weight"), ROPE_IMROPE, hp.rope_base)
-        k = self.rope(self.norm(k, p + "attn_k_norm.weight"), ROPE_IMROPE, hp.rope_base)
+        q = self.rope(self.norm(q, p + "attn_q_norm.weight"), ROPE_IMROPE, layer)
+        k = self.rope(self.norm(k, p + "attn_k_norm.weight"), ROPE_IMROPE, layer)
         out = self.attend(layer, q, k, self.mm(p + "attn_v.weight", cur), 1.0 / math.sqrt(d),
                           self.mask)
         gated = ggml.ggml_mul(ctx, out, ggml.ggml_sigmoid(ctx, gate))
@@ -291,6 +304,9 @@ class Blocks:
         qq = ggml.ggml_permute(ctx, q, 0, 2, 1, 3)                     # [d, T, h]
         kq = ggml.ggml_mul_mat(ctx, kk, qq)                            # [n_kv, T, h]
         kq = ggml.ggml_soft_max_ext(ctx, kq, mask, scale, 0.0)
+        sinks = f"blk.{layer}.attn_sinks.weight"
+        if self.w.has(sinks):  # a learned per-head logit in each softmax, its weight dropped
+            ggml.ggml_soft_max_add_sinks(kq, self.t(sinks))
         kqv = ggml.ggml_mul_mat(ctx, vt, kq)                           # [d, T, h]
         merged = ggml.ggml_permute(ctx, kqv, 0, 2, 1, 3)               # [d, h, T]
         return ggml.ggml_cont_2d(ctx, merged, hp.head_dim * hp.n_head, T)
@@ -315,28 +331,42 @@ class Blocks:
                              ggml.ggml_sigmoid(self.ctx, gate))
 
     def router(self, layer: int, x: Tensor, normalise: bool, norm: str = "ffn_norm.weight",
-               shared: bool = False) -> RouterOut:
-        """Router authority: softmax over all experts, top-k, optionally renormalise the k;
-        the FFN input is x normed by `norm`; with `shared`, the shared expert runs here too."""
+               shared: bool = False, softmax_after: bool = False) -> RouterOut:
+        """Router authority: softmax over all experts, top-k, optionally renormalise the k
+        (`softmax_after`: top-k of the logits, then softmax over the k); the FFN input is
+        x normed by `norm`; with `shared`, the shared expert runs here too."""
         hp, ctx, p, T = self.hp, self.ctx, f"blk.{layer}.", self.T
         cur = self.norm(x, p + norm)
-        probs = ggml.ggml_soft_max(ctx, self.mm(p + "ffn_gate_inp.weight", cur))  # [n_exp, T]
+        logits = self.linear(p + "ffn_gate_inp", cur)                            # [n_exp, T]
+        probs = logits if softmax_after else ggml.ggml_soft_max(ctx, logits)
         ids = ggml.ggml_argsort_top_k(ctx, probs, hp.n_expert_used)               # [k, T]
         w = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, hp.n_expert, T), ids)
         w = ggml.ggml_reshape_2d(ctx, w, hp.n_expert_used, T)
+        if softmax_after:
+            w = ggml.ggml_soft_max(ctx, w)
         if normalise:
             w = ggml.ggml_div(ctx, w, ggml.ggml_sum_rows(ctx, w))
         return RouterOut(resid=x, cur=cur, ids=ids, weights=w,
                          shared=self.shared_expert(layer, cur) if shared else None)
 
     def experts(self, layer: int, cur: Tensor, ids: Tensor) -> Tensor:
-        """Per (token, slot) expert FFN outputs [n_embd, k, T] for local ids [k, T]."""
+        """Per (token, slot) expert FFN outputs [n_embd, k, T] for local ids [k, T]: each
+        projection plus its expert's bias where the model has them, SwiGLU (clamped where
+        the model clamps it)."""
         p, ctx, T = f"blk.{layer}.", self.ctx, int(cur.contents.ne[1])
         x3 = ggml.ggml_reshape_3d(ctx, cur, int(cur.contents.ne[0]), 1, T)
-        gate = ggml.ggml_mul_mat_id(ctx, self.t(p + "ffn_gate_exps.weight"), x3, ids)
-        up = ggml.ggml_mul_mat_id(ctx, self.t(p + "ffn_up_exps.weight"), x3, ids)
-        return ggml.ggml_mul_mat_id(ctx, self.t(p + "ffn_down_exps.weight"),
-                                    ggml.ggml_swiglu_split(ctx, gate, up), ids)
+
+        def project(kind: str, x: Tensor) -> Tensor:
+            out = ggml.ggml_mul_mat_id(ctx, self.t(p + f"ffn_{kind}_exps.weight"), x, ids)
+            if not self.hp.expert_biases:
+                return out
+            return ggml.ggml_add_id(ctx, out, self.t(p + f"ffn_{kind}_exps.bias"), ids)
+
+        gate, up = project("gate", x3), project("up", x3)
+        limit = self.hp.swiglu_limit
+        act = ggml.ggml_swiglu_oai(ctx, gate, up, SWIGLU_ALPHA, limit) if limit else \
+            ggml.ggml_swiglu_split(ctx, gate, up)
+        return project("down", act)
 
     def combine(self, r: RouterOut, outs: Tensor) -> Tensor:
         """resid + (sum_k weight_k * expert_k [+ shared]), summed in slot order (as

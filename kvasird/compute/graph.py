@@ -171,7 +171,11 @@ class Graph:
                                                         no_alloc=True))
         self.backend = backend
         builder = Builder(self.ctx)
-        self.outputs = build(builder)
+        try:
+            self.outputs = build(builder)
+        except BaseException:  # a build that refuses (a tensor not loaded) frees its context
+            ggml.ggml_free(self.ctx)
+            raise
         self.inputs = builder.inputs
         self.graph = ggml.ggml_new_graph_custom(self.ctx, max_nodes, False)
         for t in self.outputs.values():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvasird.compute.errors import WeightsError
 from kvasird.compute.ggufview import ArrayLen, GGUFFile
 
@@ -14,7 +16,7 @@ class HParams:
 
     arch: str
     """llama.cpp architecture name ("llama", "qwen3", "qwen3moe", "gemma3", "qwen35",
-    "qwen35moe"); "llama" with experts is Mixtral's layout (compute.arch.for_hparams tells
+    "qwen35moe", "gpt-oss"); "llama" with experts is Mixtral's layout (compute.arch.for_hparams tells
     them apart)."""
     n_layer: int
     """Transformer blocks in the whole model (not only those held), without the draft
@@ -73,6 +75,26 @@ class HParams:
     head j mod ssm_k_heads)."""
     n_ff_shexp: int = 0
     """Hidden size of the shared expert beside the routed ones (0: no shared expert)."""
+    rope_scale: float = 1.0
+    """RoPE frequency scale, 1 / rope.scaling.factor (linear or YaRN scaling; 1: none)."""
+    rope_scale_swa: float = 1.0
+    """RoPE frequency scale of the sliding-window layers."""
+    yarn_ext: float = 0.0
+    """YaRN's extrapolation mix (1 with YaRN scaling, 0 without)."""
+    yarn_attn: float = 1.0
+    """YaRN's magnitude factor as llama.cpp passes it to RoPE (ggml scales it again)."""
+    n_ctx_orig: int = 0
+    """Context RoPE's YaRN corrections are computed for (0: n_ctx_train)."""
+    swiglu_limit: float = 0.0
+    """The experts' clamped SwiGLU (gpt-oss): gate clamped above and up within this limit,
+    gate·sigmoid(1.702·gate)·(up + 1) (0: plain SwiGLU)."""
+    expert_biases: bool = False
+    """The experts' projections have biases (gpt-oss): experts loaded without them are
+    refused when their graph is built, never computed without."""
+
+    @property
+    def rope_ctx(self) -> int:
+        return self.n_ctx_orig or self.n_ctx_train
 
     @property
     def kv_dim(self) -> int:
@@ -141,6 +163,9 @@ class HParams:
             logit_softcap=float(f.get(k + "final_logit_softcapping", 0.0)),
             n_rot=int(f.get(k + "rope.dimension_count", 0)),
             **_delta_net(f, arch, n_layer),
+            **_rope_scaling(f, arch),
+            swiglu_limit=7.0 if arch == "gpt-oss" else 0.0,
+            expert_biases=arch == "gpt-oss",
         )
         value_len = int(f.get(k + "attention.value_length", hp.head_dim))
         n_rot = hp.rot_dims
@@ -193,7 +218,7 @@ def _delta_net(f: GGUFFile, arch: str, n_layer: int) -> dict[str, object]:
             if arch == "qwen35moe" else 0}
 
 
-_SWA_PATTERN = {"gemma3": 6}
+_SWA_PATTERN = {"gemma3": 6, "gpt-oss": 2}
 """llama.cpp's default sliding-window pattern per architecture, when the file has none:
 every n-th layer (the last of each n) attends globally, the others through the window."""
 
@@ -209,8 +234,32 @@ def _windows(f: GGUFFile, arch: str, n_layer: int) -> dict[str, object]:
         raise WeightsError(f"{f.path}: a per-layer sliding_window_pattern array is not "
                            "supported (only llama.cpp's every-n-th-layer-global pattern)")
     layers = tuple(n == 0 or i % n < n - 1 for i in range(n_layer))
+    # gpt-oss's windowed layers rotate as the others unless the file says
+    base = float(f.get(k + "rope.freq_base", 10000.0)) if arch == "gpt-oss" else 10000.0
     return {"n_swa": n_swa, "swa_layers": layers,
-            "rope_base_swa": float(f.get(k + "rope.freq_base_swa", 10000.0))}
+            "rope_base_swa": float(f.get(k + "rope.freq_base_swa", base))}
+
+
+def _rope_scaling(f: GGUFFile, arch: str) -> dict[str, object]:
+    """RoPE scaling as llama.cpp sets it up for a context: the frequency scale from
+    rope.scaling.factor, and with YaRN the extrapolation mix and the magnitude factor,
+    computed in float32 as llama.cpp computes them (its YaRN factor cancels ggml's)."""
+    k = f"{arch}."
+    kind = str(f.get(k + "rope.scaling.type", "linear"))
+    if kind not in ("none", "linear", "yarn"):
+        raise WeightsError(f"{f.path}: RoPE scaling {kind!r} is not supported "
+                           "(only none, linear and yarn)")
+    factor = float(f.get(k + "rope.scaling.factor", 0.0) or 0.0)
+    scale = 1.0 if kind == "none" or factor == 0.0 else float(np.float32(1) / np.float32(factor))
+    attn = np.float32(1)
+    if kind == "yarn":
+        ln = np.log(np.float32(1) / np.float32(scale), dtype=np.float32)
+        mscale = np.float32(0.1) * ln + np.float32(1) if scale < 1.0 else np.float32(1)
+        attn = np.float32(mscale * (np.float32(1) / (np.float32(1) + np.float32(0.1) * ln)))
+    attn = np.float32(attn * np.float32(f.get(k + "rope.scaling.attn_factor", 1.0)))
+    return {"rope_scale": scale, "rope_scale_swa": scale if arch == "gpt-oss" else 1.0,
+            "yarn_ext": 1.0 if kind == "yarn" else 0.0, "yarn_attn": float(attn),
+            "n_ctx_orig": int(f.get(k + "rope.scaling.original_context_length", 0))}
 
 
 def _attn_scale(arch: str, n_embd: int, n_head: int, n_layer: int) -> float:

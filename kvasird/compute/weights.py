@@ -23,6 +23,10 @@ from kvasird.model.slice import KEY_SLICE, parse_spec
 from kvasird.model.slice import ExpertRange as SliceExperts
 
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+EXPERT_BIASES = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")
+"""gpt-oss's experts' biases: loaded with their weights wherever a source holds them."""
+_STACKED = EXPERT_SUFFIXES + EXPERT_BIASES
+"""Per-expert tensors, stacked along their last ggml dimension: one slab per expert."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,7 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
         for n in f.tensors:
             if n in where:
                 continue
-            if n.endswith(EXPERT_SUFFIXES) and held is not None:
+            if n.endswith(_STACKED) and held is not None:
                 layer, e0, e1 = held
                 r = ranges.get(layer)
                 if r is not None and not e0 <= r.first < r.end <= e1:
@@ -121,6 +125,8 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
             else:
                 where[n] = f, None
     wanted = list(where) if names is None else list(dict.fromkeys(names))
+    biases = [n.removesuffix("weight") + "bias" for n in wanted if n.endswith(EXPERT_SUFFIXES)]
+    wanted += [n for n in biases if n in where and n not in wanted]
     missing = [n for n in wanted if n not in where]
     if missing:
         raise WeightsError(f"{', '.join(str(f.path) for f in files)} hold no tensor {missing[0]!r}"
@@ -135,14 +141,14 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
         set_bytes(arena.tensors[name], where[name][0].data(name)[start:start + size])
     held: dict[int, ExpertRange] = {}
     for name, _, ne, _, _ in plan:
-        if name.endswith(EXPERT_SUFFIXES):
+        if name.endswith(_STACKED):
             layer = int(name.split(".")[1])
-            held[layer] = ranges.get(layer, ExpertRange(0, ne[2]))
+            held[layer] = ranges.get(layer, ExpertRange(0, ne[-1]))
     return Weights(hparams=hp, source=files[0].path, arena=arena, experts=held)
 
 
 def _range_hint(name: str, ranges: Mapping[int, ExpertRange]) -> str:
-    if not name.endswith(EXPERT_SUFFIXES):
+    if not name.endswith(_STACKED):
         return ""
     r = ranges.get(int(name.split(".")[1]))
     return f" for experts [{r.first}, {r.end})" if r is not None else ""
@@ -154,10 +160,10 @@ def _plan(f: GGUFFile, file_first: int | None, hp: HParams, name: str,
     slice's experts are global ids from ``file_first`` on, another file's are the whole
     layer's or, fewer, the requested range's."""
     info = f.info(name)
-    if not name.endswith(EXPERT_SUFFIXES):
+    if not name.endswith(_STACKED):
         return name, info.type, info.ne, 0, info.nbytes
     layer = int(name.split(".")[1])
-    n_file = info.ne[2]
+    n_file = info.ne[-1]
     r = ranges.get(layer)
     if file_first is None:
         file_first = 0 if r is None or n_file == hp.n_expert else r.first
@@ -171,5 +177,5 @@ def _plan(f: GGUFFile, file_first: int | None, hp: HParams, name: str,
     if n_file == r.count:
         return name, info.type, info.ne, 0, info.nbytes
     slab = info.nbytes // n_file
-    return (name, info.type, (info.ne[0], info.ne[1], r.count), (r.first - file_first) * slab,
+    return (name, info.type, (*info.ne[:-1], r.count), (r.first - file_first) * slab,
             r.count * slab)

@@ -47,7 +47,9 @@ MAX_MANIFEST = 256 << 20
 """Largest manifest accepted from a peer."""
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
-_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
+"""Stacked expert tensors, one slab per expert along the last axis: the weights [.., .., E]
+and, where the model has them (gpt-oss), their biases [.., E]."""
 
 
 class ManifestError(ModelError):
@@ -298,9 +300,9 @@ def _hash_tensor(view: memoryview, base: int, name: str, ggml_type: int, ne: tup
                  offset: int, length: int) -> TensorEntry:
     data = view[base + offset:base + offset + length]
     sha = hashlib.sha256(data).digest()
-    if _EXPERT.match(name) and len(ne) == 3:
-        n = length // ne[2]
-        slabs = tuple(_hash_piece(data[e * n:(e + 1) * n]) for e in range(ne[2]))
+    if _EXPERT.match(name) and len(ne) in (2, 3):
+        n = length // ne[-1]
+        slabs = tuple(_hash_piece(data[e * n:(e + 1) * n]) for e in range(ne[-1]))
         return TensorEntry(name, ggml_type, ne, offset, length, sha, (), slabs)
     chunks = _chunk_hashes(data) if length > CHUNK_SIZE else ()
     return TensorEntry(name, ggml_type, ne, offset, length, sha, chunks, ())
@@ -361,7 +363,7 @@ def _decode_tensor(d: dict[str, Any], chunk_size: int) -> TensorEntry:
     if not 1 <= len(ne) <= 4 or min(ne) < 1 or length != tensor_nbytes(ggml_type, ne):
         raise ValueError(f"tensor {name}: length {length} does not match its type and shape")
     slabs = tuple((_digest(s), _chunks(c, length // ne[-1], chunk_size)) for s, c in d["slabs"])
-    if slabs and (not _EXPERT.match(name) or len(ne) != 3 or len(slabs) != ne[2]):
+    if slabs and (not _EXPERT.match(name) or len(ne) not in (2, 3) or len(slabs) != ne[-1]):
         raise ValueError(f"tensor {name}: slab hashes do not match its expert count")
     chunks = _chunks(d["chunks"], 0 if slabs else length, chunk_size)
     return TensorEntry(name, ggml_type, ne, int(d["offset"]), length, _digest(d["sha256"]),

@@ -8,7 +8,7 @@ Three shapes of slice (``SliceSpec``), each with a text form for the CLI and met
     head                    tensors outside the blocks: token_embd, output_norm, output
 
 No tensor is ever dequantized: a window copies whole tensors, an expert range copies
-the contiguous slabs ``data[E0:E1]`` of each stacked tensor (ne[2] becomes E1-E0). The
+the contiguous slabs ``data[E0:E1]`` of each stacked tensor (its last ne becomes E1-E0). The
 mini-GGUF keeps the model's metadata (the tokenizer only in the head) under the original
 architecture, so ggml's loader reads it, and adds ``kvasir.model_id`` and ``kvasir.slice``.
 """

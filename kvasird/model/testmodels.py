@@ -3,16 +3,18 @@
 No MoE model small enough for CI is published (STACK.md), so MoE paths are tested on
 generated files. They carry the real architecture keys and tensor names of llama.cpp
 (``qwen3moe``, ``qwen3``, ``llama``, ``gemma3``, ``mixtral``: a ``llama`` file with
-experts, and the Qwen3.5 hybrids ``qwen35`` and ``qwen35moe``: gated delta-net layers
-between full-attention ones) and the bundled SmolLM2 tokenizer, so llama.cpp itself loads
-them and vocab sizes match the bundled model. A file is a pure function of its
-arguments: the same seed gives the same bytes.
+experts, the Qwen3.5 hybrids ``qwen35`` and ``qwen35moe``: gated delta-net layers
+between full-attention ones, and ``gpt-oss``: biased attention with sinks, alternating
+sliding windows, YaRN, biased experts with the clamped SwiGLU) and the bundled SmolLM2
+tokenizer, so llama.cpp itself loads them and vocab sizes match the bundled model. A
+file is a pure function of its arguments: the same seed gives the same bytes.
 
-Weight types: ``f32``, ``f16``, ``q8_0``, ``q4_0``, ``q4_1`` and the K-quants ``q4_k``,
-``q6_k`` (quantized by ggml's own ``ggml_quantize_chunk``, the kernels llama.cpp uses).
-As llama.cpp's quantizer does, norms and the MoE router stay F32. In K-quant files the
-embedding and output matrices are Q8_0: a 49152-row K-quant takes ggml most of a second,
-and a mixed-type file is a better test anyway.
+Weight types: ``f32``, ``f16``, ``q8_0``, ``q4_0``, ``q4_1``, ``mxfp4`` and the K-quants
+``q4_k``, ``q6_k`` (quantized by ggml's own ``ggml_quantize_chunk``, the kernels llama.cpp
+uses). As llama.cpp's quantizer does, norms and the MoE router stay F32, and so do biases
+and attention sinks; the experts may have a type of their own (``expert_dtype``: gpt-oss's
+files ship them in MXFP4). In K-quant files the embedding and output matrices are Q8_0: a
+49152-row K-quant takes ggml most of a second, and a mixed-type file is a better test anyway.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, RopeScalingType
 from gguf.constants import GGML_QUANT_SIZES
 
 from kvasird.errors import ModelError
 from kvasird.model import bundled
 
-ARCHS = ("qwen3moe", "llama", "qwen3", "mixtral", "gemma3", "qwen35moe", "qwen35")
+ARCHS = ("qwen3moe", "llama", "qwen3", "mixtral", "gemma3", "qwen35moe", "qwen35", "gpt-oss")
 """What the generator writes; "mixtral" is llama.cpp's "llama" with routed experts."""
 
 DTYPES: dict[str, GGMLQuantizationType] = {
@@ -42,6 +44,7 @@ DTYPES: dict[str, GGMLQuantizationType] = {
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0,
     "q4_1": GGMLQuantizationType.Q4_1,
+    "mxfp4": GGMLQuantizationType.MXFP4,
     "q4_k": GGMLQuantizationType.Q4_K,
     "q6_k": GGMLQuantizationType.Q6_K,
 }
@@ -83,14 +86,20 @@ class TestModelSpec:
     """Hidden size of one expert's FFN (mixtral writes it as feed_forward_length)."""
     dtype: str = "f32"
     """Type of the weight matrices, a key of DTYPES."""
+    expert_dtype: str = ""
+    """Type of the routed experts' matrices, a key of DTYPES ("": dtype)."""
     tied_output: bool | None = None
     """Omit `output` so the head reuses token_embd; None = the arch's usual (llama tied)."""
     rope_base: float = 10000.0
     """RoPE frequency base."""
     sliding_window: int = 4
-    """gemma3: how many positions back a sliding-window layer's query sees."""
+    """gemma3, gpt-oss: how many positions back a sliding-window layer's query sees."""
     swa_pattern: int = 2
-    """gemma3: every swa_pattern-th layer attends globally, the others through the window."""
+    """gemma3, gpt-oss: every swa_pattern-th layer attends globally, the others through the
+    window (gpt-oss writes it only when it is not llama.cpp's default, 2)."""
+    yarn_factor: float = 32.0
+    """gpt-oss: YaRN's rope.scaling.factor, over an original context of context_length /
+    yarn_factor (as released files: 131072 = 32 x 4096)."""
     rope_base_swa: float = 1000.0
     """gemma3: RoPE base of the sliding-window layers."""
     logit_softcap: float = 0.0
@@ -133,7 +142,7 @@ class TestModelSpec:
     @property
     def routed(self) -> bool:
         """Layers have routed experts instead of a dense FFN."""
-        return self.arch in ("qwen3moe", "mixtral", "qwen35moe")
+        return self.arch in ("qwen3moe", "mixtral", "qwen35moe", "gpt-oss")
 
     @property
     def qk_norm(self) -> bool:
@@ -186,8 +195,9 @@ def save(writer: GGUFWriter, path: Path) -> Path:
 def _check(spec: TestModelSpec) -> None:
     if spec.arch not in ARCHS:
         raise TestModelError(f"unknown arch {spec.arch!r}: use one of {', '.join(ARCHS)}")
-    if spec.dtype not in DTYPES:
-        raise TestModelError(f"unknown dtype {spec.dtype!r}: use one of {', '.join(DTYPES)}")
+    for dtype in (spec.dtype, spec.expert_dtype or spec.dtype):
+        if dtype not in DTYPES:
+            raise TestModelError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     if spec.n_head % spec.n_head_kv:
         raise TestModelError(f"n_head {spec.n_head} must be a multiple of "
                              f"n_head_kv {spec.n_head_kv}")
@@ -204,7 +214,8 @@ def _check(spec: TestModelSpec) -> None:
         raise TestModelError(f"ssm_v_heads {spec.ssm_v_heads} must be a multiple of ssm_k_heads "
                              f"{spec.ssm_k_heads}, n_rot {spec.n_rot} a multiple of 8 up to "
                              f"head_dim {spec.head_dim}, full_attention_interval at least 1")
-    block = GGML_QUANT_SIZES[DTYPES[spec.dtype]][0]
+    block = max(GGML_QUANT_SIZES[DTYPES[t]][0] for t in (spec.dtype, spec.expert_dtype or
+                                                           spec.dtype))
     rows = {"n_embd": spec.n_embd, "n_head*head_dim": spec.n_head * spec.head_dim}
     rows.update({"n_ff_exp": spec.n_ff_exp} if spec.routed else {"n_ff": spec.n_ff})
     if spec.hybrid:
@@ -227,7 +238,7 @@ def _write_metadata(w: GGUFWriter, s: TestModelSpec, n_vocab: int) -> None:
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_vocab_size(n_vocab)
-    if s.arch in ("qwen3moe", "qwen3", "gemma3", "qwen35moe", "qwen35"):
+    if s.arch in ("qwen3moe", "qwen3", "gemma3", "qwen35moe", "qwen35", "gpt-oss"):
         w.add_feed_forward_length(s.n_ff)
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
@@ -237,8 +248,15 @@ def _write_metadata(w: GGUFWriter, s: TestModelSpec, n_vocab: int) -> None:
     if s.routed:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
-    if s.arch in ("qwen3moe", "qwen35moe"):
+    if s.arch in ("qwen3moe", "qwen35moe", "gpt-oss"):
         w.add_expert_feed_forward_length(s.n_ff_exp)
+    if s.arch == "gpt-oss":
+        w.add_sliding_window(s.sliding_window)
+        if s.swa_pattern != 2:
+            w.add_uint32("gpt-oss.attention.sliding_window_pattern", s.swa_pattern)
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(int(s.context_length / s.yarn_factor))
     if s.arch == "qwen35moe":
         w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
     if s.hybrid:
@@ -275,6 +293,9 @@ def _tensors(s: TestModelSpec, n_vocab: int, rng: np.random.Generator):
     for i in range(s.n_layer):
         if s.hybrid:
             yield from _hybrid_layer(s, i, w, norm)
+            continue
+        if s.arch == "gpt-oss":
+            yield from _gpt_oss_layer(s, i, w, norm)
             continue
         b = f"blk.{i}."
         yield b + "attn_norm.weight", norm(e), f32
@@ -343,6 +364,34 @@ def _hybrid_layer(s: TestModelSpec, i: int, w: Any, norm: Any):
     yield b + "ffn_gate_shexp.weight", w(s.n_ff_shexp, e), mat
     yield b + "ffn_up_shexp.weight", w(s.n_ff_shexp, e), mat
     yield b + "ffn_down_shexp.weight", w(e, s.n_ff_shexp), mat
+
+
+def _gpt_oss_layer(s: TestModelSpec, i: int, w: Any, norm: Any):
+    """A gpt-oss layer: biased Q/K/V/O, each head's sink, the post-attention norm, a biased
+    router and experts with biases (in expert_dtype)."""
+    mat, f32, b, e = DTYPES[s.dtype], GGMLQuantizationType.F32, f"blk.{i}.", s.n_embd
+    exp = DTYPES[s.expert_dtype or s.dtype]
+    q, kv, n, ff = s.n_head * s.head_dim, s.n_head_kv * s.head_dim, s.n_expert, s.n_ff_exp
+
+    def bias(*shape: int) -> np.ndarray:
+        return np.float32(0.1) * w(*shape, 1)[..., 0]
+
+    yield b + "attn_norm.weight", norm(e), f32
+    for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+        yield b + name + ".weight", w(rows, e), mat
+        yield b + name + ".bias", bias(rows), f32
+    yield b + "attn_output.weight", w(e, q), mat
+    yield b + "attn_output.bias", bias(e), f32
+    yield b + "attn_sinks.weight", np.float32(2) * w(s.n_head, 1)[:, 0], f32
+    yield b + "post_attention_norm.weight", norm(e), f32
+    yield b + "ffn_gate_inp.weight", np.float32(4) * w(n, e), f32
+    yield b + "ffn_gate_inp.bias", bias(n), f32
+    yield b + "ffn_gate_exps.weight", w(n, ff, e), exp
+    yield b + "ffn_gate_exps.bias", bias(n, ff), f32
+    yield b + "ffn_up_exps.weight", w(n, ff, e), exp
+    yield b + "ffn_up_exps.bias", bias(n, ff), f32
+    yield b + "ffn_down_exps.weight", w(n, e, ff), exp
+    yield b + "ffn_down_exps.bias", bias(n, e), f32
 
 
 def _add_tensor(w: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> None:

@@ -1,7 +1,9 @@
 """The numerics contract: how close this node's engine is to the float64 oracle, PASS or FAIL.
 
 Measured, in order of depth:
-  1. per-op deltas (rms_norm, softmax, swiglu, rope both modes, matmul per weight type)
+  1. per-op deltas (rms_norm, softmax, swiglu, rope both modes, matmul per weight type;
+     the delta-net's ops for the hybrids, softmax with sinks, clamped SwiGLU and YaRN RoPE
+     for gpt-oss)
   2. layer-boundary drift: each layer run as its own window, fed the engine's previous
      output, compared with the oracle's hidden state at that depth
   3. end-to-end logits over a prompt set: L∞, relative L2, cosine, KL, top-1 agreement

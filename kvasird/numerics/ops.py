@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from kvasird.compute.blocks import ROPE_IMROPE, l2_norm, rope_sections
+from kvasird.compute.blocks import ROPE_IMROPE, SWIGLU_ALPHA, l2_norm, rope_sections
 from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.hparams import HParams
 from kvasird.compute.graph import F32, I32, Backend, Builder, Graph, Tensor, ggml
@@ -81,6 +81,8 @@ def probe_ops(path: str, backend: Backend, seed: int = 0) -> list[OpDelta]:
         add(name, got, oracle.rope(q.astype(np.float64), pos, o.hp.rope_base, neox=bool(mode)))
     if o.hp.recurrent_layers:
         out += [OpDelta(name, delta, "F32") for name, delta in _delta_net_ops(backend, o.hp, rng)]
+    if o.features.oai_experts:
+        out += [OpDelta(name, delta, "F32") for name, delta in _gpt_oss_ops(backend, o.hp, rng)]
     for wname in _one_matrix_per_type(f):
         wt = load_weights(f, backend, [wname])
         try:
@@ -142,6 +144,37 @@ def _delta_net_ops(backend: Backend, hp: HParams, rng: np.random.Generator):
     got_s = got[T:].reshape(hv, d, d).transpose(0, 2, 1)
     yield "gated_delta_net", compare(np.concatenate([got[:T].ravel(), got_s.ravel()]),
                                      np.concatenate([o.ravel(), s.ravel()]))
+
+
+def _gpt_oss_ops(backend: Backend, hp: HParams, rng: np.random.Generator):
+    """gpt-oss's own ops: the softmax with attention sinks, the clamped SwiGLU (inputs on
+    both sides of its limit) and RoPE with the model's YaRN scaling."""
+    T, heads, d = 7, hp.n_head, hp.head_dim
+    kq = rng.standard_normal((heads, T, 12)).astype(np.float32) * 3
+    sinks = rng.standard_normal(heads).astype(np.float32) * 3
+
+    def with_sinks(b: Builder, t: dict) -> Tensor:
+        probs = ggml.ggml_soft_max_ext(b.ctx, t["kq"], None, 1.0, 0.0)
+        ggml.ggml_soft_max_add_sinks(probs, t["sinks"])
+        return probs
+
+    got = _run(backend, {"kq": (kq, F32), "sinks": (sinks, F32)}, with_sinks)
+    full = np.concatenate([kq, np.broadcast_to(sinks[:, None, None], (heads, T, 1))], axis=-1)
+    want = oracle.softmax(full.astype(np.float64))[..., :-1]
+    yield "softmax_sinks", compare(got.reshape(want.shape), want)
+    g, u = (rng.standard_normal((T, 64)).astype(np.float32) * 6 for _ in range(2))
+    got = _run(backend, {"g": (g, F32), "u": (u, F32)}, lambda b, t: ggml.ggml_swiglu_oai(
+        b.ctx, t["g"], t["u"], SWIGLU_ALPHA, hp.swiglu_limit))
+    want = oracle.swiglu_oai(g.astype(np.float64), u.astype(np.float64), hp.swiglu_limit)
+    yield "swiglu_oai", compare(got.reshape(want.shape), want)
+    q = rng.standard_normal((T, heads, d)).astype(np.float32)
+    pos = np.sort(rng.integers(0, hp.n_ctx_train, T)).astype(np.int32)
+    got = _run(backend, {"q": (q, F32), "pos": (pos, I32)}, lambda b, t: ggml.ggml_rope_ext(
+        b.ctx, t["q"], t["pos"], None, d, ggml.GGML_ROPE_TYPE_NEOX, hp.rope_ctx, hp.rope_base,
+        hp.rope_scale, hp.yarn_ext, hp.yarn_attn, 32.0, 1.0))
+    yarn = oracle.Yarn(hp.rope_scale, hp.yarn_ext, hp.yarn_attn, hp.rope_ctx)
+    want = oracle.rope(q.astype(np.float64), pos, hp.rope_base, neox=True, yarn=yarn)
+    yield "rope_yarn", compare(got.reshape(want.shape), want)
 
 
 def _one_matrix_per_type(f: GGUFFile) -> list[str]:

@@ -1,5 +1,5 @@
-"""The float64 oracle: llama (dense and with experts), qwen3, qwen3moe, gemma3 and the
-Qwen3.5 hybrids (qwen35, qwen35moe) in plain numpy, from dequantized weights.
+"""The float64 oracle: llama (dense and with experts), qwen3, qwen3moe, gemma3, the
+Qwen3.5 hybrids (qwen35, qwen35moe) and gpt-oss in plain numpy, from dequantized weights.
 
 Independent of the engine on purpose: no ggml op, no shared block code, not even its
 architecture table: a layer is computed from `Features` (RoPE mode, Q/K norms, routed
@@ -47,6 +47,10 @@ class Features:
     """Qwen3.5: the file's recurrent layers are gated delta-nets, the others attend with a
     sigmoid output gate and partial RoPE; the FFN reads the post-attention norm and a
     shared expert (where the file has one) joins the routed ones."""
+    oai_experts: bool = False
+    """gpt-oss: the FFN reads the post-attention norm, the router takes the top k of its
+    logits and softmaxes those, and the experts' SwiGLU is clamped. (Biases and attention
+    sinks are used wherever the file has them.)"""
 
 
 FEATURES: dict[str, Features] = {
@@ -57,10 +61,11 @@ FEATURES: dict[str, Features] = {
                        embed_scale=True),
     "qwen35": Features(rope_neox=True, qk_norm=True, hybrid=True),
     "qwen35moe": Features(rope_neox=True, qk_norm=True, hybrid=True),
+    "gpt-oss": Features(rope_neox=True, oai_experts=True),
 }
 """Per llama.cpp architecture name, from llama-model.cpp's rope types and the models/
 graphs. Whether a layer has experts is read from the file, and so are the numbers
-(sliding window and its layers, RoPE bases, attention scale, logit soft-cap)."""
+(sliding window and its layers, RoPE bases and scaling, attention scale, logit soft-cap)."""
 
 
 def features_of(hp: HParams) -> Features:
@@ -125,6 +130,11 @@ class Oracle:
             self._w[key] = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
         return self._w[key]
 
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ name.weight.T, plus name.bias where the file has one."""
+        out = self.mm(x, name + ".weight")
+        return out + self.w(name + ".bias") if name + ".bias" in self.file.tensors else out
+
     def act(self, x: np.ndarray, name: str) -> np.ndarray:
         if not self.emulate:
             return x
@@ -157,9 +167,12 @@ class Oracle:
     def rope(self, x: np.ndarray, positions: np.ndarray, layer: int) -> np.ndarray:
         """x [T, heads, d]: halves rotated (NEOX) or adjacent pairs, as the features say,
         with the layer's base (sliding-window layers may have their own)."""
-        base = self.hp.rope_base_swa if self.hp.is_swa(layer) else self.hp.rope_base
-        n = self.hp.rot_dims
-        turned = rope(x[..., :n], positions, base, neox=self.features.rope_neox)
+        hp = self.hp
+        base, scale = (hp.rope_base_swa, hp.rope_scale_swa) if hp.is_swa(layer) else \
+            (hp.rope_base, hp.rope_scale)
+        n = hp.rot_dims
+        yarn = Yarn(scale, hp.yarn_ext, hp.yarn_attn, hp.rope_ctx)
+        turned = rope(x[..., :n], positions, base, neox=self.features.rope_neox, yarn=yarn)
         return np.concatenate([turned, x[..., n:]], axis=-1)
 
     def attention(self, layer: int, x: np.ndarray, start: int, cache: OracleCache) -> np.ndarray:
@@ -171,9 +184,9 @@ class Oracle:
             qg = self.mm(h, p + "attn_q.weight").reshape(T, hp.n_head, 2 * hp.head_dim)
             q, gate = qg[..., :hp.head_dim], qg[..., hp.head_dim:].reshape(T, -1)
         else:
-            q = self.mm(h, p + "attn_q.weight").reshape(T, hp.n_head, hp.head_dim)
-        k = self.mm(h, p + "attn_k.weight").reshape(T, hp.n_head_kv, hp.head_dim)
-        v = self.mm(h, p + "attn_v.weight").reshape(T, hp.n_head_kv, hp.head_dim)
+            q = self.linear(h, p + "attn_q").reshape(T, hp.n_head, hp.head_dim)
+        k = self.linear(h, p + "attn_k").reshape(T, hp.n_head_kv, hp.head_dim)
+        v = self.linear(h, p + "attn_v").reshape(T, hp.n_head_kv, hp.head_dim)
         if self.features.qk_norm:
             q = self.rms_norm(q, p + "attn_q_norm.weight")
             k = self.rms_norm(k, p + "attn_k_norm.weight")
@@ -191,11 +204,16 @@ class Oracle:
         back = pos[:, None] - np.arange(len(ks))[None, :]
         allowed = (back >= 0) & ((back < hp.n_swa) if hp.is_swa(layer) else True)
         scores = np.where(allowed[None], scores, -np.inf)
-        probs = softmax(scores)
+        sinks = p + "attn_sinks.weight"
+        if sinks in self.file.tensors:  # one more logit per head, its weight dropped
+            sink = np.broadcast_to(self.w(sinks)[:, None, None], (*scores.shape[:2], 1))
+            probs = softmax(np.concatenate([scores, sink], axis=-1))[..., :-1]
+        else:
+            probs = softmax(scores)
         out = np.einsum("hts,shd->thd", probs, vh).reshape(T, hp.n_head * hp.head_dim)
         if self.features.hybrid:
             out = out * sigmoid(gate)
-        return x + self.post_norm(self.mm(out, p + "attn_output.weight"),
+        return x + self.post_norm(self.linear(out, p + "attn_output"),
                                   p + "post_attention_norm.weight")
 
     def delta_net(self, layer: int, h: np.ndarray, start: int, cache: OracleCache) -> np.ndarray:
@@ -234,7 +252,8 @@ class Oracle:
     @property
     def ffn_norm(self) -> str:
         """The FFN input's norm (the hybrids norm it with post_attention_norm)."""
-        return "post_attention_norm.weight" if self.features.hybrid else "ffn_norm.weight"
+        return "post_attention_norm.weight" if self.features.hybrid or \
+            self.features.oai_experts else "ffn_norm.weight"
 
     def dense_ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         p = f"blk.{layer}."
@@ -246,11 +265,15 @@ class Oracle:
         return self.mm(self.glu(g, u), p + f"ffn_down{kind}.weight")
 
     def route(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(normed rows, top-k ids [T, k] best first, renormalised weights [T, k])."""
+        """(normed rows, top-k ids [T, k] best first, renormalised weights [T, k]); gpt-oss:
+        the top k of the logits, their softmax the weights."""
         h = self.rms_norm(x, f"blk.{layer}." + self.ffn_norm)
-        probs = softmax(self.mm(h, f"blk.{layer}.ffn_gate_inp.weight"))
+        logits = self.linear(h, f"blk.{layer}.ffn_gate_inp")
+        probs = logits if self.features.oai_experts else softmax(logits)
         ids = np.argsort(-probs, axis=-1, kind="stable")[:, : self.hp.n_expert_used]
         w = np.take_along_axis(probs, ids, axis=-1)
+        if self.features.oai_experts:
+            return h, ids, softmax(w)
         return h, ids, w / w.sum(axis=-1, keepdims=True)
 
     def experts(self, layer: int, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -259,10 +282,17 @@ class Oracle:
         gate, up, down = (self.w(p + n) for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight",
                                                    "ffn_down_exps.weight"))
         xq = self.act(rows, p + "ffn_gate_exps.weight")
-        g = np.einsum("tkfe,te->tkf", gate[ids], xq)
-        u = np.einsum("tkfe,te->tkf", up[ids], xq)
-        par = self.act(swiglu(g, u), p + "ffn_down_exps.weight")
-        return np.einsum("tkef,tkf->tke", down[ids], par)
+        g = np.einsum("tkfe,te->tkf", gate[ids], xq) + self.expert_bias(p + "ffn_gate_exps", ids)
+        u = np.einsum("tkfe,te->tkf", up[ids], xq) + self.expert_bias(p + "ffn_up_exps", ids)
+        act = swiglu_oai(g, u, self.hp.swiglu_limit) if self.features.oai_experts else swiglu(g, u)
+        par = self.act(act, p + "ffn_down_exps.weight")
+        return np.einsum("tkef,tkf->tke", down[ids], par) + \
+            self.expert_bias(p + "ffn_down_exps", ids)
+
+    def expert_bias(self, name: str, ids: np.ndarray) -> np.ndarray | float:
+        """Each routed expert's bias [T, k, n] for name.bias (0 where the file has none)."""
+        bias = name + ".bias"
+        return self.w(bias)[ids] if bias in self.file.tensors else 0.0
 
     def moe_ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         h, ids, w = self.route(layer, x)
@@ -360,6 +390,17 @@ def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return g / (1.0 + np.exp(-g)) * u
 
 
+SWIGLU_ALPHA = 1.702
+"""The clamped SwiGLU's sigmoid slope (gpt-oss)."""
+
+
+def swiglu_oai(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU: g clamped above and u within ±limit, then
+    g·sigmoid(1.702·g)·(u + 1)."""
+    g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return g / (1.0 + np.exp(-SWIGLU_ALPHA * g)) * (u + 1.0)
+
+
 def gelu(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation (ggml_gelu)."""
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * x * (1.0 + 0.044715 * x * x)))
@@ -380,12 +421,48 @@ def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, base: float, neox: bool) -> np.ndarray:
-    """Rotate x [T, heads, d] by position: halves paired (neox) or adjacent pairs (normal)."""
+@dataclass(frozen=True)
+class Yarn:
+    """RoPE frequency scaling, YaRN's when `ext` is 1 (the defaults: none)."""
+
+    scale: float = 1.0
+    """Frequency scale, 1 / the scaling factor."""
+    ext: float = 0.0
+    """Extrapolation mix: 1 blends interpolated and original frequencies by dimension."""
+    attn: float = 1.0
+    """Magnitude factor of cos and sin (before YaRN's own 1 + 0.1 ln(1 / scale))."""
+    n_ctx_orig: int = 4096
+    """The context the corrections are computed for."""
+    beta_fast: float = 32.0
+    """Rotations per context below which a dimension extrapolates fully..."""
+    beta_slow: float = 1.0
+    """...and above which it interpolates fully."""
+
+    def angles(self, theta: np.ndarray, d: int, base: float) -> tuple[np.ndarray, float]:
+        """(scaled angles, magnitude) for unscaled angles theta [..., d / 2]."""
+        interp = self.scale * theta
+        if not self.ext:
+            return interp, self.attn
+
+        def corr(rotations: float) -> float:
+            return d * np.log(self.n_ctx_orig / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+        low = max(0.0, np.floor(corr(self.beta_fast)))
+        high = min(d - 1.0, np.ceil(corr(self.beta_slow)))
+        pair = np.arange(d // 2)
+        ramp = 1 - np.clip((pair - low) / max(0.001, high - low), 0, 1)
+        mix = ramp * self.ext
+        return interp * (1 - mix) + theta * mix, self.attn * (1 + 0.1 * np.log(1 / self.scale))
+
+
+def rope(x: np.ndarray, positions: np.ndarray, base: float, neox: bool,
+         yarn: Yarn = Yarn()) -> np.ndarray:
+    """Rotate x [T, heads, d] by position: halves paired (neox) or adjacent pairs (normal),
+    frequencies scaled as `yarn` says."""
     d = x.shape[-1]
     inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = np.asarray(positions, np.float64)[:, None] * inv[None, :]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    ang, mag = yarn.angles(np.asarray(positions, np.float64)[:, None] * inv[None, :], d, base)
+    cos, sin = mag * np.cos(ang)[:, None, :], mag * np.sin(ang)[:, None, :]
     if neox:
         a, b = x[..., : d // 2], x[..., d // 2:]
         return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
@@ -397,15 +474,16 @@ def rope(x: np.ndarray, positions: np.ndarray, base: float, neox: bool) -> np.nd
 
 
 _MIN_TYPES = {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1}
-_Q8_0_FAMILY = {GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")}
+_Q8_0_FAMILY = {GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                                                  "MXFP4")}
 _Q8_K_FAMILY = {GGMLQuantizationType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
 
 
 def round_activations(x: np.ndarray, weight_type: GGMLQuantizationType) -> np.ndarray:
     """What ggml's CPU matmul turns activations into before the dot product with `weight_type`.
 
-    F16 weights: activations in float16. Q4/Q5/Q8 blocks of 32: Q8_0/Q8_1 (scale amax/127
-    stored as float16). K-quants: Q8_K blocks of 256 (scale max/-127 kept in float32).
+    F16 weights: activations in float16. Q4/Q5/Q8 and MXFP4 blocks of 32: Q8_0/Q8_1 (scale
+    amax/127 stored as float16). K-quants: Q8_K blocks of 256 (scale max/-127 kept in float32).
     """
     x = np.asarray(x, np.float64)
     if weight_type == GGMLQuantizationType.F16:

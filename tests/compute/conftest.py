@@ -24,9 +24,11 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def arch_models(tmp_path_factory):
-    """qwen3, llama with experts ("mixtral"), gemma3, qwen35 and qwen35moe, 3 layers, f32
-    and Q8_0: {(arch, dtype): path}. gemma3's layers 0 and 2 have a 4-position sliding
-    window; the qwen35 family's layers 0 and 2 are delta-nets, layer 1 attends.
+    """qwen3, llama with experts ("mixtral"), gemma3, qwen35, qwen35moe and gpt-oss, 3
+    layers, f32 and Q8_0 (and gpt-oss with MXFP4 experts, as its files ship them, the rest
+    Q8_0: "mxfp4"): {(arch, dtype): path}. gemma3's and gpt-oss's layers 0 and 2 have a
+    4-position sliding window; the qwen35 family's layers 0 and 2 are delta-nets, layer 1
+    attends.
 
     Q8_0 seeds are ones where no activation lies on a Q8_0 rounding tie between float32
     and float64 math (seed 5 of qwen3 has one: a quantized step flips at layer 1; so do
@@ -35,8 +37,11 @@ def arch_models(tmp_path_factory):
     seeds = {("qwen3", "f32"): 3, ("qwen3", "q8_0"): 1, ("mixtral", "f32"): 4,
              ("mixtral", "q8_0"): 2, ("gemma3", "f32"): 5, ("gemma3", "q8_0"): 6,
              ("qwen35", "f32"): 7, ("qwen35", "q8_0"): 12, ("qwen35moe", "f32"): 9,
-             ("qwen35moe", "q8_0"): 10}
-    return {(a, t): make_model(d / f"{a}_{t}.gguf", arch=a, n_layer=3, dtype=t, seed=seed)
+             ("qwen35moe", "q8_0"): 10, ("gpt-oss", "f32"): 13, ("gpt-oss", "q8_0"): 14,
+             ("gpt-oss", "mxfp4"): 15}
+    return {(a, t): make_model(d / f"{a}_{t}.gguf", arch=a, n_layer=3, seed=seed,
+                               **({"dtype": "q8_0", "expert_dtype": t} if t == "mxfp4" else
+                                  {"dtype": t}))
             for (a, t), seed in seeds.items()}
 
 

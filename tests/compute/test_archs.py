@@ -1,5 +1,5 @@
-"""qwen3, llama with experts (Mixtral), gemma3 and the Qwen3.5 hybrids (qwen35, qwen35moe)
-end to end: the engine against the float64 oracle, a model split in ring windows and
+"""qwen3, llama with experts (Mixtral), gemma3, the Qwen3.5 hybrids (qwen35, qwen35moe) and
+gpt-oss end to end: the engine against the float64 oracle, a model split in ring windows and
 expert ranges against one node holding it all, sliding windows, the delta-net's recurrent
 state in sessions, and how the registry tells llama's two layouts apart."""
 
@@ -16,7 +16,7 @@ from kvasird.compute import arch as archs
 from kvasird.compute.errors import InputError, KVCacheFull, WeightsError
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.ggufview import GGUFFile
-from kvasird.compute.graph import Backend, ggml
+from kvasird.compute.graph import Backend, ggml, ne_of
 from kvasird.compute.hparams import HParams
 from kvasird.compute.kvcache import KVSpec
 from kvasird.compute.stage import Stage
@@ -29,8 +29,8 @@ EXACT_KV = KVSpec(n_slots=512, dtype="f32")
 """F32 KV: the engine then differs from the float64 oracle only by float32 rounding."""
 
 PROMPT = np.array([1, 504, 3458, 314, 4649, 282, 4649, 30, 7000, 12])
-NEW = ["qwen3", "mixtral", "gemma3", "qwen35", "qwen35moe"]
-BOTH = [(a, t) for a in NEW for t in ("f32", "q8_0")]
+NEW = ["qwen3", "mixtral", "gemma3", "qwen35", "qwen35moe", "gpt-oss"]
+BOTH = [(a, t) for a in NEW for t in ("f32", "q8_0")] + [("gpt-oss", "mxfp4")]
 EXPS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 WINDOWS = [(0, 1), (1, 2), (2, 3)]
 
@@ -49,8 +49,9 @@ def f32_oracle(path) -> Oracle:
 
 @pytest.mark.parametrize("arch, dtype", BOTH)
 def test_logits_match_the_oracle(arch_models, arch, dtype):
-    """F32 to float32 rounding; Q8_0 to float32 rounding of an oracle that rounds
-    activations as ggml does, and far closer to it than to exact math."""
+    """F32 to float32 rounding; Q8_0 (and MXFP4 experts) to float32 rounding of an oracle
+    that rounds activations as ggml does, and far closer to it than to exact math (which
+    4-bit experts leave further behind)."""
     path = arch_models[arch, dtype]
     stage = Stage.load(path, threads=1, kv=EXACT_KV)
     got = all_logits(stage)
@@ -62,7 +63,8 @@ def test_logits_match_the_oracle(arch_models, arch, dtype):
         return
     rounded = compare(got, Oracle(path, emulate=True).logits(PROMPT))
     assert rounded.rel_l2 < 1e-5 and rounded.top1 == 1.0
-    assert exact.rel_l2 > 10 * rounded.rel_l2 and exact.cosine > 0.9995
+    assert exact.rel_l2 > 10 * rounded.rel_l2
+    assert exact.cosine > (0.998 if dtype == "mxfp4" else 0.9995)
 
 
 @pytest.mark.parametrize("arch", NEW)
@@ -123,7 +125,7 @@ def test_three_ring_windows_equal_one_node(arch_models, arch, dtype):
 def expert_workers(path, cuts: list[int]) -> Iterator[list[ExpertWorker]]:
     """One worker per expert range [cuts[i], cuts[i+1]) holding it for every layer."""
     backend = Backend(1)
-    names = [f"blk.{layer}.{s}" for layer in range(3) for s in EXPS]
+    names = [f"blk.{layer}.{s}" for layer in range(3) for s in EXPS]  # biases come along
     workers = [ExpertWorker(load_weights(path, backend, names,
                                          {layer: (e0, e1) for layer in range(3)}), backend)
                for e0, e1 in zip(cuts, cuts[1:], strict=False)]
@@ -136,13 +138,14 @@ def expert_workers(path, cuts: list[int]) -> Iterator[list[ExpertWorker]]:
         backend.close()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen35moe"])
-@pytest.mark.parametrize("dtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("arch, dtype", [(a, t) for a in ("mixtral", "qwen35moe", "gpt-oss")
+                                         for t in ("f32", "q8_0")] + [("gpt-oss", "mxfp4")])
 @pytest.mark.parametrize("cuts", [[0, 4, 8], [0, 3, 6, 8], [0, 2, 4, 6, 8]])
 def test_experts_in_ranges_across_three_windows_equal_one_node(arch_models, arch, dtype, cuts):
     """Each ring window holds only its layers' dense paths (qwen35moe: delta-net layers in
-    the first and last, with the shared expert) and routes to 2-4 workers of expert
-    ranges; the combine runs in numpy rather than in the graph, so float rounding."""
+    the first and last, with the shared expert; gpt-oss: its experts' biases go with them)
+    and routes to 2-4 workers of expert ranges; the combine runs in numpy rather than in
+    the graph, so float rounding."""
     path = arch_models[arch, dtype]
     whole = Stage.load(path, threads=1, kv=EXACT_KV)
     with expert_workers(path, cuts) as workers:
@@ -194,7 +197,7 @@ def test_llama_with_experts_is_an_architecture_of_its_own(arch_models):
     assert archs.for_hparams(HParams.from_gguf(GGUFFile(arch_models["qwen3", "f32"]))) \
         is archs.get("qwen3")
     assert set(archs.supported()) == {"llama", "llama with experts", "qwen3", "qwen3moe",
-                                      "gemma3", "qwen35", "qwen35moe"}
+                                      "gemma3", "qwen35", "qwen35moe", "gpt-oss"}
     # without a count: the name's only layout, or the dense one (no expert_count key)
     assert archs.get("llama") is dense and archs.get("qwen3moe").is_moe
 
@@ -217,7 +220,7 @@ def test_an_unsupported_layout_names_what_is_supported(name, n_expert, says):
     with pytest.raises(WeightsError, match=says) as err:
         archs.get(name, n_expert)
     assert ("(supported: llama, llama with experts, qwen3, qwen3moe, gemma3, qwen35, "
-            "qwen35moe)") in str(err.value)
+            "qwen35moe, gpt-oss)") in str(err.value)
 
 
 def test_partial_rotary_is_refused_at_load(arch_models, tmp_path):
@@ -243,6 +246,45 @@ def test_oracle_computes_from_features(arch_models):
         Features(rope_neox=True, qk_norm=True, post_norms=True, geglu=True, embed_scale=True)
     assert Oracle(arch_models["qwen35moe", "f32"]).features == \
         Features(rope_neox=True, qk_norm=True, experts=True, hybrid=True)
+    assert Oracle(arch_models["gpt-oss", "f32"]).features == \
+        Features(rope_neox=True, experts=True, oai_experts=True)
+
+
+def test_gpt_oss_reads_its_windows_yarn_and_clamp_as_llamacpp(arch_models):
+    """Even layers windowed (llama.cpp's default pattern 2), rotating with the model's own
+    base and scale; YaRN from rope.scaling (factor 32 over 128 positions); SwiGLU clamped
+    at 7. llama.cpp's YaRN magnitude cancels ggml's 1 + 0.1 ln 32 to float32 rounding."""
+    hp = HParams.from_gguf(GGUFFile(arch_models["gpt-oss", "f32"]))
+    assert (hp.swa_layers, hp.n_swa) == ((True, False, True), 4)
+    assert (hp.rope_base_swa, hp.rope_scale_swa) == (hp.rope_base, hp.rope_scale)
+    assert (hp.rope_scale, hp.yarn_ext, hp.rope_ctx) == (np.float32(1 / 32), 1.0, 128)
+    assert abs(hp.yarn_attn * (1 + 0.1 * np.log(32)) - (1 + 0.1 * np.log(32))) < 1e-6
+    assert hp.swiglu_limit == 7.0
+    moe = archs.for_hparams(hp)
+    assert "attn_sinks.weight" in moe.dense_tensors and "ffn_down_exps.bias" in moe.expert_tensors
+
+
+def test_an_mxfp4_expert_range_is_a_byte_copy_of_its_slab(arch_models):
+    """MXFP4 blocks (32 values: one E8M0 scale byte, 16 bytes of codes) never cross an
+    expert's rows, so experts [3, 6) load as the file's bytes of those experts, biases too."""
+    path = arch_models["gpt-oss", "mxfp4"]
+    f = GGUFFile(path)
+    backend = Backend(1)
+    names = ["blk.0.ffn_up_exps.weight", "blk.0.ffn_up_exps.bias"]
+    w = load_weights(path, backend, names, {0: (3, 6)})
+    try:
+        for name in names:
+            info = f.info(name)
+            slab = info.nbytes // info.ne[-1]
+            t = w.get(name)
+            got = np.empty(3 * slab, np.uint8)
+            ggml.ggml_backend_tensor_get(t, got.ctypes.data, 0, got.nbytes)
+            assert list(ne_of(t)) == [*info.ne[:-1], 3]
+            np.testing.assert_array_equal(got, np.asarray(f.data(name))[3 * slab:6 * slab])
+        assert f.info(names[0]).type == ggml.GGML_TYPE_MXFP4
+    finally:
+        w.close()
+        backend.close()
 
 
 @pytest.mark.parametrize("arch", NEW)

@@ -134,13 +134,15 @@ def random_prompts(n: int, length: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch, dtype", [(a, t) for a in ("qwen3", "mixtral", "gemma3", "qwen35",
-                                                   "qwen35moe")
-                                         for t in ("f32", "q8_0")] + [("gemma3", "softcap")])
+                                                   "qwen35moe", "gpt-oss")
+                                         for t in ("f32", "q8_0")]
+                         + [("gemma3", "softcap"), ("gpt-oss", "mxfp4")])
 def test_new_architectures_give_llamacpp_logits_and_greedy_tokens(arch_models, arch, dtype,
                                                                    capsys, tmp_path):
-    """qwen3, llama with experts, gemma3 (12-token prompts: past its 4-position sliding
-    window) and the Qwen3.5 hybrids (the prompt's delta-net state from one prefill, then 8
-    decode steps), as llama.cpp itself computes them (not our oracle)."""
+    """qwen3, llama with experts, gemma3 and gpt-oss (12-token prompts: past their
+    4-position sliding windows; gpt-oss with YaRN, sinks and MXFP4 experts too) and the
+    Qwen3.5 hybrids (the prompt's delta-net state from one prefill, then 8 decode steps),
+    as llama.cpp itself computes them (not our oracle)."""
     if dtype == "softcap":
         from kvasird.model.testmodels import make_model
 

@@ -42,3 +42,26 @@ def test_ring_of_slices_with_expert_slices_matches_full_model(models, arch_model
         want = whole.forward(a, PROMPT, logits="all")
         got = last.forward(c, first.forward(b, PROMPT), logits="all")
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_gpt_oss_expert_slice_carries_its_biases_and_computes_like_the_full_file(
+        arch_models, tmp_path):
+    """gpt-oss's experts have biases, stacked like their weights: the slicer cuts both (it
+    once cut the weights only, and a worker on such a slice could only refuse)."""
+    path = arch_models["gpt-oss", "q8_0"]
+    manifest = Manifest.from_gguf(path)
+    with gguf_pieces(path, manifest) as read:
+        part = write_slice(manifest, ExpertRange(0, 0, 4), tmp_path / "x.gguf", read)
+    rows, ids = np.random.default_rng(0).standard_normal((3, 64), np.float32), \
+        np.array([[0, 3], [1, 2], [3, 0]], np.int32)
+    outs = []
+    for source, ranges in ((part, None), (path, {0: (0, 4)})):
+        backend = Backend(1)
+        worker = ExpertWorker(load_weights(source, backend, experts=ranges), backend)
+        try:
+            outs.append(worker(0, rows, ids))
+        finally:
+            worker.close()
+            worker.weights.close()
+            backend.close()
+    assert np.array_equal(outs[0], outs[1])

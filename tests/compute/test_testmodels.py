@@ -95,6 +95,28 @@ def test_gemma3_carries_its_window_and_extra_norms(tmp_path):
     assert "output.weight" not in names
 
 
+def test_gpt_oss_carries_yarn_windows_sinks_biases_and_mxfp4_experts(tmp_path):
+    f, kv = _fields(make_model(tmp_path / "o.gguf", arch="gpt-oss", n_layer=2, dtype="q8_0",
+                               expert_dtype="mxfp4"))
+    assert kv["general.architecture"] == "gpt-oss"
+    assert kv["gpt-oss.attention.sliding_window"] == 4
+    assert "gpt-oss.attention.sliding_window_pattern" not in kv  # llama.cpp's default, 2
+    assert kv["gpt-oss.rope.scaling.type"] == "yarn"
+    assert (kv["gpt-oss.rope.scaling.factor"],
+            kv["gpt-oss.rope.scaling.original_context_length"]) == (32.0, 128)
+    assert (kv["gpt-oss.expert_count"], kv["gpt-oss.expert_feed_forward_length"]) == (8, 32)
+    t = f.tensors
+    assert list(t["blk.1.attn_sinks.weight"].ne) == [4]
+    assert list(t["blk.1.ffn_gate_exps.bias"].ne) == [32, 8]
+    assert list(t["blk.1.ffn_down_exps.bias"].ne) == [64, 8]
+    assert {n for n in t if n.startswith("blk.1.") and n.endswith(".bias")} == {
+        f"blk.1.{n}.bias" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp",
+                                    "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+    assert t["blk.1.ffn_up_exps.weight"].type == DTYPES["mxfp4"]
+    assert t["blk.1.attn_q.weight"].type == DTYPES["q8_0"]
+    assert "output.weight" in t and "blk.1.ffn_norm.weight" not in t
+
+
 def test_qwen35moe_carries_delta_net_and_shared_expert_keys_and_tensors(tmp_path):
     f, kv = _fields(make_model(tmp_path / "h.gguf", arch="qwen35moe", n_layer=4,
                                full_attention_interval=2))
@@ -152,7 +174,9 @@ def test_quantized_file_holds_the_same_weights_as_f32(tmp_path, f32_up, dtype, t
                                   dict(arch="qwen3", dtype="q8_0", n_ff=48),
                                   dict(arch="gemma3", sliding_window=0),
                                   dict(arch="qwen35", ssm_v_heads=3),
-                                  dict(arch="qwen35moe", dtype="q8_0", n_ff_shexp=48)])
+                                  dict(arch="qwen35moe", dtype="q8_0", n_ff_shexp=48),
+                                  dict(arch="gpt-oss", expert_dtype="mxfp4", n_ff_exp=48),
+                                  dict(arch="gpt-oss", expert_dtype="q9")])
 def test_impossible_dimensions_raise_a_clear_error(tmp_path, dims):
     with pytest.raises(TestModelError):
         make_model(tmp_path / "x.gguf", **dims)
@@ -169,12 +193,13 @@ def test_cli_writes_a_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("arch, gguf_arch", [("qwen3", "qwen3"), ("mixtral", "llama"),
                                              ("gemma3", "gemma3"), ("qwen35", "qwen35"),
-                                             ("qwen35moe", "qwen35moe")])
+                                             ("qwen35moe", "qwen35moe"),
+                                             ("gpt-oss", "gpt-oss")])
 def test_cli_writes_the_new_architectures(tmp_path, arch, gguf_arch):
     out = tmp_path / f"{arch}.gguf"
     assert main(["dev", "make-model", str(out), "--arch", arch, "--layers", "1",
                  "--experts", "4", "--experts-used", "1"]) == 0
     _, kv = _fields(out)
     assert kv["general.architecture"] == gguf_arch
-    assert kv.get(f"{gguf_arch}.expert_count") == (4 if arch in ("mixtral", "qwen35moe")
-                                                    else None)
+    assert kv.get(f"{gguf_arch}.expert_count") == (4 if arch in ("mixtral", "qwen35moe",
+                                                                  "gpt-oss") else None)

@@ -37,6 +37,10 @@ SHAPES = {
     "qwen3moe": {"n_ff_exp": 384, "n_expert": 8, "n_expert_used": 2},
     "qwen35": {"n_ff": 3072},
     "qwen35moe": {"n_ff_exp": 384, "n_expert": 8, "n_expert_used": 2},
+    # experts in MXFP4 as released files ship them, with their biases; an output matrix of
+    # its own (llama.cpp requires one for gpt-oss)
+    "gpt-oss": {"n_ff_exp": 384, "n_expert": 8, "n_expert_used": 2, "expert_dtype": "mxfp4",
+                "tied_output": False},
 }
 
 
@@ -48,8 +52,8 @@ def tokenizer() -> Tokenizer:
 
 def model(arch: str, where: Path) -> Path:
     return make_model(where / f"{arch}.gguf", arch=arch, n_layer=12, n_embd=128, n_head=4,
-                      n_head_kv=2, head_dim=32, dtype="q8_0", tied_output=True, seed=7,
-                      **SHAPES[arch])
+                      n_head_kv=2, head_dim=32, dtype="q8_0", seed=7,
+                      **{"tied_output": True, **SHAPES[arch]})
 
 
 def top(logits: np.ndarray) -> dict[int, float]:
@@ -127,7 +131,8 @@ def test_a_localnet_of_the_architecture_answers_as_one_process_and_llamacpp_do(
                              "--dir", str(root)], capture_output=True, text=True, timeout=420)
         assert up.returncode == 0, up.stdout + up.stderr
         held = dict(re.findall(r"^  node(\d): layers (.*)$", up.stdout, re.M))
-        assert len(held) == 3 and "0-11 + head" not in held.values(), up.stdout  # split
+        # split: more than one node holds a part (of a MoE, perhaps only experts)
+        assert len(held) == 3 and sum(v != "none" for v in held.values()) >= 2, up.stdout
         gateway = re.search(r"^gateway: (\S+)", up.stdout, re.M)
         assert gateway, up.stdout
         url = gateway.group(1)

@@ -25,7 +25,8 @@ from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Tensor
 from kvasird.compute.hparams import HParams
 
-_MODULES = ("llama", "llama_moe", "qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe")
+_MODULES = ("llama", "llama_moe", "qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe",
+            "gpt_oss")
 
 
 @dataclass(frozen=True)
