@@ -6,6 +6,8 @@
     coverage   CoverageMap: live holders and replica counts per unit, TTL expiry (pure)
     demand     targets from observed load, scarcity per unit, scarce segments (pure)
     enroll     decide(): which units a node should hold within its budget (pure)
+    pacing     the herd guard: whether a node takes part in a round, and how much it takes
+    publish    when a record goes out (on change, keep-alive), TTLs, suspicion of the dead
     service    MarketService: gossip in and out, the enrollment loop, unit state machine
     sim        a gossip-level simulator of thousands of virtual nodes over the pure code
 

@@ -108,6 +108,16 @@ class CoverageMap:
             if h.state == "online":
                 self.online.add(h, sign)
 
+    def suspect(self, peer: str, seq: int, until: float) -> bool:
+        """A peer saw ``peer`` fail while its record was at ``seq``: unless a newer record came
+        meanwhile, the record now expires at ``until`` (sooner, never later); a newer
+        record from it, the refutation, restores its full TTL."""
+        entry = self.entries.get(peer)
+        if entry is None or entry.record.seq > seq or entry.expires <= until:
+            return False
+        self.entries[peer] = Entry(entry.record, until)
+        return True
+
     def remove(self, peer: str) -> None:
         """Take a peer out (caught lying): its holdings no longer count."""
         entry = self.entries.pop(peer, None)

@@ -42,13 +42,17 @@ class RecordGate:
         self.rejected: dict[str, int] = defaultdict(int)
         """Records refused per signer (schema, model bounds, or these checks)."""
 
-    def check(self, topic: str, signer: str, peer: str, seq: int, ts: float, now: float) -> None:
-        """Raise WireError unless the record may be used (the caller counts the refusal)."""
+    def check(self, topic: str, signer: str, peer: str, seq: int, ts: float, now: float,
+              max_age_s: float = 0.0) -> None:
+        """Raise WireError unless the record may be used (the caller counts the refusal).
+
+        ``max_age_s``: a record may be this old (one fetched from a peer's map, stamped at
+        its last keep-alive), not only the clock skew a fresh one may show."""
         if peer != signer:
             raise WireError(f"record claims peer {peer} but is signed by {signer}")
-        if ts - now > self._skew or now - ts > STALE_LIMIT_S:
+        if ts - now > self._skew or now - ts > max(STALE_LIMIT_S, max_age_s + self._skew):
             raise WireError(f"record time is {ts - now:+.0f} s off our clock")
-        if now - ts > self._skew:
+        if now - ts > max(self._skew, max_age_s):
             # Late, not forged: a busy relay or a slow path. Too old to use, not punished.
             raise Stale(f"record is {now - ts:.0f} s old (limit {self._skew:g} s)")
         key = (topic, peer)

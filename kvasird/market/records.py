@@ -303,3 +303,32 @@ class LoadReport:
             tokens=schema.integer(d, "tokens", 0, 2**40, "load"),
             experts=tuple(experts),
         )
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    peer: str
+    """The accuser's peer id (the gossip signer)."""
+    seq: int
+    """Strictly increasing per accuser."""
+    ts: float
+    """Accuser's unix time."""
+    suspect: str
+    """The peer whose connection failed under the accuser's eyes."""
+    of: int
+    """The suspect's last sequence number the accuser had: a newer record refutes it."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "peer": self.peer, "seq": self.seq, "ts": self.ts,
+                "suspect": self.suspect, "of": self.of}
+
+    @staticmethod
+    def from_wire(value: Any) -> Suspicion:
+        d = schema.mapping(value, "suspicion")
+        if d.get("v") != SCHEMA_VERSION:
+            raise WireError(f"suspicion.v: unsupported schema version {d.get('v')!r}")
+        return Suspicion(peer=schema.text(d, "peer", 128, "suspicion"),
+                         seq=schema.integer(d, "seq", 0, 2**62, "suspicion"),
+                         ts=schema.number(d, "ts", 0, 2**40, "suspicion"),
+                         suspect=schema.text(d, "suspect", 128, "suspicion"),
+                         of=schema.integer(d, "of", 0, 2**62, "suspicion"))

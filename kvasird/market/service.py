@@ -3,6 +3,12 @@
 Incoming records are decoded, validated and applied inside the gossipsub topic
 validator, the one entry point for peer input: a record that fails is refused there,
 which both keeps it out of the map and lowers the forwarder's gossipsub score.
+
+Records go out on change and as slow keep-alives (``publish.Publisher``); a holder whose
+connection fails under our eyes is suspected on the suspicion topic (``publish``'s
+docstring). Since records are no longer resent every few seconds, a node that starts
+fetches the map from a connected peer (the sync protocol): the latest signed gossip
+message of each peer, checked like gossip, so a peer cannot forge what it relays.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
+from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.validators import signature_validator
 
 from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.config import MarketConfig
@@ -28,36 +36,51 @@ from kvasird.market.gate import RecordGate, Stale
 from kvasird.market.model import MarketModel
 from kvasird.market.pinning import parse_hold
 from kvasird.market.proofs import ClaimChecker
+from kvasird.market.pacing import joins_round, round_budget
+from kvasird.market.publish import (
+    MIN_TTL_S,
+    SUSPECT_TTL_S,
+    Publisher,
+    Suspicions,
+    census,
+    keepalive_s,
+    participants,
+    present,
+    record_ttl,
+    suspect_s,
+)
 from kvasird.market.records import (
     MAX_RECORD_BYTES,
     Capabilities,
     CoverageRecord,
     LoadReport,
+    Suspicion,
     compress,
 )
 from kvasird.model.manifest import Manifest, Unit
 from kvasird.p2p import P2PNode
+from kvasird.p2p.streams import served
 from kvasird.settlement.wallet import WalletLink
 
 if TYPE_CHECKING:
     from kvasird.model.distribution import ShardService
-from kvasird.wire import pack, unpack
+from kvasird.wire import FrameReader, pack, unpack, write_frame
 
 log = get_logger("kvasird.market")
 
 COVERAGE = "coverage"
 LOAD = "load"
-TTL_HEARTBEATS = 3
-MIN_TTL_S = 10.0
-"""A record lives TTL_HEARTBEATS heartbeats, but never less than this: a sender starved for
-a few seconds by its own work (a node computing for several clients on a small machine)
-must not drop out of every map, which turned a busy replica into an outage (#24). A
-dead node is found sooner anyway: by its connections and by the first step it fails."""
-
-
-def record_ttl(heartbeat_s: float) -> float:
-    """Seconds a coverage record stays valid without a newer one."""
-    return max(heartbeat_s * TTL_HEARTBEATS, MIN_TTL_S)
+SUSPECT = "suspicion"
+SYNC = "/kvasir/coverage-sync/1"
+SYNC_FRAME_BYTES = 512 * 1024
+"""A sync answer is frames of signed messages, each frame up to about this many bytes."""
+SYNC_TIMEOUT_S = 30.0
+SYNC_PEERS = 1
+"""Peers a starting node fetches the map from, each time (it fetches twice: once connected,
+and again before its first decision, in case the first peer was as new as it is)."""
+LISTEN_HEARTBEATS = 2
+"""Heartbeats a node listens (and syncs) before its first enrollment decision."""
+__all__ = ["COVERAGE", "LOAD", "MIN_TTL_S", "SUSPECT", "MarketService", "record_ttl"]
 Loader = Callable[[list[Unit]], Awaitable[None]]
 
 
@@ -68,8 +91,11 @@ async def metadata_only(units: list[Unit]) -> None:
 class MarketService:
     def __init__(self, p2p: P2PNode, config: MarketConfig, model: MarketModel | None,
                  caps: Capabilities, loader: Loader = metadata_only,
-                 seed: int | None = None, shards: ShardService | None = None) -> None:
+                 seed: int | None = None, shards: ShardService | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.p2p = p2p
+        self.clock = clock
+        """Unix time (a test's virtual clock): records' times, TTLs and keep-alives."""
         self.config = config
         self.caps = caps
         self.boot = secrets.token_hex(8)
@@ -93,6 +119,14 @@ class MarketService:
         settlement runs)."""
         self.rng = np.random.default_rng(seed)
         self._seq = 0
+        self.participants = 1
+        """Nodes taking part in the market, as our map counts them (``participants``)."""
+        self.publisher = Publisher(keepalive_s(config.heartbeat_s, self.participants))
+        self.suspicions = Suspicions(spread_s=config.heartbeat_s)
+        self.signed: dict[str, bytes] = {}
+        """Each mapped peer's latest record as its signed gossip message: what sync sends."""
+        self._connected: set[str] = set()
+        self._wake = trio.Event()
         self.proofs: ClaimChecker | None = None if shards is None else ClaimChecker(
             p2p.peer_id, shards.store, shards.open_stream, self._latest, self._caught_lying,
             np.random.default_rng(), on_pardon=lambda peer: self.p2p.gossip.unban(peer))
@@ -125,14 +159,18 @@ class MarketService:
     # --- gossip in -------------------------------------------------------------------
 
     async def _validate_coverage(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
-        return self._admit(msg, self._apply_coverage)
+        return self._admit(msg, lambda value, signer, now: self._apply_coverage(
+            value, signer, now, msg))
 
     async def _validate_load(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
         return self._admit(msg, self._apply_load)
 
+    async def _validate_suspicion(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
+        return self._admit(msg, self._apply_suspicion)
+
     def _admit(self, msg: rpc_pb2.Message, apply: Callable[[Any, str, float], None]) -> bool:
         signer = ID(msg.from_id).to_string()
-        now = time.time()
+        now = self.clock()
         try:
             if len(msg.data) > MAX_RECORD_BYTES:
                 raise WireError(f"record of {len(msg.data)} bytes exceeds {MAX_RECORD_BYTES}")
@@ -145,18 +183,44 @@ class MarketService:
             return False
         return True
 
-    def _apply_coverage(self, value: Any, signer: str, now: float) -> None:
+    def _apply_coverage(self, value: Any, signer: str, now: float, msg: rpc_pb2.Message,
+                        synced: bool = False) -> None:
+        """``synced``: fetched from a peer's map, so stamped at its last keep-alive: it may
+        be up to its TTL old, and lives only what is left of that."""
         record = CoverageRecord.from_wire(value)
         if self.proofs is not None and self.proofs.banned(record.peer):
             raise Stale("the peer was caught lying about its holdings")  # ignored, quietly
         if self.map is not None and record.model == self.map.model.model_id:
             self.map.check(record)
-        self.gate.check(COVERAGE, signer, record.peer, record.seq, record.ts, now)
+        self.gate.check(COVERAGE, signer, record.peer, record.seq, record.ts, now,
+                        max_age_s=record.ttl if synced else 0.0)
+        self.suspicions.settled(record.peer)  # it spoke
         if record.model and record.peer != self.p2p.peer_id:
             self.announcers.setdefault(record.model, set()).add(record.peer)
-        if self.map is not None and self.map.apply(record, now) and self.proofs is not None \
-                and record.peer in self.map.entries and (manifest := self._manifest()) is not None:
+        since = min(now, record.ts) if synced else now
+        if self.map is None or not self.map.apply(record, since):
+            return
+        if record.peer in self.map.entries:
+            self.signed[record.peer] = msg.SerializeToString()
+        else:
+            self.signed.pop(record.peer, None)
+        if self.proofs is not None and record.peer in self.map.entries \
+                and (manifest := self._manifest()) is not None:
             self.proofs.note(record, manifest)
+
+    def _apply_suspicion(self, value: Any, signer: str, now: float) -> None:
+        s = Suspicion.from_wire(value)
+        self.gate.check(SUSPECT, signer, s.peer, s.seq, s.ts, now)
+        self.suspicions.settled(s.suspect)  # someone said it: we need not
+        if s.suspect == self.p2p.peer_id:
+            log.info("a peer suspects this node: answering with a fresh record", by=s.peer)
+            self.publisher.refute = True
+            self._wake.set()
+        elif s.suspect in self._connected:
+            return  # it answers our own liveness pings: first-hand news beats hearsay
+        elif self.map is not None and self.map.suspect(
+                s.suspect, s.of, now + suspect_s(self.config.heartbeat_s)):
+            log.info("holder suspected by a peer that saw it fail", peer=s.suspect, by=s.peer)
 
     # --- claims checked ----------------------------------------------------------------
 
@@ -176,6 +240,7 @@ class MarketService:
     def _caught_lying(self, peer: str, why: str) -> None:
         if self.map is not None:
             self.map.remove(peer)
+        self.signed.pop(peer, None)  # nor relayed to nodes that sync from us
         self.gate.rejected[peer] += 1
         self.gate.forget(peer)
         for announced in self.announcers.values():
@@ -194,25 +259,38 @@ class MarketService:
     # --- gossip out ------------------------------------------------------------------
 
     def next_seq(self) -> int:
-        self._seq = max(self._seq + 1, time.time_ns() // 1_000_000)
+        self._seq = max(self._seq + 1, int(self.clock() * 1000))
         return self._seq
 
     def record(self) -> CoverageRecord:
         has_all = bool(self.model and self.shards and self.shards.has_all(self.model.model_id))
         return CoverageRecord(
-            peer=self.p2p.peer_id, seq=self.next_seq(), ts=time.time(),
-            ttl=record_ttl(self.config.heartbeat_s), state=self.state,
+            peer=self.p2p.peer_id, seq=self.next_seq(), ts=self.clock(),
+            ttl=record_ttl(self.config.heartbeat_s, self.participants), state=self.state,
             protocol=PROTOCOL_VERSION, version=__version__, addrs=tuple(self.p2p.addrs()[:16]),
             model=self.model.model_id if self.model and (self.held or has_all) else "",
             budget=self.budget, holdings=compress(self.held), caps=self.caps, has_all=has_all,
             reach=self.p2p.reachability.current.verdict, link=self.link, boot=self.boot)
 
     async def publish(self) -> None:
-        data = pack(self.record().to_wire())
+        """Publish our record if it changed, a keep-alive or a refutation is due."""
+        record, now = self.record(), self.clock()
+        if not self.publisher.due(record, now):
+            return
+        self.publisher.sent(record, now)
+        data = pack(record.to_wire())
         try:
             await self.p2p.gossip.publish(COVERAGE, data)
         except Exception as exc:  # noqa: BLE001 - no peers yet, or a peer died mid-send
             log.debug("publishing the coverage record failed", error=repr(exc))
+
+    async def publish_suspicion(self, peer: str, seq: int) -> None:
+        s = Suspicion(self.p2p.peer_id, self.next_seq(), self.clock(), peer, seq)
+        log.info("holder's connection failed: suspecting it", peer=peer)
+        try:
+            await self.p2p.gossip.publish(SUSPECT, pack(s.to_wire()))
+        except Exception as exc:  # noqa: BLE001 - as publish
+            log.debug("publishing a suspicion failed", error=repr(exc))
 
     async def publish_load(self, report: LoadReport) -> None:
         await self.p2p.gossip.publish(LOAD, pack(report.to_wire()))
@@ -223,7 +301,9 @@ class MarketService:
         gossip = self.p2p.gossip
         gossip.set_validator(COVERAGE, self._validate_coverage)
         gossip.set_validator(LOAD, self._validate_load)
-        subs = [await gossip.subscribe(COVERAGE), await gossip.subscribe(LOAD)]
+        gossip.set_validator(SUSPECT, self._validate_suspicion)
+        subs = [await gossip.subscribe(name) for name in (COVERAGE, LOAD, SUSPECT)]
+        self.p2p.host.set_stream_handler(SYNC, self._serve_sync)
         try:
             async with trio.open_nursery() as nursery:
                 for sub in subs:
@@ -231,6 +311,7 @@ class MarketService:
                 if self.proofs is not None:
                     await nursery.start(self.proofs.run, self._manifest)
                 nursery.start_soon(self._heartbeat)
+                nursery.start_soon(self._sync_when_connected)
                 if self.model is None and self.config.model and self.shards is not None:
                     nursery.start_soon(self._resolve_then_enroll)
                 elif self.model is not None and (self.budget > 0 or self.pinned):
@@ -246,7 +327,8 @@ class MarketService:
                 await self.publish()
 
     async def _heartbeat(self) -> None:
-        """Publish our record every heartbeat; expire holders whose records stopped.
+        """Each heartbeat: expire holders whose records stopped, suspect the ones whose
+        connections failed, and publish our record when it is due.
 
         When this process itself was starved (the heartbeat woke up late), records from
         others were not processed either: the lateness is forgiven, so an overloaded
@@ -254,17 +336,104 @@ class MarketService:
         """
         stall = 0.0
         while True:
+            now = self.clock()
             if self.map is not None:
-                for peer in self.map.expire(time.time() - stall):
-                    log.info("holder's coverage expired (no record within its TTL)", peer=peer)
+                for peer in self.map.expire(now - stall):
+                    log.info("holder's coverage expired (its TTL ran out, or it was "
+                             "suspected and did not answer)", peer=peer)
                     self.gate.forget(peer)
+                    self.signed.pop(peer, None)
                     if self.proofs is not None:
                         self.proofs.forget(peer)
+                self._watch_connections(now)
+                tellers, silent = census([e.record for e in self.map.entries.values()])
+                self.publisher.present = present(self.p2p.peer_id, silent)
+                self.participants = participants(tellers, silent)
+                self.publisher.keepalive_s = keepalive_s(self.config.heartbeat_s,
+                                                         self.participants)
+            for peer, seq in self.suspicions.due(now):
+                if peer not in self._connected:  # not back meanwhile (a flapping link)
+                    await self.publish_suspicion(peer, seq)
             await self.publish()
             began = trio.current_time()
-            await trio.sleep(self.config.heartbeat_s)
-            late = trio.current_time() - began - self.config.heartbeat_s
-            stall = max(late, stall * 0.8)
+            with trio.move_on_after(self.config.heartbeat_s) as waited:
+                await self._wake.wait()
+            self._wake = trio.Event()
+            if waited.cancelled_caught:
+                late = trio.current_time() - began - self.config.heartbeat_s
+                stall = max(late, stall * 0.8)
+
+    def _watch_connections(self, now: float) -> None:
+        """Peers whose connections liveness dropped since the last heartbeat: the ones that
+        hold units are suspected (after ``Suspicions``' delay). A node that had no peers
+        and now has some sends its record again: what it published alone reached no one."""
+        assert self.map is not None
+        connected = {p.peer_id for p in self.p2p.peers.snapshot()}
+        for peer in self._connected - connected:
+            entry = self.map.entries.get(peer)
+            if entry is not None and entry.record.holdings and entry.record.ttl > SUSPECT_TTL_S:
+                self.suspicions.observed(peer, entry.record.seq, now, self.rng)
+        if connected and not self._connected:
+            self.publisher.refute = True
+        self._connected = connected
+
+    # --- the map of a starting node ------------------------------------------------------
+
+    async def _serve_sync(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_string()
+        async with served(stream, "coverage sync", peer):
+            with trio.fail_after(SYNC_TIMEOUT_S):
+                batch: list[bytes] = []
+                for raw in list(self.signed.values()):
+                    batch.append(raw)
+                    if sum(map(len, batch)) >= SYNC_FRAME_BYTES:
+                        await write_frame(stream, batch)
+                        batch = []
+                if batch:
+                    await write_frame(stream, batch)
+                await write_frame(stream, [])
+
+    async def sync(self, peer: ID) -> int:
+        """Fetch ``peer``'s map: each record checked as if it came by gossip (signature,
+        schema, sequence, clock), older ones only as old as their TTL; the count applied."""
+        topic = self.p2p.gossip.topic(COVERAGE)
+        stream = await self.p2p.host.new_stream(peer, [SYNC])
+        applied = 0
+        async with served(stream, "coverage sync", peer.to_string()):
+            reader = FrameReader(stream, SYNC_FRAME_BYTES + MAX_RECORD_BYTES + 4096)
+            with trio.fail_after(SYNC_TIMEOUT_S):
+                while batch := await reader.read():
+                    if not isinstance(batch, list):
+                        raise WireError("coverage sync: expected a list of messages")
+                    for raw in batch:
+                        if not isinstance(raw, bytes):  # bytes(an int) would allocate it
+                            raise WireError("coverage sync: expected messages as bytes")
+                        msg = rpc_pb2.Message.FromString(raw)
+                        if list(msg.topicIDs) != [topic] or not signature_validator(msg):
+                            raise WireError("coverage sync: a message not signed by its "
+                                            "sender, or of another topic")
+                        before = len(self.signed)
+                        self._admit(msg, lambda v, s, now, m=msg: self._apply_coverage(
+                            v, s, now, m, synced=True))
+                        applied += len(self.signed) > before
+        return applied
+
+    async def _sync_when_connected(self) -> None:
+        """Fetch the map once a peer is connected (a node started alone fetches nothing)."""
+        while not self.p2p.host.get_connected_peers():
+            await trio.sleep(min(self.config.heartbeat_s, 1.0))
+        await self._sync_from_peers()
+
+    async def _sync_from_peers(self) -> None:
+        peers = list(self.p2p.host.get_connected_peers())
+        for i in self.rng.permutation(len(peers))[:SYNC_PEERS]:
+            try:
+                got = await self.sync(peers[int(i)])
+                log.info("fetched the coverage map from a peer", peer=str(peers[int(i)]),
+                         records=got)
+            except Exception as exc:  # noqa: BLE001 - an old peer, or one going away
+                log.debug("could not fetch the coverage map from a peer",
+                          peer=str(peers[int(i)]), error=repr(exc)[:200])
 
     async def _resolve_then_enroll(self) -> None:
         assert self.shards is not None
@@ -284,8 +453,10 @@ class MarketService:
         return [p for p in full + sorted(partial - set(full)) if p != self.p2p.peer_id]
 
     async def _enroll_loop(self) -> None:
-        # Listen first (one record lifetime minus a beat), then a random delay.
-        await trio.sleep(self.config.heartbeat_s * (TTL_HEARTBEATS - 1))
+        # Listen first, fetch the map again (the first fetch may have been from a peer as
+        # new as we are), then a random delay.
+        await trio.sleep(self.config.heartbeat_s * LISTEN_HEARTBEATS)
+        await self._sync_from_peers()
         await trio.sleep(float(self.rng.uniform(0, self.config.enroll_delay_s)))
         while True:
             await self.rebalance()
@@ -296,10 +467,20 @@ class MarketService:
         ``held`` says (rebuilt when an add failed after its drop), and a downloaded model's
         store is pruned back to the budget."""
         assert self.map is not None and self.model is not None and self.demand is not None
-        self.map.expire(time.time())
-        plan = decide(self.model, self.map.active, self.demand.targets(self.config.target_replicas),
-                      self.p2p.peer_id, self.budget, set(self.held), self.pinned,
-                      self.map.holders, self.rng, peers=max(len(self.map.entries), 1),
+        self.map.expire(self.clock())
+        targets = self.demand.targets(self.config.target_replicas)
+        peers = self.participants = participants(
+            *census([e.record for e in self.map.entries.values()]))
+        held_bytes = sum(self.model.size(u) for u in self.held)
+        if not self.pinned - set(self.held) and not joins_round(
+                self.model, self.map.active, targets, peers, self.budget,
+                self.config.rebalance_s, self.config.heartbeat_s, self.rng):
+            self.state = "online"  # nothing for us this round (the herd guard)
+            await self.publish()
+            return
+        budget = round_budget(self.model, self.budget, held_bytes)
+        plan = decide(self.model, self.map.active, targets, self.p2p.peer_id, budget,
+                      set(self.held), self.pinned, self.map.holders, self.rng, peers=peers,
                       stored=await self._stored())
         if plan.drop:
             for u in plan.drop:
@@ -345,9 +526,8 @@ class MarketService:
         for u in add:
             self.held[u] = "joining"
         await self.publish()
-        for u in add:
+        for u in add:  # not published: to peers, loading is joining (active, not routable)
             self.held[u] = "loading"
-        await self.publish()
         try:
             if self.shards is not None:
                 report = await self.shards.fetch(self.model.model_id, add, self.sources(add))

@@ -11,12 +11,19 @@ real ``LoadReport``s. Only the network and the clock are simulated (discrete eve
   for a gossipsub mesh of degree D), each hop lognormal around ``hop_latency_s``.
 - **Loss.** With probability ``loss`` a viewer misses the latest records and sees them
   one heartbeat later, when the sender republishes its full state.
-- **Churn.** Nodes leave without notice (no ``offline`` record) at ``churn_per_hour``;
-  their records expire by TTL. New nodes arrive at the same rate.
+- **Churn.** Every ``churn_every_s`` a fraction ``churn`` of the nodes leaves without
+  notice (no ``offline`` record) and as many new nodes boot. A holder that left is found
+  by the peers connected to it (``observers`` of them, after the liveness timeout and
+  their market heartbeat), which suspect it with the daemon's ``Suspicions`` delays: the
+  first suspicion, and the others sent before it reached them, go out; every map then
+  expires the holder's record within ``suspect_s``. Others expire by their TTL.
 - **Heterogeneous nodes.** Budgets lognormal around ``budget_median``; download
   bandwidth lognormal (a unit is ``joining``/``loading`` until its bytes are in).
+- **Publishing.** Each node runs the daemon's ``Publisher``: a record on change, a
+  keep-alive every ``keepalive_s``, silence while it has nothing to tell.
 - **Joining delays.** Nodes boot spread over ``boot_s`` (a model announcement reaching
-  a running network), then listen ``TTL_HEARTBEATS - 1`` heartbeats and wait a random
+  a running network), fetch the map from a peer (sync: counted, not gossip), listen
+  ``LISTEN_HEARTBEATS`` heartbeats and wait a random
   enrollment delay, like ``MarketService``; afterwards they rebalance every
   ``rebalance_s`` (jittered), the next decision only after their download finished.
 - **Load.** One stage per layer gossips a LoadReport every ``load_interval_s`` with
@@ -33,17 +40,25 @@ one latency of each other do not see each other's ``joining`` announcements and 
 onto the same units, which is the race the random delay, the random run order and the
 joining state exist for. What this does not capture: two viewers missing *different*
 records at the same moment (loss here delays the whole view by a heartbeat, which is
-pessimistic), and a live peer expiring from one viewer's map after three lost heartbeats
+pessimistic), and a live peer expiring from one viewer's map after three lost keep-alives
 in a row (probability ``loss**3``, 10^-6 at 1%; gossipsub's IWANT recovery makes it
-rarer still). ``holders(unit)`` (which ``decide`` uses to pick the designated surplus
+rarer still); nor a false suspicion (a live holder's link failing), which its refutation
+answers. ``holders(unit)`` (which ``decide`` uses to pick the designated surplus
 holders) is answered from the same map through a range index that returns exactly what
 ``CoverageMap.holders`` returns, in O(ranges) numpy instead of O(peers) Python.
 
-Gossip bytes are counted from the real encodings: each record's msgpack size, plus the
+Gossip bytes are counted from the real encodings: each message's msgpack size, plus the
 gossipsub envelope (protobuf Message with signer, seqno, topic, 64-byte signature and
-public key, RPC framing, yamux and Noise framing), times the copies a node receives in
-a mesh of degree D (D - 1 on average), plus IHAVE announcements (each gossipsub
-heartbeat, the ids of the last ``gossip_window`` heartbeats' messages to D peers).
+public key, RPC framing, yamux and Noise framing), as gossipsub sends them with the
+daemon's parameters (kvasird.p2p.gossip): every node but the publisher receives a copy
+from each of its mesh peers but the one it forwarded it to first, ``d - 1`` copies for a
+node of mesh degree ``d`` (drawn per node: D plus the grafts it accepted, up to D_high);
+each node announces each id in GOSSIP_WINDOW heartbeats to GOSSIP_PEERS peers, so it
+receives as many IHAVE ids a message, plus one IHAVE RPC's framing from each of those
+peers in every heartbeat that had messages; and a GRAFT and a PRUNE for each mesh link a
+churning node makes or breaks. (An IWANT follows only an id whose every mesh copy was
+lost: ``loss ** (d - 1)``, 10^-6 at 1 %, left out.) What a node receives is reported per
+node and minute, mean and 99th percentile over nodes and minutes.
 """
 
 from __future__ import annotations
@@ -53,6 +68,7 @@ import dataclasses
 import heapq
 import math
 import time
+import tracemalloc
 from collections import deque
 from dataclasses import dataclass, field
 from functools import cache
@@ -67,6 +83,18 @@ from kvasird.market.demand import Demand, Targets, fully_covered
 from kvasird.market.enroll import decide
 from kvasird.market.gate import RecordGate, Stale
 from kvasird.market.model import MarketModel
+from kvasird.market.pacing import joins_round, round_budget
+from kvasird.market.publish import (
+    SUSPECT_TTL_S,
+    Publisher,
+    Suspicions,
+    census,
+    keepalive_s,
+    participants,
+    present,
+    record_ttl,
+    suspect_s,
+)
 from kvasird.market.records import (
     ACTIVE_STATES,
     MAX_RECORD_BYTES,
@@ -74,10 +102,17 @@ from kvasird.market.records import (
     CoverageRecord,
     Holding,
     LoadReport,
+    Suspicion,
     compress,
 )
-from kvasird.market.service import COVERAGE, TTL_HEARTBEATS, record_ttl
+from kvasird.market.service import COVERAGE, LISTEN_HEARTBEATS, SUSPECT
 from kvasird.model.manifest import Unit
+from kvasird.p2p.gossip import (
+    GOSSIP_PEERS,
+    GOSSIP_WINDOW,
+    MESH_DEGREE,
+    MESH_DEGREE_HIGH,
+)
 from kvasird.wire import pack, unpack
 
 MB = 10**6
@@ -106,7 +141,7 @@ class SimConfig:
     target_replicas: int = 2
     """The network's base target per unit (hot experts get up to 3x)."""
     heartbeat_s: float = 5.0
-    """Seconds between a node's coverage records (the [market] default)."""
+    """The [market] heartbeat (default 5 s): keep-alives every KEEPALIVE_HEARTBEATS."""
     rebalance_s: float = 15.0
     """Seconds between a node's enrollment decisions, jittered x0.7..1.3."""
     enroll_delay_s: float = 10.0
@@ -125,8 +160,16 @@ class SimConfig:
     """Median latency of one gossip hop (lognormal, sigma 0.5)."""
     loss: float = 0.01
     """Probability that a viewer misses the latest records until the next heartbeat."""
-    churn_per_hour: float = 0.05
-    """Fraction of nodes leaving (silently) per hour; as many arrive."""
+    churn: float = 0.05
+    """Fraction of the nodes leaving (silently) at each churn event; as many arrive."""
+    churn_every_s: float = 60.0
+    """Seconds between churn events (the first one after this long)."""
+    observers: int = 64
+    """Peers connected to each node ([p2p] max_peers): those that see it fail."""
+    liveness_timeout_s: float = 15.0
+    """[p2p] liveness_timeout_s: a dead peer's connection is dropped this long after."""
+    liveness_interval_s: float = 5.0
+    """[p2p] heartbeat_interval_s."""
     skew: float = 1.0
     """Zipf exponent of expert selection per layer; 0 = uniform load (no hot experts)."""
     load_interval_s: float = 60.0
@@ -135,14 +178,16 @@ class SimConfig:
     """Tokens routed through each layer per minute (each selects top_k experts)."""
     top_k: int = 8
     """Experts selected per token per layer."""
-    mesh_degree: int = 6
+    mesh_degree: int = MESH_DEGREE
     """gossipsub D (kvasird.p2p.gossip): mesh peers each message is forwarded to."""
-    gossip_window: int = 3
+    mesh_degree_high: int = MESH_DEGREE_HIGH
+    """gossipsub D_high: the most mesh peers a node keeps."""
+    gossip_window: int = GOSSIP_WINDOW
     """gossipsub heartbeats whose message ids are announced in IHAVE."""
+    gossip_peers: int = GOSSIP_PEERS
+    """Peers each node sends its IHAVE to, each heartbeat."""
     sample_s: float = 5.0
     """Seconds between samples of the coverage time series."""
-    herd_guard: bool = False
-    """A proposed fix, not in the daemon: see ``MarketSim._joins_round``."""
 
 
 @dataclass(frozen=True)
@@ -161,30 +206,36 @@ class Sample:
 
 @dataclass(frozen=True)
 class Gossip:
-    """Control-plane traffic, network-wide per minute and what one node sees of it."""
+    """Control-plane traffic, network-wide per minute and what one node receives of it."""
 
     records_per_min: float
     """Coverage records published per minute by the whole network."""
     changes_per_min: float
-    """Of which carry a change of holdings (the rest are heartbeats)."""
+    """Of which carry a change (the rest are keep-alives and refutations)."""
+    suspicions_per_min: float
+    """Suspicions published per minute."""
     record_bytes: float
     """Mean msgpack size of a coverage record."""
     envelope_bytes: float
     """Mean gossipsub + yamux + Noise bytes around one record."""
     unique_per_node_min: float
-    """Bytes of one copy of every coverage and load message, per node per minute."""
+    """Bytes of one copy of every coverage, suspicion and load message, per minute."""
     mesh_per_node_min: float
-    """Bytes a node receives in a mesh of degree D (D - 1 copies), per minute."""
+    """Bytes a node of mean mesh degree receives as mesh copies, per minute."""
     ihave_per_node_min: float
-    """Bytes of IHAVE announcements a node receives per minute."""
+    """Bytes of IHAVE (ids and RPC framing) a node receives per minute."""
+    control_per_node_min: float
+    """GRAFT/PRUNE bytes a node receives per minute (mesh repair after churn)."""
     load_per_min: float
     """LoadReport bytes per minute (one copy)."""
     change_bytes: float
-    """Mean bytes (record + envelope) of a record that changes holdings."""
+    """Mean bytes (record + envelope) of a record that changes."""
+    p99_per_node_min: float
+    """99th percentile over nodes and minutes of what a node receives."""
 
     @property
     def total_per_node_min(self) -> float:
-        return self.mesh_per_node_min + self.ihave_per_node_min
+        return self.mesh_per_node_min + self.ihave_per_node_min + self.control_per_node_min
 
 
 @dataclass(frozen=True)
@@ -208,7 +259,17 @@ class SimResult:
     gossip: Gossip
     """Traffic over the second half of the run (steady state)."""
     gossip_peak_per_node_min: float
-    """Mesh + IHAVE bytes per node in the busiest minute."""
+    """What a node of mean mesh degree receives in the busiest minute (boot included)."""
+    online_after_churn: tuple[float, ...]
+    """Fraction of units at target with online holders that are really alive, 60 s after
+    each churn event (just before the next)."""
+    servable_after_churn: tuple[float, ...]
+    """Fraction of units with at least one online holder that is alive, at the same times."""
+    sync_bytes_per_join: float
+    """Bytes a starting node fetches to learn the map (two syncs of every signed record)."""
+    map_bytes: int
+    """Python memory of one node's map (CoverageMap of freshly decoded records, plus the
+    signed messages a daemon keeps for sync), at the end."""
     decisions: int
     """decide() calls (decisions skipped on a fully covered view not counted)."""
     decide_s: float
@@ -255,6 +316,12 @@ class _Node:
     """msgpack size of that record."""
     alive: bool = True
     """False once it left (silently)."""
+    publisher: Publisher = field(default_factory=lambda: Publisher(0.0))
+    """The daemon's publish policy, as MarketService.publisher."""
+    beat: float = math.inf
+    """When its next keep-alive check is scheduled (inf: none pending)."""
+    degree: int = MESH_DEGREE
+    """Its gossipsub mesh degree."""
 
 
 class _Holders:
@@ -311,6 +378,13 @@ def envelope_bytes(data_len: int, topic: str = f"kvasir/mainnet/{COVERAGE}") -> 
 
 IHAVE_ID_BYTES = PEER_ID_BYTES + 8 + 2
 """One message id in an IHAVE (signer + seqno, protobuf framing)."""
+IHAVE_RPC_BYTES = 2 + 2 + 24 + 3 + 12 + 16 + 2
+"""An IHAVE RPC's framing: control, ihave, topic, length prefix, yamux, Noise."""
+CONTROL_BYTES = 2 + 2 + 24 + 3 + 12 + 16 + 2
+"""A GRAFT or PRUNE RPC (a topic and framing)."""
+_BIN = {k: i for i, k in enumerate((
+    "records", "changes", "record_bytes", "envelope_bytes", "load_bytes", "change_bytes",
+    "suspicions", "messages", "unique", "control"))}
 
 
 class MarketSim:
@@ -332,13 +406,20 @@ class MarketSim:
         self._snap_t: deque[float] = deque()
         self._snap: deque[Counts] = deque()
         self._dirty = True
+        # each node forwards to its mesh peers but the one it heard the message from
         self._hops = max(1, math.ceil(math.log(max(config.nodes, 2))
-                                      / math.log(config.mesh_degree)))
-        self._ttl = record_ttl(config.heartbeat_s)
+                                      / math.log(max(config.mesh_degree - 1, 2))))
+        self._keepalive = keepalive_s(config.heartbeat_s)
         self._popularity = self._zipf()
-        # per-minute traffic bins: records, changes, record bytes, envelope bytes, load
-        # bytes, bytes of the changes (record + envelope)
         self._bins: dict[int, np.ndarray] = {}
+        """Per-minute traffic, columns _BIN."""
+        self._busy: dict[int, set[int]] = {}
+        """Per minute, the seconds in which messages were published (IHAVE heartbeats)."""
+        self._census: tuple[int, int, list[float]] = (-1, 0, [])
+        self._entries_version = 0
+        self.online_after: list[float] = []
+        self.servable_after: list[float] = []
+        self.sync_bytes: list[int] = []
         self.samples: list[Sample] = []
         self.decisions = 0
         self.decide_s = 0.0
@@ -365,11 +446,12 @@ class MarketSim:
         self.at(1.0, "expire")
         if cfg.tokens_per_min > 0:
             self.at(cfg.load_interval_s / 2, "load")
-        if cfg.churn_per_hour > 0:
-            self.at(self._next_churn(), "churn")
+        if cfg.churn > 0:
+            self.at(cfg.churn_every_s, "churn")
         handlers = {"boot": self._boot, "beat": self._beat, "decide": self._decide,
                     "loaded": self._loaded, "expire": self._expire, "sample": self._sample,
-                    "load": self._load, "churn": self._churn}
+                    "load": self._load, "churn": self._churn, "probe": self._probe,
+                    "suspect": self._suspect}
         while self.events and self.events[0][0] <= cfg.duration_s:
             t, _, kind, node = heapq.heappop(self.events)
             self._snapshot(t)
@@ -383,21 +465,28 @@ class MarketSim:
         spread = math.exp(cfg.budget_sigma * self.rng.normal())
         budget = min(cfg.budget_max, cfg.budget_median * spread)
         peer = "12D3KooW" + "".join(_B58[i] for i in self.rng.integers(0, 58, 44))
-        node = _Node(peer, int(budget), cfg.bandwidth_median * math.exp(0.7 * self.rng.normal()))
+        degree = cfg.mesh_degree + int(self.rng.binomial(cfg.mesh_degree_high - cfg.mesh_degree,
+                                                         0.25))
+        node = _Node(peer, int(budget), cfg.bandwidth_median * math.exp(0.7 * self.rng.normal()),
+                     publisher=Publisher(self._keepalive), degree=degree)
         self.nodes.append(node)
         self.by_peer[peer] = node
         return len(self.nodes) - 1
 
     def _boot(self, t: float, i: int) -> None:
-        self._publish(t, i, changed=True)
-        self.at(t + self.cfg.heartbeat_s, "beat", i)
-        listen = self.cfg.heartbeat_s * (TTL_HEARTBEATS - 1)
+        self._publish(t, i)
+        listen = self.cfg.heartbeat_s * LISTEN_HEARTBEATS
         self.at(t + listen + float(self.rng.uniform(0, self.cfg.enroll_delay_s)), "decide", i)
 
     def _beat(self, t: float, i: int) -> None:
-        if self.nodes[i].alive:
-            self._publish(t, i, changed=False)
-            self.at(t + self.cfg.heartbeat_s, "beat", i)
+        node = self.nodes[i]
+        node.beat = math.inf
+        if not node.alive:
+            return
+        self._publish(t, i)
+        if node.beat == math.inf and node.publisher.at > -math.inf:  # not due: it moved
+            node.beat = max(node.publisher.next_at(), t + self.cfg.heartbeat_s)
+            self.at(node.beat, "beat", i)
 
     def _decide(self, t: float, i: int) -> None:
         node = self.nodes[i]
@@ -405,56 +494,50 @@ class MarketSim:
             return
         view = self._view(t)
         plan_add: tuple[Unit, ...] = ()
-        if not fully_covered(view, self.targets) and self._joins_round(view):
+        held_bytes = sum(self.model.size(u) for u in node.held)
+        if not fully_covered(view, self.targets) and joins_round(
+                self.model, view, self.targets, self._peers(), node.budget, self.cfg.rebalance_s,
+                self.cfg.heartbeat_s, self.rng):
             began = time.process_time()
-            plan = decide(self.model, view, self.targets, node.peer, node.budget,
+            plan = decide(self.model, view, self.targets, node.peer,
+                          round_budget(self.model, node.budget, held_bytes),
                           set(node.held), set(), self.index, self.rng,
-                          peers=max(len(self.truth.entries), 1))
+                          peers=self._peers())
             self.decide_s += time.process_time() - began
             self.decisions += 1
             if plan.drop:
                 for u in plan.drop:
                     node.held[u] = "draining"
-                self._publish(t, i, changed=True)
+                self._publish(t, i)
                 for u in plan.drop:
                     del node.held[u]
             plan_add = plan.add
             if plan.add:
                 for u in plan.add:
                     node.held[u] = "joining"
-                self._publish(t, i, changed=True)
+                self._publish(t, i)
                 for u in plan.add:
                     node.held[u] = "loading"
-                self._publish(t, i, changed=True)
                 loading = sum(self.model.size(u) for u in plan.add) / node.bandwidth
                 self.at(t + loading, "loaded", i)
             elif plan.drop:
-                self._publish(t, i, changed=True)
+                self._publish(t, i)
         if node.state != "online":
             node.state = "online"
             if not plan_add:
-                self._publish(t, i, changed=True)
+                self._publish(t, i)
         if not plan_add:
             self.at(t + self._rebalance_wait(), "decide", i)
 
-    def _joins_round(self, view: Counts) -> bool:
-        """The herd guard (proposal): enroll only with probability ~ missing / deciders.
+    def _silent(self) -> tuple[int, list[float]]:
+        """``census`` of the map, recomputed when the map's peers changed."""
+        if self._census[0] != self._entries_version:
+            self._census = (self._entries_version, *census(
+                [e.record for e in self.truth.entries.values()]))
+        return self._census[1], self._census[2]
 
-        Every node deciding within one propagation window sees the same scarcest unit
-        and takes it. With the guard a node decides with probability
-        ``missing * rebalance_s / (nodes * heartbeat_s)`` (capped at 1), where
-        ``missing`` is the replicas short of target in its view and ``nodes`` the live
-        entries of its map: about as many nodes enroll per heartbeat as replicas are
-        missing. Both numbers are in every node's map, so a daemon can do the same.
-        """
-        if not self.cfg.herd_guard:
-            return True
-        t = self.targets
-        missing = max(0, t.head - view.head) + int(np.clip(t.layer - view.layer, 0, None).sum())
-        missing += int(np.clip(t.expert - view.expert, 0, None).sum())
-        nodes = max(1, len(self.truth.entries))
-        p = missing * self.cfg.rebalance_s / (nodes * self.cfg.heartbeat_s)
-        return bool(self.rng.random() < p)
+    def _peers(self) -> int:
+        return participants(*self._silent())
 
     def _loaded(self, t: float, i: int) -> None:
         node = self.nodes[i]
@@ -463,61 +546,106 @@ class MarketSim:
         for u, state in node.held.items():
             if state == "loading":
                 node.held[u] = "online"
-        self._publish(t, i, changed=True)
+        self._publish(t, i)
         self.at(t + self._rebalance_wait(), "decide", i)
 
     def _rebalance_wait(self) -> float:
         return self.cfg.rebalance_s * float(self.rng.uniform(0.7, 1.3))
 
     def _churn(self, t: float, _: int) -> None:
+        """A churn event: a fraction of the nodes leaves silently, as many boot."""
+        cfg = self.cfg
         alive = [i for i, n in enumerate(self.nodes) if n.alive]
-        victim = self.nodes[alive[int(self.rng.integers(len(alive)))]]
-        victim.alive = False  # silently: its record expires by TTL
-        self.left += 1
-        self.arrived += 1
-        self.at(t, "boot", self._new_node())
-        self.at(t + self._next_churn(), "churn")
+        leaving = self.rng.choice(alive, int(round(cfg.churn * len(alive))), replace=False)
+        for i in leaving:
+            node = self.nodes[int(i)]
+            node.alive = False
+            self.left += 1
+            entry = self.truth.entries.get(node.peer)
+            if entry is not None and node.held and entry.record.ttl > SUSPECT_TTL_S:
+                self._observe_failure(t, int(i))
+        for _ in leaving:
+            self.arrived += 1
+            self.at(t, "boot", self._new_node())
+        # each joiner fetches the map by sync (twice, as MarketService), not by waiting
+        # for keep-alives: every signed record, the map's peers'
+        mapped = [self.by_peer[p].wire_bytes for p in self.truth.entries]
+        self.sync_bytes.append(2 * sum(b + envelope_bytes(b) for b in mapped))
+        # each link of the leavers' meshes is repaired: a PRUNE (timeout) and a GRAFT
+        row = self._row(t)
+        row[_BIN["control"]] += 2 * sum(self.nodes[int(i)].degree for i in leaving)
+        self.at(t + cfg.churn_every_s - 1e-6, "probe")
+        self.at(t + cfg.churn_every_s, "churn")
 
-    def _next_churn(self) -> float:
-        return float(self.rng.exponential(3600.0 / (self.cfg.churn_per_hour * self.cfg.nodes)))
+    def _observe_failure(self, t: float, i: int) -> None:
+        """The peers connected to a holder that left see its connection fail, each after
+        the liveness timeout, and tell with the daemon's suspicion delay; those whose
+        turn comes before the first suspicion reached them publish too."""
+        cfg, node = self.cfg, self.nodes[i]
+        delays = Suspicions(spread_s=cfg.heartbeat_s)
+        seen = np.array([cfg.liveness_timeout_s + float(self.rng.uniform(0, cfg.liveness_interval_s))
+                         + float(self.rng.uniform(0, cfg.heartbeat_s)) + delays.delay(self.rng)
+                         for _ in range(min(cfg.observers, max(cfg.nodes - 1, 1)))])
+        first = float(seen.min())
+        reach = self._propagation()
+        assert node.record is not None
+        for _ in range(int((seen < first + reach).sum())):
+            self._count_suspicion(t + first, node)
+        self.at(t + first + reach, "suspect", i)
+
+    def _propagation(self) -> float:
+        return float(self.rng.lognormal(math.log(self.cfg.hop_latency_s), 0.5, self._hops).sum())
+
+    def _suspect(self, t: float, i: int) -> None:
+        node = self.nodes[i]
+        if node.record is not None:
+            self.truth.suspect(node.peer, node.record.seq, t + suspect_s(self.cfg.heartbeat_s))
 
     # --- gossip -------------------------------------------------------------------------
 
-    def _publish(self, t: float, i: int, changed: bool) -> None:
-        """The node publishes its record; every receiver validates it and applies it."""
+    def _publish(self, t: float, i: int) -> None:
+        """The node builds its record; when its Publisher says it is due, every receiver
+        validates it and applies it. Its next keep-alive is scheduled."""
         node = self.nodes[i]
         node.seq = max(node.seq + 1, int((EPOCH + t) * 1000))
-        if changed or node.record is None:
-            record = CoverageRecord(
-                peer=node.peer, seq=node.seq, ts=EPOCH + t, ttl=self._ttl, state=node.state,
-                protocol=PROTOCOL_VERSION, version=__version__,
-                addrs=(f"/ip4/203.0.113.{i % 250}/tcp/4001/p2p/{node.peer}",
-                       f"/ip4/203.0.113.{i % 250}/tcp/4002/ws/p2p/{node.peer}"),
-                model=self.model.model_id if node.held else "", budget=node.budget,
-                holdings=compress(node.held), caps=Capabilities())
-            data = pack(record.to_wire())
-            node.wire_bytes = len(data)
-            self.max_holdings = max(self.max_holdings, len(record.holdings))
-            self.max_record_bytes = max(self.max_record_bytes, len(data))
-            began = time.process_time()
-            try:
-                if len(data) > MAX_RECORD_BYTES:
-                    raise WireError(f"record of {len(data)} bytes")
-                record = CoverageRecord.from_wire(unpack(data, MAX_RECORD_BYTES))
-                if record.model:
-                    self.truth.check(record)
-            except WireError:
-                self.rejected += 1
-                node.record = None
-                return
-            finally:
-                self.validate_s += time.process_time() - began
-                self.validated += 1
-            node.record = record
-        else:
-            record = dataclasses.replace(node.record, seq=node.seq, ts=EPOCH + t)
-            node.record = record
-        self._count(t, node.wire_bytes, changed)
+        peers = self._peers()
+        node.publisher.keepalive_s = keepalive_s(self.cfg.heartbeat_s, peers)
+        record = CoverageRecord(
+            peer=node.peer, seq=node.seq, ts=EPOCH + t, state=node.state,
+            ttl=record_ttl(self.cfg.heartbeat_s, peers),
+            protocol=PROTOCOL_VERSION, version=__version__,
+            addrs=(f"/ip4/203.0.113.{i % 250}/tcp/4001/p2p/{node.peer}",
+                   f"/ip4/203.0.113.{i % 250}/tcp/4002/ws/p2p/{node.peer}"),
+            model=self.model.model_id if node.held else "", budget=node.budget,
+            holdings=compress(node.held), caps=Capabilities())
+        node.publisher.present = present(node.peer, self._silent()[1])
+        if not node.publisher.due(record, t):
+            return
+        changed = node.publisher.changed(record)
+        node.publisher.sent(record, t)
+        if node.beat == math.inf:
+            node.beat = node.publisher.next_at()
+            self.at(node.beat, "beat", i)
+        data = pack(record.to_wire())
+        node.wire_bytes = len(data)
+        self.max_holdings = max(self.max_holdings, len(record.holdings))
+        self.max_record_bytes = max(self.max_record_bytes, len(data))
+        began = time.process_time()
+        try:
+            if len(data) > MAX_RECORD_BYTES:
+                raise WireError(f"record of {len(data)} bytes")
+            record = CoverageRecord.from_wire(unpack(data, MAX_RECORD_BYTES))
+            if record.model:
+                self.truth.check(record)
+        except WireError:
+            self.rejected += 1
+            node.record = None
+            return
+        finally:
+            self.validate_s += time.process_time() - began
+            self.validated += 1
+        node.record = record
+        self._count(t, len(data), changed)
         try:
             self.gate.check(COVERAGE, node.peer, node.peer, record.seq, record.ts, EPOCH + t)
         except Stale:
@@ -526,30 +654,47 @@ class MarketSim:
             self.rejected += 1
             return
         began = time.process_time()
+        fresh = node.peer not in self.truth.entries
         self.truth.apply(record, t)
         self.apply_s += time.process_time() - began
         self.applied += 1
+        self._entries_version += fresh or changed or node.peer not in self.truth.entries
         if changed:
             self.index.set(node.peer, record.holdings)
             self._dirty = True
 
-    def _count(self, t: float, size: int, changed: bool, load: int = 0) -> None:
-        row = self._bins.setdefault(int(t // 60), np.zeros(6))
-        if load:
-            row[4] += load + envelope_bytes(load, "kvasir/mainnet/load")
-            return
-        row[0] += 1
-        row[2] += size
-        row[3] += envelope_bytes(size)
+    def _row(self, t: float) -> np.ndarray:
+        return self._bins.setdefault(int(t // 60), np.zeros(len(_BIN)))
+
+    def _message(self, t: float, size: int, topic: str) -> np.ndarray:
+        """Count one message (payload ``size``) in its minute; the row, for more columns."""
+        row = self._row(t)
+        row[_BIN["messages"]] += 1
+        row[_BIN["unique"]] += size + envelope_bytes(size, f"kvasir/mainnet/{topic}")
+        self._busy.setdefault(int(t // 60), set()).add(int(t))
+        return row
+
+    def _count(self, t: float, size: int, changed: bool) -> None:
+        row = self._message(t, size, COVERAGE)
+        row[_BIN["records"]] += 1
+        row[_BIN["record_bytes"]] += size
+        row[_BIN["envelope_bytes"]] += envelope_bytes(size)
         if changed:
-            row[1] += 1
-            row[5] += size + envelope_bytes(size)
+            row[_BIN["changes"]] += 1
+            row[_BIN["change_bytes"]] += size + envelope_bytes(size)
+
+    def _count_suspicion(self, t: float, node: _Node) -> None:
+        assert node.record is not None
+        s = Suspicion("12D3KooW" + "x" * 44, int((EPOCH + t) * 1000), EPOCH + t, node.peer,
+                      node.record.seq)
+        self._message(t, len(pack(s.to_wire())), SUSPECT)[_BIN["suspicions"]] += 1
 
     def _expire(self, t: float, _: int) -> None:
         for peer in self.truth.expire(t):
             self.gate.forget(peer)
             self.index.remove(peer)
             self._dirty = True
+            self._entries_version += 1
         self.at(t + 1.0, "expire")
 
     # --- what a deciding node sees -------------------------------------------------------
@@ -602,7 +747,9 @@ class MarketSim:
                 model=self.model.model_id, window_s=cfg.load_interval_s,
                 tokens=picks // cfg.top_k,
                 experts=tuple((layer, int(e), int(c)) for e, c in enumerate(counts) if c))
-            self._count(t, 0, False, load=len(pack(report.to_wire())))
+            size = len(pack(report.to_wire()))
+            self._message(t, size, "load")[_BIN["load_bytes"]] += size + envelope_bytes(
+                size, "kvasir/mainnet/load")
             self.demand.add(report, t)
         self.targets = self.demand.targets(cfg.target_replicas)
         self.at(t + cfg.load_interval_s, "load")
@@ -617,19 +764,61 @@ class MarketSim:
             sum(1 for n in alive if n.held)))
         self.at(t + self.cfg.sample_s, "sample")
 
+    def _probe(self, t: float, _: int) -> None:
+        """Units at target with online holders that are alive (not what the maps say)."""
+        counts = Counts.zeros(self.model)
+        for n in self.nodes:
+            if n.alive and n.record is not None:  # its record is published on every change
+                for h in n.record.holdings:
+                    if h.state == "online":
+                        counts.add(h, +1)
+        self.online_after.append(covered_fraction(counts, self.targets))
+        self.servable_after.append(covered_fraction(counts, self.demand.targets(1)))
+
+    def _received(self, row: np.ndarray, minute: int, degree: float) -> float:
+        """Bytes a node of mesh ``degree`` receives in a minute of traffic ``row``."""
+        cfg = self.cfg
+        ihave = cfg.gossip_peers * (cfg.gossip_window * row[_BIN["messages"]] * IHAVE_ID_BYTES
+                                    + len(self._busy.get(minute, ())) * IHAVE_RPC_BYTES)
+        control = row[_BIN["control"]] * CONTROL_BYTES / max(len(self.nodes) - self.left, 1)
+        return (degree - 1) * row[_BIN["unique"]] + ihave + control
+
     def _gossip(self, minutes: list[int]) -> Gossip:
         cfg = self.cfg
-        rows = np.array([self._bins.get(m, np.zeros(6)) for m in minutes]).mean(axis=0)
-        records, changes, rec_bytes, env_bytes, load_bytes, change_bytes = rows
-        unique = rec_bytes + env_bytes + load_bytes
-        # IHAVE: each gossipsub heartbeat (1 s), ids of the last window's messages, D peers.
-        ihave = cfg.mesh_degree * records * cfg.gossip_window * IHAVE_ID_BYTES
+        rows = np.array([self._bins.get(m, np.zeros(len(_BIN))) for m in minutes])
+        mean = rows.mean(axis=0)
+        c = {k: mean[v] for k, v in _BIN.items()}
+        degree = float(np.mean([n.degree for n in self.nodes]))
+        ihave = cfg.gossip_peers * (cfg.gossip_window * c["messages"] * IHAVE_ID_BYTES + np.mean(
+            [len(self._busy.get(m, ())) for m in minutes]) * IHAVE_RPC_BYTES)
+        control = c["control"] * CONTROL_BYTES / max(len(self.nodes) - self.left, 1)
+        degrees = np.array([n.degree for n in self.nodes if n.alive])
+        per_node = [self._received(row, m, d) for m, row in zip(minutes, rows)
+                    for d in np.percentile(degrees, np.arange(0.5, 100, 1.0))]
         return Gossip(
-            records_per_min=records, changes_per_min=changes,
-            record_bytes=rec_bytes / max(records, 1), envelope_bytes=env_bytes / max(records, 1),
-            unique_per_node_min=unique, mesh_per_node_min=unique * (cfg.mesh_degree - 1),
-            ihave_per_node_min=ihave, load_per_min=load_bytes,
-            change_bytes=change_bytes / max(changes, 1))
+            records_per_min=c["records"], changes_per_min=c["changes"],
+            suspicions_per_min=c["suspicions"],
+            record_bytes=c["record_bytes"] / max(c["records"], 1),
+            envelope_bytes=c["envelope_bytes"] / max(c["records"], 1),
+            unique_per_node_min=c["unique"], mesh_per_node_min=c["unique"] * (degree - 1),
+            ihave_per_node_min=ihave, control_per_node_min=control,
+            load_per_min=c["load_bytes"], change_bytes=c["change_bytes"] / max(c["changes"], 1),
+            p99_per_node_min=float(np.percentile(per_node, 99)))
+
+    def _map_bytes(self) -> int:
+        """One node's map as a daemon holds it: records decoded from the wire (fresh
+        objects, as a receiver has them) in a CoverageMap, and the signed messages."""
+        tracemalloc.start()
+        try:
+            view = CoverageMap(self.model)
+            signed = {}
+            for peer, e in self.truth.entries.items():
+                data = pack(e.record.to_wire())
+                view.apply(CoverageRecord.from_wire(unpack(data, MAX_RECORD_BYTES)), 0.0)
+                signed[peer] = bytes(len(data) + envelope_bytes(len(data)))
+            return tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
 
     def _result(self, wall_s: float) -> SimResult:
         cfg = self.cfg
@@ -646,6 +835,10 @@ class MarketSim:
             expert_targets=self.targets.expert.copy(),
             layer_replicas=self.truth.active.layer.copy(), head_replicas=self.truth.active.head,
             gossip=self._gossip(steady), gossip_peak_per_node_min=peak,
+            online_after_churn=tuple(self.online_after),
+            servable_after_churn=tuple(self.servable_after),
+            sync_bytes_per_join=float(np.mean(self.sync_bytes)) if self.sync_bytes else 0.0,
+            map_bytes=self._map_bytes(),
             decisions=self.decisions, decide_s=self.decide_s,
             validate_us=1e6 * self.validate_s / max(self.validated, 1),
             apply_us=1e6 * self.apply_s / max(self.applied, 1), max_holdings=self.max_holdings,

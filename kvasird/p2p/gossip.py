@@ -31,6 +31,39 @@ from libp2p.tools.anyio_service import background_trio_service
 from kvasird.logs import get_logger
 
 GOSSIPSUB = "/meshsub/1.1.0"
+
+# Mesh and gossip sized for the coverage market's measured traffic (bench/market.md, the
+# simulation at 10,000 nodes): records of 0.3-1 KB, published on change and kept alive
+# every few minutes, so a few hundred to a few thousand messages a minute network-wide
+# and every node receives each of them. What a node receives is then about
+#     messages x ((D - 1) x (record + envelope) + GOSSIP_PEERS x GOSSIP_WINDOW x id)
+# (each mesh peer but the one it came from forwards a copy; each node announces each id
+# to GOSSIP_PEERS non-mesh peers in each of GOSSIP_WINDOW heartbeats).
+# - D = 4 (3..12): three redundant paths into every node are plenty for signed, idempotent
+#   records that are re-sent by their keep-alive anyway; the default 6 costs 5/3 as many
+#   copies. Delivery to 10,000 nodes stays within ceil(log(10,000) / log(3)) = 9 hops.
+#   D_high stays 12: a node accepts grafts up to it, so in a network of a dozen nodes all
+#   peers stay in the mesh (with D_high = 8, ten daemons on loopback pruned and re-grafted
+#   each other every heartbeat, "GRAFT flood", and the PRUNEs' peer exchange cost more
+#   than the records saved). The simulator draws each node's degree between D and it.
+# - GOSSIP_WINDOW = 1, GOSSIP_PEERS = 3: an id is announced once, to 3 peers: the message
+#   ids (46 bytes: signer + seqno) cost about as much as a small record otherwise
+#   (py-libp2p's 3-heartbeat window to max(6, a quarter of all peers) is 18-48 ids a
+#   message and node). IWANT then recovers a lost message within a heartbeat; a record
+#   lost all the same is repaired by the next keep-alive.
+# - Heartbeat 1 s: mesh repair and IHAVE within a second of a churn event; an idle
+#   heartbeat sends nothing (no ids: no IHAVE).
+# - Adaptive gossip off: py-libp2p's "v2.0 adaptive" mode raises D by up to 4 when it
+#   judges the network unhealthy (as a loaded loopback network often looks); the bytes
+#   would follow, unbounded by these figures.
+# - Flood publishing: py-libp2p publishes to the mesh only (it has no flood-publish
+#   option), which is what a control plane of small records wants.
+# - The message cache keeps GOSSIP_HISTORY heartbeats for IWANT answers (a few hundred
+#   records at most).
+MESH_DEGREE, MESH_DEGREE_LOW, MESH_DEGREE_HIGH = 4, 3, 12
+GOSSIP_WINDOW = 1
+GOSSIP_HISTORY = 3
+GOSSIP_PEERS = 3
 MAX_MESSAGES_PER_TOPIC_PER_S = 500.0
 EQUIVOCATION_SWEEP_S = 60.0
 PUBLISH_TIMEOUT_S = 2.0
@@ -51,9 +84,11 @@ Validator = Callable[[ID, rpc_pb2.Message], Awaitable[bool]]
 class Gossip:
     def __init__(self, host: IHost, network: str, heartbeat_s: float = 1.0) -> None:
         self.network = network
-        self.router = GossipSub(
-            [GOSSIPSUB], degree=6, degree_low=4, degree_high=12,
-            heartbeat_interval=max(1, int(heartbeat_s)),
+        self.router = _BoundedGossip(
+            [GOSSIPSUB], degree=MESH_DEGREE, degree_low=MESH_DEGREE_LOW,
+            degree_high=MESH_DEGREE_HIGH, gossip_window=GOSSIP_WINDOW,
+            gossip_history=GOSSIP_HISTORY, heartbeat_interval=max(1, int(heartbeat_s)),
+            adaptive_gossip_enabled=False,
             spam_protection_enabled=True,
             max_messages_per_topic_per_second=MAX_MESSAGES_PER_TOPIC_PER_S,
             score_params=SCORE_PARAMS,
@@ -103,6 +138,15 @@ class Gossip:
             await self.pubsub.publish(self.topic(name), data)
             return True
         return False
+
+
+class _BoundedGossip(GossipSub):
+    """GossipSub that announces each heartbeat's message ids to GOSSIP_PEERS peers, not to
+    max(6, a quarter of all peers) (py-libp2p's fixed rule): with 64 connections that was
+    15 IHAVEs per id and node, more bytes than the records themselves."""
+
+    def _get_adaptive_gossip_peers_count(self, topic: str, total_peers: int) -> int:
+        return min(GOSSIP_PEERS, total_peers)
 
 
 class _ContainedPubsub(Pubsub):
