@@ -31,6 +31,7 @@ TOP = 20
 # Wide FFNs (or many experts) and a tied head: the layers outweigh the embedding, so the
 # market, giving each node ~45 % of the model, has to split them among the three.
 SHAPES = {
+    "llama": {"n_ff": 3072},
     "qwen3": {"n_ff": 3072},
     "mixtral": {"n_ff_exp": 384, "n_expert": 8, "n_expert_used": 2},
     "gemma3": {"n_ff": 3072},
