@@ -121,7 +121,13 @@ def matches(got: dict, tokens: list[int], tops: list[dict[int, float]],
                 assert abs(lp - mine[word]) < 1e-3, (word, lp, mine[word])
 
 
-@pytest.mark.parametrize("arch", list(SHAPES))
+# Without llama.cpp (CI) the comparison is with one process of ours only: the engine paths
+# that split differently (routed experts in several ranges, a shared expert and recurrent
+# state, expert biases in MXFP4) are enough there; with it, every architecture.
+WITHOUT_LLAMACPP = ("qwen3moe", "qwen35moe", "gpt-oss")
+
+
+@pytest.mark.parametrize("arch", list(SHAPES) if LLAMACPP_PYTHON.exists() else WITHOUT_LLAMACPP)
 def test_a_localnet_of_the_architecture_answers_as_one_process_and_llamacpp_do(
         arch: str, tmp_path: Path, tokenizer: Tokenizer) -> None:
     path = model(arch, tmp_path)
