@@ -190,6 +190,11 @@ class MarketService:
         record = CoverageRecord.from_wire(value)
         if self.proofs is not None and self.proofs.banned(record.peer):
             raise Stale("the peer was caught lying about its holdings")  # ignored, quietly
+        if record.peer == self.p2p.peer_id and record.boot != self.boot:
+            # our record from before a restart, as a peer's map still holds it (sync, or a
+            # late relay): applied, what we held then looked covered by us, and a restarted
+            # node (silent while it holds nothing) took other units than the ones on its disk
+            raise Stale("a record of this node's previous run")
         if self.map is not None and record.model == self.map.model.model_id:
             self.map.check(record)
         self.gate.check(COVERAGE, signer, record.peer, record.seq, record.ts, now,

@@ -8,11 +8,14 @@ import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import trio
+from libp2p.pubsub.pb import rpc_pb2
 from trio.testing import MockClock
 
 from kvasird.config import MarketConfig
 from kvasird.market.coverage import CoverageMap
+from kvasird.market.gate import Stale
 from kvasird.market.model import MarketModel
 from kvasird.market.pacing import HERD_MIN, joins_round
 from kvasird.market.publish import (
@@ -244,3 +247,17 @@ def test_records_compare_without_their_sequence_and_time() -> None:
     pub = Publisher(60.0)
     pub.sent(a, 0.0)
     assert not pub.changed(dataclasses.replace(a, seq=2, ts=5.0))
+
+
+def test_a_record_of_this_nodes_previous_run_is_not_taken_for_its_own(model: MarketModel) -> None:
+    """A peer's map, fetched at start, still holds our record from before a restart: taken
+    in, the units on our disk looked held by us already, and the restarted node took others
+    (a real restart took layers 1-10 where it had held 25-4)."""
+    market = service(model)
+    before = dataclasses.replace(record("me", seq=3, ts=EPOCH), boot="previous")
+    with pytest.raises(Stale):
+        market._apply_coverage(before.to_wire(), "me", EPOCH, rpc_pb2.Message(), synced=True)
+    assert market.map is not None and "me" not in market.map.entries
+    ours = dataclasses.replace(record("me", seq=4, ts=EPOCH), boot=market.boot)
+    market._apply_coverage(ours.to_wire(), "me", EPOCH, rpc_pb2.Message())
+    assert "me" in market.map.entries
