@@ -43,7 +43,8 @@ class SentencePiece:
                                      else unknown) for b in range(256)]
         by_length = sorted(specials, key=lambda i: -len(self.tokens[i]))
         self._all_special = [(self.tokens[i], i) for i in by_length if self.tokens[i]]
-        self._user = [(t, i) for t, i in self._all_special if i in set(user_defined)]
+        user = set(user_defined)
+        self._user = [(t, i) for t, i in self._all_special if i in user]
         self.token_bytes = [_piece_bytes(t, kind) for t, kind in zip(self.tokens, types, strict=True)]
 
     def encode(self, text: str, *, special: bool = False) -> list[int]:

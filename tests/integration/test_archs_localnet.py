@@ -6,11 +6,13 @@ and of one process of ours holding the whole model in any case."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -43,6 +45,19 @@ SHAPES = {
     "gpt-oss": {"n_ff_exp": 384, "n_expert": 8, "n_expert_used": 2, "expert_dtype": "mxfp4",
                 "tied_output": False},
 }
+
+
+@contextlib.contextmanager
+def localnet_up(path: Path, root: Path) -> Iterator[str]:
+    """`kvasird localnet up --nodes 3 --detach --model path`, what it printed, then down."""
+    kvasird = [sys.executable, "-m", "kvasird", "localnet"]
+    try:
+        up = subprocess.run([*kvasird, "up", "--nodes", "3", "--detach", "--model", str(path),
+                             "--dir", str(root)], capture_output=True, text=True, timeout=420)
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield up.stdout
+    finally:
+        subprocess.run([*kvasird, "down", "--dir", str(root)], capture_output=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -131,17 +146,12 @@ WITHOUT_LLAMACPP = ("qwen3moe", "qwen35moe", "gpt-oss")
 def test_a_localnet_of_the_architecture_answers_as_one_process_and_llamacpp_do(
         arch: str, tmp_path: Path, tokenizer: Tokenizer) -> None:
     path = model(arch, tmp_path)
-    root = tmp_path / "ln"
-    kvasird = [sys.executable, "-m", "kvasird", "localnet"]
-    try:
-        up = subprocess.run([*kvasird, "up", "--nodes", "3", "--detach", "--model", str(path),
-                             "--dir", str(root)], capture_output=True, text=True, timeout=420)
-        assert up.returncode == 0, up.stdout + up.stderr
-        held = dict(re.findall(r"^  node(\d): layers (.*)$", up.stdout, re.M))
+    with localnet_up(path, tmp_path / "ln") as printed:
+        held = dict(re.findall(r"^  node(\d): layers (.*)$", printed, re.M))
         # split: more than one node holds a part (of a MoE, perhaps only experts)
-        assert len(held) == 3 and sum(v != "none" for v in held.values()) >= 2, up.stdout
-        gateway = re.search(r"^gateway: (\S+)", up.stdout, re.M)
-        assert gateway, up.stdout
+        assert len(held) == 3 and sum(v != "none" for v in held.values()) >= 2, printed
+        gateway = re.search(r"^gateway: (\S+)", printed, re.M)
+        assert gateway, printed
         url = gateway.group(1)
         name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         r = httpx.post(url + "/v1/completions", timeout=120, json={
@@ -149,8 +159,6 @@ def test_a_localnet_of_the_architecture_answers_as_one_process_and_llamacpp_do(
             "logprobs": TOP, "ignore_eos": True})
         assert r.status_code == 200, r.text
         got = r.json()["choices"][0]["logprobs"]
-    finally:
-        subprocess.run([*kvasird, "down", "--dir", str(root)], capture_output=True, timeout=120)
     tokens, tops = one_process(path)
     print(f"{arch}: holdings {held}; greedy {tokens}")
     matches(got, tokens, tops, tokenizer)
@@ -176,12 +184,5 @@ def test_a_model_whose_head_outweighs_a_share_is_still_split(tmp_path: Path) -> 
     plus slack: the budgets grow to fit it, so one node takes it and the rest is split."""
     path = make_model(tmp_path / "wide.gguf", arch="qwen3", n_layer=4, n_embd=256, n_head=4,
                       n_head_kv=2, head_dim=64, dtype="q8_0", tied_output=True, seed=3)
-    root = tmp_path / "ln"
-    kvasird = [sys.executable, "-m", "kvasird", "localnet"]
-    try:
-        up = subprocess.run([*kvasird, "up", "--nodes", "3", "--detach", "--model", str(path),
-                             "--dir", str(root)], capture_output=True, text=True, timeout=420)
-        assert up.returncode == 0, up.stdout + up.stderr
-        assert re.search(r"^  node\d: .*\+ head", up.stdout, re.M), up.stdout
-    finally:
-        subprocess.run([*kvasird, "down", "--dir", str(root)], capture_output=True, timeout=120)
+    with localnet_up(path, tmp_path / "ln") as printed:
+        assert re.search(r"^  node\d: .*\+ head", printed, re.M), printed
