@@ -30,7 +30,7 @@ from kvasird.gateway.tools import (
 )
 from kvasird.inference.api import Sampling
 from kvasird.inference.chat import Message
-from kvasird.inference.tools import Args, Event, Opened, Said
+from kvasird.inference.tools import Args, Broken, Closed, Event, Opened, Said
 
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence"}
 
@@ -88,7 +88,9 @@ def conversation(f: Fields) -> list[Message]:
 class MessagesRenderer:
     """Messages. With tools, the reply is parsed into text blocks and tool_use blocks; a
     stream sends text as soon as it cannot be the start of a call, and each call as a
-    tool_use block as it is written, its input as input_json_delta events of partial JSON."""
+    tool_use block as it is written, its input as input_json_delta events of partial JSON.
+    The model's reasoning (harmony's analysis channel) is left out: a thinking block would
+    need a signature this gateway cannot make, and a client sends thinking blocks back."""
 
     ping = sse({"type": "ping"}, "ping")
 
@@ -96,7 +98,7 @@ class MessagesRenderer:
         self.job = job
         self.id = f"msg_{job.request.request_id}"
         self.use = use or ToolUse()
-        self._reader = self.use.reader() if self.use.tools else None
+        self._reader = self.use.reader() if self.use.reads else None
         self._block = 0
         """The index of the stream's last content block."""
         self._open: str | None = "text"
@@ -124,8 +126,9 @@ class MessagesRenderer:
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
         (only,) = choices  # Anthropic's API has no `n`
-        text, calls = self.use.parse(only.text)
-        blocks = [{"type": "text", "text": text}] if text or not calls else []
+        reply = self.use.read(only.text)
+        calls = list(reply.calls)
+        blocks = [{"type": "text", "text": reply.text}] if reply.text or not calls else []
         return self.message(blocks + anthropic_tool_blocks(calls), only.done,
                             only.done.completion_tokens, bool(calls))
 
@@ -154,7 +157,7 @@ class MessagesRenderer:
                                     "name": e.name, "input": {}})
             elif isinstance(e, Args):
                 out.append(self._delta({"type": "input_json_delta", "partial_json": e.text}))
-            else:
+            elif isinstance(e, Closed | Broken):
                 out += self._stop()
         return out
 

@@ -1,8 +1,13 @@
 """One generation as the gateway sees it: a Generator's token events turned into text.
 
     GenerationRequest ─▶ Generator.generate ─▶ TokenEvent… Finished
-        ─▶ StreamDecoder (whole UTF-8 characters) ─▶ StopMatcher (held-back partial stops)
+        ─▶ Decoder (whole UTF-8 characters) ─▶ StopMatcher (held-back partial stops)
         ─▶ Piece… Done        (rendered by openai.py or anthropic.py)
+
+The special tokens a model writes are dropped from the text, but for the markers its chat
+format reads replies by (harmony's ``<|channel|>``...: kvasird.inference.tools.Format.markers),
+which are kept as their text. The end-of-generation token is never in it: the Generator
+stops there without handing it on.
 
 A request for n choices (OpenAI's ``n``) is n such generations, run side by side
 (``produce``, one task each), their pieces tagged with the choice's index. Leaving the
@@ -24,6 +29,7 @@ from kvasird.errors import KvasirError
 from kvasird.gateway.stops import StopMatcher
 from kvasird.inference.api import Finished, GenerationRequest, Generator, TokenEvent
 from kvasird.inference.tokenizer import Tokenizer
+from kvasird.inference.tools import format_of
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ async def produce(generator: Generator, tokenizer: Tokenizer, request: Generatio
 
 async def pieces(generator: Generator, tokenizer: Tokenizer, request: GenerationRequest,
                  stops: tuple[str, ...], index: int = 0) -> AsyncGenerator[Piece | Done, None]:
-    decoder, matcher = tokenizer.stream(), StopMatcher(stops)
+    decoder, matcher = Decoder(tokenizer), StopMatcher(stops)
     pending: list[TokenEvent] = []
     produced = 0
     async with _closing(generator.generate(request)) as events:
@@ -114,6 +120,24 @@ async def pieces(generator: Generator, tokenizer: Tokenizer, request: Generation
             if text:
                 yield Piece(text, tuple(pending), index)
                 pending = []
+
+
+class Decoder:
+    """A generation's tokens -> text, keeping the special tokens the model's chat format
+    reads (``Format.markers``) and dropping the others."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._stream = tokenizer.stream(skip_special=False)
+        self._kept = format_of(tokenizer.chat_template).markers
+
+    def feed(self, token: int) -> str:
+        if self._tok.is_special(token) and self._tok.tokens[token] not in self._kept:
+            return ""
+        return self._stream.feed(token)
+
+    def finish(self) -> str:
+        return self._stream.finish()
 
 
 @asynccontextmanager

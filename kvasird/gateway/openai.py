@@ -34,7 +34,7 @@ from kvasird.inference.api import ModelInfo, Sampling, TokenEvent
 from kvasird.inference.chat import Message
 from kvasird.inference.grammar import JSON_OBJECT, GrammarError, check, for_json_schema
 from kvasird.inference.tokenizer import Tokenizer
-from kvasird.inference.tools import Args, Event, Opened, Reader, Said
+from kvasird.inference.tools import Args, Event, Opened, Reader, Said, Thought
 from kvasird.model.names import slug
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -296,7 +296,8 @@ class ChatRenderer(_OpenAIRenderer):
     """Chat completions. With tools, each choice's text is parsed into its content and its
     tool calls; a stream sends content as soon as it cannot be the start of a call, and
     each call as it is written: a first ``delta.tool_calls`` entry with its id and name,
-    then its arguments as partial JSON (as OpenAI streams them)."""
+    then its arguments as partial JSON (as OpenAI streams them). The model's reasoning
+    (harmony's analysis channel) is ``reasoning_content``, as llama-server sends it."""
 
     prefix, kind = "chatcmpl", "chat.completion.chunk"
 
@@ -312,10 +313,13 @@ class ChatRenderer(_OpenAIRenderer):
         return {**super().body(choices), "object": "chat.completion"}
 
     def choice(self, c: Choice) -> dict[str, Any]:
-        content, calls = self.use.parse(c.text)
-        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        reply = self.use.read(c.text)
+        calls = list(reply.calls)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.text, "refusal": None}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
         if calls:
-            message.update(content=content or None, tool_calls=openai_tool_calls(calls))
+            message.update(content=reply.text or None, tool_calls=openai_tool_calls(calls))
         return {"index": c.done.index, "message": message,
                 "logprobs": self.logprobs(list(c.tokens)),
                 "finish_reason": self.finish(c.done, bool(calls))}
@@ -329,7 +333,7 @@ class ChatRenderer(_OpenAIRenderer):
                 for i in range(self.job.n)]
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
-        if self.use.tools:
+        if self.use.reads:
             return self._deltas(piece.index, self._reader(piece.index).feed(piece.text))
         if not piece.text and self.job.top_logprobs < 0:
             return []
@@ -339,7 +343,7 @@ class ChatRenderer(_OpenAIRenderer):
 
     def stream_end(self, dones: list[Done]) -> list[bytes]:
         out = []
-        if self.use.tools:
+        if self.use.reads:
             for done in dones:
                 out += self._deltas(done.index, self._reader(done.index).end())
         return out + super().stream_end(dones)
@@ -354,6 +358,8 @@ class ChatRenderer(_OpenAIRenderer):
         for e in events:
             if isinstance(e, Said):
                 delta: dict[str, Any] = {"content": e.text}
+            elif isinstance(e, Thought):
+                delta = {"reasoning_content": e.text}
             elif isinstance(e, Opened):
                 self._called.add(index)
                 delta = {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",

@@ -166,7 +166,7 @@ def input_items(f: Fields) -> list[Message]:
 def tool_use(f: Fields, template: Any) -> ToolUse:
     """The Responses API's tools (flat function objects) and tool_choice."""
     if not f.value.get("tools"):
-        return ToolUse()
+        return ToolUse(format=template.tool_format)
     tools = []
     for t in tool_items(f, "tools"):
         if t.string("type") != "function":
@@ -192,7 +192,7 @@ class ResponsesRenderer:
         self.msg_id = f"msg_{job.request.request_id}"
         self.created = time.time()
         self._seq = 0
-        self._reader = use.reader() if use.tools else None
+        self._reader = use.reader() if use.reads else None
         self._items: list[dict[str, Any]] = []
         """The output items so far, in order (the open one is still being written)."""
         self._open: dict[str, Any] | None = None

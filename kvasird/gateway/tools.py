@@ -14,7 +14,9 @@
                OpenAI ``message.tool_calls`` / Anthropic ``tool_use`` blocks, with finish
                reason "tool_calls" / stop reason "tool_use"; streamed as it is generated
                (``ToolUse.reader``): a call's name as soon as it is written, its arguments
-               as partial JSON
+               as partial JSON. A format that frames every reply (harmony) reads it with
+               tools or without: its reasoning is OpenAI's ``reasoning_content``, left out
+               of Anthropic's and the Responses API's replies
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kvasird.gateway.body import Fields, objects
 from kvasird.gateway.errors import BadRequest
 from kvasird.inference.chat import ChatTemplate, Message
 from kvasird.inference.grammar import GrammarError, for_json_schema
-from kvasird.inference.tools import MAX_TOOLS, Format, Reader, Tool, ToolCall
+from kvasird.inference.tools import MAX_TOOLS, Format, Reader, Reply, Tool, ToolCall
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -42,17 +44,23 @@ class ToolUse:
     grammar: str = ""
     """Forces the reply to be calls ("" = the model chooses)."""
     format: Format | None = None
-    """How the model writes calls (None without tools)."""
+    """How the model writes its replies and calls (None: as plain text)."""
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The reply's text outside calls, and its complete calls."""
-        if self.format is None or not self.tools:
-            return text, []
-        return self.format.parse(text, self.tools)
+    @property
+    def reads(self) -> bool:
+        """Whether replies go through the format: tools are offered, or it frames every
+        reply (harmony's channels)."""
+        return self.format is not None and (bool(self.tools) or self.format.framed)
+
+    def read(self, text: str) -> Reply:
+        """The reply's text outside calls, its complete calls and its reasoning."""
+        if self.format is None or not self.reads:
+            return Reply(text)
+        return self.format.read(text, self.tools)
 
     def reader(self) -> Reader:
         """Reads one reply as it streams (kvasird.inference.tools.Format.stream)."""
-        assert self.format is not None and self.tools
+        assert self.format is not None and self.reads
         return self.format.stream(self.tools)
 
 
@@ -68,7 +76,7 @@ def openai_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
         if f.value.get("tool_choice") not in (None, "none", "auto"):
             raise BadRequest("`tool_choice` asks for a tool call but `tools` is empty",
                              "tool_choice")
-        return ToolUse()
+        return ToolUse(format=template.tool_format)
     tools = []
     for t in tool_items(f, "tools"):
         if t.string("type", "function") != "function":
@@ -86,7 +94,7 @@ def openai_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
 
 def anthropic_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
     if not f.value.get("tools"):
-        return ToolUse()
+        return ToolUse(format=template.tool_format)
     tools = [parse_tool(t, "name", "description", "input_schema") for t in tool_items(f, "tools")]
     c = f.obj("tool_choice")
     kind = c.string("type", "auto")
@@ -122,10 +130,10 @@ def parse_tool(t: Fields, name_key: str, description_key: str, schema_key: str) 
 def choose(tools: list[Tool], template: ChatTemplate, mode: str, name: str | None,
            parallel: bool, where: str) -> ToolUse:
     """What ``mode`` ("none", "auto", "required", "named" with ``name``) asks of ``tools``."""
+    fmt = template.tool_format
     if mode == "none":
-        return ToolUse()
+        return ToolUse(format=fmt)
     try:
-        fmt = template.tool_format
         if mode == "auto":
             return ToolUse(tuple(tools), "", fmt)
         if mode == "named":

@@ -45,7 +45,8 @@ class SentencePiece:
         self._all_special = [(self.tokens[i], i) for i in by_length if self.tokens[i]]
         user = set(user_defined)
         self._user = [(t, i) for t, i in self._all_special if i in user]
-        self.token_bytes = [_piece_bytes(t, kind) for t, kind in zip(self.tokens, types, strict=True)]
+        self.token_bytes = [_piece_bytes(t, kind)
+                            for t, kind in zip(self.tokens, types, strict=True)]
 
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         out: list[int] = []

@@ -249,6 +249,10 @@ def _from_meta(meta: dict[str, object], source: str) -> Tokenizer:
     ends = {i for i in (token_id("eos"), token_id("eot"), token_id("eom")) if i is not None}
     ends |= {i for i, t in enumerate(tokens)
              if types[i] == CONTROL and t in END_OF_GENERATION_TEXTS}
+    if {"<|return|>", "<|call|>"} <= set(tokens) and "<|end|>" in tokens:
+        # harmony (gpt-oss): <|end|> closes a message (the reasoning before the answer or a
+        # call), <|return|> and <|call|> the reply; llama.cpp drops it from its EOG set too
+        ends.discard(tokens.index("<|end|>"))
     special = SpecialTokens(bos=token_id("bos"), eos=token_id("eos"), eot=token_id("eot"),
                             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                             end_of_generation=frozenset(ends))

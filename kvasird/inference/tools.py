@@ -7,6 +7,12 @@
                           block per call (Qwen 2.5/3/3.5, Hermes, SmolLM3; the default)
                   llama3  {"name": ..., "parameters": {...}}, after <|python_tag|> or alone
                           (Llama 3.1 and later)
+                  harmony <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
+                          {...}<|call|>, one call per generation (<|call|> ends it), among
+                          messages on channels: analysis (reasoning), final (the answer),
+                          commentary (gpt-oss). Every reply is read by it, with tools or
+                          without, and its markers (special tokens) are kept in the decoded
+                          text for it (``Format.markers``)
 
     prompt      the template gets ``tools`` as OpenAI's [{"type": "function", "function": ...}]
                 and messages with ``tool_calls`` and role "tool"; a template that never reads
@@ -20,15 +26,13 @@
     stream      ``Format.stream(tools)`` reads a reply as it is generated and hands on
                 events: Said (text that can no longer be the start of a call), Opened (a
                 call's name, as soon as it is written), Args (its arguments' JSON text as it
-                comes) and Closed (the call whole; its arguments are exactly the Args
-                joined). ``parse`` is a stream fed the whole text, so a streamed reply and
-                a whole one hold the same text and calls. A call cut off by the token limit
-                is never Closed: a stream has sent its start, a whole reply leaves it out.
-                Hermes is read incrementally; Llama 3 (no start marker, and a reply is
-                either all calls or all text) is held to the end.
-
-gpt-oss's harmony format is not built yet: its template is refused with tools (the gateway
-says so) rather than misread.
+                comes), Closed (the call whole; its arguments are exactly the Args joined)
+                and Thought (reasoning, never content: harmony's analysis channel).
+                ``read`` (and ``parse``) is a stream fed the whole text, so a streamed reply
+                and a whole one hold the same text and calls. A call cut off by the token
+                limit is never Closed: a stream has sent its start, a whole reply leaves it
+                out. Hermes and harmony are read incrementally; Llama 3 (no start marker,
+                and a reply is either all calls or all text) is held to the end.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from typing import Any, Protocol
 
 from llguidance import LLMatcher
 
-from kvasird.inference.grammar import JSON_OPTIONS, GrammarError, check
+from kvasird.inference.grammar import JSON_OPTIONS, check
 
 MAX_TOOLS = 128
 
@@ -81,8 +85,14 @@ class Format:
     name = "hermes"
     start, end = "<tool_call>\n", "\n</tool_call>"
     separator = "\n"
-    """Between parallel calls."""
+    """Between parallel calls ("": one call per reply)."""
     arguments_key = "arguments"
+    markers: frozenset[str] = frozenset()
+    """Special tokens a reply is read by: decoding keeps their text (the others a model
+    writes are dropped)."""
+    framed = False
+    """Every reply is written in the format's frame (harmony's channels), so it is read
+    by the format even when no tools are offered."""
 
     def system_text(self, tools: Sequence[Tool]) -> str:
         """The tools described for a template that does not read ``tools`` itself."""
@@ -98,20 +108,27 @@ class Format:
         body = {"name": call.name, self.arguments_key: _loads(call.arguments)}
         return f"{self.start}{json.dumps(body, ensure_ascii=False)}{self.end}"
 
-    def result_text(self, content: str) -> str:
+    def result_text(self, content: str, name: str) -> str:
+        """A tool's result, ``name`` the tool's ("" when unknown)."""
         return f"<tool_response>\n{content}\n</tool_response>"
 
     def grammar(self, tools: Sequence[Tool], parallel: bool = True) -> str:
         """Output that is one call (or, with ``parallel``, several) of ``tools``, each with
         arguments that validate against that tool's schema."""
         one = " | ".join(f"c{i}" for i in range(len(tools)))
-        more = f" ({json.dumps(self.separator)} call)*" if parallel else ""
-        body = f"{json.dumps(self.start)} ({one}) {json.dumps(self.end)}" if self.start else one
-        rules = [f"start: call{more}", f"call: {body}"]
-        rules += [f"c{i}: %json {json.dumps(self._schema(t))}" for i, t in enumerate(tools)]
+        more = f" ({json.dumps(self.separator)} call)*" if parallel and self.separator else ""
+        rules = [f"start: call{more}", f"call: {self._call_rule(one)}"]
+        rules += [f"c{i}: {self._tool_rule(t)}" for i, t in enumerate(tools)]
         grammar = LLMatcher.grammar_from_lark("\n".join(rules))
         check(grammar, "tools")
         return grammar
+
+    def _call_rule(self, tools: str) -> str:
+        """One call in the grammar; ``tools`` is the rule that picks the tool."""
+        return f"{json.dumps(self.start)} ({tools}) {json.dumps(self.end)}" if self.start else tools
+
+    def _tool_rule(self, tool: Tool) -> str:
+        return f"%json {json.dumps(self._schema(tool))}"
 
     def _schema(self, tool: Tool) -> dict[str, Any]:
         return {"type": "object", "x-guidance": JSON_OPTIONS,
@@ -126,11 +143,17 @@ class Format:
     def parse(self, text: str, tools: Sequence[Tool]) -> tuple[str, list[ToolCall]]:
         """The text outside calls, and the complete calls of known tools (in order). A block
         that is not a call of a tool offered stays text."""
+        reply = self.read(text, tools)
+        return reply.text, list(reply.calls)
+
+    def read(self, text: str, tools: Sequence[Tool]) -> Reply:
+        """A whole reply: ``parse``'s text and calls, and its reasoning."""
         reader = self.stream(tools)
         events = [*reader.feed(text), *reader.end()]
-        calls = [e.call for e in events if isinstance(e, Closed)]
+        calls = tuple(e.call for e in events if isinstance(e, Closed))
         said = "".join(e.text for e in events if isinstance(e, Said | Broken))
-        return said.strip() if calls else said, calls
+        return Reply(said.strip() if calls else said, calls,
+                     "".join(e.text for e in events if isinstance(e, Thought)))
 
     def _call(self, body: str, tools: Sequence[Tool]) -> ToolCall | None:
         try:
@@ -148,14 +171,18 @@ class Format:
     def plain(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Messages with tool calls and results as text, for a template that knows neither."""
         out: list[dict[str, Any]] = []
+        names: dict[str, str] = {}
+        """Call id -> tool name, for results that do not name their tool."""
         for m in messages:
             if m["role"] == "tool":
-                text = self.result_text(m["content"])
+                text = self.result_text(m["content"], m.get("name") or
+                                        names.get(m.get("tool_call_id", ""), ""))
                 if out and out[-1]["role"] == "user" and out[-1].get("tool_results"):
                     out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text}
                 else:
                     out.append({"role": "user", "content": text, "tool_results": True})
             elif m.get("tool_calls"):
+                names.update((c.id, c.name) for c in m["tool_calls"])
                 calls = "\n".join(self.call_text(c) for c in m["tool_calls"])
                 out.append({"role": m["role"],
                             "content": (m["content"] + "\n" if m["content"] else "") + calls})
@@ -179,7 +206,7 @@ class Llama3(Format):
                 'Respond in the format {"name": function name, "parameters": dictionary of '
                 "argument name and its value}. Do not use variables.\n\n" + listing)
 
-    def result_text(self, content: str) -> str:
+    def result_text(self, content: str, name: str) -> str:
         return content
 
     _object = re.compile(r"(?:<\|python_tag\|>)?\s*(\{.*\})\s*$", re.S)
@@ -198,7 +225,78 @@ class Llama3(Format):
         return "", calls
 
 
-FORMATS: dict[str, Format] = {"hermes": Format(), "llama3": Llama3()}
+class Harmony(Format):
+    """gpt-oss: a reply is messages on channels; a call is a message to ``functions.NAME``
+    whose body is the arguments object (``HarmonyStream``)."""
+
+    name = "harmony"
+    separator = ""
+    markers = frozenset({"<|start|>", "<|channel|>", "<|message|>", "<|constrain|>",
+                         "<|end|>", "<|call|>", "<|return|>"})
+    framed = True
+
+    def system_text(self, tools: Sequence[Tool]) -> str:
+        listing = "\n\n".join(_typescript(t) for t in tools)
+        return ("# Tools\n\n## functions\n\nnamespace functions {\n\n"
+                f"{listing}\n\n}} // namespace functions")
+
+    def call_text(self, call: ToolCall) -> str:
+        return (f"<|channel|>commentary to=functions.{call.name} <|constrain|>json<|message|>"
+                f"{call.arguments}<|call|>")
+
+    def result_text(self, content: str, name: str) -> str:
+        return (f"<|start|>functions.{name} to=assistant<|channel|>commentary<|message|>"
+                f"{content}<|end|>")
+
+    def _call_rule(self, tools: str) -> str:
+        """The markers are special tokens: the grammar names them as such (llguidance's
+        ``<|...|>``), so only those tokens match, never their text spelled out. The
+        generation's end (``<|call|>``) is the end-of-generation token a complete grammar
+        allows."""
+        return f'<|channel|> "commentary to=functions." ({tools})'
+
+    def _tool_rule(self, tool: Tool) -> str:
+        schema = {**(tool.parameters or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+        return (f'{json.dumps(tool.name + " ")} <|constrain|> "json" <|message|> '
+                f"%json {json.dumps(schema)}")
+
+    def stream(self, tools: Sequence[Tool]) -> Reader:
+        return HarmonyStream(tools)
+
+
+def _typescript(tool: Tool) -> str:
+    """A tool as harmony declares one, in TypeScript: its description, then its type."""
+    props = tool.parameters.get("properties") or {}
+    required = set(tool.parameters.get("required") or ())
+    fields = "".join((f"// {p['description']}\n" if p.get("description") else "")
+                     + f"{k}{'' if k in required else '?'}: {_ts_type(p)},\n"
+                     for k, p in props.items())
+    signature = f"(_: {{\n{fields}}}) => any" if props else "() => any"
+    return f"// {tool.description}\ntype {tool.name} = {signature};"
+
+
+def _ts_type(schema: dict[str, Any]) -> str:
+    if "enum" in schema:
+        return " | ".join(json.dumps(v) for v in schema["enum"])
+    if schema.get("type") == "array":
+        return f"{_ts_type(schema.get('items') or {})}[]"
+    return {"string": "string", "integer": "number", "number": "number",
+            "boolean": "boolean", "object": "object"}.get(str(schema.get("type")), "any")
+
+
+FORMATS: dict[str, Format] = {"hermes": Format(), "llama3": Llama3(), "harmony": Harmony()}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A whole reply, read (``Format.read``)."""
+
+    text: str
+    """The text outside calls: the content."""
+    calls: tuple[ToolCall, ...] = ()
+    """Its complete calls, in order."""
+    reasoning: str = ""
+    """What the model reasoned before answering (Thought): never content."""
 
 
 # --- reading a reply as it is generated --------------------------------------------------
@@ -244,7 +342,14 @@ class Broken:
     text: str
 
 
-Event = Said | Opened | Args | Closed | Broken
+@dataclass(frozen=True)
+class Thought:
+    """The model's reasoning (harmony's analysis channel): not content."""
+
+    text: str
+
+
+Event = Said | Opened | Args | Closed | Broken | Thought
 
 
 class Reader(Protocol):
@@ -444,12 +549,144 @@ class HeldStream:
         return out
 
 
+class HarmonyStream:
+    """gpt-oss's replies, read incrementally. A reply is messages: a header (its channel,
+    maybe ``to=RECIPIENT``, maybe a content type such as ``<|constrain|>json``), then
+    ``<|message|>``, then the body, to ``<|end|>`` (more messages may follow, each from
+    ``<|start|>``), ``<|call|>`` or ``<|return|>``. The reply's first header begins at
+    ``<|channel|>``: the prompt ends with ``<|start|>assistant``. The markers are special
+    tokens, so nothing else reads as one: text is handed on as it comes, but for a tail
+    that may begin a marker.
+
+    An analysis body is Thought, a final or commentary one Said. A message to
+    ``functions.NAME`` of a tool offered is a call: Opened once its header is read, its
+    body passed on as Args, Closed at its end marker or at the reply's end (``<|call|>``
+    ends the generation, so the decoded text lacks it) when the body is a JSON object,
+    Broken at an end marker when it is not, and cut, never Closed, when the reply ends
+    before it does. A message to anything else stays text, as written. Text outside
+    messages is Said (a reply held to a JSON schema writes no header)."""
+
+    _ENDS = ("<|end|>", "<|call|>", "<|return|>")
+    _HEADS = ("<|start|>", "<|channel|>")
+    _MESSAGE = "<|message|>"
+    _TO = re.compile(r"to=([^\s<]+)")
+    _CHANNEL = re.compile(r"<\|channel\|>([^\s<]+)")
+
+    def __init__(self, tools: Sequence[Tool]) -> None:
+        self._names = {t.name for t in tools}
+        self._held = ""
+        """Text not yet handed on: a tail that may begin a marker."""
+        self._header: str | None = None
+        """The header being read, as written (None outside headers)."""
+        self._kind: type[Said] | type[Thought] = Said
+        """What the current body's text is, outside calls."""
+        self._verbatim = False
+        """The current message is to no tool offered: text as written, markers and all."""
+        self._open: Opened | None = None
+        self._written = ""
+        """The open call as written: its header, then its body so far."""
+        self._args = ""
+        """The open call's body: its arguments."""
+        self._calls = 0
+
+    @property
+    def cut(self) -> bool:
+        return self._open is not None
+
+    def feed(self, text: str) -> list[Event]:
+        out: list[Event] = []
+        self._held += text
+        while True:
+            marks = ((self._MESSAGE, *self._ENDS, "<|start|>") if self._header is not None
+                     else (*self._ENDS, *self._HEADS))
+            found = [(i, m) for m in marks if (i := self._held.find(m)) >= 0]
+            if not found:
+                keep = len(self._held) - _marker_tail(self._held, marks)
+                self._body(self._held[:keep], out)
+                self._held = self._held[keep:]
+                return out
+            i, mark = min(found)
+            self._body(self._held[:i], out)
+            self._held = self._held[i + len(mark):]
+            self._marker(mark, out)
+
+    def end(self) -> list[Event]:
+        out: list[Event] = []
+        self._body(self._held, out)
+        self._held = ""
+        if self._open is not None and _is_object(self._args):
+            self._close(out)
+        return out
+
+    def _body(self, text: str, out: list[Event]) -> None:
+        if self._header is not None:
+            self._header += text
+        elif text and self._open is not None:
+            self._written += text
+            self._args += text
+            out.append(Args(self._open.index, text))
+        elif text:
+            out.append(self._kind(text))
+
+    def _marker(self, mark: str, out: list[Event]) -> None:
+        if mark == self._MESSAGE:
+            self._begin(f"{self._header}{mark}", out)
+            return
+        if self._header is None:  # a message ends, here or where the next one begins
+            if self._open is not None and _is_object(self._args):
+                self._close(out)
+            elif self._open is not None:
+                out.append(Broken(self._open.index,
+                                  self._written + (mark if mark in self._ENDS else "")))
+                self._calls, self._open = self._calls + 1, None
+            elif self._verbatim and mark in self._ENDS:
+                out.append(Said(mark))
+            self._kind, self._verbatim = Said, False
+        self._header = mark if mark in self._HEADS else None
+
+    def _begin(self, header: str, out: list[Event]) -> None:
+        """A message's header has been read: what its body is."""
+        self._header = None
+        to = self._TO.search(header)
+        channel = self._CHANNEL.search(header)
+        name = to.group(1).removeprefix("functions.") if to else ""
+        if to and to.group(1).startswith("functions.") and name in self._names:
+            self._open = Opened(self._calls, new_call_id(), name)
+            self._written, self._args = header, ""
+            out.append(self._open)
+        elif to:
+            self._verbatim = True
+            out.append(Said(header))
+        else:
+            self._kind = Thought if channel and channel.group(1) == "analysis" else Said
+
+    def _close(self, out: list[Event]) -> None:
+        assert self._open is not None
+        out.append(Closed(self._open.index, ToolCall(self._open.id, self._open.name,
+                                                     self._args)))
+        self._calls, self._open = self._calls + 1, None
+
+
+def _marker_tail(text: str, markers: Sequence[str]) -> int:
+    """The length of the tail of ``text`` that may begin one of ``markers`` (each has one
+    "<", at its start: only the last "<" can begin one)."""
+    i = text.rfind("<")
+    return len(text) - i if i >= 0 and any(m.startswith(text[i:]) for m in markers) else 0
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 def format_of(template: str | None) -> Format:
-    """The tool format a chat template's text points to (Hermes unless it is Llama 3's)."""
+    """The tool format a chat template's text points to (Hermes unless it is Llama 3's or
+    harmony's)."""
     source = template or ""
     if "<|start|>" in source and "<|channel|>" in source:
-        raise GrammarError("this model writes tool calls in gpt-oss's harmony format, which "
-                           "this server does not parse yet: send the request without tools")
+        return FORMATS["harmony"]
     if "<|python_tag|>" in source or "<|eom_id|>" in source:
         return FORMATS["llama3"]
     return FORMATS["hermes"]

@@ -20,12 +20,15 @@ from kvasird.inference.tools import (
     Closed,
     Event,
     Opened,
+    Reply,
     Said,
+    Thought,
     Tool,
     ToolCall,
     format_of,
 )
 from kvasird.model.bundled import bundled_path
+from kvasird.model.testmodels import bundled_tokenizer
 
 WEATHER = Tool("get_weather", "The weather in a city", {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -37,9 +40,25 @@ TIME = Tool("get_time", "The time in a zone", {
 TOOLS = [WEATHER, TIME]
 
 
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",
+                   "<|call|>", "<|return|>"]
+
+
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     return Tokenizer.from_gguf(bundled_path())
+
+
+@pytest.fixture(scope="module")
+def harmony_tok() -> Tokenizer:
+    """The bundled vocabulary with gpt-oss's markers added as control tokens."""
+    meta = []
+    for key, (kind, sub, value) in bundled_tokenizer().items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            value = value + (HARMONY_MARKERS if key.endswith("tokens") else
+                             [3] * len(HARMONY_MARKERS))
+        meta.append((key, kind, (sub, value) if isinstance(value, list) else value))
+    return Tokenizer.from_metadata(meta, "the bundled vocabulary with harmony's markers")
 
 
 def test_hermes_output_with_two_calls_and_text_is_parsed() -> None:
@@ -137,10 +156,12 @@ def test_llama3_output_is_parsed_with_or_without_the_python_tag() -> None:
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_a_tool_grammar_only_lets_a_model_write_valid_calls(tok: Tokenizer, name: str) -> None:
+def test_a_tool_grammar_only_lets_a_model_write_valid_calls(tok: Tokenizer, harmony_tok: Tokenizer,
+                                                            name: str) -> None:
     """Random logits under the grammar: every output parses into calls of offered tools whose
     arguments validate against their schemas."""
     f = FORMATS[name]
+    tok = harmony_tok if name == "harmony" else tok
     grammar = f.grammar(TOOLS)
     schemas = {t.name: t.parameters for t in TOOLS}
     for seed in range(6):
@@ -178,8 +199,135 @@ def test_a_call_of_one_named_tool_is_all_its_grammar_allows(tok: Tokenizer) -> N
 def test_the_format_follows_the_template() -> None:
     assert format_of(None).name == "hermes"
     assert format_of("{{ '<|python_tag|>' }}{{ '<|eom_id|>' }}").name == "llama3"
-    with pytest.raises(GrammarError, match="harmony"):
-        format_of("<|start|>assistant<|channel|>analysis")
+    assert format_of("<|start|>assistant<|channel|>analysis").name == "harmony"
+
+
+# --- harmony (gpt-oss) ------------------------------------------------------------------
+
+THINK = "<|channel|>analysis<|message|>The user wants the time in Berlin.<|end|>"
+HARMONY_CALLS = [
+    THINK + '<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json'
+            '<|message|>{"zone": "cet"}',
+    THINK + '<|start|>assistant<|channel|>commentary to=functions.get_time json<|message|>'
+            '{"zone": "cet"}<|call|>',
+    THINK + '<|start|>assistant to=functions.get_time<|channel|>commentary <|constrain|>json'
+            '<|message|>{"zone": "cet"}',
+    '<|channel|>commentary to=functions.get_time<|message|>{"zone": "cet"}',
+]
+
+
+def read(text: str) -> Reply:
+    return FORMATS["harmony"].read(text, TOOLS)
+
+
+def test_harmony_analysis_is_reasoning_and_the_final_channel_is_the_content() -> None:
+    text = THINK + "<|start|>assistant<|channel|>final<|message|>It is noon in Berlin."
+    assert read(text) == Reply("It is noon in Berlin.", (), "The user wants the time in Berlin.")
+    assert read(text + "<|return|>") == read(text)
+
+
+@pytest.mark.parametrize("text", HARMONY_CALLS)
+def test_harmony_calls_are_read_in_every_header_form(text: str) -> None:
+    reply = read(text)
+    assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == [("get_time",
+                                                                         {"zone": "cet"})]
+    assert reply.text == "" and reply.reasoning == ("" if text.startswith(
+        "<|channel|>commentary") else "The user wants the time in Berlin.")
+
+
+def test_harmony_text_outside_messages_is_content() -> None:
+    assert read('{"zone": "utc"}') == Reply('{"zone": "utc"}')  # held to a JSON schema
+
+
+def test_a_harmony_message_to_a_tool_not_offered_stays_text() -> None:
+    text = '<|channel|>commentary to=functions.rm_rf <|constrain|>json<|message|>{}<|call|>'
+    assert read(text) == Reply(text)
+    assert read(THINK + "<|start|>assistant to=browser.search<|channel|>analysis<|message|>"
+                "{}<|end|>").text == "<|start|>assistant to=browser.search<|channel|>analysis" \
+                                     "<|message|>{}<|end|>"
+
+
+def test_a_harmony_call_that_ends_inside_its_arguments_was_no_call() -> None:
+    call = '<|channel|>commentary to=functions.get_time json<|message|>{"zone": <|end|>'
+    events = harmony_streamed(call + "<|start|>assistant<|channel|>final<|message|>Noon.", 3)
+    (broken,) = [e for e in events if isinstance(e, Broken)]
+    assert broken.text == call
+    assert "".join(e.text for e in events if isinstance(e, Said)) == "Noon."
+    assert read(call) == Reply(call)
+
+
+def test_a_harmony_reply_cut_inside_a_call_is_never_closed() -> None:
+    text = '<|channel|>commentary to=functions.get_time json<|message|>{"zone": "ut'
+    reader = FORMATS["harmony"].stream(TOOLS)
+    events = [*reader.feed(text), *reader.end()]
+    assert [type(e) for e in events] == [Opened, Args] and reader.cut
+    assert read(text) == Reply("")
+
+
+def harmony_streamed(text: str, step: int) -> list[Event]:
+    reader = FORMATS["harmony"].stream(TOOLS)
+    events = [e for i in range(0, len(text), step) for e in reader.feed(text[i:i + step])]
+    return events + reader.end()
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("text", [
+    *HARMONY_CALLS,
+    THINK + "<|start|>assistant<|channel|>final<|message|>It is <noon> |here|.<|return|>",
+    THINK + "<|start|>assistant<|channel|>commentary<|message|>Looking it up.<|end|>"
+            "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+            '<|message|>{"city": "<|Oslo", "unit": "c"}'])
+def test_a_streamed_harmony_reply_holds_what_the_whole_one_does(text: str, step: int) -> None:
+    events, whole = harmony_streamed(text, step), read(text)
+    assert "".join(e.text for e in events if isinstance(e, Said)) == whole.text
+    assert "".join(e.text for e in events if isinstance(e, Thought)) == whole.reasoning
+    closed = [e.call for e in events if isinstance(e, Closed)]
+    assert [(c.name, c.arguments) for c in closed] == [(c.name, c.arguments)
+                                                       for c in whole.calls]
+    for k, call in enumerate(closed):
+        assert "".join(e.text for e in events if isinstance(e, Args) and e.index == k) == \
+            call.arguments
+        assert json.loads(call.arguments)
+
+
+def test_a_harmony_call_is_announced_once_its_header_is_read() -> None:
+    reader = FORMATS["harmony"].stream(TOOLS)
+    assert reader.feed("<|channel|>analysis<|message|>Hm<|") == [Thought("Hm")]
+    assert reader.feed("end|><|start|>assistant<|channel|>commentary to=functions.get_time "
+                       "<|constrain|>json") == []
+    (opened,) = reader.feed("<|message|>")
+    assert isinstance(opened, Opened) and opened.name == "get_time"
+    assert reader.feed('{"zone": "utc"}') == [Args(0, '{"zone": "utc"}')]
+    (closed,) = reader.end()
+    assert isinstance(closed, Closed) and closed.call.arguments == '{"zone": "utc"}'
+    assert not reader.cut
+
+
+def test_a_harmony_grammar_holds_the_markers_to_their_special_tokens(
+        harmony_tok: Tokenizer) -> None:
+    grammar = FORMATS["harmony"].grammar([TIME], parallel=False)
+    good = Constraint(vocabulary(harmony_tok), grammar)
+    text = '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"zone": "utc"}'
+    for t in harmony_tok.encode(text, special=True):
+        assert good.allowed([])[t]
+        good.consume(t)
+    assert good.complete
+    spelled = harmony_tok.encode("<|channel|>")  # the marker's text, not its token
+    assert not Constraint(vocabulary(harmony_tok), grammar).allowed([])[spelled[0]]
+
+
+def test_a_harmony_template_without_tools_gets_them_declared_and_calls_in_harmony() -> None:
+    source = ("{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>"
+              "{{ m.content }}<|end|>{% endfor %}<|start|>assistant")
+    call = ToolCall("call_1", "get_time", '{"zone": "utc"}')
+    text = ChatTemplate(source).render([Message("user", "Time?"), Message("assistant", "", (call,)),
+                                        Message("tool", "12:00", tool_call_id="call_1")], TOOLS)
+    assert "namespace functions {" in text
+    assert 'type get_time = (_: {\nzone: "utc" | "cet",\n}) => any;' in text
+    assert ('<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>'
+            '{"zone": "utc"}<|call|>') in text
+    assert ("<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>12:00"
+            "<|end|>") in text
 
 
 def test_a_template_without_tools_gets_them_in_the_system_message_and_calls_as_text(
