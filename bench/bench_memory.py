@@ -6,10 +6,12 @@ same file, at 4k and 32k tokens of context.
 For each architecture the generator writes (kvasird.model.testmodels.ARCHS) a model of
 ``--layers`` layers (their real layer pattern: gemma3's sliding-window layers, the qwen35
 family's delta-net layers) is generated; one session's cache is measured on both sides:
-ours is what a stage holding the whole model allocates for a context of that many tokens
-and one recurrent-state slot (KV f16); llama.cpp's is what it reports creating for one
+ours is what a stage holding the whole model allocates for a context of that many tokens,
+one recurrent-state slot and one sliding-window ring (KV f16: the windowed layers keep
+their window plus one chunk, kvcache.py); llama.cpp's is what it reports creating for one
 sequence of that context (llama-cpp-python from .cache/llamacpp-venv, KV f16), with its
-sliding-window cache full-size (llama-cpp-python's default) and bounded by the window.
+sliding-window cache full-size (llama-cpp-python's default) and bounded by the window
+(window plus one batch): "ratio" is ours over the bounded one.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ SIZE = re.compile(r"^(llama_kv_cache|llama_memory_recurrent): +size = +([\d.]+) 
 
 
 def ours(path: Path, n_ctx: int) -> float:
-    stage = Stage.load(path, threads=1, kv=KVSpec(n_slots=n_ctx, dtype="f16", state_slots=1))
+    stage = Stage.load(path, threads=1, kv=KVSpec(n_slots=n_ctx, dtype="f16", state_slots=1,
+                                                   window_sessions=1))
     try:
         return stage.kv.arena.nbytes / MIB
     finally:

@@ -4,7 +4,8 @@ delta-net with its recurrent state, FFNs, router.
 Architectures (kvasird/compute/arch/) compose these into a layer. Shapes are in ggml
 order: a hidden state is [n_embd, n_tokens]. The per-call inputs every layer of a
 graph shares (positions, KV slots, the session's pages, the masks and its recurrent-state
-slot) are created once by `Blocks` and set by the stage before each compute. What a graph
+slot; the sliding-window layers' own slots, ring pages and mask where the window pool keeps
+their KV) are created once by `Blocks` and set by the stage before each compute. What a graph
 writes back without reading it (a delta-net's new state) goes in the builder's effects.
 """
 
@@ -71,6 +72,10 @@ class Blocks:
     def __init__(self, b: Builder, w: Weights, kv: KVPool | None, n_tokens: int, n_kv: int) -> None:
         self.b, self.ctx, self.w, self.hp, self.kv = b, b.ctx, w, w.hparams, kv
         self.T, self.n_kv = n_tokens, n_kv
+        self.n_kv_swa = kv.window_span(n_tokens, n_kv) if kv is not None and kv.window_layers \
+            else n_kv
+        """Slots the sliding-window layers gather: their ring pages in the window pool, or
+        the session's pages as the full layers do where the main pool keeps them."""
         self._shared: dict[str, Tensor] = {}
 
     def _input(self, name: str, type_: int, *ne: int) -> Tensor:
@@ -117,8 +122,23 @@ class Blocks:
 
     @property
     def mask_swa(self) -> Tensor:
-        """The causal mask narrowed to the sliding window (hp.n_swa newest positions)."""
-        return self._input("mask_swa", F32, self.n_kv, self.T)
+        """The causal mask narrowed to the sliding window (hp.n_swa newest positions), over
+        the slots the sliding-window layers gather."""
+        return self._input("mask_swa", F32, self.n_kv_swa, self.T)
+
+    @property
+    def swa_slots(self) -> Tensor:
+        """Window-pool slots of the new tokens."""
+        return self._input("swa_slots", I64, self.T)
+
+    @property
+    def swa_v_slots(self) -> Tensor:
+        return self._input("swa_v_slots", I64, self.hp.kv_dim * self.T)
+
+    @property
+    def swa_pages(self) -> Tensor:
+        """The ring pages holding the new tokens' windows, in position order."""
+        return self._input("swa_pages", I32, self.n_kv_swa // PAGE)
 
     def t(self, name: str) -> Tensor:
         return self.w.get(name)
@@ -273,7 +293,8 @@ class Blocks:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float,
                mask: Tensor) -> Tensor:
-        """Write k, v to the pool, gather the session's pages, softmax(scale·qK^T + mask) V.
+        """Write k, v to the pool, gather the session's pages, softmax(scale·qK^T + mask) V
+        (a sliding-window layer in the window pool: its ring's pages, `mask` over them).
 
         The products are llama.cpp's: K and V^T in the cache's precision, so with an F16
         cache q and the attention weights are rounded to F16 inside the matmuls exactly as
@@ -281,20 +302,23 @@ class Blocks:
         V^T is a copy of whole 64-slot rows rather than an element-wise transpose, which
         cost 40 % of a decode step on the bundled model.
         """
-        hp, ctx, T, n_kv, pool = self.hp, self.ctx, self.T, self.n_kv, self.kv
+        hp, ctx, T, pool = self.hp, self.ctx, self.T, self.kv
         assert pool is not None
+        slots, v_slots, kv_pages, n_kv = \
+            (self.swa_slots, self.swa_v_slots, self.swa_pages, self.n_kv_swa) \
+            if layer in pool.window_layers else (self.slots, self.v_slots, self.kv_pages, self.n_kv)
         dtype = int(pool.k[layer].contents.type)
         # set_rows returns a view of the cache: reading through it orders the gather after it
         k_all = ggml.ggml_set_rows(ctx, pool.k[layer], ggml.ggml_reshape_2d(ctx, k, hp.kv_dim, T),
-                                   self.slots)
+                                   slots)
         v_all = ggml.ggml_set_rows(ctx, pool.v_flat(ctx, layer),
-                                   ggml.ggml_reshape_2d(ctx, v, 1, hp.kv_dim * T), self.v_slots)
-        pages = n_kv // PAGE
-        kk = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, k_all, hp.kv_dim * PAGE,
-                                                          pool.n_pages), self.kv_pages)
+                                   ggml.ggml_reshape_2d(ctx, v, 1, hp.kv_dim * T), v_slots)
+        pages, held = n_kv // PAGE, pool.pages(layer)
+        kk = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, k_all, hp.kv_dim * PAGE, held),
+                                kv_pages)
         kk = ggml.ggml_cast(ctx, kk, dtype) if dtype != F32 else kk   # [kv_dim, n_kv]
-        vv = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, v_all, hp.kv_dim * PAGE,
-                                                          pool.n_pages), self.kv_pages)
+        vv = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, v_all, hp.kv_dim * PAGE, held),
+                                kv_pages)
         vv = ggml.ggml_permute(ctx, ggml.ggml_reshape_3d(ctx, vv, PAGE, hp.kv_dim, pages),
                                0, 2, 1, 3)                             # [PAGE, pages, kv_dim]
         vt = ggml.ggml_cpy(ctx, vv, ggml.ggml_new_tensor_3d(ctx, dtype, PAGE, pages, hp.kv_dim))

@@ -1,7 +1,8 @@
 """The KV cache: one bounded pool per stage, handed to sessions in pages.
 
-Each held layer has a K and a V tensor of `n_slots` token slots. A session owns a list
-of pages of PAGE slots; position p lives in slot pages[p // PAGE] * PAGE + p % PAGE.
+Each held attention layer has a K and a V tensor of `n_slots` token slots (a sliding-window
+layer fewer, below). A session owns a list of pages of PAGE slots; position p lives in
+slot pages[p // PAGE] * PAGE + p % PAGE.
 K is stored a row per slot (a token's keys for all KV heads, [kv_dim, n_slots]); V is
 stored transposed within each page ([PAGE, kv_dim] per page, i.e. [PAGE * kv_dim,
 n_pages]), so that attention can gather a session's V^T as whole page rows instead of
@@ -18,6 +19,28 @@ one row per state slot of `cache_conv.N` and `cache_delta.N`. A session takes a 
 it first runs and gives it back when it closes, so the same limits and expiry cover it.
 Such a state only moves forward: a session can continue where it is or start again at
 position 0 (a replay rebuilds it), never rewind in between.
+
+A sliding-window layer (gemma3, gpt-oss) reads only the hp.n_swa newest positions, so it
+keeps only those, as llama.cpp's bounded cache does: its K and V live in a second, smaller
+set of pages, the window pool, and a session holds a ring of at most `ring` of them, where
+window position p lives in ring[(p // PAGE) % ring]. A ring is exactly enough for the
+longest chunk a graph computes plus the window before it (`ring_pages`), so a chunk's new
+positions never overwrite ones its own queries read. Attention gathers the ring pages that
+hold the chunk's windows in position order and masks them by the positions they really
+hold: a whole number of pages from a page boundary, so each position keeps its place
+modulo PAGE, every SIMD lane of the softmax and of the V product sums the same terms in
+the same order as over the whole context, and masked slots add exact zeros; the logits
+are bitwise those of a full cache. A ring grows page by page like the session, so a short
+session takes only what its length needs. The window pool holds `KVSpec.window_sessions`
+whole rings (at most as many pages as the main pool); `free_tokens` counts what a new
+session could get from both pools, and a session that cannot get a ring page gets
+KVCacheFull.
+
+A ring forgets: a session can go back to a position only while the window before it is
+still in the ring (a rejected draft, a rewind shorter than about a chunk); beyond that it
+must replay the history from position 0. `KVSpec.swa_full` keeps every position of those
+layers in the main pool instead, llama.cpp's swa_full: any rewind, at a full layer's
+memory. A model without sliding-window layers has no window pool.
 """
 
 from __future__ import annotations
@@ -48,19 +71,44 @@ class KVSpec:
     """Per-session limit; 0 = the whole pool."""
     state_slots: int = 8
     """Sessions that can hold a recurrent state at once (models with delta-net layers)."""
+    window_sessions: int = 8
+    """Sessions whose sliding-window layers can hold a whole ring at once (models with
+    sliding-window layers): the window pool's size in rings, at most the main pool's pages."""
+    swa_full: bool = False
+    """Keep every position of the sliding-window layers in the main pool, masked to the
+    window (llama.cpp's swa_full): a full layer's memory, but a session can go back anywhere."""
+
+
+def ring_pages(n_swa: int, n_tokens: int) -> int:
+    """Pages a chunk of n_tokens queries reads through a window of n_swa positions: the run
+    of n_swa + n_tokens - 1 positions from its first query's window to its last query
+    touches at most this many, however it falls on page boundaries."""
+    return -(-(n_swa + n_tokens - 2) // PAGE) + 1
 
 
 class KVPool:
-    """K and V tensors for `layers`, and the free list of pages."""
+    """K and V tensors for `layers`, and the free lists of pages."""
 
-    def __init__(self, backend: Backend, hp: HParams, layers: range, spec: KVSpec) -> None:
+    def __init__(self, backend: Backend, hp: HParams, layers: range, spec: KVSpec, *,
+                 chunk: int) -> None:
+        """`chunk` is the most positions one graph computes: a ring holds it and its window."""
         if spec.dtype not in KV_TYPES:
             raise InputError(f"kv dtype {spec.dtype!r} is not one of {', '.join(KV_TYPES)}")
+        if spec.window_sessions < 1:
+            raise InputError(f"window_sessions must be at least 1, got {spec.window_sessions}")
         n_pages = max(1, -(-spec.n_slots // PAGE))
         self.n_slots = n_pages * PAGE
         self.n_pages = n_pages
         self.kv_dim = hp.kv_dim
         self.spec = spec
+        self.n_swa = hp.n_swa
+        self.window_layers = frozenset(
+            () if spec.swa_full else
+            (layer for layer in layers if hp.is_swa(layer) and not hp.is_recurrent(layer)))
+        """Sliding-window layers whose KV lives in the window pool."""
+        self.ring = ring_pages(hp.n_swa, chunk) if self.window_layers else 0
+        """Window-pool pages of a whole ring."""
+        self.n_window_pages = min(n_pages, spec.window_sessions * self.ring)
         self.arena = TensorArena(2 * len(layers))
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
@@ -75,12 +123,13 @@ class KVPool:
                 self.delta[layer] = self.arena.new(f"cache_delta.{layer}", F32,
                                                    (hp.delta_state, spec.state_slots))
                 continue
-            type_ = KV_TYPES[spec.dtype]
-            self.k[layer] = self.arena.new(f"cache_k.{layer}", type_, (hp.kv_dim, self.n_slots))
-            self.v[layer] = self.arena.new(f"cache_v.{layer}", type_, (hp.kv_dim * PAGE, n_pages))
+            type_, pages = KV_TYPES[spec.dtype], self.pages(layer)
+            self.k[layer] = self.arena.new(f"cache_k.{layer}", type_, (hp.kv_dim, pages * PAGE))
+            self.v[layer] = self.arena.new(f"cache_v.{layer}", type_, (hp.kv_dim * PAGE, pages))
         if layers:
             self.arena.allocate(backend)
         self._free = list(range(n_pages - 1, -1, -1))
+        self._free_window = list(range(self.n_window_pages - 1, -1, -1))
         self._free_states = list(range(spec.state_slots - 1, -1, -1)) if self.conv else []
         self.max_session_tokens = spec.max_session_tokens or self.n_slots
 
@@ -89,20 +138,34 @@ class KVPool:
         """Whether the pool holds delta-net layers (sessions then keep a state slot)."""
         return bool(self.conv)
 
+    def pages(self, layer: int) -> int:
+        """Pages of `layer`'s K and V: the window pool's or the main pool's."""
+        return self.n_window_pages if layer in self.window_layers else self.n_pages
+
+    def window_span(self, n_tokens: int, n_kv: int) -> int:
+        """Slots a window layer's attention gathers for n_tokens queries in a graph whose
+        full layers gather n_kv: the ring pages holding their window, never more than n_kv."""
+        return min(self.ring, ring_pages(self.n_swa, n_tokens), n_kv // PAGE) * PAGE
+
     def v_flat(self, ctx: object, layer: int) -> Tensor:
-        """Layer's V cache as [1, n_slots * kv_dim]: one value per row, for `set_rows`."""
-        return ggml.ggml_reshape_2d(ctx, self.v[layer], 1, self.n_slots * self.kv_dim)
+        """Layer's V cache as [1, slots * kv_dim]: one value per row, for `set_rows`."""
+        return ggml.ggml_reshape_2d(ctx, self.v[layer], 1, self.pages(layer) * PAGE * self.kv_dim)
 
     def v_index(self, slots: np.ndarray) -> np.ndarray:
-        """Where each value of tokens in `slots` goes in `v_flat`, token-major (the order of
-        a [kv_dim, T] tensor's elements)."""
+        """Where each value of tokens in `slots` (of either pool) goes in `v_flat`,
+        token-major (the order of a [kv_dim, T] tensor's elements)."""
         slots = np.asarray(slots, np.int64)
         base = (slots // PAGE) * (PAGE * self.kv_dim) + slots % PAGE
         return (base[:, None] + np.arange(self.kv_dim, dtype=np.int64)[None, :] * PAGE).ravel()
 
     @property
     def free_tokens(self) -> int:
-        return len(self._free) * PAGE
+        """Positions a new session could cache now: the main pool's free pages, or fewer
+        where the window pool could not give that session its ring."""
+        free = len(self._free)
+        if self.window_layers and len(self._free_window) < min(free, self.ring):
+            free = len(self._free_window)
+        return free * PAGE
 
     @property
     def free_states(self) -> int:
@@ -118,8 +181,9 @@ class KVPool:
                               "or raise the pool size")
         return self._free.pop()
 
-    def _give(self, pages: list[int]) -> None:
+    def _give(self, pages: list[int], ring: list[int]) -> None:
         self._free.extend(reversed(pages))
+        self._free_window.extend(reversed(ring))
 
     def _take_state(self) -> int:
         if not self._free_states:
@@ -147,6 +211,11 @@ class Session:
         self.state: int | None = None
         """The pool's recurrent-state slot this session holds (None: none yet, or no
         delta-net layer here)."""
+        self.ring: list[int] = []
+        """Window-pool pages: ring[k] holds the window pages P with P % pool.ring == k."""
+        self.ring_top = -1
+        """The highest window page a graph may have written since position 0 (one that
+        failed may have written its chunk): the ring holds pages from ring_top - ring + 1."""
 
     def reserve(self, start: int, n_tokens: int) -> None:
         """Make room for positions [start, start + n_tokens), dropping cached positions >= start."""
@@ -157,13 +226,23 @@ class Session:
         if pool.recurrent and 0 < start < self.n_past:
             raise InputError(f"a recurrent state cannot go back to position {start} "
                              f"(it holds {self.n_past}): replay the history from position 0")
+        self._check_window(start)
         end = start + n_tokens
         if end > pool.max_session_tokens:
             raise KVCacheFull(f"{end} tokens exceed the session limit of {pool.max_session_tokens}")
         need = -(-end // PAGE) - len(self.pages)
         if need > len(pool._free):
-            raise KVCacheFull(f"the KV pool has {pool.free_tokens} free slots, this request needs "
-                              f"{need * PAGE} more: close idle sessions or raise the pool size")
+            raise KVCacheFull(f"the KV pool has {len(pool._free) * PAGE} free slots, this "
+                              f"request needs {need * PAGE} more: close idle sessions or raise "
+                              "the pool size")
+        need_ring = max(0, min(-(-end // PAGE), pool.ring) - len(self.ring))
+        if need_ring > len(pool._free_window):
+            raise KVCacheFull(f"the sliding-window pool has {len(pool._free_window) * PAGE} free "
+                              f"slots, this request needs {need_ring * PAGE} more: close idle "
+                              "sessions or raise the number of window sessions")
+        if start == 0:
+            self.ring_top = -1
+        self.ring += [pool._free_window.pop() for _ in range(need_ring)]
         if pool.recurrent:
             if self.state is None:
                 self.state = pool._take_state()
@@ -185,6 +264,25 @@ class Session:
         pos = np.arange(start, end, dtype=np.int64)
         return np.asarray(self.pages, dtype=np.int64)[pos // PAGE] * PAGE + pos % PAGE
 
+    def window_chunk(self, start: int, end: int, n_pages: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What the window layers of a graph computing positions [start, end) write and read:
+        the window-pool slots those positions go to; the ring pages holding the queries'
+        windows in position order, padded to `n_pages` with the first; and the position each
+        slot of those pages holds (padding: past every query, so masked). From here on the
+        ring counts [start, end) as written, the graph about to run may write them."""
+        pool = self._live()
+        ring = np.asarray(self.ring, np.int64)
+        pos = np.arange(start, end, dtype=np.int64)
+        slots = ring[(pos // PAGE) % pool.ring] * PAGE + pos % PAGE
+        held = np.arange(max(0, start - pool.n_swa + 1) // PAGE, (end - 1) // PAGE + 1)
+        pages = np.full(n_pages, ring[held[0] % pool.ring], np.int32)
+        pages[:len(held)] = ring[held % pool.ring]
+        positions = np.full(n_pages * PAGE, np.iinfo(np.int64).max, np.int64)
+        positions[:len(held) * PAGE] = (held[:, None] * PAGE + np.arange(PAGE)).ravel()
+        self.ring_top = max(self.ring_top, int(held[-1]))
+        return slots, pages, positions
+
     def advance(self, end: int) -> None:
         self.n_past = end
 
@@ -195,12 +293,29 @@ class Session:
         if self.pool is not None and self.pool.recurrent and 0 < n < self.n_past:
             raise InputError(f"a recurrent state cannot be truncated to {n} of {self.n_past} "
                              "positions: replay the history from position 0")
+        self._check_window(n)
         self.n_past = n
+
+    def _check_window(self, start: int) -> None:
+        """Refuse to continue at `start` once the ring has overwritten the window before it.
+
+        A chunk from `start` reads window pages from (start - n_swa + 1) // PAGE; the ring
+        holds pages from ring_top - ring + 1, and the chunk's own writes never evict its
+        window (ring_pages), so only what was written before matters."""
+        pool = self.pool
+        if pool is None or not pool.window_layers or start == 0:
+            return
+        first = max(0, start - pool.n_swa + 1) // PAGE
+        if first <= self.ring_top - pool.ring:
+            kept = (self.ring_top - pool.ring + 1) * PAGE
+            raise InputError(f"the sliding-window layers no longer hold the positions before "
+                             f"{start} (their ring keeps positions from {kept}): replay the "
+                             "history from position 0")
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool._give(self.pages)
-            self.pages = []
+            self.pool._give(self.pages, self.ring)
+            self.pages, self.ring = [], []
             if self.state is not None:
                 self.pool._free_states.append(self.state)
                 self.state = None

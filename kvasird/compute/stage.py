@@ -78,7 +78,7 @@ class Stage:
         self.shards = {int(k): check_shards(int(k), v, hp.n_expert)
                        for k, v in (experts or {}).items()}
         self.segments = self._plan()
-        self.kv = KVPool(backend, hp, range(a, b), kv)
+        self.kv = KVPool(backend, hp, range(a, b), kv, chunk=MAX_CHUNK)
         self.graphs = GraphCache(backend, graph_capacity)
         self._lock = threading.RLock()
         self.own_lock = self._lock
@@ -232,17 +232,19 @@ class Stage:
                ) -> Steps[np.ndarray]:
         T, n_kv = len(x), start + len(x)
         n_kv_b = -(-n_kv // KV_BUCKET) * KV_BUCKET
-        j = np.arange(n_kv_b)[None, :]
+        held = np.arange(n_kv_b)
         q = np.arange(start, start + T)[:, None]
-        seen = (j <= q) & (j < n_kv)
-        mask = np.where(seen, 0.0, -np.inf).astype(np.float32)
         slots = session.slots(start, start + T)
         shared = {"pos": np.arange(start, start + T, dtype=np.int32), "slots": slots,
                   "v_slots": self.kv.v_index(slots), "kv_pages": session.page_list(n_kv_b // PAGE),
-                  "mask": mask}
-        if self.hp.n_swa:
-            shared["mask_swa"] = np.where(seen & (q - j < self.hp.n_swa), 0.0,
-                                          -np.inf).astype(np.float32)
+                  "mask": _causal_mask(held, q)}
+        if self.kv.window_layers:
+            w_slots, w_pages, w_held = session.window_chunk(
+                start, start + T, self.kv.window_span(T, n_kv_b) // PAGE)
+            shared |= {"swa_slots": w_slots, "swa_v_slots": self.kv.v_index(w_slots),
+                       "swa_pages": w_pages, "mask_swa": _causal_mask(w_held, q, self.hp.n_swa)}
+        elif self.hp.n_swa:
+            shared["mask_swa"] = _causal_mask(held, q, self.hp.n_swa)
         if self.hp.rope_sections:
             shared["pos_sections"] = np.concatenate([np.tile(shared["pos"], 3),
                                                      np.zeros(T, np.int32)])
@@ -364,6 +366,16 @@ def locks_now(locks: Iterable[Any]) -> Iterator[bool]:
     finally:
         for lock in reversed(taken):
             lock.release()
+
+
+def _causal_mask(held: np.ndarray, q: np.ndarray, window: int = 0) -> np.ndarray:
+    """Attention mask [len(q), len(held)]: 0 where query position q[i] sees the position
+    `held[j]` a gathered slot holds (not after it, and within `window` when there is one),
+    -inf elsewhere."""
+    seen = held[None, :] <= q
+    if window:
+        seen &= q - held[None, :] < window
+    return np.where(seen, 0.0, -np.inf).astype(np.float32)
 
 
 def _check_window(window: tuple[int, int], hp: HParams) -> tuple[int, int]:

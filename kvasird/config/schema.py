@@ -154,6 +154,11 @@ class InferenceConfig:
     """Sessions that can hold a recurrent state at once in each layer window with delta-net
     layers (Qwen3.5): a fixed block per session (about 2 MiB per delta-net layer at
     Qwen3.5-35B's width), preallocated; more sessions are refused as busy."""
+    window_sessions: int = field(default=8, metadata=_range(1, 65536))
+    """Sessions past a sliding window (gemma3, gpt-oss) whose window of KV each layer
+    window with such layers holds at once: those layers keep window + 512 slots per
+    session instead of the whole context, preallocated for this many (never more than
+    kv_slots); more are refused as busy."""
     kv_dtype: str = field(default="f16", metadata=_choice("f16", "f32"))
     """KV cache precision: "f16" (half the memory; llama.cpp's default, with which our
     logits equal llama.cpp's bit for bit) or "f32"."""

@@ -254,7 +254,8 @@ class InferenceService:
             served = None if not held else await trio.to_thread.run_sync(lambda: Served.build(
                 self._sources(held), wanted, threads=c.compute.threads,
                 kv_slots=c.inference.kv_slots, kv_dtype=c.inference.kv_dtype,
-                state_slots=c.inference.state_slots, remote=self.dispatcher.shard))
+                state_slots=c.inference.state_slots,
+                window_sessions=c.inference.window_sessions, remote=self.dispatcher.shard))
             if served is not None:  # the name the owner gave it (`model add --name`), if any
                 served.label = self._stored_name() or served.label
             old, self.served, self.holdings = self.served, served, wanted

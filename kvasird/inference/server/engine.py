@@ -96,14 +96,15 @@ class Served:
 
     @classmethod
     def build(cls, sources: list[Path], holdings: Holdings, *, threads: int, kv_slots: int,
-              remote: RemoteHook, kv_dtype: str = "f16", state_slots: int = 8) -> Served:
+              remote: RemoteHook, kv_dtype: str = "f16", state_slots: int = 8,
+              window_sessions: int = 8) -> Served:
         """Load everything `holdings` names from the model's GGUF, or the slices holding
         those units (blocking)."""
         hp = HParams.from_gguf(GGUFFile(sources[0]))
         served = cls(sources, holdings, Backend(compute_threads(threads)), hp)
         try:
-            served._load(KVSpec(n_slots=kv_slots, dtype=kv_dtype, state_slots=state_slots),
-                         remote)
+            served._load(KVSpec(n_slots=kv_slots, dtype=kv_dtype, state_slots=state_slots,
+                                window_sessions=window_sessions), remote)
         except BaseException:
             served.close()
             raise
