@@ -135,6 +135,11 @@ class HParams:
         k = f"{arch}."
         n_embd = int(f.require(k + "embedding_length"))
         n_head = int(f.require(k + "attention.head_count"))
+        n_head_kv = int(f.get(k + "attention.head_count_kv", n_head))
+        if n_embd < 1 or n_head < 1 or n_head_kv < 1:
+            raise WeightsError(f"{f.path}: embedding_length {n_embd}, head_count {n_head} and "
+                               f"head_count_kv {n_head_kv} must be positive: the file is "
+                               "damaged or was converted wrongly")
         # the trunk: multi-token-prediction blocks after it are llama.cpp's draft head, not layers
         n_layer = int(f.require(k + "block_count")) - int(f.get(k + "nextn_predict_layers", 0))
         n_ff = int(f.get(k + "feed_forward_length", 0))
@@ -147,7 +152,7 @@ class HParams:
             n_layer=n_layer,
             n_embd=n_embd,
             n_head=n_head,
-            n_head_kv=int(f.get(k + "attention.head_count_kv", n_head)),
+            n_head_kv=n_head_kv,
             head_dim=int(f.get(k + "attention.key_length", n_embd // n_head)),
             n_vocab=int(n_vocab),
             n_ff=n_ff,

@@ -19,6 +19,7 @@ from kvasird.compute.errors import WeightsError
 from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Backend, Tensor, TensorArena, set_bytes
 from kvasird.compute.hparams import HParams
+from kvasird.compute.shapes import check_tensors
 from kvasird.model.slice import KEY_SLICE, parse_spec
 from kvasird.model.slice import ExpertRange as SliceExperts
 
@@ -132,6 +133,8 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
         raise WeightsError(f"{', '.join(str(f.path) for f in files)} hold no tensor {missing[0]!r}"
                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
                            + _range_hint(missing[0], ranges))
+    for f in files:
+        check_tensors(hp, f.tensors, f.path, _slice_experts(f))
     plan = [_plan(*where[name], hp, name, ranges) for name in wanted]
     arena = TensorArena(len(plan))
     for name, type_, ne, _, _ in plan:

@@ -244,7 +244,15 @@ class Manifest:
 
     @cached_property
     def n_layer(self) -> int:
-        return 1 + max((t.layer for t in self.tensors), default=-1)
+        """Blocks of the trunk: those the tensors hold, less the multi-token-prediction
+        blocks some files append (llama.cpp's `nextn_predict_layers`, counted in
+        block_count), which no stage computes and so no unit holds."""
+        held = 1 + max((t.layer for t in self.tensors), default=-1)
+        blocks = self.meta(f"{self.arch}.block_count")
+        draft = self.meta(f"{self.arch}.nextn_predict_layers", 0)
+        if not isinstance(blocks, int) or not isinstance(draft, int):
+            return held
+        return max(0, min(held, blocks - draft))
 
     @cached_property
     def n_expert(self) -> int:
@@ -262,7 +270,7 @@ class Manifest:
 
     @cached_property
     def all_pieces(self) -> tuple[Piece, ...]:
-        return tuple(p for t in self.tensors for p in t.pieces())
+        return tuple(p for t in self.tensors if t.layer < self.n_layer for p in t.pieces())
 
     @cached_property
     def _by_key(self) -> dict[tuple[str, int], Piece]:
@@ -293,7 +301,7 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.length for t in self.tensors)
+        return sum(p.length for p in self.all_pieces)
 
 
 def _hash_tensor(view: memoryview, base: int, name: str, ggml_type: int, ne: tuple[int, ...],

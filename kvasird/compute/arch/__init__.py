@@ -24,6 +24,7 @@ from kvasird.compute.errors import WeightsError
 from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Tensor
 from kvasird.compute.hparams import HParams
+from kvasird.compute.shapes import check_model
 
 _MODULES = ("llama", "llama_moe", "qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe",
             "gpt_oss")
@@ -111,13 +112,16 @@ def for_hparams(hp: HParams) -> Architecture:
 
 def check_file(path: str | Path) -> HParams:
     """What the engine needs of a GGUF before anything is loaded, imported or announced: an
-    architecture it serves, in a layout it supports. WeightsError says what is supported."""
+    architecture it serves, in a layout it supports, with the tensors its metadata implies.
+    WeightsError says what is supported, or which tensors do not fit."""
     f = GGUFFile(path)
     name = f.get("general.architecture")
     if not isinstance(name, str):
         raise WeightsError(f"{f.path} names no general.architecture: it is no model file")
     try:
-        get(name, int(f.get(f"{name}.expert_count", 0) or 0))
+        arch = get(name, int(f.get(f"{name}.expert_count", 0) or 0))
     except WeightsError as exc:
         raise WeightsError(f"{f.path}: {exc}") from None
-    return HParams.from_gguf(f)
+    hp = HParams.from_gguf(f)
+    check_model(f, hp, arch)
+    return hp
