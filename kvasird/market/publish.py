@@ -14,6 +14,9 @@ Now a record goes out
   TTL_KEEPALIVES keep-alives (carried in the record), so two lost in a row do not drop a
   live holder;
 - **as a refutation**, at once, when a peer suspects this node (below);
+- **to supersede**, at once, when a peer's map holds this node's record of a previous run
+  (a restart): its old holdings would count as covered until their TTL (minutes in a large
+  market) while the node, holding nothing now, stayed silent;
 - **not at all** while it has nothing to tell: a node that holds nothing, links no wallet
   and stores no full copy is read by no one, so it stays silent, except the PRESENCE_K
   such nodes whose peer ids hash lowest (all of them in a network smaller than that).
@@ -128,12 +131,17 @@ class Publisher:
     """Its TTL: the next keep-alive goes out within it, however the interval grew."""
     refute: bool = False
     """A peer suspects us: the next record goes out whatever it holds."""
+    supersede: bool = False
+    """Peers hold our record of a previous run (we restarted): the next record goes out,
+    silent or not, so their maps stop counting what we held then until its TTL ends."""
     present: bool = False
     """We are one of the silent nodes that publish (``present``); kept by the caller."""
 
     def due(self, record: CoverageRecord, now: float) -> bool:
         # a node still listening (its first decision ahead) does not count itself in yet
         speaks = tells(record) or (self.present and record.state != "joining")
+        if self.supersede:
+            return True
         if self.refute and (speaks or self.last is not None):
             return True
         if self.changed(record):
@@ -145,7 +153,8 @@ class Publisher:
         return _content(record) != self.last
 
     def sent(self, record: CoverageRecord, now: float) -> None:
-        self.last, self.at, self.ttl, self.refute = _content(record), now, record.ttl, False
+        self.last, self.at, self.ttl = _content(record), now, record.ttl
+        self.refute = self.supersede = False
 
     def next_at(self) -> float:
         """When the next keep-alive is due (if nothing changes before)."""

@@ -193,7 +193,13 @@ class MarketService:
         if record.peer == self.p2p.peer_id and record.boot != self.boot:
             # our record from before a restart, as a peer's map still holds it (sync, or a
             # late relay): applied, what we held then looked covered by us, and a restarted
-            # node (silent while it holds nothing) took other units than the ones on its disk
+            # node (silent while it holds nothing) took other units than the ones on its disk.
+            # Peers still count it, so ours goes out now to replace it (publish.py).
+            if not self.publisher.supersede:
+                log.info("a peer holds this node's record of its previous run: replacing it",
+                         boot=record.boot)
+                self.publisher.supersede = True
+                self._wake.set()
             raise Stale("a record of this node's previous run")
         if self.map is not None and record.model == self.map.model.model_id:
             self.map.check(record)

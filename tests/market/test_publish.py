@@ -261,3 +261,28 @@ def test_a_record_of_this_nodes_previous_run_is_not_taken_for_its_own(model: Mar
     ours = dataclasses.replace(record("me", seq=4, ts=EPOCH), boot=market.boot)
     market._apply_coverage(ours.to_wire(), "me", EPOCH, rpc_pb2.Message())
     assert "me" in market.map.entries
+
+
+async def test_a_restarted_node_holding_nothing_replaces_its_previous_record_at_once(
+        model: MarketModel, autojump_clock: MockClock) -> None:
+    """Silent while it holds nothing, a restarted node would leave its previous run's record
+    (its old holdings, counted as covered) in every map until that record's TTL: minutes in
+    a large market. Seeing it in a peer's map, it publishes a record of its own at once."""
+    market = service(model)
+    market.held = {}
+    sent = market.p2p.gossip.sent
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(market._heartbeat)
+        await trio.sleep(3 * keepalive_s(HEARTBEAT_S, 1))
+        assert sent == []  # nothing to tell
+        before = dataclasses.replace(record("me", seq=3, ts=market.clock()), boot="previous")
+        with pytest.raises(Stale):
+            market._apply_coverage(before.to_wire(), "me", market.clock(), rpc_pb2.Message(),
+                                   synced=True)
+        await trio.sleep(0.01)
+        assert len(sent) == 1 and trio.current_time() - sent[0][0] < 0.02
+        now = CoverageRecord.from_wire(sent[0][2])
+        assert now.boot == market.boot and now.holdings == () and now.seq > before.seq
+        await trio.sleep(3 * keepalive_s(HEARTBEAT_S, 1))
+        assert len(sent) == 1  # then silent again
+        nursery.cancel_scope.cancel()
