@@ -55,6 +55,10 @@ BENCHES = (
     Bench("memory", "Memory per session per architecture at 4k and 32k, vs llama.cpp",
           ("bench_memory.py",), ("bench_memory.py", "--contexts", "4096"),
           "no more than llama.cpp for the same file and context"),
+    Bench("scale", "Real widths: Llama-3.2-1B and Qwen3-30B-A3B shapes (Q4_K_M), vs llama.cpp",
+          ("bench_scale.py",), ("bench_scale.py", "--quick"),
+          "1 node >= 1.0x llama.cpp, ring >= 0.9x, MoE ring >= 0.7x, 16 sessions >= 3x one, "
+          "a repeated 2k prompt's first token >= 5x faster", timeout_s=2400.0),
     Bench("swarm", "Ring and expert dispatch across daemons",
           ("bench_swarm.py",), ("bench_swarm.py",),
           "3-stage ring >= 0.75x llama.cpp monolithic decode; batching raises aggregate tok/s"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvasird.model.benchmodels import SPECS, bench_model
 from kvasird.model.testmodels import ARCHS, DTYPES, TestModelSpec, write_model
 
 
@@ -33,6 +34,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="omit `output` and reuse token_embd (default: llama and gemma3 tied)")
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=_make_model)
+    bm = cmds.add_parser("bench-models", help="write the real-width benchmark models "
+                         "(Llama-3.2-1B and Qwen3-30B-A3B shapes, Q4_K_M), cached")
+    bm.add_argument("names", nargs="*", metavar="NAME",
+                    help=f"which ({', '.join(SPECS)}; default: all)")
+    bm.add_argument("--cache", type=Path, default=Path(".cache"),
+                    help="cache folder (default: the project's .cache)")
+    bm.add_argument("--moe-layers", type=int, default=0,
+                    help=f"layers of the moe model (default {SPECS['moe'].n_layer})")
+    bm.set_defaults(func=_bench_models)
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -45,4 +55,15 @@ def _make_model(args: argparse.Namespace) -> int:
     )
     path = write_model(args.out, spec)
     print(f"{path}  {spec.arch} {spec.dtype} {spec.n_layer} layers, {path.stat().st_size} bytes")
+    return 0
+
+
+def _bench_models(args: argparse.Namespace) -> int:
+    if unknown := [n for n in args.names if n not in SPECS]:
+        print(f"kvasird dev bench-models: unknown model {', '.join(unknown)}: use "
+              f"{' or '.join(SPECS)}")
+        return 2
+    for name in args.names or list(SPECS):
+        path = bench_model(args.cache, name, args.moe_layers if name == "moe" else 0)
+        print(f"{name:6} {path}  {path.stat().st_size / 2**30:.2f} GiB")
     return 0

@@ -11,10 +11,13 @@ file is a pure function of its arguments: the same seed gives the same bytes.
 
 Weight types: ``f32``, ``f16``, ``q8_0``, ``q4_0``, ``q4_1``, ``mxfp4`` and the K-quants
 ``q4_k``, ``q6_k`` (quantized by ggml's own ``ggml_quantize_chunk``, the kernels llama.cpp
-uses). As llama.cpp's quantizer does, norms and the MoE router stay F32, and so do biases
-and attention sinks; the experts may have a type of their own (``expert_dtype``: gpt-oss's
-files ship them in MXFP4). In K-quant files the embedding and output matrices are Q8_0: a
-49152-row K-quant takes ggml most of a second, and a mixed-type file is a better test anyway.
+uses), and ``q4_k_m``: llama.cpp's most used mix, Q4_K with Q6_K where its quantizer puts
+more bits (the output matrix, and attn_v and ffn_down of the first and last eighth of the
+layers and every third between), the type real files are published in. As llama.cpp's
+quantizer does, norms and the MoE router stay F32, and so do biases and attention sinks;
+the experts may have a type of their own (``expert_dtype``: gpt-oss's files ship them in
+MXFP4). In q4_k and q6_k files the embedding and output matrices are Q8_0: a 49152-row
+K-quant takes ggml most of a second, and a mixed-type file is a better test anyway.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import ctypes
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -47,7 +51,9 @@ DTYPES: dict[str, GGMLQuantizationType] = {
     "mxfp4": GGMLQuantizationType.MXFP4,
     "q4_k": GGMLQuantizationType.Q4_K,
     "q6_k": GGMLQuantizationType.Q6_K,
+    "q4_k_m": GGMLQuantizationType.Q4_K,
 }
+"""``q4_k_m`` is llama.cpp's mix of that name (``_q4_k_m``); the type here is its base."""
 
 _K_QUANTS = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K}
 
@@ -84,6 +90,10 @@ class TestModelSpec:
     """Experts each token is routed to (top-k)."""
     n_ff_exp: int = 32
     """Hidden size of one expert's FFN (mixtral writes it as feed_forward_length)."""
+    distinct_experts: int = 0
+    """qwen3moe, mixtral: draw only this many experts per matrix and repeat them (0: all
+    distinct). For benchmark shapes: ggml's K-quantizer takes minutes per billion weights,
+    and what an expert computes costs the same whatever its numbers."""
     dtype: str = "f32"
     """Type of the weight matrices, a key of DTYPES."""
     expert_dtype: str = ""
@@ -178,8 +188,26 @@ def write_model(path: Path, spec: TestModelSpec) -> Path:
         writer.add_key_value(key, value, GGUFValueType(vtype), GGUFValueType(sub) if sub else None)
     rng = np.random.default_rng(spec.seed)
     for name, data, qtype in _tensors(spec, n_vocab, rng):
-        _add_tensor(writer, name, data, qtype)
+        _add_tensor(writer, name, data, _q4_k_m(spec, name, qtype) if spec.dtype == "q4_k_m"
+                    else qtype)
     return save(writer, path)
+
+
+def _q4_k_m(spec: TestModelSpec, name: str, qtype: GGMLQuantizationType
+            ) -> GGMLQuantizationType:
+    """The type llama.cpp's Q4_K_M gives a tensor (without an importance matrix)."""
+    if qtype == GGMLQuantizationType.F32:
+        return qtype  # norms, router, biases, sinks
+    if name == "output.weight" or (name == "token_embd.weight" and spec.tied):
+        return GGMLQuantizationType.Q6_K
+    if name == "token_embd.weight":
+        return GGMLQuantizationType.Q4_K
+    kind = name.split(".")[2]
+    i, n = int(name.split(".")[1]), spec.n_layer
+    more_bits = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+    if kind in ("attn_v", "ffn_down", "ffn_down_exps") and more_bits:
+        return GGMLQuantizationType.Q6_K
+    return GGMLQuantizationType.Q4_K
 
 
 def save(writer: GGUFWriter, path: Path) -> Path:
@@ -311,9 +339,12 @@ def _tensors(s: TestModelSpec, n_vocab: int, rng: np.random.Generator):
         yield b + "ffn_norm.weight", norm(e), f32
         if s.routed:
             yield b + "ffn_gate_inp.weight", np.float32(4) * w(s.n_expert, e), f32
-            yield b + "ffn_gate_exps.weight", w(s.n_expert, s.n_ff_exp, e), mat
-            yield b + "ffn_up_exps.weight", w(s.n_expert, s.n_ff_exp, e), mat
-            yield b + "ffn_down_exps.weight", w(s.n_expert, e, s.n_ff_exp), mat
+            k = s.distinct_experts or s.n_expert
+            for kind, shape in (("gate", (s.n_ff_exp, e)), ("up", (s.n_ff_exp, e)),
+                                ("down", (e, s.n_ff_exp))):
+                yield (b + f"ffn_{kind}_exps.weight",
+                       w(k, *shape) if k == s.n_expert else Repeated(w(k, *shape), s.n_expert),
+                       mat)
         else:
             yield b + "ffn_gate.weight", w(s.n_ff, e), mat
             yield b + "ffn_up.weight", w(s.n_ff, e), mat
@@ -394,7 +425,28 @@ def _gpt_oss_layer(s: TestModelSpec, i: int, w: Any, norm: Any):
     yield b + "ffn_down_exps.bias", bias(n, e), f32
 
 
-def _add_tensor(w: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> None:
+@dataclass(frozen=True)
+class Repeated:
+    """A stack of ``n`` matrices that repeats ``base``'s (``distinct_experts``): quantized
+    once, its bytes tiled."""
+
+    base: np.ndarray
+    n: int
+
+    def tiled(self, data: np.ndarray) -> np.ndarray:
+        reps = -(-self.n // data.shape[0])
+        return np.concatenate([data] * reps)[:self.n]
+
+
+def _add_tensor(w: GGUFWriter, name: str, data: np.ndarray | Repeated,
+                qtype: GGMLQuantizationType) -> None:
+    if isinstance(data, Repeated):
+        base = data.base if qtype == GGMLQuantizationType.F32 else (
+            data.base.astype(np.float16) if qtype == GGMLQuantizationType.F16
+            else quantize(data.base, qtype))
+        w.add_tensor(name, data.tiled(base), raw_dtype=None if base.dtype != np.uint8
+                     else qtype)
+        return
     if qtype == GGMLQuantizationType.F32:
         w.add_tensor(name, data)
     elif qtype == GGMLQuantizationType.F16:
@@ -412,7 +464,18 @@ def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     n_per_row = rows.shape[1]
     out = np.empty((rows.shape[0], n_per_row // block * type_size), dtype=np.uint8)
     src = rows.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-    ggml.ggml_quantize_chunk(int(qtype), src, out.ctypes.data, 0, rows.shape[0], n_per_row, None)
+
+    def part(first: int, n: int) -> None:  # rows are independent: one part per core
+        ggml.ggml_quantize_chunk(int(qtype), src, out.ctypes.data, first * n_per_row, n,
+                                 n_per_row, None)
+
+    step = max(1, -(-rows.shape[0] // (os.cpu_count() or 1)))
+    if rows.shape[0] * n_per_row < 1 << 20 or step == rows.shape[0]:
+        part(0, rows.shape[0])
+    else:
+        with ThreadPoolExecutor() as pool:  # ctypes lets go of the GIL during the call
+            list(pool.map(lambda a: part(a, min(step, rows.shape[0] - a)),
+                          range(0, rows.shape[0], step)))
     return out.reshape(*data.shape[:-1], out.shape[1])
 
 

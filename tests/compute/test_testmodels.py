@@ -203,3 +203,34 @@ def test_cli_writes_the_new_architectures(tmp_path, arch, gguf_arch):
     assert kv["general.architecture"] == gguf_arch
     assert kv.get(f"{gguf_arch}.expert_count") == (4 if arch in ("mixtral", "qwen35moe",
                                                                   "gpt-oss") else None)
+
+
+def test_q4_k_m_gives_tensors_llamacpps_types_and_repeated_experts_repeat(tmp_path) -> None:
+    """The benchmark models' type: Q6_K for the output and for attn_v / ffn_down of the
+    layers llama.cpp's Q4_K_M gives more bits (of 8: 0, 3, 6, 7), Q4_K elsewhere; with
+    ``distinct_experts`` the experts' bytes repeat, and the engine computes the file."""
+    from gguf import GGMLQuantizationType as Q
+
+    from kvasird.compute.stage import Stage
+
+    path = make_model(tmp_path / "m.gguf", "qwen3moe", n_layer=8, n_embd=256, n_head=4,
+                      n_head_kv=2, head_dim=64, n_ff_exp=256, n_expert=4, distinct_experts=2,
+                      dtype="q4_k_m")
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    for kind in ("attn_v", "ffn_down_exps"):
+        six = [i for i in range(8) if tensors[f"blk.{i}.{kind}.weight"].tensor_type == Q.Q6_K]
+        assert six == [0, 3, 6, 7], kind
+    assert {tensors[f"blk.{i}.{k}.weight"].tensor_type for i in range(8)
+            for k in ("attn_q", "attn_k", "ffn_gate_exps", "ffn_up_exps")} == {Q.Q4_K}
+    assert tensors["output.weight"].tensor_type == Q.Q6_K
+    assert tensors["token_embd.weight"].tensor_type == Q.Q4_K
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == Q.F32
+    gate = np.asarray(tensors["blk.1.ffn_gate_exps.weight"].data)
+    assert (gate[0] == gate[2]).all() and (gate[1] == gate[3]).all()
+    assert not (gate[0] == gate[1]).all()
+    stage = Stage.load(path)
+    try:
+        with stage.open_session() as s:
+            assert np.isfinite(stage.forward(s, np.array([1, 2, 3]))).all()
+    finally:
+        stage.close()

@@ -1,0 +1,280 @@
+"""Real widths: the engine and the ring on models of the shapes hobbyists serve, beside llama.cpp.
+
+    .venv/bin/python bench/bench_scale.py [--quick] [--threads 1] [--tokens 32] [--rounds 5]
+
+The models are kvasird.model.benchmodels' (generated once, cached in .cache/bench-models):
+``dense`` (Llama-3.2-1B shapes, Q4_K_M) and ``moe`` (Qwen3-30B-A3B shapes, 8 layers,
+Q4_K_M). Every row is paired with llama.cpp (llama-cpp-python from .cache/llamacpp-venv)
+on the same GGUF and threads, kept loaded in its own process and run right after each of
+our runs, so each pair sees the same machine load; a row's ratio is the median of its
+pairs' ratios (this machine's speed drifts by 10-20 % from minute to minute).
+
+    1node        one daemon holding the whole dense model: decode tok/s through the admin
+                 API's token stream (POST /v0/generate)
+    prefill      one stage in process: a 512-token prompt, and a 4k-token one (its time to
+                 first token), tokens/s
+    ring         three daemons holding a third of the dense model's layers each
+    moe-ring     the MoE on four daemons: two stages with the dense paths (head on the
+                 first), two expert workers with half of every layer's experts each
+    sessions16   aggregate decode tok/s of 16 concurrent generations on the 1-node daemon,
+                 over one generation's (ours alone: llama-cpp-python decodes one sequence)
+    prefix-ttft  a 2k-token prompt sent twice to the 1-node daemon: time to first token of
+                 the first over the second's (what reusing a prompt's cached prefix buys)
+
+and per node: RSS, load seconds per GB of its shard, KV bytes per token. The nodes after
+the first name the model by its id and download only what they hold from the others, as
+peers joining a network do. The last line sums it up:
+
+    scale: 1node D.DDx, ring D.DDx, moe-ring D.DDx, sessions16 D.DDx, prefix-ttft D.DDx
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_compute import LLAMACPP_PYTHON, LlamaCppDecoder  # noqa: E402
+from bench_daemon import rss_mb  # noqa: E402
+from bench_swarm import LIVE_TIMING, PROMPT, decode_rates  # noqa: E402
+
+from kvasird.compute.kvcache import KVSpec  # noqa: E402
+from kvasird.compute.stage import Stage  # noqa: E402
+from kvasird.localnet import LocalNet  # noqa: E402
+from kvasird.localnet.launcher import LocalNode  # noqa: E402
+from kvasird.localnet.placement import parse_hold  # noqa: E402
+from kvasird.logs import configure  # noqa: E402
+from kvasird.market.model import MarketModel  # noqa: E402
+from kvasird.model.benchmodels import SPECS, bench_model  # noqa: E402
+from kvasird.model.manifest import Manifest  # noqa: E402
+
+CACHE = HERE.parent / ".cache"
+GB = 2**30
+KV_SLOTS = 8192
+
+_LLAMACPP_PREFILL = """
+import json, sys, time
+from llama_cpp import Llama
+path, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = Llama(model_path=path, n_ctx=n + 64, n_threads=threads, n_threads_batch=threads,
+            n_batch=512, verbose=False)
+prompt = [1 + (i * 7919) % 40000 for i in range(n)]
+llm.eval(prompt[:8]); llm.reset()
+t = time.perf_counter(); llm.eval(prompt); print(json.dumps(time.perf_counter() - t))
+"""
+
+
+def prompt_of(n: int) -> list[int]:
+    return [1 + (i * 7919) % 40000 for i in range(n)]
+
+
+def llamacpp_prefill_s(model: Path, threads: int, n: int) -> float | None:
+    if not LLAMACPP_PYTHON.exists():
+        return None
+    out = subprocess.run([str(LLAMACPP_PYTHON), "-c", _LLAMACPP_PREFILL, str(model),
+                          str(threads), str(n)], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def prefill(model: Path, threads: int, sizes: list[int]) -> dict[str, Any]:
+    """Our prefill seconds per prompt size (in process), llama.cpp's right after each; the
+    load time, and the KV bytes per token of the whole model."""
+    began = time.perf_counter()
+    stage = Stage.load(model, threads=threads, kv=KVSpec(n_slots=max(sizes) + 64))
+    out: dict[str, Any] = {"load_s_per_gb": (time.perf_counter() - began)
+                           / (model.stat().st_size / GB)}
+    out["kv_bytes_per_token"] = kv_bytes_per_token(stage)
+    with stage.open_session() as s:
+        stage.forward(s, np.array(prompt_of(8)))  # graphs of the small sizes, threads warm
+    for n in sizes:
+        with stage.open_session() as s:
+            t = time.perf_counter()
+            stage.forward(s, np.array(prompt_of(n)))
+            ours = time.perf_counter() - t
+        out[n] = (ours, llamacpp_prefill_s(model, threads, n))
+    stage.close()
+    return out
+
+
+def kv_bytes_per_token(stage: Stage) -> float:
+    pool = stage.kv
+    per_slot = sum(int(t.contents.ne[0]) for t in pool.k.values())  # K: kv_dim per slot
+    per_slot += sum(int(t.contents.ne[0]) // 64 for t in pool.v.values())  # V: [64 kv_dim]
+    return per_slot * (2 if pool.spec.dtype == "f16" else 4)
+
+
+def start(root: Path, model: Path, manifest: Manifest, placement: list[list[str]],
+          threads: int) -> LocalNet:
+    """Node i holds placement[i]; nodes after the first fetch their units from the others."""
+    mm = MarketModel.from_manifest(manifest)
+    net = LocalNet(root, len(placement))
+    previous = ""
+    for node, pins in zip(net.nodes, placement, strict=True):
+        held = {u for p in pins for u in parse_hold(p)}
+        budget = int(sum(mm.size(u) for u in held) / 2**20) + 1
+        net.settings = {
+            **net.settings, "market.model": str(model) if node.index == 0 else manifest.model_id,
+            "market.hold": pins, "market.memory_budget_mb": budget, "market.enroll_delay_s": 0.0,
+            "market.target_replicas": 1, "compute.threads": threads,
+            "inference.kv_slots": KV_SLOTS, "inference.step_timeout_s": 120.0,
+            "inference.expert_timeout_s": 60.0, **LIVE_TIMING}
+        previous = net.configure(node, [previous] if previous else [])
+    for node in net.nodes:
+        node.spawn()
+    for node in net.nodes:
+        node.wait_ready()
+    net.wait_until("a route", lambda: _stamps(net.nodes[0], [1], 1) != [], 900)
+    return net
+
+
+def _stamps(node: LocalNode, prompt: list[int], n: int) -> list[float]:
+    """Request start, then when each token event of a greedy generation arrived."""
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0}
+    began = time.perf_counter()
+    stamps: list[float] = []
+    with httpx.stream("POST", node.home.admin_address() + "/v0/generate", json=body,
+                      timeout=900) as resp:
+        if resp.status_code != 200:
+            return []
+        for line in resp.iter_lines():
+            if '"token"' in line:
+                stamps.append(time.perf_counter())
+    return [began, *stamps] if stamps else []
+
+
+def aggregate(node: LocalNode, sessions: int, n: int) -> float:
+    """Tokens per second of ``sessions`` generations at once (distinct prompts)."""
+    counts = [0] * sessions
+
+    def one(i: int) -> None:
+        counts[i] = max(0, len(_stamps(node, [PROMPT[i % len(PROMPT)], 100 + i, *PROMPT], n)) - 1)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - began)
+
+
+def experts(n_layer: int, lo: int, hi: int) -> list[str]:
+    return [f"experts:{layer}:{lo}-{hi}" for layer in range(n_layer)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and tokens (CI size)")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads per daemon and "
+                    "for llama.cpp (1: on a shared 2-core machine two ggml threads stall each "
+                    "other at every barrier)")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens per generation")
+    ap.add_argument("--rounds", type=int, default=5, help="paired decode runs per layout")
+    ap.add_argument("--only", nargs="*", default=[], help="rows to run (1node ring moe-ring "
+                    "prefill); the 1node daemon also gives sessions16 and prefix-ttft")
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.rounds = min(args.tokens, 16), min(args.rounds, 3)
+    configure("warning", json=False)
+    want = set(args.only or ["prefill", "1node", "ring", "moe-ring"])
+    dense, moe = bench_model(CACHE, "dense"), bench_model(CACHE, "moe")
+    nl, nm = SPECS["dense"].n_layer, SPECS["moe"].n_layer
+    rows: list[tuple[str, str, str, str]] = []
+    summary: dict[str, float] = {}
+    node_rows: list[tuple[str, float, float]] = []
+    engine: tuple[float, float] | None = None
+
+    def row(name: str, ours: str, theirs: str, ratio: float | None) -> None:
+        rows.append((name, ours, theirs, f"{ratio:.2f}x" if ratio is not None else "n/a"))
+        print(f"{name}: {ours} vs {theirs}", flush=True)
+
+    if "prefill" in want:
+        sizes = [512, 4096]
+        p = prefill(dense, args.threads, sizes)
+        for n in sizes:
+            ours, theirs = p[n]
+            row(f"dense prefill {n} tok/s", f"{n / ours:.1f}",
+                f"{n / theirs:.1f}" if theirs else "n/a", theirs / ours if theirs else None)
+            if n == 4096:
+                row("dense 4k prompt: time to first token s", f"{ours:.1f}",
+                    f"{theirs:.1f}" if theirs else "n/a", theirs / ours if theirs else None)
+        engine = (p["load_s_per_gb"], p["kv_bytes_per_token"])
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        root = Path(tmp)
+        layouts = [
+            ("1node", dense, [["head", f"layers:0-{nl}"]]),
+            ("ring", dense, [["head", f"layers:0-{nl // 3}"],
+                             [f"layers:{nl // 3}-{2 * nl // 3}"], [f"layers:{2 * nl // 3}-{nl}"]]),
+            ("moe-ring", moe, [["head", f"layers:0-{nm // 2}"], [f"layers:{nm // 2}-{nm}"],
+                               experts(nm, 0, 64), experts(nm, 64, 128)]),
+        ]
+        refs: dict[Path, LlamaCppDecoder | None] = {}
+        manifests = {m: Manifest.from_gguf(m) for m in {d for n, d, _ in layouts if n in want}}
+        for name, model, placement in layouts:
+            if name not in want:
+                continue
+            began = time.perf_counter()
+            with start(root / name, model, manifests[model], placement, args.threads) as net:
+                up = time.perf_counter() - began
+                for node, pins in zip(net.nodes, placement, strict=True):
+                    assert node.proc is not None
+                    node_rows.append((f"{name} node{node.index} ({', '.join(pins)[:40]})",
+                                      rss_mb(node.proc.pid), up))
+                if model not in refs:
+                    refs[model] = LlamaCppDecoder.start(args.threads, PROMPT, model)
+                ours, theirs, _ = decode_rates(net.nodes[0], args.tokens, args.rounds,
+                                               refs[model])
+                ratio = statistics.median(o / r for o, r in zip(ours, theirs, strict=True)) \
+                    if theirs else None
+                row(f"{name} decode tok/s", f"{statistics.median(ours):.1f}",
+                    f"{statistics.median(theirs):.1f}" if theirs else "n/a", ratio)
+                summary[name] = ratio or 0.0
+                if name == "1node":
+                    one = aggregate(net.nodes[0], 1, args.tokens)
+                    many = aggregate(net.nodes[0], 16, args.tokens)
+                    row("1node 16 sessions: aggregate tok/s (vs one session)", f"{many:.1f}",
+                        f"{one:.1f}", many / one)
+                    summary["sessions16"] = many / one
+                    long = prompt_of(2048)
+                    cold = _stamps(net.nodes[0], long, 1)
+                    warm = _stamps(net.nodes[0], long, 1)
+                    c, w = cold[1] - cold[0], warm[1] - warm[0]
+                    row("1node 2k prompt sent again: TTFT s (first vs again)", f"{w:.2f}",
+                        f"{c:.2f}", c / w)
+                    summary["prefix-ttft"] = c / w
+        for ref in refs.values():
+            if ref is not None:
+                ref.close()
+    print(f"\n## Real widths (threads {args.threads}, {args.tokens} decode tokens, "
+          f"{args.rounds} paired rounds)\n")
+    print("| measurement | kvasird | llama.cpp (or the baseline) | ratio |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print("\n| node | RSS MB | network up after s |")
+    print("|---|---|---|")
+    for name, a, b in node_rows:
+        print(f"| {name} | {a:.0f} | {b:.0f} |")
+    if engine:
+        print(f"\none stage holding the dense model: load {engine[0]:.2f} s/GB, "
+              f"KV {engine[1]:.0f} bytes/token (f16)")
+    print("\nscale: " + ", ".join(f"{k} {summary[k]:.2f}x" for k in
+                                  ("1node", "ring", "moe-ring", "sessions16", "prefix-ttft")
+                                  if k in summary))
+
+
+if __name__ == "__main__":
+    main()
