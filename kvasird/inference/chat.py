@@ -8,11 +8,18 @@ model without a template gets ChatML, llama.cpp's fallback.
 An assistant message at the end is a *prefill* (Anthropic's term): the reply
 continues it. It is rendered as the text after the generation prompt rather than as
 a closed turn, so the model picks up mid-sentence.
+
+Templates are written against Hugging Face transformers' renderer, so they get its
+globals and its ``tojson`` (``ensure_ascii``, ``indent``, ``separators``, ``sort_keys``).
+Mistral's refuse a call id that is not 9 letters or digits: for them each id is given as
+such an id derived from it, the same for a call and for its result.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -29,6 +36,10 @@ from kvasird.inference.tools import Format, Tool, ToolCall, format_of, reads_too
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+NINE_CHARACTER_IDS = re.compile(r"id\s*\|\s*length\s*!=\s*9")
+"""How Mistral's templates refuse a call id that is not 9 characters long."""
 
 
 class ChatTemplateError(ModelError):
@@ -62,6 +73,7 @@ class ChatTemplate:
         except TemplateError as exc:
             raise ChatTemplateError(f"the model's chat template does not compile: {exc}") from None
         self._bos, self._eos = bos, eos
+        self._short_ids = bool(source and NINE_CHARACTER_IDS.search(source))
         self.source = source
 
     @classmethod
@@ -84,7 +96,8 @@ class ChatTemplate:
         if messages and messages[-1].role == "assistant" and not messages[-1].tool_calls:
             prefill, messages = messages[-1].content, messages[:-1]
         native = reads_tools(self.source)
-        plain = [_as_dict(m, native) for m in messages]
+        names = {c.id: c.name for m in messages for c in m.tool_calls}
+        plain = [_as_dict(m, native, names, self._short_ids) for m in messages]
         if (tools or any(m.tool_calls or m.role == "tool" for m in messages)) and not native:
             plain = self.tool_format.plain(plain)
             if tools:
@@ -97,22 +110,34 @@ class ChatTemplate:
         try:
             text = self._template.render(messages=plain, add_generation_prompt=True,
                                          bos_token=self._bos, eos_token=self._eos, **extra)
-        except TemplateError as exc:
+        except (TemplateError, TypeError, ValueError) as exc:  # a filter given the wrong type
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") \
                 from None
         return text + prefill
 
 
-def _as_dict(m: Message, native: bool) -> dict[str, Any]:
-    """A message as templates read it: OpenAI's shape for one that knows tools."""
+def _as_dict(m: Message, native: bool, names: dict[str, str],
+             short_ids: bool) -> dict[str, Any]:
+    """A message as templates read it: OpenAI's shape for one that knows tools. A result
+    that does not name its tool (Anthropic's never do) is named after its call."""
+    def call_id(text: str) -> str:
+        return _nine_characters(text) if short_ids else text
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+        out["tool_calls"] = [{"id": call_id(c.id), "type": "function", "function": {
             "name": c.name, "arguments": json.loads(c.arguments or "{}")}}
             for c in m.tool_calls] if native else list(m.tool_calls)
     if m.role == "tool":
-        out.update(tool_call_id=m.tool_call_id, name=m.name)
+        out.update(tool_call_id=call_id(m.tool_call_id),
+                   name=m.name or names.get(m.tool_call_id, ""))
     return out
+
+
+def _nine_characters(call_id: str) -> str:
+    """A call id as Mistral's templates take one: 9 letters or digits."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def _raise(message: str) -> None:
@@ -123,5 +148,7 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
