@@ -4,9 +4,15 @@
     ToolCall    one call the model made: id, name, arguments (JSON text, as OpenAI sends it)
     Format      how a model family writes calls, picked from its chat template (``format_of``):
                   hermes  <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one
-                          block per call (Qwen 2.5/3/3.5, Hermes, SmolLM3; the default)
-                  llama3  {"name": ..., "parameters": {...}}, after <|python_tag|> or alone
-                          (Llama 3.1 and later)
+                          block per call (Qwen 2.5/3, Hermes, SmolLM3; the default)
+                  qwen_xml <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>
+                          ...</function>\n</tool_call>, values as raw text (Qwen 3.5/3.6,
+                          Qwen3-Coder)
+                  llama3  {"name": ..., "parameters": {...}}, after <|python_tag|> or alone,
+                          one call per reply (Llama 3.1 to 3.3)
+                  mistral [TOOL_CALLS]NAME[ARGS]{...} per call (Mistral Small 3.2, Devstral);
+                          mistral_list: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
+                          (Mistral Nemo); the markers are special tokens, kept like harmony's
                   harmony <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
                           {...}<|call|>, one call per generation (<|call|> ends it), among
                           messages on channels: analysis (reasoning), final (the answer),
@@ -31,8 +37,9 @@
                 ``read`` (and ``parse``) is a stream fed the whole text, so a streamed reply
                 and a whole one hold the same text and calls. A call cut off by the token
                 limit is never Closed: a stream has sent its start, a whole reply leaves it
-                out. Hermes and harmony are read incrementally; Llama 3 (no start marker,
-                and a reply is either all calls or all text) is held to the end.
+                out. Hermes, Qwen's XML, Mistral and harmony are read incrementally;
+                Llama 3 (no start marker, and a reply is either a call or all text) is
+                held to the end.
 """
 
 from __future__ import annotations
@@ -85,7 +92,11 @@ class Format:
     name = "hermes"
     start, end = "<tool_call>\n", "\n</tool_call>"
     separator = "\n"
-    """Between parallel calls ("": one call per reply)."""
+    """Between parallel calls."""
+    parallel = True
+    """A reply may hold several calls (False: one call per reply)."""
+    opening, closing = "", ""
+    """Around all of a reply's calls (Mistral's list)."""
     arguments_key = "arguments"
     markers: frozenset[str] = frozenset()
     """Special tokens a reply is read by: decoding keeps their text (the others a model
@@ -116,16 +127,22 @@ class Format:
         """Output that is one call (or, with ``parallel``, several) of ``tools``, each with
         arguments that validate against that tool's schema."""
         one = " | ".join(f"c{i}" for i in range(len(tools)))
-        more = f" ({json.dumps(self.separator)} call)*" if parallel and self.separator else ""
-        rules = [f"start: call{more}", f"call: {self._call_rule(one)}"]
+        more = f" ({_literal(self.separator)} call)*" if parallel and self.parallel else ""
+        rules = [f"start: {_literal(self.opening)} call{more} {_literal(self.closing)}",
+                 f"call: {self._call_rule(one)}"]
         rules += [f"c{i}: {self._tool_rule(t)}" for i, t in enumerate(tools)]
+        rules += self._terminals(tools)
         grammar = LLMatcher.grammar_from_lark("\n".join(rules))
         check(grammar, "tools")
         return grammar
 
     def _call_rule(self, tools: str) -> str:
         """One call in the grammar; ``tools`` is the rule that picks the tool."""
-        return f"{json.dumps(self.start)} ({tools}) {json.dumps(self.end)}" if self.start else tools
+        return f"{_literal(self.start)} ({tools}) {_literal(self.end)}"
+
+    def _terminals(self, tools: Sequence[Tool]) -> list[str]:
+        """The grammar's lexer rules, if its tool rules need any."""
+        return []
 
     def _tool_rule(self, tool: Tool) -> str:
         return f"%json {json.dumps(self._schema(tool))}"
@@ -192,11 +209,12 @@ class Format:
 
 
 class Llama3(Format):
-    """Llama 3.1+: a bare JSON object with "name" and "parameters"."""
+    """Llama 3.1+: a bare JSON object with "name" and "parameters". One call per reply: the
+    templates of Llama 3.1 to 3.3 refuse an assistant message with more than one."""
 
     name = "llama3"
     start, end = "", ""
-    separator = "; "
+    parallel = False
     arguments_key = "parameters"
 
     def system_text(self, tools: Sequence[Tool]) -> str:
@@ -209,20 +227,23 @@ class Llama3(Format):
     def result_text(self, content: str, name: str) -> str:
         return content
 
-    _object = re.compile(r"(?:<\|python_tag\|>)?\s*(\{.*\})\s*$", re.S)
-
     def stream(self, tools: Sequence[Tool]) -> Reader:
         return HeldStream(self, tools)
 
     def parse(self, text: str, tools: Sequence[Tool]) -> tuple[str, list[ToolCall]]:
-        calls = []
-        for part in text.split(";"):
-            m = self._object.match(part.strip())
-            call = self._call(m.group(1), tools) if m else None
-            if call is None:
-                return text, []
-            calls.append(call)
-        return "", calls
+        """A reply that is a call, after <|python_tag|> or alone. Calls after the first
+        (";"-separated, as the model may write them) are left out: its template could not
+        take them back."""
+        body = text.strip().removeprefix("<|python_tag|>").lstrip()
+        try:
+            _, n = json.JSONDecoder().raw_decode(body)
+        except ValueError:
+            return text, []
+        call = self._call(body[:n], tools)
+        rest = body[n:].strip()
+        if call is None or (rest and not rest.startswith(";")):
+            return text, []
+        return "", [call]
 
 
 class Harmony(Format):
@@ -230,7 +251,7 @@ class Harmony(Format):
     whose body is the arguments object (``HarmonyStream``)."""
 
     name = "harmony"
-    separator = ""
+    parallel = False
     markers = frozenset({"<|start|>", "<|channel|>", "<|message|>", "<|constrain|>",
                          "<|end|>", "<|call|>", "<|return|>"})
     framed = True
@@ -284,7 +305,158 @@ def _ts_type(schema: dict[str, Any]) -> str:
             "boolean": "boolean", "object": "object"}.get(str(schema.get("type")), "any")
 
 
-FORMATS: dict[str, Format] = {"hermes": Format(), "llama3": Llama3(), "harmony": Harmony()}
+class QwenXML(Format):
+    """Qwen 3.5/3.6 and Qwen3-Coder: a call is XML, its arguments one parameter each, the
+    value as raw text between newlines (a string as is, any other value as JSON)::
+
+        <tool_call>
+        <function=NAME>
+        <parameter=KEY>
+        VALUE
+        </parameter>
+        </function>
+        </tool_call>
+
+    The arguments are passed on as a JSON object, a key at a time as its parameter ends
+    (``XMLCallStream``). A value is JSON when its parameter's schema takes no strings and
+    it parses as JSON, else the string."""
+
+    name = "qwen_xml"
+
+    def system_text(self, tools: Sequence[Tool]) -> str:
+        listing = "\n".join(json.dumps(t.openai(), ensure_ascii=False) for t in tools)
+        return ("# Tools\n\nYou have access to the following functions:\n\n<tools>\n"
+                f"{listing}\n</tools>\n\nTo call a function, reply with only this, one "
+                "parameter block per argument:\n\n<tool_call>\n<function=function_name>\n"
+                "<parameter=parameter_name>\nvalue\n</parameter>\n</function>\n</tool_call>")
+
+    def call_text(self, call: ToolCall) -> str:
+        args = _loads(call.arguments)
+        params = "".join(f"<parameter={k}>\n{_xml_text(v)}\n</parameter>\n"
+                         for k, v in (args.items() if isinstance(args, dict) else ()))
+        return f"{self.start}<function={call.name}>\n{params}</function>{self.end}"
+
+    def _tool_rule(self, tool: Tool) -> str:
+        """The parameters in the schema's order, the required ones present, the others
+        optional, no others: the XML has no way to say "these keys in any order", so the
+        order is fixed (a model writes them in the order it was shown)."""
+        parts = [json.dumps(f"<function={tool.name}>\n")]
+        required = set(tool.parameters.get("required") or ())
+        for key, schema in _properties(tool).items():
+            value = (_text_terminal(schema) if _is_text(schema) else
+                     f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})} "
+                     + json.dumps("\n</parameter>"))
+            param = " ".join([json.dumps(f"<parameter={key}>\n"), value, json.dumps("\n")])
+            parts.append(param if key in required else f"({param})?")
+        return " ".join([*parts, '"</function>"'])
+
+    def _terminals(self, tools: Sequence[Tool]) -> list[str]:
+        return sorted({_text_lexeme(schema) for t in tools for schema in
+                       _properties(t).values() if _is_text(schema)
+                       and "enum" not in schema and "const" not in schema})
+
+    def stream(self, tools: Sequence[Tool]) -> Reader:
+        return XMLCallStream(self, tools)
+
+
+def _properties(tool: Tool) -> dict[str, Any]:
+    """A tool's parameters and their schemas, required ones the schema does not describe
+    taking any value."""
+    props = dict(tool.parameters.get("properties") or {})
+    return props | {k: {} for k in tool.parameters.get("required") or () if k not in props}
+
+
+def _is_text(schema: dict[str, Any]) -> bool:
+    """Whether a parameter takes strings: its value is written as is, not as JSON."""
+    if "enum" in schema or "const" in schema:
+        return all(isinstance(v, str) for v in schema.get("enum", [schema.get("const")]))
+    kind = schema.get("type")
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+def _xml_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _xml_value(text: str, schema: dict[str, Any]) -> Any:
+    """A parameter's value from its text (trimmed of the newline on either side): JSON
+    where the schema takes no strings, a string otherwise or where it is no JSON. A
+    boolean may be written as a template renders Python's ("True")."""
+    text = text.removeprefix("\n").removesuffix("\n")
+    if _is_text(schema):
+        return text
+    if schema.get("type") == "boolean" and text in ("True", "False"):
+        return text == "True"
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _text_terminal(schema: dict[str, Any]) -> str:
+    """A string parameter's value and its closing tag, in the grammar: one of its enum, or
+    text without "</parameter>" within its length bounds (its pattern is not held)."""
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if values is not None:
+        return "(" + " | ".join(json.dumps(f"{v}\n</parameter>") for v in values) + ")"
+    return _text_lexeme(schema).split(":")[0]
+
+
+def _text_lexeme(schema: dict[str, Any]) -> str:
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    bounds = f"{{{low},{int(high)}}}" if high is not None else f"{{{low},}}"
+    name = f"TEXT_{low}_{high if high is not None else 'N'}"
+    return (f"{name}: /(?s:.{bounds})\\n<\\/parameter>/ & "
+            "~/(?s:.*)<\\/parameter>(?s:.+)/")
+
+
+class Mistral(Format):
+    """Mistral's calls, after its ``[TOOL_CALLS]`` token, in one of two forms: each call
+    ``[TOOL_CALLS]NAME[ARGS]{...}`` (Mistral Small 3.2, Devstral; ``listed`` False), or
+    all of a reply's calls in one JSON list ``[TOOL_CALLS][{"name": ..., "arguments":
+    {...}}, ...]`` (Mistral Nemo, 7B v0.3; ``listed``). ``[TOOL_CALLS]``, ``[ARGS]`` and
+    ``[CALL_ID]`` are special tokens, kept in the decoded text (``markers``). A grammar
+    cannot name them as such (llguidance names a special token ``<NAME>`` and reads
+    ``<[...]>`` as token ids), so it spells them out in text: read the same, though a
+    model held to it writes them as text tokens, not as the tokens it was trained on."""
+
+    separator = ""
+    markers = frozenset({"[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"})
+
+    def __init__(self, listed: bool) -> None:
+        self.listed = listed
+        self.name = "mistral_list" if listed else "mistral"
+        if listed:
+            self.start, self.end = "", ""
+            self.opening, self.closing, self.separator = "[TOOL_CALLS][", "]", ", "
+        else:
+            self.start, self.end = "[TOOL_CALLS]", ""
+
+    def system_text(self, tools: Sequence[Tool]) -> str:
+        listing = "\n".join(json.dumps(t.openai(), ensure_ascii=False) for t in tools)
+        how = ('[TOOL_CALLS][{"name": <function-name>, "arguments": <args-json-object>}]'
+               if self.listed else "[TOOL_CALLS]<function-name>[ARGS]<args-json-object>")
+        return f"# Tools\n\n{listing}\n\nTo call a function, write: {how}"
+
+    def call_text(self, call: ToolCall) -> str:
+        if self.listed:
+            body = {"name": call.name, "arguments": _loads(call.arguments)}
+            return f"[TOOL_CALLS][{json.dumps(body, ensure_ascii=False)}]"
+        return f"[TOOL_CALLS]{call.name}[ARGS]{call.arguments}"
+
+    def _tool_rule(self, tool: Tool) -> str:
+        if self.listed:
+            return super()._tool_rule(tool)
+        schema = {**(tool.parameters or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+        return f'{json.dumps(tool.name)} "[ARGS]" %json {json.dumps(schema)}'
+
+    def stream(self, tools: Sequence[Tool]) -> Reader:
+        return MistralStream(self, tools)
+
+
+FORMATS: dict[str, Format] = {"hermes": Format(), "llama3": Llama3(), "harmony": Harmony(),
+                            "qwen_xml": QwenXML(), "mistral": Mistral(listed=False),
+                            "mistral_list": Mistral(listed=True)}
 
 
 @dataclass(frozen=True)
@@ -667,6 +839,288 @@ class HarmonyStream:
         self._calls, self._open = self._calls + 1, None
 
 
+class XMLCallStream(CallStream):
+    """Qwen's XML calls, read incrementally: Opened once ``<function=NAME>`` names a tool
+    offered, then the arguments object's JSON text a key at a time as each parameter ends,
+    closed by ``}`` at ``</function>`` (or at ``</tool_call>`` if that is left out). A
+    block naming no tool offered stays text; one whose body is a JSON call (Hermes') is
+    read as one; text where a tag belongs makes the call Broken at the block's end. A value
+    is raw text to its ``</parameter>``, so the block's end inside a value is the value's."""
+
+    _FUNCTION = "<function="
+    _PARAMETER = "<parameter="
+    _PARAMETER_END = "</parameter>"
+    _FUNCTION_END = "</function>"
+
+    def __init__(self, fmt: Format, tools: Sequence[Tool]) -> None:
+        super().__init__(fmt, tools)
+        self._schemas = {t.name: _properties(t) for t in tools}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._at = 0
+        """How far the block's body has been read."""
+        self._state = "head"
+        """"head" (before the function tag), "params", "done" (the call is Closed, the
+        block's end to come), "broken" or "other" (no call of a tool: read at the end)."""
+        self._pieces: list[str] = []
+        """The arguments' JSON text so far."""
+        self._keys: set[str] = set()
+
+    @property
+    def cut(self) -> bool:
+        return self._body is not None and self._state != "done"
+
+    def _next(self, rest: str) -> bool:
+        self._reset()
+        return super()._next(rest)
+
+    def _read_call(self, out: list[Event]) -> bool:
+        body = self._body or ""
+        while True:
+            rest = body[self._at:]
+            tail = rest.lstrip()
+            at = self._at + len(rest) - len(tail)  # where the next tag begins
+            if self._state in ("other", "broken", "done"):
+                if self._state == "done" and tail.startswith(self._FUNCTION):
+                    self._state, self._at = "head", at  # another call in the same block
+                    continue
+                return self._block_end(body, out)
+            if self._state == "head":
+                name = _tag(tail, self._FUNCTION)
+                if name == "":
+                    return False
+                if name is None or name not in self._names:
+                    self._state = "other"
+                    continue
+                self._open = Opened(self._calls, new_call_id(), name)
+                out.append(self._open)
+                self._state, self._at = "params", at + len(self._FUNCTION) + len(name) + 1
+                continue
+            key = _tag(tail, self._PARAMETER)
+            if key:
+                start = at + len(self._PARAMETER) + len(key) + 1
+                close = body.find(self._PARAMETER_END, start)
+                if close < 0:
+                    return False
+                self._arg(key, body[start:close], out)
+                self._at = close + len(self._PARAMETER_END)
+            elif tail.startswith(self._FUNCTION_END) or tail.startswith(self._END):
+                self._close(out)
+                self._state = "done"
+                self._at = at + (len(self._FUNCTION_END) if tail.startswith(self._FUNCTION_END)
+                                 else 0)
+            elif key == "" or any(t.startswith(tail) for t in (self._FUNCTION_END, self._END)):
+                return False
+            else:
+                self._state = "broken"
+
+    def _block_end(self, body: str, out: list[Event]) -> bool:
+        """The block once its call is read (or it is no call), at its end."""
+        j = body.find(self._END, self._at)
+        if j < 0:
+            return False
+        whole = body[:j]
+        if self._state == "broken" and self._open is not None:
+            out.append(Broken(self._open.index, self._START + whole + self._END))
+            self._calls += 1
+        elif self._state == "other":
+            call = self.fmt._call(whole.strip(), self.tools)
+            if call is not None:
+                out += [Opened(self._calls, call.id, call.name),
+                        Args(self._calls, call.arguments), Closed(self._calls, call)]
+                self._calls += 1
+            else:
+                self._say(self._START + whole + self._END, out)
+        return self._next(body[j + len(self._END):])
+
+    def _arg(self, key: str, text: str, out: list[Event]) -> None:
+        """A parameter read: its key and value as the next piece of the arguments' JSON (a
+        key written twice keeps its first value)."""
+        assert self._open is not None
+        if key in self._keys:
+            return
+        value = _xml_value(text, self._schemas[self._open.name].get(key) or {})
+        piece = (", " if self._pieces else "{") + \
+            f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+        self._keys.add(key)
+        self._pieces.append(piece)
+        out.append(Args(self._open.index, piece))
+
+    def _close(self, out: list[Event]) -> None:
+        assert self._open is not None
+        piece = "}" if self._pieces else "{}"
+        arguments = "".join(self._pieces) + piece
+        out += [Args(self._open.index, piece),
+                Closed(self._open.index, ToolCall(self._open.id, self._open.name, arguments))]
+        self._calls += 1
+        self._open, self._pieces, self._keys = None, [], set()
+
+
+class MistralStream(CallStream):
+    """Mistral's calls, read incrementally. After ``[TOOL_CALLS]``: ``NAME[ARGS]`` (a
+    ``[CALL_ID]ID`` after the name is skipped) opens a call of a tool offered, whose
+    arguments object is passed on as it comes and closes it when whole; or, listed, a JSON
+    list of ``{"name": ..., "arguments": ...}`` objects, each opened once its name and the
+    start of its arguments are read (written otherwise, handed on whole when it ends).
+    A call of no tool offered stays text, as written; arguments that are no JSON object
+    make the call Broken. The markers are special tokens, so the text after a call is text
+    again."""
+
+    _START = "[TOOL_CALLS]"
+    _ARGS = "[ARGS]"
+
+    def __init__(self, fmt: Mistral, tools: Sequence[Tool]) -> None:
+        super().__init__(fmt, tools)
+        self._listed = fmt.listed
+        self._reset()
+
+    def _reset(self) -> None:
+        self._at = 0
+        """How far the body has been read: where the next call (or list item) begins."""
+        self._sent = 0
+        """How far the open call's arguments have been passed on."""
+        self._list = False
+        """The list's ``[`` has been read."""
+        self._item_at = -1
+        """Where the list item of the call just closed begins, until the item ends."""
+
+    def _next(self, rest: str) -> bool:
+        self._reset()
+        return super()._next(rest)
+
+    def _read_call(self, out: list[Event]) -> bool:
+        body = self._body or ""
+        while True:
+            if self._open is not None:
+                no_object = len(body) > self._args_at and body[self._args_at] != "{"
+                end = self._args_at if no_object else _json_end(body, self._args_at)
+                upto = len(body) if end < 0 else end
+                if upto > self._sent:
+                    out.append(Args(self._open.index, body[self._sent:upto]))
+                    self._sent = upto
+                if end < 0:
+                    return False
+                if not self._end_call(body, end, out):
+                    return True
+                continue
+            step = self._item(body, out) if self._listed else self._named(body, out)
+            if step is not None:
+                return step
+
+    def _named(self, body: str, out: list[Event]) -> bool | None:
+        """``NAME[ARGS]``: None once a call is opened, else whether the block ended."""
+        i = body.find(self._ARGS)
+        if i < 0:
+            return False
+        name = body[:i].split("[CALL_ID]")[0].strip()
+        if name not in self._names:
+            self._say(self._START + body[:i + len(self._ARGS)], out)
+            return self._next(body[i + len(self._ARGS):])
+        self._opened(name, i + len(self._ARGS), out)
+        return None
+
+    def _item(self, body: str, out: list[Event]) -> bool | None:
+        """The list's next item: None once one is read or opened, else whether the list
+        (or what stood in its place) ended."""
+        if self._item_at >= 0:
+            end = _json_end(body, self._item_at)
+            if end < 0:
+                return False
+            self._at, self._item_at = end, -1
+        tail = body[self._at:].lstrip(" \n,")
+        at = len(body) - len(tail)
+        if not tail:
+            return False
+        if not self._list:
+            if tail[0] != "[":
+                self._say(self._START, out)
+                return self._next(body)
+            self._list, self._at = True, at + 1
+            return None
+        if tail[0] == "]":
+            return self._next(tail[1:])
+        end = _json_end(body, at)
+        m = self._head.match(body, at)
+        if m and len(body) > m.end() and body[m.end()] == "{" and m.group(1) in self._names:
+            self._item_at = at
+            self._opened(m.group(1), m.end(), out)
+            return None
+        if end < 0:
+            return False
+        call = self.fmt._call(body[at:end], self.tools)
+        if call is not None:
+            out += [Opened(self._calls, call.id, call.name), Args(self._calls, call.arguments),
+                    Closed(self._calls, call)]
+            self._calls += 1
+        else:
+            self._say(body[at:end], out)
+        self._at = end
+        return None
+
+    def _opened(self, name: str, args_at: int, out: list[Event]) -> None:
+        self._open = Opened(self._calls, new_call_id(), name)
+        out.append(self._open)
+        self._args_at = self._sent = args_at
+
+    def _end_call(self, body: str, end: int, out: list[Event]) -> bool:
+        """The open call's arguments end at ``end``: Closed (or Broken); whether the block
+        goes on (a list's next item) rather than ending."""
+        assert self._open is not None
+        args = body[self._args_at:end]
+        if _is_object(args):
+            out.append(Closed(self._open.index, ToolCall(self._open.id, self._open.name,
+                                                         args)))
+        else:
+            out.append(Broken(self._open.index, self._START + body[:end]))
+        self._calls, self._open = self._calls + 1, None
+        if not self._listed:
+            self._next(body[end:])
+            return False
+        return True
+
+
+def _json_end(text: str, start: int) -> int:
+    """Just past the JSON object or list that begins at ``text[start]``, by its brackets
+    outside strings; -1 while it has not ended (or it does not begin there)."""
+    if start >= len(text) or text[start] not in "{[":
+        return -1
+    depth, in_string, escape = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def _tag(text: str, opening: str) -> str | None:
+    """The name in ``text``'s leading ``<opening>NAME>`` tag; "" while ``text`` may still
+    become one, None when it cannot."""
+    if len(text) < len(opening):
+        return "" if opening.startswith(text) else None
+    if not text.startswith(opening):
+        return None
+    m = re.match(r"[^>\n]*", text[len(opening):])
+    assert m is not None
+    end = len(opening) + m.end()
+    if end == len(text):
+        return ""
+    return m.group() if text[end] == ">" and m.group() else None
+
+
 def _marker_tail(text: str, markers: Sequence[str]) -> int:
     """The length of the tail of ``text`` that may begin one of ``markers`` (each has one
     "<", at its start: only the last "<" can begin one)."""
@@ -682,19 +1136,28 @@ def _is_object(text: str) -> bool:
 
 
 def format_of(template: str | None) -> Format:
-    """The tool format a chat template's text points to (Hermes unless it is Llama 3's or
-    harmony's)."""
+    """The tool format a chat template's text points to (Hermes unless it is another's)."""
     source = template or ""
     if "<|start|>" in source and "<|channel|>" in source:
         return FORMATS["harmony"]
-    if "<|python_tag|>" in source or "<|eom_id|>" in source:
-        return FORMATS["llama3"]
+    if "<function=" in source and "<parameter=" in source:
+        return FORMATS["qwen_xml"]
+    if "[TOOL_CALLS]" in source:
+        return FORMATS["mistral" if "[ARGS]" in source else "mistral_list"]
+    if "<|python_tag|>" in source or "<|eom_id|>" in source or (
+            "<|start_header_id|>" in source and "ipython" in source):
+        return FORMATS["llama3"]  # 3.2 has neither tag, but its tool role is "ipython"
     return FORMATS["hermes"]
 
 
 def reads_tools(template: str | None) -> bool:
     """Whether a template renders ``tools`` and tool messages itself."""
     return bool(template) and "tools" in template and "tool_calls" in template  # type: ignore[operator]
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Lark string, or nothing for none."""
+    return json.dumps(text) if text else ""
 
 
 def _loads(text: str) -> Any:

@@ -151,7 +151,7 @@ def test_llama3_output_is_parsed_with_or_without_the_python_tag() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "utc"})]
     _, two = f.parse('{"name": "get_time", "parameters": {"zone": "utc"}}; '
                      '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "f"}}', TOOLS)
-    assert [c.name for c in two] == ["get_time", "get_weather"]
+    assert [c.name for c in two] == ["get_time"]  # its template takes one call back, no more
     assert f.parse("It is noon.", TOOLS) == ("It is noon.", [])
 
 
@@ -357,3 +357,221 @@ def test_a_template_that_reads_tools_gets_them_and_the_calls_itself() -> None:
                                         Message("tool", "13:00", tool_call_id="call_9")], TOOLS)
     assert text == ('[get_weather][get_time]user:hi;assistant:<get_time {"zone": "cet"}>;'
                     'tool:13:00(call_9);')
+
+
+# --- Qwen 3.5 / Qwen3-Coder XML ---------------------------------------------------------
+
+FORECAST = Tool("get_forecast", "The forecast", {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "hourly": {"type": "boolean"},
+                                     "fields": {"type": "array", "items": {"type": "string"}}},
+    "required": ["city", "days"], "additionalProperties": False})
+XML_TOOLS = [*TOOLS, FORECAST]
+XML_CALLS = ("Let me check.\n\n<tool_call>\n<function=get_forecast>\n<parameter=city>\nNew York\n"
+             "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=hourly>\nTrue\n"
+             "</parameter>\n<parameter=fields>\n[\"rain\", \"wind\"]\n</parameter>\n</function>\n"
+             "</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nline one\n"
+             "a</tool_call> b\n</parameter>\n<parameter=unit>\nc\n</parameter>\n</function>\n"
+             "</tool_call>")
+
+
+def xml_streamed(text: str, step: int) -> list[Event]:
+    reader = FORMATS["qwen_xml"].stream(XML_TOOLS)
+    events = [e for i in range(0, len(text), step) for e in reader.feed(text[i:i + step])]
+    return events + reader.end()
+
+
+def test_qwen_xml_calls_are_parsed_with_values_typed_by_their_schema() -> None:
+    content, calls = FORMATS["qwen_xml"].parse(XML_CALLS, XML_TOOLS)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_forecast", {"city": "New York", "days": 3, "hourly": True,
+                          "fields": ["rain", "wind"]}),
+        ("get_weather", {"city": "line one\na</tool_call> b", "unit": "c"})]
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+def test_a_streamed_qwen_xml_reply_holds_the_text_and_calls_of_the_whole_one(step: int) -> None:
+    events = xml_streamed(XML_CALLS, step)
+    content, calls = FORMATS["qwen_xml"].parse(XML_CALLS, XML_TOOLS)
+    assert "".join(e.text for e in events if isinstance(e, Said)) == content
+    closed = [e.call for e in events if isinstance(e, Closed)]
+    assert [(c.name, c.arguments) for c in closed] == [(c.name, c.arguments) for c in calls]
+    for k, call in enumerate(closed):
+        assert "".join(e.text for e in events if isinstance(e, Args) and e.index == k) == \
+            call.arguments
+
+
+def test_a_qwen_xml_call_is_announced_at_its_function_tag() -> None:
+    reader = FORMATS["qwen_xml"].stream(XML_TOOLS)
+    assert reader.feed("<tool_call>\n<function=get_ti") == []
+    (opened,) = reader.feed("me>\n")
+    assert isinstance(opened, Opened) and opened.name == "get_time"
+    assert reader.feed("<parameter=zone>\nut") == []
+    assert reader.feed("c\n</parameter>\n") == [Args(0, '{"zone": "utc"')]
+    args, closed = reader.feed("</function>")
+    assert args == Args(0, "}") and isinstance(closed, Closed)
+    assert closed.call.arguments == '{"zone": "utc"}'
+    assert reader.feed("\n</tool_call>") == [] and not reader.cut
+
+
+def test_a_qwen_xml_reply_cut_inside_a_call_is_never_closed() -> None:
+    text = "<tool_call>\n<function=get_time>\n<parameter=zone>\nut"
+    events = xml_streamed(text, 3)
+    assert [type(e) for e in events] == [Opened]
+    assert FORMATS["qwen_xml"].parse(text, XML_TOOLS) == ("", [])
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n<function=rm_rf>\n<parameter=path>\n/\n</parameter>\n</function>\n</tool_call>",
+    "The weather is fine."])
+def test_qwen_xml_blocks_that_are_no_call_of_an_offered_tool_stay_text(text: str) -> None:
+    assert FORMATS["qwen_xml"].parse(text, XML_TOOLS) == (text, [])
+
+
+def test_a_qwen_xml_call_with_text_where_a_tag_belongs_was_no_call() -> None:
+    text = "<tool_call>\n<function=get_time>\nzone is utc\n</tool_call> Noon."
+    events = xml_streamed(text, 1)
+    (broken,) = [e for e in events if isinstance(e, Broken)]
+    assert broken.text == text[:-len(" Noon.")]
+    assert "".join(e.text for e in events if isinstance(e, Said)) == " Noon."
+
+
+def test_a_qwen_xml_grammar_allows_a_valid_call_and_no_other(tok: Tokenizer) -> None:
+    grammar = FORMATS["qwen_xml"].grammar([FORECAST], parallel=False)
+    good = Constraint(vocabulary(tok), grammar)
+    text = ("<tool_call>\n<function=get_forecast>\n<parameter=city>\nNew </para York\n</parameter>"
+            "\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    for t in tok.encode(text):
+        assert good.allowed([])[t]
+        good.consume(t)
+    assert good.complete
+    for bad in ["<tool_call>\n<function=get_forecast>\n<parameter=days>",  # city is required first
+                "<tool_call>\n<function=get_forecast>\n<parameter=city>\nX\n</parameter>\n"
+                "<parameter=days>\nthree"]:
+        c = Constraint(vocabulary(tok), grammar)
+        with pytest.raises(GrammarError):
+            for t in tok.encode(bad):
+                c.consume(t)
+
+
+def test_a_qwen_xml_template_without_tools_gets_the_calls_in_xml() -> None:
+    call = ToolCall("call_1", "get_forecast", '{"city": "Oslo", "days": 2}')
+    assert FORMATS["qwen_xml"].call_text(call) == (
+        "<tool_call>\n<function=get_forecast>\n<parameter=city>\nOslo\n</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+
+
+# --- Mistral -------------------------------------------------------------------------------
+
+MISTRAL_MARKERS = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]
+MISTRAL_CALLS = {
+    "mistral": 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "a}[ARGS]\\"{", "unit": "c"}'
+               '[TOOL_CALLS]get_time[CALL_ID]abcdefghi[ARGS]{"zone": "cet"}',
+    "mistral_list": 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '
+                    '"a}[ARGS]\\"{", "unit": "c"}, "id": "abcdefghi"}, {"arguments": '
+                    '{"zone": "cet"}, "name": "get_time"}]'}
+
+
+@pytest.mark.parametrize("name", list(MISTRAL_CALLS))
+def test_mistral_calls_are_parsed_in_both_forms(name: str) -> None:
+    content, calls = FORMATS[name].parse(MISTRAL_CALLS[name], TOOLS)
+    assert content == "Sure."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": 'a}[ARGS]"{', "unit": "c"}), ("get_time", {"zone": "cet"})]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize("name", list(MISTRAL_CALLS))
+def test_a_streamed_mistral_reply_holds_the_text_and_calls_of_the_whole_one(
+        name: str, step: int) -> None:
+    reader = FORMATS[name].stream(TOOLS)
+    text = MISTRAL_CALLS[name]
+    events = [e for i in range(0, len(text), step) for e in reader.feed(text[i:i + step])]
+    events += reader.end()
+    content, calls = FORMATS[name].parse(text, TOOLS)
+    assert "".join(e.text for e in events if isinstance(e, Said)) == content
+    closed = [e.call for e in events if isinstance(e, Closed)]
+    assert [(c.name, c.arguments) for c in closed] == [(c.name, c.arguments) for c in calls]
+    for k, call in enumerate(closed):
+        assert "".join(e.text for e in events if isinstance(e, Args) and e.index == k) == \
+            call.arguments
+    assert not reader.cut
+
+
+def test_a_mistral_call_is_announced_at_its_args_marker() -> None:
+    reader = FORMATS["mistral"].stream(TOOLS)
+    assert reader.feed("[TOOL_CALLS]get_time") == []
+    (opened,) = reader.feed("[ARGS]")
+    assert isinstance(opened, Opened) and opened.name == "get_time"
+    assert reader.feed('{"zone": "ut') == [Args(0, '{"zone": "ut')] and reader.cut
+    assert reader.end() == []  # cut: never Closed
+    assert FORMATS["mistral"].parse('[TOOL_CALLS]get_time[ARGS]{"zone": "ut', TOOLS) == ("", [])
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("mistral", "[TOOL_CALLS]rm_rf[ARGS]{}"),
+    ("mistral", "The weather is fine."),
+    ("mistral_list", "The weather is fine.")])
+def test_mistral_calls_of_no_tool_offered_stay_text(name: str, text: str) -> None:
+    assert FORMATS[name].parse(text, TOOLS) == (text, [])
+
+
+def test_mistral_arguments_that_are_no_object_make_no_call() -> None:
+    reader = FORMATS["mistral"].stream(TOOLS)
+    events = [*reader.feed("[TOOL_CALLS]get_time[ARGS]utc, please"), *reader.end()]
+    assert [type(e) for e in events] == [Opened, Broken, Said]
+    assert events[1] == Broken(0, "[TOOL_CALLS]get_time[ARGS]")
+
+
+@pytest.fixture(scope="module")
+def mistral_tok() -> Tokenizer:
+    """The bundled vocabulary with Mistral's markers added as control tokens."""
+    meta = []
+    for key, (kind, sub, value) in bundled_tokenizer().items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            value = value + (MISTRAL_MARKERS if key.endswith("tokens") else
+                             [3] * len(MISTRAL_MARKERS))
+        meta.append((key, kind, (sub, value) if isinstance(value, list) else value))
+    return Tokenizer.from_metadata(meta, "the bundled vocabulary with Mistral's markers")
+
+
+@pytest.mark.parametrize("name", list(MISTRAL_CALLS))
+def test_a_mistral_grammar_allows_a_valid_call_and_no_other(mistral_tok: Tokenizer,
+                                                           name: str) -> None:
+    grammar = FORMATS[name].grammar([TIME], parallel=False)
+    good = Constraint(vocabulary(mistral_tok), grammar)
+    call = ToolCall("call_1", "get_time", '{"zone": "utc"}')
+    for t in mistral_tok.encode(FORMATS[name].call_text(call)):  # the markers spelled out
+        assert good.allowed([])[t]
+        good.consume(t)
+    assert good.complete
+    assert FORMATS[name].parse(mistral_tok.decode(mistral_tok.encode(
+        FORMATS[name].call_text(call))), [TIME])[1][0].arguments == '{"zone": "utc"}'
+    bad = Constraint(vocabulary(mistral_tok), grammar)
+    with pytest.raises(GrammarError):
+        for t in mistral_tok.encode(FORMATS[name].call_text(call).replace("utc", "gmt")):
+            bad.consume(t)
+
+
+# --- which format a template points to ---------------------------------------------------
+
+@pytest.mark.parametrize(("template", "name"), [
+    ("<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>"
+     "{% for k, v in tool_call.arguments|items %}", "qwen_xml"),            # Qwen 3.5, Coder
+    ('<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}', "hermes"),
+    ("<|start_header_id|>ipython<|end_header_id|>\\n\\n{{ 'Environment: ipython' }}",
+     "llama3"),                                                            # Llama 3.2
+    ("<|python_tag|>{{ tool_call.name }}.call(<|eom_id|>", "llama3"),       # Llama 3.1, 3.3
+    ("{{ '[TOOL_CALLS]' + name }}{{ '[CALL_ID]' + id }}{{ '[ARGS]' + args|tojson }}",
+     "mistral"),                                                           # Small 3.2
+    ('{{- "[TOOL_CALLS][" }}{{ tool_call.function|tojson }}', "mistral_list"),  # Nemo
+    ("<start_of_turn>user\\n{{ content }}<end_of_turn>", "hermes"),          # gemma
+])
+def test_the_format_follows_each_familys_template(template: str, name: str) -> None:
+    assert format_of(template).name == name
+
+
+def test_the_mistral_markers_are_kept_in_the_decoded_text() -> None:
+    assert FORMATS["mistral"].markers >= {"[TOOL_CALLS]", "[ARGS]"}
+    assert "[TOOL_CALLS]" in FORMATS["mistral_list"].markers
