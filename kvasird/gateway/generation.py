@@ -123,8 +123,8 @@ async def pieces(generator: Generator, tokenizer: Tokenizer, request: Generation
 
 
 class Decoder:
-    """A generation's tokens -> text, keeping the special tokens the model's chat format
-    reads (``Format.markers``) and dropping the others."""
+    """A generation's tokens -> text, keeping the control tokens the model's chat format
+    reads (``Format.markers``) and dropping the others (user-defined ones are text)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
@@ -132,7 +132,7 @@ class Decoder:
         self._kept = format_of(tokenizer.chat_template).markers
 
     def feed(self, token: int) -> str:
-        if self._tok.is_special(token) and self._tok.tokens[token] not in self._kept:
+        if self._tok.is_control(token) and self._tok.tokens[token] not in self._kept:
             return ""
         return self._stream.feed(token)
 

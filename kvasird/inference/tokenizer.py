@@ -128,6 +128,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self._special_ids = frozenset(i for i, k in enumerate(token_types)
                                       if k in (CONTROL, USER_DEFINED))
+        self._control_ids = frozenset(i for i, k in enumerate(token_types) if k == CONTROL)
+        """What decoding leaves out unless asked: user-defined tokens (Qwen's <tool_call>,
+        <think>) are text the model writes, and llama.cpp renders them always."""
         self._hf: HFTokenizer | None = None
         self._spm: SentencePiece | None = None
         if sentencepiece is not None:
@@ -183,10 +186,15 @@ class Tokenizer:
     def decode(self, tokens: Iterable[int], *, skip_special: bool = False) -> str:
         """Text of the tokens; bytes that are not valid UTF-8 become U+FFFD."""
         return b"".join(self.token_bytes(t) for t in tokens
-                        if not (skip_special and t in self._special_ids)).decode("utf-8", "replace")
+                        if not (skip_special and t in self._control_ids)).decode("utf-8", "replace")
 
     def is_special(self, token: int) -> bool:
+        """Matched whole, never merged into (control and user-defined tokens)."""
         return token in self._special_ids
+
+    def is_control(self, token: int) -> bool:
+        """A control token (<|im_start|>, <|channel|>...): left out of decoded text unless asked."""
+        return token in self._control_ids
 
     def stream(self, *, skip_special: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special=skip_special)
@@ -197,7 +205,8 @@ class StreamDecoder:
 
     A multi-byte character split across tokens is held back until its last byte
     arrives; ``finish`` flushes whatever is left (an incomplete tail becomes U+FFFD).
-    Control tokens the model emits (a stray ``<|im_start|>``) are dropped unless asked for.
+    Control tokens the model emits (a stray ``<|im_start|>``) are dropped unless asked for;
+    user-defined ones (``<tool_call>``) are text.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True) -> None:
@@ -206,7 +215,7 @@ class StreamDecoder:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token: int) -> str:
-        if self._skip and self._tok.is_special(token):
+        if self._skip and self._tok.is_control(token):
             return ""
         return str(self._utf8.decode(self._tok.token_bytes(token)))
 

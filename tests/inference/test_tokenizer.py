@@ -161,3 +161,17 @@ def merge_ranks() -> dict[tuple[str, str], int]:
 @pytest.mark.parametrize("text", TEXTS)
 def test_ids_equal_a_from_the_definition_bpe(tok: Tokenizer, text: str) -> None:
     assert tok.encode(text) == reference_bpe(tok, text)
+
+
+def test_user_defined_tokens_are_text_and_control_tokens_are_left_out_when_decoding() -> None:
+    """As llama.cpp renders them: Qwen's <tool_call> (user-defined in its GGUFs) is text the
+    model writes, where the tool-call reader finds it; <|im_end|> (control) is not."""
+    from kvasird.inference.tokenizer import CONTROL, USER_DEFINED, SpecialTokens, Tokenizer
+
+    tokens = ["a", "b", "<tool_call>", "<|im_end|>"]
+    tok = Tokenizer(tokens, [1, 1, USER_DEFINED, CONTROL], [], "default",
+                    SpecialTokens(None, 3, None, False, frozenset({3})))
+    assert tok.decode([0, 2, 1, 3], skip_special=True) == "a<tool_call>b"
+    assert tok.decode([0, 2, 1, 3]) == "a<tool_call>b<|im_end|>"
+    stream = tok.stream()
+    assert "".join(stream.feed(t) for t in (0, 2, 1, 3)) == "a<tool_call>b"
