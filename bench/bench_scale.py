@@ -12,7 +12,8 @@ pairs' ratios (this machine's speed drifts by 10-20 % from minute to minute).
     1node        one daemon holding the whole dense model: decode tok/s through the admin
                  API's token stream (POST /v0/generate)
     prefill      one stage in process: a 512-token prompt, and a 4k-token one (its time to
-                 first token), tokens/s
+                 first token), tokens/s; and a decode step's graph run with 16 rows against
+                 1 (the most that batching 16 sessions' steps into one graph could give)
     ring         three daemons holding a third of the dense model's layers each
     moe-ring     the MoE on four daemons: two stages with the dense paths (head on the
                  first), two expert workers with half of every layer's experts each
@@ -99,6 +100,14 @@ def prefill(model: Path, threads: int, sizes: list[int]) -> dict[str, Any]:
     out["kv_bytes_per_token"] = kv_bytes_per_token(stage)
     with stage.open_session() as s:
         stage.forward(s, np.array(prompt_of(8)))  # graphs of the small sizes, threads warm
+    with stage.open_session() as s:  # a decode step's graph with 1 row, and with 16
+        stage.forward(s, np.array(prompt_of(64)))
+        cost = {}
+        for rows in (1, 16, 1, 16):
+            t = time.perf_counter()
+            stage.forward(s, np.array(prompt_of(rows)), start=64)
+            cost[rows] = min(cost.get(rows, 1e9), time.perf_counter() - t)
+        out["rows16"] = 16 * cost[1] / cost[16]
     for n in sizes:
         with stage.open_session() as s:
             t = time.perf_counter()
@@ -212,6 +221,8 @@ def main() -> None:
                 row("dense 4k prompt: time to first token s", f"{ours:.1f}",
                     f"{theirs:.1f}" if theirs else "n/a", theirs / ours if theirs else None)
         engine = (p["load_s_per_gb"], p["kv_bytes_per_token"])
+        row("dense: 16 rows in one graph, tokens/s over 1 row's (what batching 16 "
+            "sessions' decode steps could give)", f"{p['rows16']:.2f}x", "", None)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         root = Path(tmp)
         layouts = [
