@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -69,6 +70,43 @@ class Backend:
             self.handle = None
 
 
+REPACKED_TYPES = frozenset({2, 12, 20})
+"""Q4_0, Q4_K, IQ4_NL: what ggml's CPU backend repacks for AVX2 (``repack_buffer_type``)."""
+
+
+@functools.cache
+def repack_buffer_type() -> Any:
+    """ggml's CPU_REPACK buffer type on an x86 CPU with AVX2, else None.
+
+    Weights set into it are interleaved eight rows at a time, so that its matrix kernels
+    (gemv for one row, gemm for several) read eight output rows' blocks with each load:
+    llama.cpp holds Q4_0 and Q4_K weights so by default, and its logits for such files come
+    from those kernels. It takes only whole 2-D or 3-D tensors of REPACKED_TYPES with rows
+    in multiples of eight, used as the weights of MUL_MAT / MUL_MAT_ID (``repackable``),
+    and cannot be read back."""
+    if not ggml.ggml_cpu_has_avx2():
+        return None  # ARM's kernels repack other types at other sizes: not used here
+    reg = ggml.ggml_backend_cpu_reg()
+    fn = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not reg or not fn:
+        return None
+    get = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)
+    bufts = get(ggml.ggml_backend_reg_dev_get(reg, 0))
+    i = 0
+    while bufts and bufts[i]:
+        if ggml.ggml_backend_buft_name(bufts[i]) == b"CPU_REPACK":
+            return ctypes.c_void_p(bufts[i])
+        i += 1
+    return None
+
+
+def repackable(name: str, type_: int, ne: tuple[int, ...]) -> bool:
+    """Whether a weight goes into the repack buffer: a matrix (not the embedding, which is
+    read by row) of a repacked type, rows in eights."""
+    return (type_ in REPACKED_TYPES and len(ne) in (2, 3) and ne[1] % 8 == 0
+            and name != "token_embd.weight" and repack_buffer_type() is not None)
+
+
 class TensorArena:
     """A ggml context of tensors that live in one backend buffer (weights, a KV pool)."""
 
@@ -87,8 +125,11 @@ class TensorArena:
         self.tensors[name] = t
         return t
 
-    def allocate(self, backend: Backend) -> None:
-        self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend.handle)
+    def allocate(self, backend: Backend, buffer_type: Any = None) -> None:
+        """Allocate every tensor, in the backend's buffer type or ``buffer_type``."""
+        self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend.handle) \
+            if buffer_type is None else \
+            ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buffer_type)
         if not self.buffer:
             raise ComputeError("ggml could not allocate the backend buffer (out of memory?)")
         if ggml.ggml_backend_buffer_is_host(self.buffer):

@@ -7,6 +7,11 @@ slice whose range covers it, it copies just that range's slab (expert e's bytes 
 contiguous block). A node may hold several ranges of one layer, each in a slice of its
 own: the slice that covers the requested range is the one read. Inside the engine experts
 are addressed by *local* id, 0 .. e1-e0.
+
+On a CPU whose kernels read them repacked (Q4_0 and Q4_K on AVX2: graph.repack_buffer_type)
+the matrices of those types go into a buffer of their own that stores them so, as
+llama.cpp's loader does: its kernels then compute our logits, and prefill runs at its
+speed.
 """
 
 from __future__ import annotations
@@ -17,7 +22,14 @@ from pathlib import Path
 
 from kvasird.compute.errors import WeightsError
 from kvasird.compute.ggufview import GGUFFile
-from kvasird.compute.graph import Backend, Tensor, TensorArena, set_bytes
+from kvasird.compute.graph import (
+    Backend,
+    Tensor,
+    TensorArena,
+    repack_buffer_type,
+    repackable,
+    set_bytes,
+)
 from kvasird.compute.hparams import HParams
 from kvasird.compute.shapes import check_tensors
 from kvasird.model.slice import KEY_SLICE, parse_spec
@@ -56,11 +68,16 @@ class Weights:
     """The ggml context and buffer that own the tensors."""
     experts: dict[int, ExpertRange] = field(default_factory=dict)
     """Expert range held per layer (only layers whose expert tensors were loaded)."""
+    packed: TensorArena | None = None
+    """The matrices held repacked for the CPU's kernels (graph.repack_buffer_type)."""
 
     def has(self, name: str) -> bool:
-        return name in self.arena.tensors
+        return name in self.arena.tensors or (self.packed is not None
+                                              and name in self.packed.tensors)
 
     def get(self, name: str) -> Tensor:
+        if self.packed is not None and name in self.packed.tensors:
+            return self.packed.tensors[name]
         try:
             return self.arena.tensors[name]
         except KeyError:
@@ -68,10 +85,12 @@ class Weights:
 
     @property
     def nbytes(self) -> int:
-        return self.arena.nbytes
+        return self.arena.nbytes + (self.packed.nbytes if self.packed is not None else 0)
 
     def close(self) -> None:
         self.arena.close()
+        if self.packed is not None:
+            self.packed.close()
 
 
 Source = str | Path | GGUFFile
@@ -136,18 +155,30 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
     for f in files:
         check_tensors(hp, f.tensors, f.path, _slice_experts(f))
     plan = [_plan(*where[name], hp, name, ranges) for name in wanted]
-    arena = TensorArena(len(plan))
-    for name, type_, ne, _, _ in plan:
-        arena.new(name, type_, ne)
-    arena.allocate(backend)
-    for name, _, _, start, size in plan:
-        set_bytes(arena.tensors[name], where[name][0].data(name)[start:start + size])
+    packs = {name for name, type_, ne, _, _ in plan if repackable(name, type_, ne)}
+    arena, packed = TensorArena(len(plan) - len(packs)), TensorArena(len(packs))
+    try:
+        for name, type_, ne, _, _ in plan:
+            (packed if name in packs else arena).new(name, type_, ne)
+        if arena.tensors:
+            arena.allocate(backend)
+        if packs:
+            packed.allocate(backend, repack_buffer_type())
+            if unpacked := [n for n in packs if not packed.tensors[n].contents.extra]:
+                raise WeightsError(f"ggml did not take {unpacked[0]} for repacking")  # our rule
+        for name, _, _, start, size in plan:  # repacking: one whole tensor a call
+            t = (packed if name in packs else arena).tensors[name]
+            set_bytes(t, where[name][0].data(name)[start:start + size])
+    except BaseException:
+        arena.close()
+        packed.close()
+        raise
     held: dict[int, ExpertRange] = {}
     for name, _, ne, _, _ in plan:
         if name.endswith(_STACKED):
             layer = int(name.split(".")[1])
             held[layer] = ranges.get(layer, ExpertRange(0, ne[-1]))
-    return Weights(hparams=hp, source=files[0].path, arena=arena, experts=held)
+    return Weights(hparams=hp, source=files[0].path, arena=arena, experts=held, packed=packed)
 
 
 def _range_hint(name: str, ranges: Mapping[int, ExpertRange]) -> str:

@@ -334,3 +334,50 @@ def test_a_graph_in_use_is_not_evicted_until_it_is_released():
     cache.get("e", lambda: doubling)  # released: now the least recently used to go
     assert a.ctx is None and [k for k, _ in cache.items()] == ["d", "e"]
     cache.close()
+
+
+def test_4_bit_matrices_are_held_repacked_where_the_cpu_computes_them_so(tmp_path):
+    """On AVX2 ggml's kernels read Q4_0/Q4_K matrices interleaved eight rows at a time
+    (llama.cpp's default; prefill of a Llama-3.2-1B-shaped Q4_K_M file 16-19 -> 24-26
+    tokens/s here): the loader puts them in that buffer, and keeps the embedding (read by
+    row), the Q6_K and F32 tensors in the plain one. The oracle test above holds the
+    numbers to ggml's rounding either way."""
+    from kvasird.compute.graph import repack_buffer_type
+    from kvasird.model.testmodels import make_model
+
+    if repack_buffer_type() is None:
+        pytest.skip("this CPU has no AVX2: ggml repacks nothing here")
+    path = make_model(tmp_path / "m.gguf", arch="llama", n_layer=8, dtype="q4_k_m", n_embd=256,
+                      head_dim=64, n_ff=512)
+    stage = Stage.load(path, threads=1)
+    try:
+        packed = stage.weights.packed
+        assert packed is not None
+        assert "blk.1.attn_q.weight" in packed.tensors and "blk.1.ffn_up.weight" in packed.tensors
+        assert "blk.0.ffn_down.weight" not in packed.tensors  # Q6_K: not repacked on x86
+        assert "token_embd.weight" in stage.weights.arena.tensors
+        assert stage.weights.get("blk.1.attn_q.weight") is packed.tensors["blk.1.attn_q.weight"]
+        assert stage.weights.nbytes == stage.weights.arena.nbytes + packed.nbytes
+    finally:
+        stage.close()
+
+
+def test_weights_that_are_all_repacked_load_alone(tmp_path):
+    """An expert worker's holding can be only Q4_K expert matrices: no plain buffer then."""
+    from kvasird.compute.graph import Backend, repack_buffer_type
+    from kvasird.compute.weights import load_weights
+    from kvasird.model.testmodels import make_model
+
+    if repack_buffer_type() is None:
+        pytest.skip("this CPU has no AVX2: ggml repacks nothing here")
+    path = make_model(tmp_path / "m.gguf", arch="qwen3moe", n_layer=1, dtype="q4_k", n_embd=256,
+                      head_dim=64, n_ff_exp=256)
+    backend = Backend(1)
+    names = [f"blk.0.ffn_{k}_exps.weight" for k in ("gate", "up")]
+    weights = load_weights(path, backend, names, {0: (2, 6)})
+    try:
+        assert weights.arena.buffer is None and weights.packed is not None
+        assert set(weights.packed.tensors) == set(names) and weights.experts[0].count == 4
+    finally:
+        weights.close()
+        backend.close()
