@@ -36,6 +36,22 @@ _NP_TYPES = {F32: np.float32, F16: np.float16, I32: np.int32, I64: np.int64}
 Tensor = Any
 """A ggml tensor pointer (ctypes); kept untyped because ggml-python's types are not exported."""
 
+_WARN, _CONT = 3, 5
+_level = [_WARN]
+
+
+@ggml.ggml_log_callback
+def _ggml_log(level: int, text: bytes, _user: Any) -> None:
+    """ggml's warnings and errors go to stderr; its debug and info lines (a line per
+    tensor repacked, per buffer allocated) stay out of a node's output."""
+    if level != _CONT:
+        _level[0] = level
+    if _level[0] >= _WARN and text:
+        sys.stderr.write(text.decode("utf-8", "replace"))
+
+
+ggml.ggml_log_set(_ggml_log, None)
+
 
 class Backend:
     """A ggml compute backend (the CPU one) and the thread count it runs with."""
