@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -50,7 +49,7 @@ sys.path.insert(0, str(HERE))
 
 from bench_compute import LLAMACPP_PYTHON, LlamaCppDecoder  # noqa: E402
 from bench_daemon import rss_mb  # noqa: E402
-from bench_swarm import LIVE_TIMING, PROMPT, decode_rates  # noqa: E402
+from bench_swarm import LIVE_TIMING, PROMPT, _stamps, decode_rates  # noqa: E402
 
 from kvasird.compute.kvcache import KVSpec  # noqa: E402
 from kvasird.compute.stage import Stage  # noqa: E402
@@ -149,19 +148,11 @@ def start(root: Path, model: Path, manifest: Manifest, placement: list[list[str]
     return net
 
 
-def _stamps(node: LocalNode, prompt: list[int], n: int) -> list[float]:
-    """Request start, then when each token event of a greedy generation arrived."""
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0}
+def first_token_s(node: LocalNode, prompt: list[int]) -> float:
+    """Seconds from sending ``prompt`` to its first token event."""
     began = time.perf_counter()
-    stamps: list[float] = []
-    with httpx.stream("POST", node.home.admin_address() + "/v0/generate", json=body,
-                      timeout=900) as resp:
-        if resp.status_code != 200:
-            return []
-        for line in resp.iter_lines():
-            if '"token"' in line:
-                stamps.append(time.perf_counter())
-    return [began, *stamps] if stamps else []
+    stamps = _stamps(node, prompt, 1)
+    return stamps[0] - began if stamps else float("nan")
 
 
 def aggregate(node: LocalNode, sessions: int, n: int) -> float:
@@ -169,7 +160,7 @@ def aggregate(node: LocalNode, sessions: int, n: int) -> float:
     counts = [0] * sessions
 
     def one(i: int) -> None:
-        counts[i] = max(0, len(_stamps(node, [PROMPT[i % len(PROMPT)], 100 + i, *PROMPT], n)) - 1)
+        counts[i] = len(_stamps(node, [PROMPT[i % len(PROMPT)], 100 + i, *PROMPT], n))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
     began = time.perf_counter()
@@ -260,9 +251,7 @@ def main() -> None:
                         f"{one:.1f}", many / one)
                     summary["sessions16"] = many / one
                     long = prompt_of(2048)
-                    cold = _stamps(net.nodes[0], long, 1)
-                    warm = _stamps(net.nodes[0], long, 1)
-                    c, w = cold[1] - cold[0], warm[1] - warm[0]
+                    c, w = first_token_s(net.nodes[0], long), first_token_s(net.nodes[0], long)
                     row("1node 2k prompt sent again: TTFT s (first vs again)", f"{w:.2f}",
                         f"{c:.2f}", c / w)
                     summary["prefix-ttft"] = c / w
