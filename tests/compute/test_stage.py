@@ -363,21 +363,49 @@ def test_4_bit_matrices_are_held_repacked_where_the_cpu_computes_them_so(tmp_pat
 
 
 def test_weights_that_are_all_repacked_load_alone(tmp_path):
-    """An expert worker's holding can be only Q4_K expert matrices: no plain buffer then."""
+    """A holding can be only Q4_K matrices: no plain buffer then."""
     from kvasird.compute.graph import Backend, repack_buffer_type
     from kvasird.compute.weights import load_weights
     from kvasird.model.testmodels import make_model
 
     if repack_buffer_type() is None:
         pytest.skip("this CPU has no AVX2: ggml repacks nothing here")
-    path = make_model(tmp_path / "m.gguf", arch="qwen3moe", n_layer=1, dtype="q4_k", n_embd=256,
-                      head_dim=64, n_ff_exp=256)
+    path = make_model(tmp_path / "m.gguf", arch="llama", n_layer=1, dtype="q4_k", n_embd=256,
+                      head_dim=64, n_ff=512)
     backend = Backend(1)
-    names = [f"blk.0.ffn_{k}_exps.weight" for k in ("gate", "up")]
-    weights = load_weights(path, backend, names, {0: (2, 6)})
+    names = ["blk.0.attn_q.weight", "blk.0.ffn_up.weight"]
+    weights = load_weights(path, backend, names)
     try:
         assert weights.arena.buffer is None and weights.packed is not None
-        assert set(weights.packed.tensors) == set(names) and weights.experts[0].count == 4
+        assert set(weights.packed.tensors) == set(names)
     finally:
         weights.close()
+        backend.close()
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_k"])
+def test_a_range_of_4_bit_experts_computes_as_the_whole_layer(tmp_path, dtype):
+    """A worker holding experts [8, 16) of 16 gives the rows the whole layer's worker gives,
+    at every batch size (repacked expert stacks got batches of 17 wrong: they stay plain)."""
+    from kvasird.compute.experts import ExpertWorker
+    from kvasird.compute.graph import Backend
+    from kvasird.compute.weights import load_weights
+    from kvasird.model.testmodels import make_model
+
+    path = make_model(tmp_path / "m.gguf", arch="qwen3moe", n_layer=1, dtype=dtype, n_embd=256,
+                      head_dim=64, n_ff_exp=256, n_expert=16, n_expert_used=4)
+    backend = Backend(1)
+    names = [f"blk.0.ffn_{k}_exps.weight" for k in ("gate", "up", "down")]
+    whole = ExpertWorker(load_weights(path, backend, names), backend)
+    half = ExpertWorker(load_weights(path, backend, names, {0: (8, 16)}), backend)
+    rng = np.random.default_rng(0)
+    try:
+        for n in (1, 3, 8, 17, 40):
+            x = rng.standard_normal((n, 256)).astype(np.float32)
+            sel = rng.integers(0, 8, (n, 4))
+            assert np.array_equal(whole(0, x, sel + 8), half(0, x, sel)), n
+    finally:
+        for w in (whole, half):
+            w.close()
+            w.weights.close()
         backend.close()
