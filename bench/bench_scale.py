@@ -22,9 +22,10 @@ pairs' ratios (this machine's speed drifts by 10-20 % from minute to minute).
     prefix-ttft  a 2k-token prompt sent twice to the 1-node daemon: time to first token of
                  the first over the second's (what reusing a prompt's cached prefix buys)
 
-and per node: RSS, load seconds per GB of its shard, KV bytes per token. The nodes after
-the first name the model by its id and download only what they hold from the others, as
-peers joining a network do. The last line sums it up:
+and per node: RSS, load seconds per GB of its shard, KV bytes per token; then where a
+traced decode step's time went on each route, hop by hop (bench_swarm's breakdown). The
+nodes after the first name the model by its id and download only what they hold from the
+others, as peers joining a network do. The last line sums it up:
 
     scale: 1node D.DDx, ring D.DDx, moe-ring D.DDx, sessions16 D.DDx, prefix-ttft D.DDx
 """
@@ -49,7 +50,13 @@ sys.path.insert(0, str(HERE))
 
 from bench_compute import LLAMACPP_PYTHON, LlamaCppDecoder  # noqa: E402
 from bench_daemon import rss_mb  # noqa: E402
-from bench_swarm import LIVE_TIMING, PROMPT, _stamps, decode_rates  # noqa: E402
+from bench_swarm import (  # noqa: E402
+    LIVE_TIMING,
+    PROMPT,
+    _stamps,
+    decode_rates,
+    report_breakdowns,
+)
 
 from kvasird.compute.kvcache import KVSpec  # noqa: E402
 from kvasird.compute.stage import Stage  # noqa: E402
@@ -196,6 +203,7 @@ def main() -> None:
     summary: dict[str, float] = {}
     node_rows: list[tuple[str, float, float]] = []
     engine: tuple[float, float] | None = None
+    breakdowns: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
 
     def row(name: str, ours: str, theirs: str, ratio: float | None) -> None:
         rows.append((name, ours, theirs, f"{ratio:.2f}x" if ratio is not None else "n/a"))
@@ -244,6 +252,8 @@ def main() -> None:
                 row(f"{name} decode tok/s", f"{statistics.median(ours):.1f}",
                     f"{statistics.median(theirs):.1f}" if theirs else "n/a", ratio)
                 summary[name] = ratio or 0.0
+                names = {n.peer_id: f"node{n.index}" for n in net.nodes}
+                breakdowns[name] = (net.nodes[0].get("/v0/inference")["breakdown"], names)
                 if name == "1node":
                     one = aggregate(net.nodes[0], 1, args.tokens)
                     many = aggregate(net.nodes[0], 16, args.tokens)
@@ -271,6 +281,7 @@ def main() -> None:
     if engine:
         print(f"\none stage holding the dense model: load {engine[0]:.2f} s/GB, "
               f"KV {engine[1]:.0f} bytes/token (f16)")
+    report_breakdowns(breakdowns)  # where a ring's step goes, hop by hop
     print("\nscale: " + ", ".join(f"{k} {summary[k]:.2f}x" for k in
                                   ("1node", "ring", "moe-ring", "sessions16", "prefix-ttft")
                                   if k in summary))
