@@ -30,7 +30,10 @@ from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.pricing import GENESIS_STAKE_MIN
 from kvasird.settlement.wallet import read_keypair, write_keypair
 
-READY_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 60.0
+"""How long a started daemon may take to answer its admin API (a bound, not a wait: ready
+is seen within 0.1 s). A loaded 2-core machine took over 30 s to start one (imports, the
+model's import and check) while the suite's other worker ran daemons too."""
 STOP_TIMEOUT_S = 10.0
 # A loopback network can afford fast heartbeats: dead peers vanish within ~6 s.
 LOCAL_P2P = {"p2p.heartbeat_interval_s": 1.0, "p2p.liveness_timeout_s": 5.0,
