@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,11 +53,12 @@ from bench_swarm import (  # noqa: E402
     LIVE_TIMING,
     PROMPT,
     _stamps,
+    concurrent,
     decode_rates,
     report_breakdowns,
 )
 
-from kvasird.compute.kvcache import KVSpec  # noqa: E402
+from kvasird.compute.kvcache import PAGE, KVSpec  # noqa: E402
 from kvasird.compute.stage import Stage  # noqa: E402
 from kvasird.localnet import LocalNet  # noqa: E402
 from kvasird.localnet.launcher import LocalNode  # noqa: E402
@@ -127,7 +127,7 @@ def prefill(model: Path, threads: int, sizes: list[int]) -> dict[str, Any]:
 def kv_bytes_per_token(stage: Stage) -> float:
     pool = stage.kv
     per_slot = sum(int(t.contents.ne[0]) for t in pool.k.values())  # K: kv_dim per slot
-    per_slot += sum(int(t.contents.ne[0]) // 64 for t in pool.v.values())  # V: [64 kv_dim]
+    per_slot += sum(int(t.contents.ne[0]) // PAGE for t in pool.v.values())  # V: [PAGE kv_dim]
     return per_slot * (2 if pool.spec.dtype == "f16" else 4)
 
 
@@ -160,22 +160,6 @@ def first_token_s(node: LocalNode, prompt: list[int]) -> float:
     began = time.perf_counter()
     stamps = _stamps(node, prompt, 1)
     return stamps[0] - began if stamps else float("nan")
-
-
-def aggregate(node: LocalNode, sessions: int, n: int) -> float:
-    """Tokens per second of ``sessions`` generations at once (distinct prompts)."""
-    counts = [0] * sessions
-
-    def one(i: int) -> None:
-        counts[i] = len(_stamps(node, [PROMPT[i % len(PROMPT)], 100 + i, *PROMPT], n))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
-    began = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts) / (time.perf_counter() - began)
 
 
 def experts(n_layer: int, lo: int, hi: int) -> list[str]:
@@ -255,8 +239,8 @@ def main() -> None:
                 names = {n.peer_id: f"node{n.index}" for n in net.nodes}
                 breakdowns[name] = (net.nodes[0].get("/v0/inference")["breakdown"], names)
                 if name == "1node":
-                    one = aggregate(net.nodes[0], 1, args.tokens)
-                    many = aggregate(net.nodes[0], 16, args.tokens)
+                    one = concurrent(net.nodes[0], 1, args.tokens)
+                    many = concurrent(net.nodes[0], 16, args.tokens)
                     row("1node 16 sessions: aggregate tok/s (vs one session)", f"{many:.1f}",
                         f"{one:.1f}", many / one)
                     summary["sessions16"] = many / one

@@ -86,7 +86,7 @@ class Backend:
             self.handle = None
 
 
-REPACKED_TYPES = frozenset({2, 12, 20})
+REPACKED_TYPES = frozenset({ggml.GGML_TYPE_Q4_0, ggml.GGML_TYPE_Q4_K, ggml.GGML_TYPE_IQ4_NL})
 """Q4_0, Q4_K, IQ4_NL: what ggml's CPU backend repacks for AVX2 (``repack_buffer_type``)."""
 
 
