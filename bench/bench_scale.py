@@ -175,7 +175,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per generation")
     ap.add_argument("--rounds", type=int, default=5, help="paired decode runs per layout")
     ap.add_argument("--only", nargs="*", default=[], help="rows to run (1node ring moe-ring "
-                    "prefill); the 1node daemon also gives sessions16 and prefix-ttft")
+                    "prefill prefix-ttft); the 1node daemon also gives sessions16 and "
+                    "prefix-ttft")
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.rounds = min(args.tokens, 16), min(args.rounds, 3)
@@ -216,9 +217,9 @@ def main() -> None:
                                experts(nm, 0, 64), experts(nm, 64, 128)]),
         ]
         refs: dict[Path, LlamaCppDecoder | None] = {}
-        manifests = {m: Manifest.from_gguf(m) for m in {d for n, d, _ in layouts if n in want}}
+        manifests = {m: Manifest.from_gguf(m) for m in {d for _, d, _ in layouts}}
         for name, model, placement in layouts:
-            if name not in want:
+            if name not in want and not (name == "1node" and "prefix-ttft" in want):
                 continue
             began = time.perf_counter()
             with start(root / name, model, manifests[model], placement, args.threads) as net:
@@ -227,28 +228,35 @@ def main() -> None:
                     assert node.proc is not None
                     node_rows.append((f"{name} node{node.index} ({', '.join(pins)[:40]})",
                                       rss_mb(node.proc.pid), up))
-                if model not in refs:
-                    refs[model] = LlamaCppDecoder.start(args.threads, PROMPT, model)
-                ours, theirs, _ = decode_rates(net.nodes[0], args.tokens, args.rounds,
-                                               refs[model])
-                ratio = statistics.median(o / r for o, r in zip(ours, theirs, strict=True)) \
-                    if theirs else None
-                row(f"{name} decode tok/s", f"{statistics.median(ours):.1f}",
-                    f"{statistics.median(theirs):.1f}" if theirs else "n/a", ratio)
-                summary[name] = ratio or 0.0
-                names = {n.peer_id: f"node{n.index}" for n in net.nodes}
-                breakdowns[name] = (net.nodes[0].get("/v0/inference")["breakdown"], names)
-                if name == "1node":
+                if name in want:
+                    if model not in refs:
+                        refs[model] = LlamaCppDecoder.start(args.threads, PROMPT, model)
+                    ours, theirs, _ = decode_rates(net.nodes[0], args.tokens, args.rounds,
+                                                   refs[model])
+                    ratio = statistics.median(o / r for o, r in zip(ours, theirs, strict=True)) \
+                        if theirs else None
+                    row(f"{name} decode tok/s", f"{statistics.median(ours):.1f}",
+                        f"{statistics.median(theirs):.1f}" if theirs else "n/a", ratio)
+                    summary[name] = ratio or 0.0
+                    names = {n.peer_id: f"node{n.index}" for n in net.nodes}
+                    breakdowns[name] = (net.nodes[0].get("/v0/inference")["breakdown"], names)
+                if name == "1node" and "1node" in want:
                     one = concurrent(net.nodes[0], 1, args.tokens)
                     many = concurrent(net.nodes[0], 16, args.tokens)
                     row("1node 16 sessions: aggregate tok/s (vs one session)", f"{many:.1f}",
                         f"{one:.1f}", many / one)
                     summary["sessions16"] = many / one
+                if name == "1node":
                     long = prompt_of(2048)
                     c, w = first_token_s(net.nodes[0], long), first_token_s(net.nodes[0], long)
                     row("1node 2k prompt sent again: TTFT s (first vs again)", f"{w:.2f}",
                         f"{c:.2f}", c / w)
                     summary["prefix-ttft"] = c / w
+                    # an agent's next call: the same 2k start, a new 64-token turn after it
+                    turn = long + prompt_of(2048 + 64)[2048:]
+                    t = first_token_s(net.nodes[0], turn)
+                    row("1node 2k prompt + a new 64-token turn: TTFT s (vs the 2k cold)",
+                        f"{t:.2f}", f"{c:.2f}", c / t)
         for ref in refs.values():
             if ref is not None:
                 ref.close()

@@ -41,10 +41,38 @@ still in the ring (a rejected draft, a rewind shorter than about a chunk); beyon
 must replay the history from position 0. `KVSpec.swa_full` keeps every position of those
 layers in the main pool instead, llama.cpp's swa_full: any rewind, at a full layer's
 memory. A model without sliding-window layers has no window pool.
+
+Prefix reuse. Agents send the same long system prompt and history on every call, so a
+pool keeps the full pages of closed sessions (PrefixCache) and a new session whose tokens
+begin the same way starts from them:
+
+    tokens ─▶ page_keys: key[i] = H(key[i-1], tokens of page i)  (computed by the gateway,
+              which alone sees every token; a stage behind the first sees hidden rows only)
+    open:  Session.attach(scope, keys) ─▶ the longest run key[0..m) the cache holds ─▶
+           those pages, shared (a reference each), n_past = m * PAGE
+    step:  reserve(start) first gives up the shared pages at or after `start` (a fresh page
+           each, the part before `start` copied: copy-on-write), so a session writes only
+           pages it alone holds
+    close: Session.close(keep) hands its first len(keep) full pages to the cache under keep
+
+Pages are reference-counted: a session holds one reference to each of its pages, the cache
+one to each it keeps. The cache only ever holds pages nobody else needs: a session that
+cannot get a free page evicts the least recently used cached page that no session shares,
+so cached pages cost no admission (`free_tokens` counts them as free) and no memory beyond
+the pool. Lookups and stores touch a chain from its last page to its first, so eviction
+takes a chain's tail first and its head stays reachable. Keys are scoped by the caller
+(the stage server scopes them by the session's owner and hop): a cached page serves only
+sessions of the peer whose session wrote it, so a peer that lies about its keys poisons
+only its own prefixes. A pool with window or recurrent layers keeps no prefixes (a ring
+forgets, a recurrent state is not paged); its attach finds nothing.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +105,30 @@ class KVSpec:
     swa_full: bool = False
     """Keep every position of the sliding-window layers in the main pool, masked to the
     window (llama.cpp's swa_full): a full layer's memory, but a session can go back anywhere."""
+
+
+KEY_BYTES = 16
+"""Bytes of one page key (blake2b-128): collisions are out of reach for any number of pages."""
+
+
+def page_keys(tokens: Sequence[int]) -> bytes:
+    """The chain keys of the full pages of `tokens`, concatenated: key i (KEY_BYTES) names
+    page i's tokens and everything before them, so equal keys mean equal positions 0.. the
+    page's end."""
+    ids = np.asarray(tokens, dtype="<i4")
+    out, key = bytearray(), b""
+    for i in range(len(ids) // PAGE):
+        key = hashlib.blake2b(key + ids[i * PAGE:(i + 1) * PAGE].tobytes(),
+                              digest_size=KEY_BYTES).digest()
+        out += key
+    return bytes(out)
+
+
+def split_keys(keys: bytes) -> list[bytes]:
+    """page_keys' output as a list of keys (a length not a multiple of KEY_BYTES: InputError)."""
+    if len(keys) % KEY_BYTES:
+        raise InputError(f"page keys come in {KEY_BYTES}-byte units, got {len(keys)} bytes")
+    return [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
 
 
 def ring_pages(n_swa: int, n_tokens: int) -> int:
@@ -129,6 +181,10 @@ class KVPool:
         if layers:
             self.arena.allocate(backend)
         self._free = list(range(n_pages - 1, -1, -1))
+        self._refs = [0] * n_pages
+        """References to each main-pool page: its session's, and the prefix cache's."""
+        self.prefix = PrefixCache(self) if not self.window_layers and not self.conv else None
+        """Closed sessions' pages by prefix key (None: this pool's layers cannot keep them)."""
         self._free_window = list(range(self.n_window_pages - 1, -1, -1))
         self._free_states = list(range(spec.state_slots - 1, -1, -1)) if self.conv else []
         self.max_session_tokens = spec.max_session_tokens or self.n_slots
@@ -162,10 +218,16 @@ class KVPool:
     def free_tokens(self) -> int:
         """Positions a new session could cache now: the main pool's free pages, or fewer
         where the window pool could not give that session its ring."""
-        free = len(self._free)
+        free = self.free_pages
         if self.window_layers and len(self._free_window) < min(free, self.ring):
             free = len(self._free_window)
         return free * PAGE
+
+    @property
+    def free_pages(self) -> int:
+        """Main-pool pages a session could take now: free ones, and cached ones no session
+        shares (taking one evicts it)."""
+        return len(self._free) + (self.prefix.evictable if self.prefix is not None else 0)
 
     @property
     def free_states(self) -> int:
@@ -176,14 +238,35 @@ class KVPool:
         return Session(self)
 
     def _take(self) -> int:
+        if not self._free and self.prefix is not None:
+            self.prefix.evict()
         if not self._free:
             raise KVCacheFull(f"the KV pool is full ({self.n_slots} slots): close idle sessions "
                               "or raise the pool size")
-        return self._free.pop()
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        """Drop one reference to `page`; the last one frees it."""
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
 
     def _give(self, pages: list[int], ring: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        for page in reversed(pages):
+            self._release(page)
         self._free_window.extend(reversed(ring))
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        """Copy page `src`'s K and V of every layer into page `dst`."""
+        # K [kv_dim, slots] holds a page as PAGE rows, V [kv_dim * PAGE, pages] as one row
+        runs = [(t, PAGE) for t in self.k.values()] + [(t, 1) for t in self.v.values()]
+        for t, rows in runs:
+            n = int(t.contents.nb[1]) * rows
+            buf = (ctypes.c_uint8 * n)()
+            ggml.ggml_backend_tensor_get(t, buf, src * n, n)
+            ggml.ggml_backend_tensor_set(t, buf, dst * n, n)
 
     def _take_state(self) -> int:
         if not self._free_states:
@@ -230,9 +313,9 @@ class Session:
         end = start + n_tokens
         if end > pool.max_session_tokens:
             raise KVCacheFull(f"{end} tokens exceed the session limit of {pool.max_session_tokens}")
-        need = -(-end // PAGE) - len(self.pages)
-        if need > len(pool._free):
-            raise KVCacheFull(f"the KV pool has {len(pool._free) * PAGE} free slots, this "
+        need = -(-end // PAGE) - len(self.pages) + self._shared_from(start)
+        if need > pool.free_pages:
+            raise KVCacheFull(f"the KV pool has {pool.free_pages * PAGE} free slots, this "
                               f"request needs {need * PAGE} more: close idle sessions or raise "
                               "the pool size")
         need_ring = max(0, min(-(-end // PAGE), pool.ring) - len(self.ring))
@@ -242,6 +325,7 @@ class Session:
                               "sessions or raise the number of window sessions")
         if start == 0:
             self.ring_top = -1
+        self._unshare(start)
         self.ring += [pool._free_window.pop() for _ in range(need_ring)]
         if pool.recurrent:
             if self.state is None:
@@ -251,6 +335,34 @@ class Session:
         for _ in range(need):
             self.pages.append(pool._take())
         self.n_past = start
+
+    def attach(self, scope: Hashable, keys: Sequence[bytes]) -> tuple[int, np.ndarray | None]:
+        """Start a new session from the longest run of `keys` the pool's prefix cache holds
+        for `scope`: (positions it starts with, their token ids where the cache kept them)."""
+        pool = self._live()
+        if self.pages or self.n_past or pool.prefix is None:
+            return 0, None
+        self.pages, ids = pool.prefix.lookup(scope, keys)
+        self.n_past = len(self.pages) * PAGE
+        return self.n_past, ids
+
+    def _shared_from(self, start: int) -> int:
+        """Pages from the one holding `start` on that other holders share."""
+        pool = self._live()
+        return sum(pool._refs[p] > 1 for p in self.pages[start // PAGE:])
+
+    def _unshare(self, start: int) -> None:
+        """Give the session pages of its own from position `start` on: a shared page there
+        is swapped for a fresh one (a copy of it where it holds positions before `start`)."""
+        pool = self._live()
+        for i in range(start // PAGE, len(self.pages)):
+            page = self.pages[i]
+            if pool._refs[page] > 1:
+                fresh = pool._take()
+                if i * PAGE < start:
+                    pool._copy_page(page, fresh)
+                pool._release(page)
+                self.pages[i] = fresh
 
     def page_list(self, n_pages: int) -> np.ndarray:
         """The session's first pages in position order, padded to `n_pages` with its first
@@ -312,8 +424,15 @@ class Session:
                              f"{start} (their ring keeps positions from {kept}): replay the "
                              "history from position 0")
 
-    def close(self) -> None:
+    def close(self, scope: Hashable = None, keep: Sequence[bytes] = (),
+              ids: Sequence[int] | None = None) -> None:
+        """Free the session; its first len(keep) full pages go to the prefix cache under
+        `keep` (keys of its tokens, page_keys) for `scope`, with their token ids if given."""
         if self.pool is not None:
+            if keep and self.pool.prefix is not None:
+                n = min(len(keep), self.n_past // PAGE)
+                self.pool.prefix.store(scope, keep[:n], self.pages[:n], ids)
+                self.pages = self.pages[n:]
             self.pool._give(self.pages, self.ring)
             self.pages, self.ring = [], []
             if self.state is not None:
@@ -331,3 +450,73 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PrefixCache:
+    """Closed sessions' full pages by (scope, prefix key), least recently used first.
+
+    Holds one reference to each page it keeps (KVPool._refs); gives a page back when a
+    session needs room and no session shares it."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self._pages: OrderedDict[tuple[Hashable, bytes], tuple[int, np.ndarray | None]] = \
+            OrderedDict()
+        self.hits = 0
+        """Pages sessions started from (since the pool was made)."""
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    @property
+    def evictable(self) -> int:
+        """Cached pages no session shares: free for the taking."""
+        refs = self.pool._refs
+        return sum(refs[page] == 1 for page, _ in self._pages.values())
+
+    def lookup(self, scope: Hashable, keys: Sequence[bytes]
+               ) -> tuple[list[int], np.ndarray | None]:
+        """The pages of the longest run of `keys` held for `scope`, each with a reference
+        taken for the caller, and their token ids (None unless every page kept them)."""
+        found: list[tuple[int, np.ndarray | None]] = []
+        for key in keys:
+            hit = self._pages.get((scope, key))
+            if hit is None:
+                break
+            found.append(hit)
+        for key in reversed(keys[:len(found)]):  # the chain's head becomes the freshest
+            self._pages.move_to_end((scope, key))
+        pages = [page for page, _ in found]
+        for page in pages:
+            self.pool._refs[page] += 1
+        self.hits += len(pages)
+        ids = None
+        if found and all(i is not None for _, i in found):
+            ids = np.concatenate([i for _, i in found])
+        return pages, ids
+
+    def store(self, scope: Hashable, keys: Sequence[bytes], pages: Sequence[int],
+              ids: Sequence[int] | None) -> None:
+        """Keep `pages` (the caller's references, handed over) under `keys`. A key already
+        held keeps its page (the same one, from an attach, or another session's copy of the
+        same positions: then the caller's page is freed)."""
+        for i in range(len(pages) - 1, -1, -1):
+            key, page = (scope, keys[i]), pages[i]
+            held = self._pages.get(key)
+            if held is None:
+                page_ids = None if ids is None or len(ids) < (i + 1) * PAGE else \
+                    np.asarray(ids[i * PAGE:(i + 1) * PAGE], np.int32)
+                self._pages[key] = (page, page_ids)
+            else:
+                self.pool._release(page)
+            self._pages.move_to_end(key)
+
+    def evict(self) -> bool:
+        """Free the least recently used page no session shares; False when there is none."""
+        refs = self.pool._refs
+        for key, (page, _) in self._pages.items():
+            if refs[page] == 1:
+                del self._pages[key]
+                self.pool._release(page)
+                return True
+        return False

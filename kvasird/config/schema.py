@@ -162,6 +162,11 @@ class InferenceConfig:
     kv_dtype: str = field(default="f16", metadata=_choice("f16", "f32"))
     """KV cache precision: "f16" (half the memory; llama.cpp's default, with which our
     logits equal llama.cpp's bit for bit) or "f32"."""
+    prefix_cache: bool = True
+    """Keep the KV pages of finished requests in the free part of the KV cache, so a request
+    that starts with the same tokens (an agent's system prompt and history, sent again on
+    every call) computes only what follows them; as a gateway, send requests to the route
+    that holds their prefix. Cached pages make way for new sessions' as needed."""
     session_idle_s: float = field(default=120.0, metadata=_range(1, 86400))
     """A session untouched this long is closed and its KV freed."""
     step_timeout_s: float = field(default=20.0, metadata=_range(0.1, 600))

@@ -117,8 +117,14 @@ class MessagesRenderer:
                 "model": self.job.model_name, "content": content,
                 "stop_reason": self.stop_reason(done, called) if done else None,
                 "stop_sequence": done.stop_sequence if done else None,
-                "usage": {"input_tokens": len(self.job.request.prompt),
-                          "output_tokens": output_tokens}}
+                "usage": self.usage(done, output_tokens)}
+
+    def usage(self, done: Done | None, output_tokens: int) -> dict[str, int]:
+        """Anthropic's input_tokens leave out the prompt tokens read from a cache (here: the
+        kept KV a route started from), which it counts as cache_read_input_tokens."""
+        cached = done.cached_tokens if done else 0
+        return {"input_tokens": len(self.job.request.prompt) - cached,
+                "cache_read_input_tokens": cached, "output_tokens": output_tokens}
 
     @staticmethod
     def stop_reason(done: Done, called: bool) -> str:
@@ -184,5 +190,5 @@ class MessagesRenderer:
                 sse({"type": "message_delta",
                      "delta": {"stop_reason": self.stop_reason(done, self._called),
                                "stop_sequence": done.stop_sequence},
-                     "usage": {"output_tokens": done.completion_tokens}}, "message_delta"),
+                     "usage": self.usage(done, done.completion_tokens)}, "message_delta"),
                 sse({"type": "message_stop"}, "message_stop")]

@@ -54,6 +54,8 @@ class Done:
     """Tokens generated (and consumed), the end-of-turn token excluded."""
     index: int = 0
     """The choice that ended."""
+    cached_tokens: int = 0
+    """Prompt tokens started from kept KV instead of computed (prefix reuse)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,8 @@ async def pieces(generator: Generator, tokenizer: Tokenizer, request: Generation
                 if tail or pending:
                     yield Piece(tail, tuple(pending), index)
                 reason = "stop_sequence" if hit else event.reason
-                yield Done(reason, hit, event.prompt_tokens, event.completion_tokens, index)
+                yield Done(reason, hit, event.prompt_tokens, event.completion_tokens, index,
+                           event.cached_tokens)
                 return
             pending.append(event)
             produced += 1

@@ -261,11 +261,14 @@ class _OpenAIRenderer:
     def stream_error(self, err: ApiError) -> list[bytes]:
         return [sse(err.openai()), DONE]
 
-    def usage(self, dones: list[Done]) -> dict[str, int]:
-        """The prompt once (every choice continues the same one), the tokens of all choices."""
+    def usage(self, dones: list[Done]) -> dict[str, Any]:
+        """The prompt once (every choice continues the same one), the tokens of all choices;
+        the prompt tokens the first choice's route started from kept KV (OpenAI's cached
+        tokens)."""
         prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": dones[0].cached_tokens}}
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
         return {**self.envelope([self.choice(c) for c in choices]),

@@ -205,7 +205,7 @@ class ResponsesRenderer:
         usage = None if done is None else {
             "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
             "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": done.cached_tokens, "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0}}
         return {"id": self.id, "object": "response", "created_at": self.created,
                 "status": status, "model": self.job.model_name, "output": output,

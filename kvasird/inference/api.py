@@ -82,6 +82,8 @@ class Finished:
     """Tokens in the prompt."""
     completion_tokens: int
     """Tokens generated."""
+    cached_tokens: int = 0
+    """Prompt tokens the route did not compute: it started from their kept KV (prefix reuse)."""
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,8 @@ class InferenceService:
         self.stages = StageServer(self._model_id, lambda: self.served,
                                   max_sessions=c.max_sessions, idle_s=c.session_idle_s,
                                   wire_dtype=c.wire_dtype, me=p2p.peer_id,
-                                  send=self._send_stage, deliver=self.inbox.deliver)
+                                  send=self._send_stage, deliver=self.inbox.deliver,
+                                  prefix=c.prefix_cache)
         self.experts = ExpertServer(lambda: self.served, window_s=c.batch_window_ms / 1000,
                                     wire_dtype=c.wire_dtype)
         self.dispatcher = ExpertDispatcher(
@@ -349,6 +350,7 @@ class InferenceService:
                                   "step_ms": p.step_ms}
                             for rid, p in self.generator.active.items()},
             "breakdown": self.generator.traces.summary(),
+            "prefix": self._prefix_status(),
             "dispatch": dict(self.dispatcher.stats),
             "unfit": self.fitness.snapshot(),
             "lanes": {"port": self.lanes.port if self.lanes else None,
@@ -357,6 +359,15 @@ class InferenceService:
                       "open_to": sorted({p for p, _ in self.channels.lanes_up()}),
                       "libp2p_to": sorted({p for p, _ in self.channels.on_libp2p()})},
         }
+
+    def _prefix_status(self) -> dict[str, int]:
+        """Prefix reuse: prompt tokens this node's generations started from kept KV, and its
+        layer windows' kept pages (KV of finished sessions) and the pages sessions reused."""
+        pools = [st.kv for st in self.served.windows.values()] if self.served else []
+        caches = [kv.prefix for kv in pools if kv.prefix is not None]
+        return {"reused_tokens": self.generator.reused,
+                "kept_pages": sum(len(c) for c in caches),
+                "reused_pages": sum(c.hits for c in caches)}
 
     async def _http_status(self, _: Request) -> JSONResponse:
         return JSONResponse(self.status())

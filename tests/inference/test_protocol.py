@@ -23,6 +23,7 @@ from kvasird.inference.protocol.stage import (
     Forward,
     Hidden,
     Open,
+    Opened,
     Ping,
     Pong,
     Result,
@@ -84,7 +85,11 @@ def edited(msg: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     return out
 
 
-WIRE = {"open": open_wire, "forwarded": forwarded_wire, "relayed": relayed_wire,
+def close_wire() -> dict[str, Any]:
+    return {"op": "close", "sid": "ab.1", "keep": b"k" * 32}
+
+
+WIRE = {"open": open_wire, "close": close_wire, "forwarded": forwarded_wire, "relayed": relayed_wire,
         "result": result_wire, "failure": failure_wire, "experts": experts_wire}
 PARSE = {"experts": experts.parse}
 BAD = [
@@ -114,6 +119,9 @@ BAD = [
     ("open", "sampling.seed", 1.5, "stage.sampling.seed"),
     ("open", "sampling.seed", True, "stage.sampling.seed"),
     ("open", "sampling.seed", -1, "seed"),
+    ("open", "prefix", "ab" * 8, "stage.prefix"), ("open", "prefix", b"k" * 17, "stage.prefix"),
+    ("open", "prefix", b"k" * 16 * 5, "stage.prefix"),  # 300 positions hold 4 full pages
+    ("close", "keep", [b"k" * 16], "stage.keep"), ("close", "keep", b"k" * 15, "stage.keep"),
     ("forwarded", "sid", None, "stage.sid"), ("forwarded", "start", -1, "stage.start"),
     ("forwarded", "start", True, "stage.start"), ("forwarded", "x", "ids", "stage.x"),
     ("forwarded", "x.dt", "i64", "stage.x.dt"), ("forwarded", "x.shape", [2, 1], "stage.x.shape"),
@@ -320,3 +328,17 @@ def test_a_grammar_and_the_prompt_length_travel_to_the_head() -> None:
     assert o.prompt == 6 and o.sampling.grammar == "start: /a+/"
     assert stage.parse(unpack(pack(o.to_wire()))) == o
     assert "grammar" not in stage.parse(open_wire()).to_wire()["sampling"]
+
+
+def test_prefix_keys_travel_as_one_byte_string_and_the_open_says_what_was_kept() -> None:
+    keys = bytes(range(64))
+    m = stage.parse(unpack(pack({**open_wire(), "prefix": keys})))
+    assert isinstance(m, Open) and m.prefix == keys and m.to_wire()["prefix"] == keys
+    assert stage.parse(open_wire()).prefix == b"" and "prefix" not in stage.parse(
+        open_wire()).to_wire()
+    c = stage.parse(close_wire())
+    assert isinstance(c, Close) and c.keep == b"k" * 32 and Close("s").to_wire() == {
+        "op": "close", "sid": "s"}
+    assert Opened.from_wire({}) == Opened(0) and Opened(128).to_wire() == {"cached": 128}
+    with pytest.raises(WireError, match="reply.cached"):
+        Opened.from_wire({"cached": -1})

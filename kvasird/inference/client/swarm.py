@@ -65,6 +65,7 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
+from kvasird.compute.kvcache import page_keys
 from kvasird.compute.sampling import SamplingParams
 from kvasird.config import InferenceConfig
 from kvasird.errors import WireError
@@ -79,8 +80,15 @@ from kvasird.inference.api import (
     TokenEvent,
     UnknownModel,
 )
+from kvasird.inference.client.affinity import (
+    PREFILL_MS_PER_TOKEN,
+    PrefixRoutes,
+    hop_keys,
+    prefer,
+)
 from kvasird.inference.client.failover import Accusations, judge
 from kvasird.inference.client.routing import (
+    EWMA,
     Fitness,
     Hop,
     Latency,
@@ -98,6 +106,7 @@ from kvasird.inference.protocol.stage import (
     Forward,
     Hidden,
     Open,
+    Opened,
     Ping,
     Pong,
     Result,
@@ -207,6 +216,12 @@ class SwarmGenerator:
         """Which hops accused which of sending them NaN, lately (failover.Accusations)."""
         self.nursery: trio.Nursery | None = None
         """Where steps run ahead of the consumer (set by the service once it runs)."""
+        self.prefixes = PrefixRoutes()
+        """Which route holds each prompt prefix this node sent (prefix affinity)."""
+        self.prefill_ms = PREFILL_MS_PER_TOKEN
+        """Prefill time per prompt token (EWMA of the prefills this node ran)."""
+        self.reused = 0
+        """Prompt positions that generations started from a kept prefix, since start."""
 
     def models(self) -> list[ModelInfo]:
         info = self.info()
@@ -225,12 +240,18 @@ class SwarmGenerator:
     def _fit(self) -> list[PeerHoldings]:
         return [h for h in self.holders() if self.fitness.fit(h.peer)]
 
-    def plan(self, last_resort: bool = True) -> Route:
+    def plan(self, last_resort: bool = True, prefix: bytes = b"", steps: int = 0) -> Route:
         """The cheapest route over fit peers; when there is none (and `last_resort`), the
         cheapest that needs peers avoided after one failure: a slow or just restarted peer
         beats no route (a sentence for failing once is a preference, not a ban). Never
-        one through a liar, or a peer that failed twice in a row."""
-        route = plan_route(self.n_layer(), self._fit(), self.latency)
+        one through a liar, or a peer that failed twice in a row. With a prompt's page
+        keys (`prefix`), the route that holds its longest prefix when that is cheaper
+        over `steps` decode steps (affinity.prefer)."""
+        fit = self._fit()
+        route = plan_route(self.n_layer(), fit, self.latency)
+        if route is not None and prefix:
+            route = prefer(route, self.prefixes.recall(prefix), fit, self.latency, steps,
+                           self.prefill_ms)
         if route is None and last_resort:
             fitness = self.fitness
             second_chance = [h for h in self.holders() if fitness.fit(h.peer) or (
@@ -308,7 +329,7 @@ class SwarmGenerator:
                 assert pending is not None
                 event = await pending.result()
                 pending = None
-            yield Finished(reason, n_prompt, produced)
+            yield Finished(reason, n_prompt, produced, run.cached)
         finally:
             self.active.pop(rid, None)
             with trio.CancelScope(shield=True):
@@ -396,6 +417,10 @@ class _Run:
         """Peer -> units of work done for this generation, every route's hops included."""
         self.positions: Counter[int] = Counter()
         """Hop index on the current route -> positions it computed (bounds its experts)."""
+        self.history: list[int] = []
+        """The tokens fed to the route (the generation's history, shared)."""
+        self.cached = 0
+        """Prompt positions the first route started from a kept prefix (not computed)."""
 
     def work(self) -> tuple[HopWork, ...]:
         """The units each peer did, with its time per token as this node measured it (the
@@ -430,10 +455,19 @@ class _Run:
             return await self._failover(exc, history, 0)
 
     async def start(self, history: list[int], produced: int, first: bool = False) -> TokenEvent:
-        """Plan a route, open its sessions and prefill `history`; return the head's token."""
+        """Plan a route, open its sessions and prefill `history`; return the head's token.
+
+        On a first route the hops may hold the prompt's start (prefix reuse): the prefill
+        then begins at the last PREFILL_CHUNK boundary every hop holds, so its chunks are
+        those a cold prefill computes. A replay after a failover starts from nothing, so
+        that the new route's KV holds the bits the old one's did."""
+        gen, prompt = self.gen, len(history) - produced
+        self.history = history
+        keys = page_keys(history[:prompt]) if first and gen.config.prefix_cache else b""
         try:
             # a route refused for capacity answers Busy at once; a failed one may wait
-            self.route = self.gen.plan() if first or self.busy else await self.gen.replan()
+            self.route = gen.plan(prefix=keys, steps=self.max_tokens - prompt) \
+                if first or self.busy else await gen.replan()
         except NoRoute:
             if self.busy:
                 raise Busy(f"every route is out of capacity right now ({self.busy}): "
@@ -441,19 +475,29 @@ class _Run:
             if first:
                 raise
             raise GenerationError(f"the route failed and no other peers cover the model now "
-                                  f"({self.gen.missing()}); the generation stopped") from None
+                                  f"({gen.missing()}); the generation stopped") from None
         self.sid = secrets.token_hex(8)
         self.progress.route = self.route.peers
         self.steps = 0
         self.positions = Counter()
-        prompt = len(history) - produced
+        cached = prompt
         for i, hop in enumerate(self.route.hops):
-            await self._call(hop, Open(f"{self.sid}.{i}", self.model, hop.first, hop.end,
-                                       hop.embed, hop.head, self.max_tokens, self.logprobs,
-                                       self.route.hops[i - 1].peer if i else "", self.sampling,
-                                       max(produced - 1, 0), prompt))
-        for c in range(0, prompt, PREFILL_CHUNK):
+            reply = await self._call(hop, Open(
+                f"{self.sid}.{i}", self.model, hop.first, hop.end, hop.embed, hop.head,
+                self.max_tokens, self.logprobs, self.route.hops[i - 1].peer if i else "",
+                self.sampling, max(produced - 1, 0), prompt,
+                hop_keys(keys, self.route, i) if keys else b""))
+            cached = min(cached, _read(hop.peer, Opened.from_wire, reply).cached)
+        begin = min(cached, prompt - 1) // PREFILL_CHUNK * PREFILL_CHUNK if keys else 0
+        gen.reused += begin
+        if first:
+            self.cached = begin
+        began = time.perf_counter()
+        for c in range(begin, prompt, PREFILL_CHUNK):
             event = await self._forward(history, c, min(c + PREFILL_CHUNK, prompt))
+        if prompt - begin >= PREFILL_CHUNK:  # long enough to say what a prefill costs
+            ms = (time.perf_counter() - began) * 1000 / (prompt - begin)
+            gen.prefill_ms = (1 - EWMA) * gen.prefill_ms + EWMA * ms
         if produced:
             event = await self._forward(history, prompt, len(history), singly=True)
         return event
@@ -650,16 +694,22 @@ class _Run:
             raise Refused(self.gen.me, exc.code, exc.detail) from None
 
     async def close(self) -> None:
+        """Close the route's sessions; with prefix reuse on, each hop keeps the full pages
+        it computed, and this node remembers the route as where they are."""
         if self.route is None:
             return
         route, self.route = self.route, None
+        keys = page_keys(self.history) if self.gen.config.prefix_cache else b""
         for i, hop in enumerate(route.hops):
             try:
                 with trio.move_on_after(1):
-                    reply = await self._call(hop, Close(f"{self.sid}.{i}"))
+                    reply = await self._call(hop, Close(f"{self.sid}.{i}",
+                                                        hop_keys(keys, route, i) if keys else b""))
                     self._count_experts(hop, i, _read(hop.peer, Closed.from_wire, reply))
             except HopFailed:
                 pass
+        if keys:
+            self.gen.prefixes.remember(keys, route)
 
 
 T = TypeVar("T")

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvasird.compute.errors import ComputeError
+from kvasird.compute.kvcache import KEY_BYTES, PAGE
 from kvasird.compute.sampling import MAX_GRAMMAR_CHARS, SamplingParams
 from kvasird.errors import WireError
 from kvasird.inference.api import TokenEvent
@@ -73,12 +74,17 @@ class Open:
     """Draws a replay skips, so a seeded stream continues where the failed route stopped."""
     prompt: int = 0
     """Positions of the prompt: a grammar (sampling.grammar) constrains what follows them."""
+    prefix: bytes = b""
+    """The page keys of the prompt's full pages (kvcache.page_keys): the hop starts the
+    session from the longest run of them it kept and answers how far (Opened)."""
 
     def to_wire(self) -> dict[str, Any]:
         out = {"op": "open", "sid": self.sid, "model": self.model, "first": self.first,
                "end": self.end, "embed": self.embed, "head": self.head,
                "max_tokens": self.max_tokens, "sampling": sampling_to_wire(self.sampling),
                "logprobs": self.logprobs, "draws": self.draws, "prev": self.prev}
+        if self.prefix:
+            out["prefix"] = self.prefix
         return {**out, "prompt": self.prompt} if self.prompt else out
 
     @staticmethod
@@ -90,14 +96,15 @@ class Open:
         # a replay of a sampled stream must say how far it was drawn; greedy ones draw nothing
         draws = (schema.integer(d, "draws", 0, MAX_POSITIONS, "stage")
                  if "draws" in d or (head and sampling.temperature > 0) else 0)
+        max_tokens = schema.integer(d, "max_tokens", 1, MAX_POSITIONS, "stage")
         return Open(schema.text(d, "sid", 64, "stage"), schema.text(d, "model", 64, "stage"),
                     first, schema.integer(d, "end", first, MAX_LAYERS, "stage"),
-                    _boolean(d, "embed", "stage"), head,
-                    schema.integer(d, "max_tokens", 1, MAX_POSITIONS, "stage"),
+                    _boolean(d, "embed", "stage"), head, max_tokens,
                     schema.integer(d, "logprobs", 0, MAX_TOP, "stage"),
                     schema.text(d, "prev", 128, "stage") if "prev" in d else "",
                     sampling, draws,
-                    schema.integer(d, "prompt", 0, MAX_POSITIONS, "stage") if "prompt" in d else 0)
+                    schema.integer(d, "prompt", 0, MAX_POSITIONS, "stage") if "prompt" in d else 0,
+                    _keys(d, "prefix", max_tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,13 +196,17 @@ class Close:
     """End a session; answered with Closed."""
 
     sid: str
+    keep: bytes = b""
+    """Page keys of the session's tokens (kvcache.page_keys): the hop keeps that many of
+    its full pages for later sessions of the same caller to start from."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": "close", "sid": self.sid}
+        out = {"op": "close", "sid": self.sid}
+        return {**out, "keep": self.keep} if self.keep else out
 
     @staticmethod
     def from_wire(d: dict[str, Any]) -> Close:
-        return Close(schema.text(d, "sid", 64, "stage"))
+        return Close(schema.text(d, "sid", 64, "stage"), _keys(d, "keep", MAX_POSITIONS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +310,21 @@ class Hidden:
 
 
 @dataclass(frozen=True, slots=True)
+class Opened:
+    """An open's answer: the positions the session starts with (a kept prefix)."""
+
+    cached: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"cached": self.cached} if self.cached else {}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Opened:
+        return Opened(schema.integer(d, "cached", 0, MAX_POSITIONS, "reply")
+                      if "cached" in d else 0)
+
+
+@dataclass(frozen=True, slots=True)
 class Pong:
     """A ping's answer."""
 
@@ -381,6 +407,17 @@ def _boolean(d: dict[str, Any], key: str, what: str) -> bool:
     v = d.get(key)
     if v is not True and v is not False:
         raise WireError(f"{what}.{key}: expected true or false, got {v!r:.40}")
+    return v
+
+
+def _keys(d: dict[str, Any], key: str, max_tokens: int) -> bytes:
+    """Page keys (kvcache.page_keys) of at most the full pages of `max_tokens` positions."""
+    if key not in d:
+        return b""
+    v, most = d[key], max_tokens // PAGE
+    if type(v) is not bytes or len(v) % KEY_BYTES or len(v) // KEY_BYTES > most:
+        raise WireError(f"stage.{key}: expected at most {most} page keys of {KEY_BYTES} bytes "
+                        "each, as one byte string")
     return v
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ import trio
 
 from kvasird.compute.errors import ComputeError, KVCacheFull
 from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch_steps
-from kvasird.compute.kvcache import PAGE, Session
+from kvasird.compute.kvcache import PAGE, Session, split_keys
 from kvasird.compute.sampling import Sampler, log_softmax
 from kvasird.compute.stage import Stage, held_now, locks_now
 from kvasird.compute.steps import drive_async
@@ -47,6 +47,7 @@ from kvasird.inference.protocol.stage import (
     Forward,
     Hidden,
     Open,
+    Opened,
     Pong,
     Result,
     StageMessage,
@@ -94,10 +95,31 @@ class ServedSession:
     went to waiting for remote experts (s)."""
     tally: Tally = field(default_factory=lambda: Tally(""))
     """Whose session it is, and the expert work done for it on other peers."""
+    scopes: list[Hashable] = field(default_factory=list)
+    """Per stage, what its prefix cache files this session's pages under: the owner and
+    the part it computes (a cached page serves only its owner's sessions on that part)."""
 
-    def close(self) -> None:
-        for s in self.sessions:
-            s.close()
+    def attach(self, keys: bytes) -> int:
+        """Start every stage's session from the longest prefix of `keys` it kept: the
+        positions the hop starts with (the least of its stages'; 0 at a head that kept no
+        token ids to restore the history with)."""
+        found = [s.attach(scope, split_keys(keys))
+                 for s, scope in zip(self.sessions, self.scopes, strict=True)]
+        cached = min(n for n, _ in found)
+        if self.sampler is not None and cached:
+            ids = found[-1][1]
+            if ids is None or len(ids) < cached:
+                cached = 0
+            else:
+                self.history = ids[:cached].tolist()
+        self.at = cached
+        return cached
+
+    def close(self, keep: bytes = b"") -> None:
+        keys = split_keys(keep) if keep else []
+        for s, scope in zip(self.sessions, self.scopes or [None] * len(self.sessions),
+                            strict=True):
+            s.close(scope, keys, self.history if self.sampler is not None else None)
 
 
 
@@ -126,8 +148,10 @@ class StageServer:
     def __init__(self, model_id: Callable[[], str], served: Callable[[], Served | None], *,
                  max_sessions: int, idle_s: float, wire_dtype: str, me: str = "",
                  send: Send = _cannot_send, deliver: Deliver | None = None,
-                 admit: Admit = admit_all) -> None:
+                 admit: Admit = admit_all, prefix: bool = True) -> None:
         self.model_id, self.served, self.admit = model_id, served, admit
+        self.prefix = prefix
+        """Keep closed sessions' prompts for reuse ([inference] prefix_cache)."""
         self.max_sessions, self.idle_s, self.wire_dtype = max_sessions, idle_s, wire_dtype
         self.me, self.send, self.deliver = me, send, deliver
         self.sessions: dict[tuple[str, str], ServedSession] = {}
@@ -154,8 +178,7 @@ class StageServer:
                 Hidden(out, self.wire_dtype).to_wire()
         if isinstance(m, Open):
             await self.admit(caller)
-            self._open(caller, m)
-            return {}
+            return Opened(self._open(caller, m)).to_wire()
         if isinstance(m, Result | Failure):
             if self.deliver is None:
                 raise WireError("stage: this node is waiting for no results")
@@ -164,7 +187,7 @@ class StageServer:
         key = (caller, m.sid)
         if isinstance(m, Close):
             s = self.sessions.get(key)
-            self._end([key])
+            self._end([key], m.keep if self.prefix else b"")
             return Closed(tuple(s.tally.experts.items()) if s is not None else ()).to_wire()
         return Pong(self._session(key).at).to_wire()
 
@@ -225,7 +248,8 @@ class StageServer:
             with contextlib.suppress(HopFailed):
                 await self.send(owner, failure.to_wire())
 
-    def _open(self, caller: str, m: Open) -> None:
+    def _open(self, caller: str, m: Open) -> int:
+        """Open the session; the positions it starts with (a kept prefix of its prompt)."""
         served = self.served()
         if m.model != self.model_id():
             raise Refusal("bad", "this node serves no stage of that model")
@@ -259,9 +283,11 @@ class StageServer:
             if m.sampling.temperature > 0:  # a replay continues the seeded stream where it was
                 sampler.skip(m.draws)
         self._end([key])
-        self.sessions[key] = ServedSession(chain, [st.open_session() for st in chain], sampler,
-                                           m.logprobs, m.max_tokens, m.prev,
-                                           tally=Tally(caller))
+        s = self.sessions[key] = ServedSession(
+            chain, [st.open_session() for st in chain], sampler, m.logprobs, m.max_tokens,
+            m.prev, tally=Tally(caller),
+            scopes=[(caller, st.window, st.embed, st.head) for st in chain])
+        return s.attach(m.prefix) if self.prefix and m.prefix else 0
 
     async def _step(self, s: ServedSession, m: Step) -> np.ndarray | TokenEvent:
         """The hop's output rows, or at the head the sampled token."""
@@ -337,10 +363,11 @@ class StageServer:
     def close_all(self) -> None:
         self._end(list(self.sessions))
 
-    def _end(self, keys: list[tuple[str, str]]) -> None:
+    def _end(self, keys: list[tuple[str, str]], keep: bytes = b"") -> None:
+        """Close sessions; `keep` (one session's page keys) keeps its prefix for reuse."""
         for key in keys:
             if (s := self.sessions.pop(key, None)) is not None:
-                s.close()
+                s.close(keep)
         self._ended.set()
         self._ended = trio.Event()
 

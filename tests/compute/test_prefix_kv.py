@@ -1,0 +1,131 @@
+"""Prefix reuse in the KV pool (kvcache.PrefixCache): a session that starts from a closed
+session's pages computes what a cold one computes, the pages are shared until written,
+the cache gives way to new sessions, and it serves only the scope that filed a page."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvasird.compute.errors import InputError, KVCacheFull
+from kvasird.compute.kvcache import KEY_BYTES, PAGE, KVSpec, page_keys, split_keys
+from kvasird.compute.stage import Stage
+from kvasird.model.testmodels import make_model
+
+ME = ("gateway", (0, 3))
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    path = make_model(tmp_path_factory.mktemp("prefix") / "llama.gguf", arch="llama",
+                      n_layer=3, seed=4)
+    st = Stage.load(path, threads=1, kv=KVSpec(n_slots=16 * PAGE, dtype="f16"))
+    yield st
+    st.close()
+
+
+def tokens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 1000, n)
+
+
+def kept(stage: Stage, ids: np.ndarray, scope: object) -> list[bytes]:
+    """Compute `ids` in a session, close it keeping its pages under `scope`: their keys."""
+    keys = split_keys(page_keys(ids))
+    with stage.open_session() as s:
+        stage.forward(s, ids, 0)
+        s.close(scope, keys)
+    return keys
+
+
+def cold(stage: Stage, ids: np.ndarray, chunks: list[int]) -> np.ndarray:
+    """Logits of the last position, prefilled in `chunks` from position 0."""
+    with stage.open_session() as s:
+        at = 0
+        for n in chunks:
+            out = stage.forward(s, ids[at:at + n], at)
+            at += n
+        return out
+
+
+def test_page_keys_chain_every_token_before_a_page() -> None:
+    a, b = tokens(200), tokens(200)
+    b[3] += 1
+    ka, kb = split_keys(page_keys(a)), split_keys(page_keys(b))
+    assert len(ka) == 200 // PAGE and all(len(k) == KEY_BYTES for k in ka)
+    assert all(x != y for x, y in zip(ka, kb, strict=True))  # one token changes every later key
+    assert split_keys(page_keys(a[:150])) == ka[:2]
+    with pytest.raises(InputError, match="16-byte units"):
+        split_keys(b"x" * 17)
+
+
+def test_a_session_from_a_kept_prefix_computes_the_cold_logits_bit_for_bit(stage) -> None:
+    ids = tokens(300)
+    keys = split_keys(page_keys(ids))
+    want = cold(stage, ids, [256, 44])
+    with stage.open_session() as first:
+        stage.forward(first, ids[:256], 0)
+        stage.forward(first, ids[256:], 256)
+        first.close(ME, keys)
+    free = stage.kv.free_pages
+    with stage.open_session() as again:
+        n, _ = again.attach(ME, keys)
+        assert n == 4 * PAGE and stage.kv.prefix.hits >= 4
+        got = stage.forward(again, ids[256:], 256)
+    assert np.array_equal(got, want)
+    assert stage.kv.free_pages == free  # the kept pages count as free
+
+
+def test_shared_pages_are_copied_before_a_write_into_them(stage) -> None:
+    ids = tokens(260, seed=1)
+    keys = split_keys(page_keys(ids))
+    with stage.open_session() as first:
+        stage.forward(first, ids, 0)
+        first.close(ME, keys)
+    kept = [stage.kv.prefix._pages[(ME, k)][0] for k in keys]
+    other = np.concatenate([ids[:100], tokens(60, seed=2)])
+    with stage.open_session() as s:
+        stage.forward(s, ids[:260], 0)
+        want_other = stage.forward(s, other[100:], 100)
+    with stage.open_session() as s:
+        assert s.attach(ME, keys)[0] == 4 * PAGE
+        got = stage.forward(s, other[100:], 100)  # a rewind into the second kept page
+        assert s.pages[0] == kept[0] and s.pages[1] != kept[1]  # page 1 copied, then written
+    assert np.array_equal(got, want_other)
+    with stage.open_session() as s:
+        stage.forward(s, ids, 0)
+        want = stage.forward(s, ids[256:], 256)
+    with stage.open_session() as s:  # the kept pages were not written to
+        assert s.attach(ME, keys)[0] == 4 * PAGE
+        assert np.array_equal(stage.forward(s, ids[256:], 256), want)
+
+
+def test_the_cache_serves_only_the_scope_that_kept_a_page(stage) -> None:
+    keys = kept(stage, tokens(130, seed=3), ME)
+    with stage.open_session() as s:
+        assert s.attach(("someone else", (0, 3)), keys) == (0, None)
+    with stage.open_session() as s:
+        assert s.attach(ME, keys[:1] + [b"\0" * KEY_BYTES])[0] == PAGE
+
+
+def test_kept_pages_give_way_to_new_sessions_tail_first(stage) -> None:
+    kv = stage.kv
+    keys = kept(stage, tokens(6 * PAGE, seed=4), ("a", (0, 3)))
+    assert kv.free_pages == kv.n_pages  # everything is free or evictable
+    with stage.open_session() as big:
+        big.reserve(0, (kv.n_pages - 2) * PAGE)  # takes every free page and 4 kept ones
+        with stage.open_session() as s:
+            assert s.attach(("a", (0, 3)), keys)[0] == 2 * PAGE  # the head of the chain stays
+        with stage.open_session() as more, pytest.raises(KVCacheFull):
+            more.reserve(0, 3 * PAGE)
+
+
+def test_a_page_in_use_by_a_session_is_never_evicted(stage) -> None:
+    kv = stage.kv
+    keys = kept(stage, tokens(2 * PAGE, seed=5), ("b", (0, 3)))
+    with stage.open_session() as reader:
+        assert reader.attach(("b", (0, 3)), keys)[0] == 2 * PAGE
+        with stage.open_session() as big:
+            big.reserve(0, kv.free_pages * PAGE)
+            assert set(big.pages).isdisjoint(reader.pages)
+            with stage.open_session() as more, pytest.raises(KVCacheFull):
+                more.reserve(0, PAGE)
