@@ -2,6 +2,8 @@
 
     routing    routes from the coverage map (shortest path over layer boundaries by measured
                latency), expert coverage by replicas, unfit peers, our latency measurements
+    affinity   prefix affinity: which route holds a prompt's start (its hops' kept KV), and
+               when taking it beats the cheapest route; the keys each hop files pages under
     swarm      SwarmGenerator: plan, open sessions, send steps down the route (each hop
                forwards to the next), probe a silent route, count each hop's work
     failover   replace the failed hop, close the old route, replay the history on a new one
