@@ -217,9 +217,10 @@ def main() -> None:
                                experts(nm, 0, 64), experts(nm, 64, 128)]),
         ]
         refs: dict[Path, LlamaCppDecoder | None] = {}
-        manifests = {m: Manifest.from_gguf(m) for m in {d for _, d, _ in layouts}}
+        runs = {n for n, _, _ in layouts if n in want or n == "1node" and "prefix-ttft" in want}
+        manifests = {m: Manifest.from_gguf(m) for m in {d for n, d, _ in layouts if n in runs}}
         for name, model, placement in layouts:
-            if name not in want and not (name == "1node" and "prefix-ttft" in want):
+            if name not in runs:
                 continue
             began = time.perf_counter()
             with start(root / name, model, manifests[model], placement, args.threads) as net:

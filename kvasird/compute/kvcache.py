@@ -314,7 +314,7 @@ class Session:
         if end > pool.max_session_tokens:
             raise KVCacheFull(f"{end} tokens exceed the session limit of {pool.max_session_tokens}")
         need = -(-end // PAGE) - len(self.pages) + self._shared_from(start)
-        if need > pool.free_pages:
+        if need > len(pool._free) and need > pool.free_pages:  # counting kept pages: rarely
             raise KVCacheFull(f"the KV pool has {pool.free_pages * PAGE} free slots, this "
                               f"request needs {need * PAGE} more: close idle sessions or raise "
                               "the pool size")

@@ -103,8 +103,9 @@ class ServedSession:
         """Start every stage's session from the longest prefix of `keys` it kept: the
         positions the hop starts with (the least of its stages'; 0 at a head that kept no
         token ids to restore the history with)."""
-        found = [s.attach(scope, split_keys(keys))
-                 for s, scope in zip(self.sessions, self.scopes, strict=True)]
+        keys_ = split_keys(keys)
+        found = [s.attach(scope, keys_) for s, scope in zip(self.sessions, self.scopes,
+                                                            strict=True)]
         cached = min(n for n, _ in found)
         if self.sampler is not None and cached:
             ids = found[-1][1]
