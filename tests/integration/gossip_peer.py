@@ -81,13 +81,37 @@ class GossipPeer:
             if lie_about_shards:
                 self.advertised = [str(a) for a in self.host.get_addrs()]
             await self.host.connect(info_from_p2p_addr(multiaddr.Multiaddr(join)))
-            for name in ("coverage", "load"):
-                await self.pubsub.subscribe(f"kvasir/{self.network}/{name}")
-            await trio.sleep(2)  # let the mesh form
-            yield self
+            async with trio.open_nursery() as nursery:
+                for name in ("coverage", "load"):
+                    sub = await self.pubsub.subscribe(f"kvasir/{self.network}/{name}")
+                    nursery.start_soon(self._drain, sub)
+                await trio.sleep(2)  # let the mesh form
+                yield self
+                nursery.cancel_scope.cancel()
             for pid in list(self.host.get_connected_peers()):
                 with trio.move_on_after(1):
                     await self.host.get_network().close_peer(pid)
+
+    @staticmethod
+    async def _drain(sub) -> None:  # noqa: ANN001
+        """Read what the daemons gossip and drop it: an unread subscription fills its
+        32-message queue, and py-libp2p then logs a warning for every message after."""
+        while True:
+            await sub.get()
+
+    async def stay_connected(self, joins: list[str]) -> None:
+        """Dial each of ``joins`` this peer has no connection to: a daemon drops a peer
+        that answers its heartbeat late (a loaded machine), and then nothing this peer
+        publishes reaches it, or anyone, if it was the only connection."""
+        connected = {p.to_string() for p in self.host.get_connected_peers()}
+        for join in joins:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(join))
+            if info.peer_id.to_string() not in connected:
+                with trio.move_on_after(5):
+                    try:
+                        await self.host.connect(info)
+                    except Exception:  # noqa: BLE001 - it may be busy: the next round tries again
+                        pass
 
     async def publish(self, name: str, data: bytes) -> None:
         with trio.move_on_after(5):

@@ -9,11 +9,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 from gossip_peer import GossipPeer  # type: ignore[import-not-found]
 
 from kvasird.localnet import LocalNet
+from kvasird.localnet.launcher import LocalNetError
 from kvasird.market.model import MarketModel
 from kvasird.market.records import CoverageRecord, Holding
 from kvasird.market.service import MIN_TTL_S
@@ -108,9 +110,9 @@ def test_hot_experts_end_with_more_replicas_than_cold_ones(
     # The reports come from a py-libp2p peer in a process of its own: run in the test
     # process after some in-process libp2p tests (tests/inference/test_lane.py), its reports
     # reliably had no effect, for a reason not found yet; alone they always did. It keeps
-    # publishing while the test waits: three reports in its first 3 s once had no effect
-    # in a full CI run either (no node enrolled anything after its first plan), as if its
-    # mesh had not formed yet on that loaded machine.
+    # publishing while the test waits, and keeps a connection to every node: a daemon drops
+    # a peer whose heartbeat answers come late (ten daemons hashing the model on a loaded
+    # 2-core machine), and a reporter connected to node 0 alone then published to no one.
     script = f"""
 import sys, time, trio
 sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -122,6 +124,7 @@ async def main():
     peer = GossipPeer("localnet")
     async with peer.running({net.nodes[0].join_addr!r}):
         for seq in range(1, {int(HOT_CONVERGE_S)}):
+            await peer.stay_connected({[n.join_addr for n in net.nodes]!r})
             report = LoadReport(peer.peer_id, seq, time.time(), {model.model_id!r}, 60.0,
                                 10_000, {counts!r})
             await peer.publish("load", pack(report.to_wire()))
@@ -140,9 +143,26 @@ trio.run(main)
         cold_max = max(s["replicas"] for s in experts if s["experts"][1] > 4)
         return hot_min > cold_max and covered(net)
 
+    def where_it_stands() -> str:
+        """Per node: the hot experts' (replicas, target) of layer 0, and whether covered: a
+        target of 2 means no load report reached that node."""
+        out = []
+        for node in net.nodes:
+            try:
+                view = node.get("/v0/coverage")
+            except (httpx.HTTPError, LocalNetError) as exc:
+                out.append(f"node{node.index}: {exc!r}")
+                continue
+            hot0 = [(s["replicas"], s["target"]) for s in view.get("segments") or ()
+                    if s["unit"] == "experts" and s["layer"] == 0 and s["experts"][0] < 4]
+            out.append(f"node{node.index}: hot {hot0} covered {view.get('fully_covered')}")
+        return "; ".join(out)
+
     try:
         net.wait_until("hot experts have more replicas than any cold one", hot_have_more,
                        timeout=HOT_CONVERGE_S)
+    except LocalNetError as exc:
+        raise AssertionError(f"{exc}\n{where_it_stands()}") from None
     finally:
         reporter.kill()
         reporter.wait()
