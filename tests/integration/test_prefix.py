@@ -58,13 +58,19 @@ def test_a_repeated_prompt_starts_from_the_kept_kv_and_computes_the_same_logprob
     assert n_prompt > 4 * PAGE and first.usage.prompt_tokens_details.cached_tokens == 0
     again = ask(gateway, "What is item 3?")
     cached = again.usage.prompt_tokens_details.cached_tokens
-    assert 256 <= cached < n_prompt and cached % 256 == 0, cached
+    assert n_prompt - PAGE <= cached < n_prompt and cached % PAGE == 0, (cached, n_prompt)
     assert logprobs(again) == logprobs(first)  # bit for bit, text and all
     # another question after the same system prompt: the cold answer of another gateway
-    # (a caller of its own: nothing kept for it) on the same stages, bit for bit
+    # (a caller of its own: nothing kept for it) on the same stages, bit for bit. A hop
+    # that answers a prefill chunk late (a loaded machine) fails the route over, and the
+    # new route starts from the pages the hops kept of that same request's first chunks:
+    # then the third node's gateway gives the cold answer.
     other = ask(gateway, "Which colour is never mentioned for item 5?")
     assert other.usage.prompt_tokens_details.cached_tokens >= 256
-    cold = ask(client_of(net, 1), "Which colour is never mentioned for item 5?")
+    for index in (1, 2):
+        cold = ask(client_of(net, index), "Which colour is never mentioned for item 5?")
+        if cold.usage.prompt_tokens_details.cached_tokens == 0:
+            break
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert logprobs(other) == logprobs(cold)
     # every stage of the route started from its kept pages, seen on each node

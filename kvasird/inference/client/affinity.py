@@ -15,7 +15,7 @@ A hop's KV depends on every hop before it, not only on the tokens: hop i's keys 
 token keys scoped by the peers and parts of hops 0..i, so a stage reuses a page only
 behind the same upstream (a page computed behind a peer later found broken is never
 served behind another), and a repeated prompt on the same route computes what a cold one
-would, bit for bit (the prefill starts at a PREFILL_CHUNK boundary, in the same chunks).
+would, bit for bit (the prefill starts at a page boundary: swarm.py's ``start``).
 """
 
 from __future__ import annotations

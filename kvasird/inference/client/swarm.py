@@ -65,7 +65,7 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from kvasird.compute.kvcache import page_keys
+from kvasird.compute.kvcache import PAGE, page_keys
 from kvasird.compute.sampling import SamplingParams
 from kvasird.config import InferenceConfig
 from kvasird.errors import WireError
@@ -458,9 +458,11 @@ class _Run:
         """Plan a route, open its sessions and prefill `history`; return the head's token.
 
         On a first route the hops may hold the prompt's start (prefix reuse): the prefill
-        then begins at the last PREFILL_CHUNK boundary every hop holds, so its chunks are
-        those a cold prefill computes. A replay after a failover starts from nothing, so
-        that the new route's KV holds the bits the old one's did."""
+        then begins at the last page every hop holds (a multiple of PAGE, so each row sits
+        where it sits in a cold prefill's chunks modulo any kernel's row blocking, and the
+        prompt's last chunk ends where a cold one's does: the logprobs are the cold
+        ones bit for bit, tests/integration/test_prefix.py). A replay after a failover
+        starts from nothing, so that the new route's KV holds the bits the old one's did."""
         gen, prompt = self.gen, len(history) - produced
         self.history = history
         keys = page_keys(history[:prompt]) if first and gen.config.prefix_cache else b""
@@ -488,7 +490,7 @@ class _Run:
                 self.sampling, max(produced - 1, 0), prompt,
                 hop_keys(keys, self.route, i) if keys else b""))
             cached = min(cached, _read(hop.peer, Opened.from_wire, reply).cached)
-        begin = min(cached, prompt - 1) // PREFILL_CHUNK * PREFILL_CHUNK if keys else 0
+        begin = min(cached, prompt - 1) // PAGE * PAGE if keys else 0
         gen.reused += begin
         if first:
             self.cached = begin
