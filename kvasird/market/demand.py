@@ -3,7 +3,14 @@
 Target replicas start at the network's ``target_replicas`` for every unit. Stages gossip
 how often each expert was selected; an expert selected k >= 1.25 times the layer's mean
 gets ``round(base * k)`` replicas (capped at ``base * max_factor``), so hot experts attract
-more holders than cold ones, and near-average ones keep the base target. Scarcity of a unit is ``max(0, target - replicas) / target``.
+more holders than cold ones, and near-average ones keep the base target. Scarcity of a unit
+is ``max(0, target - replicas) / target``.
+
+A market with room to spare holds one replica more of every unit than its targets ask
+(``with_spare``): a holder lost to churn then leaves its units at their target while a
+replacement downloads, instead of short of it for the 20 to 60 s that detection and the
+download take. Only enrollment (``decide``, the herd guard) uses the spare targets;
+what a node reports as covered is measured against the targets themselves.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ HALF_LIFE_S = 600.0
 MAX_FACTOR = 3.0
 HOT_RATIO = 1.25
 """Selections relative to the layer's mean above which an expert counts as hot."""
+SPARE_ROOM = 4
+"""The spare replica is held only where the market's budget left over by the targets is
+at least this many spare replicas' bytes: the budgets are an estimate (13 % off at
+10,000 nodes), fragmented over nodes, and some of them hold other models."""
 
 
 @dataclass
@@ -67,6 +78,22 @@ class Demand:
         return Targets(np.full(self.model.n_layer, base, dtype=np.int32), expert, base)
 
 
+def wanted_bytes(model: MarketModel, targets: Targets) -> int:
+    """Bytes of all the replicas ``targets`` ask for."""
+    return (targets.head * model.head_bytes + int((targets.layer * model.layer_bytes).sum())
+            + int((targets.expert * model.expert_bytes).sum()))
+
+
+def with_spare(targets: Targets, model: MarketModel, market_budget: int) -> Targets:
+    """``targets`` plus one replica of every unit when ``market_budget`` (bytes all nodes
+    offer, ``publish.market_budget``) has room for SPARE_ROOM such replicas beyond what
+    ``targets`` want; else ``targets`` unchanged."""
+    spare = Targets(targets.layer + 1, targets.expert + 1, targets.head + 1)
+    room = market_budget - wanted_bytes(model, targets)
+    extra = wanted_bytes(model, spare) - wanted_bytes(model, targets)
+    return spare if room >= SPARE_ROOM * extra else targets
+
+
 def scarcity(counts: Counts, targets: Targets) -> tuple[np.ndarray, np.ndarray, float]:
     """(layer, expert, head) scarcity in [0, 1]: the missing fraction of each target."""
     def s(c: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -111,7 +138,3 @@ def _runs(c: np.ndarray, t: np.ndarray) -> list[tuple[int, int, int, int]]:
 def fully_covered(counts: Counts, targets: Targets) -> bool:
     return (counts.head >= targets.head and bool((counts.layer >= targets.layer).all())
             and bool((counts.expert >= targets.expert).all()))
-
-
-
-

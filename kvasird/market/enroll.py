@@ -7,13 +7,18 @@ deciding at the same moment spread out.
 Hysteresis: a node gives a unit up only to make room for a scarcer one, only where the
 unit has more holders than its target, and only if it is one of the designated surplus
 holders (the same deterministic choice on every node), so a unit is never left uncovered.
+Runs are found with numpy over the whole model and made into Units only as far as the
+budget reaches: a 122B MoE has 12,544 experts, and a Python loop over them cost each
+decision 30 to 70 ms.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Set
+from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
+from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 
@@ -58,20 +63,27 @@ def decide(model: MarketModel, counts: Counts, targets: Targets, me: str, budget
         _bump(counts, u)
     wanted = _scarce_runs(model, counts, targets, held | set(add), rng, stored)
     droppable = _surplus(model, counts, targets, me, held - pinned, holders)
-    spare = sum(model.size(u) for u in droppable)
+    freeable = sum(model.size(u) for u in droppable)
     drop: list[Unit] = []
     for run in wanted:
-        deficit = _target(targets, run[0]) - counts.of(run[0])
-        may_swap = rng.random() < SWAP_EAGERNESS * deficit / max(peers, 1)
-        for u in run:
-            size = model.size(u)
-            if used + size > budget and (not may_swap or used + size - spare > budget):
-                continue
+        if used + run.smallest - freeable > budget:
+            continue  # none of it fits, even in the place of all our surplus
+        may_swap: bool | None = None  # drawn once a unit of the run does not fit free
+        for u, size in run.units(model):
+            if used + size > budget:
+                if may_swap is None:
+                    lead = run.unit(run.start + run.first)
+                    deficit = _target(targets, lead) - counts.of(lead)
+                    may_swap = bool(rng.random() < SWAP_EAGERNESS * deficit / max(peers, 1))
+                if not may_swap or used + size - freeable > budget:
+                    if used + run.smallest - (freeable if may_swap else 0) > budget:
+                        break  # nor does any other unit of the run
+                    continue
             while used + size > budget:
                 victim = droppable.pop()
                 drop.append(victim)
                 used -= model.size(victim)
-                spare -= model.size(victim)
+                freeable -= model.size(victim)
             add.append(u)
             used += size
     return Plan(tuple(add), tuple(drop))
@@ -90,54 +102,108 @@ def _bump(c: Counts, u: Unit) -> None:
         c.expert[u.layer, u.expert] += 1
 
 
+_KINDS = ("head", "layer", "expert")
+
+
+class _Run(NamedTuple):
+    """Contiguous units of one kind and equal scarcity that we don't hold (a stretch of
+    layers, or of one layer's experts), entered at ``first``. Units are made only for the
+    ones ``decide`` gets to: a map where everything is scarce costs no 12,544 of them."""
+
+    kind: str
+    layer: int
+    """The experts' layer (experts only)."""
+    start: int
+    end: int
+    first: int
+    """Offset of the unit taken first (the run wraps around to the ones before it)."""
+    smallest: int
+    """Bytes of its smallest unit."""
+
+    def unit(self, i: int) -> Unit:
+        if self.kind == "expert":
+            return Unit("expert", self.layer, i)
+        return Unit("layer", i) if self.kind == "layer" else HEAD
+
+    def units(self, model: MarketModel) -> Iterator[tuple[Unit, int]]:
+        """(unit, bytes) in the order to take them."""
+        sizes = (model.expert_bytes[self.layer, self.start:self.end].tolist()
+                 if self.kind == "expert" else model.layer_bytes[self.start:self.end].tolist()
+                 if self.kind == "layer" else [model.head_bytes])
+        for j in chain(range(self.first, len(sizes)), range(self.first)):
+            yield self.unit(self.start + j), sizes[j]
+
+
 def _scarce_runs(model: MarketModel, counts: Counts, targets: Targets, held: set[Unit],
-                 rng: np.random.Generator, stored: Set[Unit] = frozenset()) -> list[list[Unit]]:
+                 rng: np.random.Generator, stored: Set[Unit] = frozenset()) -> list[_Run]:
     """Runs of scarce units we don't hold, scarcest first, each rotated to a random start
     (to its first stored unit when it has one)."""
     s_layer, s_expert, s_head = scarcity(counts, targets)
-    runs: list[tuple[float, int, float, list[Unit]]] = []
-    if s_head > 0 and HEAD not in held:
-        runs.append((s_head, model.size(HEAD), rng.random(), [HEAD]))
-    for s, units in _group(s_layer, lambda i: Unit("layer", i), held):
-        runs.append((s, max(model.size(u) for u in units), rng.random(), units))
-    for layer in range(model.n_layer if model.n_expert else 0):
-        for s, units in _group(s_expert[layer], lambda e, l=layer: Unit("expert", l, e), held):
-            runs.append((s, max(model.size(u) for u in units), rng.random(), units))
+    mine, disk = _Mask(model, held), _Mask(model, stored)
+    # per kind as rows: (scarcity, ours, bytes, on our disk)
+    grids = ((np.array([[s_head]]), np.array([[mine.head]]), np.array([[model.head_bytes]]),
+              np.array([[disk.head]])),
+             (s_layer[None], mine.layer[None], model.layer_bytes[None], disk.layer[None]),
+             (s_expert, mine.expert, model.expert_bytes, disk.expert))
+    found = [_group(s, ~ours, size, on) for s, ours, size, on in grids]
+    kind = np.concatenate([np.full(len(f[0]), k) for k, f in enumerate(found)])
+    row, start, end, level, largest, smallest, on_disk = (np.concatenate(c) for c in zip(*found))
     # Equally scarce: the largest unit first (first-fit decreasing). A node that filled its
     # budget with small layers first could leave no room anywhere for the head (30 of 42
     # MiB per node in the 3-node demo), and nodes only give up surplus: it stayed uncovered.
-    # Before both: runs with more bytes already on our disk.
-    def on_disk(units: list[Unit]) -> int:
-        return sum(model.size(u) for u in units if u in stored)
-
-    runs.sort(key=lambda r: (-r[0], -on_disk(r[3]), -r[1], r[2]))
+    # Before both: runs with more bytes already on our disk. Then at random.
+    order = np.lexsort((rng.random(len(level)), -largest, -on_disk, -level))
+    firsts = rng.integers(0, (end - start)[order]).tolist()
     out = []
-    for _, _, _, units in runs:
-        k = int(rng.integers(len(units)))
-        # enter at a stored segment's start (cyclically: a run taken at 23 wrapped to 0-2)
-        k = next((i for i, u in enumerate(units) if u in stored
-                  and units[i - 1] not in stored), k) if stored else k
-        out.append(units[k:] + units[:k])
+    for k, r, a, b, least, disk_bytes, first in zip(
+            *(c[order].tolist() for c in (kind, row, start, end, smallest, on_disk)), firsts):
+        if disk_bytes:  # enter at a stored segment's start (cyclically: a run taken at 23
+            st = grids[k][3][r, a:b]  # wrapped to 0-2)
+            entries = np.flatnonzero(st & ~np.roll(st, 1))
+            first = int(entries[0]) if len(entries) else first
+        out.append(_Run(_KINDS[k], r, a, b, first, least))
     return out
 
 
-def _group(s: np.ndarray, unit: Callable[[int], Unit], held: set[Unit]) -> list[tuple[float, list[Unit]]]:
-    """Contiguous runs of equal positive scarcity, skipping units already held."""
-    out: list[tuple[float, list[Unit]]] = []
-    current: list[Unit] = []
-    level = 0.0
-    for i, v in enumerate(s):
-        u = unit(i)
-        if v > 0 and u not in held and (not current or v == level):
-            current.append(u)
-            level = float(v)
-            continue
-        if current:
-            out.append((level, current))
-        current, level = ([u], float(v)) if v > 0 and u not in held else ([], 0.0)
-    if current:
-        out.append((level, current))
-    return out
+class _Mask:
+    """A set of units as boolean arrays, shaped like the model's units."""
+
+    def __init__(self, model: MarketModel, units: Set[Unit]) -> None:
+        self.head = False
+        self.layer = np.zeros(model.n_layer, dtype=bool)
+        self.expert = np.zeros((model.n_layer, model.n_expert), dtype=bool)
+        for u in units:
+            if u.kind == "head":
+                self.head = True
+            elif u.kind == "layer":
+                self.layer[u.layer] = True
+            else:
+                self.expert[u.layer, u.expert] = True
+
+
+def _group(s: np.ndarray, free: np.ndarray, size: np.ndarray, stored: np.ndarray
+           ) -> tuple[np.ndarray, ...]:
+    """Contiguous runs of equal positive scarcity among the ``free`` units, along each row
+    of ``s``: (row, start, end, scarcity, largest and smallest unit's bytes, bytes stored),
+    one entry per run."""
+    ok = (s > 0) & free
+    joined = np.zeros_like(ok)  # unit j continues the run of unit j - 1
+    joined[:, 1:] = ok[:, 1:] & ok[:, :-1] & (s[:, 1:] == s[:, :-1])
+    last = np.ones_like(ok)  # unit j ends its run
+    last[:, :-1] = ~joined[:, 1:]
+    rows, starts = np.nonzero(ok & ~joined)
+    ends = np.nonzero(ok & last)[1] + 1
+    if not len(rows):
+        empty = np.zeros(0, dtype=np.int64)
+        return rows, starts, ends, np.zeros(0), empty, empty, empty
+    # reduce over [start, end) of each run: every other segment of the interleaved bounds
+    bounds = np.column_stack([rows * s.shape[1] + starts, rows * s.shape[1] + ends]).ravel()
+
+    def over_runs(f: np.ufunc, values: np.ndarray) -> np.ndarray:
+        return f.reduceat(np.append(values.ravel(), 0), bounds)[::2]
+
+    return (rows, starts, ends, s[rows, starts], over_runs(np.maximum, size),
+            over_runs(np.minimum, size), over_runs(np.add, size * stored))
 
 
 def _surplus(model: MarketModel, counts: Counts, targets: Targets, me: str, held: set[Unit],

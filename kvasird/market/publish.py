@@ -32,6 +32,11 @@ delay of up to ``spread_s``, unless someone else's suspicion (or news from the h
 arrives first, so a death costs about one message however many peers saw it. Every map
 then lets the holder's record expire within ``suspect_s``; a live holder answers with a
 newer record, which cancels the suspicion everywhere.
+
+The same census sizes the market's memory (``market_budget``): the budgets of the nodes
+that tell something are all in the map, and the silent ones' are extrapolated from the
+PRESENCE_K that publish, so whether the market has room for a spare replica
+(``demand.with_spare``) is known at a cost that does not grow with the network either.
 """
 
 from __future__ import annotations
@@ -115,6 +120,19 @@ def census(records: list[CoverageRecord]) -> tuple[int, list[float]]:
     take."""
     silent = sorted(rank(r.peer) for r in records if not tells(r))
     return len(records) - len(silent), silent
+
+
+def market_budget(records: list[CoverageRecord], participants: int) -> int:
+    """Bytes the ``participants`` nodes offer to hold, from the records a map holds: the
+    budgets of the nodes that tell something, all in the map, plus the silent nodes' (of
+    which only the PRESENCE_K lowest ranks publish, a uniform sample) as the mean budget
+    of those seen times the silent nodes ``participants`` counts."""
+    told = [r.budget for r in records if tells(r)]
+    silent = [r.budget for r in records if not tells(r)]
+    out = float(sum(told))
+    if silent:
+        out += sum(silent) / len(silent) * max(len(silent), participants - len(told))
+    return int(out)
 
 
 @dataclass

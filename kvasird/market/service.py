@@ -30,13 +30,13 @@ from kvasird.config import MarketConfig
 from kvasird.errors import ConfigError, WireError
 from kvasird.logs import get_logger
 from kvasird.market.coverage import CoverageMap
-from kvasird.market.demand import Demand, fully_covered, segments
+from kvasird.market.demand import Demand, fully_covered, segments, with_spare
 from kvasird.market.enroll import decide
 from kvasird.market.gate import RecordGate, Stale
 from kvasird.market.model import MarketModel
 from kvasird.market.pinning import parse_hold
 from kvasird.market.proofs import ClaimChecker
-from kvasird.market.pacing import joins_round, round_budget
+from kvasird.market.pacing import Bandwidth, joins_round, round_budget
 from kvasird.market.publish import (
     MIN_TTL_S,
     SUSPECT_TTL_S,
@@ -44,6 +44,7 @@ from kvasird.market.publish import (
     Suspicions,
     census,
     keepalive_s,
+    market_budget,
     participants,
     present,
     record_ttl,
@@ -123,6 +124,8 @@ class MarketService:
         """Nodes taking part in the market, as our map counts them (``participants``)."""
         self.publisher = Publisher(keepalive_s(config.heartbeat_s, self.participants))
         self.suspicions = Suspicions(spread_s=config.heartbeat_s)
+        self.bandwidth = Bandwidth()
+        """This node's measured download rate: what a round's take is sized to."""
         self.signed: dict[str, bytes] = {}
         """Each mapped peer's latest record as its signed gossip message: what sync sends."""
         self._connected: set[str] = set()
@@ -479,17 +482,19 @@ class MarketService:
         store is pruned back to the budget."""
         assert self.map is not None and self.model is not None and self.demand is not None
         self.map.expire(self.clock())
-        targets = self.demand.targets(self.config.target_replicas)
-        peers = self.participants = participants(
-            *census([e.record for e in self.map.entries.values()]))
+        records = [e.record for e in self.map.entries.values()]
+        peers = self.participants = participants(*census(records))
+        targets = with_spare(self.demand.targets(self.config.target_replicas), self.model,
+                             market_budget(records, peers))
         held_bytes = sum(self.model.size(u) for u in self.held)
+        rate = self.bandwidth.rate
         if not self.pinned - set(self.held) and not joins_round(
-                self.model, self.map.active, targets, peers, self.budget,
+                self.model, self.map.active, targets, peers, self.budget, rate,
                 self.config.rebalance_s, self.config.heartbeat_s, self.rng):
             self.state = "online"  # nothing for us this round (the herd guard)
             await self.publish()
             return
-        budget = round_budget(self.model, self.budget, held_bytes)
+        budget = round_budget(self.model, self.budget, held_bytes, rate)
         plan = decide(self.model, self.map.active, targets, self.p2p.peer_id, budget,
                       set(self.held), self.pinned, self.map.holders, self.rng, peers=peers,
                       stored=await self._stored())
@@ -542,6 +547,8 @@ class MarketService:
         try:
             if self.shards is not None:
                 report = await self.shards.fetch(self.model.model_id, add, self.sources(add))
+                if report is not None:
+                    self.bandwidth.observe(report.received_bytes, report.seconds)
                 if report is not None and self.proofs is not None:
                     for peer in report.bad_holders:
                         self.proofs.condemn(peer, "sent bytes that are not the model's")

@@ -18,7 +18,11 @@ real ``LoadReport``s. Only the network and the clock are simulated (discrete eve
   first suspicion, and the others sent before it reached them, go out; every map then
   expires the holder's record within ``suspect_s``. Others expire by their TTL.
 - **Heterogeneous nodes.** Budgets lognormal around ``budget_median``; download
-  bandwidth lognormal (a unit is ``joining``/``loading`` until its bytes are in).
+  bandwidth lognormal (a unit is ``joining``/``loading`` until its bytes are in). Each
+  node sizes its takes by its rate as the daemon measures it (``pacing.Bandwidth``, fed
+  from its own simulated downloads), and enrolls against the daemon's spare targets
+  (``with_spare`` of the market's budget); what is reported is measured against the
+  targets themselves.
 - **Publishing.** Each node runs the daemon's ``Publisher``: a record on change, a
   keep-alive every ``keepalive_s``, silence while it has nothing to tell.
 - **Joining delays.** Nodes boot spread over ``boot_s`` (a model announcement reaching
@@ -79,17 +83,18 @@ from libp2p.pubsub.pb import rpc_pb2
 from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.errors import WireError
 from kvasird.market.coverage import Counts, CoverageMap
-from kvasird.market.demand import Demand, Targets, fully_covered
+from kvasird.market.demand import Demand, Targets, fully_covered, with_spare
 from kvasird.market.enroll import decide
 from kvasird.market.gate import RecordGate, Stale
 from kvasird.market.model import MarketModel
-from kvasird.market.pacing import joins_round, round_budget
+from kvasird.market.pacing import Bandwidth, joins_round, round_budget
 from kvasird.market.publish import (
     SUSPECT_TTL_S,
     Publisher,
     Suspicions,
     census,
     keepalive_s,
+    market_budget,
     participants,
     present,
     record_ttl,
@@ -303,7 +308,11 @@ class _Node:
     budget: int
     """Memory budget, bytes."""
     bandwidth: float
-    """Shard download rate, bytes/s."""
+    """Shard download rate, bytes/s (drawn)."""
+    measured: Bandwidth = field(default_factory=Bandwidth)
+    """Its rate as the daemon measures it, from its simulated downloads."""
+    loading: tuple[int, float] = (0, 0.0)
+    """Bytes and start of the download in flight."""
     held: dict[Unit, str] = field(default_factory=dict)
     """Units held and their state, as MarketService.held."""
     state: str = "joining"
@@ -415,7 +424,7 @@ class MarketSim:
         """Per-minute traffic, columns _BIN."""
         self._busy: dict[int, set[int]] = {}
         """Per minute, the seconds in which messages were published (IHAVE heartbeats)."""
-        self._census: tuple[int, int, list[float]] = (-1, 0, [])
+        self._census: tuple[int, int, list[float], int] = (-1, 0, [], 0)
         self._entries_version = 0
         self.online_after: list[float] = []
         self.servable_after: list[float] = []
@@ -495,12 +504,14 @@ class MarketSim:
         view = self._view(t)
         plan_add: tuple[Unit, ...] = ()
         held_bytes = sum(self.model.size(u) for u in node.held)
-        if not fully_covered(view, self.targets) and joins_round(
-                self.model, view, self.targets, self._peers(), node.budget, self.cfg.rebalance_s,
-                self.cfg.heartbeat_s, self.rng):
+        targets = with_spare(self.targets, self.model, self._market_budget())
+        rate = node.measured.rate
+        if not fully_covered(view, targets) and joins_round(
+                self.model, view, targets, self._peers(), node.budget, rate,
+                self.cfg.rebalance_s, self.cfg.heartbeat_s, self.rng):
             began = time.process_time()
-            plan = decide(self.model, view, self.targets, node.peer,
-                          round_budget(self.model, node.budget, held_bytes),
+            plan = decide(self.model, view, targets, node.peer,
+                          round_budget(self.model, node.budget, held_bytes, rate),
                           set(node.held), set(), self.index, self.rng,
                           peers=self._peers())
             self.decide_s += time.process_time() - began
@@ -518,8 +529,9 @@ class MarketSim:
                 self._publish(t, i)
                 for u in plan.add:
                     node.held[u] = "loading"
-                loading = sum(self.model.size(u) for u in plan.add) / node.bandwidth
-                self.at(t + loading, "loaded", i)
+                size = sum(self.model.size(u) for u in plan.add)
+                node.loading = (size, t)
+                self.at(t + size / node.bandwidth, "loaded", i)
             elif plan.drop:
                 self._publish(t, i)
         if node.state != "online":
@@ -531,10 +543,20 @@ class MarketSim:
 
     def _silent(self) -> tuple[int, list[float]]:
         """``census`` of the map, recomputed when the map's peers changed."""
-        if self._census[0] != self._entries_version:
-            self._census = (self._entries_version, *census(
-                [e.record for e in self.truth.entries.values()]))
+        self._recount()
         return self._census[1], self._census[2]
+
+    def _market_budget(self) -> int:
+        """``market_budget`` of the map, recomputed with the census."""
+        self._recount()
+        return self._census[3]
+
+    def _recount(self) -> None:
+        if self._census[0] != self._entries_version:
+            records = [e.record for e in self.truth.entries.values()]
+            tellers, silent = census(records)
+            self._census = (self._entries_version, tellers, silent,
+                            market_budget(records, participants(tellers, silent)))
 
     def _peers(self) -> int:
         return participants(*self._silent())
@@ -546,6 +568,8 @@ class MarketSim:
         for u, state in node.held.items():
             if state == "loading":
                 node.held[u] = "online"
+        size, began = node.loading
+        node.measured.observe(size, t - began)
         self._publish(t, i)
         self.at(t + self._rebalance_wait(), "decide", i)
 

@@ -104,17 +104,17 @@ def test_the_herd_guard_lets_about_the_missing_bytes_enroll_and_leaves_small_net
     cmap.apply(record("a", held={u: "online" for u in model.units() if u != L1}), 0.0)
     targets = Demand(model).targets(1)  # layer 1 (100 B) is missing
     rng = np.random.default_rng(0)
-    go = [joins_round(model, cmap.active, targets, 10_000, 100, 15.0, 5.0, rng)
+    go = [joins_round(model, cmap.active, targets, 10_000, 100, 1e6, 15.0, 5.0, rng)
           for _ in range(20_000)]
     assert 0.5 * 6 < sum(go) < 2 * 6  # p = 1 x 15 s / (10,000 x 5 s): one node a heartbeat
     many = Demand(model).targets(3)  # 2 more replicas of everything: many nodes' worth
-    assert sum(joins_round(model, cmap.active, many, 10_000, 100, 15.0, 5.0, rng)
+    assert sum(joins_round(model, cmap.active, many, 10_000, 100, 1e6, 15.0, 5.0, rng)
                for _ in range(20_000)) > 10 * sum(go)
-    assert all(joins_round(model, cmap.active, targets, HERD_MIN - 1, 100, 15.0, 5.0, rng)
+    assert all(joins_round(model, cmap.active, targets, HERD_MIN - 1, 100, 1e6, 15.0, 5.0, rng)
                for _ in range(100))
     full = Demand(model).targets(1)
     cmap.apply(record("b", held={L1: "online"}), 0.0)
-    assert not joins_round(model, cmap.active, full, 10, 100, 15.0, 5.0, rng)
+    assert not joins_round(model, cmap.active, full, 10, 100, 1e6, 15.0, 5.0, rng)
 
 
 def test_the_ttl_is_matched_to_the_keep_alive_which_slows_as_the_market_grows() -> None:

@@ -68,3 +68,12 @@ def test_gossip_bytes_come_from_real_record_encodings(ran: tuple[MarketSim, SimR
     assert sim.cfg.mesh_degree <= degree <= sim.cfg.mesh_degree_high
     assert g.mesh_per_node_min == pytest.approx((degree - 1) * g.unique_per_node_min)
     assert g.ihave_per_node_min > 0 and g.p99_per_node_min >= g.total_per_node_min
+
+
+def test_nodes_size_their_takes_by_the_rate_their_downloads_measured(
+        ran: tuple[MarketSim, SimResult]) -> None:
+    sim, _ = ran
+    downloaded = [n for n in sim.nodes if n.measured.measured]
+    assert len(downloaded) > 20
+    for n in downloaded:  # every simulated download runs at the node's drawn rate
+        assert n.measured.rate == pytest.approx(n.bandwidth)
