@@ -1,6 +1,7 @@
 """Coverage market on real daemons: time to convergence and gossip bytes per node per minute.
 
     nice .venv/bin/python bench/bench_market.py [--nodes 5 10 20] [--steady-s 60] [--heartbeat-s 1]
+                                                [--p2p-defaults]
 
 Each size starts its own LocalNet on 127.0.0.1 (node i bootstraps from node i-1) with a
 generated 8-layer x 64-expert MoE (Q8_0, ~58 MiB), target 2 replicas, budgets of 1.5x
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasird import PROTOCOL_VERSION, __version__
+from kvasird.config.schema import P2PConfig
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import LocalNetError, LocalNode
 from kvasird.market.model import MarketModel
@@ -139,12 +141,21 @@ def record_size(peer: str, view: dict[str, Any], addrs: tuple[str, ...], caps: C
     return len(pack(record.to_wire()))
 
 
+def shipped_p2p() -> dict[str, float]:
+    """The p2p timings a daemon ships with (config defaults), instead of LocalNet's loopback
+    ones (pings and peer exchange every second), whose traffic hides the records'."""
+    p2p = P2PConfig()
+    return {f"p2p.{name}": getattr(p2p, name) for name in
+            ("heartbeat_interval_s", "liveness_timeout_s", "peer_exchange_interval_s")}
+
+
 def run(n: int, model_path: Path, model: MarketModel, root: Path, steady_s: float,
-        heartbeat_s: float = HEARTBEAT_S) -> Result:
+        heartbeat_s: float = HEARTBEAT_S, p2p_defaults: bool = False) -> Result:
     budget_mb = int(2 * model.total_bytes * 1.5 / n / 2**20) + 1
     settings = {"market.model": str(model_path), "market.memory_budget_mb": budget_mb,
                 "market.heartbeat_s": heartbeat_s, "market.rebalance_s": 2.0,
-                "market.enroll_delay_s": 3.0, "market.target_replicas": 2}
+                "market.enroll_delay_s": 3.0, "market.target_replicas": 2,
+                **(shipped_p2p() if p2p_defaults else {})}
     with LocalNet(root / f"net{n}", n, settings=settings) as net:
         start = time.monotonic()
         up(net)
@@ -187,6 +198,9 @@ def main() -> None:
                         help="length of the bandwidth window, after convergence")
     parser.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S,
                         help="[market] heartbeat_s of every daemon")
+    parser.add_argument("--p2p-defaults", action="store_true",
+                        help="the daemon's shipped p2p timings (heartbeat 5 s, peer exchange "
+                        "10 s) instead of the loopback ones (both every second)")
     parser.add_argument("--keep", type=Path, default=None,
                         help="run under this directory (logs kept) instead of a temporary one")
     args = parser.parse_args()
@@ -204,7 +218,8 @@ def main() -> None:
                   f"{'keep-alive KiB/node/min':>23} {'max held/budget':>15}")
         rows = []
         for n in args.nodes:
-            r = run(n, model_path, model, root, args.steady_s, args.heartbeat_s)
+            r = run(n, model_path, model, root, args.steady_s, args.heartbeat_s,
+                    args.p2p_defaults)
             rows.append(f"{r.nodes:5d} {r.up_s:6.1f} {seconds(r.node0_s):>15} "
                         f"{seconds(r.all_s):>13} {f'{r.covered_after}/{r.nodes}':>14} "
                         f"{r.tcp_kib_min:16.0f} {r.tcp_sent_kib_min:8.0f} {r.record_bytes:8.0f} "
