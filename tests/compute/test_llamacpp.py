@@ -73,6 +73,7 @@ def run_llamacpp(path: Path, mode: str, items: list, n_new: int) -> list[dict]:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow  # two minutes: twelve prompts through both engines
 def test_greedy_tokens_equal_llamacpp_on_the_bundled_model(bundled, capsys):
     ref = run_llamacpp(bundled, "chat", PROMPTS, 32)
     stage = Stage.load(bundled, threads=2, kv=SAME_KV)

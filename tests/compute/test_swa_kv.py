@@ -16,6 +16,8 @@ from kvasird.compute.kvcache import PAGE, KVSpec, ring_pages
 from kvasird.compute.stage import MAX_CHUNK, Stage, generate
 from kvasird.model.testmodels import make_model
 
+pytestmark = pytest.mark.slow  # a minute of prefills and decodes over windowed caches
+
 RING = KVSpec(n_slots=4096, dtype="f16", window_sessions=3)
 FULL = KVSpec(n_slots=4096, dtype="f16", swa_full=True)
 

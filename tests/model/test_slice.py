@@ -26,6 +26,8 @@ from kvasird.model.slice import (
     write_slice,
 )
 
+pytestmark = pytest.mark.slow  # a minute: slices of a K-quant MoE written and read back
+
 _COUNTER = itertools.count()
 _SETTINGS = settings(max_examples=15, deadline=None,
                      suppress_health_check=[HealthCheck.function_scoped_fixture])
