@@ -108,6 +108,7 @@ def chain(stages: list[Stage], prompt: np.ndarray, step: int) -> tuple[np.ndarra
             s.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, dtype", BOTH)
 def test_three_ring_windows_equal_one_node(arch_models, arch, dtype):
     path = arch_models[arch, dtype]
@@ -138,6 +139,7 @@ def expert_workers(path, cuts: list[int]) -> Iterator[list[ExpertWorker]]:
         backend.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, dtype", [(a, t) for a in ("mixtral", "qwen35moe", "gpt-oss")
                                          for t in ("f32", "q8_0")] + [("gpt-oss", "mxfp4")])
 @pytest.mark.parametrize("cuts", [[0, 4, 8], [0, 3, 6, 8], [0, 2, 4, 6, 8]])
@@ -287,6 +289,7 @@ def test_an_mxfp4_expert_range_is_a_byte_copy_of_its_slab(arch_models):
         backend.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", NEW)
 def test_verify_passes(arch_models, arch):
     plan = VerifyPlan(prompts=2, prompt_len=8, greedy_prompts=1, greedy_tokens=4)

@@ -82,6 +82,7 @@ def base(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow
 @pytest.mark.parametrize("dims", [{"dtype": "f32"}, {"dtype": "q8_0"},
                                   {"dtype": "q4_k", "n_embd": 256, "n_ff": 512, "n_ff_exp": 256,
                                    "n_ff_shexp": 256, "head_dim": 64, "ssm_head_dim": 64}],

@@ -246,6 +246,7 @@ def test_threads_default_to_one_per_core_and_memory_is_reported(models):
     assert shared.backend is stage.backend
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, dtype", [("llama", "q4_0"), ("llama", "q4_1"), ("llama", "q8_0"),
                                          ("llama", "q4_k"), ("llama", "q6_k"),
                                          ("qwen3moe", "q4_0"), ("qwen3moe", "q6_k")])

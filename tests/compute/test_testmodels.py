@@ -137,6 +137,7 @@ def test_qwen35moe_carries_delta_net_and_shared_expert_keys_and_tensors(tmp_path
     assert "blk.0.ffn_up.weight" in GGUFFile(dense).tensors
 
 
+@pytest.mark.slow
 def test_tokenizer_is_the_bundled_one_and_gguf_py_reads_it(tmp_path, bundled):
     reader = GGUFReader(make_model(tmp_path / "m.gguf", n_layer=1))
     ref = bundled_tokenizer()
@@ -205,6 +206,7 @@ def test_cli_writes_the_new_architectures(tmp_path, arch, gguf_arch):
                                                                   "gpt-oss") else None)
 
 
+@pytest.mark.slow
 def test_q4_k_m_gives_tensors_llamacpps_types_and_repeated_experts_repeat(tmp_path) -> None:
     """The benchmark models' type: Q6_K for the output and for attn_v / ffn_down of the
     layers llama.cpp's Q4_K_M gives more bits (of 8: 0, 3, 6, 7), Q4_K elsewhere; with
