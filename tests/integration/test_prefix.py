@@ -14,6 +14,7 @@ import pytest
 from test_swarm import ROUTED_S, routable, settings, start  # type: ignore[import-not-found]
 
 from kvasird.compute.kvcache import PAGE
+from kvasird.inference.client.swarm import PREFILL_CHUNK
 from kvasird.localnet import LocalNet
 from kvasird.model.bundled import bundled_path
 
@@ -73,10 +74,8 @@ def test_a_repeated_prompt_starts_from_the_kept_kv_and_computes_the_same_logprob
             break
     # Still reused: only its own first chunks, kept by its failed first route (a whole
     # chunk, never the other caller's system-prompt pages, which are more).
-    assert cold.usage.prompt_tokens_details.cached_tokens % 256 == 0
-    assert cold.usage.prompt_tokens_details.cached_tokens < \
-        other.usage.prompt_tokens_details.cached_tokens or \
-        cold.usage.prompt_tokens_details.cached_tokens == 0
+    own = cold.usage.prompt_tokens_details.cached_tokens
+    assert own % PREFILL_CHUNK == 0 and own < other.usage.prompt_tokens_details.cached_tokens
     assert logprobs(other) == logprobs(cold)
     # every stage of the route started from its kept pages, seen on each node
     status = [n.get("/v0/inference")["prefix"] for n in net.nodes]
