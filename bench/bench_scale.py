@@ -12,13 +12,16 @@ pairs' ratios (this machine's speed drifts by 10-20 % from minute to minute).
     1node        one daemon holding the whole dense model: decode tok/s through the admin
                  API's token stream (POST /v0/generate)
     prefill      one stage in process: a 512-token prompt, and a 4k-token one (its time to
-                 first token), tokens/s; and a decode step's graph run with 16 rows against
-                 1 (the most that batching 16 sessions' steps into one graph could give)
+                 first token), tokens/s; and 16 sessions' decode steps as one graph
+                 (Stage.forward_batch) against one session's step (what batching them
+                 gives the engine, the ceiling of sessions16)
     ring         three daemons holding a third of the dense model's layers each
     moe-ring     the MoE on four daemons: two stages with the dense paths (head on the
                  first), two expert workers with half of every layer's experts each
     sessions16   aggregate decode tok/s of 16 concurrent generations on the 1-node daemon,
-                 over one generation's (ours alone: llama-cpp-python decodes one sequence)
+                 over one generation's (ours alone: llama-cpp-python decodes one sequence);
+                 beside it the same on a daemon that steps each session alone
+                 ([inference] batch_sessions = 1, the code before decode batching)
     prefix-ttft  a 2k-token prompt sent twice to the 1-node daemon: time to first token of
                  the first over the second's (what reusing a prompt's cached prefix buys)
 
@@ -107,14 +110,18 @@ def prefill(model: Path, threads: int, sizes: list[int]) -> dict[str, Any]:
     out["kv_bytes_per_token"] = kv_bytes_per_token(stage)
     with stage.open_session() as s:
         stage.forward(s, np.array(prompt_of(8)))  # graphs of the small sizes, threads warm
-    with stage.open_session() as s:  # a decode step's graph with 1 row, and with 16
-        stage.forward(s, np.array(prompt_of(64)))
-        cost = {}
-        for rows in (1, 16, 1, 16):
-            t = time.perf_counter()
-            stage.forward(s, np.array(prompt_of(rows)), start=64)
-            cost[rows] = min(cost.get(rows, 1e9), time.perf_counter() - t)
-        out["rows16"] = 16 * cost[1] / cost[16]
+    sessions = [stage.open_session() for _ in range(16)]  # one session's step, and 16's
+    for i, s in enumerate(sessions):
+        stage.forward(s, np.array(prompt_of(64 + i)))
+    cost = {}
+    for n in (1, 16, 1, 16):
+        steps = [(s, np.array([7]), s.n_past) for s in sessions[:n]]
+        t = time.perf_counter()
+        stage.forward_batch(steps)
+        cost[n] = min(cost.get(n, 1e9), time.perf_counter() - t)
+    out["batch16"] = 16 * cost[1] / cost[16]
+    for s in sessions:
+        s.close()
     for n in sizes:
         with stage.open_session() as s:
             t = time.perf_counter()
@@ -133,8 +140,9 @@ def kv_bytes_per_token(stage: Stage) -> float:
 
 
 def start(root: Path, model: Path, manifest: Manifest, placement: list[list[str]],
-          threads: int) -> LocalNet:
-    """Node i holds placement[i]; nodes after the first fetch their units from the others."""
+          threads: int, **extra: Any) -> LocalNet:
+    """Node i holds placement[i]; nodes after the first fetch their units from the others;
+    `extra` settings for every node (dotted keys)."""
     mm = MarketModel.from_manifest(manifest)
     net = LocalNet(root, len(placement))
     previous = ""
@@ -146,7 +154,7 @@ def start(root: Path, model: Path, manifest: Manifest, placement: list[list[str]
             "market.hold": pins, "market.memory_budget_mb": budget, "market.enroll_delay_s": 0.0,
             "market.target_replicas": 1, "compute.threads": threads,
             "inference.kv_slots": KV_SLOTS, "inference.step_timeout_s": 120.0,
-            "inference.expert_timeout_s": 60.0, **LIVE_TIMING}
+            "inference.expert_timeout_s": 60.0, **LIVE_TIMING, **extra}
         previous = net.configure(node, [previous] if previous else [])
     for node in net.nodes:
         node.spawn()
@@ -212,8 +220,8 @@ def main() -> None:
                 row("dense 4k prompt: time to first token s", f"{ours:.1f}",
                     f"{theirs:.1f}" if theirs else "n/a", theirs / ours if theirs else None)
         engine = (p["load_s_per_gb"], p["kv_bytes_per_token"])
-        row("dense: 16 rows in one graph, tokens/s over 1 row's (what batching 16 "
-            "sessions' decode steps could give)", f"{p['rows16']:.2f}x", "", None)
+        row("dense: 16 sessions' decode steps in one graph, tokens/s over one session's "
+            "step (the ceiling of sessions16)", f"{p['batch16']:.2f}x", "", None)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         root = Path(tmp)
         layouts = [
@@ -254,6 +262,12 @@ def main() -> None:
                     row("1node 16 sessions: aggregate tok/s (vs one session)", f"{many:.1f}",
                         f"{one:.1f}", many / one)
                     summary["sessions16"] = many / one
+                    with start(root / "1node-solo", model, manifests[model], placement,
+                               args.threads, **{"inference.batch_sessions": 1}) as solo:
+                        one_s = concurrent(solo.nodes[0], 1, args.tokens)
+                        many_s = concurrent(solo.nodes[0], 16, args.tokens)
+                    row("1node 16 sessions, each step alone (batch_sessions 1): aggregate "
+                        "tok/s (vs one session)", f"{many_s:.1f}", f"{one_s:.1f}", many_s / one_s)
                 if name == "1node":
                     long = prompt_of(2048)
                     (c, cold), (w, warm) = (first_token(net.nodes[0], long),

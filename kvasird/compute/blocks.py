@@ -69,9 +69,14 @@ class RouterOut:
 class Blocks:
     """Graph-building context for one forward graph over a stage's weights and KV pool."""
 
-    def __init__(self, b: Builder, w: Weights, kv: KVPool | None, n_tokens: int, n_kv: int) -> None:
+    def __init__(self, b: Builder, w: Weights, kv: KVPool | None, n_tokens: int, n_kv: int,
+                 seqs: int = 1) -> None:
         self.b, self.ctx, self.w, self.hp, self.kv = b, b.ctx, w, w.hparams, kv
-        self.T, self.n_kv = n_tokens, n_kv
+        self.T, self.n_kv, self.seqs = n_tokens, n_kv, seqs
+        """Rows; KV slots each sequence's rows attend over; sequences (sessions) whose
+        rows the graph computes together, T // seqs consecutive rows each, every one over
+        its own pages: the projections and FFNs read the weights once for all of them."""
+        assert n_tokens % seqs == 0, "every sequence has as many rows"
         self.n_kv_swa = kv.window_span(n_tokens, n_kv) if kv is not None and kv.window_layers \
             else n_kv
         """Slots the sliding-window layers gather: their ring pages in the window pool, or
@@ -98,11 +103,13 @@ class Blocks:
 
     @property
     def kv_pages(self) -> Tensor:
-        return self._input("kv_pages", I32, self.n_kv // PAGE)
+        """Each sequence's pages in position order, one sequence after the other."""
+        return self._input("kv_pages", I32, self.seqs * self.n_kv // PAGE)
 
     @property
     def mask(self) -> Tensor:
-        return self._input("mask", F32, self.n_kv, self.T)
+        """Per sequence, its rows' causal mask over its gathered slots."""
+        return self._input("mask", F32, self.n_kv, self.T // self.seqs, 1, self.seqs)
 
     @property
     def pos_sections(self) -> Tensor:
@@ -124,7 +131,7 @@ class Blocks:
     def mask_swa(self) -> Tensor:
         """The causal mask narrowed to the sliding window (hp.n_swa newest positions), over
         the slots the sliding-window layers gather."""
-        return self._input("mask_swa", F32, self.n_kv_swa, self.T)
+        return self._input("mask_swa", F32, self.n_kv_swa, self.T // self.seqs, 1, self.seqs)
 
     @property
     def swa_slots(self) -> Tensor:
@@ -301,6 +308,10 @@ class Blocks:
         llama.cpp rounds them. V is stored transposed per page (kvcache.py), so the gathered
         V^T is a copy of whole 64-slot rows rather than an element-wise transpose, which
         cost 40 % of a decode step on the bundled model.
+
+        With several sequences each attends over its own pages alone (the products are
+        batched over the fourth dimension), so the cost grows with the sequences' own
+        contexts, not with their product as one mask over everyone's slots would.
         """
         hp, ctx, T, pool = self.hp, self.ctx, self.T, self.kv
         assert pool is not None
@@ -313,26 +324,28 @@ class Blocks:
                                    slots)
         v_all = ggml.ggml_set_rows(ctx, pool.v_flat(ctx, layer),
                                    ggml.ggml_reshape_2d(ctx, v, 1, hp.kv_dim * T), v_slots)
+        S, R = self.seqs, T // self.seqs
         pages, held = n_kv // PAGE, pool.pages(layer)
         kk = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, k_all, hp.kv_dim * PAGE, held),
                                 kv_pages)
-        kk = ggml.ggml_cast(ctx, kk, dtype) if dtype != F32 else kk   # [kv_dim, n_kv]
+        kk = ggml.ggml_cast(ctx, kk, dtype) if dtype != F32 else kk   # [kv_dim, n_kv S]
         vv = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, v_all, hp.kv_dim * PAGE, held),
                                 kv_pages)
-        vv = ggml.ggml_permute(ctx, ggml.ggml_reshape_3d(ctx, vv, PAGE, hp.kv_dim, pages),
-                               0, 2, 1, 3)                             # [PAGE, pages, kv_dim]
-        vt = ggml.ggml_cpy(ctx, vv, ggml.ggml_new_tensor_3d(ctx, dtype, PAGE, pages, hp.kv_dim))
-        vt = ggml.ggml_reshape_3d(ctx, vt, n_kv, hp.head_dim, hp.n_head_kv)  # V^T per KV head
-        kk = ggml.ggml_permute(ctx, ggml.ggml_reshape_3d(ctx, kk, hp.head_dim, hp.n_head_kv, n_kv),
-                               0, 2, 1, 3)                             # [d, n_kv, h_kv]
-        qq = ggml.ggml_permute(ctx, q, 0, 2, 1, 3)                     # [d, T, h]
-        kq = ggml.ggml_mul_mat(ctx, kk, qq)                            # [n_kv, T, h]
+        vv = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, vv, PAGE, hp.kv_dim, pages, S),
+                               0, 2, 1, 3)                          # [PAGE, pages, kv_dim, S]
+        vt = ggml.ggml_cpy(ctx, vv, ggml.ggml_new_tensor_4d(ctx, dtype, PAGE, pages, hp.kv_dim, S))
+        vt = ggml.ggml_reshape_4d(ctx, vt, n_kv, hp.head_dim, hp.n_head_kv, S)  # V^T per KV head
+        kk = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, kk, hp.head_dim, hp.n_head_kv,
+                                                         n_kv, S), 0, 2, 1, 3)  # [d, n_kv, h_kv, S]
+        qq = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, q, hp.head_dim, hp.n_head, R, S),
+                               0, 2, 1, 3)                          # [d, R, h, S]
+        kq = ggml.ggml_mul_mat(ctx, kk, qq)                         # [n_kv, R, h, S]
         kq = ggml.ggml_soft_max_ext(ctx, kq, mask, scale, 0.0)
         sinks = f"blk.{layer}.attn_sinks.weight"
         if self.w.has(sinks):  # a learned per-head logit in each softmax, its weight dropped
             ggml.ggml_soft_max_add_sinks(kq, self.t(sinks))
-        kqv = ggml.ggml_mul_mat(ctx, vt, kq)                           # [d, T, h]
-        merged = ggml.ggml_permute(ctx, kqv, 0, 2, 1, 3)               # [d, h, T]
+        kqv = ggml.ggml_mul_mat(ctx, vt, kq)                        # [d, R, h, S]
+        merged = ggml.ggml_permute(ctx, kqv, 0, 2, 1, 3)            # [d, h, R, S]
         return ggml.ggml_cont_2d(ctx, merged, hp.head_dim * hp.n_head, T)
 
     def swiglu_ffn(self, layer: int, x: Tensor) -> Tensor:

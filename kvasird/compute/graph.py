@@ -209,7 +209,7 @@ class Builder:
 
     def input(self, name: str, type_: int, *ne: int) -> Tensor:
         makers = {1: ggml.ggml_new_tensor_1d, 2: ggml.ggml_new_tensor_2d,
-                  3: ggml.ggml_new_tensor_3d}
+                  3: ggml.ggml_new_tensor_3d, 4: ggml.ggml_new_tensor_4d}
         t = makers[len(ne)](self.ctx, type_, *ne)
         ggml.ggml_set_name(t, name.encode())
         ggml.ggml_set_input(t)

@@ -11,6 +11,11 @@ the following layer. With every expert local the window is a single graph.
 
 Every input is validated before any graph runs (token ids, shapes, positions, KV room);
 a session's KV lives in the stage's pool and advances only when a forward succeeds.
+
+`forward_batch` computes several sessions' decode steps as one graph per segment: their
+rows go through the projections, FFNs and experts together (the weights are read once for
+all of them) and each session's row attends over its own pages (the attention products
+are batched over sessions, kvcache's pages gathered per session, one mask per session).
 """
 
 from __future__ import annotations
@@ -185,6 +190,11 @@ class Stage:
         Returns logits [n, n_vocab] when the stage holds the head (n = 1 for "last",
         all tokens for "all"), else hidden states [T, n_embd] float32.
         """
+        return self._locked(self.forward_steps(session, inputs, start, logits))
+
+    def _locked(self, steps: Steps[Any]) -> Any:
+        """Run `steps` here and now, holding `own_lock` (counted in `queued` while waiting
+        for it)."""
         with self._queue_lock:
             self.queued += 1
         try:
@@ -193,7 +203,7 @@ class Stage:
             with self._queue_lock:
                 self.queued -= 1
         try:
-            return drive(self.forward_steps(session, inputs, start, logits), self.serve)
+            return drive(steps, self.serve)
         finally:
             self._lock.release()
 
@@ -222,27 +232,76 @@ class Stage:
             chunk = x[c:c + MAX_CHUNK]
             last = c + MAX_CHUNK >= len(x)
             mode = logits if last or logits == "all" or not self.head else "skip"
-            out = yield from self._chunk(session, chunk, start + c, mode)
+            out = yield from self._chunk([(session, start + c)], chunk, mode)
             session.advance(start + c + len(chunk))
             if mode != "skip":
                 outs.append(out)
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
-    def _chunk(self, session: Session, x: np.ndarray, start: int, mode: str
+    def forward_batch(self, runs: Sequence[tuple[Session, np.ndarray, int]]) -> list[np.ndarray]:
+        """Several sessions' steps of one token each (decode steps) as one graph per
+        segment: (session, input, start) -> per run, what `forward` returns for it (the
+        projections and FFNs read the weights once for all of them; each session attends
+        over its own KV)."""
+        return self._locked(self.forward_batch_steps(runs))
+
+    def forward_batch_steps(self, runs: Sequence[tuple[Session, np.ndarray, int]]
+                            ) -> Steps[list[np.ndarray]]:
+        """forward_batch as steps (see forward_steps).
+
+        The rows are bitwise what one session's forward gives only where the kernels
+        compute a row the same way in any batch (attention does: each session attends
+        over its own pages; a quantized matrix product may not): the outputs agree to
+        float rounding, which is what a verifier's tolerance allows."""
+        if not runs:
+            raise InputError("a batch needs at least one session's step")
+        if len({id(s) for s, _, _ in runs}) != len(runs):
+            raise InputError("a batch steps each session once")
+        if len(runs) > 1 and not self.batches:
+            raise InputError("this stage's sliding-window pool or recurrent states take one "
+                             "session per graph: step its sessions one by one")
+        xs = [self._check_inputs(x) for _, x, _ in runs]
+        if any(len(x) != 1 for x in xs):
+            raise InputError("a batch takes one token (or hidden row) per session")
+        steps: list[tuple[Session, int]] = []
+        for session, _, start in runs:
+            if session.pool is not self.kv:
+                raise InputError("this session belongs to another stage (or is closed): open "
+                                 "one with this stage's open_session()")
+            start = session.n_past if start is None else int(start)
+            session.reserve(start, 1)
+            steps.append((session, start))
+        out = yield from self._chunk(steps, np.concatenate(xs), "all")
+        for session, start in steps:
+            session.advance(start + 1)
+        return [out[i:i + 1] for i in range(len(steps))]
+
+    @property
+    def batches(self) -> bool:
+        """Whether one graph may compute several sessions' rows (not with a sliding-window
+        pool's rings or recurrent states, which a graph holds for one session)."""
+        return not self.kv.window_layers and not self.kv.recurrent
+
+    def _chunk(self, runs: Sequence[tuple[Session, int]], x: np.ndarray, mode: str
                ) -> Steps[np.ndarray]:
-        T, n_kv = len(x), start + len(x)
-        n_kv_b = -(-n_kv // KV_BUCKET) * KV_BUCKET
+        """Rows x at each run's positions start.., len(x) // len(runs) rows per session, as
+        one graph per segment (several sessions only where `batches`)."""
+        S, T = len(runs), len(x)
+        R = T // S
+        n_kv_b = max(-(-(start + R) // KV_BUCKET) for _, start in runs) * KV_BUCKET
         held = np.arange(n_kv_b)
-        q = np.arange(start, start + T)[:, None]
-        slots = session.slots(start, start + T)
-        shared = {"pos": np.arange(start, start + T, dtype=np.int32), "slots": slots,
-                  "v_slots": self.kv.v_index(slots), "kv_pages": session.page_list(n_kv_b // PAGE),
+        q = np.array([np.arange(start, start + R) for _, start in runs])[:, :, None]
+        slots = np.concatenate([s.slots(start, start + R) for s, start in runs])
+        shared = {"pos": q.reshape(T).astype(np.int32), "slots": slots,
+                  "v_slots": self.kv.v_index(slots),
+                  "kv_pages": np.concatenate([s.page_list(n_kv_b // PAGE) for s, _ in runs]),
                   "mask": _causal_mask(held, q)}
+        session, start = runs[0]
         if self.kv.window_layers:
             w_slots, w_pages, w_held = session.window_chunk(
                 start, start + T, self.kv.window_span(T, n_kv_b) // PAGE)
             shared |= {"swa_slots": w_slots, "swa_v_slots": self.kv.v_index(w_slots),
-                       "swa_pages": w_pages, "mask_swa": _causal_mask(w_held, q, self.hp.n_swa)}
+                       "swa_pages": w_pages, "mask_swa": _causal_mask(w_held, q[0], self.hp.n_swa)}
         elif self.hp.n_swa:
             shared["mask_swa"] = _causal_mask(held, q, self.hp.n_swa)
         if self.hp.rope_sections:
@@ -252,8 +311,8 @@ class Stage:
             shared["state_slot"] = np.array([session.state], np.int32)
             shared["state_row"] = np.array([session.state], np.int64)
         for i, seg in enumerate(self.segments):
-            key = (self.window, i, T, n_kv_b, mode)  # parts of a window share its cache
-            with self.graphs.using(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode)) \
+            key = (self.window, i, T, n_kv_b, mode, S)  # parts of a window share its cache
+            with self.graphs.using(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode, S)) \
                     as graph:
                 feed = {name: shared[name] for name in graph.inputs if name in shared}
                 feed["x"] = x
@@ -271,11 +330,11 @@ class Stage:
                 resid + combine(out["shared"].reshape(T, E), y, w)
         return x
 
-    def _build(self, seg: Segment, T: int, n_kv: int, mode: str):
+    def _build(self, seg: Segment, T: int, n_kv: int, mode: str, seqs: int):
         hp, arch = self.hp, self.arch
 
         def build(b: Builder) -> dict:
-            blocks = Blocks(b, self.weights, self.kv, T, n_kv)
+            blocks = Blocks(b, self.weights, self.kv, T, n_kv, seqs)
             if seg.embed:
                 x = blocks.embed(b.input("x", I32, T),
                                  math.sqrt(hp.n_embd) if arch.scaled_embedding else None)
@@ -369,9 +428,9 @@ def locks_now(locks: Iterable[Any]) -> Iterator[bool]:
 
 
 def _causal_mask(held: np.ndarray, q: np.ndarray, window: int = 0) -> np.ndarray:
-    """Attention mask [len(q), len(held)]: 0 where query position q[i] sees the position
-    `held[j]` a gathered slot holds (not after it, and within `window` when there is one),
-    -inf elsewhere."""
+    """Attention mask [..., len(q), len(held)] (q: [..., n, 1], a sequence's queries per
+    leading index): 0 where query position q[i] sees the position `held[j]` a gathered slot
+    holds (not after it, and within `window` when there is one), -inf elsewhere."""
     seen = held[None, :] <= q
     if window:
         seen &= q - held[None, :] < window

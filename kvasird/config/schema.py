@@ -178,6 +178,11 @@ class InferenceConfig:
     (only while requests arrive concurrently), and a stage this long to send the rows of
     its concurrent sessions for one worker and layer as one message (only while several
     sessions step at once). 0 turns both off."""
+    batch_sessions: int = field(default=16, metadata=_range(1, 256))
+    """Decode steps of up to this many concurrent sessions through the same layers of a
+    stage compute as one graph, reading the weights once for all of them (the outputs
+    equal each session's alone to float rounding); 1 = every step alone. A lone session
+    never waits for company."""
     spot_check: float = field(default=0.0, metadata=_range(0, 1))
     """Fraction of remote expert calls recomputed on a second replica and compared."""
     spot_tolerance: float = field(default=1e-3, metadata=_range(0, 1e6))

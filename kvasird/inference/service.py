@@ -100,7 +100,8 @@ class InferenceService:
                                   max_sessions=c.max_sessions, idle_s=c.session_idle_s,
                                   wire_dtype=c.wire_dtype, me=p2p.peer_id,
                                   send=self._send_stage, deliver=self.inbox.deliver,
-                                  prefix=c.prefix_cache)
+                                  prefix=c.prefix_cache, batch_rows=c.batch_sessions,
+                                  batch_window_s=c.batch_window_ms / 1000)
         self.experts = ExpertServer(lambda: self.served, window_s=c.batch_window_ms / 1000,
                                     wire_dtype=c.wire_dtype)
         self.dispatcher = ExpertDispatcher(
@@ -344,7 +345,8 @@ class InferenceService:
                         "experts": list(self.holdings.experts),
                         "sessions": len(self.stages.sessions),
                         "forwarded": self.stages.forwarded,
-                        "expert_rows": self.experts.rows, "expert_calls": self.experts.calls},
+                        "expert_rows": self.experts.rows, "expert_calls": self.experts.calls,
+                        "batches": dict(self.stages.batcher.stats)},
             "generations": {rid: {"route": list(p.route), "tokens": p.tokens,
                                   "failovers": p.failovers, "hop_ms": p.hop_ms,
                                   "step_ms": p.step_ms}

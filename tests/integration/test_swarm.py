@@ -339,6 +339,22 @@ def test_three_stage_ring_generates_the_tokens_of_one_node(
     assert breakdown["steps"] >= 2 and all(h["compute_ms"] > 0 for h in breakdown["hops"])
 
 
+def test_concurrent_generations_decode_in_batches_at_every_stage(
+        ring: LocalNet, reference: list[list[int]]) -> None:
+    """Six generations at once through the ring: each hop computes the decode steps of
+    the sessions that reach it together as one graph, and every generation still has the
+    tokens it has alone."""
+    net = ring
+    before = [n.get("/v0/inference")["serving"]["batches"] for n in net.nodes]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: generate(net.nodes[0], p), prompts))
+    assert got == [reference[i % len(PROMPTS)] for i in range(6)]
+    after = [n.get("/v0/inference")["serving"]["batches"] for n in net.nodes]
+    for node, a, b in zip(net.nodes, before, after, strict=True):
+        assert b["batches"] > a["batches"] and b["largest"] >= 2, (node.index, a, b)
+
+
 def test_a_client_that_goes_away_frees_every_session_on_the_route(ring: LocalNet) -> None:
     net = ring
     body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}

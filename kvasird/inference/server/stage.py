@@ -16,6 +16,8 @@ Refusals are Refusal, with their code.
 A step on a stage that dispatches experts runs as steps on the event loop, so the decode
 steps of concurrent sessions interleave (see _run_chain); the step's context
 (kvasird.inference.stepcontext) tells the expert dispatcher whose session it computes.
+On other stages the decode steps of concurrent sessions through the same chain compute
+as one graph per stage (server.batch).
 """
 
 from __future__ import annotations
@@ -55,12 +57,16 @@ from kvasird.inference.protocol.stage import (
     parse,
     token_to_wire,
 )
+from kvasird.inference.server.batch import Batcher
 from kvasird.inference.server.engine import INLINE_TOKENS, Served, run_short
 from kvasird.inference.stepcontext import COMPANY, TALLY, Company, Tally
 from kvasird.inference.steptrace import collecting_waits, waiting
 from kvasird.logs import get_logger
 
 log = get_logger("kvasird.inference.server")
+
+STEPPING_S = 1.0
+"""A session that stepped this recently counts as stepping (see StageServer.inline)."""
 
 STAGE_POLL_S = (0.0005, 0.008)
 """A decode step waiting for a stage a prefill holds looks again after the first delay,
@@ -149,7 +155,8 @@ class StageServer:
     def __init__(self, model_id: Callable[[], str], served: Callable[[], Served | None], *,
                  max_sessions: int, idle_s: float, wire_dtype: str, me: str = "",
                  send: Send = _cannot_send, deliver: Deliver | None = None,
-                 admit: Admit = admit_all, prefix: bool = True) -> None:
+                 admit: Admit = admit_all, prefix: bool = True, batch_rows: int = 16,
+                 batch_window_s: float = 0.001) -> None:
         self.model_id, self.served, self.admit = model_id, served, admit
         self.prefix = prefix
         """Keep closed sessions' prompts for reuse ([inference] prefix_cache)."""
@@ -163,6 +170,9 @@ class StageServer:
         """Steps whose output this node forwarded to the next hop or returned to its owner."""
         self.company = Company()
         """Decode steps interleaved on this node's stages now (for the expert dispatcher)."""
+        self.batcher = Batcher(batch_rows, batch_window_s)
+        """Concurrent sessions' decode steps through one chain, computed as one graph per
+        stage ([inference] batch_sessions)."""
 
     async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
         """A message in its wire form (from a caller in this process): parsed, answered."""
@@ -205,8 +215,16 @@ class StageServer:
         served = self.served()
         if served is None or served.dispatches or len(m.x) > INLINE_TOKENS:
             return False
+        if self.batcher.max_rows > 1 and self._stepping() > 1:
+            return False  # in a task of its own, the steps behind it in the stream join its batch
         with held_now([served.backend]) as free:  # else the reader would wait for a thread
             return free
+
+    def _stepping(self) -> int:
+        """Sessions that stepped in the last STEPPING_S: while several do, their steps may
+        batch."""
+        since = time.monotonic() - STEPPING_S
+        return sum(1 for s in self.sessions.values() if s.used > since)
 
     def _session(self, key: tuple[str, str]) -> ServedSession:
         s = self.sessions.get(key)
@@ -311,6 +329,8 @@ class StageServer:
                     outs = [await _run_chain(s, x[i:i + 1], m.start + i, self.company)
                             for i in range(len(x))]
                     out = outs[-1] if s.sampler is not None else np.concatenate(outs)
+                elif len(x) == 1 and self.batcher.takes(s.chain):
+                    out = await self.batcher.step(s, x, m.start, self._solo)
                 else:
                     out = await _run_chain(s, x, m.start, self.company)
         except (KVCacheFull, NoWorkers) as exc:
@@ -331,6 +351,9 @@ class StageServer:
         lp = log_softmax(out[-1])
         top = np.argsort(-lp, kind="stable")[:s.logprobs]
         return TokenEvent(token, float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
+
+    async def _solo(self, s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
+        return await _run_chain(s, x, start, self.company)
 
     def _check_finite(self, s: ServedSession, m: Step, out: np.ndarray) -> None:
         """Refuse a step whose output is not finite: this node's fault (a corrupt slice

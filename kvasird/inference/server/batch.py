@@ -1,0 +1,203 @@
+"""Decode batching at a stage: concurrent sessions' one-token steps through the same chain
+of stages compute together, one graph per stage (Stage.forward_batch), so each step reads
+the weights once for all of them instead of once per session.
+
+    step ─▶ queue of its chain ─▶ leader: gathers the steps queued (waiting up to the
+                                  window for the sessions of the last batch to join)
+                                  ─▶ one forward_batch per stage, in a worker thread
+                                  ─▶ each waiter's rows ─▶ the first step queued meanwhile
+                                  leads the next batch
+
+There is no task of its own: the first step to find its chain idle leads. While a batch
+computes, the steps that arrive (the other sessions' next tokens, other routes' rows)
+queue, so under load the batches fill by themselves; a lone session never waits and runs
+as it did alone (in place when its stages are free). A batch that fails as a whole (one
+session's KV is full, a bad position) runs its steps one by one, so each gets its own
+answer and the good ones are not lost.
+
+The outputs equal the sessions' solo ones where the kernels compute a row the same way
+in any batch (attention always: each session attends over its own pages; the quantized
+matrix products of the bundled model too); where a kernel blocks rows differently they
+agree to float rounding, within what a verifier's tolerance allows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from kvasird.logs import get_logger
+
+if TYPE_CHECKING:
+    from kvasird.compute.kvcache import Session
+    from kvasird.compute.stage import Stage
+    from kvasird.inference.server.stage import ServedSession
+
+log = get_logger("kvasird.inference.server")
+
+GATHER_MAX_S = 0.05
+"""The longest a batch's leader waits for the sessions of the last batch to join."""
+
+SEEN_MIN_S = 0.1
+"""A session counts as stepping on a chain for at least this long after its last step."""
+
+Solo = Callable[["ServedSession", np.ndarray, int], Awaitable[np.ndarray]]
+"""How one step runs alone: (session, rows, start) -> its output."""
+
+
+@dataclass(eq=False)
+class _Waiter:
+    s: ServedSession
+    x: np.ndarray
+    start: int
+    woken: trio.Event = field(default_factory=trio.Event)
+    told: str = ""
+    """What the waiter is woken to do: "done" (its output is here), "lead" (gather and
+    compute the next batch) or "solo" (its batch failed: run alone)."""
+    out: np.ndarray | None = None
+
+    def tell(self, what: str) -> None:
+        self.told = what
+        self.woken.set()
+
+
+@dataclass(eq=False)
+class _Queue:
+    waiting: list[_Waiter] = field(default_factory=list)
+    busy: bool = False
+    """A leader is gathering or computing a batch of this chain."""
+    joined: trio.Event = field(default_factory=trio.Event)
+    compute_s: float = 0.0
+    """How long the last batch (or lone step) computed."""
+    seen: dict[int, float] = field(default_factory=dict)
+    """When each session (by id) last stepped here."""
+
+    def stepping(self, now: float) -> int:
+        """Sessions that stepped within the last few batches' time: the leader waits (see
+        Batcher._gather) for as many."""
+        since = now - max(SEEN_MIN_S, 3 * self.compute_s)
+        for key in [k for k, t in self.seen.items() if t < since]:
+            del self.seen[key]
+        return len(self.seen)
+
+    def hand_on(self) -> None:
+        """The leader is done: the first step queued meanwhile leads the next batch."""
+        if self.waiting:
+            self.waiting[0].tell("lead")
+        else:
+            self.busy = False
+
+
+class Batcher:
+    """The decode-step queues of one stage server's chains."""
+
+    def __init__(self, max_rows: int, window_s: float) -> None:
+        self.max_rows, self.window_s = max_rows, window_s
+        self._queues: dict[tuple[int, ...], _Queue] = {}
+        self.stats = {"batches": 0, "rows": 0, "largest": 0, "split": 0}
+        """Batches of several sessions computed, their rows, the most rows in one, and
+        batches that failed as a whole and ran one by one."""
+
+    def takes(self, chain: list[Stage]) -> bool:
+        """Whether steps on `chain` batch: every stage can (no sliding-window pool or
+        recurrent state) and none dispatches experts (those steps interleave on the event
+        loop instead, their expert rows batched per worker)."""
+        return self.max_rows > 1 and all(st.batches and not st.dispatches for st in chain)
+
+    async def step(self, s: ServedSession, x: np.ndarray, start: int, solo: Solo) -> np.ndarray:
+        """The output of one decode step of `s`, computed with the steps of other sessions
+        on the same chain that queue with it."""
+        key = tuple(id(st) for st in s.chain)
+        queue = self._queues.setdefault(key, _Queue())
+        me = _Waiter(s, x, start)
+        queue.seen[id(s)] = time.monotonic()
+        queue.waiting.append(me)
+        queue.joined.set()
+        queue.joined = trio.Event()
+        if queue.busy:
+            try:
+                await me.woken.wait()
+            except BaseException:  # cancelled in the queue: leave it, and pass on a lead
+                if me in queue.waiting:
+                    queue.waiting.remove(me)
+                if me.told == "lead":
+                    queue.hand_on()
+                raise
+            if me.told == "done":
+                assert me.out is not None
+                return me.out
+            if me.told == "solo":
+                return await solo(s, x, start)
+        queue.busy = True
+        batch = [me]
+        try:
+            want = min(queue.stepping(time.monotonic()), self.max_rows)
+            await self._gather(queue, want)
+            batch = queue.waiting[:self.max_rows]
+            del queue.waiting[:len(batch)]
+            if want <= 1 and len(batch) == 1:  # alone: as it ran before batching
+                began = time.monotonic()
+                try:
+                    return await solo(s, x, start)
+                finally:
+                    queue.compute_s = time.monotonic() - began
+            # in a worker thread even if alone now, so that the others' steps queue
+            if await self._compute(queue, batch):
+                assert me.out is not None
+                return me.out
+        finally:
+            if me in queue.waiting:  # cancelled while gathering
+                queue.waiting.remove(me)
+            for w in batch:  # the batch failed, or its leader was cancelled: each alone
+                if w is not me and not w.woken.is_set():
+                    w.tell("solo")
+            queue.hand_on()
+        return await solo(s, x, start)
+
+    async def _gather(self, queue: _Queue, want: int) -> None:
+        """Wait for the steps of the sessions stepping here (their next tokens), up to the
+        window or a fifth of the last batch's compute time if longer (at most
+        GATHER_MAX_S): a lone session never waits, and a full queue does not either. Two
+        half batches would read the weights twice."""
+        if len(queue.waiting) >= want or self.window_s <= 0:
+            return
+        with trio.move_on_after(min(max(self.window_s, queue.compute_s / 5), GATHER_MAX_S)):
+            while len(queue.waiting) < want:
+                await queue.joined.wait()
+
+    async def _compute(self, queue: _Queue, batch: list[_Waiter]) -> bool:
+        """The batch through its chain as one graph per stage, each waiter told its rows;
+        False when it failed as a whole."""
+        began = time.monotonic()
+        try:
+            outs = await trio.to_thread.run_sync(_forward_batch, batch)
+        except Exception as exc:  # noqa: BLE001 - each step then answers for itself
+            self.stats["split"] += 1
+            log.debug("a batch of decode steps failed; running them one by one",
+                      steps=len(batch), error=repr(exc)[:200])
+            return False
+        queue.compute_s = time.monotonic() - began
+        for w, out in zip(batch, outs, strict=True):
+            w.out = out
+            w.tell("done")
+        if len(batch) > 1:
+            self.stats["batches"] += 1
+            self.stats["rows"] += len(batch)
+            self.stats["largest"] = max(self.stats["largest"], len(batch))
+        return True
+
+
+def _forward_batch(batch: list[_Waiter]) -> list[np.ndarray]:
+    """Every stage of the chain once for the whole batch (in a worker thread)."""
+    xs: list[Any] = [w.x for w in batch]
+    chain = batch[0].s.chain
+    for i, stage in enumerate(chain):
+        runs: list[tuple[Session, np.ndarray, int]] = [
+            (w.s.sessions[i], x, w.start) for w, x in zip(batch, xs, strict=True)]
+        xs = stage.forward_batch(runs)
+    return xs

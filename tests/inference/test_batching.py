@@ -1,0 +1,242 @@
+"""Decode batching at a stage (server.batch): concurrent sessions' decode steps through the
+same stages compute as one graph, each session's output what it computes alone; a batch
+that fails as a whole answers each step for itself; a session cancelled in the queue
+holds no one up. Driven through the stage protocol's handler in process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+from trio.testing import wait_all_tasks_blocked as wait_all_blocked
+
+from kvasird.compute.errors import InputError
+from kvasird.compute.kvcache import PAGE, KVSpec
+from kvasird.compute.stage import KV_BUCKET, Stage, generate
+from kvasird.inference.errors import Refusal
+from kvasird.inference.protocol import tensors
+from kvasird.inference.server.batch import Batcher
+from kvasird.inference.server.engine import Holdings, Served
+from kvasird.inference.server.stage import StageServer
+from kvasird.model.testmodels import make_model
+
+from .test_serving import _no_remote, call, open_msg
+
+N_LAYER = 3
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("batch") / "llama.gguf", arch="llama",
+                      n_layer=N_LAYER, seed=4, dtype="q8_0")
+
+
+@pytest.fixture(scope="module")
+def node(llama: Path) -> Iterator[Served]:
+    served = Served.build([llama], Holdings(head=True, windows=((0, N_LAYER),)), threads=1,
+                          kv_slots=64 * PAGE, remote=_no_remote)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def full(llama: Path) -> Iterator[Stage]:
+    stage = Stage.load(llama, threads=1, kv=KVSpec(n_slots=64 * PAGE))
+    yield stage
+    stage.close()
+
+
+def prompt(i: int) -> list[int]:
+    # lengths on both sides of a KV bucket: sessions of one batch gather different pages
+    n = [3, 40, KV_BUCKET - 1, KV_BUCKET + 5, 1, 17][i % 6]
+    return np.random.default_rng(i).integers(1, 1000, n).tolist()
+
+
+def step_msg(sid: str, start: int, ids: list[int]) -> dict[str, Any]:
+    return {"op": "step", "sid": sid, "start": start, "ids": ids,
+            "x": tensors.encode(np.asarray(ids), "i32")}
+
+
+async def generation(server: StageServer, sid: str, ids: list[int], n: int) -> list[int]:
+    await call(server, open_msg(sid, 0, N_LAYER, True, True, max_tokens=KV_BUCKET + 64))
+    history, got = list(ids), []
+    reply = await call(server, step_msg(sid, 0, history))
+    for _ in range(n - 1):
+        got.append(reply["token"])
+        history.append(got[-1])
+        reply = await call(server, step_msg(sid, len(history) - 1, history[-1:]))
+    got.append(reply["token"])
+    await call(server, {"op": "close", "sid": sid})
+    return got
+
+
+def test_a_batch_computes_what_each_session_computes_alone(full: Stage) -> None:
+    """Stage.forward_batch: sessions at different positions (across KV buckets) give
+    bitwise their solo logits, and the KV each one wrote is its own."""
+    solo, batched = [], []
+    for out in (solo, batched):
+        sessions = [full.open_session() for _ in range(6)]
+        for i, s in enumerate(sessions):
+            full.forward(s, np.asarray(prompt(i)), 0)
+        for step in range(3):
+            runs = [(s, np.array([7 + i + step]), s.n_past) for i, s in enumerate(sessions)]
+            rows = full.forward_batch(runs) if out is batched else \
+                [full.forward(s, x, at) for s, x, at in runs]
+            out.append(np.concatenate(rows))
+        for s in sessions:
+            s.close()
+    assert np.array_equal(np.stack(solo), np.stack(batched))
+
+
+def test_a_batch_refuses_what_it_cannot_compute(full: Stage) -> None:
+    with full.open_session() as a, full.open_session() as b:
+        full.forward(a, np.array([1, 2]), 0)
+        with pytest.raises(InputError, match="once"):
+            full.forward_batch([(a, np.array([3]), 2), (a, np.array([4]), 3)])
+        with pytest.raises(InputError, match="one token"):
+            full.forward_batch([(a, np.array([3, 4]), 2), (b, np.array([4]), 0)])
+        with pytest.raises(InputError, match="past the cached context"):
+            full.forward_batch([(a, np.array([3]), 2), (b, np.array([4]), 5)])
+
+
+async def test_concurrent_sessions_decode_in_batches_with_their_solo_tokens(
+        node: Served, full: Stage) -> None:
+    server = StageServer(lambda: "m", lambda: node, max_sessions=8, idle_s=60,
+                         wire_dtype="f32", batch_window_s=0.05)
+    got: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        got[i] = await generation(server, f"s{i}", prompt(i), 8)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(6):
+            nursery.start_soon(one, i)
+    for i in range(6):
+        assert got[i] == generate(full, prompt(i), 8), f"session {i}"
+    stats = server.batcher.stats
+    assert stats["batches"] > 0 and stats["largest"] >= 2, stats
+    assert stats["split"] == 0
+
+
+async def test_a_lone_session_never_batches(node: Served, full: Stage) -> None:
+    server = StageServer(lambda: "m", lambda: node, max_sessions=8, idle_s=60,
+                         wire_dtype="f32")
+    assert await generation(server, "alone", prompt(1), 6) == generate(full, prompt(1), 6)
+    assert server.batcher.stats["batches"] == 0
+
+
+async def test_a_batch_with_a_bad_step_answers_every_step_for_itself(
+        node: Served, full: Stage) -> None:
+    """One session sends a position past its context: the batch fails as a whole, and
+    then every step runs alone, so only that one is refused."""
+    server = StageServer(lambda: "m", lambda: node, max_sessions=8, idle_s=60,
+                         wire_dtype="f32", batch_window_s=0.05)
+    for i in range(3):
+        await call(server, open_msg(f"s{i}", 0, N_LAYER, True, True))
+        await call(server, step_msg(f"s{i}", 0, prompt(i)[:3]))
+    server.batcher._queues.clear()
+    replies: dict[int, Any] = {}
+
+    async def one(i: int, start: int) -> None:
+        try:
+            replies[i] = await call(server, step_msg(f"s{i}", start, [9]))
+        except Refusal as exc:
+            replies[i] = exc
+
+    for _ in range(2):  # the second round: each session counts as stepping, so they batch
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, i, 3 if i != 1 else 7)
+    assert isinstance(replies[1], Refusal) and replies[1].code == "bad"
+    assert "past the cached context" in replies[1].detail
+    for i in (0, 2):
+        with full.open_session() as s:
+            logits = full.forward(s, np.asarray(prompt(i)[:3] + [9]), 0)
+        assert replies[i]["token"] == int(np.argmax(logits[-1]))
+    assert server.batcher.stats["split"] >= 1
+
+
+async def test_a_session_cancelled_in_the_queue_holds_no_one_up(
+        node: Served, full: Stage) -> None:
+    """One of four batching sessions is cancelled after a few scheduler passes (queued,
+    gathering as the leader, or in a batch computing): the other three get their tokens
+    and the queue is left idle."""
+    server = StageServer(lambda: "m", lambda: node, max_sessions=8, idle_s=60,
+                         wire_dtype="f32", batch_window_s=0.05)
+    tokens: dict[str, int] = {}
+    scopes: dict[str, trio.CancelScope] = {}
+
+    async def one(sid: str, start: int) -> None:
+        with trio.CancelScope() as scopes[sid]:
+            tokens[sid] = (await call(server, step_msg(sid, start, [9])))["token"]
+
+    for passes in range(8):
+        sids = [f"s{passes}.{i}" for i in range(4)]
+        for sid in sids:
+            await call(server, open_msg(sid, 0, N_LAYER, True, True))
+            await call(server, step_msg(sid, 0, [1, 2, 3]))
+        async with trio.open_nursery() as nursery:  # every session stepping: they batch
+            for sid in sids:
+                nursery.start_soon(one, sid, 3)
+        tokens.clear()
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for sid in sids:
+                    nursery.start_soon(one, sid, 4)
+                for _ in range(passes):
+                    await trio.lowlevel.checkpoint()
+                scopes[sids[2]].cancel()
+        assert {sids[0], sids[1], sids[3]} <= set(tokens)
+        assert not any(q.waiting or q.busy for q in server.batcher._queues.values())
+        for sid in sids:
+            await call(server, {"op": "close", "sid": sid})
+    assert server.batcher.stats["batches"] >= 8
+
+
+@dataclass(eq=False)
+class Hop:
+    """What the batcher reads of a served session: its chain (none here: rows pass)."""
+
+    chain: list[Any] = field(default_factory=list)
+    sessions: list[Any] = field(default_factory=list)
+
+
+async def test_a_step_cancelled_as_it_is_told_to_lead_passes_the_lead_on() -> None:
+    """The step queued first is told to lead the next batch in the same pass as it is
+    cancelled: whichever runs first, the step behind it still runs (a lead that died
+    with its step would leave the queue busy for ever)."""
+    for _ in range(20):
+        await lead_cancelled_once()
+
+
+async def lead_cancelled_once() -> None:
+    batcher, release = Batcher(16, window_s=0.0), trio.Event()
+    lead, first, second = Hop(), Hop(), Hop()
+    done: list[Hop] = []
+
+    async def solo(s: Any, x: np.ndarray, start: int) -> np.ndarray:
+        if s is lead:
+            await release.wait()
+        return x
+
+    async def step(s: Hop, scope: trio.CancelScope) -> None:
+        with scope:
+            await batcher.step(s, np.zeros(1), 0, solo)  # type: ignore[arg-type]
+            done.append(s)
+
+    scopes = [trio.CancelScope() for _ in range(3)]
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step, lead, scopes[0])
+            await wait_all_blocked()
+            for s, scope in ((first, scopes[1]), (second, scopes[2])):
+                nursery.start_soon(step, s, scope)
+                await wait_all_blocked()
+            scopes[1].cancel()
+            release.set()
+    assert done[0] is lead and second in done and first not in done
