@@ -183,6 +183,10 @@ class InferenceConfig:
     stage compute as one graph, reading the weights once for all of them (the outputs
     equal each session's alone to float rounding); 1 = every step alone. A lone session
     never waits for company."""
+    batch_min_ms: float = field(default=10.0, metadata=_range(0, 60000))
+    """Decode steps batch only where a step computes for at least this long alone: shorter
+    ones (a small model, a few layers) gain less from reading the weights once than a ring
+    loses when the sessions of one batch move through its hops together."""
     spot_check: float = field(default=0.0, metadata=_range(0, 1))
     """Fraction of remote expert calls recomputed on a second replica and compared."""
     spot_tolerance: float = field(default=1e-3, metadata=_range(0, 1e6))

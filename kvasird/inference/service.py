@@ -101,7 +101,8 @@ class InferenceService:
                                   wire_dtype=c.wire_dtype, me=p2p.peer_id,
                                   send=self._send_stage, deliver=self.inbox.deliver,
                                   prefix=c.prefix_cache, batch_rows=c.batch_sessions,
-                                  batch_window_s=c.batch_window_ms / 1000)
+                                  batch_window_s=c.batch_window_ms / 1000,
+                                  batch_min_s=c.batch_min_ms / 1000)
         self.experts = ExpertServer(lambda: self.served, window_s=c.batch_window_ms / 1000,
                                     wire_dtype=c.wire_dtype)
         self.dispatcher = ExpertDispatcher(

@@ -11,9 +11,10 @@ the weights once for all of them instead of once per session.
 There is no task of its own: the first step to find its chain idle leads. While a batch
 computes, the steps that arrive (the other sessions' next tokens, other routes' rows)
 queue, so under load the batches fill by themselves; a lone session never waits and runs
-as it did alone (in place when its stages are free). A batch that fails as a whole (one
-session's KV is full, a bad position) runs its steps one by one, so each gets its own
-answer and the good ones are not lost.
+as it did alone (in place when its stages are free). Only chains whose steps compute long
+enough for batching to pay (_Queue.pays) batch at all; on others every step runs alone.
+A batch that fails as a whole (one session's KV is full, a bad position) runs its steps
+one by one, so each gets its own answer and the good ones are not lost.
 
 The outputs equal the sessions' solo ones where the kernels compute a row the same way
 in any batch (attention always: each session attends over its own pages; the quantized
@@ -42,6 +43,9 @@ log = get_logger("kvasird.inference.server")
 
 GATHER_MAX_S = 0.05
 """The longest a batch's leader waits for the sessions of the last batch to join."""
+
+AWAY_WEIGHT = 0.1
+"""Weight of the newest time in _Queue.away_s and _Queue.compute_s."""
 
 SEEN_MIN_S = 0.1
 """A session counts as stepping on a chain for at least this long after its last step."""
@@ -73,14 +77,50 @@ class _Queue:
     """A leader is gathering or computing a batch of this chain."""
     joined: trio.Event = field(default_factory=trio.Event)
     compute_s: float = 0.0
-    """How long the last batch (or lone step) computed."""
+    """How long a batch computes (a moving average)."""
+    fastest: float = float("inf")
+    """The shortest a step that ran alone has taken here (the least of them is its
+    compute, the others' waits left out)."""
     seen: dict[int, float] = field(default_factory=dict)
     """When each session (by id) last stepped here."""
+    answered: dict[int, float] = field(default_factory=dict)
+    """When each session's last batched step was answered."""
+    away_s: float = 0.0
+    """How long a session is away between an answer and its next step here (a moving
+    average): its gateway's turn on one node, the other hops of a ring."""
+
+    def arrive(self, s: object, now: float) -> None:
+        self.seen[id(s)] = now
+        answered = self.answered.pop(id(s), None)
+        if answered is not None:
+            away = now - answered
+            self.away_s += AWAY_WEIGHT * (away - self.away_s) if self.away_s else away
+
+    def cap(self, max_rows: int, stepping: int) -> int:
+        """The most steps one batch takes: every session stepping here where they come
+        straight back (one node: the pipeline is one stage deep), a share of them where they
+        are away for longer than a batch computes (a ring of D hops: D batches in flight
+        keep every hop busy, where one batch of everyone would leave all hops but one
+        idle)."""
+        depth = max(1, round(1 + self.away_s / self.compute_s)) if self.compute_s else 1
+        return max(1, min(max_rows, -(-stepping // depth)))
+
+    def pays(self, min_step_s: float) -> bool:
+        """Whether gathering a batch pays on this chain: its steps compute long enough (at
+        least `min_step_s` alone) that reading the weights once for several sessions saves
+        more than the wait, the thread hand-off and the pipelining it gives up (the
+        sessions of one batch move through a ring's hops together). Measured: a 3-stage
+        ring of the bundled 135M model (2 ms a hop) lost a third of its aggregate tokens/s
+        with 4 and 16 sessions when its hops gathered; one daemon of a 1B model (28 ms a
+        step) gained 1.5x with 16."""
+        return self.fastest < float("inf") and self.fastest >= min_step_s
 
     def stepping(self, now: float) -> int:
         """Sessions that stepped within the last few batches' time: the leader waits (see
         Batcher._gather) for as many."""
-        since = now - max(SEEN_MIN_S, 3 * self.compute_s)
+        since = now - max(SEEN_MIN_S, 3 * (self.compute_s + self.away_s))
+        for key in [k for k, t in self.answered.items() if t < since]:
+            del self.answered[key]
         for key in [k for k, t in self.seen.items() if t < since]:
             del self.seen[key]
         return len(self.seen)
@@ -96,12 +136,20 @@ class _Queue:
 class Batcher:
     """The decode-step queues of one stage server's chains."""
 
-    def __init__(self, max_rows: int, window_s: float) -> None:
-        self.max_rows, self.window_s = max_rows, window_s
+    def __init__(self, max_rows: int, window_s: float, min_step_s: float = 0.0) -> None:
+        self.max_rows, self.window_s, self.min_step_s = max_rows, window_s, min_step_s
         self._queues: dict[tuple[int, ...], _Queue] = {}
         self.stats = {"batches": 0, "rows": 0, "largest": 0, "split": 0}
         """Batches of several sessions computed, their rows, the most rows in one, and
         batches that failed as a whole and ran one by one."""
+
+    def company(self) -> bool:
+        """Whether several sessions step on a chain where batching pays: then a forwarded
+        step is worth a task of its own (StageServer.inline), so that the steps behind it
+        in its stream can join its batch."""
+        now = time.monotonic()
+        return any(q.pays(self.min_step_s) and q.stepping(now) > 1
+                   for q in self._queues.values())
 
     def takes(self, chain: list[Stage]) -> bool:
         """Whether steps on `chain` batch: every stage can (no sliding-window pool or
@@ -114,8 +162,10 @@ class Batcher:
         on the same chain that queue with it."""
         key = tuple(id(st) for st in s.chain)
         queue = self._queues.setdefault(key, _Queue())
+        queue.arrive(s, time.monotonic())
+        if not queue.busy and not queue.pays(self.min_step_s):  # as it ran before batching
+            return await self._alone(queue, s, x, start, solo)
         me = _Waiter(s, x, start)
-        queue.seen[id(s)] = time.monotonic()
         queue.waiting.append(me)
         queue.joined.set()
         queue.joined = trio.Event()
@@ -136,16 +186,14 @@ class Batcher:
         queue.busy = True
         batch = [me]
         try:
-            want = min(queue.stepping(time.monotonic()), self.max_rows)
+            stepping = queue.stepping(time.monotonic())
+            cap = queue.cap(self.max_rows, stepping)
+            want = min(stepping, cap)
             await self._gather(queue, want)
-            batch = queue.waiting[:self.max_rows]
+            batch = queue.waiting[:cap]
             del queue.waiting[:len(batch)]
-            if want <= 1 and len(batch) == 1:  # alone: as it ran before batching
-                began = time.monotonic()
-                try:
-                    return await solo(s, x, start)
-                finally:
-                    queue.compute_s = time.monotonic() - began
+            if want <= 1 and len(batch) == 1:
+                return await self._alone(queue, s, x, start, solo)
             # in a worker thread even if alone now, so that the others' steps queue
             if await self._compute(queue, batch):
                 assert me.out is not None
@@ -158,6 +206,14 @@ class Batcher:
                     w.tell("solo")
             queue.hand_on()
         return await solo(s, x, start)
+
+    async def _alone(self, queue: _Queue, s: ServedSession, x: np.ndarray, start: int,
+                     solo: Solo) -> np.ndarray:
+        began = time.monotonic()
+        try:
+            return await solo(s, x, start)
+        finally:
+            queue.fastest = min(queue.fastest, time.monotonic() - began)
 
     async def _gather(self, queue: _Queue, want: int) -> None:
         """Wait for the steps of the sessions stepping here (their next tokens), up to the
@@ -181,10 +237,13 @@ class Batcher:
             log.debug("a batch of decode steps failed; running them one by one",
                       steps=len(batch), error=repr(exc)[:200])
             return False
-        queue.compute_s = time.monotonic() - began
+        now = time.monotonic()
+        took = now - began
+        queue.compute_s += AWAY_WEIGHT * (took - queue.compute_s) if queue.compute_s else took
         for w, out in zip(batch, outs, strict=True):
             w.out = out
             w.tell("done")
+            queue.answered[id(w.s)] = now
         if len(batch) > 1:
             self.stats["batches"] += 1
             self.stats["rows"] += len(batch)

@@ -65,9 +65,6 @@ from kvasird.logs import get_logger
 
 log = get_logger("kvasird.inference.server")
 
-STEPPING_S = 1.0
-"""A session that stepped this recently counts as stepping (see StageServer.inline)."""
-
 STAGE_POLL_S = (0.0005, 0.008)
 """A decode step waiting for a stage a prefill holds looks again after the first delay,
 doubling up to the second (a long prefill must not cost its waiters' CPU in wake-ups)."""
@@ -156,7 +153,7 @@ class StageServer:
                  max_sessions: int, idle_s: float, wire_dtype: str, me: str = "",
                  send: Send = _cannot_send, deliver: Deliver | None = None,
                  admit: Admit = admit_all, prefix: bool = True, batch_rows: int = 16,
-                 batch_window_s: float = 0.001) -> None:
+                 batch_window_s: float = 0.001, batch_min_s: float = 0.0) -> None:
         self.model_id, self.served, self.admit = model_id, served, admit
         self.prefix = prefix
         """Keep closed sessions' prompts for reuse ([inference] prefix_cache)."""
@@ -170,7 +167,7 @@ class StageServer:
         """Steps whose output this node forwarded to the next hop or returned to its owner."""
         self.company = Company()
         """Decode steps interleaved on this node's stages now (for the expert dispatcher)."""
-        self.batcher = Batcher(batch_rows, batch_window_s)
+        self.batcher = Batcher(batch_rows, batch_window_s, batch_min_s)
         """Concurrent sessions' decode steps through one chain, computed as one graph per
         stage ([inference] batch_sessions)."""
 
@@ -215,16 +212,10 @@ class StageServer:
         served = self.served()
         if served is None or served.dispatches or len(m.x) > INLINE_TOKENS:
             return False
-        if self.batcher.max_rows > 1 and self._stepping() > 1:
+        if self.batcher.company():
             return False  # in a task of its own, the steps behind it in the stream join its batch
         with held_now([served.backend]) as free:  # else the reader would wait for a thread
             return free
-
-    def _stepping(self) -> int:
-        """Sessions that stepped in the last STEPPING_S: while several do, their steps may
-        batch."""
-        since = time.monotonic() - STEPPING_S
-        return sum(1 for s in self.sessions.values() if s.used > since)
 
     def _session(self, key: tuple[str, str]) -> ServedSession:
         s = self.sessions.get(key)
