@@ -59,10 +59,11 @@ print(json.dumps({"prefill": n_prefill / best, "decode": n_decode / dt}))
 
 
 _LLAMACPP_DECODER = """
-import json, sys, time
+import json, os, sys, time
 from llama_cpp import Llama
 llm = Llama(model_path=sys.argv[1], n_ctx=1024, n_threads=int(sys.argv[2]),
-            n_threads_batch=int(sys.argv[2]), n_batch=512, verbose=False, logits_all=False)
+            n_threads_batch=int(sys.argv[2]), n_batch=512, verbose=False, logits_all=False,
+            n_gpu_layers=int(os.environ.get("KVASIR_LLAMACPP_GPU_LAYERS", "0")))
 prompt = [int(t) for t in sys.argv[3].split(",")]
 for line in sys.stdin:
     llm.reset(); llm.eval(prompt)

@@ -1,6 +1,7 @@
 """Real widths: the engine and the ring on models of the shapes hobbyists serve, beside llama.cpp.
 
     .venv/bin/python bench/bench_scale.py [--quick] [--threads 1] [--tokens 32] [--rounds 5]
+                                          [--device CUDA0] [--only ROW ...]
 
 The models are kvasird.model.benchmodels' (generated once, cached in .cache/bench-models):
 ``dense`` (Llama-3.2-1B shapes, Q4_K_M) and ``moe`` (Qwen3-30B-A3B shapes, 8 layers,
@@ -62,6 +63,7 @@ from bench_swarm import (  # noqa: E402
     report_breakdowns,
 )
 
+from kvasird.compute.graph import use_device  # noqa: E402
 from kvasird.compute.kvcache import PAGE, KVSpec  # noqa: E402
 from kvasird.compute.stage import Stage  # noqa: E402
 from kvasird.localnet import LocalNet  # noqa: E402
@@ -77,11 +79,12 @@ GB = 2**30
 KV_SLOTS = 8192
 
 _LLAMACPP_PREFILL = """
-import json, sys, time
+import json, os, sys, time
 from llama_cpp import Llama
 path, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 llm = Llama(model_path=path, n_ctx=n + 64, n_threads=threads, n_threads_batch=threads,
-            n_batch=512, verbose=False)
+            n_batch=512, verbose=False,
+            n_gpu_layers=int(os.environ.get("KVASIR_LLAMACPP_GPU_LAYERS", "0")))
 prompt = [1 + (i * 7919) % 40000 for i in range(n)]
 llm.eval(prompt[:8]); llm.reset()
 t = time.perf_counter(); llm.eval(prompt); print(json.dumps(time.perf_counter() - t))
@@ -189,6 +192,9 @@ def main() -> None:
                     "other at every barrier)")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per generation")
     ap.add_argument("--rounds", type=int, default=5, help="paired decode runs per layout")
+    ap.add_argument("--device", default="", help="ggml device for our stages and daemons "
+                    "([compute] device, e.g. CUDA0; llama.cpp offloads its layers when "
+                    "KVASIR_LLAMACPP_GPU_LAYERS=-1)")
     ap.add_argument("--only", nargs="*", default=[], help="rows to run (1node ring moe-ring "
                     "prefill prefix-ttft); the 1node daemon also gives sessions16 and "
                     "prefix-ttft")
@@ -196,6 +202,7 @@ def main() -> None:
     if args.quick:
         args.tokens, args.rounds = min(args.tokens, 16), min(args.rounds, 3)
     configure("warning", json=False)
+    use_device(args.device)
     want = set(args.only or ["prefill", "1node", "ring", "moe-ring"])
     dense, moe = bench_model(CACHE, "dense"), bench_model(CACHE, "moe")
     nl, nm = SPECS["dense"].n_layer, SPECS["moe"].n_layer
@@ -238,7 +245,8 @@ def main() -> None:
             if name not in runs:
                 continue
             began = time.perf_counter()
-            with start(root / name, model, manifests[model], placement, args.threads) as net:
+            with start(root / name, model, manifests[model], placement, args.threads,
+                       **{"compute.device": args.device}) as net:
                 up = time.perf_counter() - began
                 for node, pins in zip(net.nodes, placement, strict=True):
                     assert node.proc is not None
@@ -263,7 +271,8 @@ def main() -> None:
                         f"{one:.1f}", many / one)
                     summary["sessions16"] = many / one
                     with start(root / "1node-solo", model, manifests[model], placement,
-                               args.threads, **{"inference.batch_sessions": 1}) as solo:
+                               args.threads, **{"inference.batch_sessions": 1,
+                                                "compute.device": args.device}) as solo:
                         one_s = concurrent(solo.nodes[0], 1, args.tokens)
                         many_s = concurrent(solo.nodes[0], 16, args.tokens)
                     row("1node 16 sessions, each step alone (batch_sessions 1): aggregate "

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from kvasird.config import load as load_config
+from kvasird.config.schema import ComputeConfig
 from kvasird.numerics.contract import Verdict, VerifyPlan, verify
 
 
@@ -20,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompts in the logits set")
     p.add_argument("--greedy-tokens", type=int, default=VerifyPlan.greedy_tokens,
                    help="tokens generated per greedy prompt")
+    p.add_argument("--device", default=None,
+                   help="ggml device to compute on, as `kvasird native info` lists them "
+                        "(default: [compute] device, else the CPU)")
     p.add_argument("--kv", choices=("f16", "f32"), default=VerifyPlan.kv_dtype,
                    help="KV cache type")
     p.add_argument("--json", action="store_true", help="print the verdict as JSON")
@@ -29,7 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _verify(args: argparse.Namespace) -> int:
     from kvasird.model.bundled import bundled_path
 
-    threads = args.threads if args.threads is not None else _configured_threads(args)
+    from kvasird.compute.graph import use_device
+
+    compute = _configured(args)
+    use_device(args.device if args.device is not None else compute.device)
+    threads = args.threads if args.threads is not None else compute.threads
     plan = VerifyPlan(prompts=args.prompts, greedy_tokens=args.greedy_tokens, kv_dtype=args.kv)
     verdict = verify(args.model or bundled_path(), threads, plan)
     if args.json:
@@ -39,13 +47,13 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if verdict.passed else 1
 
 
-def _configured_threads(args: argparse.Namespace) -> int:
+def _configured(args: argparse.Namespace) -> ComputeConfig:
     from kvasird.cli import home_of
 
     path = home_of(args, required=False).config
     if not path.exists():
-        return 0  # verify needs no initialised home: fall back to one thread per core
-    return load_config(path).compute.threads
+        return ComputeConfig()  # verify needs no initialised home: one thread per core, the CPU
+    return load_config(path).compute
 
 
 def _print(v: Verdict) -> None:

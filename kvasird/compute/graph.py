@@ -53,17 +53,55 @@ def _ggml_log(level: int, text: bytes, _user: Any) -> None:
 ggml.ggml_log_set(_ggml_log, None)
 
 
-class Backend:
-    """A ggml compute backend (the CPU one) and the thread count it runs with."""
+_device = ""
+"""The ggml device this process computes on ("" = the CPU; see use_device)."""
 
-    def __init__(self, threads: int) -> None:
+
+def use_device(name: str) -> None:
+    """Compute on ggml device `name` ("CPU", "CUDA0", "Vulkan0", ...; "" = the CPU) from now
+    on in this process: every Backend made without a device of its own starts it
+    (`[compute] device`, ``kvasird verify --device``). Refused, with the devices this
+    build has, when there is no such device."""
+    global _device
+    if name and name.upper() != "CPU":
+        _find_device(name)
+    _device = name
+
+
+def _find_device(name: str) -> Any:
+    dev = ggml.ggml_backend_dev_by_name(name.encode())
+    if not dev:
+        names = [ggml.ggml_backend_dev_name(ggml.ggml_backend_dev_get(i)).decode()
+                 for i in range(ggml.ggml_backend_dev_count())]
+        raise ComputeError(f"no ggml device named {name!r}: this build of ggml-python has "
+                           f"{', '.join(names) or 'none'} (`kvasird native info` lists them): "
+                           "build it for that device (KVASIR_GGML_BACKEND=cuda, vulkan, hip "
+                           "or metal native/setup) or set [compute] device to one of those")
+    return dev
+
+
+class Backend:
+    """A ggml compute backend (the CPU's, or a device's: use_device) and the thread count
+    it runs with."""
+
+    def __init__(self, threads: int, device: str | None = None) -> None:
         if threads < 1:
             raise ComputeError(f"threads must be at least 1, got {threads}")
         self.threads = threads
-        self.handle = ggml.ggml_backend_cpu_init()
-        if not self.handle:
-            raise ComputeError("ggml could not start its CPU backend")
-        ggml.ggml_backend_cpu_set_n_threads(self.handle, threads)
+        name = _device if device is None else device
+        if name and name.upper() != "CPU":
+            self.handle = ggml.ggml_backend_dev_init(_find_device(name), None)
+            if not self.handle:
+                raise ComputeError(f"ggml could not start device {name!r}: is its driver "
+                                   "loaded (`kvasird native info`)?")
+        else:
+            self.handle = ggml.ggml_backend_cpu_init()
+            if not self.handle:
+                raise ComputeError("ggml could not start its CPU backend")
+        self.cpu = bool(ggml.ggml_backend_is_cpu(self.handle))
+        """Whether it computes on the CPU (threads and the repacked weights apply there)."""
+        if self.cpu:
+            ggml.ggml_backend_cpu_set_n_threads(self.handle, threads)
         self.buffer_type = ggml.ggml_backend_get_default_buffer_type(self.handle)
         self.name = ggml.ggml_backend_name(self.handle).decode()
         self.lock = threading.RLock()

@@ -155,7 +155,8 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
     for f in files:
         check_tensors(hp, f.tensors, f.path, _slice_experts(f))
     plan = [_plan(*where[name], hp, name, ranges) for name in wanted]
-    packs = {name for name, type_, ne, _, _ in plan if repackable(name, type_, ne)}
+    packs = {name for name, type_, ne, _, _ in plan
+             if backend.cpu and repackable(name, type_, ne)}  # the CPU's kernels' layout
     arena, packed = TensorArena(len(plan) - len(packs)), TensorArena(len(packs))
     try:
         for name, type_, ne, _, _ in plan:

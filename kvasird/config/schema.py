@@ -137,6 +137,9 @@ class MarketConfig:
 class ComputeConfig:
     threads: int = field(default=0, metadata=_range(0, 1024))
     """ggml compute threads; 0 = one per physical core."""
+    device: str = ""
+    """The ggml device to compute on: "" (the CPU), or a device of the installed ggml-python
+    build as `kvasird native info` lists them ("CUDA0", "Vulkan0", ...)."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from kvasird.market.records import Capabilities
 from kvasird.market.service import MarketService, metadata_only
 from kvasird.model.distribution import ShardService
 from kvasird.compute import arch as archs
+from kvasird.compute.graph import use_device
 from kvasird.model.gguffile import read_header
 from kvasird.model.ref import ModelRef
 from kvasird.model.store import ShardStore
@@ -49,6 +50,7 @@ DRAIN_TIMEOUT_S = 8.0
 
 class Node:
     def __init__(self, home: Home, config: Config) -> None:
+        use_device(config.compute.device)  # before anything opens a ggml backend
         self.home = home
         self.config = config
         self.db = connect(home.db)
