@@ -49,6 +49,8 @@ AWAY_WEIGHT = 0.1
 
 SEEN_MIN_S = 0.1
 """A session counts as stepping on a chain for at least this long after its last step."""
+SEEN_PRUNE = 256
+"""Sessions remembered per chain before the ones that stopped stepping are forgotten."""
 
 Solo = Callable[["ServedSession", np.ndarray, int], Awaitable[np.ndarray]]
 """How one step runs alone: (session, rows, start) -> its output."""
@@ -90,6 +92,8 @@ class _Queue:
     average): its gateway's turn on one node, the other hops of a ring."""
 
     def arrive(self, s: object, now: float) -> None:
+        if len(self.seen) >= SEEN_PRUNE:  # sessions that ended: forget them
+            self.stepping(now)
         self.seen[id(s)] = now
         answered = self.answered.pop(id(s), None)
         if answered is not None:
@@ -110,9 +114,9 @@ class _Queue:
         least `min_step_s` alone) that reading the weights once for several sessions saves
         more than the wait, the thread hand-off and the pipelining it gives up (the
         sessions of one batch move through a ring's hops together). Measured: a 3-stage
-        ring of the bundled 135M model (2 ms a hop) lost a third of its aggregate tokens/s
-        with 4 and 16 sessions when its hops gathered; one daemon of a 1B model (28 ms a
-        step) gained 1.5x with 16."""
+        ring of the bundled 135M model (2 ms a hop) lost over half its aggregate tokens/s
+        with 4 and 16 sessions when its hops batched everyone; one daemon of a 1B model
+        (28 ms a step) gained 1.5x with 16."""
         return self.fastest < float("inf") and self.fastest >= min_step_s
 
     def stepping(self, now: float) -> int:
