@@ -24,6 +24,7 @@ KvasirError                      errors               anything kvasird raises on
 │       ├── InputError           compute.errors       a shape, token, position or expert is bad
 │       │   └── GrammarError     inference.grammar    a grammar or schema cannot be followed
 │       ├── KVCacheFull          compute.errors       no KV cache room for more tokens
+│       ├── RunRefused           compute.errors       one session's step of a batch is refused
 │       └── NoWorkers            inference.errors     no fit peer holds experts a stage needs now
 ├── ModelError                   errors               a model cannot be named, read or obtained
 │   ├── ModelRefError            model.ref            no model by that path, bundled:NAME or id

@@ -31,9 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from kvasird.model.bundled import bundled_path
-
     from kvasird.compute.graph import use_device
+    from kvasird.model.bundled import bundled_path
 
     compute = _configured(args)
     use_device(args.device if args.device is not None else compute.device)

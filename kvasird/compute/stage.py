@@ -32,7 +32,7 @@ import numpy as np
 
 from kvasird.compute import arch as archs
 from kvasird.compute.blocks import Blocks
-from kvasird.compute.errors import InputError, WeightsError
+from kvasird.compute.errors import InputError, KVCacheFull, RunRefused, WeightsError
 from kvasird.compute.experts import ExpertShard, ExpertWorker, check_shards, combine, dispatch
 from kvasird.compute.graph import F32, I32, Backend, Builder, GraphCache, ggml, ne_of
 from kvasird.compute.hparams import HParams
@@ -247,7 +247,8 @@ class Stage:
 
     def forward_batch_steps(self, runs: Sequence[tuple[Session, np.ndarray, int]]
                             ) -> Steps[list[np.ndarray]]:
-        """forward_batch as steps (see forward_steps).
+        """forward_batch as steps (see forward_steps). A run that fails its checks raises
+        RunRefused (with its index) before anything computes.
 
         The rows are bitwise what one session's forward gives only where the kernels
         compute a row the same way in any batch (attention does: each session attends
@@ -260,16 +261,20 @@ class Stage:
         if len(runs) > 1 and not self.batches:
             raise InputError("this stage's sliding-window pool or recurrent states take one "
                              "session per graph: step its sessions one by one")
-        xs = [self._check_inputs(x) for _, x, _ in runs]
-        if any(len(x) != 1 for x in xs):
-            raise InputError("a batch takes one token (or hidden row) per session")
-        steps: list[tuple[Session, int]] = []
-        for session, _, start in runs:
-            if session.pool is not self.kv:
-                raise InputError("this session belongs to another stage (or is closed): open "
-                                 "one with this stage's open_session()")
-            start = session.n_past if start is None else int(start)
-            session.reserve(start, 1)
+        xs, steps = [], []
+        for i, (session, x, start) in enumerate(runs):
+            try:  # every check before anything computes: a bad step is this run's alone
+                x = self._check_inputs(x)
+                if len(x) != 1:
+                    raise InputError("a batch takes one token (or hidden row) per session")
+                if session.pool is not self.kv:
+                    raise InputError("this session belongs to another stage (or is closed): "
+                                     "open one with this stage's open_session()")
+                start = session.n_past if start is None else int(start)
+                session.reserve(start, 1)
+            except (InputError, KVCacheFull) as exc:
+                raise RunRefused(i, exc) from None
+            xs.append(x)
             steps.append((session, start))
         out = yield from self._chunk(steps, np.concatenate(xs), "all")
         for session, start in steps:

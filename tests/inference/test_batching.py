@@ -16,7 +16,7 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked as wait_all_blocked
 
-from kvasird.compute.errors import InputError
+from kvasird.compute.errors import InputError, RunRefused
 from kvasird.compute.kvcache import PAGE, KVSpec
 from kvasird.compute.stage import KV_BUCKET, Stage, generate
 from kvasird.inference.errors import Refusal
@@ -99,10 +99,13 @@ def test_a_batch_refuses_what_it_cannot_compute(full: Stage) -> None:
         full.forward(a, np.array([1, 2]), 0)
         with pytest.raises(InputError, match="once"):
             full.forward_batch([(a, np.array([3]), 2), (a, np.array([4]), 3)])
-        with pytest.raises(InputError, match="one token"):
+        with pytest.raises(RunRefused, match="one token") as refused:
             full.forward_batch([(a, np.array([3, 4]), 2), (b, np.array([4]), 0)])
-        with pytest.raises(InputError, match="past the cached context"):
+        assert refused.value.index == 0 and isinstance(refused.value.error, InputError)
+        with pytest.raises(RunRefused, match="past the cached context") as refused:
             full.forward_batch([(a, np.array([3]), 2), (b, np.array([4]), 5)])
+        assert refused.value.index == 1
+        assert a.n_past == 2  # nothing computed: the good run did not advance
 
 
 async def test_concurrent_sessions_decode_in_batches_with_their_solo_tokens(
@@ -131,10 +134,11 @@ async def test_a_lone_session_never_batches(node: Served, full: Stage) -> None:
     assert server.batcher.stats["batches"] == 0
 
 
-async def test_a_batch_with_a_bad_step_answers_every_step_for_itself(
+async def test_a_bad_step_is_refused_alone_and_its_batch_goes_on(
         node: Served, full: Stage) -> None:
-    """One session sends a position past its context: the batch fails as a whole, and
-    then every step runs alone, so only that one is refused."""
+    """One session sends a position past its context: that step alone is refused (it runs
+    alone and gets its own answer) and the others still compute as one batch, so one
+    session cannot make every session it shares a batch with compute alone."""
     server = StageServer(lambda: "m", lambda: node, max_sessions=8, idle_s=60,
                          wire_dtype="f32", batch_window_s=0.05)
     for i in range(3):
@@ -159,7 +163,8 @@ async def test_a_batch_with_a_bad_step_answers_every_step_for_itself(
         with full.open_session() as s:
             logits = full.forward(s, np.asarray(prompt(i)[:3] + [9]), 0)
         assert replies[i]["token"] == int(np.argmax(logits[-1]))
-    assert server.batcher.stats["split"] >= 1
+    stats = server.batcher.stats
+    assert stats["refused"] >= 1 and stats["split"] == 0 and stats["largest"] == 2, stats
 
 
 async def test_a_session_cancelled_in_the_queue_holds_no_one_up(

@@ -13,8 +13,9 @@ computes, the steps that arrive (the other sessions' next tokens, other routes' 
 queue, so under load the batches fill by themselves; a lone session never waits and runs
 as it did alone (in place when its stages are free). Only chains whose steps compute long
 enough for batching to pay (_Queue.pays) batch at all; on others every step runs alone.
-A batch that fails as a whole (one session's KV is full, a bad position) runs its steps
-one by one, so each gets its own answer and the good ones are not lost.
+A step the batch refuses (a bad position, a full KV) runs alone and gets its own answer
+while the batch goes on without it; a batch that fails as a whole runs its steps one by
+one, so the good ones are not lost.
 
 The outputs equal the sessions' solo ones where the kernels compute a row the same way
 in any batch (attention always: each session attends over its own pages; the quantized
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
+from kvasird.compute.errors import RunRefused
 from kvasird.logs import get_logger
 
 if TYPE_CHECKING:
@@ -143,9 +145,10 @@ class Batcher:
     def __init__(self, max_rows: int, window_s: float, min_step_s: float = 0.0) -> None:
         self.max_rows, self.window_s, self.min_step_s = max_rows, window_s, min_step_s
         self._queues: dict[tuple[int, ...], _Queue] = {}
-        self.stats = {"batches": 0, "rows": 0, "largest": 0, "split": 0}
-        """Batches of several sessions computed, their rows, the most rows in one, and
-        batches that failed as a whole and ran one by one."""
+        self.stats = {"batches": 0, "rows": 0, "largest": 0, "refused": 0, "split": 0}
+        """Batches of several sessions computed, their rows, the most rows in one, steps a
+        batch refused (they ran alone, the batch went on), and batches that failed as a
+        whole and ran one by one."""
 
     def company(self) -> bool:
         """Whether several sessions step on a chain where batching pays: then a forwarded
@@ -199,13 +202,13 @@ class Batcher:
             if want <= 1 and len(batch) == 1:
                 return await self._alone(queue, s, x, start, solo)
             # in a worker thread even if alone now, so that the others' steps queue
-            if await self._compute(queue, batch):
+            if me not in await self._compute(queue, list(batch)):
                 assert me.out is not None
                 return me.out
         finally:
             if me in queue.waiting:  # cancelled while gathering
                 queue.waiting.remove(me)
-            for w in batch:  # the batch failed, or its leader was cancelled: each alone
+            for w in batch:  # refused by the batch, or the leader was cancelled: each alone
                 if w is not me and not w.woken.is_set():
                     w.tell("solo")
             queue.hand_on()
@@ -230,29 +233,39 @@ class Batcher:
             while len(queue.waiting) < want:
                 await queue.joined.wait()
 
-    async def _compute(self, queue: _Queue, batch: list[_Waiter]) -> bool:
+    async def _compute(self, queue: _Queue, batch: list[_Waiter]) -> list[_Waiter]:
         """The batch through its chain as one graph per stage, each waiter told its rows;
-        False when it failed as a whole."""
-        began = time.monotonic()
-        try:
-            outs = await trio.to_thread.run_sync(_forward_batch, batch)
-        except Exception as exc:  # noqa: BLE001 - each step then answers for itself
-            self.stats["split"] += 1
-            log.debug("a batch of decode steps failed; running them one by one",
-                      steps=len(batch), error=repr(exc)[:200])
-            return False
-        now = time.monotonic()
-        took = now - began
-        queue.compute_s += AWAY_WEIGHT * (took - queue.compute_s) if queue.compute_s else took
-        for w, out in zip(batch, outs, strict=True):
-            w.out = out
-            w.tell("done")
-            queue.answered[id(w.s)] = now
-        if len(batch) > 1:
-            self.stats["batches"] += 1
-            self.stats["rows"] += len(batch)
-            self.stats["largest"] = max(self.stats["largest"], len(batch))
-        return True
+        the waiters left to run alone: a step the batch refused (a bad position, a full
+        KV: the others go on without it, so that one session cannot make every session it
+        shares a batch with compute alone), or all of them when it failed as a whole."""
+        alone: list[_Waiter] = []
+        while batch:
+            began = time.monotonic()
+            try:
+                outs = await trio.to_thread.run_sync(_forward_batch, batch)
+            except RunRefused as exc:
+                alone.append(batch.pop(exc.index))
+                self.stats["refused"] += 1
+                continue
+            except Exception as exc:  # noqa: BLE001 - each step then answers for itself
+                self.stats["split"] += 1
+                log.debug("a batch of decode steps failed; running them one by one",
+                          steps=len(batch), error=repr(exc)[:200])
+                return alone + batch
+            now = time.monotonic()
+            took = now - began
+            queue.compute_s += AWAY_WEIGHT * (took - queue.compute_s) if queue.compute_s \
+                else took
+            for w, out in zip(batch, outs, strict=True):
+                w.out = out
+                w.tell("done")
+                queue.answered[id(w.s)] = now
+            if len(batch) > 1:
+                self.stats["batches"] += 1
+                self.stats["rows"] += len(batch)
+                self.stats["largest"] = max(self.stats["largest"], len(batch))
+            break
+        return alone
 
 
 def _forward_batch(batch: list[_Waiter]) -> list[np.ndarray]:
