@@ -58,7 +58,8 @@ class Node:
         self.p2p = P2PNode(self.key, config.p2p, config.node.network, self.db, str(home.config))
         self.shards = ShardService(self.p2p, ShardStore.open(home))
         self.market = MarketService(self.p2p, config.market, None,
-                                    Capabilities(threads=config.compute.threads or 1),
+                                    Capabilities(backend=config.compute.device or "CPU",
+                                                 threads=config.compute.threads or 1),
                                     shards=self.shards,
                                     loader=(lambda units: self.inference.load(units))
                                     if config.inference.serve else metadata_only)
