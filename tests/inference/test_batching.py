@@ -76,6 +76,19 @@ async def generation(server: StageServer, sid: str, ids: list[int], n: int) -> l
     return got
 
 
+async def generations(server: StageServer, n: int, tokens: int) -> dict[int, list[int]]:
+    """n generations of `tokens` tokens at once, session i from prompt(i)."""
+    got: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        got[i] = await generation(server, f"s{i}", prompt(i), tokens)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    return got
+
+
 def test_a_batch_computes_what_each_session_computes_alone(full: Stage) -> None:
     """Stage.forward_batch: sessions at different positions (across KV buckets) give
     bitwise their solo logits, and the KV each one wrote is its own."""
@@ -112,14 +125,7 @@ async def test_concurrent_sessions_decode_in_batches_with_their_solo_tokens(
         node: Served, full: Stage) -> None:
     server = StageServer(lambda: "m", lambda: node, max_sessions=8, idle_s=60,
                          wire_dtype="f32", batch_window_s=0.05)
-    got: dict[int, list[int]] = {}
-
-    async def one(i: int) -> None:
-        got[i] = await generation(server, f"s{i}", prompt(i), 8)
-
-    async with trio.open_nursery() as nursery:
-        for i in range(6):
-            nursery.start_soon(one, i)
+    got = await generations(server, 6, 8)
     for i in range(6):
         assert got[i] == generate(full, prompt(i), 8), f"session {i}"
     stats = server.batcher.stats
@@ -132,6 +138,9 @@ async def test_a_lone_session_never_batches(node: Served, full: Stage) -> None:
                          wire_dtype="f32")
     assert await generation(server, "alone", prompt(1), 6) == generate(full, prompt(1), 6)
     assert server.batcher.stats["batches"] == 0
+    # and no step went to a worker thread as a batch of one: each ran alone, as before
+    assert all(q.compute_s == 0 and q.fastest < float("inf")
+               for q in server.batcher._queues.values())
 
 
 async def test_a_bad_step_is_refused_alone_and_its_batch_goes_on(
@@ -266,14 +275,7 @@ async def test_steps_shorter_than_the_batching_minimum_are_not_held_for_company(
     it did alone, in place."""
     server = StageServer(lambda: "m", lambda: node, max_sessions=8, idle_s=60,
                          wire_dtype="f32", batch_window_s=0.05, batch_min_s=10.0)
-    got: dict[int, list[int]] = {}
-
-    async def one(i: int) -> None:
-        got[i] = await generation(server, f"s{i}", prompt(i), 4)
-
-    async with trio.open_nursery() as nursery:
-        for i in range(4):
-            nursery.start_soon(one, i)
+    got = await generations(server, 4, 4)
     assert all(got[i] == generate(full, prompt(i), 4) for i in range(4))
     assert server.batcher.stats["batches"] == 0
     assert not server.batcher.company()
