@@ -190,6 +190,11 @@ class InferenceConfig:
     """Decode steps batch only where a step computes for at least this long alone: shorter
     ones (a small model, a few layers) gain less from reading the weights once than a ring
     loses when the sessions of one batch move through its hops together."""
+    batch_pipelined: bool = True
+    """Where the sessions of a ring are away at other hops for longer than a batch computes
+    here, a batch takes a share of them (a ring of D hops keeps D batches in flight, every
+    hop busy); false: every session stepping here joins one batch, the most reuse of the
+    weights (for hops whose compute hardly grows with the rows, such as a GPU's)."""
     spot_check: float = field(default=0.0, metadata=_range(0, 1))
     """Fraction of remote expert calls recomputed on a second replica and compared."""
     spot_tolerance: float = field(default=1e-3, metadata=_range(0, 1e6))

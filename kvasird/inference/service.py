@@ -102,7 +102,8 @@ class InferenceService:
                                   send=self._send_stage, deliver=self.inbox.deliver,
                                   prefix=c.prefix_cache, batch_rows=c.batch_sessions,
                                   batch_window_s=c.batch_window_ms / 1000,
-                                  batch_min_s=c.batch_min_ms / 1000)
+                                  batch_min_s=c.batch_min_ms / 1000,
+                                  batch_pipelined=c.batch_pipelined)
         self.experts = ExpertServer(lambda: self.served, window_s=c.batch_window_ms / 1000,
                                     wire_dtype=c.wire_dtype)
         self.dispatcher = ExpertDispatcher(

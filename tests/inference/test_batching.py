@@ -21,7 +21,7 @@ from kvasird.compute.kvcache import PAGE, KVSpec
 from kvasird.compute.stage import KV_BUCKET, Stage, generate
 from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol import tensors
-from kvasird.inference.server.batch import Batcher
+from kvasird.inference.server.batch import Batcher, _Queue
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.stage import StageServer
 from kvasird.model.testmodels import make_model
@@ -279,3 +279,16 @@ async def test_steps_shorter_than_the_batching_minimum_are_not_held_for_company(
     assert all(got[i] == generate(full, prompt(i), 4) for i in range(4))
     assert server.batcher.stats["batches"] == 0
     assert not server.batcher.company()
+
+
+def test_a_deep_ring_batches_a_share_of_its_sessions_unless_told_to_batch_all() -> None:
+    """A hop whose sessions are away (at the ring's other hops) for D-1 times what a batch
+    computes here takes a D-th of the sessions stepping in a batch, so that D batches keep
+    every hop busy; batch_pipelined false takes them all (up to batch_sessions)."""
+    q = _Queue(compute_s=0.002)
+    assert q.cap(16, 6) == 6  # nobody is away yet: one node, or a ring not yet measured
+    q.away_s = 0.004  # a 3-hop ring: 3 batches in flight
+    assert q.cap(16, 6) == 2 and q.cap(16, 7) == 3 and q.cap(2, 16) == 2
+    q.away_s = 0.02  # away for ten computes: each step alone
+    assert q.cap(16, 6) == 1
+    assert Batcher(16, 0.0).pipelined and not Batcher(16, 0.0, pipelined=False).pipelined

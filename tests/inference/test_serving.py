@@ -488,15 +488,47 @@ async def test_an_expert_worker_that_answers_again_is_forgiven_its_strikes(
     rows = np.ones((1, worker.hp.n_embd), np.float32)
     ids = np.array([[1, 6]])
     net.faults["w"] = hung(lambda msg: True)
-    with pytest.raises(NoWorkers):
+    with pytest.raises(NoWorkers):  # once, then once more as the last resort
         await dispatcher.compute(0, 0, N_EXPERT, rows, ids)
-    assert fitness.strikes == {"w": 1} and not fitness.fit("w")
+    assert fitness.strikes == {"w": 2} and not fitness.fit("w")
     del net.faults["w"]
     while not fitness.fit("w"):
         await trio.sleep(1)
     out = await dispatcher.compute(0, 0, N_EXPERT, rows, ids)
     assert np.array_equal(out, worker.run_of(0, 0).worker(0, rows, ids))
     assert fitness.strikes == {}
+
+
+async def test_the_only_worker_of_a_range_failing_once_is_asked_again(
+        worker: Served, autojump_clock: MockClock) -> None:
+    """When no fit worker holds a range, one that failed once is the last resort (a worker
+    whose first call timed out on a busy machine, or that refused while it reloaded): the
+    step computes instead of failing the request; a liar is never asked again."""
+    from kvasird.inference.client.dispatch import ExpertDispatcher, NoWorkers
+    from kvasird.inference.client.routing import Fitness, Latency
+
+    net, fitness = FakeNet({}, me="stage", experts={"w": worker}), Fitness(300)
+    dispatcher = ExpertDispatcher(
+        "stage", net.holders, net, Latency("stage", lambda p: 1.0),  # type: ignore[arg-type]
+        fitness, lambda layer, expert: None, timeout_s=5, wire_dtype="f32", spot_check=0.0,
+        tolerance=0.01)
+    rows = np.ones((1, worker.hp.n_embd), np.float32)
+    ids = np.array([[1, 6]])
+    calls = [0]
+
+    def first_call(msg: dict[str, Any]) -> bool:
+        calls[0] += 1
+        return calls[0] == 1
+
+    net.faults["w"] = hung(first_call)
+    out = await dispatcher.compute(0, 0, N_EXPERT, rows, ids)
+    assert np.array_equal(out, worker.run_of(0, 0).worker(0, rows, ids))
+    assert calls[0] == 2 and dispatcher.stats["failovers"] == 1
+    assert fitness.strikes == {} and fitness.fit("w")  # it answered: pardoned
+    fitness.mark("w", "lied")
+    with pytest.raises(NoWorkers, match="no fit worker holds experts"):
+        await dispatcher.compute(0, 0, N_EXPERT, rows, ids)
+    assert calls[0] == 2
 
 
 def test_only_short_forwarded_steps_on_a_node_without_remote_experts_run_inline(

@@ -298,12 +298,14 @@ def test_hot_experts_are_cached_by_the_stage_and_the_output_is_unchanged(
 def ring(bundled: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNet]:
     """Three stages of ten layers each, shared by the tests that leave every stage running.
     Their steps batch however short they compute ([inference] batch_min_ms 0: the
-    bundled model's hops take ~2 ms, under the default)."""
+    bundled model's hops take ~2 ms, under the default), each hop every session stepping
+    there (batch_pipelined false: with the default, a hop whose sessions are away for over
+    five times its compute, as the gateway's first hop on a busy machine, batches none)."""
     net = LocalNet(tmp_path_factory.mktemp("ring"), 3)
     with net:
         yield start(lambda n: net, bundled, [["head", "layers:0-10"], ["layers:10-20"],
                                              ["layers:20-30"]],
-                    **{"inference.batch_min_ms": 0.0})
+                    **{"inference.batch_min_ms": 0.0, "inference.batch_pipelined": False})
 
 
 def test_three_stage_ring_generates_the_tokens_of_one_node(

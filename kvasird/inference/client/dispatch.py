@@ -41,6 +41,7 @@ from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch
 from kvasird.errors import WireError
 from kvasird.inference.client.hotcache import HotExperts
 from kvasird.inference.client.routing import (
+    AVOIDED_MS,
     Fitness,
     Latency,
     PeerHoldings,
@@ -56,6 +57,8 @@ from kvasird.inference.transport.channel import Channels
 from kvasird.logs import get_logger
 
 MAX_ATTEMPTS = 4
+LAST_RESORT_PAUSE_S = 0.25
+"""The wait before sending rows to a worker that failed lately (the last resort)."""
 Piece = tuple[str, int, int, int, int]
 """(worker, first expert, end, the worker's advertised range start e0, its end)."""
 LocalExperts = Callable[[int, int], "tuple[ExpertWorker, int, int] | None"]
@@ -119,6 +122,8 @@ class ExpertDispatcher:
             if strikes := self.fitness.strikes:  # the workers that answered work again
                 for peer in {p[0] for p in pieces} & strikes.keys():
                     self.fitness.healthy(peer)
+            for peer in {p[0] for p in pieces if not self.fitness.fit(p[0])}:
+                self.fitness.pardon(peer)  # avoided, asked as the last resort: it answered
             return _combine(layer, rows, gids, pieces, outs)
         raise NoWorkers(f"experts [{first}, {end}) of layer {layer} failed on "
                         f"{MAX_ATTEMPTS} workers")
@@ -134,6 +139,8 @@ class ExpertDispatcher:
         pieces = self._plan(layer, first, end, gids)
         if pieces is None:
             raise NoWorkers(f"no fit worker holds experts [{first}, {end}) of layer {layer}")
+        if any(not self.fitness.fit(p[0]) for p in pieces if p[0] != self.me):
+            await trio.sleep(LAST_RESORT_PAUSE_S)  # what made it fail may pass meanwhile
         asked: list[tuple[Piece, np.ndarray, np.ndarray]] = []
 
         def recorder(piece: Piece) -> ExpertShard:
@@ -180,16 +187,30 @@ class ExpertDispatcher:
     def _plan(self, layer: int, first: int, end: int, gids: np.ndarray) -> list[Piece] | None:
         """Our cached experts first, then the cheapest cover of the range by fit workers:
         each id goes to the first piece holding it (compute.dispatch), so what we cache is
-        computed here and the rest goes to each worker as one message. None when neither
-        can take every id."""
+        computed here and the rest goes to each worker as one message; without one, a cover
+        through workers that failed once. None when nothing can take every id."""
         ours = [(self.me, e, e + 1, e, e + 1) for lay, e in sorted(self.hot.workers)
                 if lay == layer and first <= e < end]
-        fit = [h for h in self.holders() if h.peer != self.me and self.fitness.fit(h.peer)]
+        fitness = self.fitness
+        others = [h for h in self.holders() if h.peer != self.me]
+        fit = [h for h in others if fitness.fit(h.peer)]
         cover = cover_experts(expert_holders(fit, layer, first, end), first, end, self.latency)
         if cover is not None:
             return ours + cover
         mine = {e for _, e, _, _, _ in ours}
-        return ours if ours and all(int(g) in mine for g in gids.flat) else None
+        if ours and all(int(g) in mine for g in gids.flat):
+            return ours
+        # the last resort, as a route's: workers avoided after failing once (one that timed
+        # out on its first call, or refused while it reloaded) beat failing the step
+        cover = cover_experts(
+            expert_holders([h for h in others if fitness.second_chance(h.peer)], layer, first,
+                           end), first, end,
+            lambda p: self.latency(p) + (0.0 if fitness.fit(p) else AVOIDED_MS))
+        if cover is None:
+            return None
+        log.info("no fit worker holds the experts: asking ones that failed lately", layer=layer,
+                 avoided=sorted({c[0] for c in cover if not fitness.fit(c[0])}))
+        return ours + cover
 
     async def checked(self, peer: str, e0: int, layer: int, rows: np.ndarray,
                       gids: np.ndarray) -> np.ndarray:

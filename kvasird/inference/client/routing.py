@@ -187,6 +187,11 @@ def expert_holders(holders: Iterable[PeerHoldings], layer: int, lo: int, hi: int
             if lay == layer and e0 < hi and lo < e1]
 
 
+AVOIDED_MS = 60_000.0
+"""What a route or an expert cover counts for each peer avoided after failing, when only
+such routes exist: enough that every one over fit peers is cheaper."""
+
+
 def cover_experts(ranges: Sequence[tuple[str, int, int]], lo: int, hi: int,
                   cost: Callable[[str], float]) -> list[tuple[str, int, int, int, int]] | None:
     """Pieces (peer, piece_lo, piece_hi, peer_e0, peer_e1) covering [lo, hi), cheapest first.
@@ -259,6 +264,20 @@ class Fitness:
     def lied(self, peer: str) -> bool:
         """Whether `peer` is serving a sentence for a lie (never routed to as a last resort)."""
         return peer in self._lied and not self.fit(peer)
+
+    def pardon(self, peer: str) -> None:
+        """`peer`, avoided after failing, did its work as the last resort: fit again (a
+        liar's sentence stands), so that the next call does not take the last resort's
+        pause for it."""
+        self.strikes.pop(peer, None)
+        if peer not in self._lied:
+            self._until.pop(peer, None)
+
+    def second_chance(self, peer: str) -> bool:
+        """Whether `peer` may be used as a last resort when no fit peer can do the work:
+        fit, or avoided after failing once (a slow or just restarted peer beats none),
+        never a liar."""
+        return self.fit(peer) or (not self.lied(peer) and self.strikes.get(peer, 0) <= 1)
 
     def fit(self, peer: str) -> bool:
         until = self._until.get(peer)

@@ -88,6 +88,7 @@ from kvasird.inference.client.affinity import (
 )
 from kvasird.inference.client.failover import Accusations, judge
 from kvasird.inference.client.routing import (
+    AVOIDED_MS,
     EWMA,
     Fitness,
     Hop,
@@ -127,9 +128,6 @@ PROBE_TIMEOUT_S = 1.0
 time, if longer: a hop computing a step in place answers once it is done)."""
 PREFILL_CHUNK = 256
 """Tokens per prefill message: bounds one frame (256 × n_embd × 4 B)."""
-AVOIDED_MS = 60_000.0
-"""What a route counts for each peer avoided after failing, when only such routes exist:
-enough that every route over fit peers is cheaper."""
 MAX_EXPERTS_PER_ROW = 64
 """Most experts one row selects in any layer: caps the expert units a stage may report."""
 KEEP_WORK = 1024
@@ -254,8 +252,7 @@ class SwarmGenerator:
                            self.prefill_ms)
         if route is None and last_resort:
             fitness = self.fitness
-            second_chance = [h for h in self.holders() if fitness.fit(h.peer) or (
-                not fitness.lied(h.peer) and fitness.strikes.get(h.peer, 0) <= 1)]
+            second_chance = [h for h in self.holders() if fitness.second_chance(h.peer)]
             route = plan_route(self.n_layer(), second_chance, lambda p: self.latency(p) + (
                 0.0 if fitness.fit(p) else AVOIDED_MS))
             if route is not None:

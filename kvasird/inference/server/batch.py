@@ -142,8 +142,11 @@ class _Queue:
 class Batcher:
     """The decode-step queues of one stage server's chains."""
 
-    def __init__(self, max_rows: int, window_s: float, min_step_s: float = 0.0) -> None:
+    def __init__(self, max_rows: int, window_s: float, min_step_s: float = 0.0,
+                 pipelined: bool = True) -> None:
         self.max_rows, self.window_s, self.min_step_s = max_rows, window_s, min_step_s
+        self.pipelined = pipelined
+        """Whether a batch takes only a share of the sessions of a deep ring (_Queue.cap)."""
         self._queues: dict[tuple[int, ...], _Queue] = {}
         self.stats = {"batches": 0, "rows": 0, "largest": 0, "refused": 0, "split": 0}
         """Batches of several sessions computed, their rows, the most rows in one, steps a
@@ -194,7 +197,7 @@ class Batcher:
         batch = [me]
         try:
             stepping = queue.stepping(time.monotonic())
-            cap = queue.cap(self.max_rows, stepping)
+            cap = queue.cap(self.max_rows, stepping) if self.pipelined else self.max_rows
             want = min(stepping, cap)
             await self._gather(queue, want)
             batch = queue.waiting[:cap]

@@ -153,7 +153,8 @@ class StageServer:
                  max_sessions: int, idle_s: float, wire_dtype: str, me: str = "",
                  send: Send = _cannot_send, deliver: Deliver | None = None,
                  admit: Admit = admit_all, prefix: bool = True, batch_rows: int = 16,
-                 batch_window_s: float = 0.001, batch_min_s: float = 0.0) -> None:
+                 batch_window_s: float = 0.001, batch_min_s: float = 0.0,
+                 batch_pipelined: bool = True) -> None:
         self.model_id, self.served, self.admit = model_id, served, admit
         self.prefix = prefix
         """Keep closed sessions' prompts for reuse ([inference] prefix_cache)."""
@@ -167,7 +168,7 @@ class StageServer:
         """Steps whose output this node forwarded to the next hop or returned to its owner."""
         self.company = Company()
         """Decode steps interleaved on this node's stages now (for the expert dispatcher)."""
-        self.batcher = Batcher(batch_rows, batch_window_s, batch_min_s)
+        self.batcher = Batcher(batch_rows, batch_window_s, batch_min_s, batch_pipelined)
         """Concurrent sessions' decode steps through one chain, computed as one graph per
         stage ([inference] batch_sessions)."""
 
