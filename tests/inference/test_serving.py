@@ -473,11 +473,9 @@ async def test_a_worker_whose_outputs_are_off_is_caught_by_a_spot_check(
     assert dispatcher.stats["caught"] == 1 and not fitness.fit("w")
 
 
-async def test_an_expert_worker_that_answers_again_is_forgiven_its_strikes(
-        worker: Served, autojump_clock: MockClock) -> None:
-    """A worker that failed is avoided for a short sentence; once it computes again its
-    strikes are cleared, so its next failure costs the short sentence again, not double."""
-    from kvasird.inference.client.dispatch import ExpertDispatcher, NoWorkers
+def lone_worker(worker: Served) -> tuple[FakeNet, Any, Any]:
+    """A stage's dispatcher whose every expert is on one worker "w" (no copy of its own)."""
+    from kvasird.inference.client.dispatch import ExpertDispatcher
     from kvasird.inference.client.routing import Fitness, Latency
 
     net, fitness = FakeNet({}, me="stage", experts={"w": worker}), Fitness(300)
@@ -485,6 +483,16 @@ async def test_an_expert_worker_that_answers_again_is_forgiven_its_strikes(
         "stage", net.holders, net, Latency("stage", lambda p: 1.0),  # type: ignore[arg-type]
         fitness, lambda layer, expert: None, timeout_s=5, wire_dtype="f32", spot_check=0.0,
         tolerance=0.01)
+    return net, fitness, dispatcher
+
+
+async def test_an_expert_worker_that_answers_again_is_forgiven_its_strikes(
+        worker: Served, autojump_clock: MockClock) -> None:
+    """A worker that failed is avoided for a short sentence; once it computes again its
+    strikes are cleared, so its next failure costs the short sentence again, not double."""
+    from kvasird.inference.client.dispatch import NoWorkers
+
+    net, fitness, dispatcher = lone_worker(worker)
     rows = np.ones((1, worker.hp.n_embd), np.float32)
     ids = np.array([[1, 6]])
     net.faults["w"] = hung(lambda msg: True)
@@ -504,14 +512,9 @@ async def test_the_only_worker_of_a_range_failing_once_is_asked_again(
     """When no fit worker holds a range, one that failed once is the last resort (a worker
     whose first call timed out on a busy machine, or that refused while it reloaded): the
     step computes instead of failing the request; a liar is never asked again."""
-    from kvasird.inference.client.dispatch import ExpertDispatcher, NoWorkers
-    from kvasird.inference.client.routing import Fitness, Latency
+    from kvasird.inference.client.dispatch import NoWorkers
 
-    net, fitness = FakeNet({}, me="stage", experts={"w": worker}), Fitness(300)
-    dispatcher = ExpertDispatcher(
-        "stage", net.holders, net, Latency("stage", lambda p: 1.0),  # type: ignore[arg-type]
-        fitness, lambda layer, expert: None, timeout_s=5, wire_dtype="f32", spot_check=0.0,
-        tolerance=0.01)
+    net, fitness, dispatcher = lone_worker(worker)
     rows = np.ones((1, worker.hp.n_embd), np.float32)
     ids = np.array([[1, 6]])
     calls = [0]
