@@ -77,10 +77,10 @@ class Blocks:
         rows the graph computes together, T // seqs consecutive rows each, every one over
         its own pages: the projections and FFNs read the weights once for all of them."""
         assert n_tokens % seqs == 0, "every sequence has as many rows"
-        self.n_kv_swa = kv.window_span(n_tokens, n_kv) if kv is not None and kv.window_layers \
-            else n_kv
-        """Slots the sliding-window layers gather: their ring pages in the window pool, or
-        the session's pages as the full layers do where the main pool keeps them."""
+        self.n_kv_swa = kv.window_span(n_tokens // seqs, n_kv) \
+            if kv is not None and kv.window_layers else n_kv
+        """Slots each sequence's sliding-window layers gather: its ring's pages in the window
+        pool, or its pages as the full layers do where the main pool keeps them."""
         self._shared: dict[str, Tensor] = {}
 
     def _input(self, name: str, type_: int, *ne: int) -> Tensor:
@@ -144,8 +144,9 @@ class Blocks:
 
     @property
     def swa_pages(self) -> Tensor:
-        """The ring pages holding the new tokens' windows, in position order."""
-        return self._input("swa_pages", I32, self.n_kv_swa // PAGE)
+        """Per sequence, the ring pages holding its new tokens' windows in position order,
+        one sequence after the other."""
+        return self._input("swa_pages", I32, self.seqs * self.n_kv_swa // PAGE)
 
     def t(self, name: str) -> Tensor:
         return self.w.get(name)

@@ -259,8 +259,8 @@ class Stage:
         if len({id(s) for s, _, _ in runs}) != len(runs):
             raise InputError("a batch steps each session once")
         if len(runs) > 1 and not self.batches:
-            raise InputError("this stage's sliding-window pool or recurrent states take one "
-                             "session per graph: step its sessions one by one")
+            raise InputError("this stage's recurrent states take one session per graph: "
+                             "step its sessions one by one")
         xs, steps = [], []
         for i, (session, x, start) in enumerate(runs):
             try:  # every check before anything computes: a bad step is this run's alone
@@ -283,9 +283,10 @@ class Stage:
 
     @property
     def batches(self) -> bool:
-        """Whether one graph may compute several sessions' rows (not with a sliding-window
-        pool's rings or recurrent states, which a graph holds for one session)."""
-        return not self.kv.window_layers and not self.kv.recurrent
+        """Whether one graph may compute several sessions' rows: not with recurrent
+        states, which a graph holds for one session (each session's KV pages, and its
+        sliding-window ring, are the graph's inputs)."""
+        return not self.kv.recurrent
 
     def _chunk(self, runs: Sequence[tuple[Session, int]], x: np.ndarray, mode: str
                ) -> Steps[np.ndarray]:
@@ -301,17 +302,20 @@ class Stage:
                   "v_slots": self.kv.v_index(slots),
                   "kv_pages": np.concatenate([s.page_list(n_kv_b // PAGE) for s, _ in runs]),
                   "mask": _causal_mask(held, q)}
-        session, start = runs[0]
-        if self.kv.window_layers:
-            w_slots, w_pages, w_held = session.window_chunk(
-                start, start + T, self.kv.window_span(T, n_kv_b) // PAGE)
+        if self.kv.window_layers:  # each session's ring, the same number of pages for all
+            n_pages = self.kv.window_span(R, n_kv_b) // PAGE
+            chunks = [s.window_chunk(start, start + R, n_pages) for s, start in runs]
+            w_slots = np.concatenate([c[0] for c in chunks])
             shared |= {"swa_slots": w_slots, "swa_v_slots": self.kv.v_index(w_slots),
-                       "swa_pages": w_pages, "mask_swa": _causal_mask(w_held, q[0], self.hp.n_swa)}
+                       "swa_pages": np.concatenate([c[1] for c in chunks]),
+                       "mask_swa": np.stack([_causal_mask(c[2], q[i], self.hp.n_swa)
+                                             for i, c in enumerate(chunks)])}
         elif self.hp.n_swa:
             shared["mask_swa"] = _causal_mask(held, q, self.hp.n_swa)
         if self.hp.rope_sections:
             shared["pos_sections"] = np.concatenate([np.tile(shared["pos"], 3),
                                                      np.zeros(T, np.int32)])
+        session = runs[0][0]
         if session.state is not None:
             shared["state_slot"] = np.array([session.state], np.int32)
             shared["state_row"] = np.array([session.state], np.int64)

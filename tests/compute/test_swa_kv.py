@@ -131,6 +131,38 @@ def test_interleaved_sessions_each_equal_their_own_run(stages):
     for i in range(len(prompts)):
         np.testing.assert_array_equal(np.concatenate(got[i]), run(full, pieces[i]))
 
+@pytest.mark.parametrize("name", MODELS)
+def test_a_batch_of_decode_steps_equals_each_session_alone(stages, name):
+    """Stage.forward_batch over windowed rings: three sessions at different positions (one
+    inside its first window, one across a page of a 100-position window, one whose ring
+    has wrapped) decode 70 steps as one graph each, bitwise as the full cache batches them
+    (each session attends over its own ring), and as each decodes alone to float rounding
+    (these F32 matrix products block a batch's rows differently from one row)."""
+    ring, full = stages[name, "ring"], stages[name, "full"]
+    prompts = [tokens(n, seed=20 + n) for n in (3, 130, 1100)]
+    steps = [tokens(70, seed=30 + i) for i in range(len(prompts))]
+
+    def decode(stage: Stage, batched: bool) -> np.ndarray:
+        sessions = [stage.open_session() for _ in prompts]
+        try:
+            for s, p in zip(sessions, prompts, strict=True):
+                stage.forward(s, p)
+            rows = []
+            for j in range(70):
+                runs = [(s, steps[i][j:j + 1], s.n_past) for i, s in enumerate(sessions)]
+                rows.append(np.concatenate(stage.forward_batch(runs) if batched else
+                                           [stage.forward(s, x, at) for s, x, at in runs]))
+            return np.stack(rows)
+        finally:
+            for s in sessions:
+                s.close()
+
+    batched = decode(ring, True)
+    np.testing.assert_array_equal(batched, decode(full, True))
+    np.testing.assert_allclose(batched, decode(ring, False), rtol=0,
+                               atol=1e-3 * np.abs(batched).max())
+
+
 
 def test_a_session_without_a_ring_page_gets_kv_cache_full(windowed):
     """The window pool holds 2 rings (20 pages): a third session fits while short and is

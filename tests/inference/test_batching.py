@@ -133,6 +133,28 @@ async def test_concurrent_sessions_decode_in_batches_with_their_solo_tokens(
     assert stats["split"] == 0
 
 
+async def test_sessions_of_a_sliding_window_model_decode_in_batches(tmp_path: Path) -> None:
+    """gemma3 (a 100-position window over 64-slot pages, each session its own ring in the
+    window pool): six concurrent generations batch, each with its solo tokens."""
+    path = make_model(tmp_path / "gemma3.gguf", arch="gemma3", n_layer=N_LAYER,
+                      sliding_window=100, seed=6, dtype="q8_0")
+    served = Served.build([path], Holdings(head=True, windows=((0, N_LAYER),)), threads=1,
+                          kv_slots=64 * PAGE, remote=_no_remote, window_sessions=6)
+    alone = Stage.load(path, threads=1, kv=KVSpec(n_slots=64 * PAGE))
+    try:
+        assert served.windows[0, N_LAYER].kv.window_layers
+        server = StageServer(lambda: "m", lambda: served, max_sessions=8, idle_s=60,
+                             wire_dtype="f32", batch_window_s=0.05)
+        got = await generations(server, 6, 8)
+        for i in range(6):
+            assert got[i] == generate(alone, prompt(i), 8), f"session {i}"
+        stats = server.batcher.stats
+        assert stats["batches"] > 0 and stats["largest"] >= 2 and stats["split"] == 0, stats
+    finally:
+        alone.close()
+        served.close()
+
+
 async def test_a_lone_session_never_batches(node: Served, full: Stage) -> None:
     server = StageServer(lambda: "m", lambda: node, max_sessions=8, idle_s=60,
                          wire_dtype="f32")

@@ -162,8 +162,8 @@ class Batcher:
                    for q in self._queues.values())
 
     def takes(self, chain: list[Stage]) -> bool:
-        """Whether steps on `chain` batch: every stage can (no sliding-window pool or
-        recurrent state) and none dispatches experts (those steps interleave on the event
+        """Whether steps on `chain` batch: every stage can (no recurrent state) and none
+        dispatches experts (those steps interleave on the event
         loop instead, their expert rows batched per worker)."""
         return self.max_rows > 1 and all(st.batches and not st.dispatches for st in chain)
 
