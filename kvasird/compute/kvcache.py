@@ -63,8 +63,21 @@ the pool. Lookups and stores touch a chain from its last page to its first, so e
 takes a chain's tail first and its head stays reachable. Keys are scoped by the caller
 (the stage server scopes them by the session's owner and hop): a cached page serves only
 sessions of the peer whose session wrote it, so a peer that lies about its keys poisons
-only its own prefixes. A pool with window or recurrent layers keeps no prefixes (a ring
-forgets, a recurrent state is not paged); its attach finds nothing.
+only its own prefixes.
+
+Sliding-window layers keep no pages of the prefix, only a ring of its last window and
+chunk. A closing session hands its ring's pages to the cache too (_KeptRing), filed under
+the key of every page boundary m whose window, the pages a chunk from m * PAGE reads, it
+holds: the last ~chunk of positions. A new session starts from the longest run of kept
+pages that ends at such a boundary: the main pool's pages shared as above, that window
+copied into a ring of its own (a few pages, so no copy-on-write there). Agents resend
+their whole history, which runs on from the last call's session (its end, or where the
+next call's template first renders the answer differently from the tokens generated), so
+the run they need ends in the kept ring; a prompt that shares only the start of another's
+(a common system prompt, then other turns) finds no window there and prefills from 0.
+Kept rings cost no admission either: a session short of window pages evicts the least
+recently used. A pool with recurrent layers keeps no prefixes (a state is not paged):
+attach finds nothing.
 """
 
 from __future__ import annotations
@@ -73,7 +86,7 @@ import ctypes
 import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -183,7 +196,7 @@ class KVPool:
         self._free = list(range(n_pages - 1, -1, -1))
         self._refs = [0] * n_pages
         """References to each main-pool page: its session's, and the prefix cache's."""
-        self.prefix = PrefixCache(self) if not self.window_layers and not self.conv else None
+        self.prefix = PrefixCache(self) if not self.conv else None
         """Closed sessions' pages by prefix key (None: this pool's layers cannot keep them)."""
         self._free_window = list(range(self.n_window_pages - 1, -1, -1))
         self._free_states = list(range(spec.state_slots - 1, -1, -1)) if self.conv else []
@@ -219,9 +232,19 @@ class KVPool:
         """Positions a new session could cache now: the main pool's free pages, or fewer
         where the window pool could not give that session its ring."""
         free = self.free_pages
-        if self.window_layers and len(self._free_window) < min(free, self.ring):
-            free = len(self._free_window)
+        if self.window_layers and self.free_window_pages < min(free, self.ring):
+            free = self.free_window_pages
         return free * PAGE
+
+    @property
+    def free_window_pages(self) -> int:
+        """Window-pool pages a session could take now: free ones and kept rings' (taking
+        one evicts its ring)."""
+        return len(self._free_window) + (self.prefix.ring_pages if self.prefix else 0)
+
+    def window_from(self, start: int) -> int:
+        """The first window page a chunk from position `start` reads."""
+        return max(0, start - self.n_swa + 1) // PAGE
 
     @property
     def free_pages(self) -> int:
@@ -247,6 +270,11 @@ class KVPool:
         self._refs[page] = 1
         return page
 
+    def _take_window(self) -> int:
+        if not self._free_window and self.prefix is not None:
+            self.prefix.evict_ring()
+        return self._free_window.pop()
+
     def _release(self, page: int) -> None:
         """Drop one reference to `page`; the last one frees it."""
         self._refs[page] -= 1
@@ -258,10 +286,12 @@ class KVPool:
             self._release(page)
         self._free_window.extend(reversed(ring))
 
-    def _copy_page(self, src: int, dst: int) -> None:
-        """Copy page `src`'s K and V of every layer into page `dst`."""
+    def _copy_page(self, src: int, dst: int, window: bool = False) -> None:
+        """Copy page `src`'s K and V into page `dst`: of every main-pool layer, or with
+        `window` of every window-pool layer."""
         # K [kv_dim, slots] holds a page as PAGE rows, V [kv_dim * PAGE, pages] as one row
-        runs = [(t, PAGE) for t in self.k.values()] + [(t, 1) for t in self.v.values()]
+        layers = [la for la in self.k if (la in self.window_layers) == window]
+        runs = [(self.k[la], PAGE) for la in layers] + [(self.v[la], 1) for la in layers]
         for t, rows in runs:
             n = int(t.contents.nb[1]) * rows
             buf = (ctypes.c_uint8 * n)()
@@ -299,6 +329,9 @@ class Session:
         self.ring_top = -1
         """The highest window page a graph may have written since position 0 (one that
         failed may have written its chunk): the ring holds pages from ring_top - ring + 1."""
+        self.ring_from = 0
+        """The first window page the ring holds at all (a session started from a kept ring
+        holds only the window before its first position)."""
 
     def reserve(self, start: int, n_tokens: int) -> None:
         """Make room for positions [start, start + n_tokens), dropping cached positions >= start."""
@@ -319,14 +352,14 @@ class Session:
                               f"request needs {need * PAGE} more: close idle sessions or raise "
                               "the pool size")
         need_ring = max(0, min(-(-end // PAGE), pool.ring) - len(self.ring))
-        if need_ring > len(pool._free_window):
-            raise KVCacheFull(f"the sliding-window pool has {len(pool._free_window) * PAGE} free "
+        if need_ring > pool.free_window_pages:
+            raise KVCacheFull(f"the sliding-window pool has {pool.free_window_pages * PAGE} free "
                               f"slots, this request needs {need_ring * PAGE} more: close idle "
                               "sessions or raise the number of window sessions")
         if start == 0:
-            self.ring_top = -1
+            self.ring_top, self.ring_from = -1, 0
         self._unshare(start)
-        self.ring += [pool._free_window.pop() for _ in range(need_ring)]
+        self.ring += [pool._take_window() for _ in range(need_ring)]
         if pool.recurrent:
             if self.state is None:
                 self.state = pool._take_state()
@@ -342,8 +375,20 @@ class Session:
         pool = self._live()
         if self.pages or self.n_past or pool.prefix is None:
             return 0, None
-        self.pages, ids = pool.prefix.lookup(scope, keys)
-        self.n_past = len(self.pages) * PAGE
+        self.pages, ids, kept = pool.prefix.lookup(scope, keys)
+        n = len(self.pages)
+        if kept is not None:  # the window before position n * PAGE, into a ring of its own
+            first, size = pool.window_from(n * PAGE), min(n, pool.ring)
+            if pool.free_window_pages - len(kept.pages) < size:  # only by evicting `kept`
+                pool._give(self.pages, [])
+                self.pages = []
+                return 0, None
+            # `kept` is the freshest: the pages taken evict the other rings first
+            self.ring = [pool._take_window() for _ in range(size)]
+            for j in range(first, n):
+                pool._copy_page(kept.pages[j - kept.low], self.ring[j % pool.ring], window=True)
+            self.ring_top, self.ring_from = n - 1, first
+        self.n_past = n * PAGE
         return self.n_past, ids
 
     def _shared_from(self, start: int) -> int:
@@ -417,9 +462,8 @@ class Session:
         pool = self.pool
         if pool is None or not pool.window_layers or start == 0:
             return
-        first = max(0, start - pool.n_swa + 1) // PAGE
-        if first <= self.ring_top - pool.ring:
-            kept = (self.ring_top - pool.ring + 1) * PAGE
+        if pool.window_from(start) < self._ring_low():
+            kept = self._ring_low() * PAGE
             raise InputError(f"the sliding-window layers no longer hold the positions before "
                              f"{start} (their ring keeps positions from {kept}): replay the "
                              "history from position 0")
@@ -431,14 +475,21 @@ class Session:
         if self.pool is not None:
             if keep and self.pool.prefix is not None:
                 n = min(len(keep), self.n_past // PAGE)
-                self.pool.prefix.store(scope, keep[:n], self.pages[:n], ids)
+                low = self._ring_low() if self.pool.window_layers else n
+                window = [self.ring[j % self.pool.ring] for j in range(low, n)]
+                self.pool.prefix.store(scope, keep[:n], self.pages[:n], ids, low, window)
                 self.pages = self.pages[n:]
+                self.ring = [page for page in self.ring if page not in window]
             self.pool._give(self.pages, self.ring)
             self.pages, self.ring = [], []
             if self.state is not None:
                 self.pool._free_states.append(self.state)
                 self.state = None
             self.pool = None
+
+    def _ring_low(self) -> int:
+        """The first window page the ring still holds."""
+        return max(self.ring_from, self.ring_top - self._live().ring + 1)
 
     def _live(self) -> KVPool:
         if self.pool is None:
@@ -452,21 +503,43 @@ class Session:
         self.close()
 
 
+@dataclass(eq=False)
+class _KeptRing:
+    """A closed session's window-pool pages, holding its window pages low, low + 1, ...
+    in position order, and the prefix keys filed to them: the page boundaries whose window
+    they hold."""
+
+    low: int
+    pages: list[int]
+    ends: list[tuple[Hashable, bytes]] = field(default_factory=list)
+
+
 class PrefixCache:
-    """Closed sessions' full pages by (scope, prefix key), least recently used first.
+    """Closed sessions' full pages by (scope, prefix key), least recently used first, and
+    in a pool with window layers their rings (_KeptRing).
 
     Holds one reference to each page it keeps (KVPool._refs); gives a page back when a
-    session needs room and no session shares it."""
+    session needs room and no session shares it, a ring when a session needs window
+    pages."""
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self._pages: OrderedDict[tuple[Hashable, bytes], tuple[int, np.ndarray | None]] = \
             OrderedDict()
+        self._rings: OrderedDict[_KeptRing, None] = OrderedDict()
+        """Kept rings, least recently used first."""
+        self._ends: dict[tuple[Hashable, bytes], tuple[_KeptRing, int]] = {}
+        """Key of page m - 1 -> the ring holding the window a chunk from m * PAGE reads, m."""
         self.hits = 0
         """Pages sessions started from (since the pool was made)."""
 
     def __len__(self) -> int:
         return len(self._pages)
+
+    @property
+    def ring_pages(self) -> int:
+        """Window-pool pages the kept rings hold (all free for the taking)."""
+        return sum(len(ring.pages) for ring in self._rings)
 
     @property
     def evictable(self) -> int:
@@ -475,15 +548,24 @@ class PrefixCache:
         return sum(refs[page] == 1 for page, _ in self._pages.values())
 
     def lookup(self, scope: Hashable, keys: Sequence[bytes]
-               ) -> tuple[list[int], np.ndarray | None]:
-        """The pages of the longest run of `keys` held for `scope`, each with a reference
-        taken for the caller, and their token ids (None unless every page kept them)."""
+               ) -> tuple[list[int], np.ndarray | None, _KeptRing | None]:
+        """The pages of the longest run of `keys` held for `scope` (with window layers: the
+        longest whose window a kept ring holds), each with a reference taken for the
+        caller, their token ids (None unless every page kept them), and that ring (None
+        without window layers)."""
         found: list[tuple[int, np.ndarray | None]] = []
         for key in keys:
             hit = self._pages.get((scope, key))
             if hit is None:
                 break
             found.append(hit)
+        kept = None
+        if self.pool.window_layers:
+            while found and (scope, keys[len(found) - 1]) not in self._ends:
+                found.pop()
+            if found:
+                kept = self._ends[scope, keys[len(found) - 1]][0]
+                self._rings.move_to_end(kept)
         for key in reversed(keys[:len(found)]):  # the chain's head becomes the freshest
             self._pages.move_to_end((scope, key))
         pages = [page for page, _ in found]
@@ -493,13 +575,15 @@ class PrefixCache:
         ids = None
         if found and all(i is not None for _, i in found):
             ids = np.concatenate([i for _, i in found])
-        return pages, ids
+        return pages, ids, kept
 
     def store(self, scope: Hashable, keys: Sequence[bytes], pages: Sequence[int],
-              ids: Sequence[int] | None) -> None:
-        """Keep `pages` (the caller's references, handed over) under `keys`. A key already
-        held keeps its page (the same one, from an attach, or another session's copy of the
-        same positions: then the caller's page is freed)."""
+              ids: Sequence[int] | None, low: int = 0, window: Sequence[int] = ()) -> None:
+        """Keep `pages` (the caller's references, handed over) under `keys`, and with window
+        layers the ring pages `window` (handed over, holding window pages low, low + 1, ...),
+        filed under every key whose window they hold. A key already held keeps its page
+        (the same one, from an attach, or another session's copy of the same positions:
+        then the caller's page is freed), and its ring."""
         for i in range(len(pages) - 1, -1, -1):
             key, page = (scope, keys[i]), pages[i]
             held = self._pages.get(key)
@@ -510,6 +594,20 @@ class PrefixCache:
             else:
                 self.pool._release(page)
             self._pages.move_to_end(key)
+        if not self.pool.window_layers:
+            return
+        ring = _KeptRing(low, list(window))
+        for m in range(len(pages), 0, -1):
+            if self.pool.window_from(m * PAGE) < low:
+                break
+            end = (scope, keys[m - 1])
+            if end not in self._ends:
+                self._ends[end] = (ring, m)
+                ring.ends.append(end)
+        if ring.ends:
+            self._rings[ring] = None
+        else:
+            self.pool._free_window.extend(ring.pages)
 
     def evict(self) -> bool:
         """Free the least recently used page no session shares; False when there is none."""
@@ -518,5 +616,23 @@ class PrefixCache:
             if refs[page] == 1:
                 del self._pages[key]
                 self.pool._release(page)
+                self._drop_end(key)  # a run through it can no longer be found
                 return True
         return False
+
+    def evict_ring(self) -> None:
+        """Free the least recently used kept ring's window pages."""
+        if self._rings:
+            ring = next(iter(self._rings))
+            for end in list(ring.ends):
+                self._drop_end(end)
+
+    def _drop_end(self, key: tuple[Hashable, bytes]) -> None:
+        entry = self._ends.pop(key, None)
+        if entry is None:
+            return
+        ring = entry[0]
+        ring.ends.remove(key)
+        if not ring.ends:
+            del self._rings[ring]
+            self.pool._free_window.extend(ring.pages)

@@ -129,3 +129,77 @@ def test_a_page_in_use_by_a_session_is_never_evicted(stage) -> None:
             assert set(big.pages).isdisjoint(reader.pages)
             with stage.open_session() as more, pytest.raises(KVCacheFull):
                 more.reserve(0, PAGE)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gpt-oss"])
+def windowed(request, tmp_path_factory):
+    """A model with sliding-window layers (gemma3: a 100-position window across pages;
+    gpt-oss: 4 positions, sinks, experts), rings for two sessions."""
+    extra = {"sliding_window": 100} if request.param == "gemma3" else {}
+    path = make_model(tmp_path_factory.mktemp("prefix-swa") / f"{request.param}.gguf",
+                      arch=request.param, n_layer=3, seed=7, **extra)
+    st = Stage.load(path, threads=1, kv=KVSpec(n_slots=64 * PAGE, dtype="f16",
+                                               window_sessions=2))
+    assert st.kv.window_layers and st.kv.prefix is not None
+    yield st
+    st.close()
+
+
+def test_a_windowed_session_from_a_kept_history_computes_the_cold_logits(windowed) -> None:
+    """An agent's next call: the whole history of the last one (a prefill, then decoded
+    tokens) and a new turn. The full layers' pages are shared, the window before the kept
+    run's end is copied into the new session's ring: the logits are bitwise those of a
+    cold run that computes the same positions in the same graphs."""
+    stage, kv = windowed, windowed.kv
+    ids = tokens(900, seed=8)
+    with stage.open_session() as first:
+        stage.forward(first, ids[:600], 0)
+        for i in range(600, 650):
+            stage.forward(first, ids[i:i + 1], i)
+        first.close(ME, split_keys(page_keys(ids[:650])))
+    assert kv.prefix.ring_pages > 0
+    free = kv.free_tokens
+    with stage.open_session() as again:
+        n, _ = again.attach(ME, split_keys(page_keys(ids)))
+        assert n == 640  # the 10 full pages the last call held
+        got = stage.forward(again, ids[640:], 640)
+        with pytest.raises(InputError, match="replay the history from position 0"):
+            again.truncate(200)  # before the tail's window: never held here
+    want = cold(stage, ids, [600, *[1] * 40, 260])  # its rows computed as the first call's
+    assert np.array_equal(got, want)
+    assert kv.free_tokens == free  # kept pages and tails count as free
+
+
+def test_a_windowed_prefix_continues_only_where_the_kept_ring_holds_its_window(
+        windowed) -> None:
+    """A kept history of 1500 positions: a prompt that runs on from it past page 21
+    (where the next call's template renders the last answer differently) starts from that
+    page, bitwise as a cold run; one that shares only the first 300 positions (a common
+    system prompt, then other turns) finds no window that far back and starts cold."""
+    stage = windowed
+    ids = tokens(1500, seed=9)
+    kept(stage, ids, ("c", (0, 3)))
+    late, early = ids.copy(), ids.copy()
+    late[1400:] = tokens(100, seed=10)
+    early[300:] = tokens(1200, seed=10)
+    with stage.open_session() as s:
+        assert s.attach(("c", (0, 3)), split_keys(page_keys(early))) == (0, None)
+        assert s.pages == [] and s.ring == []
+    with stage.open_session() as s:
+        assert s.attach(("c", (0, 3)), split_keys(page_keys(late)))[0] == 21 * PAGE
+        got = stage.forward(s, late[21 * PAGE:], 21 * PAGE)
+    assert np.array_equal(got, cold(stage, late, [21 * PAGE, 1500 - 21 * PAGE]))
+
+
+def test_kept_rings_give_way_to_new_sessions(windowed) -> None:
+    """Kept rings hold window-pool pages: two new sessions that need whole rings evict
+    them instead of being refused, and the evicted history is no longer found."""
+    stage, kv = windowed, windowed.kv
+    keys = kept(stage, tokens(700, seed=11), ("d", (0, 3)))
+    assert kv.prefix.ring_pages > 0
+    with stage.open_session() as a, stage.open_session() as b:
+        for s in (a, b):
+            stage.forward(s, tokens(kv.ring * PAGE, seed=12), 0)
+        assert kv.prefix.ring_pages == 0
+    with stage.open_session() as s:
+        assert s.attach(("d", (0, 3)), keys)[0] == 0

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from test_damaged_state import foreign_model  # type: ignore[import-not-found]
 
+from kvasird.compute.kvcache import PAGE
 from kvasird.compute.stage import Stage
 from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.testmodels import make_model
@@ -78,14 +79,15 @@ def top(logits: np.ndarray) -> dict[int, float]:
     return {int(i): float(lp[i]) for i in np.argsort(-lp, kind="stable")[:TOP]}
 
 
-def one_process(path: Path) -> tuple[list[int], list[dict[int, float]]]:
-    """Greedy tokens and each position's top-20 log-probabilities, the whole model in one
-    stage of this process."""
+def one_process(path: Path, prompt: list[int] = PROMPT
+                ) -> tuple[list[int], list[dict[int, float]]]:
+    """Greedy tokens and each position's top-20 log-probabilities after `prompt`, the whole
+    model in one stage of this process."""
     stage = Stage.load(path, threads=1)
     tokens, tops = [], []
     try:
         with stage.open_session() as s:
-            logits = stage.forward(s, np.asarray(PROMPT, np.int64))[-1]
+            logits = stage.forward(s, np.asarray(prompt, np.int64))[-1]
             for _ in range(N_NEW):
                 tops.append(top(logits))
                 tokens.append(next(iter(tops[-1])))
@@ -186,3 +188,33 @@ def test_a_model_whose_head_outweighs_a_share_is_still_split(tmp_path: Path) -> 
                       n_head_kv=2, head_dim=64, dtype="q8_0", tied_output=True, seed=3)
     with localnet_up(path, tmp_path / "ln") as printed:
         assert re.search(r"^  node\d: .*\+ head", printed, re.M), printed
+
+
+def test_a_sliding_window_model_continues_a_kept_history(tmp_path: Path,
+                                                         tokenizer: Tokenizer) -> None:
+    """gemma3 split across the localnet: an agent's second call (the first call's prompt,
+    its answer and a new turn) starts from the KV the stages kept, window layers included
+    (usage.prompt_tokens_details.cached_tokens), and answers as one process does."""
+    path = model("gemma3", tmp_path)
+    first = np.random.default_rng(3).integers(1, 1000, 300).tolist()
+    with localnet_up(path, tmp_path / "ln") as printed:
+        gateway = re.search(r"^gateway: (\S+)", printed, re.M)
+        assert gateway, printed
+        url = gateway.group(1)
+        name = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+        def complete(prompt: list[int]) -> dict:
+            r = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": name, "prompt": prompt, "max_tokens": N_NEW, "temperature": 0,
+                "logprobs": TOP, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        one = complete(first)
+        assert one["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # the first call's session held its 300 positions and 8 answered: the next prompt
+        # runs on from the first 300 (a template renders the answer its own way)
+        history = first + [5, 6, 7, 8, 9] * 8
+        two = complete(history)
+    assert two["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * PAGE, two["usage"]
+    matches(two["choices"][0]["logprobs"], *one_process(path, history), tokenizer)

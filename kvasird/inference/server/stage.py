@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from kvasird.compute.errors import ComputeError, KVCacheFull
+from kvasird.compute.errors import ComputeError, InputError, KVCacheFull
 from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch_steps
 from kvasird.compute.kvcache import PAGE, Session, split_keys
 from kvasird.compute.sampling import Sampler, log_softmax
@@ -114,8 +114,15 @@ class ServedSession:
             ids = found[-1][1]
             if ids is None or len(ids) < cached:
                 cached = 0
-            else:
-                self.history = ids[:cached].tolist()
+        try:  # every stage from the same position (a window ring may not go back that far)
+            for s in self.sessions:
+                s.truncate(min(cached, s.n_past))
+        except InputError:
+            cached = 0
+            for s in self.sessions:
+                s.truncate(0)
+        if cached and self.sampler is not None:
+            self.history = found[-1][1][:cached].tolist()
         self.at = cached
         return cached
 
