@@ -156,9 +156,10 @@ def repack_buffer_type() -> Any:
 
 def repackable(name: str, type_: int, ne: tuple[int, ...]) -> bool:
     """Whether a weight goes into the repack buffer: a 2-D matrix (not the embedding, which
-    is read by row) of a repacked type, rows in eights. Not the 3-D expert stacks: ggml
-    0.0.45's repacked MUL_MAT_ID gave wrong rows for a batch of 17 on an 8-expert range
-    (``test_a_range_of_4_bit_experts_computes_as_the_whole_layer``)."""
+    is read by row) of a repacked type, rows in eights. Not the 3-D expert stacks: ggml's
+    repacked MUL_MAT_ID gives a batch of 17 other rows on an 8-expert range than on the
+    whole stack (0.15.3 and 0.25.3: ``test_a_range_of_4_bit_experts_computes_as_the_whole_layer``),
+    and a range of experts must compute what the whole layer does."""
     return (type_ in REPACKED_TYPES and len(ne) == 2 and ne[1] % 8 == 0
             and name != "token_embd.weight" and repack_buffer_type() is not None)
 

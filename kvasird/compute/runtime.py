@@ -90,7 +90,7 @@ def probe(threads: int = 0) -> RuntimeInfo:
     commit = ggml.ggml_commit()
     return RuntimeInfo(
         ggml_python=ggml.__version__,
-        ggml_version=str(getattr(ggml, "GGML_VERSION", "")),
+        ggml_version=ggml.ggml_version().decode(),  # the library's own, not the bindings'
         ggml_commit=commit.decode() if isinstance(commit, bytes) else str(commit),
         backends=backends,
         devices=tuple(devices),

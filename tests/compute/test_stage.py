@@ -253,17 +253,23 @@ def test_threads_default_to_one_per_core_and_memory_is_reported(models):
 def test_every_weight_type_matches_an_oracle_that_rounds_like_ggml(tmp_path, arch, dtype):
     """Quantized matmuls round activations (Q8_0/Q8_1/Q8_K): an oracle doing the same
     agrees to float rounding, which pins down every kernel path the engine uses.
-    F16 is held to its oracle matmul by matmul instead (the next test)."""
+    F16 is held to its oracle matmul by matmul instead (the next test).
+
+    Not ggml's tiled K-quant product for an expert routed 8 rows or more (MUL_MAT_ID):
+    it rounds the activations its own way (measured: 1.2e-2 from this oracle, as far from
+    exact math as the row kernels are), so the K-quant MoE takes 7 tokens here, and
+    test_llamacpp holds the tiled path to llama.cpp's own logits."""
     from kvasird.model.testmodels import make_model
 
     dims = dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff=256) if dtype.endswith("_k") else {}
     path = make_model(tmp_path / "m.gguf", arch=arch, n_layer=2, dtype=dtype, tied_output=True,
                       **dims)
+    prompt = PROMPT[:7] if arch == "qwen3moe" and dtype.endswith("_k") else PROMPT
     stage = Stage.load(path, threads=1, kv=EXACT_KV)
     with stage.open_session() as s:
-        got = stage.forward(s, PROMPT, logits="all")
-    rounded = compare(got, Oracle(path, emulate=True).logits(PROMPT))
-    exact = compare(got, Oracle(path).logits(PROMPT))
+        got = stage.forward(s, prompt, logits="all")
+    rounded = compare(got, Oracle(path, emulate=True).logits(prompt))
+    exact = compare(got, Oracle(path).logits(prompt))
     assert rounded.rel_l2 < 1e-5
     assert exact.rel_l2 > 10 * rounded.rel_l2
 
