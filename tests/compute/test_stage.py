@@ -416,3 +416,29 @@ def test_a_range_of_4_bit_experts_computes_as_the_whole_layer(tmp_path, dtype):
             w.close()
             w.weights.close()
         backend.close()
+
+
+def test_a_decode_step_goes_between_the_pieces_of_a_long_prefill(models):
+    """A 4k-token prompt runs in page-sized pieces (PREFILL_PIECE), and a decode step that
+    waits for the stage meanwhile runs between two of them, not after the whole prompt;
+    the prompt's logits are those of an undisturbed run."""
+    import threading
+
+    from kvasird.compute.stage import PREFILL_PIECE
+
+    stage = Stage.load(models["llama"], threads=1, kv=KVSpec(n_slots=4096 + 256))
+    prompt = np.random.default_rng(0).integers(1, 1000, 4096)
+    with stage.open_session() as alone:
+        want = stage.forward(alone, prompt)
+    with stage.open_session() as long, stage.open_session() as short:
+        stage.forward(short, prompt[:8])
+        got: list[np.ndarray] = []
+        prefill = threading.Thread(target=lambda: got.append(stage.forward(long, prompt)))
+        prefill.start()
+        while long.n_past < PREFILL_PIECE:  # the prompt's first piece is computed
+            prefill.join(0.001)
+        stage.forward(short, np.array([7]))
+        at = long.n_past
+        prefill.join()
+    assert at < len(prompt), "the decode step waited for the whole prompt"
+    np.testing.assert_array_equal(got[0], want)

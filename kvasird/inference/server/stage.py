@@ -426,26 +426,32 @@ async def _run_chain_steps(s: ServedSession, x: np.ndarray, start: int,
                            company: Company) -> np.ndarray:
     """A short step as steps on the event loop (see _run_chain)."""
     delay = STAGE_POLL_S[0]
-    while True:
-        with locks_now(st.own_lock for st in s.chain) as held:
-            if held and not any(st.queued for st in s.chain):
-                company.now += 1
-                token = COMPANY.set(company)
-                try:
-                    for stage, session in zip(s.chain, s.sessions, strict=True):
-                        x = await drive_async(stage.forward_steps(session, x, start),
-                                              functools.partial(_serve_async, stage))
-                finally:
-                    company.now -= 1
-                    COMPANY.reset(token)
-                return x
-        # A forward in a worker thread (a prefill) holds a stage or waits for it: wait for
-        # it here rather than in a thread of our own, which would hold the stage in turn
-        # through its remote waits and send every later step to a thread the same way (a
-        # convoy: with 16 sessions no step ran on the loop any more, and none overlapped);
-        # and start no step meanwhile, or steps in flight could hold it for ever.
-        await trio.sleep(delay)
-        delay = min(2 * delay, STAGE_POLL_S[1])
+    with contextlib.ExitStack() as waiting:
+        while True:
+            with locks_now(st.own_lock for st in s.chain) as held:
+                if held and not any(st.queued for st in s.chain):
+                    waiting.close()  # a prefill that stepped aside for us may take it back
+                    company.now += 1
+                    token = COMPANY.set(company)
+                    try:
+                        for stage, session in zip(s.chain, s.sessions, strict=True):
+                            x = await drive_async(stage.forward_steps(session, x, start),
+                                                  functools.partial(_serve_async, stage))
+                    finally:
+                        company.now -= 1
+                        COMPANY.reset(token)
+                    return x
+            # A forward in a worker thread (a prefill) holds a stage or waits for it: wait
+            # for it here rather than in a thread of our own, which would hold the stage in
+            # turn through its remote waits and send every later step to a thread the same
+            # way (a convoy: with 16 sessions no step ran on the loop any more, and none
+            # overlapped); and start no step meanwhile, or steps in flight could hold it for
+            # ever. Counted as waiting, so that a prefill steps aside between its pieces.
+            if delay == STAGE_POLL_S[0]:
+                for st in s.chain:
+                    waiting.enter_context(st.waiting_on_loop())
+            await trio.sleep(delay)
+            delay = min(2 * delay, STAGE_POLL_S[1])
 
 
 def _run_chain_now(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
@@ -456,7 +462,10 @@ def _run_chain_now(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
 
 async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
     """A need of a forward run on the event loop: a graph in place (in a thread if another
-    computation holds the backend), expert outputs from each shard (remote ones awaited)."""
+    computation holds the backend), expert outputs from each shard (remote ones awaited);
+    nothing between the pieces of a run."""
+    if need[0] == "pause":
+        return None
     if need[0] == "run":
         return await run_short([stage.backend], True, need[1].run, need[2])
     _, layer, cur, ids = need
