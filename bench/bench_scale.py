@@ -19,10 +19,11 @@ pairs' ratios (this machine's speed drifts by 10-20 % from minute to minute).
     ring         three daemons holding a third of the dense model's layers each
     moe-ring     the MoE on four daemons: two stages with the dense paths (head on the
                  first), two expert workers with half of every layer's experts each
-    sessions16   aggregate decode tok/s of 16 concurrent generations on the 1-node daemon,
-                 over one generation's (ours alone: llama-cpp-python decodes one sequence);
-                 beside it the same on a daemon that steps each session alone
-                 ([inference] batch_sessions = 1, the code before decode batching)
+    sessions16   aggregate tok/s of 16 concurrent generations on the 1-node daemon (their
+                 prompts included), over one generation's (ours alone: llama-cpp-python
+                 decodes one sequence); beside it the same on a daemon that steps each
+                 session alone ([inference] batch_sessions = 1, the code before decode
+                 batching); and the decode alone: tokens while all 16 decode at once
     prefix-ttft  a 2k-token prompt sent twice to the 1-node daemon: time to first token of
                  the first over the second's (what reusing a prompt's cached prefix buys);
                  then a generation beside a 4k prompt's prefill: the longest wait between
@@ -97,6 +98,24 @@ t = time.perf_counter(); llm.eval(prompt); print(json.dumps(time.perf_counter() 
 def prompt_of(n: int, salt: int = 0) -> list[int]:
     """A deterministic n-token prompt; another salt shares no prefix with it."""
     return [1 + (i * 7919 + salt) % 40000 for i in range(n)]
+
+
+def decode_together(node: LocalNode, sessions: int, n: int) -> float:
+    """Aggregate decode tok/s while `sessions` generations all decode at once: the token
+    events between the last one's first token and the first one's last (their prompts,
+    computed one after the other as they arrive, left out)."""
+    stamps: list[list[float]] = [[] for _ in range(sessions)]
+
+    def one(i: int) -> None:
+        stamps[i] = _stamps(node, [PROMPT[i % len(PROMPT)], *PROMPT[:4]], n)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lo, hi = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    return sum(lo < t <= hi for s in stamps for t in s) / (hi - lo) if hi > lo else 0.0
 
 
 def decode_beside_prefill(node: LocalNode, n: int, tokens: int) -> tuple[float, float, float]:
@@ -291,6 +310,11 @@ def main() -> None:
                     row("1node 16 sessions: aggregate tok/s (vs one session)", f"{many:.1f}",
                         f"{one:.1f}", many / one)
                     summary["sessions16"] = many / one
+                    alone, _, _ = decode_rates(net.nodes[0], 3 * args.tokens, 1, None)
+                    together = decode_together(net.nodes[0], 16, 3 * args.tokens)
+                    row("1node 16 sessions decoding at once: aggregate decode tok/s (vs one "
+                        "session's decode; the prompts, computed one by one, left out)",
+                        f"{together:.1f}", f"{alone[0]:.1f}", together / alone[0])
                     with start(root / "1node-solo", model, manifests[model], placement,
                                args.threads, **{"inference.batch_sessions": 1,
                                                 "compute.device": args.device}) as solo:

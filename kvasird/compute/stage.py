@@ -49,7 +49,10 @@ decode graph is rebuilt only every KV_BUCKET tokens."""
 assert KV_BUCKET % PAGE == 0, "attention gathers whole KV pages"
 
 MAX_CHUNK = 512
-"""Longest run of tokens one graph computes (what a sliding-window ring is sized for)."""
+"""Positions a sliding-window ring keeps beyond its window. A graph computes at most
+PREFILL_PIECE of them, but a closing session's ring then still holds the window of every
+page boundary in its last 512 positions, where an agent's next call runs on from (prefix
+reuse, kvcache)."""
 
 STEP_ASIDE_S = 0.05
 """Longest a run waits between its pieces for a waiting forward to take the stage."""
