@@ -76,8 +76,17 @@ next call's template first renders the answer differently from the tokens genera
 the run they need ends in the kept ring; a prompt that shares only the start of another's
 (a common system prompt, then other turns) finds no window there and prefills from 0.
 Kept rings cost no admission either: a session short of window pages evicts the least
-recently used. A pool with recurrent layers keeps no prefixes (a state is not paged):
-attach finds nothing.
+recently used.
+
+A delta-net layer's state is not paged: it holds everything before the session's position
+at once and cannot go back. So a session copies its state into a second slot of the pool,
+its mark, each time it reaches a page boundary (the stage computes every run in pieces that
+end on page boundaries, stage.PREFILL_PIECE, and a decode step reaches the next one), and a
+closing session hands the cache its pages up to the mark and the mark itself, filed under
+the mark's page key. A new session starts from the longest kept run that ends at a kept
+state: the attention layers' pages shared as above, the state copied into its own slot.
+Marks and kept states cost no admission: a session short of a state slot takes a kept
+state's, or else a live session's mark (that session then keeps no prefix).
 """
 
 from __future__ import annotations
@@ -196,10 +205,12 @@ class KVPool:
         self._free = list(range(n_pages - 1, -1, -1))
         self._refs = [0] * n_pages
         """References to each main-pool page: its session's, and the prefix cache's."""
-        self.prefix = PrefixCache(self) if not self.conv else None
-        """Closed sessions' pages by prefix key (None: this pool's layers cannot keep them)."""
+        self.prefix: PrefixCache | None = PrefixCache(self)
+        """Closed sessions' pages (and states) by prefix key."""
         self._free_window = list(range(self.n_window_pages - 1, -1, -1))
         self._free_states = list(range(spec.state_slots - 1, -1, -1)) if self.conv else []
+        self._marked: dict[int, Session] = {}
+        """State slots holding a live session's mark, and that session."""
         self.max_session_tokens = spec.max_session_tokens or self.n_slots
 
     @property
@@ -254,8 +265,10 @@ class KVPool:
 
     @property
     def free_states(self) -> int:
-        """Recurrent-state slots no session holds (0 where the pool has no delta-net layer)."""
-        return len(self._free_states)
+        """Recurrent-state slots a new session could take now: free ones, kept states' and
+        live sessions' marks (0 where the pool has no delta-net layer)."""
+        kept = len(self.prefix.states) if self.prefix is not None else 0
+        return len(self._free_states) + kept + len(self._marked)
 
     def open(self) -> Session:
         return Session(self)
@@ -299,10 +312,22 @@ class KVPool:
             ggml.ggml_backend_tensor_set(t, buf, dst * n, n)
 
     def _take_state(self) -> int:
+        if not self._free_states and self.prefix is not None:
+            self.prefix.evict_state()
+        if not self._free_states and self._marked:  # a live session's mark gives way
+            next(iter(self._marked.values()))._drop_mark()
         if not self._free_states:
             raise KVCacheFull(f"all {self.spec.state_slots} recurrent-state slots are in use: "
                               "close idle sessions or raise the number of state slots")
         return self._free_states.pop()
+
+    def _copy_state(self, src: int, dst: int) -> None:
+        """Copy state slot `src`'s convolution and delta-rule states into slot `dst`."""
+        for t in (*self.conv.values(), *self.delta.values()):
+            row = int(t.contents.nb[1])
+            buf = (ctypes.c_uint8 * row)()
+            ggml.ggml_backend_tensor_get(t, buf, src * row, row)
+            ggml.ggml_backend_tensor_set(t, buf, dst * row, row)
 
     def _clear_state(self, slot: int) -> None:
         """Zero a slot's states: a delta-net starts from nothing at position 0."""
@@ -332,6 +357,10 @@ class Session:
         self.ring_from = 0
         """The first window page the ring holds at all (a session started from a kept ring
         holds only the window before its first position)."""
+        self.mark: int | None = None
+        """A state slot holding a copy of `state` at position `mark_at` (None: no copy)."""
+        self.mark_at = 0
+        """The page boundary the mark was copied at."""
 
     def reserve(self, start: int, n_tokens: int) -> None:
         """Make room for positions [start, start + n_tokens), dropping cached positions >= start."""
@@ -358,6 +387,8 @@ class Session:
                               "sessions or raise the number of window sessions")
         if start == 0:
             self.ring_top, self.ring_from = -1, 0
+            if self.mark is not None:  # a history from scratch: the old one's copy is stale
+                self._drop_mark()
         self._unshare(start)
         self.ring += [pool._take_window() for _ in range(need_ring)]
         if pool.recurrent:
@@ -375,8 +406,17 @@ class Session:
         pool = self._live()
         if self.pages or self.n_past or pool.prefix is None:
             return 0, None
-        self.pages, ids, kept = pool.prefix.lookup(scope, keys)
+        self.pages, ids, kept, state = pool.prefix.lookup(scope, keys)
         n = len(self.pages)
+        if state is not None:  # the state at position n * PAGE, into a slot of its own
+            try:  # `state` is the freshest: taking a slot evicts the other kept states first
+                self.state = pool._take_state()
+            except KVCacheFull:
+                pool._give(self.pages, [])
+                self.pages = []
+                return 0, None
+            if self.state != state:
+                pool._copy_state(state, self.state)
         if kept is not None:  # the window before position n * PAGE, into a ring of its own
             first, size = pool.window_from(n * PAGE), min(n, pool.ring)
             if pool.free_window_pages - len(kept.pages) < size:  # only by evicting `kept`
@@ -442,6 +482,30 @@ class Session:
 
     def advance(self, end: int) -> None:
         self.n_past = end
+        if self.state is not None and end % PAGE == 0 and self.pool is not None:
+            self._mark(end)
+
+    def _mark(self, end: int) -> None:
+        """Copy the state, which now holds positions [0, end), into the session's mark: a
+        slot no one else needs (a kept state's at most), else none is taken."""
+        pool = self._live()
+        if self.mark is None:
+            if not pool._free_states and pool.prefix is not None:
+                pool.prefix.evict_state()
+            if not pool._free_states:
+                return
+            self.mark = pool._free_states.pop()
+            pool._marked[self.mark] = self
+        assert self.state is not None
+        pool._copy_state(self.state, self.mark)
+        self.mark_at = end
+
+    def _drop_mark(self) -> None:
+        pool = self._live()
+        if self.mark is not None:
+            del pool._marked[self.mark]
+            pool._free_states.append(self.mark)
+            self.mark = None
 
     def truncate(self, n: int) -> None:
         """Forget positions >= n (a replay after failover, or a rejected draft)."""
@@ -475,11 +539,20 @@ class Session:
         if self.pool is not None:
             if keep and self.pool.prefix is not None:
                 n = min(len(keep), self.n_past // PAGE)
+                if self.pool.recurrent:  # a kept run ends where a state was copied
+                    m = self.mark_at // PAGE if self.mark is not None else 0
+                    n = m if m <= n else 0
                 low = self._ring_low() if self.pool.window_layers else n
                 window = [self.ring[j % self.pool.ring] for j in range(low, n)]
                 self.pool.prefix.store(scope, keep[:n], self.pages[:n], ids, low, window)
+                if self.pool.recurrent and n and self.mark is not None:
+                    del self.pool._marked[self.mark]
+                    self.pool.prefix.store_state(scope, keep[n - 1], self.mark)
+                    self.mark = None
                 self.pages = self.pages[n:]
                 self.ring = [page for page in self.ring if page not in window]
+            if self.mark is not None:
+                self._drop_mark()
             self.pool._give(self.pages, self.ring)
             self.pages, self.ring = [], []
             if self.state is not None:
@@ -530,6 +603,9 @@ class PrefixCache:
         """Kept rings, least recently used first."""
         self._ends: dict[tuple[Hashable, bytes], tuple[_KeptRing, int]] = {}
         """Key of page m - 1 -> the ring holding the window a chunk from m * PAGE reads, m."""
+        self.states: OrderedDict[tuple[Hashable, bytes], int] = OrderedDict()
+        """Key of page m - 1 -> a state slot holding the delta-net states at m * PAGE,
+        least recently used first."""
         self.hits = 0
         """Pages sessions started from (since the pool was made)."""
 
@@ -548,11 +624,12 @@ class PrefixCache:
         return sum(refs[page] == 1 for page, _ in self._pages.values())
 
     def lookup(self, scope: Hashable, keys: Sequence[bytes]
-               ) -> tuple[list[int], np.ndarray | None, _KeptRing | None]:
+               ) -> tuple[list[int], np.ndarray | None, _KeptRing | None, int | None]:
         """The pages of the longest run of `keys` held for `scope` (with window layers: the
-        longest whose window a kept ring holds), each with a reference taken for the
-        caller, their token ids (None unless every page kept them), and that ring (None
-        without window layers)."""
+        longest whose window a kept ring holds; with delta-net layers: the longest that
+        ends at a kept state), each with a reference taken for the caller, their token ids
+        (None unless every page kept them), that ring (None without window layers) and
+        that state's slot (None without delta-net layers)."""
         found: list[tuple[int, np.ndarray | None]] = []
         for key in keys:
             hit = self._pages.get((scope, key))
@@ -566,6 +643,13 @@ class PrefixCache:
             if found:
                 kept = self._ends[scope, keys[len(found) - 1]][0]
                 self._rings.move_to_end(kept)
+        state = None
+        if self.pool.recurrent:
+            while found and (scope, keys[len(found) - 1]) not in self.states:
+                found.pop()
+            if found:
+                self.states.move_to_end((scope, keys[len(found) - 1]))
+                state = self.states[scope, keys[len(found) - 1]]
         for key in reversed(keys[:len(found)]):  # the chain's head becomes the freshest
             self._pages.move_to_end((scope, key))
         pages = [page for page, _ in found]
@@ -575,7 +659,22 @@ class PrefixCache:
         ids = None
         if found and all(i is not None for _, i in found):
             ids = np.concatenate([i for _, i in found])
-        return pages, ids, kept
+        return pages, ids, kept, state
+
+    def store_state(self, scope: Hashable, key: bytes, slot: int) -> None:
+        """Keep state slot `slot` (handed over) under `key`, the key of the page it ends;
+        a key already held keeps its state (the same positions) and `slot` is freed."""
+        if (scope, key) in self.states:
+            self.pool._free_states.append(slot)
+        else:
+            self.states[scope, key] = slot
+        self.states.move_to_end((scope, key))
+
+    def evict_state(self) -> None:
+        """Free the least recently used kept state's slot."""
+        if self.states:
+            _, slot = self.states.popitem(last=False)
+            self.pool._free_states.append(slot)
 
     def store(self, scope: Hashable, keys: Sequence[bytes], pages: Sequence[int],
               ids: Sequence[int] | None, low: int = 0, window: Sequence[int] = ()) -> None:

@@ -156,7 +156,8 @@ class InferenceConfig:
     state_slots: int = field(default=8, metadata=_range(1, 4096))
     """Sessions that can hold a recurrent state at once in each layer window with delta-net
     layers (Qwen3.5): a fixed block per session (about 2 MiB per delta-net layer at
-    Qwen3.5-35B's width), preallocated; more sessions are refused as busy."""
+    Qwen3.5-35B's width), preallocated; more sessions are refused as busy. Slots no
+    session holds keep copies of states at page boundaries for prefix reuse."""
     window_sessions: int = field(default=8, metadata=_range(1, 65536))
     """Sessions past a sliding window (gemma3, gpt-oss) whose window of KV each layer
     window with such layers holds at once: those layers keep window + 512 slots per

@@ -203,3 +203,46 @@ def test_kept_rings_give_way_to_new_sessions(windowed) -> None:
         assert kv.prefix.ring_pages == 0
     with stage.open_session() as s:
         assert s.attach(("d", (0, 3)), keys)[0] == 0
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    path = make_model(tmp_path_factory.mktemp("hybrid") / "qwen35.gguf", arch="qwen35",
+                      n_layer=4, seed=6)
+    st = Stage.load(path, threads=1, kv=KVSpec(n_slots=16 * PAGE, dtype="f16", state_slots=4))
+    yield st
+    st.close()
+
+
+def test_a_recurrent_session_from_a_kept_history_computes_the_cold_logits(hybrid) -> None:
+    """qwen35 (delta-net layers): a closed session's pages up to its last page boundary are
+    kept with its state there; a session whose tokens start the same way continues from
+    that boundary, with the logits of a cold run bit for bit."""
+    ids = tokens(300, seed=5)
+    kept(hybrid, ids, ME)
+    more = np.concatenate([ids, tokens(40, seed=6)])
+    with hybrid.open_session() as s:
+        n, _ = s.attach(ME, split_keys(page_keys(more)))
+        assert n == 4 * PAGE  # the last boundary of the 300 kept: 256
+        got = hybrid.forward(s, more[n:], n)
+    np.testing.assert_array_equal(got, cold(hybrid, more, [len(more)]))
+    with hybrid.open_session() as s:  # another history: nothing kept for it
+        assert s.attach(ME, split_keys(page_keys(tokens(300, seed=7))))[0] == 0
+
+
+def test_kept_states_and_marks_give_way_to_new_sessions(hybrid) -> None:
+    """State slots kept for prefixes, and the copies live sessions keep at their page
+    boundaries, are free for the taking: four sessions run on a pool of four slots."""
+    kept(hybrid, tokens(130, seed=8), ME)
+    assert hybrid.kv.prefix.states
+    sessions = [hybrid.open_session() for _ in range(4)]
+    try:
+        for i, s in enumerate(sessions):
+            hybrid.forward(s, tokens(70, seed=9 + i), 0)
+        assert not hybrid.kv.prefix.states  # evicted for the sessions
+        assert sum(s.mark is not None for s in sessions) == 0  # the marks gave way as well
+        assert all(s.n_past == 70 for s in sessions)
+    finally:
+        for s in sessions:
+            s.close()
+    assert hybrid.kv.free_states == 4

@@ -190,12 +190,14 @@ def test_a_model_whose_head_outweighs_a_share_is_still_split(tmp_path: Path) -> 
         assert re.search(r"^  node\d: .*\+ head", printed, re.M), printed
 
 
-def test_a_sliding_window_model_continues_a_kept_history(tmp_path: Path,
-                                                         tokenizer: Tokenizer) -> None:
-    """gemma3 split across the localnet: an agent's second call (the first call's prompt,
-    its answer and a new turn) starts from the KV the stages kept, window layers included
+@pytest.mark.parametrize("arch", ["gemma3", "qwen35"])
+def test_a_model_with_windows_or_states_continues_a_kept_history(arch: str, tmp_path: Path,
+                                                                 tokenizer: Tokenizer) -> None:
+    """gemma3 (sliding-window layers) or qwen35 (delta-net layers) split across the
+    localnet: an agent's second call (the first call's prompt, its answer and a new turn)
+    starts from what the stages kept, window rings or delta-net states included
     (usage.prompt_tokens_details.cached_tokens), and answers as one process does."""
-    path = model("gemma3", tmp_path)
+    path = model(arch, tmp_path)
     first = np.random.default_rng(3).integers(1, 1000, 300).tolist()
     with localnet_up(path, tmp_path / "ln") as printed:
         gateway = re.search(r"^gateway: (\S+)", printed, re.M)

@@ -462,7 +462,9 @@ class _Run:
         starts from nothing, so that the new route's KV holds the bits the old one's did."""
         gen, prompt = self.gen, len(history) - produced
         self.history = history
-        keys = page_keys(history[:prompt]) if first and gen.config.prefix_cache else b""
+        # the pages before the prompt's last token: it is computed whatever a hop holds,
+        # and a delta-net's state cannot go back to it from the page after
+        keys = page_keys(history[:prompt - 1]) if first and gen.config.prefix_cache else b""
         try:
             # a route refused for capacity answers Busy at once; a failed one may wait
             self.route = gen.plan(prefix=keys, steps=self.max_tokens - prompt) \
