@@ -62,9 +62,8 @@ PREFILL_PIECE = PAGE
 PREFILL_PIECE positions, and between pieces a forward waiting for the stage (a decode step)
 goes first, so a long prompt holds a stage for a piece at a time, not for a whole prefill
 message. A run's pieces are the same however it was cut into calls (a prefix reused from a
-page boundary, a replay after a failover), so each piece's rows, and the rows each of its
-experts computes (ggml's tiled K-quant kernel takes an expert's rows from 8 on, rounding
-otherwise), are those of the cold run. Measured at Llama-3.2-1B widths on one CPU thread:
+page boundary, a replay after a failover), so each piece's rows are those of the cold run,
+whatever kernel a row count selects. Measured at Llama-3.2-1B widths on one CPU thread:
 a 1k-token prefill in 64-row pieces runs as fast as in 256-row graphs (39.6-45.5 against
 39.2-41.0 tok/s) with the same logits bit for bit."""
 

@@ -255,10 +255,10 @@ def test_every_weight_type_matches_an_oracle_that_rounds_like_ggml(tmp_path, arc
     agrees to float rounding, which pins down every kernel path the engine uses.
     F16 is held to its oracle matmul by matmul instead (the next test).
 
-    Not ggml's tiled K-quant product for an expert routed 8 rows or more (MUL_MAT_ID):
-    it rounds the activations its own way (measured: 1.2e-2 from this oracle, as far from
-    exact math as the row kernels are), so the K-quant MoE takes 7 tokens here, and
-    test_llamacpp holds the tiled path to llama.cpp's own logits."""
+    From 8 rows on, ggml's tiled K-quant product rounds some of the Q6_K MoE's attention
+    products its own way (measured: 1.2e-2 from this oracle at the logits, as far from
+    exact math as the row kernels are; not understood, as the llama model's Q6_K products
+    at 10 rows agree), so that model takes 7 tokens here."""
     from kvasird.model.testmodels import make_model
 
     dims = dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff=256) if dtype.endswith("_k") else {}
