@@ -13,9 +13,10 @@ pairs' ratios (this machine's speed drifts by 10-20 % from minute to minute).
     1node        one daemon holding the whole dense model: decode tok/s through the admin
                  API's token stream (POST /v0/generate)
     prefill      one stage in process: a 512-token prompt (the least of three paired
-                 tries) and a 4k-token one (its time to first token), tokens/s; and 16 sessions' decode steps as one graph
-                 (Stage.forward_batch) against one session's step (what batching them
-                 gives the engine, the ceiling of sessions16)
+                 tries) and a 4k-token one (its time to first token), tokens/s; and 16
+                 sessions' decode steps as one graph (Stage.forward_batch) against one
+                 session's step (what batching them gives the engine, the ceiling of
+                 sessions16)
     ring         three daemons holding a third of the dense model's layers each
     moe-ring     the MoE on four daemons: two stages with the dense paths (head on the
                  first), two expert workers with half of every layer's experts each
@@ -65,6 +66,7 @@ from bench_swarm import (  # noqa: E402
     concurrent,
     decode_rates,
     report_breakdowns,
+    together,
 )
 
 from kvasird.compute.graph import use_device  # noqa: E402
@@ -104,16 +106,7 @@ def decode_together(node: LocalNode, sessions: int, n: int) -> float:
     """Aggregate decode tok/s while `sessions` generations all decode at once: the token
     events between the last one's first token and the first one's last (their prompts,
     computed one after the other as they arrive, left out)."""
-    stamps: list[list[float]] = [[] for _ in range(sessions)]
-
-    def one(i: int) -> None:
-        stamps[i] = _stamps(node, [PROMPT[i % len(PROMPT)], *PROMPT[:4]], n)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    stamps, _ = together(node, sessions, n)
     lo, hi = max(s[0] for s in stamps), min(s[-1] for s in stamps)
     return sum(lo < t <= hi for s in stamps for t in s) / (hi - lo) if hi > lo else 0.0
 

@@ -138,12 +138,13 @@ def decode_rates(node: LocalNode, n: int, rounds: int, ref: LlamaCppDecoder | No
     return ours, theirs, gaps
 
 
-def concurrent(node: LocalNode, sessions: int, n: int) -> float:
-    """Aggregate generated tokens per second with `sessions` generations at once."""
-    counts = [0] * sessions
+def together(node: LocalNode, sessions: int, n: int) -> tuple[list[list[float]], float]:
+    """`sessions` generations of n tokens at once: each one's token stamps (_stamps), and
+    the seconds from starting them to the last one's end."""
+    stamps: list[list[float]] = [[] for _ in range(sessions)]
 
     def one(i: int) -> None:
-        counts[i] = _generate(node, [PROMPT[i % len(PROMPT)], *PROMPT[:4]], n)[0]
+        stamps[i] = _stamps(node, [PROMPT[i % len(PROMPT)], *PROMPT[:4]], n)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
     began = time.perf_counter()
@@ -151,7 +152,13 @@ def concurrent(node: LocalNode, sessions: int, n: int) -> float:
         t.start()
     for t in threads:
         t.join()
-    return sum(counts) / (time.perf_counter() - began)
+    return stamps, time.perf_counter() - began
+
+
+def concurrent(node: LocalNode, sessions: int, n: int) -> float:
+    """Aggregate generated tokens per second with `sessions` generations at once."""
+    stamps, seconds = together(node, sessions, n)
+    return sum(len(s) for s in stamps) / seconds
 
 
 def sent_rows(net: LocalNet) -> tuple[int, int]:
