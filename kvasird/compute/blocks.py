@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvasird.compute.graph import F32, I32, I64, Builder, Tensor, ggml, ne_of
@@ -35,6 +35,19 @@ GEGLU = ggml.ggml_geglu_split
 """gelu(gate) * up, ggml's tanh approximation (gemma)."""
 SWIGLU_ALPHA = 1.702
 """The clamped SwiGLU's sigmoid slope (gpt-oss)."""
+
+
+def mask_name(name: str, group: int) -> str:
+    """A graph's mask input for a group of sequences (Blocks.groups): the first's is
+    `name`."""
+    return name if group == 0 else f"{name}{group}"
+
+
+def _seqs(ctx: object, t: Tensor, first: int, n: int) -> Tensor:
+    """Sequences [first, first + n) of a 4-D tensor (its fourth dimension)."""
+    c = t.contents
+    return ggml.ggml_view_4d(ctx, t, *(int(c.ne[i]) for i in range(3)), n,
+                             *(int(c.nb[i]) for i in range(1, 4)), first * int(c.nb[3]))
 
 
 def l2_norm(ctx: object, x: Tensor, eps: float) -> Tensor:
@@ -70,14 +83,17 @@ class Blocks:
     """Graph-building context for one forward graph over a stage's weights and KV pool."""
 
     def __init__(self, b: Builder, w: Weights, kv: KVPool | None, n_tokens: int, n_kv: int,
-                 seqs: int = 1) -> None:
+                 groups: Sequence[tuple[int, int]] | None = None) -> None:
         self.b, self.ctx, self.w, self.hp, self.kv = b, b.ctx, w, w.hparams, kv
-        self.T, self.n_kv, self.seqs = n_tokens, n_kv, seqs
-        """Rows; KV slots each sequence's rows attend over; sequences (sessions) whose
-        rows the graph computes together, T // seqs consecutive rows each, every one over
-        its own pages: the projections and FFNs read the weights once for all of them."""
-        assert n_tokens % seqs == 0, "every sequence has as many rows"
-        self.n_kv_swa = kv.window_span(n_tokens // seqs, n_kv) \
+        self.T, self.n_kv = n_tokens, n_kv
+        self.groups = tuple(groups) if groups is not None else ((n_tokens, 1),)
+        """Sequences (sessions) whose rows the graph computes together, as (rows, sequences)
+        groups: the sequences of a group have as many rows each and come one after the
+        other, the groups too. Every sequence attends over its own pages; the projections
+        and FFNs read the weights once for all of them."""
+        assert sum(r * n for r, n in self.groups) == n_tokens, "the groups' rows are the graph's"
+        self.seqs = sum(n for _, n in self.groups)
+        self.n_kv_swa = kv.window_span(max(r for r, _ in self.groups), n_kv) \
             if kv is not None and kv.window_layers else n_kv
         """Slots each sequence's sliding-window layers gather: its ring's pages in the window
         pool, or its pages as the full layers do where the main pool keeps them."""
@@ -106,10 +122,14 @@ class Blocks:
         """Each sequence's pages in position order, one sequence after the other."""
         return self._input("kv_pages", I32, self.seqs * self.n_kv // PAGE)
 
-    @property
-    def mask(self) -> Tensor:
-        """Per sequence, its rows' causal mask over its gathered slots."""
-        return self._input("mask", F32, self.n_kv, self.T // self.seqs, 1, self.seqs)
+    def mask(self, group: int) -> Tensor:
+        """Per sequence of a group, its rows' causal mask over its gathered slots."""
+        rows, seqs = self.groups[group]
+        return self._input(mask_name("mask", group), F32, self.n_kv, rows, 1, seqs)
+
+    def last_rows(self, x: Tensor) -> Tensor:
+        """Each sequence's last row of x (input "last_rows": their indices)."""
+        return ggml.ggml_get_rows(self.ctx, x, self._input("last_rows", I32, self.seqs))
 
     @property
     def pos_sections(self) -> Tensor:
@@ -127,11 +147,11 @@ class Blocks:
         """The same slot, to write its rows."""
         return self._input("state_row", I64, 1)
 
-    @property
-    def mask_swa(self) -> Tensor:
+    def mask_swa(self, group: int) -> Tensor:
         """The causal mask narrowed to the sliding window (hp.n_swa newest positions), over
         the slots the sliding-window layers gather."""
-        return self._input("mask_swa", F32, self.n_kv_swa, self.T // self.seqs, 1, self.seqs)
+        rows, seqs = self.groups[group]
+        return self._input(mask_name("mask_swa", group), F32, self.n_kv_swa, rows, 1, seqs)
 
     @property
     def swa_slots(self) -> Tensor:
@@ -300,9 +320,10 @@ class Blocks:
         return self.mm(p + "ssm_out.weight", ggml.ggml_reshape_2d(ctx, out, d * hv, T))
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float,
-               mask: Tensor) -> Tensor:
-        """Write k, v to the pool, gather the session's pages, softmax(scale·qK^T + mask) V
-        (a sliding-window layer in the window pool: its ring's pages, `mask` over them).
+               mask: Callable[[int], Tensor]) -> Tensor:
+        """Write k, v to the pool, gather the sessions' pages, softmax(scale·qK^T + mask) V
+        (a sliding-window layer in the window pool: its ring's pages, `mask` over them;
+        `mask(group)` is a group's).
 
         The products are llama.cpp's: K and V^T in the cache's precision, so with an F16
         cache q and the attention weights are rounded to F16 inside the matmuls exactly as
@@ -310,9 +331,10 @@ class Blocks:
         V^T is a copy of whole 64-slot rows rather than an element-wise transpose, which
         cost 40 % of a decode step on the bundled model.
 
-        With several sequences each attends over its own pages alone (the products are
-        batched over the fourth dimension), so the cost grows with the sequences' own
-        contexts, not with their product as one mask over everyone's slots would.
+        With several sequences each attends over its own pages alone (the products of a
+        group's sequences are batched over the fourth dimension), so the cost grows with
+        the sequences' own contexts and rows, not with their product as one mask over
+        everyone's slots and rows would.
         """
         hp, ctx, T, pool = self.hp, self.ctx, self.T, self.kv
         assert pool is not None
@@ -325,7 +347,7 @@ class Blocks:
                                    slots)
         v_all = ggml.ggml_set_rows(ctx, pool.v_flat(ctx, layer),
                                    ggml.ggml_reshape_2d(ctx, v, 1, hp.kv_dim * T), v_slots)
-        S, R = self.seqs, T // self.seqs
+        S, d = self.seqs, hp.head_dim
         pages, held = n_kv // PAGE, pool.pages(layer)
         kk = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, k_all, hp.kv_dim * PAGE, held),
                                 kv_pages)
@@ -335,19 +357,28 @@ class Blocks:
         vv = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, vv, PAGE, hp.kv_dim, pages, S),
                                0, 2, 1, 3)                          # [PAGE, pages, kv_dim, S]
         vt = ggml.ggml_cpy(ctx, vv, ggml.ggml_new_tensor_4d(ctx, dtype, PAGE, pages, hp.kv_dim, S))
-        vt = ggml.ggml_reshape_4d(ctx, vt, n_kv, hp.head_dim, hp.n_head_kv, S)  # V^T per KV head
-        kk = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, kk, hp.head_dim, hp.n_head_kv,
-                                                         n_kv, S), 0, 2, 1, 3)  # [d, n_kv, h_kv, S]
-        qq = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, q, hp.head_dim, hp.n_head, R, S),
-                               0, 2, 1, 3)                          # [d, R, h, S]
-        kq = ggml.ggml_mul_mat(ctx, kk, qq)                         # [n_kv, R, h, S]
-        kq = ggml.ggml_soft_max_ext(ctx, kq, mask, scale, 0.0)
+        vt = ggml.ggml_reshape_4d(ctx, vt, n_kv, d, hp.n_head_kv, S)  # V^T per KV head
+        kk = ggml.ggml_reshape_4d(ctx, kk, d, hp.n_head_kv, n_kv, S)
         sinks = f"blk.{layer}.attn_sinks.weight"
-        if self.w.has(sinks):  # a learned per-head logit in each softmax, its weight dropped
-            ggml.ggml_soft_max_add_sinks(kq, self.t(sinks))
-        kqv = ggml.ggml_mul_mat(ctx, vt, kq)                        # [d, R, h, S]
-        merged = ggml.ggml_permute(ctx, kqv, 0, 2, 1, 3)            # [d, h, R, S]
-        return ggml.ggml_cont_2d(ctx, merged, hp.head_dim * hp.n_head, T)
+        outs, row, seq = [], 0, 0
+        for g, (R, n) in enumerate(self.groups):
+            kk_g, vt_g = (_seqs(ctx, t, seq, n) for t in (kk, vt))
+            q_g = ggml.ggml_view_3d(ctx, q, d, hp.n_head, R * n, int(q.contents.nb[1]),
+                                    int(q.contents.nb[2]), row * int(q.contents.nb[2]))
+            qq = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, q_g, d, hp.n_head, R, n),
+                                   0, 2, 1, 3)                      # [d, R, h, n]
+            kq = ggml.ggml_mul_mat(ctx, ggml.ggml_permute(ctx, kk_g, 0, 2, 1, 3), qq)
+            kq = ggml.ggml_soft_max_ext(ctx, kq, mask(g), scale, 0.0)  # [n_kv, R, h, n]
+            if self.w.has(sinks):  # a learned per-head logit in each softmax, its weight dropped
+                ggml.ggml_soft_max_add_sinks(kq, self.t(sinks))
+            kqv = ggml.ggml_mul_mat(ctx, vt_g, kq)                  # [d, R, h, n]
+            merged = ggml.ggml_permute(ctx, kqv, 0, 2, 1, 3)        # [d, h, R, n]
+            outs.append(ggml.ggml_cont_2d(ctx, merged, d * hp.n_head, R * n))
+            row, seq = row + R * n, seq + n
+        out = outs[0]
+        for more in outs[1:]:
+            out = ggml.ggml_concat(ctx, out, more, 1)
+        return out
 
     def swiglu_ffn(self, layer: int, x: Tensor) -> Tensor:
         """x + down(silu(gate(norm x)) * up(norm x)): the dense llama FFN."""

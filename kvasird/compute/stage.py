@@ -12,16 +12,18 @@ the following layer. With every expert local the window is a single graph.
 Every input is validated before any graph runs (token ids, shapes, positions, KV room);
 a session's KV lives in the stage's pool and advances only when a forward succeeds.
 
-`forward_batch` computes several sessions' decode steps as one graph per segment: their
-rows go through the projections, FFNs and experts together (the weights are read once for
-all of them) and each session's row attends over its own pages (the attention products
-are batched over sessions, kvcache's pages gathered per session, one mask per session).
+`forward_batch` computes several sessions' runs (decode steps, short prompts) as one graph
+per segment: their rows go through the projections, FFNs and experts together (the
+weights are read once for all of them) and each session's rows attend over its own pages
+(kvcache's pages gathered per session, one mask per session; the attention products are
+batched over the sessions of each run length).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 import threading
 import time
@@ -32,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvasird.compute import arch as archs
-from kvasird.compute.blocks import Blocks
+from kvasird.compute.blocks import Blocks, mask_name
 from kvasird.compute.errors import InputError, KVCacheFull, RunRefused, WeightsError
 from kvasird.compute.experts import ExpertShard, ExpertWorker, check_shards, combine, dispatch
 from kvasird.compute.graph import F32, I32, Backend, Builder, GraphCache, ggml, ne_of
@@ -290,7 +292,7 @@ class Stage:
             end = min(len(x), (start + c) // PREFILL_PIECE * PREFILL_PIECE + PREFILL_PIECE - start)
             last = end == len(x)
             mode = logits if last or logits == "all" or not self.head else "skip"
-            out = yield from self._chunk([(session, start + c)], x[c:end], mode)
+            out = yield from self._chunk([(session, start + c, end - c)], x[c:end], mode)
             session.advance(start + end)
             if mode != "skip":
                 outs.append(out)
@@ -300,10 +302,10 @@ class Stage:
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
     def forward_batch(self, runs: Sequence[tuple[Session, np.ndarray, int]]) -> list[np.ndarray]:
-        """Several sessions' steps of one token each (decode steps) as one graph per
-        segment: (session, input, start) -> per run, what `forward` returns for it (the
-        projections and FFNs read the weights once for all of them; each session attends
-        over its own KV)."""
+        """Several sessions' runs as one graph per segment: (session, inputs, start) -> per
+        run, what `forward` returns for it (the projections and FFNs read the weights once
+        for all of them; each session attends over its own KV). A run is a decode step (one
+        row) or a short prompt (up to PREFILL_PIECE rows): runs of any lengths mix."""
         return self._locked(self.forward_batch_steps(runs))
 
     def forward_batch_steps(self, runs: Sequence[tuple[Session, np.ndarray, int]]
@@ -316,31 +318,44 @@ class Stage:
         over its own pages; a quantized matrix product may not): the outputs agree to
         float rounding, which is what a verifier's tolerance allows."""
         if not runs:
-            raise InputError("a batch needs at least one session's step")
+            raise InputError("a batch needs at least one session's run")
         if len({id(s) for s, _, _ in runs}) != len(runs):
-            raise InputError("a batch steps each session once")
+            raise InputError("a batch runs each session once")
         if len(runs) > 1 and not self.batches:
             raise InputError("this stage's recurrent states take one session per graph: "
                              "step its sessions one by one")
-        xs, steps = [], []
+        checked = []
         for i, (session, x, start) in enumerate(runs):
-            try:  # every check before anything computes: a bad step is this run's alone
+            try:  # every check before anything computes: a bad run is its own alone
                 x = self._check_inputs(x)
-                if len(x) != 1:
-                    raise InputError("a batch takes one token (or hidden row) per session")
+                if len(x) > PREFILL_PIECE:
+                    raise InputError(f"a batch takes runs of at most {PREFILL_PIECE} tokens "
+                                     f"(or hidden rows), got {len(x)}: send a longer one alone")
                 if session.pool is not self.kv:
                     raise InputError("this session belongs to another stage (or is closed): "
                                      "open one with this stage's open_session()")
                 start = session.n_past if start is None else int(start)
-                session.reserve(start, 1)
+                session.reserve(start, len(x))
             except (InputError, KVCacheFull) as exc:
                 raise RunRefused(i, exc) from None
-            xs.append(x)
-            steps.append((session, start))
-        out = yield from self._chunk(steps, np.concatenate(xs), "all")
-        for session, start in steps:
-            session.advance(start + 1)
-        return [out[i:i + 1] for i in range(len(steps))]
+            checked.append((session, x, start))
+        # runs of one length attend together: the graph takes them grouped, shortest first
+        order = sorted(range(len(checked)), key=lambda i: len(checked[i][1]))
+        grouped = [(checked[i][0], checked[i][2], len(checked[i][1])) for i in order]
+        out = yield from self._chunk(grouped, np.concatenate([checked[i][1] for i in order]),
+                                     "lasts" if self.head else "all")
+        for session, start, rows in grouped:
+            session.advance(start + rows)
+        outs: list[np.ndarray] = [np.empty(0)] * len(checked)
+        at = 0
+        for i, (_, _, rows) in zip(order, grouped, strict=True):
+            if self.head:  # its last row's logits, as forward gives them
+                outs[i] = out[at:at + 1]
+                at += 1
+            else:
+                outs[i] = out[at:at + rows]
+                at += rows
+        return outs
 
     @property
     def batches(self) -> bool:
@@ -349,30 +364,41 @@ class Stage:
         sliding-window ring, are the graph's inputs)."""
         return not self.kv.recurrent
 
-    def _chunk(self, runs: Sequence[tuple[Session, int]], x: np.ndarray, mode: str
+    def _chunk(self, runs: Sequence[tuple[Session, int, int]], x: np.ndarray, mode: str
                ) -> Steps[np.ndarray]:
-        """Rows x at each run's positions start.., len(x) // len(runs) rows per session, as
-        one graph per segment (several sessions only where `batches`)."""
-        S, T = len(runs), len(x)
-        R = T // S
-        n_kv_b = max(-(-(start + R) // KV_BUCKET) for _, start in runs) * KV_BUCKET
+        """Rows x of runs (session, start, rows), one after the other, as one graph per
+        segment (several sessions only where `batches`; runs of one length consecutive:
+        each such group attends as one batched product). `mode` at the head: "last" (the
+        last row's logits), "all", "lasts" (each run's last row's) or "skip" (none)."""
+        T = len(x)
+        groups = _groups([rows for _, _, rows in runs])
+        n_kv_b = max(-(-(start + rows) // KV_BUCKET) for _, start, rows in runs) * KV_BUCKET
         held = np.arange(n_kv_b)
-        q = np.array([np.arange(start, start + R) for _, start in runs])[:, :, None]
-        slots = np.concatenate([s.slots(start, start + R) for s, start in runs])
-        shared = {"pos": q.reshape(T).astype(np.int32), "slots": slots,
+        qs = [np.arange(start, start + rows)[:, None] for _, start, rows in runs]
+        slots = np.concatenate([s.slots(start, start + rows) for s, start, rows in runs])
+        shared = {"pos": np.concatenate(qs).reshape(T).astype(np.int32), "slots": slots,
                   "v_slots": self.kv.v_index(slots),
-                  "kv_pages": np.concatenate([s.page_list(n_kv_b // PAGE) for s, _ in runs]),
-                  "mask": _causal_mask(held, q)}
+                  "kv_pages": np.concatenate([s.page_list(n_kv_b // PAGE) for s, _, _ in runs])}
+        masks = [_causal_mask(held, np.stack(q)) for q in _split(qs, groups)]
         if self.kv.window_layers:  # each session's ring, the same number of pages for all
-            n_pages = self.kv.window_span(R, n_kv_b) // PAGE
-            chunks = [s.window_chunk(start, start + R, n_pages) for s, start in runs]
+            n_pages = self.kv.window_span(max(r for r, _ in groups), n_kv_b) // PAGE
+            chunks = [s.window_chunk(start, start + rows, n_pages) for s, start, rows in runs]
             w_slots = np.concatenate([c[0] for c in chunks])
             shared |= {"swa_slots": w_slots, "swa_v_slots": self.kv.v_index(w_slots),
-                       "swa_pages": np.concatenate([c[1] for c in chunks]),
-                       "mask_swa": np.stack([_causal_mask(c[2], q[i], self.hp.n_swa)
-                                             for i, c in enumerate(chunks)])}
+                       "swa_pages": np.concatenate([c[1] for c in chunks])}
+            swa = [np.stack([_causal_mask(c[2], q, self.hp.n_swa) for c, q in zip(cs, q_g,
+                                                                                   strict=True)])
+                   for cs, q_g in zip(_split(chunks, groups), _split(qs, groups), strict=True)]
         elif self.hp.n_swa:
-            shared["mask_swa"] = _causal_mask(held, q, self.hp.n_swa)
+            swa = [_causal_mask(held, np.stack(q), self.hp.n_swa) for q in _split(qs, groups)]
+        else:
+            swa = []
+        for g, mask in enumerate(masks):
+            shared[mask_name("mask", g)] = mask
+        for g, mask in enumerate(swa):
+            shared[mask_name("mask_swa", g)] = mask
+        if mode == "lasts":
+            shared["last_rows"] = (np.cumsum([rows for _, _, rows in runs]) - 1).astype(np.int32)
         if self.hp.rope_sections:
             shared["pos_sections"] = np.concatenate([np.tile(shared["pos"], 3),
                                                      np.zeros(T, np.int32)])
@@ -381,8 +407,8 @@ class Stage:
             shared["state_slot"] = np.array([session.state], np.int32)
             shared["state_row"] = np.array([session.state], np.int64)
         for i, seg in enumerate(self.segments):
-            key = (self.window, i, T, n_kv_b, mode, S)  # parts of a window share its cache
-            with self.graphs.using(key, lambda seg=seg: self._build(seg, T, n_kv_b, mode, S)) \
+            key = (self.window, i, n_kv_b, mode, groups)  # parts of a window share its cache
+            with self.graphs.using(key, lambda seg=seg: self._build(seg, n_kv_b, mode, groups)) \
                     as graph:
                 feed = {name: shared[name] for name in graph.inputs if name in shared}
                 feed["x"] = x
@@ -400,11 +426,12 @@ class Stage:
                 resid + combine(out["shared"].reshape(T, E), y, w)
         return x
 
-    def _build(self, seg: Segment, T: int, n_kv: int, mode: str, seqs: int):
+    def _build(self, seg: Segment, n_kv: int, mode: str, groups: tuple[tuple[int, int], ...]):
         hp, arch = self.hp, self.arch
+        T = sum(rows * n for rows, n in groups)
 
         def build(b: Builder) -> dict:
-            blocks = Blocks(b, self.weights, self.kv, T, n_kv, seqs)
+            blocks = Blocks(b, self.weights, self.kv, T, n_kv, groups)
             if seg.embed:
                 x = blocks.embed(b.input("x", I32, T),
                                  math.sqrt(hp.n_embd) if arch.scaled_embedding else None)
@@ -419,7 +446,8 @@ class Stage:
                         "weights": ggml.ggml_cont(b.ctx, r.weights)}
                 return outs if r.shared is None else {**outs, "shared": r.shared}
             if seg.head and mode != "skip":
-                x = blocks.head(blocks.last_column(x) if mode == "last" else x)
+                x = blocks.head(blocks.last_column(x) if mode == "last" else
+                                blocks.last_rows(x) if mode == "lasts" else x)
             return {"out": x}
         return build
 
@@ -495,6 +523,20 @@ def locks_now(locks: Iterable[Any]) -> Iterator[bool]:
     finally:
         for lock in reversed(taken):
             lock.release()
+
+
+def _groups(lengths: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(rows, runs) of each group of consecutive runs of one length."""
+    return tuple((rows, len(list(same))) for rows, same in itertools.groupby(lengths))
+
+
+def _split(items: Sequence[Any], groups: Sequence[tuple[int, int]]) -> list[Sequence[Any]]:
+    """Per group, its runs' items."""
+    out, at = [], 0
+    for _, n in groups:
+        out.append(items[at:at + n])
+        at += n
+    return out
 
 
 def _causal_mask(held: np.ndarray, q: np.ndarray, window: int = 0) -> np.ndarray:

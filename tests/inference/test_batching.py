@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from kvasird.compute.kvcache import PAGE, KVSpec
 from kvasird.compute.stage import KV_BUCKET, Stage, generate
 from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol import tensors
+from kvasird.inference.server import batch
 from kvasird.inference.server.batch import Batcher, _Queue
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.stage import StageServer
@@ -107,13 +109,53 @@ def test_a_batch_computes_what_each_session_computes_alone(full: Stage) -> None:
     assert np.array_equal(np.stack(solo), np.stack(batched))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prompts_and_decode_steps_of_any_lengths_batch_as_each_computes_alone(
+        arch: str, llama: Path, tmp_path: Path) -> None:
+    """Stage.forward_batch with runs of different lengths (new prompts, a continued one,
+    decode steps; at the head and as a middle hop): per run what `forward` gives it, and
+    the KV each wrote its own (the next steps agree too). gemma3: each in its own ring."""
+    path = llama if arch == "llama" else make_model(
+        tmp_path / "gemma3.gguf", arch="gemma3", n_layer=N_LAYER, sliding_window=100, seed=6,
+        dtype="q8_0")
+    rng = np.random.default_rng(1)
+    for head in (True, False):
+        stage = Stage.load(path, threads=1, kv=KVSpec(n_slots=64 * PAGE), head=head,
+                           embed=head)
+
+        def rows(n: int) -> np.ndarray:
+            return rng.integers(1, 1000, n) if head else \
+                rng.standard_normal((n, stage.hp.n_embd)).astype(np.float32)
+
+        before = [rows(40), rows(120)]  # two sessions are far into their contexts
+        runs = [(0, rows(5), 0), (1, rows(1), 40), (2, rows(9), 0), (3, rows(7), 120),
+                (4, rows(5), 0)]
+        then = [rows(1) for _ in runs]
+        results = []
+        for batched in (False, True):
+            sessions = [stage.open_session() for _ in runs]
+            for s, x in zip((sessions[1], sessions[3]), before, strict=True):
+                stage.forward(s, x, 0)
+            steps = [(sessions[i], x, at) for i, x, at in runs]
+            outs = stage.forward_batch(steps) if batched else \
+                [stage.forward(s, x, at) for s, x, at in steps]
+            outs += [stage.forward(s, x, s.n_past) for s, x in zip(sessions, then, strict=True)]
+            results.append(outs)
+            for s in sessions:
+                s.close()
+        for solo, batched in zip(*results, strict=True):
+            assert solo.shape == batched.shape
+            np.testing.assert_allclose(batched, solo, rtol=1e-3, atol=1e-3 * np.abs(solo).max())
+        stage.close()
+
+
 def test_a_batch_refuses_what_it_cannot_compute(full: Stage) -> None:
     with full.open_session() as a, full.open_session() as b:
         full.forward(a, np.array([1, 2]), 0)
         with pytest.raises(InputError, match="once"):
             full.forward_batch([(a, np.array([3]), 2), (a, np.array([4]), 3)])
-        with pytest.raises(RunRefused, match="one token") as refused:
-            full.forward_batch([(a, np.array([3, 4]), 2), (b, np.array([4]), 0)])
+        with pytest.raises(RunRefused, match="at most 64") as refused:
+            full.forward_batch([(a, np.ones(PAGE + 1, int), 2), (b, np.array([4]), 0)])
         assert refused.value.index == 0 and isinstance(refused.value.error, InputError)
         with pytest.raises(RunRefused, match="past the cached context") as refused:
             full.forward_batch([(a, np.array([3]), 2), (b, np.array([4]), 5)])
@@ -131,6 +173,31 @@ async def test_concurrent_sessions_decode_in_batches_with_their_solo_tokens(
     stats = server.batcher.stats
     assert stats["batches"] > 0 and stats["largest"] >= 2, stats
     assert stats["split"] == 0
+
+
+async def test_new_sessions_prompts_batch_with_each_other_and_with_decode_steps(
+        node: Served, full: Stage) -> None:
+    """Eight sessions opened at once: the first prompt runs alone, the ones arriving
+    meanwhile compute together (and with the first one's decode steps), each session still
+    generating its solo tokens. A prompt crossing a prefill piece's end runs alone."""
+    server = StageServer(lambda: "m", lambda: node, max_sessions=8, idle_s=60,
+                         wire_dtype="f32", batch_window_s=0.05)
+    prompts = {i: np.random.default_rng(50 + i).integers(1, 1000, [5, 9, 3, 40][i % 4]).tolist()
+               for i in range(8)}
+    prompts[7] = np.random.default_rng(7).integers(1, 1000, PAGE + 3).tolist()
+    got: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        got[i] = await generation(server, f"p{i}", prompts[i], 6)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(one, i)
+    for i in range(8):
+        assert got[i] == generate(full, prompts[i], 6), f"session {i}"
+    stats = server.batcher.stats
+    assert 2 <= stats["prompts"] <= 6, stats  # not the first, nor the one of 67 tokens
+    assert stats["split"] == stats["refused"] == 0
 
 
 async def test_sessions_of_a_sliding_window_model_decode_in_batches(tmp_path: Path) -> None:
@@ -288,6 +355,35 @@ async def lead_cancelled_once() -> None:
             gate.open.set()
     assert lead in done and second in done and first not in done
     assert not any(q.waiting or q.busy for q in batcher._queues.values())
+
+
+async def test_prompts_queued_behind_a_long_first_one_batch_however_long_they_waited(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """New sessions' prompts queue behind the first one, which runs alone (whether batching
+    pays is not known yet) and takes a second (an injected clock): then they compute as one
+    batch, not each alone for having waited longer than sessions count as stepping."""
+    clock = [0.0]
+    monkeypatch.setattr(batch, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    batcher, gate, done = Batcher(16, window_s=0.0), Gate(), trio.Event()
+    gate.open.set()
+
+    async def solo(s: Any, x: np.ndarray, start: int) -> np.ndarray:
+        await done.wait()
+        clock[0] += 1.0
+        return x
+
+    async def prompt_of(s: Hop, rows: int) -> None:
+        await batcher.step(s, np.zeros(rows), 0, solo)  # type: ignore[arg-type]
+
+    chain = [gate]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(prompt_of, Hop(chain), 5 + i)
+                await wait_all_blocked()
+            done.set()
+    assert batcher.stats == {"batches": 1, "rows": 5, "largest": 5, "prompts": 5,
+                             "refused": 0, "split": 0}
 
 
 async def test_steps_shorter_than_the_batching_minimum_are_not_held_for_company(

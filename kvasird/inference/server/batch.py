@@ -1,6 +1,7 @@
-"""Decode batching at a stage: concurrent sessions' one-token steps through the same chain
-of stages compute together, one graph per stage (Stage.forward_batch), so each step reads
-the weights once for all of them instead of once per session.
+"""Batching at a stage: concurrent sessions' decode steps through the same chain of stages
+compute together, one graph per stage (Stage.forward_batch), so each step reads the
+weights once for all of them instead of once per session; short prompts (a new session's,
+an agent's next turn after its kept prefix) join them, up to PROMPT_ROWS rows a batch.
 
     step ─▶ queue of its chain ─▶ leader: gathers the steps queued (waiting up to the
                                   window for the sessions of the last batch to join)
@@ -16,6 +17,13 @@ enough for batching to pay (_Queue.pays) batch at all; on others every step runs
 A step the batch refuses (a bad position, a full KV) runs alone and gets its own answer
 while the batch goes on without it; a batch that fails as a whole runs its steps one by
 one, so the good ones are not lost.
+
+Prompts join because a prompt's few rows cost nearly what a decode step's one does alone
+(the weights are read for them either way): at Llama-3.2-1B widths on one thread, 5 rows
+computed in 158 ms against one row's 87 ms. Sixteen new sessions' prompts computed one by
+one held up everyone's decode for sixteen such graphs; batched, they are a graph or two. A
+prompt longer than a prefill piece, or crossing a piece's end, runs alone in its pieces
+(Stage.forward), letting the batches of decode steps go between them.
 
 The outputs equal the sessions' solo ones where the kernels compute a row the same way
 in any batch (attention always: each session attends over its own pages; the quantized
@@ -34,6 +42,7 @@ import numpy as np
 import trio
 
 from kvasird.compute.errors import RunRefused
+from kvasird.compute.stage import PREFILL_PIECE
 from kvasird.logs import get_logger
 
 if TYPE_CHECKING:
@@ -42,6 +51,10 @@ if TYPE_CHECKING:
     from kvasird.inference.server.stage import ServedSession
 
 log = get_logger("kvasird.inference.server")
+
+PROMPT_ROWS = PREFILL_PIECE
+"""The most rows of prompts (steps of more than one row) one batch takes: a prefill
+piece's, so that a batch holds the stage about as long as a piece of a long prompt does."""
 
 GATHER_MAX_S = 0.05
 """The longest a batch's leader waits for the sessions of the last batch to join."""
@@ -83,15 +96,19 @@ class _Queue:
     compute_s: float = 0.0
     """How long a batch computes (a moving average)."""
     fastest: float = float("inf")
-    """The shortest a step that ran alone has taken here (the least of them is its
-    compute, the others' waits left out)."""
+    """The shortest a step that ran alone has taken here per row (the least of them is a
+    decode step's compute, the others' waits left out; a prompt's rows, which share their
+    reads of the weights, each take less than a decode step: a bound from below, known
+    from the first step, a new session's prompt)."""
     seen: dict[int, float] = field(default_factory=dict)
     """When each session (by id) last stepped here."""
     answered: dict[int, float] = field(default_factory=dict)
     """When each session's last batched step was answered."""
     away_s: float = 0.0
-    """How long a session is away between an answer and its next step here (a moving
-    average): its gateway's turn on one node, the other hops of a ring."""
+    """How long a session is away between an answer to a decode step and its next step
+    here (a moving average): its gateway's turn on one node, the other hops of a ring.
+    (After a prompt, a session may wait on its gateway for other things: the other
+    sessions' prompts it sends first, a client's turn.)"""
 
     def arrive(self, s: object, now: float) -> None:
         if len(self.seen) >= SEEN_PRUNE:  # sessions that ended: forget them
@@ -111,6 +128,10 @@ class _Queue:
         depth = max(1, round(1 + self.away_s / self.compute_s)) if self.compute_s else 1
         return max(1, min(max_rows, -(-stepping // depth)))
 
+    def known(self) -> bool:
+        """Whether a step has run alone here (so whether batching pays is known)."""
+        return self.fastest < float("inf")
+
     def pays(self, min_step_s: float) -> bool:
         """Whether gathering a batch pays on this chain: its steps compute long enough (at
         least `min_step_s` alone) that reading the weights once for several sessions saves
@@ -119,7 +140,7 @@ class _Queue:
         ring of the bundled 135M model (2 ms a hop) lost over half its aggregate tokens/s
         with 4 and 16 sessions when its hops batched everyone; one daemon of a 1B model
         (28 ms a step) gained 1.5x with 16."""
-        return self.fastest < float("inf") and self.fastest >= min_step_s
+        return self.known() and self.fastest >= min_step_s
 
     def stepping(self, now: float) -> int:
         """Sessions that stepped within the last few batches' time: the leader waits (see
@@ -148,10 +169,11 @@ class Batcher:
         self.pipelined = pipelined
         """Whether a batch takes only a share of the sessions of a deep ring (_Queue.cap)."""
         self._queues: dict[tuple[int, ...], _Queue] = {}
-        self.stats = {"batches": 0, "rows": 0, "largest": 0, "refused": 0, "split": 0}
-        """Batches of several sessions computed, their rows, the most rows in one, steps a
-        batch refused (they ran alone, the batch went on), and batches that failed as a
-        whole and ran one by one."""
+        self.stats = {"batches": 0, "rows": 0, "largest": 0, "prompts": 0, "refused": 0,
+                      "split": 0}
+        """Batches of several sessions computed, their steps, the most steps in one, the
+        prompts (steps of several rows) among them, steps a batch refused (they ran alone,
+        the batch went on), and batches that failed as a whole and ran one by one."""
 
     def company(self) -> bool:
         """Whether several sessions step on a chain where batching pays: then a forwarded
@@ -161,10 +183,13 @@ class Batcher:
         return any(q.pays(self.min_step_s) and q.stepping(now) > 1
                    for q in self._queues.values())
 
-    def takes(self, chain: list[Stage]) -> bool:
-        """Whether steps on `chain` batch: every stage can (no recurrent state) and none
-        dispatches experts (those steps interleave on the event
-        loop instead, their expert rows batched per worker)."""
+    def takes(self, chain: list[Stage], start: int, rows: int) -> bool:
+        """Whether a step of `rows` rows at `start` on `chain` batches: every stage can (no
+        recurrent state) and none dispatches experts (those steps interleave on the event
+        loop instead, their expert rows batched per worker); a decode step, or a prompt
+        within one prefill piece (a longer one runs alone, piece by piece)."""
+        if rows > 1 and (start + rows - 1) // PREFILL_PIECE != start // PREFILL_PIECE:
+            return False
         return self.max_rows > 1 and all(st.batches and not st.dispatches for st in chain)
 
     async def step(self, s: ServedSession, x: np.ndarray, start: int, solo: Solo) -> np.ndarray:
@@ -173,8 +198,8 @@ class Batcher:
         key = tuple(id(st) for st in s.chain)
         queue = self._queues.setdefault(key, _Queue())
         queue.arrive(s, time.monotonic())
-        if not queue.busy and not queue.pays(self.min_step_s):  # as it ran before batching
-            return await self._alone(queue, s, x, start, solo)
+        if not queue.busy and queue.known() and not queue.pays(self.min_step_s):
+            return await self._alone(queue, s, x, start, solo)  # as it ran before batching
         me = _Waiter(s, x, start)
         queue.waiting.append(me)
         queue.joined.set()
@@ -196,12 +221,15 @@ class Batcher:
         queue.busy = True
         batch = [me]
         try:
-            stepping = queue.stepping(time.monotonic())
+            if not queue.pays(self.min_step_s):  # not yet known to pay: alone, the steps
+                queue.waiting.remove(me)         # arriving meanwhile queue behind it
+                return await self._alone(queue, s, x, start, solo)
+            # the steps queued count whenever they came (behind a first prompt, say)
+            stepping = max(queue.stepping(time.monotonic()), len(queue.waiting))
             cap = queue.cap(self.max_rows, stepping) if self.pipelined else self.max_rows
             want = min(stepping, cap)
             await self._gather(queue, want)
-            batch = queue.waiting[:cap]
-            del queue.waiting[:len(batch)]
+            batch = _take(queue.waiting, cap)
             if want <= 1 and len(batch) == 1:
                 return await self._alone(queue, s, x, start, solo)
             # in a worker thread even if alone now, so that the others' steps queue
@@ -223,7 +251,7 @@ class Batcher:
         try:
             return await solo(s, x, start)
         finally:
-            queue.fastest = min(queue.fastest, time.monotonic() - began)
+            queue.fastest = min(queue.fastest, (time.monotonic() - began) / len(x))
 
     async def _gather(self, queue: _Queue, want: int) -> None:
         """Wait for the steps of the sessions stepping here (their next tokens), up to the
@@ -262,13 +290,31 @@ class Batcher:
             for w, out in zip(batch, outs, strict=True):
                 w.out = out
                 w.tell("done")
-                queue.answered[id(w.s)] = now
+                if len(w.x) == 1:  # (a prompt's answer is not a ring's round: see away_s)
+                    queue.answered[id(w.s)] = now
             if len(batch) > 1:
                 self.stats["batches"] += 1
                 self.stats["rows"] += len(batch)
                 self.stats["largest"] = max(self.stats["largest"], len(batch))
+                self.stats["prompts"] += sum(len(w.x) > 1 for w in batch)
             break
         return alone
+
+
+def _take(waiting: list[_Waiter], cap: int) -> list[_Waiter]:
+    """The next batch, out of the queue: up to `cap` steps in their order, the prompts
+    among them up to PROMPT_ROWS rows in all (the first step always: it leads); the
+    prompts passed over lead or join the next."""
+    batch, rest, prompt_rows = [], [], 0
+    for w in waiting:
+        rows = len(w.x) if len(w.x) > 1 else 0
+        if len(batch) < cap and (not batch or prompt_rows + rows <= PROMPT_ROWS):
+            batch.append(w)
+            prompt_rows += rows
+        else:
+            rest.append(w)
+    waiting[:] = rest
+    return batch
 
 
 def _forward_batch(batch: list[_Waiter]) -> list[np.ndarray]:

@@ -328,7 +328,7 @@ class StageServer:
                     outs = [await _run_chain(s, x[i:i + 1], m.start + i, self.company)
                             for i in range(len(x))]
                     out = outs[-1] if s.sampler is not None else np.concatenate(outs)
-                elif len(x) == 1 and self.batcher.takes(s.chain):
+                elif self.batcher.takes(s.chain, m.start, len(x)):
                     out = await self.batcher.step(s, x, m.start, self._solo)
                 else:
                     out = await _run_chain(s, x, m.start, self.company)
