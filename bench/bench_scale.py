@@ -21,7 +21,8 @@ pairs' ratios (this machine's speed drifts by 10-20 % from minute to minute).
     moe-ring     the MoE on four daemons: two stages with the dense paths (head on the
                  first), two expert workers with half of every layer's experts each
     sessions16   aggregate tok/s of 16 concurrent generations on the 1-node daemon (their
-                 prompts included), over one generation's (ours alone: llama-cpp-python
+                 prompts included: they batch with each other and with the decode steps
+                 as they arrive), over one generation's (ours alone: llama-cpp-python
                  decodes one sequence); beside it the same on a daemon that steps each
                  session alone ([inference] batch_sessions = 1, the code before decode
                  batching); and the decode alone: tokens while all 16 decode at once
@@ -104,8 +105,8 @@ def prompt_of(n: int, salt: int = 0) -> list[int]:
 
 def decode_together(node: LocalNode, sessions: int, n: int) -> float:
     """Aggregate decode tok/s while `sessions` generations all decode at once: the token
-    events between the last one's first token and the first one's last (their prompts,
-    computed one after the other as they arrive, left out)."""
+    events between the last one's first token and the first one's last (their prompts
+    left out)."""
     stamps, _ = together(node, sessions, n)
     lo, hi = max(s[0] for s in stamps), min(s[-1] for s in stamps)
     return sum(lo < t <= hi for s in stamps for t in s) / (hi - lo) if hi > lo else 0.0
@@ -299,14 +300,18 @@ def main() -> None:
                     breakdowns[name] = (net.nodes[0].get("/v0/inference")["breakdown"], names)
                 if name == "1node" and "1node" in want:
                     one = concurrent(net.nodes[0], 1, args.tokens)
+                    b0 = net.nodes[0].get("/v0/inference")["serving"]["batches"]
                     many = concurrent(net.nodes[0], 16, args.tokens)
-                    row("1node 16 sessions: aggregate tok/s (vs one session)", f"{many:.1f}",
-                        f"{one:.1f}", many / one)
+                    b1 = net.nodes[0].get("/v0/inference")["serving"]["batches"]
+                    steps = (b1["rows"] - b0["rows"]) / max(b1["batches"] - b0["batches"], 1)
+                    row(f"1node 16 sessions: aggregate tok/s (vs one session; batches of "
+                        f"{steps:.1f} steps, {b1['prompts'] - b0['prompts']} prompts batched)",
+                        f"{many:.1f}", f"{one:.1f}", many / one)
                     summary["sessions16"] = many / one
                     alone, _, _ = decode_rates(net.nodes[0], 3 * args.tokens, 1, None)
                     together = decode_together(net.nodes[0], 16, 3 * args.tokens)
                     row("1node 16 sessions decoding at once: aggregate decode tok/s (vs one "
-                        "session's decode; the prompts, computed one by one, left out)",
+                        "session's decode; the prompts left out)",
                         f"{together:.1f}", f"{alone[0]:.1f}", together / alone[0])
                     with start(root / "1node-solo", model, manifests[model], placement,
                                args.threads, **{"inference.batch_sessions": 1,

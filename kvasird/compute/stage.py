@@ -45,9 +45,13 @@ from kvasird.compute.sampling import Sampler
 from kvasird.compute.steps import Steps, drive
 from kvasird.compute.weights import Source, Weights, load_weights, open_sources, slice_expert_ranges
 
-KV_BUCKET = 256
+KV_BUCKET = PAGE
 """Attention gathers the session's KV rounded up to this many slots (masked), so a
-decode graph is rebuilt only every KV_BUCKET tokens."""
+decode graph is rebuilt only every KV_BUCKET tokens. A page: the slots past a session's
+positions cost attention work (masked to zero weight, so the logits are bitwise the same
+for any bucket), and a graph builds in milliseconds. Measured at Llama-3.2-1B widths on
+one thread, two paired rounds: a 2k-token prefill 57.1 -> 60.6 tok/s going from 256-slot
+buckets to 64, a 512-token one 71.1 -> 72.1."""
 assert KV_BUCKET % PAGE == 0, "attention gathers whole KV pages"
 
 MAX_CHUNK = 512
