@@ -160,3 +160,40 @@ def test_new_architectures_give_llamacpp_logits_and_greedy_tokens(arch_models, a
     assert m.top1 == 1.0
     assert delta < 1e-4 * np.abs(want).max()
     assert ours == theirs
+
+
+_LAST_LOGITS = """
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+path, n = sys.argv[1], int(sys.argv[2])
+tokens = json.loads(sys.stdin.read())
+llm = Llama(model_path=path, n_ctx=n, n_threads=1, n_batch=512, verbose=False)
+llm.eval(tokens)
+print(json.dumps(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).tolist()))
+"""
+
+
+@pytest.mark.slow  # a minute: 32k positions through both engines
+def test_a_32k_token_context_gives_llamacpp_logits(tmp_path: Path) -> None:
+    """A model that declares a 32,768-token context, filled to its last position in one
+    prompt: computed in 64-row pieces (512 graphs, none larger than a piece's), the last
+    position's logits are llama.cpp's bit for bit."""
+    from kvasird.model.testmodels import make_model
+
+    n = 32768
+    path = make_model(tmp_path / "long.gguf", arch="llama", n_layer=2, context_length=n,
+                      dtype="q8_0", seed=3)
+    prompt = np.random.default_rng(0).integers(0, 49152, n)
+    stage = Stage.load(path, threads=1, kv=KVSpec(n_slots=n, dtype="f16"))
+    try:
+        with stage.open_session() as s:
+            ours = stage.forward(s, prompt)[0]
+        assert s.n_past == n
+    finally:
+        stage.close()
+    done = subprocess.run([str(LLAMACPP_PYTHON), "-c", _LAST_LOGITS, str(path), str(n)],
+                          input=json.dumps(prompt.tolist()), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert np.array_equal(ours, np.array(json.loads(done.stdout), np.float32))
