@@ -98,6 +98,11 @@ class Blocks:
         """Slots each sequence's sliding-window layers gather: its ring's pages in the window
         pool, or its pages as the full layers do where the main pool keeps them."""
         self._shared: dict[str, Tensor] = {}
+        self.keep: tuple[int, str] | None = None
+        """(layer, mode): after that layer's token mixing keep only the rows the caller
+        reads on: the last one ("last") or each sequence's last ("lasts"; `mixed`)."""
+        self.kept = False
+        """Whether `keep` was applied (by the architecture's layer calling `mixed`)."""
 
     def _input(self, name: str, type_: int, *ne: int) -> Tensor:
         # Created on first use: an input no op reads is never allocated, and setting it would crash.
@@ -202,12 +207,26 @@ class Blocks:
     def last_column(self, x: Tensor) -> Tensor:
         c = x.contents
         row = int(c.nb[1])
-        return ggml.ggml_view_2d(self.ctx, x, int(c.ne[0]), 1, row, row * (self.T - 1))
+        return ggml.ggml_view_2d(self.ctx, x, int(c.ne[0]), 1, row, row * (int(c.ne[1]) - 1))
+
+    def mixed(self, layer: int, x: Tensor) -> Tensor:
+        """The residual stream x after `layer`'s token mixing (attention, delta-net): all
+        its rows, or in the layer `keep` names only the rows the caller reads on. Every
+        row's keys, values and states are written by then; the FFN and the head then skip
+        the rest, as llama.cpp's last layer does (its FFN was 5 % of a prefill's products
+        at Llama-3.2-1B widths, computed for rows nobody reads)."""
+        if self.keep is None or layer != self.keep[0]:
+            return x
+        mode, self.kept = self.keep[1], True
+        if mode == "lasts" and self.seqs < self.T:
+            return self.last_rows(x)
+        return self.last_column(x) if mode == "last" and self.T > 1 else x
 
     def attention(self, layer: int, x: Tensor, rope_mode: int, qk_norm: bool) -> Tensor:
         """x + attn(norm(x))."""
         cur = self.norm(x, f"blk.{layer}.attn_norm.weight")
-        return ggml.ggml_add(self.ctx, x, self.self_attention(layer, cur, rope_mode, qk_norm))
+        return self.mixed(layer, ggml.ggml_add(self.ctx, x, self.self_attention(
+            layer, cur, rope_mode, qk_norm)))
 
     def self_attention(self, layer: int, cur: Tensor, rope_mode: int, qk_norm: bool,
                        scale_q: bool = False) -> Tensor:
@@ -404,7 +423,7 @@ class Blocks:
         """Router authority: softmax over all experts, top-k, optionally renormalise the k
         (`softmax_after`: top-k of the logits, then softmax over the k); the FFN input is
         x normed by `norm`; with `shared`, the shared expert runs here too."""
-        hp, ctx, p, T = self.hp, self.ctx, f"blk.{layer}.", self.T
+        hp, ctx, p, T = self.hp, self.ctx, f"blk.{layer}.", int(x.contents.ne[1])
         cur = self.norm(x, p + norm)
         logits = self.linear(p + "ffn_gate_inp", cur)                            # [n_exp, T]
         probs = logits if softmax_after else ggml.ggml_soft_max(ctx, logits)
@@ -440,7 +459,7 @@ class Blocks:
     def combine(self, r: RouterOut, outs: Tensor) -> Tensor:
         """resid + (sum_k weight_k * expert_k [+ shared]), summed in slot order (as
         `combine_rows` does)."""
-        ctx, k, T = self.ctx, self.hp.n_expert_used, self.T
+        ctx, k, T = self.ctx, self.hp.n_expert_used, int(r.resid.contents.ne[1])
         weighted = ggml.ggml_mul(ctx, outs, ggml.ggml_reshape_3d(ctx, r.weights, 1, k, T))
         c = weighted.contents
         n_embd, nb1, nb2 = int(c.ne[0]), int(c.nb[1]), int(c.nb[2])

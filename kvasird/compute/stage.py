@@ -436,6 +436,10 @@ class Stage:
 
         def build(b: Builder) -> dict:
             blocks = Blocks(b, self.weights, self.kv, T, n_kv, groups)
+            if seg.head and seg.router is None and seg.end > seg.first and mode != "all":
+                # the last layer's FFN and the head only for the rows read on ("skip": the
+                # last row's output, unread: every row's KV is written all the same)
+                blocks.keep = (seg.end - 1, "lasts" if mode == "lasts" else "last")
             if seg.embed:
                 x = blocks.embed(b.input("x", I32, T),
                                  math.sqrt(hp.n_embd) if arch.scaled_embedding else None)
@@ -450,8 +454,8 @@ class Stage:
                         "weights": ggml.ggml_cont(b.ctx, r.weights)}
                 return outs if r.shared is None else {**outs, "shared": r.shared}
             if seg.head and mode != "skip":
-                x = blocks.head(blocks.last_column(x) if mode == "last" else
-                                blocks.last_rows(x) if mode == "lasts" else x)
+                x = blocks.head(x if blocks.kept or mode == "all" else
+                                blocks.last_column(x) if mode == "last" else blocks.last_rows(x))
             return {"out": x}
         return build
 

@@ -174,6 +174,31 @@ print(json.dumps(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab
 """
 
 
+def test_a_k_quant_prompt_longer_than_a_piece_gives_llamacpp_logits_bit_for_bit(
+        tmp_path: Path) -> None:
+    """Llama's Q4_K_M mix (the repacked Q4_K products, Q6_K's tiled ones) and a 150-token
+    prompt: three pieces of many rows, the last layer's FFN and the head only on the last
+    row as llama.cpp computes them: the logits are llama.cpp's bit for bit. (With the
+    last layer's FFN on all 22 rows of the last piece, its Q6_K down projection over
+    8192 inputs, Llama-3.2-1B's n_ff, rounded apart from llama.cpp's one-row product.)"""
+    from kvasird.model.testmodels import make_model
+
+    path = make_model(tmp_path / "q4km.gguf", arch="llama", n_layer=3, n_embd=512,
+                      n_head=8, n_head_kv=2, head_dim=64, n_ff=8192, dtype="q4_k_m", seed=5)
+    prompt = np.random.default_rng(2).integers(0, 49152, 150)
+    stage = Stage.load(path, threads=1, kv=SAME_KV)
+    try:
+        with stage.open_session() as s:
+            ours = stage.forward(s, prompt)[0]
+    finally:
+        stage.close()
+    done = subprocess.run([str(LLAMACPP_PYTHON), "-c", _LAST_LOGITS, str(path), "512"],
+                          input=json.dumps(prompt.tolist()), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert np.array_equal(ours, np.array(json.loads(done.stdout), np.float32))
+
+
 @pytest.mark.slow  # a minute: 32k positions through both engines
 def test_a_32k_token_context_gives_llamacpp_logits(tmp_path: Path) -> None:
     """A model that declares a 32,768-token context, filled to its last position in one

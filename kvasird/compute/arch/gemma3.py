@@ -17,7 +17,7 @@ def _layer(b: Blocks, layer: int, x: Tensor) -> Tensor:
     p = f"blk.{layer}."
     attn = b.self_attention(layer, b.norm(x, p + "attn_norm.weight"), ROPE_NEOX, qk_norm=True,
                             scale_q=True)
-    x = ggml.ggml_add(b.ctx, b.norm(attn, p + "post_attention_norm.weight"), x)
+    x = b.mixed(layer, ggml.ggml_add(b.ctx, b.norm(attn, p + "post_attention_norm.weight"), x))
     ffn = b.ffn(layer, b.norm(x, p + "ffn_norm.weight"), GEGLU)
     return ggml.ggml_add(b.ctx, b.norm(ffn, p + "post_ffw_norm.weight"), x)
 

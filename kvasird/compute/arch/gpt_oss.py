@@ -20,7 +20,7 @@ from kvasird.compute.graph import Tensor, ggml
 def _dense(b: Blocks, layer: int, x: Tensor) -> RouterOut:
     attn = b.self_attention(layer, b.norm(x, f"blk.{layer}.attn_norm.weight"), ROPE_NEOX,
                             qk_norm=False)
-    x = ggml.ggml_add(b.ctx, attn, x)
+    x = b.mixed(layer, ggml.ggml_add(b.ctx, attn, x))
     return b.router(layer, x, normalise=False, norm="post_attention_norm.weight",
                     softmax_after=True)
 

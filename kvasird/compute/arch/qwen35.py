@@ -25,7 +25,7 @@ def mixer(b: Blocks, layer: int, x: Tensor) -> Tensor:
     """x + the layer's token mixing (delta-net or gated attention) of norm(x)."""
     cur = b.norm(x, f"blk.{layer}.attn_norm.weight")
     mixed = b.delta_net(layer, cur) if b.hp.is_recurrent(layer) else b.gated_attention(layer, cur)
-    return ggml.ggml_add(b.ctx, mixed, x)
+    return b.mixed(layer, ggml.ggml_add(b.ctx, mixed, x))
 
 
 def _layer(b: Blocks, layer: int, x: Tensor) -> Tensor:

@@ -221,8 +221,8 @@ class Batcher:
         queue.busy = True
         batch = [me]
         try:
-            if not queue.pays(self.min_step_s):  # not yet known to pay: alone, the steps
-                queue.waiting.remove(me)         # arriving meanwhile queue behind it
+            if not queue.pays(self.min_step_s):  # not known to pay (yet): alone, the
+                queue.waiting.remove(me)         # steps arriving meanwhile queue behind it
                 return await self._alone(queue, s, x, start, solo)
             # the steps queued count whenever they came (behind a first prompt, say)
             stepping = max(queue.stepping(time.monotonic()), len(queue.waiting))
