@@ -13,6 +13,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -28,13 +29,22 @@ TIMEOUT_S = 120
 
 def _run(url: str, width: int, height: int, *extra: str) -> str:
     assert CHROMIUM is not None, "chromium is not installed"
-    with tempfile.TemporaryDirectory(prefix="kvasird-chromium-") as profile:
-        done = subprocess.run(
+    profile = tempfile.mkdtemp(prefix="kvasird-chromium-")
+    try:
+        proc = subprocess.Popen(
             [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
              "--virtual-time-budget=3000", *extra, url],
-            capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"chromium failed on {url}:\n{done.stderr[-2000:]}"
-    return done.stdout
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+        finally:
+            proc.kill()
+            proc.wait()
+            _end_group(proc.pid)
+    finally:
+        _remove(profile)
+    assert proc.returncode == 0, f"chromium failed on {url}:\n{err[-2000:]}"
+    return out
 
 
 def screenshot(url: str, out: Path, width: int = 1280, height: int = 900) -> Path:
@@ -74,11 +84,12 @@ def evaluate(url: str, expression: str, width: int = 1280, height: int = 900,
         os.dup2(high[0], 3)
         os.dup2(high[1], 4)
 
-    with tempfile.TemporaryDirectory(prefix="kvasird-chromium-") as profile:
+    profile = tempfile.mkdtemp(prefix="kvasird-chromium-")
+    try:
         proc = subprocess.Popen(
             [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
              "--remote-debugging-pipe", "about:blank"],
-            pass_fds=(3, 4), preexec_fn=pipes_on_3_and_4,
+            pass_fds=(3, 4), preexec_fn=pipes_on_3_and_4, start_new_session=True,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_browser[0])
         os.close(from_browser[1])
@@ -108,6 +119,34 @@ def evaluate(url: str, expression: str, width: int = 1280, height: int = 900,
             os.close(from_browser[0])
             proc.terminate()
             proc.wait(timeout=TIMEOUT_S)
+            _end_group(proc.pid)
+    finally:
+        _remove(profile)
+
+
+def _end_group(pgid: int) -> None:
+    """Kill what is left of the browser's process group: its renderers and helpers can
+    outlive the browser's own process for a moment, still writing to the profile."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _remove(profile: str) -> None:
+    """Remove the profile folder once nothing writes to it any more (a killed helper's
+    last writes may still land while the first removal runs)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            shutil.rmtree(profile)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 class _DevTools:
