@@ -169,6 +169,9 @@ class LocalChainProcess:
     """Keep running when the launcher exits (--detach)."""
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> None:
+        # The log keeps earlier runs' output: only what this run appends says it is ready
+        # (an earlier run's "ready" and its RPC URL, a dead port now, were taken for it).
+        begin = self.log.stat().st_size if self.log.exists() else 0
         out = open(self.log, "ab")  # noqa: SIM115 - handed to the child process
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvasird", "localchain", "--data", str(self.data),
@@ -178,7 +181,9 @@ class LocalChainProcess:
         out.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            text = self.log.read_text(errors="replace") if self.log.exists() else ""
+            with open(self.log, "rb") as log:
+                log.seek(begin)
+                text = log.read().decode(errors="replace")
             if "Local chain is ready" in text:
                 for line in text.splitlines():
                     key, _, value = line.partition("  ")

@@ -28,3 +28,23 @@ def test_down_stops_the_local_chain_too(tmp_path: Path) -> None:
         while net.chain.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert net.chain.proc.poll() is not None, "the local chain still runs"
+
+
+def test_a_local_chain_started_again_in_the_same_folder_reads_its_own_address(
+        tmp_path: Path) -> None:
+    """The chain's log keeps earlier runs' output: a second start in the same folder (a
+    hobbyist's second `localnet up`) takes the address this run prints, not the last
+    run's, whose port is dead now."""
+    root = tmp_path / "ln"
+    root.mkdir()
+    (root / "chain.log").write_text("RPC URL         http://127.0.0.1:1\nLocal chain is ready\n")
+    net = LocalNet(root, 0, chain=True)
+    with net:
+        net.up()
+        assert net.chain is not None
+        url = net.chain.info["RPC URL"]
+        assert url != "http://127.0.0.1:1"
+        done = subprocess.run([sys.executable, "-m", "kvasird", "wallet", "--rpc", url,
+                               "--address", net.chain.info["genesis wallet"]],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr  # the chain answers at that address
