@@ -63,6 +63,7 @@ def test_a_killed_delta_net_stage_is_replaced_and_the_output_is_unchanged(
     gateway = net.nodes[0]
     assert same(run(gateway), reference)  # undisturbed, split
     killed: list[LocalNode] = []
+    sentenced: list[bool] = []
 
     def kill_after(n: int) -> None:
         if n == N_TOKENS // 2 and not killed:
@@ -70,8 +71,11 @@ def test_a_killed_delta_net_stage_is_replaced_and_the_output_is_unchanged(
             victim = next(x for x in net.nodes[1:] if x.peer_id in route)
             killed.append(victim)
             victim.signal(signal.SIGKILL)
+        elif killed and not sentenced:  # seen while the generation runs on: a sentence
+            if killed[0].peer_id in gateway.get("/v0/inference")["unfit"]:  # lasts seconds,
+                sentenced.append(True)  # the rest of a generation may take longer
 
     got = run(gateway, on_token=kill_after)
     assert killed, "the generation ended before the kill"
     assert same(got, reference), (got, reference)
-    assert killed[0].peer_id in gateway.get("/v0/inference")["unfit"]
+    assert sentenced, "the killed stage was never avoided"
