@@ -9,6 +9,7 @@ removed afterwards, and never reaches past loopback (no sync, no updates, no QUI
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import select
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +29,33 @@ FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 TIMEOUT_S = 120
 
 
-def _run(url: str, width: int, height: int, *extra: str) -> str:
+@contextlib.contextmanager
+def _chromium(*args: str, **popen: Any) -> Iterator[subprocess.Popen[str]]:
+    """Chromium with a profile of its own, in its own process group: killed whole on the
+    way out (helpers can outlive the browser's process, still writing to the profile), and
+    the profile removed once nothing writes to it."""
     assert CHROMIUM is not None, "chromium is not installed"
     profile = tempfile.mkdtemp(prefix="kvasird-chromium-")
     try:
-        proc = subprocess.Popen(
-            [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
-             "--virtual-time-budget=3000", *extra, url],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args],
+                                start_new_session=True, text=True, **popen)
         try:
-            out, err = proc.communicate(timeout=TIMEOUT_S)
+            yield proc
         finally:
             proc.kill()
             proc.wait()
-            _end_group(proc.pid)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     finally:
         _remove(profile)
+
+
+def _run(url: str, width: int, height: int, *extra: str) -> str:
+    with _chromium(f"--window-size={width},{height}", "--virtual-time-budget=3000", *extra,
+                   url, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"chromium failed on {url}:\n{err[-2000:]}"
     return out
 
@@ -84,13 +97,9 @@ def evaluate(url: str, expression: str, width: int = 1280, height: int = 900,
         os.dup2(high[0], 3)
         os.dup2(high[1], 4)
 
-    profile = tempfile.mkdtemp(prefix="kvasird-chromium-")
-    try:
-        proc = subprocess.Popen(
-            [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
-             "--remote-debugging-pipe", "about:blank"],
-            pass_fds=(3, 4), preexec_fn=pipes_on_3_and_4, start_new_session=True,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with _chromium(f"--window-size={width},{height}", "--remote-debugging-pipe", "about:blank",
+                   pass_fds=(3, 4), preexec_fn=pipes_on_3_and_4,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
         os.close(to_browser[0])
         os.close(from_browser[1])
         devtools = _DevTools(to_browser[1], from_browser[0])
@@ -117,20 +126,6 @@ def evaluate(url: str, expression: str, width: int = 1280, height: int = 900,
         finally:
             os.close(to_browser[1])
             os.close(from_browser[0])
-            proc.terminate()
-            proc.wait(timeout=TIMEOUT_S)
-            _end_group(proc.pid)
-    finally:
-        _remove(profile)
-
-
-def _end_group(pgid: int) -> None:
-    """Kill what is left of the browser's process group: its renderers and helpers can
-    outlive the browser's own process for a moment, still writing to the profile."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _remove(profile: str) -> None:
