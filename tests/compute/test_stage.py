@@ -390,6 +390,45 @@ def test_weights_that_are_all_repacked_load_alone(tmp_path):
         backend.close()
 
 
+def test_a_batch_pads_4_bit_products_to_the_rows_ggml_computes_for_less(tmp_path):
+    """ggml takes a repacked product's rows sixteen at a time, then four at a time, then
+    one by one: a batch of 3 sessions' steps is cheaper as 4 rows, one of 14 as 16. The
+    products run over zero rows added and dropped; each session's logits still agree
+    with its step alone to rounding (a pad row read back, or a row given to another
+    session, would not). One session's rows are never padded: its prompt stays
+    llama.cpp's bit for bit (test_llamacpp)."""
+    import ggml
+
+    from kvasird.compute.blocks import padded_rows
+    from kvasird.compute.graph import repack_buffer_type
+    from kvasird.model.testmodels import make_model
+
+    assert [padded_rows(t) for t in range(1, 21)] == \
+        [1, 4, 4, 4, 5, 8, 8, 8, 9, 16, 16, 16, 16, 16, 16, 16, 17, 20, 20, 20]
+    if repack_buffer_type() is None:
+        pytest.skip("this CPU has no AVX2: ggml repacks nothing here")
+    path = make_model(tmp_path / "m.gguf", arch="llama", n_layer=2, dtype="q4_k_m", n_embd=256,
+                      head_dim=64, n_ff=512, seed=3)
+    stage = Stage.load(path, threads=1, kv=KVSpec(n_slots=4096))
+    rng = np.random.default_rng(0)
+    try:
+        sessions = [stage.open_session() for _ in range(14)]
+        for s in sessions:
+            stage.forward(s, rng.integers(1, 1000, int(rng.integers(1, 90))))
+        for n in (3, 14, 1):
+            runs = [(s, rng.integers(1, 1000, 1), s.n_past) for s in sessions[:n]]
+            alone = np.concatenate([stage.forward(s, x, at) for s, x, at in runs])
+            together = np.concatenate(stage.forward_batch(runs))
+            scale = float(np.abs(alone).max())
+            np.testing.assert_allclose(together, alone, rtol=0, atol=2e-3 * scale)
+        pads = {key[-1]: sum(int(ggml.ggml_graph_node(g.graph, i).contents.op) == ggml.GGML_OP_PAD
+                             for i in range(ggml.ggml_graph_n_nodes(g.graph)))
+                for key, g in stage.graphs.items()}
+        assert pads[((1, 3),)] > 0 and pads[((1, 14),)] > 0 and pads[((1, 1),)] == 0
+    finally:
+        stage.close()
+
+
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_k"])
 def test_a_range_of_4_bit_experts_computes_as_the_whole_layer(tmp_path, dtype):
     """A worker holding experts [8, 16) of 16 gives the rows the whole layer's worker gives,
