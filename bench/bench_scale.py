@@ -12,8 +12,9 @@ pairs' ratios (this machine's speed drifts by 10-20 % from minute to minute).
 
     1node        one daemon holding the whole dense model: decode tok/s through the admin
                  API's token stream (POST /v0/generate)
-    prefill      one stage in process: a 512-token prompt (the least of three paired
-                 tries) and a 4k-token one (its time to first token), tokens/s; and 16
+    prefill      one stage in process: a 512-token prompt (five paired tries, which goes
+                 first alternating: the medians, and the median of the pairs' ratios) and
+                 a 4k-token one (one pair; its time to first token), tokens/s; and 16
                  sessions' decode steps as one graph (Stage.forward_batch) against one
                  session's step (what batching them gives the engine, the ceiling of
                  sessions16)
@@ -155,15 +156,26 @@ def prefill(model: Path, threads: int, sizes: list[int]) -> dict[str, Any]:
     out["batch16"] = 16 * cost[1] / cost[16]
     for s in sessions:
         s.close()
-    for n in sizes:  # the least of three paired tries where a try is short
-        tries = []
-        for _ in range(3 if n <= 512 else 1):
-            with stage.open_session() as s:
-                t = time.perf_counter()
-                stage.forward(s, np.array(prompt_of(n)))
-                tries.append((time.perf_counter() - t, llamacpp_prefill_s(model, threads, n)))
-        ours, theirs = min(t[0] for t in tries), [t[1] for t in tries]
-        out[n] = (ours, None if None in theirs else min(theirs))
+    def ours(n: int) -> float:
+        with stage.open_session() as s:
+            t = time.perf_counter()
+            stage.forward(s, np.array(prompt_of(n)))
+            return time.perf_counter() - t
+
+    for n in sizes:  # paired tries, which goes first alternating; a short prompt five times
+        pairs = []
+        for i in range(5 if n <= 512 else 1):
+            if i % 2:  # llama.cpp first
+                b = llamacpp_prefill_s(model, threads, n)
+                a = ours(n)
+            else:
+                a = ours(n)
+                b = llamacpp_prefill_s(model, threads, n)
+            pairs.append((a, b))
+        known = [(a, b) for a, b in pairs if b is not None]
+        out[n] = (statistics.median(a for a, _ in pairs),
+                  statistics.median(b for _, b in known) if known else None,
+                  statistics.median(b / a for a, b in known) if known else None)
     stage.close()
     return out
 
@@ -253,12 +265,12 @@ def main() -> None:
         sizes = [512, 4096]
         p = prefill(dense, args.threads, sizes)
         for n in sizes:
-            ours, theirs = p[n]
+            ours, theirs, ratio = p[n]
             row(f"dense prefill {n} tok/s", f"{n / ours:.1f}",
-                f"{n / theirs:.1f}" if theirs else "n/a", theirs / ours if theirs else None)
+                f"{n / theirs:.1f}" if theirs else "n/a", ratio)
             if n == 4096:
                 row("dense 4k prompt: time to first token s", f"{ours:.1f}",
-                    f"{theirs:.1f}" if theirs else "n/a", theirs / ours if theirs else None)
+                    f"{theirs:.1f}" if theirs else "n/a", ratio)
         engine = (p["load_s_per_gb"], p["kv_bytes_per_token"])
         row("dense: 16 sessions' decode steps in one graph, tokens/s over one session's "
             "step (the ceiling of sessions16)", f"{p['batch16']:.2f}x", "", None)
