@@ -343,6 +343,32 @@ def test_a_graph_in_use_is_not_evicted_until_it_is_released():
     cache.close()
 
 
+def test_a_softmax_row_takes_its_maximum_wherever_it_stands():
+    """ggml's row maximum, which native/ggml-source patches (sixteen running maxima merged
+    at the end), finds the largest value at every position of rows of many lengths: one
+    value 200 above the rest (some of them masked, -inf) gets all the probability. A
+    maximum that missed it would overflow exp: NaN."""
+    from kvasird.compute.graph import F32, Backend, Graph, ggml
+
+    backend = Backend(1)
+    try:
+        for n in (1, 5, 16, 17, 31, 48, 100):
+            x = np.zeros((n, n), np.float32)
+            x[:, ::3] = -np.inf
+            x[np.arange(n), np.arange(n)] = 200.0
+
+            def softmax(b, n=n):
+                return {"p": ggml.ggml_soft_max_ext(b.ctx, b.input("x", F32, n, n), None,
+                                                    1.0, 0.0)}
+
+            graph = Graph(backend, softmax)
+            p = graph.run({"x": x})["p"].reshape(n, n)
+            graph.close()
+            assert np.array_equal(p, np.eye(n, dtype=np.float32)), n
+    finally:
+        backend.close()
+
+
 def test_4_bit_matrices_are_held_repacked_where_the_cpu_computes_them_so(tmp_path):
     """On AVX2 ggml's kernels read Q4_0/Q4_K matrices interleaved eight rows at a time
     (llama.cpp's default; prefill of a Llama-3.2-1B-shaped Q4_K_M file 16-19 -> 24-26
