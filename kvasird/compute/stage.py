@@ -554,7 +554,7 @@ def _causal_mask(held: np.ndarray, q: np.ndarray, window: int = 0) -> np.ndarray
     seen = held[None, :] <= q
     if window:
         seen &= q - held[None, :] < window
-    return np.where(seen, 0.0, -np.inf).astype(np.float32)
+    return np.where(seen, np.float32(0.0), np.float32(-np.inf))  # float32 as made: no cast
 
 
 def _check_window(window: tuple[int, int], hp: HParams) -> tuple[int, int]:
