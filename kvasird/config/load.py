@@ -100,11 +100,16 @@ def _table(value: Any, source: str, name: str) -> dict[str, Any]:
     return value
 
 
+RETIRED = {"settlement.max_unreceipted"}
+"""Keys earlier versions wrote that are no longer read: a file that has them still loads
+(max_unreceipted: sessions without a receipt, replaced by the meter's credit of work)."""
+
+
 def _section(cls: type, values: dict[str, Any], source: str, section: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in values:
-        if key not in fields:
+        if key not in fields and f"{section}.{key}" not in RETIRED:
             raise ConfigError(f"{source}: unknown key {section}.{key}; known keys are "
                               + ", ".join(fields))
     out = {}
@@ -125,6 +130,12 @@ def _check(value: Any, hint: Any, meta: dict[str, Any], where: str) -> Any:
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if hint == bool | None:  # a switch whose "auto" (None) the daemon decides as it starts
+        if value is None or value == "auto":
+            return None
+        if not isinstance(value, bool):
+            raise ConfigError(f'{where} must be true, false or "auto", got {value!r}')
         return value
     if hint in (int, float):
         ok = isinstance(value, int) if hint is int else isinstance(value, int | float)

@@ -67,14 +67,13 @@ class SettlementConfig:
     """How long a quote can be paid."""
     max_unpaid: int = 10_000_000
     """Base units of a gateway's unpaid receipts after which this node stops serving it."""
-    max_unreceipted: int = 16
-    """Sessions a gateway may open here without a receipt before it is refused."""
     claim_threshold: int = 1_000_000
     """Claim from a gateway by itself once it owes this much (0: only when asked)."""
     stake_cache_s: float = 30.0
     """How long a gateway's stake, read from the chain, is trusted."""
     free_local: bool = True
-    """Requests from this node's own local API are served without payment."""
+    """The operator's own requests (kvasird.http.operator_request) need no quote: [settlement]
+    free_local with its "auto" resolved (Config.free_local_in_effect)."""
     tiers: TierThresholds = TierThresholds()
     """Thresholds of the measured performance tiers."""
     split: RevenueSplit = RevenueSplit()

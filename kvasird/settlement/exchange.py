@@ -14,7 +14,7 @@ it; a background task sends each its new cumulative receipt for the epoch (a pee
 misses one is made whole by the next: receipts are cumulative). Peer side: ``claim_all``
 claims from every gateway whose receipts are unpaid (``kvasird wallet claim``, and by
 itself once a gateway owes ``claim_threshold``). A receipt is also what lets a gateway keep
-being served (``Admission``): its sessions so far are accounted for.
+being served (``Admission``): the work it covers comes off the wallet's meter here.
 
 Who is who comes from libp2p: the caller of a request is the authenticated peer at the
 other end; a receipt's gateway wallet must be the wallet that peer links in its record.
@@ -139,13 +139,14 @@ class Exchange:
 
     def _accept_receipt(self, caller: str, wire: Any) -> dict[str, Any]:
         link, wire = self.links(caller), schema.mapping(wire, "settle.receipt")
-        signer = Receipt.from_wire(wire).gateway
-        if link is None or link.wallet != signer:
-            raise ReceiptRejected(f"receipt signed by {signer} came from {caller}, whose "
-                                  "record links another wallet (or none): ignored")
+        signed = Receipt.from_wire(wire)
+        if link is None or link.wallet != signed.gateway:
+            raise ReceiptRejected(f"receipt signed by {signed.gateway} came from {caller}, "
+                                  "whose record links another wallet (or none): ignored")
+        before = self.s.receipts.held(signed.gateway, signed.epoch)
         receipt = self.s.receipts.accept(wire)
         self.s.receipts.remember_gateway(receipt.gateway, caller)
-        self.admission.receipted(caller)
+        self.admission.receipted(receipt.gateway, before, (receipt.units, receipt.amount))
         if 0 < self.claim_threshold <= self.s.receipts.unpaid(receipt.gateway) \
                 and self._nursery is not None:
             self._nursery.start_soon(self.claim_all)

@@ -2,7 +2,10 @@
 
 Tables (all amounts integers in KVR base units):
 
-    quotes           request_id (private), memo (public reference), amount, expiry, payer, signature
+    quotes           request_id (private), memo (public reference), amount, the tokens in and out
+                     it covers and their prices, expiry, payer, signature, what its request
+                     was charged once settled (the operator's own requests are quotes paid by
+                     the vault itself, payer = the vault)
     used_signatures  signature PRIMARY KEY: a transaction pays for exactly one thing, ever
     deposits         prepaid balance per wallet (sender-bound deposits)
     earnings         per peer: earned (from measured work) and paid (confirmed payouts)
@@ -68,6 +71,13 @@ CREATE TABLE IF NOT EXISTS settlement_refunds (
     request_id TEXT PRIMARY KEY, amount INTEGER NOT NULL);
 """
 
+_ADDED_COLUMNS = (
+    ("settlement_quotes", "prompt_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("settlement_quotes", "input_price", "INTEGER NOT NULL DEFAULT 0"),
+    ("settlement_quotes", "charged", "INTEGER"),
+)
+"""Columns added after their table first shipped: added to a state.db that lacks them."""
+
 
 class Ledger:
     """One SQLite connection; every write goes through ``transaction()``."""
@@ -79,6 +89,10 @@ class Ledger:
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("PRAGMA busy_timeout=5000")
         self.db.executescript(_SCHEMA)
+        for table, column, decl in _ADDED_COLUMNS:
+            have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         self.db.close()

@@ -57,6 +57,12 @@ def payment_reference(request_id: str) -> str:
     return "kvasir:" + hashlib.sha256(b"kvasir-quote-v1\n" + request_id.encode()).hexdigest()[:40]
 
 
+def prepaid_message(request_id: str) -> bytes:
+    """What a wallet signs to pay the quote ``request_id`` from its prepaid balance (the id is
+    secret between the consumer and the gateway: the signature pays that quote only)."""
+    return b"kvasir-prepaid-v1\n" + request_id.encode()
+
+
 @dataclass(frozen=True)
 class Quote:
     """A price offer for one request; ``request_id`` is a secret between consumer and gateway."""
@@ -68,9 +74,13 @@ class Quote:
     amount: int
     """Base units of KVR due."""
     max_tokens: int
-    """Tokens this quote covers."""
+    """Output tokens this quote covers (all choices together)."""
     price: int
-    """Price used, base units per 1000 tokens."""
+    """Output price used, base units per 1000 tokens."""
+    prompt_tokens: int
+    """Prompt tokens this quote covers (each choice computes the prompt)."""
+    input_price: int
+    """Input price used, base units per 1000 tokens."""
     vault: Pubkey
     """Owner of the vault token account to pay (the gateway's wallet)."""
     mint: Pubkey
@@ -84,7 +94,10 @@ class Quote:
             "memo": self.reference,
             "amount": str(self.amount),
             "max_tokens": self.max_tokens,
+            "prompt_tokens": self.prompt_tokens,
             "price_per_1k_tokens": str(self.price),
+            "price_per_1k_output_tokens": str(self.price),
+            "price_per_1k_input_tokens": str(self.input_price),
             "vault": str(self.vault),
             "mint": str(self.mint),
             "expires_at": self.expires_at,
@@ -103,6 +116,35 @@ class PaymentProof:
     """Base units credited."""
     payer: str
     """Wallet whose tokens moved (refunds go back to it)."""
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """What a paid quote covers, at its own prices (the price floats; a quote does not)."""
+
+    amount: int
+    """Base units paid."""
+    prompt_tokens: int
+    """Prompt tokens it was quoted for."""
+    max_tokens: int
+    """Output tokens it was quoted for."""
+    input_price: int
+    """Base units per 1000 input tokens."""
+    price: int
+    """Base units per 1000 output tokens."""
+
+    def cost(self, prompt_tokens: int, output_tokens: int) -> int:
+        """What ``prompt_tokens`` in and ``output_tokens`` out cost at this quote's prices."""
+        return -(-(self.input_price * prompt_tokens + self.price * output_tokens) // 1000)
+
+
+def _insert(db: sqlite3.Connection, quote: Quote, state: str, payer: str) -> None:
+    db.execute(
+        "INSERT INTO settlement_quotes (request_id, memo, amount, max_tokens, price, "
+        "prompt_tokens, input_price, expires_at, payer, state) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (quote.request_id, quote.reference, quote.amount, quote.max_tokens, quote.price,
+         quote.prompt_tokens, quote.input_price, quote.expires_at, payer or None, state))
 
 
 class QuoteLimiter:
@@ -163,50 +205,53 @@ class Payments:
         self._clock = clock
         self._limiter = QuoteLimiter(clock)
 
-    def quote(self, max_tokens: int, client: str = "") -> Quote:
+    def quote(self, max_tokens: int, client: str = "", prompt_tokens: int = 0) -> Quote:
         """A new quote for ``client`` (its network address; "" for in-process callers,
-        which are not rate-limited). Also deletes a batch of long-expired open quotes."""
+        which are not rate-limited) covering ``prompt_tokens`` in and ``max_tokens`` out.
+        Also deletes a batch of long-expired open quotes."""
         if not 0 < max_tokens <= 1_000_000:
             raise QuoteError(f"max_tokens {max_tokens} out of range: ask for 1..1000000 tokens")
+        if not 0 <= prompt_tokens <= 10_000_000:
+            raise QuoteError(f"prompt_tokens {prompt_tokens} out of range: 0..10000000")
         if client:
             self._limiter.take(client)
-        now = self._clock()
-        request_id = secrets.token_urlsafe(24)
-        quote = Quote(
-            request_id,
-            payment_reference(request_id),
-            self._prices.amount_for(max_tokens),
-            max_tokens,
-            self._prices.price,
-            self.vault,
-            self.mint,
-            now + self._ttl,
-        )
+        quote = self._new_quote(max_tokens, prompt_tokens)
         with self._ledger.transaction() as db:
             db.execute(
                 "DELETE FROM settlement_quotes WHERE rowid IN (SELECT rowid FROM "
                 "settlement_quotes WHERE state = 'open' AND expires_at < ? LIMIT ?)",
-                (now - QUOTE_GRACE_S, QUOTE_SWEEP_BATCH),
+                (self._clock() - QUOTE_GRACE_S, QUOTE_SWEEP_BATCH),
             )
-            db.execute(
-                "INSERT INTO settlement_quotes (request_id, memo, amount, max_tokens, price, "
-                "expires_at) VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    quote.request_id,
-                    quote.reference,
-                    quote.amount,
-                    max_tokens,
-                    quote.price,
-                    quote.expires_at,
-                ),
-            )
+            _insert(db, quote, "open", "")
         return quote
 
+    def operator_quote(self, max_tokens: int, prompt_tokens: int) -> Quote:
+        """A request of the operator's own, paid by the vault itself: a quote recorded as
+        paid with the vault as payer, settled and receipted to the peers like any other
+        (``Rewards.settle`` charges what it used)."""
+        quote = self._new_quote(max_tokens, prompt_tokens)
+        with self._ledger.transaction() as db:
+            _insert(db, quote, "paid", str(self.vault))
+        return quote
+
+    def _new_quote(self, max_tokens: int, prompt_tokens: int) -> Quote:
+        request_id = secrets.token_urlsafe(24)
+        p = self._prices
+        return Quote(request_id, payment_reference(request_id),
+                     p.amount_for(max_tokens, prompt_tokens), max_tokens, p.price,
+                     prompt_tokens, p.input_price, self.vault, self.mint,
+                     self._clock() + self._ttl)
+
+    def coverage(self, request_id: str) -> Coverage | None:
+        """What a quote pays for, at the prices it was made at (None: unknown)."""
+        row = self._ledger.one("SELECT amount, prompt_tokens, max_tokens, input_price, price "
+                               "FROM settlement_quotes WHERE request_id = ?", request_id)
+        return Coverage(*row) if row else None
+
     def quoted_tokens(self, request_id: str) -> int:
-        """Tokens a quote covers (0 for an unknown request id)."""
-        row = self._ledger.one("SELECT max_tokens FROM settlement_quotes WHERE request_id = ?",
-                               request_id)
-        return int(row[0]) if row else 0
+        """Output tokens a quote covers (0 for an unknown request id)."""
+        c = self.coverage(request_id)
+        return c.max_tokens if c is not None else 0
 
     async def settle_quote(self, request_id: str, signature: Signature) -> PaymentProof:
         """Prove that ``signature`` paid quote ``request_id``; idempotent for a paid quote."""
@@ -270,8 +315,10 @@ class Payments:
         """Use ``owner``'s prepaid balance for a quote (the caller authenticated ``owner``)."""
         async with self._locks.hold(f"wallet:{owner}"), self._locks.hold(f"quote:{request_id}"):
             row = self._ledger.one(
-                "SELECT amount, state FROM settlement_quotes WHERE request_id = ?", request_id
-            )
+                "SELECT amount, state, payer FROM settlement_quotes WHERE request_id = ?",
+                request_id)
+            if row is not None and row[1] == "paid" and row[2] == str(owner):  # asked again
+                return PaymentProof(request_id, "", row[0], str(owner))
             if row is None or row[1] != "open":
                 raise QuoteError("unknown or already settled request id: ask for a new quote")
             amount = row[0]

@@ -39,7 +39,8 @@ class Receipt:
     epoch: int
     """Accounting period."""
     units: int
-    """Tier-weighted work units measured by the gateway, cumulative in the epoch."""
+    """Work units the gateway measured (before tiers), cumulative in the epoch: what the
+    peer's own meter compares them with."""
     amount: int
     """KVR base units earned, cumulative in the epoch."""
     seq: int
@@ -141,6 +142,12 @@ class ReceiptBook:
                 ),
             )
         return receipt
+
+    def held(self, gateway: Pubkey, epoch: int) -> tuple[int, int]:
+        """(units, amount) of the receipt held from ``gateway`` for ``epoch`` ((0, 0): none)."""
+        row = self._ledger.one("SELECT amount, body FROM settlement_peer_receipts "
+                               "WHERE gateway = ? AND epoch = ?", str(gateway), epoch)
+        return (int(json.loads(row[1])["units"]), int(row[0])) if row else (0, 0)
 
     def unpaid(self, gateway: Pubkey) -> int:
         """Receipts from ``gateway`` not yet matched by payouts verified on chain."""

@@ -101,30 +101,38 @@ class Rewards:
         self._tiers = tiers
 
     def settle(self, request_id: str, work: Sequence[MeasuredWork], epoch: int,
-               served: int | None = None) -> SplitResult:
+               served: int | None = None, used: int | None = None) -> SplitResult:
         """Divide a paid request's amount; each request is settled (or failed) once.
 
         ``served``: of a request cut short by a failure, the part of the amount that was
         served (split by the work as usual); the rest moves to the insurance pool and is
         owed back to the payer (``Payouts.refund``), and the request counts as failed.
+        ``used``: of a request that ended well, what its tokens cost at the quote's prices;
+        the rest (a shorter answer than paid for) is credited to the payer's prepaid balance.
         """
         with self._ledger.transaction() as db:
             row = db.execute(
-                "SELECT amount FROM settlement_quotes WHERE request_id = ? AND state = 'paid'",
-                (request_id,),
+                "SELECT amount, payer FROM settlement_quotes WHERE request_id = ? AND "
+                "state = 'paid'", (request_id,),
             ).fetchone()
             if row is None:
                 raise QuoteError("request is not paid, or was already settled or refunded")
-            amount = row[0] if served is None else min(max(served, 0), row[0])
+            unused = min(max(row[0] - used, 0), row[0]) if used is not None and served is None \
+                else 0
+            if unused and row[1] and row[1] != str(self._gateway.pubkey()):  # not our own use
+                db.execute("INSERT INTO settlement_deposits VALUES (?, ?) ON CONFLICT (owner) "
+                           "DO UPDATE SET balance = balance + excluded.balance", (row[1], unused))
+            paid = row[0] - unused
+            amount = paid if served is None else min(max(served, 0), paid)
             result = split_revenue(amount, work, self._split, self._tiers)
             db.execute(
-                "UPDATE settlement_quotes SET state = ? WHERE request_id = ?",
-                ("settled" if amount == row[0] else "failed", request_id),
+                "UPDATE settlement_quotes SET state = ?, charged = ? WHERE request_id = ?",
+                ("settled" if amount == paid else "failed", amount, request_id),
             )
-            if amount < row[0]:
+            if amount < paid:
                 db.execute("INSERT INTO settlement_refunds VALUES (?, ?)",
-                           (request_id, row[0] - amount))
-                _add_to_pool(db, "insurance", row[0] - amount)
+                           (request_id, paid - amount))
+                _add_to_pool(db, "insurance", paid - amount)
             for w in work:
                 tier = tier_for(w.ms_per_token, self._tiers)
                 db.execute(
@@ -133,11 +141,7 @@ class Rewards:
                     (request_id, w.peer_id, w.units, tier, result.workers.get(w.peer_id, 0)),
                 )
             for peer, amount in result.workers.items():
-                units = sum(
-                    w.units * TIER_PERCENT[tier_for(w.ms_per_token, self._tiers)] // 100
-                    for w in work
-                    if w.peer_id == peer
-                )
+                units = sum(w.units for w in work if w.peer_id == peer)
                 db.execute(
                     "INSERT INTO settlement_earnings (peer_id, earned) VALUES (?, ?) ON CONFLICT "
                     "DO UPDATE SET earned = earned + excluded.earned",
@@ -184,6 +188,12 @@ class Rewards:
         return self._ledger.value(
             "SELECT earned FROM settlement_earnings WHERE peer_id = ?", peer_id
         )
+
+    def own_use(self) -> tuple[int, int]:
+        """(requests, base units charged) of the operator's own requests, paid by the vault."""
+        row = self._ledger.one("SELECT COUNT(*), SUM(charged) FROM settlement_quotes WHERE "
+                               "payer = ? AND state != 'paid'", str(self._gateway.pubkey()))
+        return (int(row[0]), int(row[1] or 0)) if row else (0, 0)
 
     def pool(self, name: str) -> int:
         return self._ledger.value("SELECT balance FROM settlement_pools WHERE name = ?", name)

@@ -195,7 +195,9 @@ async def test_prepaid_balance_pays_a_quote_once(
     quote = gateway.payments.quote(1000)
     sig = await pay(chain, sender, gateway.wallet, local_chain.mint, quote.amount)
     await gateway.payments.deposit(sender.pubkey(), sig, quote.amount)
-    await gateway.payments.pay_quote_from_deposit(sender.pubkey(), quote.request_id)
+    first = await gateway.payments.pay_quote_from_deposit(sender.pubkey(), quote.request_id)
     assert gateway.payments.deposit_balance(sender.pubkey()) == 0
-    with pytest.raises(QuoteError):
-        await gateway.payments.pay_quote_from_deposit(sender.pubkey(), quote.request_id)
+    again = await gateway.payments.pay_quote_from_deposit(sender.pubkey(), quote.request_id)
+    assert again == first  # asked again: the same payment, not a second one
+    with pytest.raises(QuoteError):  # nobody else pays a quote that is paid
+        await gateway.payments.pay_quote_from_deposit(Keypair().pubkey(), quote.request_id)
