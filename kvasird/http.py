@@ -1,8 +1,10 @@
 """Serving an ASGI app with hypercorn inside a trio nursery (admin API, gateway).
 
 Every app served here is behind a HostGuard: both surfaces are meant for this machine
-(or names the operator listed), never for whatever web page the operator's browser shows.
-Every request is logged once, by AccessLog, without anything secret.
+(or names the operator listed), never for whatever web page the operator's browser shows;
+a gateway that listens on every address and favours this machine in nothing is meant for
+anyone. Whether a request is the operator's own, from this machine, is decided by
+operator_request alone. Every request is logged once, by AccessLog, without anything secret.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import ipaddress
 import logging
 import time
 import typing
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import trio
@@ -29,15 +31,18 @@ ACCESS_NOTES = "kvasird.access"
 """The scope key of the dict whose items an app adds to its request's access event."""
 MAX_LOGGED_PATH = 200
 """Characters of a request's path logged (a client chooses the path of a 404)."""
+RELAY_HEADERS = (b"forwarded", b"x-forwarded-for", b"x-real-ip", b"x-forwarded-host")
+"""Headers a proxy adds to the requests it relays. Only their presence is read, never their
+value: anyone can write them, and their presence only ever takes a privilege away."""
 
 
 async def serve_asgi(app: ASGIApp, bind: str, *, what: str, section: str, config_path: str,
-                     allowed_hosts: tuple[str, ...],
+                     allowed_hosts: tuple[str, ...], favours_this_machine: bool = True,
                      task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` on ``bind`` (host:port, port 0 = free); report the real URL when listening.
 
     Only requests addressed to a loopback name, the bind host or one of ``allowed_hosts``
-    (``[section] allowed_hosts``) reach the app.
+    (``[section] allowed_hosts``) reach the app, unless it is a public one (see HostGuard).
     """
     cfg = HypercornConfig()
     cfg.bind = [bind]
@@ -45,7 +50,8 @@ async def serve_asgi(app: ASGIApp, bind: str, *, what: str, section: str, config
     cfg.errorlog = logging.getLogger("hypercorn.error")
     cfg.graceful_timeout = 2.0
     guarded = AccessLog(HostGuard(app, bind, allowed_hosts, what=what,
-                                  hint=f"[{section}] allowed_hosts in {config_path}"), what=what)
+                                  hint=f"[{section}] allowed_hosts in {config_path}",
+                                  favours_this_machine=favours_this_machine), what=what)
     started = _FirstBind(task_status)
     try:
         await serve(guarded, cfg,  # type: ignore[arg-type] # starlette and hypercorn type ASGI apart
@@ -127,6 +133,35 @@ def is_loopback(host: str) -> bool:
     return ip.is_loopback
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` (an IP address, IPv6 optionally in brackets) is every address of this
+    machine: 0.0.0.0 or ::."""
+    try:
+        return ipaddress.ip_address(_unbracketed(host)).is_unspecified
+    except ValueError:
+        return False
+
+
+def relay_header(scope: Mapping[str, Any]) -> str | None:
+    """The first of RELAY_HEADERS the request of ``scope`` carries; None when it carries none."""
+    for name, _ in scope.get("headers") or ():
+        if name.lower() in RELAY_HEADERS:
+            return name.decode("latin-1")
+    return None
+
+
+def operator_request(scope: Mapping[str, Any]) -> bool:
+    """Whether the request of ``scope`` is the operator's own, from this machine: its socket
+    peer is loopback and no proxy says it relays the request (RELAY_HEADERS).
+
+    A reverse proxy on this machine connects from loopback for every client it relays; most
+    add X-Forwarded-For or Forwarded, and their clients are strangers here. A proxy or tunnel
+    that adds neither still makes its clients look local: that is why [settlement]
+    free_local is off by default where the gateway listens beyond loopback."""
+    client = (scope.get("client") or ("", 0))[0]
+    return is_loopback(client) and relay_header(scope) is None
+
+
 class HostGuard:
     """ASGI middleware that refuses requests a web page could have made the browser send.
 
@@ -136,19 +171,31 @@ class HostGuard:
     loopback name, the host we are bound to, or one the operator allowed, and an Origin,
     when there is one, must have such a host too. Clients that are not browsers send no
     Origin and a Host they were given, and pass. Lifespan events pass through.
+
+    A public app answers to any Host: one bound to every address (0.0.0.0, [::]) whose
+    operator listed no names and that favours this machine in nothing (a gateway where
+    requests from here pay like any other). A rebound name reaches there only what every
+    host of the network reaches directly, and remote clients may use any name or address.
+    The Origin check stays: a page's POST carries the page's Origin and is refused as
+    before, so past a firewall a page reads at most what GET shows anyone (models, health).
+    The admin API always favours this machine.
     """
 
     def __init__(self, app: ASGIApp, bind: str, allowed_hosts: tuple[str, ...], *, what: str,
-                 hint: str) -> None:
-        """``hint`` says where to allow a name, e.g. "[gateway] allowed_hosts in PATH"."""
+                 hint: str, favours_this_machine: bool = True) -> None:
+        """``hint`` says where to allow a name, e.g. "[gateway] allowed_hosts in PATH";
+        ``favours_this_machine``: the app gives requests from this machine what it gives no
+        one else (the admin API; a gateway whose requests from here need no quote)."""
         self.app = app
         self.what = what
         self.hint = hint
         names = {_unbracketed(h).lower() for h in allowed_hosts}
         bound = _hostname(bind)
-        if bound and not _is_wildcard(bound):
+        if bound and not is_wildcard(bound):
             names.add(bound)
         self.allowed = frozenset(names)
+        self.any_host = is_wildcard(bound) and not allowed_hosts and not favours_this_machine
+        """A public app: every Host is served."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "lifespan":
@@ -163,7 +210,7 @@ class HostGuard:
 
     def _refusal(self, headers: dict[bytes, bytes]) -> JSONResponse | None:
         host = headers.get(b"host", b"").decode("latin-1")
-        if not self._ours(_hostname(host)):
+        if not self.any_host and not self._ours(_hostname(host)):
             return _refuse(421, f"the {self.what} does not answer to the name {host!r} in the "
                            "Host header (a guard against DNS rebinding): to reach it by the "
                            f"name {_hostname(host) or host!r}, add it to {self.hint}")
@@ -194,13 +241,6 @@ def _hostname(authority: str) -> str:
 
 def _unbracketed(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def _is_wildcard(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
 
 
 def _refuse(status: int, message: str) -> JSONResponse:

@@ -196,15 +196,20 @@ class InferenceConfig:
     here, a batch takes a share of them (a ring of D hops keeps D batches in flight, every
     hop busy); false: every session stepping here joins one batch, the most reuse of the
     weights (for hops whose compute hardly grows with the rows, such as a GPU's)."""
-    spot_check: float = field(default=0.0, metadata=_range(0, 1))
-    """Fraction of remote expert calls recomputed on a second replica and compared."""
+    spot_check: float = field(default=0.05, metadata=_range(0, 1))
+    """Fraction of remote expert calls recomputed (on our own copy of the experts, else a
+    second replica) and compared; a worker caught is not paid for the session and is
+    avoided (docs/verification.md: the rate, its cost, a cheater's expected loss)."""
+    spot_check_stages: float = field(default=0.1, metadata=_range(0, 1))
+    """Probability that a ring stage's session is checked: the route's first prompt chunk
+    is recomputed by other holders of the stage's layers and compared (docs/verification.md)."""
     spot_tolerance: float = field(default=1e-3, metadata=_range(0, 1e6))
     """Largest relative difference (max |a-b| / max |b|) a spot check accepts."""
     unfit_s: float = field(default=300.0, metadata=_range(1, 86400))
     """How long a peer that failed a spot check receives no work; the cap of a peer failing
     at work, whose sentence starts at 15 s and doubles with each failure in a row."""
     unfit_quorum: int = field(default=2, metadata=_range(1, 64))
-    """Distinct peers whose gossiped spot-check verdicts against a worker make us avoid it."""
+    """Distinct peers whose gossiped spot-check verdicts against a peer make us avoid it."""
     max_failovers: int = field(default=4, metadata=_range(0, 64))
     """Route rebuilds one generation may go through before it gives up."""
     hot_experts: int = field(default=0, metadata=_range(0, 1 << 16))
@@ -284,13 +289,14 @@ class SettlementSection:
     """Commitment required before crediting."""
     quote_ttl_s: float = field(default=300.0, metadata=_range(5, 86400))
     """How long a quote can be paid."""
-    free_local: bool = True
-    """Serve requests from this machine (127.0.0.1) without payment."""
+    free_local: bool | None = None
+    """Serve the operator's own requests (from this machine, relayed by no proxy) without a
+    quote. None, "auto" in the file: only while the gateway listens on loopback; one that
+    listens beyond it is usually reached through a proxy or tunnel on this machine too,
+    whose clients would look local (Config.free_local_in_effect)."""
     max_unpaid: int = field(default=10_000_000, metadata=_range(0, 10**18))
     """KVR base units of a gateway's receipts this node lets go unpaid before it stops
     serving that gateway (10 KVR)."""
-    max_unreceipted: int = field(default=16, metadata=_range(1, 1_000_000))
-    """Sessions a gateway may open here without sending a receipt for them."""
     claim_threshold: int = field(default=1_000_000, metadata=_range(0, 10**18))
     """Claim from a gateway by itself once it owes this much (base units; 0 = only by
     `kvasird wallet claim`)."""
@@ -318,6 +324,15 @@ class Config:
     def replace(self, **sections: Any) -> Config:
         """A copy with whole sections replaced (used by tests and the launcher)."""
         return dataclasses.replace(self, **sections)
+
+    def free_local_in_effect(self) -> bool:
+        """Whether requests from this machine need no quote while others need one: payments
+        on, and [settlement] free_local on ("auto": while [gateway] listen is loopback)."""
+        if not self.settlement.enabled:
+            return False
+        if self.settlement.free_local is not None:
+            return self.settlement.free_local
+        return _is_local(self.gateway.listen.rpartition(":")[0].strip("[]").lower())
 
 
 def sections() -> dict[str, type]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,8 +14,10 @@ if TYPE_CHECKING:
     from kvasird.model.ref import ModelRef
 
 
-def print_banner(status: dict[str, Any], admin_url: str, config_path: str) -> None:
-    """On a terminal (or with text logs) as text; with JSON logs as one "banner" event."""
+def print_banner(status: dict[str, Any], admin_url: str, config_path: str,
+                 risks: Sequence[str] = ()) -> None:
+    """On a terminal (or with text logs) as text; with JSON logs as one "banner" event.
+    ``risks`` (risky settings, kvasird.daemon.risks) come last before "ready", a line each."""
     join = status["join_addr"]
     try_it = _try_it(status.get("gateway") or "", config_path)
     lines = [
@@ -29,13 +32,14 @@ def print_banner(status: dict[str, Any], admin_url: str, config_path: str) -> No
         "join this node from another one with:",
         f"    kvasird init --network {status['network']} --bootstrap {join}" if join else
         "    (no dialable address: set [p2p] listen or announce)",
+        *(f"warning      {risk}" for risk in risks),
         "ready",
     ]
     logs.banner("\n".join(lines), version=status["version"], peer_id=status["peer_id"],
                 network=status["network"], listen_addrs=status["listen_addrs"],
                 admin=admin_url, gateway=status.get("gateway"), config=config_path,
                 join=join, model=try_it[0].split(None, 1)[1] if try_it else None,
-                ask=try_it[-1].strip() if try_it else None)
+                ask=try_it[-1].strip() if try_it else None, warnings=list(risks))
 
 
 def _try_it(gateway: str, config_path: str) -> list[str]:

@@ -13,9 +13,9 @@ import trio
 from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.admin.server import build_app
 from kvasird.config import Config
-from kvasird.config.schema import SettlementSection
 from kvasird.daemon import earnings, systemd
 from kvasird.daemon.banner import print_banner
+from kvasird.daemon.risks import risky_settings
 from kvasird.db import connect
 from kvasird.gateway import Gateway
 from kvasird.home import Home
@@ -33,7 +33,7 @@ from kvasird.model.ref import ModelRef
 from kvasird.model.store import ShardStore
 from kvasird.p2p import P2PNode
 from kvasird.ports import check_ports
-from kvasird.settlement.admission import Admission
+from kvasird.settlement.admission import Admission, Rates
 from kvasird.settlement.config import SettlementConfig
 from kvasird.settlement.exchange import SETTLE_PROTOCOL, Exchange
 from kvasird.settlement.gossip import GovernanceGossip
@@ -95,12 +95,15 @@ class Node:
         """Run every service; report the admin URL once all listen. Cancel to drain."""
         try:
             check_ports(self.config, str(self.home.config))  # one line for a taken port
+            risks = risky_settings(self.config, str(self.home.config))
+            for risk in risks:
+                log.warning(risk)
             self._check_model_file()
             async with self.p2p.running(), trio.open_nursery() as nursery:
                 await nursery.start(self.shards.run)
                 if self.config.settlement.enabled:
                     self.settlement = await nursery.start(
-                        run_settlement, settlement_config(self.config.settlement, self.home),
+                        run_settlement, settlement_config(self.config, self.home),
                         self.home, self.p2p.peer_id, self.config.node.network)
                     await nursery.start(self._exchange_receipts, self.settlement)
                 await nursery.start(self.governance.run)
@@ -117,7 +120,7 @@ class Node:
                 nursery.start_soon(self._diagnose_loneliness)
                 if (interval := systemd.watchdog_interval_s()) is not None:
                     nursery.start_soon(systemd.keep_watchdog_fed, interval)
-                print_banner(self.status(), admin_url, str(self.home.config))
+                print_banner(self.status(), admin_url, str(self.home.config), risks)
                 log.info("ready", peer_id=self.p2p.peer_id, admin=admin_url)
                 nursery.start_soon(self._tell_systemd_when_serving)
                 task_status.started(admin_url)
@@ -167,10 +170,13 @@ class Node:
         deliver and take receipts, claim."""
         c = s.config
         self.market.link = s.link
+        def rates() -> Rates:
+            return Rates(self.inference.units_per_token(), s.prices.price,
+                         s.governance.params().floor)
+
         self.admission = Admission(self.p2p.peer_id, s.network, self.inference.link_of,
                                    s.receipts, s.stake, s.governance.params,
-                                   max_unpaid=c.max_unpaid, max_unreceipted=c.max_unreceipted,
-                                   cache_s=c.stake_cache_s)
+                                   max_unpaid=c.max_unpaid, rates=rates, cache_s=c.stake_cache_s)
         self.inference.use_admission(self.admission)
         self.exchange = Exchange(s, self.p2p.peer_id, self.inference.channels.request,
                                  self.inference.link_of, self.admission,
@@ -193,15 +199,16 @@ class Node:
             await trio.sleep(300)
 
 
-def settlement_config(section: SettlementSection, home: Home) -> SettlementConfig:
-    """[settlement] of kvasird.toml as the settlement subsystem's config."""
+def settlement_config(config: Config, home: Home) -> SettlementConfig:
+    """[settlement] of kvasird.toml as the settlement subsystem's config, free_local resolved
+    against [gateway] listen."""
+    section = config.settlement
     return SettlementConfig(
         rpc_url=section.rpc_url, wallet=home.root / section.wallet if section.wallet else None,
         wallet_address=section.wallet_address, kvr_mint=section.kvr_mint,
         genesis_wallet=section.genesis_wallet, commitment=section.commitment,
-        quote_ttl_s=section.quote_ttl_s, free_local=section.free_local,
-        max_unpaid=section.max_unpaid, max_unreceipted=section.max_unreceipted,
-        claim_threshold=section.claim_threshold)
+        quote_ttl_s=section.quote_ttl_s, free_local=config.free_local_in_effect(),
+        max_unpaid=section.max_unpaid, claim_threshold=section.claim_threshold)
 
 
 def _preferred_join(addrs: list[str]) -> str:

@@ -95,9 +95,11 @@ async def test_pages_on_loopback_or_an_allowed_host_are_served(gateway: httpx.As
     assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
 
 
-async def lan_client(bind: str) -> httpx.AsyncClient:
-    guarded = HostGuard(build_app(Gateway(GatewayConfig())), bind, (), what="gateway",
-                        hint="[gateway] allowed_hosts in kvasird.toml")
+async def lan_client(bind: str, allowed_hosts: tuple[str, ...] = (),
+                     favours_this_machine: bool = True) -> httpx.AsyncClient:
+    guarded = HostGuard(build_app(Gateway(GatewayConfig())), bind, allowed_hosts, what="gateway",
+                        hint="[gateway] allowed_hosts in kvasird.toml",
+                        favours_this_machine=favours_this_machine)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded),
                              base_url=f"http://{bind}")
 
@@ -113,6 +115,35 @@ async def test_a_gateway_bound_to_a_non_loopback_address_answers_to_that_address
 async def test_a_wildcard_bind_address_is_no_name_to_answer_to(bind: str) -> None:
     async with await lan_client(bind) as client:
         assert (await client.get("/v1/models")).status_code == 421
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0:8080", "[::]:8080"])
+@pytest.mark.parametrize("host", ["gateway.example", "gateway.example:443", "203.0.113.6:8080",
+                                  "[2001:db8::6]:8080", "localhost"])
+async def test_on_every_address_a_gateway_that_favours_this_machine_in_nothing_answers_any_host(
+        bind: str, host: str) -> None:
+    async with await lan_client(bind, favours_this_machine=False) as client:
+        assert (await client.get("/v1/models", headers={"host": host})).status_code == 200
+
+
+async def test_a_gateway_that_answers_any_host_still_refuses_pages_of_other_sites() -> None:
+    async with await lan_client("0.0.0.0:8080", favours_this_machine=False) as client:
+        r = await client.post(CHAT, json=HI, headers={"host": "rebound.example",
+                                                      "origin": "http://rebound.example"})
+        assert "http://rebound.example" in error(r, 403)
+
+
+async def test_allowed_hosts_on_every_address_are_the_only_names_answered() -> None:
+    async with await lan_client("0.0.0.0:8080", ("kvasir.lan",), False) as client:
+        assert (await client.get("/v1/models", headers={"host": "kvasir.lan"})).status_code == 200
+        assert "'gateway.example'" in error(
+            await client.get("/v1/models", headers={"host": "gateway.example"}), 421)
+
+
+async def test_a_gateway_bound_to_one_address_answers_to_that_address_only_either_way() -> None:
+    async with await lan_client("203.0.113.5:8080", favours_this_machine=False) as client:
+        r = await client.get("/v1/models", headers={"host": "gateway.example"})
+        assert r.status_code == 421
 
 
 async def test_the_lifespan_of_a_served_app_still_runs() -> None:

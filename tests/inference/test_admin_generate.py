@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 
 from kvasird.config import Config, GatewayConfig, P2PConfig
@@ -121,3 +122,12 @@ async def test_with_free_local_callers_on_this_machine_are_served(tmp_path: Path
     for client in (LOCAL, "::1", "::ffff:127.0.0.1"):
         async with admin(tmp_path, client, FREE_LOCAL) as c:
             assert reached_the_generator(await c.post("/v0/generate", json={"prompt": [1]}))
+
+
+@pytest.mark.parametrize("header", ["X-Forwarded-For", "Forwarded", "X-Real-IP",
+                                    "X-Forwarded-Host"])
+async def test_with_free_local_a_request_a_proxy_relays_from_this_machine_is_refused(
+        tmp_path: Path, header: str) -> None:
+    async with admin(tmp_path, LOCAL, FREE_LOCAL) as c:
+        r = await c.post("/v0/generate", json={"prompt": [1]}, headers={header: "203.0.113.9"})
+    assert f"a client relayed by a proxy ({header.lower()})" in refused(r, 403, "Forbidden")
