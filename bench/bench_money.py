@@ -3,9 +3,10 @@
     .venv/bin/python bench/bench_money.py [--rounds 10] [--tokens 8]
 
 A 3-stage ring of the bundled model on the local chain (every node with settlement on).
-Each round asks node 0's gateway the same greedy completion twice, A then B: once free
-(this machine's own request) and once paid (quote, KVR transfer, verification on chain,
-then the generation, then receipts to both remote peers). Reported: medians over rounds
+Each round asks node 0's gateway the same greedy completion twice, A then B: once as the
+operator's own request (no quote; the gateway pays the peers from its wallet) and once paid
+by a consumer (quote, KVR transfer, verification on chain, then the generation, then
+receipts to both remote peers). Reported: medians over rounds
 of each part, the paid/free ratio of the generation itself per pair (what being paid adds
 on the serving path), and a claim round trip (peer -> gateway over libp2p -> payout on
 chain -> the peer checks it). Then, in process, what the accounting adds to one decode
@@ -27,12 +28,13 @@ import httpx
 import numpy as np
 import trio
 
-from kvasird.inference.client.dispatch import _selections
+from bench_metering import ring
+
 from kvasird.inference.client.routing import Hop, Route
 from kvasird.inference.client.swarm import Progress, _Run
+from kvasird.inference.protocol.experts import selections
 from kvasird.inference.stepcontext import TALLY, Tally
 from kvasird.localnet import LocalNet
-from kvasird.localnet.placement import pinned
 from kvasird.model.bundled import bundled_path
 from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
 
@@ -44,17 +46,7 @@ def med(xs: list[float]) -> float:
 
 
 def paid_ring(root: Path) -> LocalNet:
-    net = LocalNet(root, 3, chain=True)
-    model = bundled_path()
-    for node, pins in zip(net.nodes, (["head", "layers:0-10"], ["layers:10-20"],
-                                      ["layers:20-30"]), strict=True):
-        node.settings = pinned(model, pins, **{"settlement.max_unreceipted": 1_000_000,
-                                              "settlement.claim_threshold": 0})
-    net.up()
-    url = net.nodes[0].status()["gateway"]
-    net.wait_until("the gateway is ready",
-                   lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 180)
-    return net
+    return ring(root, bundled_path(), 30, paid=True)
 
 
 def receipts_of(net: LocalNet) -> dict[str, int]:
@@ -82,7 +74,7 @@ def run_daemons(rounds: int, tokens: int) -> list[tuple[str, str]]:
                 free = time.perf_counter() - t
                 before = receipts_of(net)
                 t0 = time.perf_counter()
-                quote = get_quote(url, tokens)
+                quote = get_quote(url, request=body)
                 t1 = time.perf_counter()
                 header = trio.run(pay_quote, rpc, consumer, quote)
                 t2 = time.perf_counter()
@@ -103,12 +95,12 @@ def run_daemons(rounds: int, tokens: int) -> list[tuple[str, str]]:
                 claims.append(time.perf_counter() - t)
                 assert all(not c["error"] for c in answer["claims"]), answer
     return [
-        ("free request (this machine's own)", f"{med(parts['free']):8.1f} ms"),
+        ("operator's own request (no quote)", f"{med(parts['free']):8.1f} ms"),
         ("paid: quote", f"{med(parts['quote']):8.1f} ms"),
         ("paid: transfer on chain (consumer side)", f"{med(parts['pay']):8.1f} ms"),
         ("paid: request incl. verification on chain", f"{med(parts['paid']):8.1f} ms"),
         ("paid: then until both peers hold receipts", f"{med(parts['receipts']):8.1f} ms"),
-        ("paid request / free request (per pair)",
+        ("paid request / own request (per pair)",
          f"{statistics.median(parts['ratio']):8.2f} x"),
         ("claim: peer -> gateway -> payout -> checked", f"{med(claims):8.1f} ms"),
         ("claims per second, one peer at a time", f"{1 / statistics.median(claims):8.1f} /s"),
@@ -126,7 +118,7 @@ def accounting_per_step() -> list[tuple[str, str]]:
 
     def stage_call() -> None:
         token = TALLY.set(tally)
-        tally.experts["w"] += _selections(one_row)
+        tally.experts["w"] += selections(one_row)
         TALLY.reset(token)
 
     n = 20000

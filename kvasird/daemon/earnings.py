@@ -1,8 +1,10 @@
 """The admin API's view of the money: what this node earned, is owed, and claims.
 
-    GET  /v0/wallet        as a serving peer: receipts per gateway (earned, received, pending);
-                           as a gateway: what it owes each peer and the work it measured them
-                           do (units before tiers), its pools, receipts delivered
+    GET  /v0/wallet        as a serving peer: receipts per gateway (earned, received, pending),
+                           the work it metered for each gateway wallet and what receipts
+                           covered; as a gateway: what it owes each peer and the work it
+                           measured them do (units before tiers), its pools, receipts
+                           delivered, and the operator's own use (requests, base units spent)
     POST /v0/wallet/claim  claim from every gateway that owes this node; each payout verified
                            on chain (``kvasird wallet claim``)
 """
@@ -38,9 +40,13 @@ def summary(node: Node) -> dict[str, Any]:
         out["owed_to_peers"] = [{"peer_id": p, "earned": e, "paid": paid,
                                  "measured_units": units.get(p, 0)} for p, e, paid in rows]
         out["pools"] = {name: s.rewards.pool(name) for name in ("operator", "insurance")}
+        requests, spent = s.rewards.own_use()
+        out["own_use"] = {"requests": requests, "spent": spent}
         out["receipts_delivered"] = node.exchange.delivered if node.exchange else 0
     if node.admission is not None:
         out["refused_gateways"] = dict(node.admission.refused)
+        out["metered"] = {str(w): {"metered": a.metered, "receipted": a.receipted}
+                          for w, a in node.admission.accounts.items()}
     return out
 
 

@@ -28,6 +28,11 @@ log = get_logger("kvasird.gateway")
 Handler = Callable[[Gateway, Request], Awaitable[Any]]
 
 
+QUOTED = {"messages": openai.chat_completions, "prompt": openai.completions,
+          "input": responses.create, "anthropic": anthropic.messages}
+"""A quote's body that is a request: the key that tells its API -> that API's parser."""
+
+
 def build_app(gw: Gateway) -> Starlette:
     def bind(handler: Handler) -> Callable[[Request], Awaitable[Any]]:
         async def endpoint(request: Request) -> Any:
@@ -42,11 +47,24 @@ def build_app(gw: Gateway) -> Starlette:
         return JSONResponse(status.snapshot(gw))
 
     async def quote(request: Request) -> JSONResponse:
+        """A quote for P prompt tokens and N output tokens (n choices), or for the very
+        request to be paid, posted as it will be sent: its prompt counted by this gateway's
+        tokenizer and template (an Anthropic body with ?api=anthropic)."""
         f = await read_json(request, gw.config.max_body_bytes)
-        max_tokens = f.integer("max_tokens", gw.config.max_tokens, 1, gw.config.max_tokens)
-        n = gw.choices(f.integer("n", 1))
         client = request.client.host if request.client else "an unknown address"
-        return JSONResponse(payment.quote(gw, n * max_tokens, client))
+        parse = QUOTED.get("anthropic" if request.query_params.get("api") == "anthropic"
+                           else next((k for k in QUOTED if f.has(k)), ""))
+        if parse is not None:
+            job = (await parse(gw, request)).job
+            n, max_tokens, prompt = job.n, job.request.sampling.max_tokens, len(job.request.prompt)
+        else:
+            max_tokens = f.integer("max_tokens", gw.config.max_tokens, 1, gw.config.max_tokens)
+            n = gw.choices(f.integer("n", 1))
+            prompt = f.integer("prompt_tokens", 0, 0, 10_000_000)
+        return JSONResponse(payment.quote(gw, n * max_tokens, client, n * prompt))
+
+    async def balance(request: Request) -> JSONResponse:
+        return JSONResponse(payment.prepaid(gw, request.path_params["wallet"]))
 
     async def status_page(_: Request) -> HTMLResponse:
         return HTMLResponse(dashboard.page(status.snapshot(gw)),
@@ -62,6 +80,7 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/v1/messages", bind(anthropic.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", bind(anthropic.count_tokens), methods=["POST"]),
         Route("/v1/kvasir/quote", quote, methods=["POST"]),
+        Route("/v1/kvasir/balance/{wallet}", balance, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/status", status_json, methods=["GET"]),
         Route("/", status_page, methods=["GET"]),

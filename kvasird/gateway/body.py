@@ -33,7 +33,16 @@ async def read_json(request: Request, limit: int) -> Fields:
     400 when it is not UTF-8 JSON or nested deeper than MAX_DEPTH.
 
     The Content-Type is required so that a web page cannot post JSON as text/plain, the one
-    type a browser sends across sites without asking the server first."""
+    type a browser sends across sites without asking the server first. Read once per request
+    (a quote reads the body it quotes for, then hands the request to that API's parser)."""
+    read: Fields | None = getattr(request.state, "kvasird_json", None)
+    if read is not None:
+        return read
+    request.state.kvasird_json = read = await _read_json(request, limit)
+    return read
+
+
+async def _read_json(request: Request, limit: int) -> Fields:
     _require_json_type(request.headers.get("content-type", ""))
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:

@@ -45,6 +45,7 @@ def page(snap: dict[str, Any]) -> str:
 <section class="card"><h2>Chat</h2>{_chat(model)}</section>
 <section class="card wide" data-live id="topology"><h2>Topology</h2>{_topology(snap)}</section>
 <section class="card wide" data-live id="peers"><h2>Peers</h2>{_peers(snap)}</section>
+<section class="card" data-live id="checks"><h2>Spot checks</h2>{_checks(snap)}</section>
 <section class="card" data-live id="earnings"><h2>Earnings</h2>{_earnings(snap)}</section>
 <section class="card" data-live id="price"><h2>Price</h2>{_price(snap.get("price"))}</section>
 <section class="card" data-live id="shards"><h2>Shards</h2>{_shards(snap.get("shards"))}</section>
@@ -261,6 +262,34 @@ def _peers(snap: dict[str, Any]) -> str:
             f'<th>holds</th><th>version</th></tr>{"".join(rows)}</table></div>')
 
 
+def _checks(snap: dict[str, Any]) -> str:
+    """What this node's spot checks saw: how much was checked, who was caught, and the
+    units drawn that nobody else could recompute (their work is taken on trust: a replica
+    makes them checkable)."""
+    view = snap.get("checks")
+    if view is None:
+        return "<p>This gateway runs without a node.</p>"
+    rows = []
+    for kind, what in (("stages", "stage sessions"), ("experts", "expert calls")):
+        t = view[kind]
+        odds = (f"; a cheat is caught within {t['within_95']} (95 %)"
+                if t["within_95"] is not None else "")
+        rows.append((f"{what} ({t['rate']:.0%} drawn{odds})",
+                     f"{t['checked']} checked, {t['caught']} caught"
+                     + (f", {t['unresolved']} undecided" if t["unresolved"] else "")))
+    out = _table(rows)
+    if view["evidence"]:
+        out += "<h3>Caught</h3>" + _grid(
+            ["peer", "unit", "off by", "sessions"],
+            [[_short(e["peer"]), e["unit"], f"{e['divergence']:.3g}", str(e["sessions"])]
+             for e in view["evidence"]])
+    unchecked = view["unchecked_units"]
+    if unchecked:
+        out += ('<p class="warn">Drawn but not checkable: ' + escape(", ".join(
+            f"{unit} ×{n}" for unit, n in sorted(unchecked.items()))) + ".</p>")
+    return out
+
+
 def _holding_text(holdings: list[list[Any]]) -> str:
     """[["H", "online"], ["L", 0, 10, "loading"]] -> "head, layers 0-9 (loading)"."""
     out = []
@@ -294,6 +323,10 @@ def _earnings(snap: dict[str, Any]) -> str:
             ["peer", "earned", "paid", "units"],
             [[_short(p["peer_id"]), kvr(p["earned"]), kvr(p["paid"]),
               str(p["measured_units"])] for p in claims["owed_to_peers"]])
+    own = claims.get("own_use") or {}
+    if own.get("requests"):
+        out += (f"<p>Your own requests from this machine: {own['requests']}, paid to the "
+                f"peers from your wallet: {kvr(own['spent'])}.</p>")
     if claims.get("pending"):
         out += "<p>Claim what is pending with <code>kvasird wallet claim</code>.</p>"
     return out
@@ -307,7 +340,9 @@ def _price(price: dict[str, int] | None) -> str:
         return "<p>The network is free (its governance set the price to zero).</p>"
     # the controller moves the price by factors, so the band is drawn on a log scale
     at = 0.0 if hi <= lo else (math.log(max(p, lo)) - math.log(lo)) / (math.log(hi) - math.log(lo))
-    return (f'<p class="big">{kvr(p)} <small>per 1000 tokens</small></p>'
+    given = price.get("per_1k_input_tokens")
+    inputs = f"<p>Prompt tokens: {kvr(given)} per 1000.</p>" if given is not None else ""
+    return (f'<p class="big">{kvr(p)} <small>per 1000 output tokens</small></p>{inputs}'
             f'<div class="band" role="img" aria-label="price inside its band">'
             f'<i style="left:{100 * min(max(at, 0.0), 1.0):.1f}%"></i></div>'
             f'<p class="ends"><span>floor {kvr(lo)}</span><span>ceiling {kvr(hi)}</span></p>'

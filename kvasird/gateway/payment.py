@@ -1,36 +1,55 @@
 """Pay-per-inference at the gateway: quote -> payment on chain -> inference -> receipts.
 
-    POST /v1/kvasir/quote {"max_tokens": N}   -> a quote: request_id (secret), memo, amount, vault
-        ({"max_tokens": N, "n": K} for a request of K choices: it may generate K x N tokens)
+    POST /v1/kvasir/quote {"prompt_tokens": P, "max_tokens": N, "n": K}
+        -> a quote: request_id (secret), memo, amount, vault, the prices per 1000 input and
+           output tokens (or POST the very body of the request to be paid: the gateway
+           counts its prompt and reads its max_tokens and n)
     the consumer transfers `amount` KVR to the vault with `memo` on chain
     any generation request with  X-Kvasir-Payment: <request_id>:<signature>
 
 The payment is verified on chain by the settlement subsystem (the vault received the
-amount with the quote's memo: credit only what the chain proves). Each paid quote serves
-one request: it is redeemed in the same database transaction that checks it was unused.
-After the generation the amount is split by the work the gateway measured itself (the
-generator's record of every hop that served it), and each peer that worked is sent its new
-cumulative receipt. A paid request that fails is refunded on chain, from the insurance
-pool, for the part that was not served; the client's error names the refund transaction.
+amount with the quote's memo: credit only what the chain proves). A request is served only
+if what it may use, its tokenized prompt (once per choice) and n × max_tokens, costs no more
+than was paid at the quote's prices; else 402 names the amount still needed, and the payment
+stays usable for a request within it. Each paid quote serves one request: it is redeemed in
+the same database transaction that checks it was unused. After the generation its cost is
+what it used (the prompt and the tokens produced); what a shorter answer left unused is
+credited to the payer's prepaid balance at this gateway (``GET /v1/kvasir/balance/<wallet>``),
+which pays a later quote when the request carries
+``X-Kvasir-Payment: <request_id>:<wallet>:<the wallet's signature of prepaid_message>``. The cost is split by the work the
+gateway measured itself (the generator's record of every hop that served it, prefill
+included), and each peer that worked is sent its new cumulative receipt. A paid request that
+fails is refunded on chain, from the insurance pool, for the part that was not served; the
+client's error names the refund transaction.
+
+The operator's own requests (from this machine, [settlement] free_local) need no quote, but
+they are not free for the peers: each is a quote the vault pays itself (``operator_quote``),
+settled and receipted like any other, so the peers are paid for it from the operator's
+balance. It is served only while the vault holds what it may cost above the network's stake
+minimum and what the vault owes (peers' unclaimed earnings, the insurance pool, consumers'
+prepaid balances); else 402 says how to top up. The response says who paid
+(``X-Kvasir-Paid-By``) and the most it may cost (``X-Kvasir-Max-Cost``).
 """
 
 from __future__ import annotations
 
 import sqlite3
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from solders.signature import Signature
 
 from kvasird.errors import KvasirError
 from kvasird.gateway.errors import BadRequest, PaymentRequired, TooManyRequests
-from kvasird.http import is_loopback
+from kvasird.http import operator_request
 from kvasird.logs import get_logger
-from kvasird.settlement.errors import QuotesTooFrequent
+from kvasird.settlement.errors import ChainError, PaymentRejected, QuotesTooFrequent
 from kvasird.settlement.exchange import epoch_now
-from kvasird.settlement.payments import PaymentProof
+from kvasird.settlement.payments import Coverage, PaymentProof, prepaid_message
 from kvasird.settlement.rewards import MeasuredWork, SplitResult
 from kvasird.settlement.token import format_kvr
+from kvasird.settlement.wallet import parse_address
 
 if TYPE_CHECKING:
     from kvasird.gateway.service import Gateway, Job
@@ -39,8 +58,9 @@ if TYPE_CHECKING:
 log = get_logger("kvasird.gateway.payment")
 
 HEADER = b"x-kvasir-payment"
-HOW = ("ask for a quote with POST /v1/kvasir/quote {\"max_tokens\": N}, transfer its amount of "
-       "KVR to its vault with its memo, and send the request again with the header "
+HOW = ("ask for a quote with POST /v1/kvasir/quote {\"prompt_tokens\": P, \"max_tokens\": N} "
+       "(or with the request's own body), transfer its amount of KVR to its vault with its "
+       "memo, and send the request again with the header "
        "X-Kvasir-Payment: <request_id>:<transaction signature>")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS gateway_redeemed (
@@ -50,38 +70,119 @@ CREATE TABLE IF NOT EXISTS gateway_redeemed (
 """
 
 
+@dataclass(frozen=True)
+class Charge:
+    """Who pays for a request, and what it may cost."""
+
+    proof: PaymentProof
+    """The paid quote that covers it."""
+    coverage: Coverage
+    """What that quote pays for, at its prices."""
+    operator: bool
+    """The operator's own request, paid by the vault itself."""
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Response headers that say who pays and the most it may cost."""
+        who = f"operator {self.proof.payer}" if self.operator else "payment"
+        return [(b"x-kvasir-paid-by", who.encode()),
+                (b"x-kvasir-max-cost", str(self.coverage.amount).encode())]
+
+
 def settlement_of(gw: Gateway) -> Settlement | None:
     return getattr(gw.node, "settlement", None) if gw.node is not None else None
 
 
-async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> PaymentProof | None:
-    """The payment that covers ``job``, or None when this request is free; else 402."""
+def _asks(job: Job) -> tuple[int, int]:
+    """(prompt tokens, output tokens) a request may use: every choice computes the prompt."""
+    return job.n * len(job.request.prompt), job.n * job.request.sampling.max_tokens
+
+
+async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> Charge | None:
+    """Who pays for ``job``: a paid quote, or the operator for its own request; None when
+    this gateway takes no payments; else 402 saying what to pay."""
     s = settlement_of(gw)
     if s is None:
         return None
     header = dict(scope.get("headers") or []).get(HEADER)
     if header is None:
-        client = (scope.get("client") or ("", 0))[0]
-        if s.config.free_local and is_loopback(client):
-            return None
+        if s.config.free_local and operator_request(scope):
+            return await _operator_charge(gw, s, job)
         raise PaymentRequired(f"this gateway takes KVR payments: {HOW}")
-    request_id, _, sig = header.decode(errors="replace").partition(":")
+    parts = [p.strip() for p in header.decode(errors="replace").split(":")]
     try:
-        signature = Signature.from_string(sig.strip())
-    except ValueError:
-        raise BadRequest("X-Kvasir-Payment must be <request_id>:<base58 signature>",
-                         "X-Kvasir-Payment") from None
+        signature = Signature.from_string(parts[-1])
+        owner = parse_address(parts[1]) if len(parts) == 3 else None
+    except (ValueError, KvasirError):
+        owner = signature = None
+    if len(parts) not in (2, 3) or signature is None:
+        raise BadRequest("X-Kvasir-Payment must be <request_id>:<transaction signature>, or "
+                         "<request_id>:<wallet>:<the wallet's signature of the request id> to "
+                         "pay from the wallet's prepaid balance here", "X-Kvasir-Payment")
     try:
-        proof = await s.payments.settle_quote(request_id.strip(), signature)
+        if owner is None:
+            proof = await s.payments.settle_quote(parts[0], signature)
+        else:
+            if not signature.verify(owner, prepaid_message(parts[0])):
+                raise PaymentRejected(f"the signature is not {owner}'s over this request id")
+            proof = await s.payments.pay_quote_from_deposit(owner, parts[0])
     except KvasirError as exc:
         raise PaymentRequired(f"payment not accepted: {exc}") from None
-    covered, asked = s.payments.quoted_tokens(proof.key), job.n * job.request.sampling.max_tokens
-    if covered < asked:
+    coverage = s.payments.coverage(proof.key)
+    assert coverage is not None
+    prompt, output = _asks(job)
+    need = coverage.cost(prompt, output)
+    if need > coverage.amount:
         each = f" ({job.n} choices of up to {job.request.sampling.max_tokens})" if job.n > 1 else ""
-        raise PaymentRequired(f"the quote covers {covered} tokens but the request asks for up to "
-                              f"{asked}{each}: lower max_tokens or n, or get a bigger quote")
+        raise PaymentRequired(
+            f"this request may use {prompt} prompt tokens and {output} output tokens{each}, "
+            f"which cost {format_kvr(need)} KVR at the quote's prices, and the payment covers "
+            f"{format_kvr(coverage.amount)} KVR: {format_kvr(need - coverage.amount)} KVR more "
+            f"is needed. Ask for a quote of {{\"prompt_tokens\": {prompt}, \"max_tokens\": "
+            f"{output}}} (or POST the request's body to /v1/kvasir/quote), or lower max_tokens "
+            "or n; this payment stays usable for a request within it")
     _redeem(gw, proof.key)
-    return proof
+    return Charge(proof, coverage, operator=False)
+
+
+async def _operator_charge(gw: Gateway, s: Settlement, job: Job) -> Charge:
+    """The operator's own request: a quote the vault pays itself, if it can afford it."""
+    prompt, output = _asks(job)
+    need = s.prices.amount_for(output, prompt)
+    try:
+        held = await s.chain.token_balance(s.wallet.address, s.mint)
+    except ChainError as exc:
+        raise PaymentRequired(f"this machine's requests are paid from the operator's wallet, "
+                              f"whose balance cannot be read from the chain now ({exc}): "
+                              "retry shortly") from None
+    stake = s.governance.params().stake_min
+    if held < stake:
+        raise PaymentRequired(
+            f"this machine's requests are paid from the operator's wallet {s.wallet.address}, "
+            f"which holds {format_kvr(held)} KVR, below the network's stake minimum of "
+            f"{format_kvr(stake)} KVR: the peers serve no gateway below it. Send KVR to "
+            f"{s.wallet.address} to top it up")
+    spare = held - stake - owed(s)
+    if spare < need:
+        raise PaymentRequired(
+            f"this machine's requests are paid from the operator's wallet {s.wallet.address}, "
+            f"which has {format_kvr(max(spare, 0))} KVR to spend above the network's stake "
+            f"minimum and what it owes, and this request may cost {format_kvr(need)} KVR: "
+            f"send KVR to {s.wallet.address} to top it up (or lower max_tokens)")
+    quote = s.payments.operator_quote(output, prompt)
+    proof = PaymentProof(quote.request_id, "", quote.amount, str(s.wallet.address))
+    coverage = s.payments.coverage(quote.request_id)
+    assert coverage is not None
+    return Charge(proof, coverage, operator=True)
+
+
+def owed(s: Settlement) -> int:
+    """Base units in the vault that belong to others: what the operator may spend on its own
+    requests is the vault's KVR less the network's stake minimum and this (peers' unclaimed
+    earnings, the insurance pool, consumers' prepaid balances)."""
+    value = s.ledger.value
+    return (value("SELECT SUM(earned - paid) FROM settlement_earnings")
+            + value("SELECT balance FROM settlement_pools WHERE name = 'insurance'")
+            + value("SELECT SUM(balance) FROM settlement_deposits"))
 
 
 def _redeem(gw: Gateway, request_id: str) -> None:
@@ -96,37 +197,46 @@ def _redeem(gw: Gateway, request_id: str) -> None:
                               "quote") from None
 
 
-def record_work(gw: Gateway, proof: PaymentProof, job: Job, tokens: int, seconds: float,
+def record_work(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: float,
                 served: int | None = None) -> SplitResult | None:
-    """Split the payment (or its ``served`` part) by the work this gateway measured — never
-    by what peers claim — and send each peer that worked its new receipt."""
+    """Split what the request used (or the ``served`` part of a failed one) by the work this
+    gateway measured — never by what peers claim — and send each peer that worked its new
+    receipt."""
     s = settlement_of(gw)
     if s is None or gw.node is None:
         return None
     work = _measured(gw, job, tokens, seconds)
     epoch = epoch_now()
+    used = charge.coverage.cost(_asks(job)[0], tokens)
     try:
         rewards, _ = s.gateway()
-        split = rewards.settle(proof.key, work, epoch, served)
+        split = rewards.settle(charge.proof.key, work, epoch, served, used)
     except KvasirError as exc:
-        log.warning("could not settle a paid request", request_id=proof.key, error=str(exc))
+        log.warning("could not settle a paid request", request_id=charge.proof.key,
+                    error=str(exc))
         return None
-    log.info("paid request settled", amount=proof.amount, workers=split.workers,
-             operator=split.operator, insurance=split.insurance)
+    log.info("paid request settled", used=used, paid=charge.proof.amount,
+             operator=charge.operator, workers=split.workers, fee=split.operator,
+             insurance=split.insurance)
     if gw.node.exchange is not None:
         gw.node.exchange.deliver([w.peer_id for w in work], epoch)
     return split
 
 
-async def refund(gw: Gateway, proof: PaymentProof, job: Job, tokens: int,
-                 seconds: float) -> str:
+async def refund(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: float) -> str:
     """A paid request failed after ``tokens`` tokens: settle what was served, refund the
     rest on chain; returns the sentence the client's error ends with."""
     s = settlement_of(gw)
     assert s is not None
-    quoted = max(s.payments.quoted_tokens(proof.key), 1)
-    served = proof.amount * min(tokens, quoted) // quoted  # rounded in the payer's favour
-    if record_work(gw, proof, job, tokens, seconds, served) is None:
+    proof = charge.proof
+    served = min(charge.coverage.cost(_asks(job)[0], tokens), proof.amount) if tokens else 0
+    if charge.operator:  # the operator paid itself: what was not served was never spent
+        if tokens:
+            record_work(gw, charge, job, tokens, seconds)
+        else:
+            s.gateway()[0].settle(proof.key, (), epoch_now(), used=0)
+        return ""
+    if record_work(gw, charge, job, tokens, seconds, served) is None:
         return ""
     try:
         _, payouts = s.gateway()
@@ -154,12 +264,24 @@ def _measured(gw: Gateway, job: Job, tokens: int, seconds: float) -> list[Measur
                          1000.0 * seconds / max(tokens, 1))]
 
 
-def quote(gw: Gateway, max_tokens: int, client: str) -> dict[str, Any]:
+def prepaid(gw: Gateway, wallet: str) -> dict[str, Any]:
+    """A wallet's prepaid balance at this gateway (what shorter answers left unused)."""
+    s = settlement_of(gw)
+    if s is None:
+        raise BadRequest("this gateway takes no payments ([settlement] is off): requests are free")
+    try:
+        owner = parse_address(wallet)
+    except KvasirError as exc:
+        raise BadRequest(str(exc), "wallet") from None
+    return {"wallet": str(owner), "prepaid": str(s.payments.deposit_balance(owner))}
+
+
+def quote(gw: Gateway, max_tokens: int, client: str, prompt_tokens: int = 0) -> dict[str, Any]:
     """A quote for ``client`` (an address: each may ask only so often, each quote is a row)."""
     s = settlement_of(gw)
     if s is None:
         raise BadRequest("this gateway takes no payments ([settlement] is off): requests are free")
     try:
-        return s.payments.quote(max_tokens, client).to_wire()
+        return s.payments.quote(max_tokens, client, prompt_tokens).to_wire()
     except QuotesTooFrequent as exc:
         raise TooManyRequests(str(exc), code="too_many_quotes") from None

@@ -29,7 +29,6 @@ from kvasird.logs import get_logger
 
 if TYPE_CHECKING:
     from kvasird.gateway.service import Gateway, Job
-    from kvasird.settlement.payments import PaymentProof
 
 log = get_logger("kvasird.gateway")
 
@@ -66,19 +65,20 @@ def sse(data: Any, event: str | None = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
-async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+async def send_json(send: Send, status: int, body: dict[str, Any],
+                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
     data = json.dumps(body, ensure_ascii=False).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode())]})
+                            (b"content-length", str(len(data)).encode()), *(headers or [])]})
     await send({"type": "http.response.body", "body": data})
 
 
 class GenerationResponse:
     def __init__(self, gateway: Gateway, job: Job, renderer: Renderer) -> None:
         self.gateway, self.job, self.renderer = gateway, job, renderer
-        self.proof: PaymentProof | None = None
-        """The payment covering this request (None: free)."""
+        self.charge: payment.Charge | None = None
+        """Who pays for this request (None: free)."""
         self.produced = 0
         """Tokens handed to the client so far."""
         self.prompt_tokens = 0
@@ -95,19 +95,19 @@ class GenerationResponse:
             return
         with slot:
             try:
-                proof = await payment.charge(self.gateway, scope, self.job)
+                charge = await payment.charge(self.gateway, scope, self.job)
             except ApiError as err:
                 await send_json(send, err.status, self.renderer.error(err))
                 slot.finish(err.status)
                 return
-            self.proof, self.began = proof, time.monotonic()
+            self.charge, self.began = charge, time.monotonic()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
                 await self._run(send, slot)
                 nursery.cancel_scope.cancel()
-            if proof is not None and not self.settled:  # served (or left by the client)
+            if charge is not None and not self.settled:  # served (or left by the client)
                 self.settled = True
-                payment.record_work(self.gateway, proof, self.job, self.produced,
+                payment.record_work(self.gateway, charge, self.job, self.produced,
                                     time.monotonic() - self.began)
             if nursery.cancel_scope.cancelled_caught and not slot.finished:
                 log.info("client disconnected: generation cancelled",
@@ -157,17 +157,18 @@ class GenerationResponse:
             return
         dones = items.dones()
         slot.finish(200, sum(d.completion_tokens for d in dones))
+        self.gateway.refusal = None
         self.prompt_tokens = dones[0].prompt_tokens
         await send_json(send, 200, self.renderer.body(
             [Choice("".join(t), tuple(e), d) for t, e, d in zip(texts, tokens, dones,
-                                                                 strict=True)]))
+                                                                 strict=True)]), self._paid())
 
     async def _stream(self, first: Piece | Done | None, items: _Choices, send: Send,
                       slot: Slot) -> None:
         r = self.renderer
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no")]})
+            (b"x-accel-buffering", b"no"), *self._paid()]})
         out = EventWriter(send)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(out.keep_alive, r.ping, self.gateway.config.ping_s)
@@ -181,6 +182,7 @@ class GenerationResponse:
                     item = await items.next()
                 dones = items.dones()
                 slot.finish(200, sum(d.completion_tokens for d in dones))
+                self.gateway.refusal = None
                 self.prompt_tokens = dones[0].prompt_tokens
                 await out.write(r.stream_end(dones))
             except KvasirError as exc:
@@ -194,12 +196,17 @@ class GenerationResponse:
     async def _failed(self, err: ApiError) -> ApiError:
         """A paid request that failed: settle what was served and refund the rest on chain
         before the client hears of it, so that its error can name the refund."""
-        if self.proof is not None and not self.settled:
+        if err.code == "gateway_not_served":
+            self.gateway.refusal = (time.monotonic(), err.message)
+        if self.charge is not None and not self.settled:
             self.settled = True
             with trio.CancelScope(shield=True):  # money moves whole, even if the client left
-                err.message += await payment.refund(self.gateway, self.proof, self.job,
+                err.message += await payment.refund(self.gateway, self.charge, self.job,
                                                     self.produced, time.monotonic() - self.began)
         return err
+
+    def _paid(self) -> list[tuple[bytes, bytes]]:
+        return self.charge.headers() if self.charge is not None else []
 
 
 class _Choices:

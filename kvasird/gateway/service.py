@@ -67,7 +67,10 @@ class Job:
         return tuple(for_choice(self.request, i) for i in range(self.n))
 
 
-HealthStatus = Literal["ok", "starting", "no_model", "no_route"]
+HealthStatus = Literal["ok", "starting", "no_model", "no_route", "not_served"]
+REFUSAL_SHOWN_S = 120.0
+"""How long the peers' last refusal of this gateway stands in /health (unless a request is
+served in between)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ class Health:
     status: HealthStatus
     """ok: a request would be served now; starting: the model or its tokenizer is still
     loading; no_model: this gateway has no model to serve; no_route: the online peers do
-    not cover the model."""
+    not cover the model; not_served: the peers refused this gateway's last request (unpaid
+    receipts, no stake, no credit left), and why."""
     reason: str
     """In words, for a person."""
 
@@ -123,6 +127,9 @@ class Gateway:
         objects (a model file carries no date of its own)."""
         self._model = model
         self._load = load
+        self.refusal: tuple[float, str] | None = None
+        """When the peers last refused to serve this gateway, and why (cleared once a
+        request is served)."""
         self._tokenizers: dict[str, tuple[Tokenizer, ChatTemplate]] = {}
         self._loaded = model is None
         self._loading = "waiting for the model's GGUF (a model id's head comes from peers)"
@@ -172,6 +179,8 @@ class Gateway:
         route, missing = self.route_now()
         if route is None and missing:
             return Health("no_route", f"the online peers do not cover the model: {missing}")
+        if self.refusal is not None and time.monotonic() - self.refusal[0] < REFUSAL_SHOWN_S:
+            return Health("not_served", self.refusal[1])
         return Health("ok", f"serving {models[0].label}")
 
     def route_now(self) -> tuple[Route | None, str]:
@@ -197,7 +206,8 @@ class Gateway:
                 self.url = await nursery.start(partial(
                     serve_asgi, build_app(self), self.config.listen, what="gateway",
                     section="gateway", config_path=self._config_path,
-                    allowed_hosts=self.config.allowed_hosts))
+                    allowed_hosts=self.config.allowed_hosts, favours_this_machine=(
+                        self.node is not None and self.node.config.free_local_in_effect())))
                 task_status.started(self.url)
                 if self._model is not None:
                     path, model_id, tok = await self._wait_for_model(self._model)

@@ -54,19 +54,22 @@ def snapshot(gw: Gateway) -> dict[str, Any]:
         cov = node.market.coverage()
         out["coverage"] = {k: cov.get(k) for k in COVERAGE_KEYS}
         out["claims"] = {k: v for k, v in earnings.summary(node).items()
-                         if k in ("enabled", "gateways", "pending", "owed_to_peers")}
+                         if k in ("enabled", "gateways", "pending", "owed_to_peers", "own_use")}
         out["shards"] = node.shards.view()
+        out["checks"] = node.inference.spot.status()
     return out
 
 
 def price(gw: Gateway) -> dict[str, int] | None:
-    """The price per 1000 tokens and the band governance keeps it in (None: requests are
-    free here)."""
+    """The prices per 1000 output and input tokens and the band governance keeps them in
+    (None: requests are free here)."""
     s = payment.settlement_of(gw)
     if s is None:
         return None
     params = s.governance.params()
-    return {"per_1k_tokens": s.prices.price, "floor": params.floor, "ceiling": params.ceiling}
+    return {"per_1k_tokens": s.prices.price, "per_1k_output_tokens": s.prices.price,
+            "per_1k_input_tokens": s.prices.input_price, "floor": params.floor,
+            "ceiling": params.ceiling}
 
 
 def _round(value: float | None) -> float | None:

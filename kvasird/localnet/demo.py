@@ -85,15 +85,14 @@ def ask(net: LocalNet, gateway: str, question: str, max_tokens: int = 24) -> Ans
         raise LocalNetError("the demo pays on the local chain: start the network with a chain")
     rpc = net.chain.info["RPC URL"]
     consumer = trio.run(funded_wallet, rpc, 100 * 10**KVR_DECIMALS)
-    quote = get_quote(gateway, max_tokens)
-    header = trio.run(pay_quote, rpc, consumer, quote)
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="paid-per-request", max_retries=0)
     model = client.models.list().data[0].id
+    request = {"model": model, "max_tokens": max_tokens, "temperature": 0, "messages": [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+    quote = get_quote(gateway, request=request)
+    header = trio.run(pay_quote, rpc, consumer, quote)
     began = time.monotonic()
-    reply = client.chat.completions.create(
-        model=model, max_tokens=max_tokens, temperature=0,
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-        extra_headers={PAYMENT_HEADER: header})
+    reply = client.chat.completions.create(**request, extra_headers={PAYMENT_HEADER: header})
     return Answer(reply.choices[0].message.content or "", int(quote["amount"]),
                   header.split(":", 1)[1], time.monotonic() - began, model)
 

@@ -28,6 +28,7 @@ from kvasird.home import Home
 from kvasird.identity import load_node_key
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.pricing import GENESIS_STAKE_MIN
+from kvasird.settlement.token import KVR_DECIMALS
 from kvasird.settlement.wallet import read_keypair, write_keypair
 
 READY_TIMEOUT_S = 60.0
@@ -45,6 +46,10 @@ LOCAL_P2P = {"p2p.heartbeat_interval_s": 1.0, "p2p.liveness_timeout_s": 5.0,
 class LocalNetError(KvasirError):
     """A local daemon did not start or stop as expected; its log path is in the message."""
 
+
+OWN_USE = 1000 * 10**KVR_DECIMALS
+"""KVR each node's operator has above its stake for its own requests, which it pays the
+peers for like anyone's: millions of short requests at genesis prices."""
 
 @dataclass
 class LocalNode:
@@ -67,7 +72,7 @@ class LocalNode:
     """Config values for this node only, over the network's settings."""
     stake: int | None = None
     """KVR base units its wallet gets from the local faucet when settlement is on (None: the
-    network's stake minimum, so that it may run a gateway)."""
+    network's stake minimum, so that it may run a gateway, and OWN_USE to spend)."""
 
     def get(self, path: str, timeout: float = 5.0) -> Any:
         url = self.home.admin_address()
@@ -360,7 +365,7 @@ class LocalNet:
             for node in self.nodes:
                 if not (node.home.root / "wallet.json").exists():
                     continue  # settlement off on this node
-                stake = GENESIS_STAKE_MIN if node.stake is None else node.stake
+                stake = GENESIS_STAKE_MIN + OWN_USE if node.stake is None else node.stake
                 await chain.faucet(node.wallet(), kvr=stake, lamports=10**9)
 
     def wait_until(self, what: str, predicate: Callable[[], bool], timeout: float) -> float:

@@ -26,7 +26,7 @@ from solders.system_program import TransferParams, transfer
 from kvasird.gateway import dashboard
 from kvasird.localnet import LocalNet
 from kvasird.localnet.demo import held_from, kvr_balance
-from kvasird.localnet.launcher import LocalNode
+from kvasird.localnet.launcher import OWN_USE, LocalNode
 from kvasird.localnet.placement import pinned
 from kvasird.model.bundled import bundled_path
 from kvasird.model.testmodels import make_model
@@ -39,7 +39,6 @@ pytestmark = pytest.mark.slow
 
 KVR = 10**6
 N_TOKENS = 4
-QUOTED = 1000
 PROMPT = "The capital of France is"
 READY_S = 120.0
 
@@ -90,14 +89,14 @@ class Consumer:
         self.paid = 0
 
     def ask(self, prompt: str = PROMPT, n: int = N_TOKENS) -> Any:
-        """A paid completion of n tokens; the quote covers QUOTED tokens, so that its amount
-        (a few thousand base units at the genesis price) splits without rounding to 0."""
-        quote = get_quote(self.url, QUOTED)
+        """A paid completion of n tokens, quoted for its own body: it runs to max_tokens
+        (ignore_eos), so it uses all it paid for and nothing is credited back."""
+        request = {"model": self.model, "prompt": prompt, "max_tokens": n, "temperature": 0}
+        quote = get_quote(self.url, request=request)
         header = trio.run(pay_quote, self.rpc, self.wallet, quote)
         self.paid += int(quote["amount"])
-        return self.client.completions.create(
-            model=self.model, prompt=prompt, max_tokens=n, temperature=0,
-            extra_body={"ignore_eos": True}, extra_headers={PAYMENT_HEADER: header})
+        return self.client.completions.create(**request, extra_body={"ignore_eos": True},
+                                              extra_headers={PAYMENT_HEADER: header})
 
 
 def positions(answer: Any) -> int:
@@ -132,7 +131,8 @@ def claim_and_check(net: LocalNet, gateway: LocalNode, consumer: Consumer,
         else:
             answer = node.post("/v0/wallet/claim")
             assert [c["error"] for c in answer["claims"]] == [""], answer
-        assert kvr_balance(net, node.wallet()) - GENESIS_STAKE_MIN == due[node.peer_id]["earned"]
+        assert kvr_balance(net, node.wallet()) - GENESIS_STAKE_MIN - OWN_USE == due[
+                node.peer_id]["earned"]
         assert node.get("/v0/wallet")["pending"] == 0
     assert all(r["paid"] == r["earned"] for p, r in owed(gateway).items() if p != gateway.peer_id)
 
@@ -201,31 +201,36 @@ def test_moe_ring_pays_the_expert_only_peers_for_their_rows(
 
 def test_only_staked_paying_gateways_are_served(localnet: Callable[..., LocalNet]) -> None:
     """Node 0 pays (and is served while it pays); node 3 runs with settlement off; node 4
-    holds less than the stake minimum; node 5 never sends receipts (its local requests are
-    free to it, and it pays nobody for them)."""
+    holds less than the stake minimum; node 5's requests are its operator's own (free_local):
+    it pays the peers for them from its wallet, so they serve it however many it makes."""
     free_local = {"settlement.free_local": True}
     net = paid_net(localnet, bundled_path(),
                    [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"], [], [], []],
                    node_settings={1: {"settlement.max_unpaid": 0},
-                                  2: {"settlement.max_unpaid": 0, "settlement.max_unreceipted": 2},
+                                  2: {"settlement.max_unpaid": 0},
                                   3: {"settlement.enabled": False}, 4: free_local, 5: free_local},
                    stakes={4: GENESIS_STAKE_MIN - 1})
-    for index, why in ((3, "announces no payout wallet"), (4, "below the network's stake "
-                                                              "minimum")):
+    # node 3 is refused by the peers; node 4's own gateway knows its wallet is short
+    for index, code, why in ((3, 503, "announces no payout wallet"),
+                             (4, 402, "below the network's stake minimum")):
         _, client = gateway_of(net, net.nodes[index])
         with pytest.raises(openai.APIStatusError) as refused:
             client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
                                       max_tokens=N_TOKENS)
-        assert refused.value.status_code == 503, refused.value
-        assert "serve only staked, paying gateways" in str(refused.value) and why in str(
-            refused.value)
+        assert refused.value.status_code == code and why in str(refused.value), refused.value
 
     _, client = gateway_of(net, net.nodes[5])
     model = client.models.list().data[0].id
-    for _ in range(2):  # node 2 serves two sessions without a receipt, then no more
-        client.completions.create(model=model, prompt=PROMPT, max_tokens=N_TOKENS)
-    with pytest.raises(openai.APIStatusError, match="without sending a receipt"):
-        client.completions.create(model=model, prompt=PROMPT, max_tokens=N_TOKENS)
+    own = net.nodes[5]
+    for _ in range(6):  # its own requests, receipted and paid to the peers like anyone's
+        assert client.completions.create(model=model, prompt=PROMPT,
+                                         max_tokens=N_TOKENS).choices[0].text
+        for peer in net.nodes[1:3]:  # they let nothing go unpaid: each claims before the next
+            net.wait_until("the peer holds node 5's new receipt", lambda p=peer: any(
+                g["pending"] > 0 for g in p.get("/v0/wallet")["gateways"]
+                if g["peer_id"] == own.peer_id), 30)
+            assert [c["error"] for c in peer.post("/v0/wallet/claim")["claims"]] == [""]
+    assert own.get("/v0/wallet")["own_use"]["requests"] == 6
 
     # node 0 pays; once its vault cannot pay the claims (no SOL for fees), peers that let
     # nothing go unpaid refuse it; paid again, it is served again

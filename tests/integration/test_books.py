@@ -1,0 +1,56 @@
+"""The market's books balance, seen from outside: the operator's own requests are paid to the
+peers from its wallet and never cut off, and the peers meter what they compute."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from kvasird.localnet import LocalNet
+from kvasird.localnet.demo import claim_all, earnings, kvr_balance, serve_model, wait_served
+from kvasird.model.bundled import bundled_path
+
+pytestmark = pytest.mark.slow
+
+REQUESTS = 100
+"""Local requests in a row: 20 times what cut the gateway off before the peers metered work."""
+
+
+def test_the_operators_own_requests_pay_the_peers_and_are_never_cut_off(
+        localnet: Callable[..., LocalNet]) -> None:
+    net = localnet(3, chain=True)  # as `kvasird localnet up` builds it
+    serve_model(net, bundled_path())
+    net.up()
+    url = wait_served(net)
+    gateway = net.nodes[0]
+    vault = kvr_balance(net, gateway.wallet())
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    ask = {"model": model, "max_tokens": 8, "temperature": 0,
+           "messages": [{"role": "user", "content": "Name a colour."}]}
+    for i in range(REQUESTS):  # from this machine, no payment: the operator pays
+        if i % 2:
+            with client.chat.completions.with_streaming_response.create(**ask, stream=True) as r:
+                assert r.headers["x-kvasir-paid-by"] == f"operator {gateway.wallet()}"
+                assert sum(1 for _ in r.iter_lines()) > 2
+        else:
+            raw = client.chat.completions.with_raw_response.create(**ask)
+            assert raw.headers["x-kvasir-paid-by"] == f"operator {gateway.wallet()}"
+            assert raw.parse().choices[0].message.content
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    assert health["status"] == "ok", health
+
+    earned = {e.index: e.earned for e in earnings(net)}  # every receipt delivered
+    wallet = gateway.get("/v0/wallet")
+    assert wallet["own_use"]["requests"] == REQUESTS
+    assert earned[1] > 0 and earned[2] > 0
+    spent = wallet["own_use"]["spent"]
+    pools = wallet["pools"]
+    assert spent == sum(earned.values()) + pools["operator"] + pools["insurance"]
+
+    paid = {p.index: p.amount for p in claim_all(net)}
+    assert paid[1] == earned[1] and paid[2] == earned[2] and paid[0] == 0
+    assert kvr_balance(net, gateway.wallet()) == vault - paid[1] - paid[2]  # to the base unit
