@@ -22,5 +22,5 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Wire protocol version carried in every record; peers on another version are not served."""

@@ -8,6 +8,7 @@ KvasirError                      errors               anything kvasird raises on
 ├── HomeError                    errors               the home is not in the state a command needs
 ├── DaemonNotRunning             errors               a command needs the daemon; none answers
 ├── WireError                    errors               a peer's bytes do not decode or fit a limit
+│   └── FrameTooLarge            wire.framing         a frame's length is over what may be read
 ├── PeerError                    errors               a peer could not be reached or misbehaved
 │   ├── HopFailed                inference.errors     a stage or worker failed: route around it
 │   │   ├── Refused              inference.errors     it answered no: busy, gone or bad request

@@ -35,7 +35,7 @@ from kvasird.config import Config, GatewayConfig
 from kvasird.gateway.body import Fields, read_json
 from kvasird.gateway.errors import ApiError, BadRequest, Forbidden, PaymentRequired
 from kvasird.gateway.openai import top_p
-from kvasird.http import is_loopback
+from kvasird.http import operator_request, relay_header
 from kvasird.inference.api import (
     Busy,
     Finished,
@@ -50,14 +50,16 @@ from kvasird.inference.api import (
 from kvasird.inference.client.dispatch import ExpertDispatcher
 from kvasird.inference.client.hotcache import HotExperts
 from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
+from kvasird.inference.client.spotcheck import SpotChecks
 from kvasird.inference.client.swarm import Inbox, SwarmGenerator
 from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol import EXPERT_PROTOCOL, STAGE_PROTOCOL, experts, stage
+from kvasird.inference.protocol.delegation import Issuer, Verifier
 from kvasird.inference.protocol.stage import MAX_TOP
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.experts import ExpertServer
 from kvasird.inference.server.stage import StageServer
-from kvasird.inference.transport.channel import MAX_FRAME, Channels, Handler, serve
+from kvasird.inference.transport.channel import MAX_FRAME, Channels, Handler, Intake, serve
 from kvasird.inference.transport.lane import LaneServer, tcp_ip
 from kvasird.inference.verdicts import Verdicts
 from kvasird.logs import get_logger
@@ -68,9 +70,9 @@ from kvasird.p2p import P2PNode
 from kvasird.settlement.admission import Admission, NotAdmitted
 from kvasird.settlement.wallet import WalletLink
 
-ROWS_ADMITTED_S = 1.0
-"""An expert worker trusts a gateway's last pass of the admission checks this long (its
-sessions' stages checked it at open anyway)."""
+ADMITTED_S = 1.0
+"""A step or an expert request leans on its gateway's last pass of the stake and debt checks
+this long (a session's stages checked them at open anyway); the meter counts every one."""
 RETIRE_GRACE_S = 2.0
 """A replaced engine is freed this long after its last session ended."""
 REPORT_HEARTBEATS = 3
@@ -96,6 +98,10 @@ class InferenceService:
         self.verdicts = Verdicts(p2p.gossip, p2p.peer_id, self.fitness, c.unfit_quorum,
                                  c.unfit_s)
         self.inbox = Inbox()
+        self.spot = SpotChecks(c.spot_check_stages, c.spot_check, c.spot_tolerance,
+                               Path(p2p.config_path).parent / "spotchecks")
+        """Spot checks of the peers this node's generations and stages use (the evidence of
+        those caught is kept in <home>/spotchecks)."""
         self.stages = StageServer(self._model_id, lambda: self.served,
                                   max_sessions=c.max_sessions, idle_s=c.session_idle_s,
                                   wire_dtype=c.wire_dtype, me=p2p.peer_id,
@@ -104,16 +110,19 @@ class InferenceService:
                                   batch_window_s=c.batch_window_ms / 1000,
                                   batch_min_s=c.batch_min_ms / 1000,
                                   batch_pipelined=c.batch_pipelined)
+        self.issuer = Issuer(p2p.key.keypair, p2p.network)
+        """Signs this node's delegations: to each hop it opens a session on, and its own."""
         self.experts = ExpertServer(lambda: self.served, window_s=c.batch_window_ms / 1000,
-                                    wire_dtype=c.wire_dtype)
+                                    wire_dtype=c.wire_dtype, delegations=Verifier(p2p.network))
         self.dispatcher = ExpertDispatcher(
-            p2p.peer_id, self.holders, self.channels, self.latency, self.fitness, self._own_experts,
+            self.issuer, self.holders, self.channels, self.latency, self.fitness, self._own_experts,
             timeout_s=c.expert_timeout_s, wire_dtype=c.wire_dtype, spot_check=c.spot_check,
             tolerance=c.spot_tolerance, hot=HotExperts(self._load_hot, c.hot_experts, c.hot_after),
-            accuse=self.verdicts.accuse, window_s=c.batch_window_ms / 1000)
+            accuse=self.verdicts.accuse, window_s=c.batch_window_ms / 1000, spot=self.spot)
         self.generator = SwarmGenerator(p2p.peer_id, self._info, self._n_layer, self.holders,
                                         self.channels, self.stages.handle, self.latency,
-                                        self.fitness, c, self.inbox)
+                                        self.fitness, c, self.inbox, issuer=self.issuer,
+                                        spot=self.spot, accuse=self.verdicts.accuse)
         self._extra: list[tuple[str, Handler]] = []
         self._nursery: trio.Nursery | None = None
         self._load_lock = trio.Lock()
@@ -126,6 +135,13 @@ class InferenceService:
 
     def _n_layer(self) -> int:
         return self.market.model.n_layer if self.market.model else 0
+
+    def units_per_token(self) -> int:
+        """Work units a token costs through the whole model, as receipts count them: a
+        position per layer and the head, and each MoE layer's selected experts."""
+        hp = self.served.hp if self.served is not None else None
+        experts = hp.n_layer * hp.n_expert_used if hp is not None and hp.is_moe else 0
+        return self._n_layer() + 1 + experts
 
     def _info(self) -> ModelInfo | None:
         """The model we route: label and context from our loaded engine when we hold a part."""
@@ -221,22 +237,17 @@ class InferenceService:
         return entry.record.link if entry is not None else None
 
     def use_admission(self, admission: Admission) -> None:
-        """A paid network: sessions open here, and expert rows are computed, only for the
-        gateways ``admission`` accepts; its reason goes back as an "unpaid" refusal."""
-        async def admit(gateway: str, fresh_s: float = 0.0) -> None:
-            try:
-                await admission.check(gateway, fresh_s)
+        """A paid network: sessions open here, steps compute and expert rows are computed
+        only for the gateways ``admission`` accepts, each piece of work metered before it
+        is done; the reason of a refusal goes back as an "unpaid" refusal."""
+        async def admit(gateway: str, units: int) -> None:
+            try:  # a session's open checks in full; its steps and rows lean on a recent pass
+                await admission.check(gateway, ADMITTED_S if units else 0.0)
+                admission.charge(gateway, units)
             except NotAdmitted as exc:
                 raise Refusal("unpaid", str(exc)) from None
 
-        async def admit_session(gateway: str) -> None:
-            await admit(gateway)
-            admission.opened(gateway)
-
-        async def admit_rows(gateway: str) -> None:
-            await admit(gateway, ROWS_ADMITTED_S)
-
-        self.stages.admit, self.experts.admit = admit_session, admit_rows
+        self.stages.admit = self.experts.admit = admit
 
     def also_serve(self, protocol: str, handle: Handler) -> None:
         """Another request protocol on the same streams and lanes (call before ``run``)."""
@@ -287,13 +298,15 @@ class InferenceService:
                 await nursery.start(self.channels.run)
                 await nursery.start(self.verdicts.run)
                 protocols: list[tuple[str, Callable[[dict[str, Any]], Any] | None, Handler,
-                                      Callable[[Any], bool] | None]] = [
-                    (STAGE_PROTOCOL, stage.parse, self.stages.answer, self.stages.inline),
-                    (EXPERT_PROTOCOL, experts.parse, self.experts.answer, None),
-                    *((p, None, h, None) for p, h in self._extra)]
-                for protocol, parse, handle, inline in protocols:
+                                      Callable[[Any], bool] | None, Intake | None]] = [
+                    (STAGE_PROTOCOL, stage.parse, self.stages.answer, self.stages.inline,
+                     Intake(self.stages.admitted)),
+                    (EXPERT_PROTOCOL, experts.parse, self.experts.answer, None,
+                     Intake(self.experts.admitted)),
+                    *((p, None, h, None, None) for p, h in self._extra)]
+                for protocol, parse, handle, inline, intake in protocols:
                     answer = functools.partial(serve, handle=handle, idle_s=idle, parse=parse,
-                                               inline=inline)
+                                               inline=inline, intake=intake)
                     host.set_stream_handler(protocol, functools.partial(
                         answer, lanes=self.lanes, protocol=protocol))
                     if self.lanes is not None:
@@ -357,6 +370,7 @@ class InferenceService:
             "prefix": self._prefix_status(),
             "dispatch": dict(self.dispatcher.stats),
             "unfit": self.fitness.snapshot(),
+            "spot_checks": self.spot.status(),
             "lanes": {"port": self.lanes.port if self.lanes else None,
                       "accepted": self.lanes.lanes if self.lanes else 0,
                       "refused": self.lanes.refused if self.lanes else 0,
@@ -378,20 +392,24 @@ class InferenceService:
 
     async def _http_generate(self, request: Request) -> Response:
         """Generations for the operator on this machine (``kvasird generate``), within the
-        gateway's caps. Nothing is paid for here: with payments on, callers on this machine
-        are served free only when [settlement] free_local, anyone else is sent to the
-        gateway's paid API."""
+        gateway's caps. Nothing is paid for here: with payments on, the operator's own
+        requests (operator_request) are served free only when [settlement] free_local is in
+        effect, anyone else is sent to the gateway's paid API."""
         settlement, client = self.config.settlement, request.client.host if request.client else ""
         pay = ("use the gateway's paid API: POST /v1/kvasir/quote on the gateway, pay the quote, "
                "then send the request to the gateway with X-Kvasir-Payment: "
                "<request_id>:<transaction signature>")
         try:
-            if settlement.enabled and not settlement.free_local:
-                raise PaymentRequired("this node takes KVR payments ([settlement] free_local = "
-                                      f"false) and the admin API takes none: {pay}")
-            if settlement.enabled and not is_loopback(client):
+            if settlement.enabled and not self.config.free_local_in_effect():
+                raise PaymentRequired("this node takes KVR payments ([settlement] free_local is "
+                                      "off; \"auto\" is off while [gateway] listen is not "
+                                      f"loopback) and the admin API takes none: {pay}")
+            if settlement.enabled and not operator_request(request.scope):
+                relayed = relay_header(request.scope)
+                who = f"a client relayed by a proxy ({relayed})" if relayed else \
+                    client or "an unknown client"
                 raise Forbidden("the admin API generates for callers on this machine only, not "
-                                f"for {client or 'an unknown client'}: {pay}")
+                                f"for {who}: {pay}")
             req = parse_request(await read_json(request, self.config.gateway.max_body_bytes),
                                 self.config.gateway)
         except ApiError as exc:

@@ -1,13 +1,14 @@
 """What a step computes for, shared by the stage that runs it and the expert dispatcher.
 
 A stage's MoE layers call the dispatcher through compute's hooks, which carry only rows
-and ids; the dispatcher also needs to know whose session the rows belong to (to name the
-gateway in its expert requests and count the work for the session) and how many decode
-steps are interleaved right now (to batch their rows into one message). The stage server
-sets both here around a step; the dispatcher reads them (the step's expert calls run in
-its context, on the loop or through a worker thread).
+and ids; the dispatcher also needs to know whose session the rows belong to (to send the
+gateway's delegation with its expert requests, and count the work for the session) and
+how many decode steps are interleaved right now (to batch their rows into one message).
+The stage server sets both here around a step; the dispatcher reads them (the step's
+expert calls run in its context, on the loop or through a worker thread).
 
-    Tally / TALLY      the session's owner and the expert units done for it on other peers
+    Tally / TALLY      the session's owner, its delegation to this stage, and the expert
+                       units done for it on other peers
     Company / COMPANY  decode steps interleaved on this node's stages now
 """
 
@@ -23,7 +24,10 @@ class Tally:
     """Expert work done on other peers for one session, as the stage that sent it counts."""
 
     owner: str
-    """The gateway whose session it is (named in every expert request made for it)."""
+    """The gateway whose session it is."""
+    delegation: bytes = b""
+    """The owner's signed delegation to this stage (protocol.delegation), sent with every
+    expert request made for the session: what lets a worker compute its rows."""
     experts: Counter[str] = field(default_factory=Counter)
     """Worker peer -> units (the experts its rows selected) it computed for this session."""
 

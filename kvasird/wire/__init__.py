@@ -4,13 +4,15 @@
 
 A frame is a 4-byte big-endian length followed by that many bytes of msgpack. The
 length is checked against the protocol's limit *before* reading the body, so an
-oversized or malicious length costs nothing. Decoded values are plain msgpack types;
+oversized or malicious length costs nothing (a server may also read the length alone,
+``FrameReader.length``, and decide by who sends it). Decoded values are plain msgpack types;
 each protocol validates them into its own frozen records before use.
 """
 
 from kvasird.wire.framing import (
     ByteStream,
     FrameReader,
+    FrameTooLarge,
     frame,
     pack,
     read_frame,
@@ -18,4 +20,5 @@ from kvasird.wire.framing import (
     write_frame,
 )
 
-__all__ = ["ByteStream", "FrameReader", "frame", "pack", "read_frame", "unpack", "write_frame"]
+__all__ = ["ByteStream", "FrameReader", "FrameTooLarge", "frame", "pack", "read_frame", "unpack",
+           "write_frame"]

@@ -12,6 +12,16 @@ from kvasird.errors import WireError
 _LEN = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 1 << 20
 """1 MiB: the default upper bound of one frame; bulk protocols raise it explicitly."""
+SKIP_CHUNK = 1 << 16
+"""What a reader holds at once of a frame it drops unread (FrameReader.skip)."""
+
+
+class FrameTooLarge(WireError):
+    """A frame's length (read from its prefix, before its body) is over the reader's limit."""
+
+    def __init__(self, length: int, limit: int, why: str = "") -> None:
+        super().__init__(f"frame of {length} bytes exceeds the limit of {limit}{why}")
+        self.length, self.limit = length, limit
 
 
 class ByteStream(Protocol):
@@ -57,11 +67,33 @@ class FrameReader:
         del self._buf[:n]
         return out
 
-    async def read_raw(self) -> bytes:
+    async def length(self) -> int:
+        """The next frame's length, its body not read yet (a server may look at who sends
+        it first, and refuse it unread)."""
         (length,) = _LEN.unpack(await self._exactly(_LEN.size))
         if length > self._max:
-            raise WireError(f"frame of {length} bytes exceeds the limit of {self._max}")
-        return await self._exactly(length)
+            raise FrameTooLarge(length, self._max)
+        return length
+
+    async def skip(self, length: int) -> None:
+        """Read and drop the body of a frame refused from its `length` (so that its sender,
+        which writes it whole, reads why), never holding more than a chunk of it."""
+        while length:
+            if not self._buf:
+                chunk = await self._stream.read(min(length, SKIP_CHUNK))
+                if not chunk:
+                    raise WireError("peer closed the stream in the middle of a frame")
+                self._buf += chunk
+            dropped = min(length, len(self._buf))
+            del self._buf[:dropped]
+            length -= dropped
+
+    async def body(self, length: int) -> Any:
+        """The decoded body of the frame whose `length` was just read."""
+        return unpack(await self._exactly(length), self._max)
+
+    async def read_raw(self) -> bytes:
+        return await self._exactly(await self.length())
 
     async def read(self) -> Any:
         return unpack(await self.read_raw(), self._max)

@@ -20,10 +20,13 @@ from kvasird.inference.client.routing import PeerHoldings
 from kvasird.inference.client.swarm import Inbox
 from kvasird.inference.errors import HopFailed, Refusal, Refused, Unreachable
 from kvasird.inference.protocol import EXPERT_PROTOCOL, STAGE_PROTOCOL, tensors
+from kvasird.inference.protocol.delegation import Verifier
 from kvasird.inference.server.engine import Served
 from kvasird.inference.server.experts import ExpertServer
 from kvasird.inference.server.stage import Send, StageServer
 
+NETWORK = "fakenet"
+"""The network the expert workers check delegations against."""
 Handle = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 Fault = Callable[[Handle], Handle]
 """What stands in front of a peer's handlers: its requests and one-way messages pass it."""
@@ -69,7 +72,8 @@ class FakeNet:
                                        idle_s=60, wire_dtype="f32", me=n, send=self._sender(n),
                                        deliver=self.inbox.deliver if n == me else None)
                         for n, s in served.items()}
-        self.experts = {n: ExpertServer(lambda s=s: s, window_s=0, wire_dtype="f32")
+        self.experts = {n: ExpertServer(lambda s=s: s, window_s=0, wire_dtype="f32",
+                                        delegations=Verifier(NETWORK))
                         for n, s in (experts or {}).items()}
         self._holdings = {n: s.holdings for n, s in {**served, **(experts or {})}.items()}
 

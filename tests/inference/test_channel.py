@@ -23,7 +23,13 @@ from kvasird.inference.errors import (
     Unreachable,
     sentence,
 )
-from kvasird.inference.transport.channel import Channels, serve
+from kvasird.inference.transport.channel import (
+    SMALL_FRAME,
+    SMALL_IN_FLIGHT,
+    Channels,
+    Intake,
+    serve,
+)
 from kvasird.p2p.host import build_host, parse_listen
 
 PROTO = "/kvasir/test-channel/1"
@@ -149,4 +155,72 @@ async def test_a_frame_its_protocol_cannot_parse_is_answered_bad_and_never_handl
         assert exc.value.code == "bad" and "test.n" in exc.value.detail
         assert (await channels.request(peer, PROTO, {"n": 2}, 5))["echo"] == 2
         assert seen == [2]  # the handler got the parsed message, and only that one
+        nursery.cancel_scope.cancel()
+
+
+def blob(mib: float) -> bytes:
+    return b"x" * int(mib * (1 << 20))
+
+
+async def test_a_peer_the_server_works_for_no_one_of_sends_only_small_frames(
+        tmp_path: Path) -> None:
+    """A frame over SMALL_FRAME from a peer the server does not work for is refused from
+    its length, unread and unhandled, with a reason the caller's request raises; once the
+    server works for the peer, the same frame is answered."""
+    admitted, seen = [False], []
+
+    async def record(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+        seen.append(len(msg.get("blob", b"")))
+        return {"echo": msg.get("n")}
+
+    async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
+        intake = Intake(lambda peer: admitted[0])
+        b.set_stream_handler(PROTO, lambda s: serve(s, record, idle_s=10, intake=intake))
+        channels = Channels(a, lanes=False)
+        await nursery.start(channels.run)
+        peer = b.get_id().to_string()
+        assert (await channels.request(peer, PROTO, {"n": 1, "blob": blob(1)}, 5))["echo"] == 1
+        with trio.fail_after(5), pytest.raises(Refused) as exc:
+            await channels.request(peer, PROTO, {"n": 2, "blob": blob(3)}, 5)
+        assert exc.value.code == "bad" and "no session here" in exc.value.detail
+        assert f"exceeds the limit of {SMALL_FRAME}" in exc.value.detail
+        assert seen == [1 << 20] and intake._held == {}
+        admitted[0] = True
+        assert (await channels.request(peer, PROTO, {"n": 3, "blob": blob(3)}, 5))["echo"] == 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_has_only_so_many_bytes_of_frames_in_flight(tmp_path: Path) -> None:
+    """Frames of a peer the server does not work for wait, unread, while SMALL_IN_FLIGHT
+    bytes of its frames are being handled; a peer it works for has room for many more."""
+    admitted, now, most = [False], [0], [0]
+
+    async def slow(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+        now[0] += 1
+        most[0] = max(most[0], now[0])
+        await trio.sleep(0.3)
+        now[0] -= 1
+        return {"echo": msg["n"]}
+
+    async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
+        intake = Intake(lambda peer: admitted[0])
+        b.set_stream_handler(PROTO, lambda s: serve(s, slow, idle_s=10, intake=intake))
+        channels = Channels(a, lanes=False)
+        await nursery.start(channels.run)
+        peer = b.get_id().to_string()
+        size = SMALL_IN_FLIGHT / (1 << 20) * 0.4  # two fit in the budget, not three
+
+        async def four() -> None:
+            async with trio.open_nursery() as inner:
+                for n in range(4):
+                    inner.start_soon(channels.request, peer, PROTO, {"n": n, "blob": blob(size)},
+                                     10)
+
+        with trio.fail_after(10):
+            await four()
+        assert most[0] == 2
+        admitted[0], most[0] = True, 0
+        with trio.fail_after(10):
+            await four()
+        assert most[0] == 4 and intake._held == {}
         nursery.cancel_scope.cancel()

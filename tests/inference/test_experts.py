@@ -20,7 +20,8 @@ from kvasird.inference.client.dispatch import ExpertDispatcher
 from kvasird.inference.client.hotcache import HotExperts, plan_cache, stack_rows
 from kvasird.inference.server.engine import Served
 
-from .test_serving import N_EXPERT, N_LAYER, moe, worker  # noqa: F401 - fixtures
+from .fakenet import NETWORK
+from .test_serving import N_EXPERT, N_LAYER, expert_server, moe, worker  # noqa: F401 - fixtures
 
 __all__ = ["moe", "worker"]
 
@@ -140,9 +141,10 @@ async def test_cached_experts_compute_while_the_remote_request_is_out(
     """A row needing a cached expert and a remote one: the request goes first and the
     cached expert computes meanwhile (in place, it would hold the loop: the request could
     not go out, and the round trip would come on top of the local compute)."""
+    from kvasird.identity import load_node_key
     from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
     from kvasird.inference.protocol import EXPERT_PROTOCOL
-    from kvasird.inference.server.experts import ExpertServer
+    from kvasird.inference.protocol.delegation import Issuer
     from kvasird.inference.transport.channel import Channels, serve
 
     from .test_channel import pair
@@ -161,7 +163,7 @@ async def test_cached_experts_compute_while_the_remote_request_is_out(
     rng = np.random.default_rng(3)
     rows = rng.standard_normal((1, worker.hp.n_embd)).astype(np.float32)
     async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
-        server = ExpertServer(lambda: worker, window_s=0, wire_dtype="f32")
+        server = expert_server(worker)
 
         async def handle(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
             asked.set()
@@ -173,9 +175,9 @@ async def test_cached_experts_compute_while_the_remote_request_is_out(
         peer = b.get_id().to_string()
         holders = [PeerHoldings(peer, False, (), tuple((lay, 0, N_EXPERT)
                                                        for lay in range(N_LAYER)))]
-        me = a.get_id().to_string()
+        me = Issuer(load_node_key(tmp_path / "0.key").keypair, NETWORK)
         dispatcher = ExpertDispatcher(
-            me, lambda: holders, channels, Latency(me, lambda p: 1.0),
+            me, lambda: holders, channels, Latency(me.peer_id, lambda p: 1.0),
             Fitness(60), lambda layer, expert: None, timeout_s=10, wire_dtype="f32", spot_check=0,
             tolerance=0.01, hot=hot)
         try:

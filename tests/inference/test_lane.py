@@ -14,9 +14,9 @@ import trio.testing
 from trio.testing import MockClock
 
 from kvasird.errors import WireError
-from kvasird.inference.errors import HopFailed
+from kvasird.inference.errors import HopFailed, Refused
 from kvasird.inference.transport import lane
-from kvasird.inference.transport.channel import MAX_FRAME, Channel, Channels, serve
+from kvasird.inference.transport.channel import MAX_FRAME, Channel, Channels, Intake, serve
 from kvasird.wire import FrameReader
 
 from .test_channel import PROTO, handler, pair
@@ -367,3 +367,21 @@ def test_the_ip_of_a_tcp_address_is_where_lanes_go() -> None:
     assert lane.tcp_ip("/ip6/::1/tcp/4001") == "::1"
     assert lane.tcp_ip("/dns4/example.org/tcp/4001") is None
     assert lane.tcp_ip("/ip4/198.51.100.1/udp/4001/quic") is None
+
+
+async def test_a_lane_refuses_a_large_record_of_a_peer_the_server_works_for_no_one_of(
+        ) -> None:
+    """The record's length decides before its body is read (into memory: nothing of it is
+    kept); the sender reads why, and the lane ends."""
+    async with socket_pair() as (left, right):
+        channel = Channel("server", left)
+        async with trio.open_nursery() as nursery:
+            intake = Intake(lambda peer: peer == "friend")
+            nursery.start_soon(lambda: serve(right, handler, 5, peer="client", intake=intake))
+            nursery.start_soon(channel.read_replies)
+            assert (await channel.request({"n": 1, "blob": b"x" * (1 << 20)}, 5))["echo"] == 1
+            with trio.fail_after(5), pytest.raises(Refused) as exc:
+                await channel.request({"n": 2, "blob": b"x" * (3 << 20)}, 5)
+            assert exc.value.code == "bad" and "no session here" in exc.value.detail
+            assert channel.closed and intake._held == {}
+            nursery.cancel_scope.cancel()

@@ -120,11 +120,13 @@ async def test_an_accusation_of_this_node_is_a_lie_and_its_own_are_taken(
 
 def test_only_a_forwarded_step_is_read_with_its_nan_rows() -> None:
     """The stage a forwarded step reaches checks its rows itself, knowing the sender; every
-    other array is refused as it is read."""
+    other array is refused as it is widened (a step's, once its session is known) or read."""
     rows = np.array([[1.0, np.nan], [np.inf, 0.0]], np.float32)
     forwarded = parse(Step("s", 0, rows, "f16", forward=Forward("t", ())).to_wire())
-    assert isinstance(forwarded, Step) and np.isnan(forwarded.x[0, 1])
+    assert isinstance(forwarded, Step) and np.isnan(forwarded.widened().x[0, 1])
+    relayed = parse(Step("s", 0, rows, "f32").to_wire())
+    assert isinstance(relayed, Step)
     with pytest.raises(WireError, match="NaN or infinity"):
-        parse(Step("s", 0, rows, "f32").to_wire())
+        relayed.widened()
     with pytest.raises(WireError, match="NaN or infinity"):
         Hidden.from_wire(Hidden(rows, "f32").to_wire())

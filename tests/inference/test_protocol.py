@@ -68,7 +68,8 @@ def failure_wire() -> dict[str, Any]:
 
 def experts_wire() -> dict[str, Any]:
     return {"op": "experts", "layer": 3, "first": 4, "rows": ROWS,
-            "ids": tensors.encode(np.array([[0, 1], [2, 2]]), "i32"), "for": ["gw1", "gw2"]}
+            "ids": tensors.encode(np.array([[0, 1], [2, 2]]), "i32"),
+            "for": [[b"delegation of gw1", 1], [b"delegation of gw2", 1]]}
 
 
 def edited(msg: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
@@ -135,8 +136,6 @@ BAD = [
     ("forwarded", "owner", 5, "stage.owner"), ("forwarded", "trace", "now", "stage.trace"),
     ("forwarded", "trace", [["1.0"]], "stage.trace"), ("forwarded", "trace", [[1]], "stage.trace"),
     ("relayed", "x.shape", [2], "stage.x.shape"),
-    ("relayed", "x.data", tensors.encode(np.full((2, 8), np.nan, np.float32), "f32")["data"],
-     "stage.x"),
     ("result", "ticket", GONE, "stage.ticket"), ("result", "token", -1, "stage.token"),
     ("result", "token", True, "stage.token"), ("result", "logprob", "x", "stage.logprob"),
     ("result", "logprob", math.nan, "stage.logprob"), ("result", "top", [[17]], "stage.top"),
@@ -149,6 +148,14 @@ BAD = [
     ("experts", "rows", GONE, "experts.rows"), ("experts", "rows.dt", "i32", "experts.rows.dt"),
     ("experts", "ids", tensors.encode(np.array([[0, 1]]), "i32"), "experts.ids.shape"),
     ("experts", "for", "gw1", "experts.for"), ("experts", "for", [1], "experts.for"),
+    ("experts", "for", ["gw1", "gw2"], "experts.for"),  # bare names prove nothing
+    ("experts", "for", [[b"d", 1]], "experts.for"),  # one row of the two unaccounted for
+    ("experts", "for", [[b"d", 1], [b"e", 0], [b"f", 1]], "experts.for"),
+    ("experts", "for", [[b"d" * 513, 2]], "experts.for"),
+    ("experts", "for", [["d", 2]], "experts.for"),
+    ("open", "delegation", "signed", "stage.delegation"),
+    ("open", "delegation", b"", "stage.delegation"),
+    ("open", "delegation", b"d" * 513, "stage.delegation"),
 ]
 
 
@@ -204,7 +211,8 @@ def test_the_typed_messages_carry_the_values_the_wire_held() -> None:
     assert stage.parse({"op": "close", "sid": "s"}) == Close("s")
     assert stage.parse({"op": "ping", "sid": "s"}) == Ping("s")
     e = experts.parse(experts_wire())
-    assert (e.layer, e.first, e.gateways, e.dt) == (3, 4, ("gw1", "gw2"), "f32")
+    assert (e.layer, e.first, e.groups, e.dt) == (
+        3, 4, ((b"delegation of gw1", 1), (b"delegation of gw2", 1)), "f32")
     assert e.rows.shape == (2, 8) and e.ids.tolist() == [[0, 1], [2, 2]]
 
 
@@ -215,10 +223,13 @@ def test_optional_fields_take_their_meaning_when_left_out() -> None:
     assert isinstance(o, Open) and (o.prev, o.draws, o.sampling) == ("", 0, SamplingParams())
     greedy = stage.parse({**bare, "sampling": {**SAMPLING, "temperature": 0.0}})
     assert isinstance(greedy, Open) and greedy.draws == 0
-    # a step whose owner is left out is its caller's; an expert request without `for` too
+    # a step whose owner is left out is its caller's; an expert request without `for`
+    # names no gateway (which the worker refuses), an open without a delegation none
     s = stage.parse(edited(forwarded_wire(), "owner", GONE))
     assert isinstance(s, Step) and s.forward is not None and s.forward.owner is None
-    assert experts.parse(edited(experts_wire(), "for", GONE)).gateways is None
+    assert experts.parse(edited(experts_wire(), "for", GONE)).groups == ()
+    assert stage.parse(open_wire()).delegation == b"" and \
+        "delegation" not in stage.parse(open_wire()).to_wire()
     # a token without logprobs, a seed left to the node
     assert stage.parse({"op": "result", "ticket": "t", "token": 2}) == Result("t", TokenEvent(2))
     assert stage.sampling_from_wire({**SAMPLING, "seed": None}, "s").seed is None
@@ -299,9 +310,9 @@ def test_the_messages_are_the_bytes_the_untyped_code_sent() -> None:
         {"op": "result", "ticket": "t", "error": "x" * 500, "code": "unreachable", "peer": "p3"})
     assert Closed((("w", 2),)).to_wire() == {"experts": {"w": 2}} and Closed().to_wire() == {}
     rows, ids = np.ones((1, 8), np.float32), np.array([[3, 1]])
-    assert pack(experts.ExpertRequest(2, 0, rows, ids, ("g",), "f32").to_wire()) == pack(
+    assert pack(experts.ExpertRequest(2, 0, rows, ids, ((b"d", 1),), "f32").to_wire()) == pack(
         {"op": "experts", "layer": 2, "first": 0, "rows": tensors.encode(rows, "f32"),
-         "ids": tensors.encode(ids, "i32"), "for": ["g"]})
+         "ids": tensors.encode(ids, "i32"), "for": [[b"d", 1]]})
 
 
 def test_each_api_builds_the_one_sampling_type_with_its_own_defaults() -> None:
@@ -342,3 +353,34 @@ def test_prefix_keys_travel_as_one_byte_string_and_the_open_says_what_was_kept()
     assert Opened.from_wire({}) == Opened(0) and Opened(128).to_wire() == {"cached": 128}
     with pytest.raises(WireError, match="reply.cached"):
         Opened.from_wire({"cached": -1})
+
+
+def test_rows_are_only_viewed_when_parsed_and_widened_when_the_server_asks() -> None:
+    """Parsing a frame copies none of its rows (a stranger's frame costs nothing more than
+    its bytes); the server widens them once it knows it works for the sender, and only then
+    are they checked finite (a forwarded step's NaN reaches the stage, to name its sender)."""
+    halves = tensors.encode(np.full((2, 8), 0.5, np.float32), "f16")
+    step = stage.parse({**relayed_wire(), "x": halves})
+    assert isinstance(step, Step) and step.x.dtype == np.float16 and not step.x.flags.writeable
+    wide = step.widened()
+    assert wide.x.dtype == np.float32 and wide.x.flags.writeable and (wide.x == 0.5).all()
+    nan = tensors.encode(np.full((2, 8), np.nan, np.float32), "f32")
+    relayed = stage.parse({**relayed_wire(), "x": nan})
+    assert isinstance(relayed, Step)
+    with pytest.raises(WireError, match="stage.x: contains NaN"):
+        relayed.widened()
+    forwarded = stage.parse({**forwarded_wire(), "x": nan})
+    assert isinstance(forwarded, Step) and np.isnan(forwarded.widened().x).all()
+    request = experts.parse({**experts_wire(), "rows": halves})
+    assert request.rows.dtype == np.float16 and request.widened().rows.dtype == np.float32
+    with pytest.raises(WireError, match="experts.rows: contains NaN"):
+        experts.parse({**experts_wire(), "rows": nan}).widened()
+
+
+def test_expert_units_are_the_experts_rows_selected_whatever_the_grouping() -> None:
+    """Rows come padded with repeats of their first id; a worker meters each gateway's rows
+    by the count its stage keeps, and the count of a request is the sum of its groups'."""
+    ids = np.array([[3, 3], [1, 2], [5, 5], [0, 7]])
+    assert experts.selections(ids) == 1 + 2 + 1 + 2
+    assert experts.selections(ids[:1]) + experts.selections(ids[1:]) == experts.selections(ids)
+    assert experts.selections(np.array([[4]])) == 1

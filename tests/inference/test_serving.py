@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
 from trio.testing import MockClock
 
 from kvasird.compute.experts import ExpertShard
@@ -18,6 +19,7 @@ from kvasird.errors import WireError
 from kvasird.inference.api import TokenEvent
 from kvasird.inference.errors import Refusal, Refused
 from kvasird.inference.protocol import tensors
+from kvasird.inference.protocol.delegation import Issuer, Verifier
 from kvasird.inference.protocol.stage import MAX_TRACE, Failure, Result, parse
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.experts import ExpertServer
@@ -27,7 +29,7 @@ from kvasird.model.slice import ExpertRange as SliceExperts
 from kvasird.model.slice import LayerWindow, gguf_pieces, write_slice
 from kvasird.model.testmodels import make_model
 
-from .fakenet import FakeNet, hung, lying
+from .fakenet import NETWORK, FakeNet, hung, lying
 
 N_LAYER, N_EXPERT = 4, 8
 
@@ -56,6 +58,22 @@ def direct(worker: Served):  # noqa: ANN201 - a RemoteHook
         w = worker.run_of(layer, 0).worker
         return ExpertShard(first, end, lambda lay, rows, sel: w(lay, rows, sel + first))
     return hook
+
+
+STAGE = Issuer(create_new_key_pair(), NETWORK)
+"""The stage the expert requests of these tests come from (rows of no session: its own)."""
+
+
+def expert_server(worker: Served, window_s: float = 0) -> ExpertServer:
+    return ExpertServer(lambda: worker, window_s=window_s, wire_dtype="f32",
+                        delegations=Verifier(NETWORK))
+
+
+def expert_request(layer: int, first: int, rows: np.ndarray, ids: np.ndarray
+                   ) -> dict[str, Any]:
+    """What STAGE sends a worker for `rows`, with its own delegation."""
+    return {"op": "experts", "layer": layer, "first": first, "rows": tensors.encode(rows, "f32"),
+            "ids": tensors.encode(ids, "i32"), "for": [[STAGE.own(), len(rows)]]}
 
 
 def test_holdings_are_the_ranges_the_engine_loads() -> None:
@@ -417,16 +435,14 @@ async def test_sessions_beyond_the_recurrent_state_slots_are_busy_until_one_clos
 
 
 async def test_concurrent_requests_for_one_layer_are_batched_into_one_call(worker: Served) -> None:
-    experts = ExpertServer(lambda: worker, window_s=0.05, wire_dtype="f32")
+    experts = expert_server(worker, window_s=0.05)
     rng = np.random.default_rng(1)
     rows = [rng.standard_normal((n, worker.hp.n_embd)).astype(np.float32) for n in (1, 3, 2)]
     ids = [np.array([[1, 2]]), np.array([[0, 3], [4, 4], [7, 5]]), np.array([[6], [2]])]
     outs: list[Any] = [None] * 3
 
     async def one(i: int) -> None:
-        reply = await experts.handle("stage", {
-            "op": "experts", "layer": 1, "first": 0, "rows": tensors.encode(rows[i], "f32"),
-            "ids": tensors.encode(ids[i], "i32")})
+        reply = await experts.handle(STAGE.peer_id, expert_request(1, 0, rows[i], ids[i]))
         outs[i] = tensors.decode(reply["out"], "out", ("f32",), (len(rows[i]), None, None))
 
     async with trio.open_nursery() as nursery:
@@ -438,17 +454,13 @@ async def test_concurrent_requests_for_one_layer_are_batched_into_one_call(worke
 
 
 async def test_expert_ids_count_from_the_range_the_caller_saw(worker: Served) -> None:
-    experts = ExpertServer(lambda: worker, window_s=0, wire_dtype="f32")
+    experts = expert_server(worker)
     x = np.ones((1, worker.hp.n_embd), np.float32)
-    reply = await experts.handle("stage", {"op": "experts", "layer": 0, "first": 4,
-                                           "rows": tensors.encode(x, "f32"),
-                                           "ids": tensors.encode(np.array([[1]]), "i32")})
+    reply = await experts.handle(STAGE.peer_id, expert_request(0, 4, x, np.array([[1]])))
     want = worker.run_of(0, 0).worker(0, x, np.array([[5]]))
     assert np.array_equal(tensors.decode(reply["out"], "o", ("f32",), (1, 1, None)), want)
     with pytest.raises(Exception, match="outside"):
-        await experts.handle("stage", {"op": "experts", "layer": 0, "first": 4,
-                                       "rows": tensors.encode(x, "f32"),
-                                       "ids": tensors.encode(np.array([[4]]), "i32")})
+        await experts.handle(STAGE.peer_id, expert_request(0, 4, x, np.array([[4]])))
 
 
 async def test_a_worker_whose_outputs_are_off_is_caught_by_a_spot_check(
@@ -458,9 +470,9 @@ async def test_a_worker_whose_outputs_are_off_is_caught_by_a_spot_check(
     from kvasird.inference.client.dispatch import ExpertDispatcher
     from kvasird.inference.client.routing import Fitness, Latency
 
-    net, fitness = FakeNet({}, me="stage", experts={"w": worker}), Fitness(60)
+    net, fitness = FakeNet({}, me=STAGE.peer_id, experts={"w": worker}), Fitness(60)
     dispatcher = ExpertDispatcher(
-        "stage", net.holders, net, Latency("stage", lambda p: 1.0),  # type: ignore[arg-type]
+        STAGE, net.holders, net, Latency(STAGE.peer_id, lambda p: 1.0),  # type: ignore[arg-type]
         fitness, lambda layer, expert: (worker.run_of(layer, 0).worker, 0, N_EXPERT), timeout_s=5,
         wire_dtype="f32", spot_check=1.0, tolerance=0.01)
     rows = np.ones((1, worker.hp.n_embd), np.float32)
@@ -478,9 +490,9 @@ def lone_worker(worker: Served) -> tuple[FakeNet, Any, Any]:
     from kvasird.inference.client.dispatch import ExpertDispatcher
     from kvasird.inference.client.routing import Fitness, Latency
 
-    net, fitness = FakeNet({}, me="stage", experts={"w": worker}), Fitness(300)
+    net, fitness = FakeNet({}, me=STAGE.peer_id, experts={"w": worker}), Fitness(300)
     dispatcher = ExpertDispatcher(
-        "stage", net.holders, net, Latency("stage", lambda p: 1.0),  # type: ignore[arg-type]
+        STAGE, net.holders, net, Latency(STAGE.peer_id, lambda p: 1.0),  # type: ignore[arg-type]
         fitness, lambda layer, expert: None, timeout_s=5, wire_dtype="f32", spot_check=0.0,
         tolerance=0.01)
     return net, fitness, dispatcher
@@ -575,6 +587,7 @@ async def test_concurrent_sessions_rows_for_one_worker_go_as_one_message(
         worker: Served, tmp_path: Path) -> None:
     """The dispatcher coalesces only while several decode steps are interleaved here; what
     it sends on a real channel is answered by a real worker, each part as if sent alone."""
+    from kvasird.identity import load_node_key
     from kvasird.inference.client.dispatch import ExpertDispatcher
     from kvasird.inference.client.hotcache import HotExperts
     from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
@@ -588,7 +601,7 @@ async def test_concurrent_sessions_rows_for_one_worker_go_as_one_message(
     rows = [rng.standard_normal((1, worker.hp.n_embd)).astype(np.float32) for _ in range(3)]
     gids = [np.array([[1, 6]]), np.array([[0, 3]]), np.array([[7, 2]])]
     async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
-        server = ExpertServer(lambda: worker, window_s=0, wire_dtype="f32")
+        server = expert_server(worker)
         b.set_stream_handler(EXPERT_PROTOCOL, lambda s: serve(s, server.handle, 10))
         channels = Channels(a, lanes=False)
         await nursery.start(channels.run)
@@ -596,7 +609,8 @@ async def test_concurrent_sessions_rows_for_one_worker_go_as_one_message(
         holders = [PeerHoldings(peer, False, (), tuple((lay, 0, N_EXPERT)
                                                        for lay in range(N_LAYER)))]
         dispatcher = ExpertDispatcher(
-            a.get_id().to_string(), lambda: holders, channels, Latency("me", lambda p: 1.0),
+            Issuer(load_node_key(tmp_path / "0.key").keypair, NETWORK), lambda: holders,
+            channels, Latency("me", lambda p: 1.0),
             Fitness(60), lambda layer, expert: None, timeout_s=5, wire_dtype="f32", spot_check=0,
             tolerance=0.01, hot=HotExperts(None, 0, 0), window_s=0.5)
         outs: list[Any] = [None] * 3

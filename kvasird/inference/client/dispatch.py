@@ -14,6 +14,12 @@ While several sessions' decode steps are interleaved on this node's stages, the 
 those that reach a layer within `window_s` of each other go to a worker as one message
 (the worker also batches messages from different stages into one ggml call).
 
+Every request carries, for each gateway whose session rows are in it, that gateway's
+signed delegation to this stage (the one its open carried, or this node's own for rows of
+no session) and how many of the rows are its: the worker computes nothing without them.
+A worker that has not admitted us lately takes only small frames (channel.Intake): a
+request too large for one is preceded by its first row alone, which gets us admitted.
+
 Experts the stage selects often enough are cached and computed here (HotExperts): planned
 so that whole selections become local, because a layer whose rows need even one remote
 expert still costs the round trip.
@@ -21,14 +27,17 @@ expert still costs the round trip.
 A worker that fails or times out is marked unfit and the call is re-planned on
 another replica. With probability `spot_check` a call is recomputed: on our own copy
 of those experts when we hold one (authoritative), else on a second replica, with a
-third deciding a disagreement; a worker out of tolerance is marked unfit.
+third deciding a disagreement. A worker out of tolerance is caught (spotcheck): it is
+marked unfit and accused on gossip, its units for the session are taken out of the
+stage's Close tally (the gateway pays it nothing for the session), and the evidence is
+kept on this node; a call drawn that nobody else can recompute is counted as unchecked.
 """
 
 
 from __future__ import annotations
 
 import contextlib
-import random
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -48,17 +57,21 @@ from kvasird.inference.client.routing import (
     cover_experts,
     expert_holders,
 )
-from kvasird.inference.errors import HopFailed, NoWorkers, sentence
+from kvasird.inference.client.spotcheck import SpotChecks, divergence
+from kvasird.inference.errors import HopFailed, NoWorkers, Refusal, sentence
 from kvasird.inference.protocol import EXPERT_PROTOCOL
-from kvasird.inference.protocol.experts import ExpertRequest, Outputs
+from kvasird.inference.protocol.delegation import Issuer
+from kvasird.inference.protocol.experts import ADMITTED_S, ExpertRequest, Outputs, selections
 from kvasird.inference.server.engine import INLINE_TOKENS, run_short
 from kvasird.inference.stepcontext import COMPANY, TALLY
-from kvasird.inference.transport.channel import Channels
+from kvasird.inference.transport.channel import SMALL_FRAME, Channels
 from kvasird.logs import get_logger
 
 MAX_ATTEMPTS = 4
 LAST_RESORT_PAUSE_S = 0.25
 """The wait before sending rows to a worker that failed lately (the last resort)."""
+_Part = tuple[np.ndarray, np.ndarray, bytes]
+"""One session's rows for a worker: (rows, global ids, its gateway's delegation)."""
 Piece = tuple[str, int, int, int, int]
 """(worker, first expert, end, the worker's advertised range start e0, its end)."""
 LocalExperts = Callable[[int, int], "tuple[ExpertWorker, int, int] | None"]
@@ -71,28 +84,34 @@ log = get_logger("kvasird.inference.client.dispatch")
 class ExpertDispatcher:
     """Computes expert ranges this node lacks on the workers that hold them."""
 
-    def __init__(self, me: str, holders: Callable[[], list[PeerHoldings]], channels: Channels,
-                 latency: Latency, fitness: Fitness, local: LocalExperts, *, timeout_s: float,
-                 wire_dtype: str, spot_check: float, tolerance: float,
+    def __init__(self, issuer: Issuer, holders: Callable[[], list[PeerHoldings]],
+                 channels: Channels, latency: Latency, fitness: Fitness, local: LocalExperts, *,
+                 timeout_s: float, wire_dtype: str, spot_check: float, tolerance: float,
                  hot: HotExperts | None = None,
                  accuse: Callable[[str, str], Awaitable[None]] | None = None,
-                 window_s: float = 0.0) -> None:
-        self.me, self.holders, self.channels, self.local = me, holders, channels, local
+                 window_s: float = 0.0, spot: SpotChecks | None = None) -> None:
+        self.issuer, self.me = issuer, issuer.peer_id
+        self.holders, self.channels, self.local = holders, channels, local
         self.accuse = accuse
         self.hot = hot or HotExperts(None, 0, 0)
         self.latency, self.fitness = latency, fitness
         self.timeout_s, self.wire_dtype = timeout_s, wire_dtype
-        self.spot_check, self.tolerance = spot_check, tolerance
+        self.tolerance = tolerance
+        self.spot = spot or SpotChecks(0.0, spot_check, tolerance)
+        """Draws the calls checked (at its experts' rate); keeps the evidence of workers
+        caught and the ranges nobody else holds."""
         self.window_s = window_s
         """Longest the rows of one session wait for other interleaved sessions' (remote)."""
         self._outgoing: dict[tuple[str, int, int, int], _Outgoing] = {}
+        self._admitted: dict[str, float] = {}
+        """Worker -> when it last answered us (time.monotonic): within ADMITTED_S / 2 it
+        still takes our large frames."""
         self.selected: Counter[tuple[int, int]] = Counter()
         """(layer, expert) -> times selected since the last load report."""
         self.stats = Counter[str]()
         """calls, rows, coalesced (sessions' rows that went in another's message),
         failovers, spot_checks, caught, unresolved, hot_rows, hot_fetched (cached experts
         whose bytes came from peers)."""
-        self._rng = random.Random()
 
     def shard(self, layer: int, first: int, end: int) -> ExpertShard:
         """Experts [first, end) of `layer` on other peers: awaited from the event loop
@@ -221,53 +240,72 @@ class ExpertDispatcher:
         one the disagreement is only counted (nobody is sentenced on a coin toss).
         """
         out = await self.remote(peer, e0, layer, rows, gids)
-        if self.spot_check <= 0 or self._rng.random() >= self.spot_check:
+        spot = self.spot
+        if not spot.draw(spot.experts, peer):
             return out
         self.stats["spot_checks"] += 1
+        unit = self._unit(peer, e0, layer, gids)
         own = self.local(layer, int(gids.min()))
         if own is not None and own[1] <= int(gids.min()) and int(gids.max()) < own[2]:
             worker, first, _ = own
             ref = await run_short([worker], len(rows) <= INLINE_TOKENS, worker, layer, rows,
                                   gids - first)
-            if self._close(out, ref):
+            if spot.compared(spot.experts, divergence(out, ref)):
                 return out
-            await self._caught(peer, layer)
+            await self._caught(peer, unit, [self.me], rows, out, ref)
             return ref
         others = self._replicas(layer, gids, exclude={peer})
         if not others:
+            spot.nobody(spot.experts, unit)
             return out
         # The auditor is drawn, not the fastest: a liar slower than its replicas would
         # otherwise never be asked (and a CI run caught no one once, for that reason).
-        others.insert(0, others.pop(self._rng.randrange(len(others))))
+        others.insert(0, others.pop(spot.rng.randrange(len(others))))
         second, s_e0 = others[0]
         ref = await self.remote(second, s_e0, layer, rows, gids)
-        if self._close(out, ref):
+        if spot.compared(spot.experts, divergence(out, ref)):
             return out
         if len(others) < 2:
             self.stats["unresolved"] += 1
+            spot.experts.unresolved += 1
             log.warning("spot check disagreement without a third replica", peer=peer,
                         other=second, layer=layer)
             return out
         judge = await self.remote(others[1][0], others[1][1], layer, rows, gids)
         if self._close(out, judge):
-            await self._caught(second, layer)
+            await self._caught(second, unit, [peer, others[1][0]], rows, ref, judge)
             return out
-        await self._caught(peer, layer)
+        await self._caught(peer, unit, [second, others[1][0]], rows, out, judge)
         if not self._close(ref, judge):
-            await self._caught(second, layer)
+            await self._caught(second, unit, [others[1][0]], rows, ref, judge)
         return judge
 
-    async def _caught(self, peer: str, layer: int) -> None:
+    async def _caught(self, peer: str, unit: str, checkers: list[str], rows: np.ndarray,
+                      out: np.ndarray, ref: np.ndarray) -> None:
+        """`peer` answered `out` where the judges computed `ref`: nothing it computed for
+        this session is reported in the stage's Close tally, it is avoided, accused on
+        gossip, and the evidence is kept."""
         self.stats["caught"] += 1
-        reason = f"spot check failed on layer {layer}"
+        tally = TALLY.get()
+        if tally is not None:
+            tally.experts.pop(peer, None)
+        self.spot.caught("experts", peer, unit, checkers, rows, out, ref, divergence(out, ref))
+        reason = f"spot check failed on {unit}"
         self.fitness.mark(peer, reason)
-        log.warning("worker failed a spot check: marked unfit", peer=peer, layer=layer)
+        log.warning("worker failed a spot check: marked unfit", peer=peer, unit=unit)
         if self.accuse is not None:
             await self.accuse(peer, reason)
 
     def _close(self, a: np.ndarray, b: np.ndarray) -> bool:
-        scale = max(float(np.abs(b).max()), 1e-6)
-        return float(np.abs(a - b).max()) / scale <= self.tolerance
+        return divergence(a, b) <= self.tolerance
+
+    def _unit(self, peer: str, e0: int, layer: int, gids: np.ndarray) -> str:
+        """The range `peer` holds that a call to it computed, as the status page names it
+        (one name per range, however many calls)."""
+        lo, hi = int(gids.min()), int(gids.max()) + 1
+        e1 = next((b for p, a, b in expert_holders(self.holders(), layer, lo, hi)
+                   if p == peer and a == e0), hi)
+        return f"experts {e0}-{e1 - 1} of layer {layer}"
 
     def _replicas(self, layer: int, gids: np.ndarray, exclude: set[str]) -> list[tuple[str, int]]:
         lo, hi = int(gids.min()), int(gids.max()) + 1
@@ -282,18 +320,22 @@ class ExpertDispatcher:
         """One worker call: rows and local ids (global - e0, e0 the start of the range the
         worker advertises, sent along so a worker can check it) out, outputs back; the
         work (the experts the rows selected) is counted to the session the step computes
-        for.
+        for, whose gateway's delegation goes with the rows (ours, for no session).
         """
         tally = TALLY.get()
+        if tally is not None and not tally.delegation:
+            raise Refusal("bad", "the session's gateway sent no delegation when it opened it: "
+                                 "expert workers compute none of its rows without one "
+                                 "(upgrade the gateway)")
         out = await self._remote(peer, e0, layer, rows, gids,
-                                 tally.owner if tally is not None else self.me)
+                                 tally.delegation if tally is not None else self.issuer.own())
         if tally is not None:
-            tally.experts[peer] += _selections(gids)
+            tally.experts[peer] += selections(gids)
         return out
 
     async def _remote(self, peer: str, e0: int, layer: int, rows: np.ndarray,
-                      gids: np.ndarray, owner: str) -> np.ndarray:
-        """The call of ``remote``, for the session of gateway ``owner``.
+                      gids: np.ndarray, delegation: bytes) -> np.ndarray:
+        """The call of ``remote``, for the session `delegation` is for.
 
         While other sessions' decode steps are interleaved on this node's stages, the rows
         of several of them for one worker and layer go as one message: the first waits up
@@ -301,33 +343,28 @@ class ExpertDispatcher:
         call on the worker instead of one each)."""
         company = COMPANY.get()
         others = company.now - 1 if company is not None else 0
+        part = (rows, gids, delegation)
         if self.window_s <= 0 or others <= 0:
-            return await self._request(peer, e0, layer, rows, gids, {owner})
+            return (await self._send(peer, e0, layer, [part]))[0]
         key = (peer, e0, layer, gids.shape[1])
         joining = self._outgoing.get(key)
         if joining is not None:
             at = len(joining.parts)
-            joining.parts.append((rows, gids))
-            joining.owners.add(owner)
+            joining.parts.append(part)
             if len(joining.parts) >= joining.want:
                 joining.full.set()
             await joining.done.wait()
             if joining.error is not None:
                 raise joining.error
             if joining.outs is None:  # the first gave up waiting (it was cancelled): go alone
-                return await self._request(peer, e0, layer, rows, gids, {owner})
+                return (await self._send(peer, e0, layer, [part]))[0]
             return joining.outs[at]
-        batch = self._outgoing[key] = _Outgoing(others + 1, [(rows, gids)], {owner})
+        batch = self._outgoing[key] = _Outgoing(others + 1, [part])
         try:
             with trio.move_on_after(self.window_s):
                 await batch.full.wait()
             del self._outgoing[key]  # what joined goes now; later rows start their own
-            out = await self._request(peer, e0, layer,
-                                      np.concatenate([r for r, _ in batch.parts]),
-                                      np.concatenate([g for _, g in batch.parts]),
-                                      batch.owners)
-            bounds = np.cumsum([len(r) for r, _ in batch.parts])[:-1]
-            batch.outs = np.split(out, bounds)
+            batch.outs = await self._send(peer, e0, layer, batch.parts)
             self.stats["coalesced"] += len(batch.parts) - 1
             return batch.outs[0]
         except HopFailed as exc:
@@ -338,12 +375,44 @@ class ExpertDispatcher:
                 del self._outgoing[key]
             batch.done.set()
 
+    async def _send(self, peer: str, e0: int, layer: int, parts: list[_Part]
+                    ) -> list[np.ndarray]:
+        """Each part's outputs, from one request whose rows go grouped by delegation (each
+        group announced in ``for``, in the order of the rows)."""
+        first: dict[bytes, int] = {}
+        for _, _, d in parts:
+            first.setdefault(d, len(first))
+        order = sorted(range(len(parts)), key=lambda i: first[parts[i][2]])
+        groups: Counter[bytes] = Counter()
+        for _, g, d in parts:
+            groups[d] += len(g)
+        rows = np.concatenate([parts[i][0] for i in order]) if len(parts) > 1 else parts[0][0]
+        gids = np.concatenate([parts[i][1] for i in order]) if len(parts) > 1 else parts[0][1]
+        out = await self._request(peer, e0, layer, rows, gids, list(groups.items()))
+        bounds = np.cumsum([len(parts[i][0]) for i in order])[:-1]
+        outs = dict(zip(order, np.split(out, bounds), strict=True))
+        return [outs[i] for i in range(len(parts))]
+
     async def _request(self, peer: str, e0: int, layer: int, rows: np.ndarray,
-                       gids: np.ndarray, owners: set[str]) -> np.ndarray:
-        msg = ExpertRequest(layer, e0, rows, gids - e0, tuple(sorted(owners)),
-                            self.wire_dtype).to_wire()
+                       gids: np.ndarray, groups: list[tuple[bytes, int]]) -> np.ndarray:
+        """One request; to a worker that has not admitted us lately, a request too large
+        for its small frames goes as its first row alone, then the rest."""
+        itemsize = 2 if self.wire_dtype == "f16" else 4
+        if len(rows) > 1 and rows.size * itemsize + gids.size * 4 > SMALL_FRAME // 2 and \
+                time.monotonic() - self._admitted.get(peer, -math.inf) > ADMITTED_S / 2:
+            rest = [(groups[0][0], groups[0][1] - 1)] if groups[0][1] > 1 else []
+            head = await self._request(peer, e0, layer, rows[:1], gids[:1],
+                                       [(groups[0][0], 1)])
+            tail = await self._request(peer, e0, layer, rows[1:], gids[1:], rest + groups[1:])
+            return np.concatenate([head, tail])
+        msg = ExpertRequest(layer, e0, rows, gids - e0, tuple(groups), self.wire_dtype).to_wire()
         began = time.perf_counter()
-        reply = await self.channels.request(peer, EXPERT_PROTOCOL, msg, self.timeout_s)
+        try:
+            reply = await self.channels.request(peer, EXPERT_PROTOCOL, msg, self.timeout_s)
+        except HopFailed:
+            self._admitted.pop(peer, None)  # it may have restarted: small frames first again
+            raise
+        self._admitted[peer] = time.monotonic()
         self.latency.observe(peer, (time.perf_counter() - began) * 1000)
         self.stats["calls"] += 1
         self.stats["rows"] += len(rows)
@@ -363,23 +432,12 @@ class _Outgoing:
 
     want: int
     """Sessions stepping when the first came: the message goes once this many joined."""
-    parts: list[tuple[np.ndarray, np.ndarray]]
-    """(rows, global ids) of each, in the order they joined."""
-    owners: set[str]
-    """The gateways whose sessions the rows are for (the worker checks each)."""
+    parts: list[_Part]
+    """Each session's part, in the order they joined."""
     full: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
     outs: list[np.ndarray] | None = None
     error: HopFailed | None = None
-
-
-def _selections(gids: np.ndarray) -> int:
-    """Experts the rows actually selected: rows are padded with repeats of their first id
-    (compute.experts packs them), and a row never selects an expert twice."""
-    if len(gids) == 1:
-        return len(set(gids[0].tolist()))
-    ordered = np.sort(gids, axis=1)
-    return int(len(ordered) + np.count_nonzero(np.diff(ordered, axis=1)))
 
 
 def _combine(layer: int, rows: np.ndarray, gids: np.ndarray, pieces: list[Piece],

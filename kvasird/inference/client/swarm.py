@@ -39,6 +39,16 @@ stages' close replies add the expert rows they had computed elsewhere for the se
 they did; a failed step counts for no one. `work(request_id)` hands the totals to the
 gateway once the generation has ended.
 
+Spot checks (spotcheck): the first prompt chunk of every route is relayed hop by hop, so
+the gateway sees what each hop was given and answered; each hop is drawn for a check with
+probability ``[inference] spot_check_stages``, recomputed by other holders of its part
+(this node first) in throwaway sessions and compared under ``spot_tolerance``. A hop
+caught gets nothing for the generation (`work` leaves it out), is avoided for unfit_s and
+accused on gossip, and the generation is replayed on a route without it; the checkers'
+work is counted like any hop's. A hop drawn that nobody else can recompute is counted
+as unchecked (the status page names it). The relayed chunk is a request per hop: a hop
+that hangs during it is found at the step timeout, not by the probe of a chain.
+
 Failover: when a hop fails, times out or refuses, its peer is avoided for a while
 (failover.judge), sessions on the old route are closed, a new route is planned, and the
 token history is replayed there exactly as it was first computed: the prompt in the
@@ -55,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import secrets
 import time
 from collections import Counter
@@ -86,7 +97,7 @@ from kvasird.inference.client.affinity import (
     hop_keys,
     prefer,
 )
-from kvasird.inference.client.failover import Accusations, judge
+from kvasird.inference.client.failover import Accusations, Lied, judge
 from kvasird.inference.client.routing import (
     AVOIDED_MS,
     EWMA,
@@ -98,9 +109,19 @@ from kvasird.inference.client.routing import (
     plan_route,
     uncovered,
 )
+from kvasird.inference.client.spotcheck import (
+    Seen,
+    SpotChecks,
+    agrees,
+    as_array,
+    cover,
+    unit_name,
+)
 from kvasird.inference.errors import HopFailed, Refusal, Refused, Silent, Unreachable
 from kvasird.inference.protocol import STAGE_PROTOCOL
+from kvasird.inference.protocol.delegation import Issuer, life_s
 from kvasird.inference.protocol.stage import (
+    MAX_TOP,
     Close,
     Closed,
     Failure,
@@ -137,6 +158,7 @@ REPLAN_EVERY_S = 0.25
 log = get_logger("kvasird.inference.client.swarm")
 
 LocalHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+Accuse = Callable[[str, str], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -202,7 +224,8 @@ class SwarmGenerator:
     def __init__(self, me: str, info: Callable[[], ModelInfo | None], n_layer: Callable[[], int],
                  holders: Callable[[], list[PeerHoldings]], channels: Channels,
                  local: LocalHandler, latency: Latency, fitness: Fitness,
-                 config: InferenceConfig, inbox: Inbox) -> None:
+                 config: InferenceConfig, inbox: Inbox, *, spot: SpotChecks | None = None,
+                 accuse: Accuse | None = None, issuer: Issuer | None = None) -> None:
         self.me, self.info, self.n_layer, self.holders = me, info, n_layer, holders
         self.channels, self.local, self.inbox = channels, local, inbox
         self.latency, self.fitness, self.config = latency, fitness, config
@@ -220,6 +243,14 @@ class SwarmGenerator:
         """Prefill time per prompt token (EWMA of the prefills this node ran)."""
         self.reused = 0
         """Prompt positions that generations started from a kept prefix, since start."""
+        self.spot = spot or SpotChecks(config.spot_check_stages, config.spot_check,
+                                       config.spot_tolerance)
+        """Spot checks of the stages (the evidence of those caught, the units unchecked)."""
+        self.accuse = accuse
+        """Tells the network of a stage caught by a spot check (verdicts), when set."""
+        self.issuer = issuer
+        """Signs each hop's delegation at open (protocol.delegation); without one the opens
+        carry none, and hops that send expert rows to other peers cannot step."""
 
     def models(self) -> list[ModelInfo]:
         info = self.info()
@@ -418,13 +449,20 @@ class _Run:
         """The tokens fed to the route (the generation's history, shared)."""
         self.cached = 0
         """Prompt positions the first route started from a kept prefix (not computed)."""
+        self.produced = 0
+        """Tokens generated before the current route started (0 on the first route)."""
+        self.caught: set[str] = set()
+        """Peers caught out of tolerance by a spot check in this generation: whatever they
+        did for it is paid to nobody."""
 
     def work(self) -> tuple[HopWork, ...]:
         """The units each peer did, with its time per token as this node measured it (the
-        hop's own relayed timing where there is one, else the whole step's)."""
+        hop's own relayed timing where there is one, else the whole step's); none for a
+        peer caught by a spot check."""
         p = self.progress
         return tuple(HopWork(peer, units, p.hop_ms.get(peer, p.step_ms))
-                     for peer, units in self.units.items() if units > 0)
+                     for peer, units in self.units.items()
+                     if units > 0 and peer not in self.caught)
 
     def _count(self, n: int) -> None:
         """A step of n positions succeeded on the current route."""
@@ -437,7 +475,10 @@ class _Run:
                 self.gen.fitness.healthy(hop.peer)
 
     def _count_experts(self, hop: Hop, i: int, closed: Closed) -> None:
-        """The expert work hop i's session reports at close, within what it could have sent."""
+        """The expert work hop i's session reports at close, within what it could have sent
+        (nothing from a stage caught by a spot check: its word is worth nothing)."""
+        if hop.peer in self.caught:
+            return
         room = self.positions[i] * (hop.end - hop.first) * MAX_EXPERTS_PER_ROW
         for peer, units in closed.experts:
             if units <= room and peer != hop.peer:
@@ -461,7 +502,7 @@ class _Run:
         ones bit for bit, tests/integration/test_prefix.py). A replay after a failover
         starts from nothing, so that the new route's KV holds the bits the old one's did."""
         gen, prompt = self.gen, len(history) - produced
-        self.history = history
+        self.history, self.produced = history, produced
         # the pages before the prompt's last token: it is computed whatever a hop holds,
         # and a delta-net's state cannot go back to it from the page after
         keys = page_keys(history[:prompt - 1]) if first and gen.config.prefix_cache else b""
@@ -487,7 +528,8 @@ class _Run:
                 f"{self.sid}.{i}", self.model, hop.first, hop.end, hop.embed, hop.head,
                 self.max_tokens, self.logprobs, self.route.hops[i - 1].peer if i else "",
                 self.sampling, max(produced - 1, 0), prompt,
-                hop_keys(keys, self.route, i) if keys else b""))
+                hop_keys(keys, self.route, i) if keys else b"",
+                gen.issuer.issue(hop.peer, life_s(self.max_tokens)) if gen.issuer else b""))
             cached = min(cached, _read(hop.peer, Opened.from_wire, reply).cached)
         begin = min(cached, prompt - 1) // PAGE * PAGE if keys else 0
         gen.reused += begin
@@ -495,7 +537,8 @@ class _Run:
             self.cached = begin
         began = time.perf_counter()
         for c in range(begin, prompt, PREFILL_CHUNK):
-            event = await self._forward(history, c, min(c + PREFILL_CHUNK, prompt))
+            event = await self._forward(history, c, min(c + PREFILL_CHUNK, prompt),
+                                        audit=c == begin)
         if prompt - begin >= PREFILL_CHUNK:  # long enough to say what a prefill costs
             ms = (time.perf_counter() - began) * 1000 / (prompt - begin)
             gen.prefill_ms = (1 - EWMA) * gen.prefill_ms + EWMA * ms
@@ -527,31 +570,156 @@ class _Run:
                 exc = again
 
     async def _forward(self, history: list[int], start: int, end: int,
-                       singly: bool = False) -> TokenEvent:
+                       singly: bool = False, audit: bool = False) -> TokenEvent:
+        """One step along the route; `audit`: the route's first prompt chunk, relayed and
+        spot-checked (`_audited`)."""
         assert self.route is not None
         ids = tuple(history[start:end])
         self.steps += 1
-        if len(self.route.hops) > 1 and (len(ids) > 1 or self.steps % RELAY_EVERY != 1):
+        if audit:
+            event = await self._audited(ids, start)
+        elif len(self.route.hops) > 1 and (len(ids) > 1 or self.steps % RELAY_EVERY != 1):
             event = await self._chain(ids, start, singly)
         else:
             event = await self._relay(ids, start, singly)
         self._count(len(ids))
         return event
 
-    async def _relay(self, ids: tuple[int, ...], start: int, singly: bool = False
-                     ) -> TokenEvent:
-        """One step relayed hop by hop through this node, each hop timed."""
+    async def _relay(self, ids: tuple[int, ...], start: int, singly: bool = False,
+                     trail: list[Seen] | None = None) -> TokenEvent:
+        """One step relayed hop by hop through this node, each hop timed (and what each was
+        given and answered kept in `trail`, when given)."""
         assert self.route is not None
-        x, dt = np.asarray(ids), "i32"
-        for i, hop in enumerate(self.route.hops):
-            reply = await self._call(hop, Step(f"{self.sid}.{i}", start, x, dt,
+        out = await self._through(self.route.hops, self.sid, np.asarray(ids), "i32", ids,
+                                  start, singly, trail)
+        if not isinstance(out, TokenEvent):
+            raise HopFailed(self.route.hops[-1].peer, "the route ends before the head")
+        self.answered = time.monotonic()
+        return out
+
+    async def _through(self, hops: tuple[Hop, ...], sid: str, x: np.ndarray, dt: str,
+                       ids: tuple[int, ...], start: int, singly: bool = False,
+                       trail: list[Seen] | None = None) -> TokenEvent | np.ndarray:
+        """`x` through the sessions `sid`.i of `hops`, one request each: the head's token, or
+        the last hop's rows when none samples."""
+        for i, hop in enumerate(hops):
+            reply = await self._call(hop, Step(f"{sid}.{i}", start, x, dt,
                                                ids if hop.head else None, singly=singly))
             if hop.head:
-                self.answered = time.monotonic()
-                return _read(hop.peer, _head_reply, reply)
+                event = _read(hop.peer, _head_reply, reply)
+                if trail is not None:
+                    trail.append(Seen(hop, x, dt, event))
+                return event
             hidden = _read(hop.peer, Hidden.from_wire, reply)
+            if trail is not None:
+                trail.append(Seen(hop, x, dt, hidden.x))
             x, dt = hidden.x, hidden.dt
-        raise HopFailed(self.route.hops[-1].peer, "the route ends before the head")
+        return x
+
+    async def _audited(self, ids: tuple[int, ...], start: int) -> TokenEvent:
+        """The route's first prompt chunk, relayed hop by hop whether or not it is checked
+        (a hop cannot tell the sessions drawn for a check), each hop drawn for a spot check
+        with probability ``spot_check_stages``. The checks run at once, side by side, before
+        the generation goes on; a hop caught fails the step (Lied), so the generation is
+        replayed on a route without it, and its work is paid to nobody."""
+        assert self.route is not None
+        trail: list[Seen] = []
+        event = await self._relay(ids, start, trail=trail)
+        spot, me = self.gen.spot, self.gen.me
+        drawn = [s for s in trail if s.hop.peer != me and spot.draw(spot.stages, s.hop.peer)]
+        if start > 0:  # the hops began from kept KV, which a checker does not have
+            for seen in drawn:
+                spot.nobody(spot.stages, f"{unit_name(seen.hop)} (from a kept prefix)")
+            return event
+        async with trio.open_nursery() as nursery:
+            for seen in drawn:
+                nursery.start_soon(self._check, seen, ids)
+        if caught := [p for p in self.route.peers if p in self.caught]:
+            raise Lied(caught[0], "failed a spot check: its output was out of tolerance")
+        return event
+
+    async def _check(self, seen: Seen, ids: tuple[int, ...]) -> None:
+        """Recompute what hop `seen` did on other holders of its part and compare. This
+        node's own recomputation is authoritative; a peer's is one opinion, and when it
+        disagrees a second one (other holders again) decides: the checked hop is caught
+        when both disagree with it, the first checker when it alone (not a chain, where
+        which piece erred is not known) is contradicted by the second, nobody when the
+        three disagree or there is no second."""
+        spot, hop, me = self.gen.spot, seen.hop, self.gen.me
+        greedy = self.sampling.temperature <= 0
+        refs: list[tuple[tuple[Hop, ...], np.ndarray | TokenEvent]] = []
+        while len(refs) < 2:
+            exclude = {hop.peer, *(p.peer for c, _ in refs for p in c if p.peer != me)}
+            pieces = cover(hop, self.gen._fit(), exclude, me, spot.rng)
+            if pieces is None:
+                break
+            try:
+                refs.append((pieces, await self._recompute(pieces, seen, ids)))
+            except HopFailed as exc:
+                spot.stages.failed += 1
+                log.info("a spot check could not be finished: its checker failed",
+                         peer=hop.peer, checker=exc.peer, reason=exc.reason[:200])
+                return
+            ok, diff = agrees(seen.out, refs[-1][1], spot.tolerance, greedy)
+            if spot.compared(spot.stages, diff if ok else math.inf):
+                if len(refs) > 1 and len(refs[0][0]) == 1:  # the first checker erred
+                    await self._condemn(refs[0][0][0].peer, seen, refs[0][1], seen.out,
+                                        [hop.peer, *(p.peer for p in pieces)])
+                elif len(refs) > 1:
+                    spot.stages.unresolved += 1
+                return
+            if all(p.peer == me for p in pieces):
+                break
+        if not refs:
+            spot.nobody(spot.stages, unit_name(hop))
+        elif all(p.peer == me for p in refs[-1][0]) or (
+                len(refs) == 2 and agrees(refs[0][1], refs[1][1], spot.tolerance, greedy)[0]):
+            await self._condemn(hop.peer, seen, seen.out, refs[-1][1],
+                                [p.peer for c, _ in refs for p in c])
+        else:
+            spot.stages.unresolved += 1
+            log.warning("a stage's spot check disagreed with its checker and nobody else "
+                        "could decide", peer=hop.peer,
+                        checkers=[p.peer for c, _ in refs for p in c])
+
+    async def _condemn(self, peer: str, seen: Seen, out: np.ndarray | TokenEvent,
+                       ref: np.ndarray | TokenEvent, checkers: list[str]) -> None:
+        """`peer` answered `out` for hop `seen` where `checkers` computed `ref`: the evidence
+        is kept, nothing it did for this generation is paid, it is avoided for unfit_s,
+        and the network hears of it."""
+        spot, unit = self.gen.spot, unit_name(seen.hop)
+        _, diff = agrees(out, ref, spot.tolerance, self.sampling.temperature <= 0)
+        spot.caught("stage", peer, unit, checkers, seen.x, as_array(out), as_array(ref), diff)
+        self.caught.add(peer)
+        reason = f"failed a spot check of {unit}"
+        self.gen.fitness.mark(peer, reason)
+        if self.gen.accuse is not None:
+            await self.gen.accuse(peer, reason)
+
+    async def _recompute(self, pieces: tuple[Hop, ...], seen: Seen, ids: tuple[int, ...]
+                         ) -> np.ndarray | TokenEvent:
+        """What `pieces` compute from the input `seen.hop` had, in throwaway sessions (the
+        same chunk from position 0, the head drawing as the route's head did); their work is
+        counted to them like any hop's."""
+        gen, sid, n = self.gen, secrets.token_hex(8), len(ids)
+        draws, prompt = max(self.produced - 1, 0), len(self.history) - self.produced
+        opened: list[int] = []
+        try:
+            for j, p in enumerate(pieces):
+                _read(p.peer, Opened.from_wire, await self._call(p, Open(
+                    f"{sid}.{j}", self.model, p.first, p.end, p.embed, p.head, n,
+                    MAX_TOP if p.head else 0, "", self.sampling, draws, prompt,
+                    delegation=gen.issuer.issue(p.peer, life_s(n)) if gen.issuer else b"")))
+                opened.append(j)
+            out = await self._through(pieces, sid, seen.x, seen.dt, ids, 0)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                for j in opened:
+                    with contextlib.suppress(HopFailed):
+                        await self._call(pieces[j], Close(f"{sid}.{j}"))
+        for p in pieces:
+            self.units[p.peer] += n * (p.end - p.first + p.head)
+        return out
 
     async def _chain(self, ids: tuple[int, ...], start: int, singly: bool = False
                      ) -> TokenEvent:
@@ -680,7 +848,7 @@ class _Run:
             reply = await self.gen.channels.request(hop.peer, STAGE_PROTOCOL,
                                                     message.to_wire(), timeout)
         ms = (time.perf_counter() - began) * 1000
-        if isinstance(message, Step):
+        if isinstance(message, Step) and len(message.x) == 1:  # a decode step's time
             self.progress.hop_ms[hop.peer] = round(ms, 2)
             if hop.peer != self.gen.me:
                 self.gen.latency.observe(hop.peer, ms)

@@ -4,6 +4,7 @@
                the replies Hidden, TokenEvent, Pong, Closed; sampling's one wire form
     experts    "/kvasir/experts/1": ExpertRequest, and its reply Outputs
     tensors    arrays on the wire: raw f32/f16/i32 bytes in msgpack bin fields, validated
+    delegation a gateway's signed word that a stage computes rows of its sessions
 
 Every message is a frozen type with ``from_wire`` (strict: types, bounds, real booleans;
 WireError naming the field) and ``to_wire``. channel.serve hands each frame to its
@@ -15,7 +16,8 @@ as tensors maps; a refusal is {"error": reason, "code": one of errors.CODES: "bu
 defines for it and for its reply:
 
     Open    {op: open, sid, model, first, end, embed, head, max_tokens, logprobs, prev,
-             sampling: {temperature, top_k, top_p, repetition_penalty, seed}, draws}  -> {}
+             sampling: {temperature, top_k, top_p, repetition_penalty, seed}, draws,
+             delegation (the gateway's, to this hop)}  -> {}
     Step    {op: step, sid, start, x: i32 [T] | f32/f16 [T, n_embd], ids (head hop: the T
              tokens), singly? (true: compute the T positions one at a time, an exact
              replay of decode steps)}  -> Hidden {x: [T, n_embd]}  or, at the head,
@@ -23,14 +25,14 @@ defines for it and for its reply:
     Close   {op: close, sid}                        -> Closed {experts?: {worker peer: units}}
     Ping    {op: ping, sid}                                  -> Pong {at: positions computed}
     ExpertRequest {op: experts, layer, first, rows: [m, n_embd], ids: i32 [m, n] counted
-             from first, for: [gateway peer, ...]}             -> Outputs {out: [m, n, n_embd]}
+             from first, for: [[delegation, rows], ...]}       -> Outputs {out: [m, n, n_embd]}
 
 Accounting: the gateway measures each stage's work itself (positions x layers); what it
 cannot see is the expert rows a stage sent on, so closing a session answers with the
 units (the experts its rows selected) each expert worker computed for it, and every
-expert request names the gateways whose sessions its rows belong to (``for``). Paid
-networks: a session opens, and a worker computes, only for gateways ``admit`` accepts
-("unpaid" refusal otherwise).
+expert request proves whose sessions its rows belong to (``for``: each gateway's signed
+delegation to the caller, with its rows). Paid networks: a session opens, and a worker
+computes, only for gateways ``admit`` accepts ("unpaid" refusal otherwise).
 
 Forwarding (one-way messages, id 0): a Step with a Forward part, ``back: {ticket}`` and
 ``next: [[peer, sid], ...]`` (the rest of the route), is answered by no one. The stage

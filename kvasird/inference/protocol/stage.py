@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from kvasird.compute.sampling import MAX_GRAMMAR_CHARS, SamplingParams
 from kvasird.errors import WireError
 from kvasird.inference.api import TokenEvent
 from kvasird.inference.errors import Code, code_of
-from kvasird.inference.protocol import MAX_LAYERS, tensors
+from kvasird.inference.protocol import MAX_LAYERS, delegation, tensors
 from kvasird.wire import schema
 
 MAX_POSITIONS = 1 << 22
@@ -77,6 +77,9 @@ class Open:
     prefix: bytes = b""
     """The page keys of the prompt's full pages (kvcache.page_keys): the hop starts the
     session from the longest run of them it kept and answers how far (Opened)."""
+    delegation: bytes = b""
+    """The caller's signed delegation to this hop (protocol.delegation), which the hop sends
+    with the session's expert requests; a hop that dispatches experts needs one."""
 
     def to_wire(self) -> dict[str, Any]:
         out = {"op": "open", "sid": self.sid, "model": self.model, "first": self.first,
@@ -85,6 +88,8 @@ class Open:
                "logprobs": self.logprobs, "draws": self.draws, "prev": self.prev}
         if self.prefix:
             out["prefix"] = self.prefix
+        if self.delegation:
+            out["delegation"] = self.delegation
         return {**out, "prompt": self.prompt} if self.prompt else out
 
     @staticmethod
@@ -104,7 +109,7 @@ class Open:
                     schema.text(d, "prev", 128, "stage") if "prev" in d else "",
                     sampling, draws,
                     schema.integer(d, "prompt", 0, MAX_POSITIONS, "stage") if "prompt" in d else 0,
-                    _keys(d, "prefix", max_tokens))
+                    _keys(d, "prefix", max_tokens), _delegation(d))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +153,11 @@ class Step:
     start: int
     """Position of the first row."""
     x: np.ndarray
-    """Token ids (int32 [T]) or hidden rows (float32 [T, n_embd]); on a forwarded step
-    the rows as sent, NaN or infinity included, for the stage to refuse naming the hop
-    that sent them (read strictly, the frame would be dropped and nobody told why)."""
+    """Token ids (int32 [T]) or hidden rows (float32 [T, n_embd]). As received: the values
+    as they travelled (a view of the frame, f16 included, unchecked) until ``widened``,
+    which the server calls once it knows the session; on a forwarded step NaN or infinity
+    pass, for the stage to refuse naming the hop that sent them (read strictly, the frame
+    would be dropped and nobody told why)."""
     dt: str = "i32"
     """How x travels: "i32" for ids, "f32" or "f16" for rows."""
     ids: tuple[int, ...] | None = None
@@ -180,9 +187,14 @@ class Step:
                 out["trace"] = [list(h) for h in f.trace]
         return out
 
+    def widened(self) -> Step:
+        """The step with its rows as float32 (tensors.widen: a copy, checked finite unless
+        forwarded); token ids as they are."""
+        return replace(self, x=tensors.widen(self.x, "stage.x", finite=self.forward is None))
+
     @staticmethod
     def from_wire(d: dict[str, Any]) -> Step:
-        x, dt = _rows(d.get("x"), "stage.x", finite="back" not in d)
+        x, dt = _viewed(d.get("x"), "stage.x")
         ids = d.get("ids")
         return Step(schema.text(d, "sid", 64, "stage"),
                     schema.integer(d, "start", 0, MAX_POSITIONS, "stage"), x, dt,
@@ -431,15 +443,32 @@ def _ids(value: Any, n: int) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _rows(value: Any, what: str, finite: bool = True) -> tuple[np.ndarray, str]:
-    """Token ids (i32, [T]) or hidden rows (f32/f16, [T, width]) and how they travelled;
-    rows that are not all finite only when not `finite` (tensors.decode)."""
+def _rows(value: Any, what: str) -> tuple[np.ndarray, str]:
+    """Token ids (i32, [T]) or hidden rows (f32/f16, [T, width], finite) and how they
+    travelled."""
+    x, dt = _viewed(value, what)
+    return tensors.widen(x, what), dt
+
+
+def _viewed(value: Any, what: str) -> tuple[np.ndarray, str]:
+    """``_rows`` as they travelled, validated but neither copied nor checked finite
+    (tensors.view)."""
     dt = value.get("dt") if isinstance(value, dict) else None
     if dt == "i32":
-        return tensors.decode(value, what, ("i32",), (None,)), "i32"
+        return tensors.view(value, what, ("i32",), (None,)), "i32"
     if dt not in ("f32", "f16"):
         raise WireError(f"{what}.dt: expected one of ['i32', 'f32', 'f16'], got {dt!r:.40}")
-    return tensors.decode(value, what, ("f32", "f16"), (None, None), finite=finite), dt
+    return tensors.view(value, what, ("f32", "f16"), (None, None)), dt
+
+
+def _delegation(d: dict[str, Any]) -> bytes:
+    if "delegation" not in d:
+        return b""
+    v = d["delegation"]
+    if type(v) is not bytes or not 0 < len(v) <= delegation.MAX_BYTES:
+        raise WireError(f"stage.delegation: expected a signed delegation of at most "
+                        f"{delegation.MAX_BYTES} bytes")
+    return v
 
 
 def _trace(value: Any, most: int) -> tuple[tuple[float, ...], ...] | None:

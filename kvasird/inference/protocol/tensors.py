@@ -7,6 +7,11 @@ dimensions, element limit, byte length) before numpy sees the bytes, and always 
 back float32 or int32, so f16 is a wire format only. Floats must be finite, unless the
 receiver asks for them as sent (``finite=False``) to say itself whose fault they are not:
 a stage handed NaN rows by the hop before it names that hop (server.stage).
+
+``decode`` is ``view`` (the checks, no copy) then ``widen`` (float32, finite): a server
+views a request's rows when it parses the frame and widens them only once it knows it
+works for the sender (a session here, an admitted gateway), so a stranger's frame never
+costs a copy of its rows.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ def decode(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | No
            finite: bool = True) -> np.ndarray:
     """A validated array; `shape` gives the rank, with None for a free dimension (>= 1).
     With ``finite=False`` floats may hold NaN or infinity: the caller checks them."""
+    return widen(view(value, what, kinds, shape), what, finite=finite)
+
+
+def view(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | None]
+         ) -> np.ndarray:
+    """The array as it travelled, validated as ``decode`` validates it but not converted: a
+    read-only view of the frame's bytes (f16 stays f16), so a receiver can look at who
+    sent it before it pays for a copy the size of the rows (``widen``)."""
     if not isinstance(value, dict):
         raise WireError(f"{what}: expected an array map")
     dt, dims, data = value.get("dt"), value.get("shape"), value.get("data")
@@ -50,8 +63,13 @@ def decode(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | No
     dtype = DTYPES[str(dt)]
     if not isinstance(data, bytes) or len(data) != n * dtype.itemsize:
         raise WireError(f"{what}.data: expected {n * dtype.itemsize} bytes")
-    x = np.frombuffer(data, dtype).reshape(dims)
-    if dt == "i32":
+    return np.frombuffer(data, dtype).reshape(dims)
+
+
+def widen(x: np.ndarray, what: str, *, finite: bool = True) -> np.ndarray:
+    """A ``view``'s values as the daemon computes with them: ids as they are, floats as a
+    float32 copy, refused when not all finite unless ``finite=False``."""
+    if x.dtype.kind == "i":
         return x
     x = x.astype(np.float32)
     if finite and not np.isfinite(x).all():

@@ -1,14 +1,18 @@
 """ExpertServer: "/kvasir/experts/1", (layer, rows, local ids) ─▶ expert outputs.
 
 Requests for one (worker, layer) that arrive while one is being led into a batch join it:
-one ggml call for all of them. Every request names the gateways whose sessions its rows
-belong to (``for``); on a paid network each must be admitted. The handler sees only
-requests kvasird.inference.protocol.experts has parsed; what it checks is what depends on
-this node's workers (the layer, the experts held, the row width).
+one ggml call for all of them. Before anything else a request must prove whose sessions
+its rows belong to: each gateway's signed delegation to the caller (protocol.delegation)
+with its rows; each gateway is then admitted for the units of its own rows (on a paid
+network: staked, paying, and metered). Only then are the rows widened and computed. The
+handler sees only requests kvasird.inference.protocol.experts has parsed; what it checks is
+what depends on this node's workers (the layer, the experts held, the row width).
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +23,14 @@ import trio
 from kvasird.compute.errors import ComputeError
 from kvasird.compute.experts import ExpertWorker
 from kvasird.inference.errors import Refusal
-from kvasird.inference.protocol.experts import ExpertRequest, Outputs, parse
+from kvasird.inference.protocol.delegation import Verifier
+from kvasird.inference.protocol.experts import (
+    ADMITTED_S,
+    ExpertRequest,
+    Outputs,
+    parse,
+    selections,
+)
 from kvasird.inference.server.engine import INLINE_TOKENS, Served, run_short
 from kvasird.inference.server.stage import Admit, admit_all
 
@@ -34,9 +45,11 @@ class ExpertServer:
     """
 
     def __init__(self, served: Callable[[], Served | None], *, window_s: float,
-                 wire_dtype: str, admit: Admit = admit_all) -> None:
+                 wire_dtype: str, delegations: Verifier, admit: Admit = admit_all) -> None:
         self.served, self.window_s, self.wire_dtype = served, window_s, wire_dtype
-        self.admit = admit
+        self.delegations, self.admit = delegations, admit
+        self._admitted: dict[str, float] = {}
+        """Caller -> when a request of its was last admitted (time.monotonic)."""
         self._queues: dict[tuple[int, int], list[_Job]] = {}
         self._last: dict[tuple[int, int], int] = {}
         self.rows = 0
@@ -50,12 +63,11 @@ class ExpertServer:
 
     async def answer(self, caller: str, m: ExpertRequest) -> dict[str, Any]:
         """The reply to a parsed request, in its wire form."""
+        await self._admit(caller, m)
+        m = m.widened()
         served = self.served()
         if served is None:
             raise Refusal("bad", "this node holds no experts")
-        # the gateways the rows are computed for (a stage's own request names none)
-        for gateway in m.gateways if m.gateways is not None else (caller,):
-            await self.admit(gateway)
         run = served.run_of(m.layer, m.first)
         if run is None:
             raise Refusal("bad", f"this node holds no experts of layer {m.layer} from "
@@ -65,6 +77,32 @@ class ExpertServer:
         rows, ids = worker.validate(m.layer, m.rows, m.ids.astype(np.int64) + m.first - run.first)
         out = await self._batched(worker, m.layer, rows, ids)
         return Outputs(out, self.wire_dtype).to_wire()
+
+    def admitted(self, caller: str) -> bool:
+        """Whether `caller` had a request admitted here lately (ADMITTED_S): the transport
+        lets it send frames of any size (channel.Intake)."""
+        at = self._admitted.get(caller)
+        return at is not None and time.monotonic() - at < ADMITTED_S
+
+    async def _admit(self, caller: str, m: ExpertRequest) -> None:
+        """Check every delegation the request carries, then have each gateway admitted for
+        the expert units of its own rows (the count its stage keeps: experts.selections)."""
+        if not m.groups:
+            raise Refusal("unpaid", "the request names no gateway (`for`): a worker computes "
+                                    "rows only for gateways that delegated the caller, each "
+                                    "with its signed delegation")
+        units: Counter[str] = Counter()
+        at = 0
+        for wire, rows in m.groups:
+            gateway = self.delegations.check(wire, caller).gateway
+            units[gateway] += selections(m.ids[at:at + rows])
+            at += rows
+        for gateway, n in units.items():
+            await self.admit(gateway, n)
+        now = time.monotonic()
+        if len(self._admitted) > 1024:  # forget callers gone quiet
+            self._admitted = {p: t for p, t in self._admitted.items() if now - t < ADMITTED_S}
+        self._admitted[caller] = now
 
     async def _batched(self, worker: ExpertWorker, layer: int, rows: np.ndarray,
                        ids: np.ndarray) -> np.ndarray:

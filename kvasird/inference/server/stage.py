@@ -102,6 +102,12 @@ class ServedSession:
     """Per stage, what its prefix cache files this session's pages under: the owner and
     the part it computes (a cached page serves only its owner's sessions on that part)."""
 
+    @property
+    def layers(self) -> int:
+        """Layers a position costs on this hop, as receipts count them (the head as one)."""
+        return sum(st.window[1] - st.window[0] for st in self.chain) + any(
+            st.head for st in self.chain)
+
     def attach(self, keys: bytes) -> int:
         """Start every stage's session from the longest prefix of `keys` it kept: the
         positions the hop starts with (the least of its stages'; 0 at a head that kept no
@@ -134,11 +140,12 @@ class ServedSession:
 
 
 
-Admit = Callable[[str], Awaitable[None]]
-"""(gateway peer) -> returns if this node works for that gateway now, else Refusal."""
+Admit = Callable[[str, int], Awaitable[None]]
+"""(gateway peer, units of work about to be done for it) -> returns if this node does that
+work for that gateway now (and meters it), else Refusal."""
 
 
-async def admit_all(gateway: str) -> None:
+async def admit_all(gateway: str, units: int) -> None:
     return None
 
 
@@ -189,11 +196,12 @@ class StageServer:
             if m.forward is not None:
                 await self._forwarded(caller, m, m.forward)
                 return {}
-            out = await self._step(self._session((caller, m.sid)), m)
+            # the session first: a stranger's rows are never widened (tensors.widen)
+            out = await self._step(self._session((caller, m.sid)), m.widened())
             return token_to_wire(out) if isinstance(out, TokenEvent) else \
                 Hidden(out, self.wire_dtype).to_wire()
         if isinstance(m, Open):
-            await self.admit(caller)
+            await self.admit(caller, 0)
             return Opened(self._open(caller, m)).to_wire()
         if isinstance(m, Result | Failure):
             if self.deliver is None:
@@ -225,6 +233,11 @@ class StageServer:
         with held_now([served.backend]) as free:  # else the reader would wait for a thread
             return free
 
+    def admitted(self, peer: str) -> bool:
+        """Whether `peer` has a session here, as its owner or the hop before it: the transport
+        lets it send frames of any size (channel.Intake); anyone else only small ones."""
+        return any(k[0] == peer or s.prev == peer for k, s in self.sessions.items())
+
     def _session(self, key: tuple[str, str]) -> ServedSession:
         s = self.sessions.get(key)
         if s is None:
@@ -240,6 +253,7 @@ class StageServer:
             if caller not in (owner, s.prev):
                 raise Refusal("bad", "only the session's owner and the hop before it on the "
                                      "route may step it")
+            m = m.widened()
             if m.dt != "i32" and not np.isfinite(m.x).all():
                 culprit = caller
                 raise self._unusable_input(s, m, caller)
@@ -303,7 +317,7 @@ class StageServer:
         self._end([key])
         s = self.sessions[key] = ServedSession(
             chain, [st.open_session() for st in chain], sampler, m.logprobs, m.max_tokens,
-            m.prev, tally=Tally(caller),
+            m.prev, tally=Tally(caller, m.delegation),
             scopes=[(caller, st.window, st.embed, st.head) for st in chain])
         return s.attach(m.prefix) if self.prefix and m.prefix else 0
 
@@ -316,9 +330,11 @@ class StageServer:
         if m.start + len(x) > s.max_tokens:
             raise Refusal("bad", f"positions up to {m.start + len(x)} exceed the session's "
                                  f"{s.max_tokens}")
+        if s.sampler is not None and m.ids is None:
+            raise WireError("stage.ids: the head needs the token ids of the positions sent")
+        await self.admit(s.tally.owner, len(x) * s.layers)  # metered before it computes
         if s.sampler is not None:
-            if m.ids is None:
-                raise WireError("stage.ids: the head needs the token ids of the positions sent")
+            assert m.ids is not None
             del s.history[m.start:]
             s.history += m.ids
         s.used = began = time.monotonic()

@@ -14,6 +14,12 @@ serve() hands each frame to its protocol's parse as it is read (kvasird.inferenc
 so a handler only sees validated messages; a handler's Refusal becomes the reply {error,
 code}, which request() raises as Refused (a code outside errors.CODES reads as "bad").
 
+What a server reads from a peer depends on whether it works for that peer (Intake, asked
+through the protocol server's own predicate): a peer with no session there sends only
+small frames and has little in flight at once. A frame over its limit is refused from its
+length prefix, its body never read: the server answers {id: 0, error, code} and ends the
+stream, and the caller's channel fails every request waiting on it with that error.
+
 One-way messages carry the stage-to-stage forwarding of a generation's steps (swarm.py):
 whatever they lead to comes back as another message, from another peer. A short one the
 protocol marks `inline` (a decode step computed in place) runs in the reader task itself.
@@ -26,6 +32,7 @@ moves the peer's requests onto it when it is up; the libp2p channel stays the fa
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import time
@@ -41,10 +48,20 @@ from kvasird.inference.errors import HopFailed, Refusal, Refused, Silent, Unreac
 from kvasird.inference.transport import lane
 from kvasird.logs import get_logger
 from kvasird.p2p.reachability import is_circuit
-from kvasird.wire import FrameReader, frame, write_frame
+from kvasird.wire import FrameReader, FrameTooLarge, frame, write_frame
+from kvasird.wire.framing import SKIP_CHUNK
 
 MAX_FRAME = 64 << 20
 """Largest frame: a prefill's hidden states (512 tokens × 8192 × 4 B = 16 MiB) with room."""
+SMALL_FRAME = 2 << 20
+"""Largest frame from a peer the server does not work for yet (Intake): an open with the
+page keys of a long prompt and the largest grammar (MAX_GRAMMAR_CHARS) fits."""
+SMALL_IN_FLIGHT = 2 * SMALL_FRAME
+"""Bytes of frames from such a peer being handled at once."""
+IN_FLIGHT = 4 * MAX_FRAME
+"""Bytes of frames from a peer the server works for being handled at once."""
+LINGER_S = 2.0
+"""How long a server keeps a stream it refused a frame on, for the caller to read why."""
 OPEN_TIMEOUT_S = 5.0
 LANE_OPEN_S = 2.0
 """Longest a lane may take to come up (offer, TCP connect, confirmation)."""
@@ -77,6 +94,59 @@ class _Failures:
         if isinstance(exc, Exception):  # libp2p stream errors come in many types
             raise HopFailed(self.peer, f"sending failed: {exc!r}") from None
         return False  # Cancelled, KeyboardInterrupt: not the peer's failure
+
+
+class Intake:
+    """What a server reads from each peer, by whether it works for it now (`admitted`: the
+    protocol server's own predicate, such as a session held here; asked only when a peer
+    goes past the small allowances, never on a decode step's few KB).
+
+    A peer it does not work for sends frames of at most SMALL_FRAME and has at most
+    SMALL_IN_FLIGHT bytes of frames being handled at once; one it works for, MAX_FRAME
+    and IN_FLIGHT. A frame over the limit is refused from its length (``check``), before
+    its body is read; one over the budget waits (its stream is not read meanwhile) until
+    the peer's earlier frames are handled (``take``, ``give``), so a stranger's frames
+    never hold more than a few MiB of this node's memory.
+    """
+
+    def __init__(self, admitted: Callable[[str], bool]) -> None:
+        self.admitted = admitted
+        self._held: dict[str, int] = {}
+        """Peer -> bytes of its frames read and not yet handled."""
+        self._freed = trio.Event()
+        self._waiting = 0
+        """Frames waiting for room (``give`` wakes them only then: it runs for every frame)."""
+
+    def check(self, peer: str, length: int) -> None:
+        """FrameTooLarge when `peer` may not send a frame of `length` bytes now."""
+        if length > SMALL_FRAME and not self.admitted(peer):
+            raise FrameTooLarge(length, SMALL_FRAME, " for a peer with no session here "
+                                "(open a session, or have a request admitted, first)")
+
+    async def take(self, peer: str, length: int) -> None:
+        """Count a frame of `length` bytes (one ``check`` let through) in flight for `peer`,
+        once its budget has room; a frame alone always fits."""
+        while True:
+            held = self._held.get(peer, 0)
+            total = held + length
+            if not held or total <= SMALL_IN_FLIGHT or \
+                    total <= IN_FLIGHT and self.admitted(peer):
+                self._held[peer] = total
+                return
+            self._waiting += 1
+            try:
+                await self._freed.wait()
+            finally:
+                self._waiting -= 1
+
+    def give(self, peer: str, length: int) -> None:
+        """A frame of `peer`'s is handled: its bytes are in flight no more."""
+        left = self._held.pop(peer) - length
+        if left:
+            self._held[peer] = left
+        if self._waiting:
+            self._freed.set()
+            self._freed = trio.Event()
 
 
 class Channel:
@@ -139,7 +209,12 @@ class Channel:
             while True:
                 reply = await self._reader.read()
                 rid = reply.get("id") if isinstance(reply, dict) else None
-                if isinstance(rid, int) and (send := self._waiting.get(rid)):
+                if rid == 0 and "error" in reply:  # the peer ends the stream, saying why
+                    self.closed = True  # what is asked from now on goes on a new stream
+                    for waiter in list(self._waiting.values()):
+                        with contextlib.suppress(trio.WouldBlock):
+                            waiter.send_nowait(reply)
+                elif isinstance(rid, int) and (send := self._waiting.get(rid)):
                     send.send_nowait(reply)
         except Exception as exc:  # noqa: BLE001 - any read failure ends the channel
             log.debug("channel closed", peer=self.peer, reason=repr(exc))
@@ -329,7 +404,8 @@ async def _reset(stream: INetStream | lane.SealedStream) -> None:
 async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s: float, *,
                 peer: str = "", lanes: lane.LaneServer | None = None, protocol: str = "",
                 parse: Callable[[dict[str, Any]], Any] | None = None,
-                inline: Callable[[Any], bool] | None = None) -> None:
+                inline: Callable[[Any], bool] | None = None,
+                intake: Intake | None = None) -> None:
     """Answer requests on one stream until it ends or stays idle past `idle_s`.
 
     Each frame goes through `parse` (the protocol's validation into its message types) as
@@ -342,27 +418,39 @@ async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s:
     computed in place; the stream's next frame waits for it. A handler's Refusal is
     answered with its code, any other error with "bad". `peer` is the caller (read from
     the libp2p connection when not given); with `lanes`, a request {op: "lane"} is
-    answered with a ticket for a lane to this `protocol`.
+    answered with a ticket for a lane to this `protocol`. With `intake`, how large a frame
+    the peer may send and how many bytes of its frames may be in flight depend on whether
+    the server works for it (Intake): a frame over the limit is answered {id: 0, error,
+    code: "bad"} from its length, unread, and the stream ends.
     """
     if not peer:
         peer = stream.muxed_conn.peer_id.to_string()  # type: ignore[union-attr]
     reader = FrameReader(stream, MAX_FRAME)
     lock = trio.Lock()
+    if intake is not None and isinstance(stream, lane.SealedStream):
+        stream.check = functools.partial(intake.check, peer)  # records are read whole
 
     async def offer_lane(caller: str, _: Any) -> dict[str, Any]:
         assert lanes is not None
         return lanes.offer(caller, protocol)
 
-    async def answer(rid: int, op: Any, handler: Handler, request: Any) -> None:
+    async def refuse(_: str, exc: WireError) -> dict[str, Any]:
+        raise exc
+
+    async def answer(rid: int, op: Any, handler: Handler, request: Any, size: int) -> None:
         try:
-            reply = await handler(peer, request)
-        except KvasirError as exc:
-            reply = _refusal(exc)
-        except Exception:  # noqa: BLE001 - a bug answers this request, not the stream's others
-            log.exception("request handler failed", peer=peer, op=str(op)[:32])
-            reply = {"error": "the peer failed to handle this request (see its log)",
-                     "code": "bad"}
-        await send(rid, op, reply)
+            try:
+                reply = await handler(peer, request)
+            except KvasirError as exc:
+                reply = _refusal(exc)
+            except Exception:  # noqa: BLE001 - a bug answers this request, not the stream's others
+                log.exception("request handler failed", peer=peer, op=str(op)[:32])
+                reply = {"error": "the peer failed to handle this request (see its log)",
+                         "code": "bad"}
+            await send(rid, op, reply)
+        finally:
+            if intake is not None:
+                intake.give(peer, size)
 
     async def send(rid: int, op: Any, reply: dict[str, Any]) -> None:
         if rid == 0:  # one-way: nobody waits for an answer
@@ -371,38 +459,80 @@ async def serve(stream: INetStream | lane.SealedStream, handle: Handler, idle_s:
                           error=str(reply["error"])[:200])
             return
         try:
-            if isinstance(stream, lane.SealedStream):  # sends each frame whole on its own
-                await stream.write(frame({**reply, "id": rid}, MAX_FRAME))
-            else:
-                async with lock:
-                    await write_frame(stream, {**reply, "id": rid}, MAX_FRAME)
+            await write({**reply, "id": rid})
         except Exception as exc:  # noqa: BLE001 - the caller went away
             log.debug("reply not delivered", peer=peer, reason=repr(exc))
+
+    async def write(value: dict[str, Any]) -> None:
+        if isinstance(stream, lane.SealedStream):  # sends each frame whole on its own
+            await stream.write(frame(value, MAX_FRAME))
+        else:
+            async with lock:
+                await write_frame(stream, value, MAX_FRAME)
+
+    async def refuse_frame(exc: FrameTooLarge) -> None:
+        log.info("frame refused unread: the stream ends", peer=peer, protocol=protocol,
+                 reason=str(exc))
+        with trio.move_on_after(1), contextlib.suppress(Exception):
+            await write({**_refusal(exc), "id": 0})
+
+    async def next_frame() -> tuple[Any, int]:
+        """The next frame and its size, once the peer may send it (intake). A frame over
+        its limit is answered unread and ends the stream; one within MAX_FRAME is read
+        and dropped first (a chunk at a time: its sender, writing it whole, then reads
+        why, and has LINGER_S to), one past it is not (the stream is reset under it)."""
+        try:
+            size = await reader.length()
+        except FrameTooLarge as exc:  # past MAX_FRAME, or a lane record its intake refused
+            await refuse_frame(exc)
+            raise
+        if intake is None:
+            return await reader.body(size), size
+        try:
+            intake.check(peer, size)
+        except FrameTooLarge as exc:
+            await refuse_frame(exc)
+            await reader.skip(size)
+            # a reset drops what the peer has not read yet: it ends the stream first
+            with trio.move_on_after(LINGER_S), contextlib.suppress(Exception):
+                while await stream.read(SKIP_CHUNK):
+                    pass
+            raise
+        idle.deadline = math.inf  # waiting for its own frames to be handled: not idle
+        await intake.take(peer, size)
+        idle.deadline = trio.current_time() + idle_s
+        try:
+            return await reader.body(size), size
+        except BaseException:
+            intake.give(peer, size)
+            raise
 
     try:
         async with trio.open_nursery() as nursery:
             with trio.CancelScope() as idle:  # one scope, its deadline moved on every frame
                 while True:
                     idle.deadline = trio.current_time() + idle_s
-                    msg = await reader.read()
+                    msg, size = await next_frame()
                     if not isinstance(msg, dict) or not isinstance(msg.get("id"), int):
+                        if intake is not None:
+                            intake.give(peer, size)
                         raise WireError("request: expected a map with an integer id")
                     rid, op = msg["id"], msg.get("op")
                     if op == "lane" and lanes is not None:
-                        nursery.start_soon(answer, rid, op, offer_lane, msg)
+                        nursery.start_soon(answer, rid, op, offer_lane, msg, size)
                         continue
                     if "trace" in msg:  # a traced step: when it arrived (its sender cannot say)
                         msg["rx"] = time.monotonic()
                     try:
                         request = msg if parse is None else parse(msg)
                     except WireError as exc:
-                        nursery.start_soon(send, rid, op, _refusal(exc))
+                        nursery.start_soon(answer, rid, op, refuse, exc, size)
                         continue
                     if inline is not None and rid == 0 and inline(request):
                         idle.deadline = math.inf  # the stream is busy, not idle
-                        await answer(rid, op, handle, request)
+                        await answer(rid, op, handle, request, size)
                     else:
-                        nursery.start_soon(answer, rid, op, handle, request)
+                        nursery.start_soon(answer, rid, op, handle, request, size)
             log.debug("stream idle: closing it", peer=peer, idle_s=idle_s)
             nursery.cancel_scope.cancel()
     except Exception as exc:  # noqa: BLE001 - a malformed frame, a reset: in a group, any type

@@ -19,6 +19,10 @@ because only that peer received the token, and the caller knows it reached that 
 because the "ok" opens with the key. Records carry per-direction counters as nonces, so a
 replayed, reordered, forged or truncated record ends the lane.
 
+A record is one frame, read whole before the frame reader sees it: the server's limits on
+a caller it does not work for (channel.Intake) apply to the record's length, before its
+body is read (``SealedStream.check``).
+
 Lanes are an optimisation, never a requirement: when the offer is refused, the TCP connect
 fails or times out (NAT, a relayed peer, lanes off on either side) the caller keeps the
 libp2p channel and asks again later (LANE_RETRY_S: after seconds, then less and less often).
@@ -40,6 +44,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from kvasird.errors import WireError
 from kvasird.logs import get_logger
 from kvasird.ports import listen_error
+from kvasird.wire import FrameTooLarge
 
 TICKET_S = 30.0
 """An offered ticket must be used within this time."""
@@ -58,6 +63,8 @@ WRITE_S = 10.0
 QUICK_RUN = 8
 """Records read or written without waiting, in a row, before the lane lets other tasks run."""
 _LEN = struct.Struct(">I")
+_SEALED = 16
+"""What sealing adds to a record (the Poly1305 tag)."""
 _OK = b"kvasir-lane-ok"
 _TCP_IP = re.compile(r"^/ip[46]/([^/]+)/tcp/")
 log = get_logger("kvasird.inference.transport.lane")
@@ -94,6 +101,9 @@ class SealedStream:
             and os.name == "posix" else None
         self._broken = False
         self._quick = 0
+        self.check: Callable[[int], None] | None = None
+        """What the frame a record carries must pass, given its length, before the record's
+        body is read (raising to refuse it: the server's channel.Intake)."""
 
     async def write(self, data: bytes, wait_s: float = WRITE_S) -> None:
         """Send `data` as one record, whole within `wait_s` (or the lane ends)."""
@@ -167,6 +177,13 @@ class SealedStream:
         (length,) = _LEN.unpack_from(self._raw)
         if length > self._max or length < 16:
             raise WireError(f"lane record of {length} bytes is outside 16..{self._max}")
+        if self.check is not None:
+            try:
+                self.check(length - _SEALED - _LEN.size)
+            except FrameTooLarge:
+                del self._raw[:_LEN.size]
+                await self._skip(length)  # the sender, writing it whole, then reads why
+                raise
         if not await self._fill(_LEN.size + length):
             raise WireError("lane closed in the middle of a record")
         sealed = bytes(self._raw[_LEN.size:_LEN.size + length])
@@ -180,6 +197,15 @@ class SealedStream:
                             "reordered): closing the lane") from None
         await self._fair()
         return record
+
+    async def _skip(self, n: int) -> None:
+        """Read and drop `n` bytes of records (one refused unread), a chunk at a time."""
+        while n:
+            if not self._raw and not await self._fill(1):
+                raise WireError("lane closed in the middle of a record")
+            dropped = min(n, len(self._raw))
+            del self._raw[:dropped]
+            n -= dropped
 
     async def _fill(self, n: int) -> bool:
         while len(self._raw) < n:
