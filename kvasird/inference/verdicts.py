@@ -1,4 +1,6 @@
-"""Unfit verdicts on gossip: a stage that caught a worker out of tolerance tells the network.
+"""Unfit verdicts on gossip: a node whose spot check caught a peer out of tolerance (a
+stage checking a worker, a gateway checking a stage: inference.client.spotcheck) tells
+the network.
 
     topic "unfit":  {"v": 1, "peer": accuser, "seq", "ts", "accused", "reason"}
 
@@ -40,7 +42,7 @@ class Verdict:
     ts: float
     """Accuser's unix time."""
     accused: str
-    """Peer id of the worker found out of tolerance."""
+    """Peer id of the worker or stage found out of tolerance."""
     reason: str
     """What the spot check saw."""
 

@@ -265,5 +265,7 @@ async def test_a_silent_chain_is_probed_and_the_hop_that_did_not_compute_is_blam
     with trio.fail_after(20), pytest.raises(GenerationError, match="no other peers"):
         # c is the only holder of layer 3: no route is left once it is out
         await run(gen, 10, at_token(4, hang.set))
-    assert "c" in fitness.snapshot() and "position" in fitness.snapshot()["c"]
+    # found by the probe during a decode step; tried again as the last resort, it hangs on
+    # the new route's first prompt chunk, which is relayed (spotcheck) and times out
+    assert "c" in fitness.snapshot() and fitness.strikes["c"] == 2
     assert np.isfinite(gen.latency("b"))

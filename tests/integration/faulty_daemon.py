@@ -7,6 +7,7 @@ the seam that server's constructor offers; then the normal ``kvasird`` main runs
     slow=BYTES_PER_S  shard serving throttled (a holder to kill mid-transfer)
     flip              shard pieces served with their first byte flipped (a lying holder)
     lying-experts     expert outputs off by a little (a worker spot checks must catch)
+    lying-stage       a stage's hidden rows off by a little (a stage spot checks must catch)
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvasird.cli import main
 from kvasird.daemon import node
 from kvasird.inference import service
 from kvasird.inference.protocol import tensors
 from kvasird.inference.server.experts import ExpertServer
+from kvasird.inference.server.stage import StageServer
 from kvasird.model.distribution import ShardService
 from kvasird.model.store import ShardStore
 from kvasird.model.transfer import ShardSource
@@ -69,6 +73,15 @@ class LyingExperts(ExpertServer):
         return {**reply, "out": tensors.encode(out * 1.5 + 0.01, self.wire_dtype)}
 
 
+class LyingStage(StageServer):
+    """Answers steps with its hidden rows scaled and shifted off the true ones, relayed or
+    forwarded alike (the head's tokens it leaves alone)."""
+
+    async def _step(self, s: Any, m: Any) -> Any:
+        out = await super()._step(s, m)
+        return out * 1.5 + 0.01 if isinstance(out, np.ndarray) else out
+
+
 def _serving(wrap: Callable[[ShardStore], ShardSource]) -> Callable[..., ShardService]:
     def shards(p2p: P2PNode, store: ShardStore) -> ShardService:
         return ShardService(p2p, store, source=wrap(store))
@@ -84,6 +97,8 @@ def install(fault: str) -> None:
         node.ShardService = _serving(shards[name])  # type: ignore[misc]
     elif name == "lying-experts":
         service.ExpertServer = LyingExperts  # type: ignore[misc]
+    elif name == "lying-stage":
+        service.StageServer = LyingStage  # type: ignore[misc]
     else:
         raise SystemExit(f"faulty_daemon: unknown fault {fault!r}")
     print(f"faulty_daemon: {fault}", file=sys.stderr)
