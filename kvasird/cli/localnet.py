@@ -127,7 +127,8 @@ def _print_holdings(net: LocalNet) -> None:
 
 def _print_snippets(gateway: str, model: str) -> None:
     print(f"""
-gateway: {gateway}  (requests from this machine are free; others pay per quote)
+gateway: {gateway}  (requests from this machine need no quote: node0's operator pays the
+         peers for them from its wallet; others pay per quote)
 try it:
   curl -s {gateway}/v1/chat/completions -H 'content-type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
