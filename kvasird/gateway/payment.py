@@ -146,6 +146,10 @@ async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> Charge | None:
 
 async def _operator_charge(gw: Gateway, s: Settlement, job: Job) -> Charge:
     """The operator's own request: a quote the vault pays itself, if it can afford it."""
+    if s.rewards is None:
+        raise PaymentRequired("this machine's requests are paid to the peers from the "
+                              f"operator's wallet, and only the address {s.wallet.address} is "
+                              "configured: set [settlement] wallet to its keypair file")
     prompt, output = _asks(job)
     need = s.prices.amount_for(output, prompt)
     try:
@@ -161,7 +165,8 @@ async def _operator_charge(gw: Gateway, s: Settlement, job: Job) -> Charge:
             f"which holds {format_kvr(held)} KVR, below the network's stake minimum of "
             f"{format_kvr(stake)} KVR: the peers serve no gateway below it. Send KVR to "
             f"{s.wallet.address} to top it up")
-    spare = held - stake - owed(s)
+    assert gw.node is not None
+    spare = held - stake - owed(s, gw.node.p2p.peer_id)
     if spare < need:
         raise PaymentRequired(
             f"this machine's requests are paid from the operator's wallet {s.wallet.address}, "
@@ -175,12 +180,13 @@ async def _operator_charge(gw: Gateway, s: Settlement, job: Job) -> Charge:
     return Charge(proof, coverage, operator=True)
 
 
-def owed(s: Settlement) -> int:
+def owed(s: Settlement, me: str) -> int:
     """Base units in the vault that belong to others: what the operator may spend on its own
-    requests is the vault's KVR less the network's stake minimum and this (peers' unclaimed
-    earnings, the insurance pool, consumers' prepaid balances)."""
+    requests is the vault's KVR less the network's stake minimum and this (other peers'
+    unclaimed earnings, the insurance pool, consumers' prepaid balances). What this node
+    earned as a peer of its own gateway is the operator's already."""
     value = s.ledger.value
-    return (value("SELECT SUM(earned - paid) FROM settlement_earnings")
+    return (value("SELECT SUM(earned - paid) FROM settlement_earnings WHERE peer_id != ?", me)
             + value("SELECT balance FROM settlement_pools WHERE name = 'insurance'")
             + value("SELECT SUM(balance) FROM settlement_deposits"))
 
