@@ -18,6 +18,7 @@ from kvasird.daemon.banner import print_banner
 from kvasird.daemon.risks import risky_settings
 from kvasird.db import connect
 from kvasird.gateway import Gateway
+from kvasird.gateway.payment import OwnUse
 from kvasird.home import Home
 from kvasird.http import serve_asgi
 from kvasird.identity import load_node_key
@@ -181,6 +182,7 @@ class Node:
         self.exchange = Exchange(s, self.p2p.peer_id, self.inference.channels.request,
                                  self.inference.link_of, self.admission,
                                  claim_threshold=c.claim_threshold)
+        self.inference.own_use = OwnUse(s, self.p2p.peer_id, self.exchange)
         self.inference.also_serve(SETTLE_PROTOCOL, self.exchange.handle)
         await self.exchange.run(task_status=task_status)
 

@@ -53,6 +53,7 @@ from kvasird.settlement.wallet import parse_address
 
 if TYPE_CHECKING:
     from kvasird.gateway.service import Gateway, Job
+    from kvasird.settlement.exchange import Exchange
     from kvasird.settlement.service import Settlement
 
 log = get_logger("kvasird.gateway.payment")
@@ -146,11 +147,17 @@ async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> Charge | None:
 
 async def _operator_charge(gw: Gateway, s: Settlement, job: Job) -> Charge:
     """The operator's own request: a quote the vault pays itself, if it can afford it."""
+    assert gw.node is not None
+    return await operator_charge(s, gw.node.p2p.peer_id, *_asks(job))
+
+
+async def operator_charge(s: Settlement, me: str, prompt: int, output: int) -> Charge:
+    """A quote the vault pays itself for ``prompt`` tokens in and ``output`` out (node ``me``),
+    if the operator's wallet can afford it above the stake and what it owes; else 402."""
     if s.rewards is None:
         raise PaymentRequired("this machine's requests are paid to the peers from the "
                               f"operator's wallet, and only the address {s.wallet.address} is "
                               "configured: set [settlement] wallet to its keypair file")
-    prompt, output = _asks(job)
     need = s.prices.amount_for(output, prompt)
     try:
         held = await s.chain.token_balance(s.wallet.address, s.mint)
@@ -165,8 +172,7 @@ async def _operator_charge(gw: Gateway, s: Settlement, job: Job) -> Charge:
             f"which holds {format_kvr(held)} KVR, below the network's stake minimum of "
             f"{format_kvr(stake)} KVR: the peers serve no gateway below it. Send KVR to "
             f"{s.wallet.address} to top it up")
-    assert gw.node is not None
-    spare = held - stake - owed(s, gw.node.p2p.peer_id)
+    spare = held - stake - owed(s, me)
     if spare < need:
         raise PaymentRequired(
             f"this machine's requests are paid from the operator's wallet {s.wallet.address}, "
@@ -212,8 +218,16 @@ def record_work(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: flo
     if s is None or gw.node is None:
         return None
     work = _measured(gw, job, tokens, seconds)
+    return settle_work(s, gw.node.exchange, charge, work, _asks(job)[0], tokens, served)
+
+
+def settle_work(s: Settlement, exchange: Exchange | None, charge: Charge,
+                work: list[MeasuredWork], prompt: int, tokens: int,
+                served: int | None = None) -> SplitResult | None:
+    """Settle ``charge`` for ``prompt`` tokens in and ``tokens`` out by ``work``, and queue
+    each peer's new receipt (the gateway's requests and the admin API's generations)."""
     epoch = epoch_now()
-    used = charge.coverage.cost(_asks(job)[0], tokens)
+    used = charge.coverage.cost(prompt, tokens)
     try:
         rewards, _ = s.gateway()
         split = rewards.settle(charge.proof.key, work, epoch, served, used)
@@ -224,9 +238,29 @@ def record_work(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: flo
     log.info("paid request settled", used=used, paid=charge.proof.amount,
              operator=charge.operator, workers=split.workers, fee=split.operator,
              insurance=split.insurance)
-    if gw.node.exchange is not None:
-        gw.node.exchange.deliver([w.peer_id for w in work], epoch)
+    if exchange is not None:
+        exchange.deliver([w.peer_id for w in work], epoch)
     return split
+
+
+@dataclass(frozen=True)
+class OwnUse:
+    """The operator's generations outside the gateway's HTTP API (the admin API's
+    ``/v0/generate``, ``kvasird generate``): charged to its wallet and receipted to the
+    peers like the gateway's own requests."""
+
+    settlement: Settlement
+    me: str
+    """This node's peer id."""
+    exchange: Exchange | None
+    """Where receipts go out."""
+
+    async def charge(self, prompt: int, output: int) -> Charge:
+        return await operator_charge(self.settlement, self.me, prompt, output)
+
+    def settle(self, charge: Charge, work: list[MeasuredWork], prompt: int,
+               tokens: int) -> None:
+        settle_work(self.settlement, self.exchange, charge, work, prompt, tokens)
 
 
 async def refund(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: float) -> str:

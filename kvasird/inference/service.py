@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import functools
 import json
+import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 from starlette.requests import Request
@@ -68,6 +69,7 @@ from kvasird.market.service import MarketService
 from kvasird.model.manifest import Unit
 from kvasird.p2p import P2PNode
 from kvasird.settlement.admission import Admission, NotAdmitted
+from kvasird.settlement.rewards import MeasuredWork
 from kvasird.settlement.wallet import WalletLink
 
 ADMITTED_S = 1.0
@@ -78,6 +80,15 @@ RETIRE_GRACE_S = 2.0
 REPORT_HEARTBEATS = 3
 STATUS = {NoRoute: 503, Busy: 429, UnknownModel: 404}
 log = get_logger("kvasird.inference")
+
+
+class OwnUse(Protocol):
+    """The operator's own use, paid like the gateway's (kvasird.gateway.payment.OwnUse)."""
+
+    async def charge(self, prompt: int, output: int) -> Any: ...
+
+    def settle(self, charge: Any, work: list[MeasuredWork], prompt: int, tokens: int) -> None:
+        ...
 
 
 class InferenceService:
@@ -124,6 +135,9 @@ class InferenceService:
                                         self.fitness, c, self.inbox, issuer=self.issuer,
                                         spot=self.spot, accuse=self.verdicts.accuse)
         self._extra: list[tuple[str, Handler]] = []
+        self.own_use: OwnUse | None = None
+        """On a paid node: charges the admin API's generations to the operator's wallet and
+        receipts them to the peers (set by the daemon with settlement)."""
         self._nursery: trio.Nursery | None = None
         self._load_lock = trio.Lock()
         self._hot_backend: Backend | None = None
@@ -392,9 +406,10 @@ class InferenceService:
 
     async def _http_generate(self, request: Request) -> Response:
         """Generations for the operator on this machine (``kvasird generate``), within the
-        gateway's caps. Nothing is paid for here: with payments on, the operator's own
-        requests (operator_request) are served free only when [settlement] free_local is in
-        effect, anyone else is sent to the gateway's paid API."""
+        gateway's caps. With payments on, the operator's own requests (operator_request) are
+        served only when [settlement] free_local is in effect, and paid to the peers from its
+        wallet like the gateway's own (``own_use``); anyone else is sent to the gateway's
+        paid API."""
         settlement, client = self.config.settlement, request.client.host if request.client else ""
         pay = ("use the gateway's paid API: POST /v1/kvasir/quote on the gateway, pay the quote, "
                "then send the request to the gateway with X-Kvasir-Payment: "
@@ -412,26 +427,42 @@ class InferenceService:
                                 f"for {who}: {pay}")
             req = parse_request(await read_json(request, self.config.gateway.max_body_bytes),
                                 self.config.gateway)
+            own = self.own_use
+            charge = await own.charge(len(req.prompt), req.sampling.max_tokens) \
+                if own is not None else None
         except ApiError as exc:
             return JSONResponse({"error": str(exc), "kind": type(exc).__name__},
                                 status_code=exc.status)
+        produced = 0
+
+        def settle() -> None:  # the peers are paid for it like for the gateway's requests
+            if own is not None:
+                work = [MeasuredWork(w.peer, w.units, w.ms_per_token)
+                        for w in self.generator.work(req.request_id)]
+                own.settle(charge, work, len(req.prompt) if produced else 0, produced)
+
         events = self.generator.generate(req)
         try:
             first = await events.__anext__()
         except GenerationError as exc:
+            settle()
             return JSONResponse({"error": str(exc), "kind": type(exc).__name__},
                                 status_code=STATUS.get(type(exc), 500))
 
         async def lines() -> AsyncIterator[bytes]:
+            nonlocal produced
             try:
+                produced += isinstance(first, TokenEvent)
                 yield _line(first)
                 async for event in events:
+                    produced += isinstance(event, TokenEvent)
                     yield _line(event)
             except GenerationError as exc:
                 yield (json.dumps({"error": str(exc), "kind": type(exc).__name__}) + "\n").encode()
             finally:
                 if isinstance(events, AsyncGenerator):
                     await events.aclose()
+                settle()
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -454,7 +485,7 @@ def parse_request(body: Fields, caps: GatewayConfig) -> GenerationRequest:
     sampling = Sampling(params, max_tokens, body.integer("logprobs", 0, 0, MAX_TOP))
     return GenerationRequest(body.string("model", ""), tuple(prompt), sampling,
                              frozenset(_token_ids(body, "stop", [])),
-                             body.string("request_id", ""))
+                             body.string("request_id", "") or secrets.token_hex(8))
 
 
 def _token_ids(body: Fields, name: str, default: list[int] | None) -> list[int]:

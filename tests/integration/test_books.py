@@ -45,10 +45,13 @@ def test_the_operators_own_requests_pay_the_peers_and_are_never_cut_off(
             assert raw.parse().choices[0].message.content
     health = httpx.get(f"{url}/health", timeout=10).json()
     assert health["status"] == "ok", health
+    generated = httpx.post(gateway.home.admin_address() + "/v0/generate",  # kvasird generate
+                           json={"prompt": [1, 2, 3, 4], "max_tokens": 4}, timeout=120)
+    assert generated.status_code == 200 and '"token"' in generated.text, generated.text
 
     earned = {e.index: e.earned for e in earnings(net)}  # every receipt delivered
     wallet = gateway.get("/v0/wallet")
-    assert wallet["own_use"]["requests"] == REQUESTS
+    assert wallet["own_use"]["requests"] == REQUESTS + 1  # the admin API's generation too
     assert earned[1] > 0 and earned[2] > 0
     spent = wallet["own_use"]["spent"]
     pools = wallet["pools"]
