@@ -218,6 +218,10 @@ def test_only_staked_paying_gateways_are_served(localnet: Callable[..., LocalNet
             client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
                                       max_tokens=N_TOKENS)
         assert refused.value.status_code == code and why in str(refused.value), refused.value
+    url3 = net.nodes[3].status()["gateway"]  # its /health says why, until it is served again
+    health = httpx.get(f"{url3}/health", timeout=5)
+    assert health.status_code == 503 and health.json()["status"] == "not_served", health.text
+    assert "announces no payout wallet" in health.json()["reason"]
 
     _, client = gateway_of(net, net.nodes[5])
     model = client.models.list().data[0].id
