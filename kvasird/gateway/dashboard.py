@@ -272,11 +272,11 @@ def _checks(snap: dict[str, Any]) -> str:
     rows = []
     for kind, what in (("stages", "stage sessions"), ("experts", "expert calls")):
         t = view[kind]
-        odds = (f"; a cheat is caught within {t['within_95']} (95 %)"
+        odds = (f", a cheat caught within {t['within_95']} (95 %)"
                 if t["within_95"] is not None else "")
-        rows.append((f"{what} ({t['rate']:.0%} drawn{odds})",
-                     f"{t['checked']} checked, {t['caught']} caught"
-                     + (f", {t['unresolved']} undecided" if t["unresolved"] else "")))
+        rows.append((what, f"{t['checked']} checked, {t['caught']} caught"
+                     + (f", {t['unresolved']} undecided" if t["unresolved"] else "")
+                     + f" ({t['rate']:.0%} drawn{odds})"))
     out = _table(rows)
     if view["evidence"]:
         out += "<h3>Caught</h3>" + _grid(

@@ -17,8 +17,8 @@ def test_the_card_names_the_units_nobody_else_holds_and_the_peers_caught() -> No
     spot.caught("stage", "12D3KooWLiar", "layers 10-19", ["12D3KooWOther"], rows, rows * 2,
                 rows, 1.0)
     card = _checks({"checks": spot.status()})
-    assert "7 checked, 1 caught" in card
-    assert "stage sessions (10% drawn; a cheat is caught within 29 (95 %))" in card
+    assert "<th>stage sessions</th><td>7 checked, 1 caught (10% drawn, a cheat caught " \
+        "within 29 (95 %))</td>" in card
     assert "Drawn but not checkable: layers 20-29 ×2." in card
     assert "layers 10-19" in card
     assert "not checkable" not in _checks({"checks": SpotChecks(0.1, 0.05, 1e-3).status()})
