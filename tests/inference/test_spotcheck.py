@@ -3,7 +3,9 @@ return perturbed outputs are caught within the sessions docs/verification.md pre
 are paid nothing for those sessions, are avoided, and leave evidence on the checking
 node; checked every time, 1,000 honest sessions (and worker calls) flag nobody; a head
 that answers a token it did not draw is caught, and a lying checker is caught in place of
-the peer it checked.
+the peer it checked; a stage that computes the relayed first chunk honestly and lies on
+the forwarded decode steps is caught by a replay of the session after it ends, and on a
+route with other peers, where the replay cannot say who lied, nobody is sentenced.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.stepcontext import TALLY, Tally
 
 from .conftest import N_LAYER, PROMPT
-from .fakenet import FakeNet, Handle, lying, no_experts
+from .fakenet import FakeNet, Handle, hung, lying, no_experts
 from .test_serving import N_EXPERT, STAGE, moe, worker  # noqa: F401 - fixtures
 
 __all__ = ["moe", "worker"]
@@ -154,8 +156,30 @@ async def test_a_thousand_honest_sessions_checked_every_time_flag_nobody(
     assert spot.stages.caught == 0 and spot.stages.unresolved == 0
     assert spot.stages.checked == 1000  # b's, by b2 or b3
     assert spot.stages.worst_pass == 0.0  # one backend, the same chunk: the same bits
-    assert spot.status()["unchecked_units"] == {"layer 3": 1000}
+    # a route of two peers: their decode steps are not replayed (nobody could be named)
+    assert spot.decode.checked == 0 and spot.decode.unchecked == 2000
+    assert spot.status()["unchecked_units"] == {
+        "layer 3": 1000, "layers 1-2 (decode steps, on a route of several peers)": 1000,
+        "layer 3 (decode steps, on a route of several peers)": 1000}
     assert fitness.snapshot() == {}
+
+
+@pytest.mark.slow
+async def test_a_thousand_honest_sessions_replayed_on_their_decode_steps_flag_nobody(
+        tails: dict[str, Served], reference: list[int]) -> None:
+    """A route of the gateway and one peer, every session drawn (rate 1), greedy and seeded
+    sampling alike: every decode replay gives the generation's token."""
+    net, fitness = FakeNet(tails), Fitness(DEFAULTS.unfit_s)
+    spot = SpotChecks(1.0, 0.0, DEFAULTS.spot_tolerance)
+    gen = tail_generator(net, spot, fitness, InferenceConfig(spot_check_stages=1.0))
+    seeded = SamplingParams(temperature=0.9, top_k=20, seed=7)
+    for i in range(1000):
+        tokens = await generate(gen, f"h{i}", 3, seeded if i % 2 else SamplingParams())
+        if i % 2 == 0:
+            assert tokens == reference[:3]
+    assert spot.decode.checked == 1000 and spot.decode.unchecked == 0
+    assert spot.decode.caught == 0 and spot.decode.unresolved == 0 and spot.decode.failed == 0
+    assert spot.stages.caught == 0 and fitness.snapshot() == {}
 
 
 def expert_net(worker: Served, tmp_path: Path, rate: float
@@ -294,3 +318,118 @@ async def test_a_checker_contradicted_by_a_second_is_the_one_caught(
     assert [e.peer for e in spot.evidence] == ["b2"] and set(spot.evidence[0].checkers) == \
         {"b", "b3"}
     assert fitness.lied("b2") and fitness.fit("b")
+
+
+def lying_on_decode(opened: list[str], peer: str):  # noqa: ANN201 - a fakenet Fault
+    """A stage that computes every relayed step (the route's first prompt chunk, a check,
+    a replay) honestly and, on the decode steps forwarded to it, computes on noise in place
+    of the rows it was sent (and notes each session opened on it)."""
+    rng = np.random.default_rng(3)
+
+    def fault(handle: Handle) -> Handle:
+        async def lie(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+            if msg.get("op") == "open":
+                opened.append(peer)
+            if msg.get("op") == "step" and "back" in msg and msg["x"]["dt"] != "i32":
+                x = tensors.decode(msg["x"], "x", ("f32", "f16"), (None, None))
+                if len(x) == 1:
+                    noise = rng.standard_normal(x.shape).astype(np.float32) * np.abs(x).max()
+                    msg = {**msg, "x": tensors.encode(noise, msg["x"]["dt"])}
+            return await handle(caller, msg)
+        return lie
+    return fault
+
+
+@pytest.fixture(scope="module")
+def tails(model: Path) -> Iterator[dict[str, Served]]:
+    """gw: head + layer 0; d, d2 and d3: layers 1-3 and the head (replicas): a route is gw
+    and one peer."""
+    parts = {"gw": Holdings(head=True, windows=((0, 1),)),
+             **{n: Holdings(head=True, windows=((1, N_LAYER),)) for n in ("d", "d2", "d3")}}
+    out = {name: Served.build([model], h, threads=1, kv_slots=256, remote=no_experts)
+           for name, h in parts.items()}
+    yield out
+    for s in out.values():
+        s.close()
+
+
+def tail_generator(net: FakeNet, spot: SpotChecks, fitness: Fitness,
+                   config: InferenceConfig = DEFAULTS) -> SwarmGenerator:
+    """The gateway's generator over `tails` (d is nearer than its replicas)."""
+    return SwarmGenerator(net.me, lambda: ModelInfo("m", "test", 256), lambda: N_LAYER,
+                          net.holders, net, net.servers[net.me].handle,  # type: ignore[arg-type]
+                          Latency(net.me, lambda p: 1.0 if p == "d" else 5.0), fitness,
+                          config, net.inbox, spot=spot)
+
+
+async def test_a_stage_lying_only_on_decode_steps_is_caught_by_a_replay_and_paid_nothing(
+        tails: dict[str, Served], reference: list[int], tmp_path: Path) -> None:
+    """d passes every first-chunk check; with the default rate, a replay of a drawn session
+    with d replaced catches it within the sessions docs/verification.md predicts."""
+    opened: list[str] = []
+    net, fitness = FakeNet(tails), Fitness(DEFAULTS.unfit_s)
+    net.faults["d"] = lying_on_decode(opened, "d")
+    spot = SpotChecks(DEFAULTS.spot_check_stages, DEFAULTS.spot_check,
+                      DEFAULTS.spot_tolerance, tmp_path / "spotchecks")
+    gen = tail_generator(net, spot, fitness)
+    bound = within(DEFAULTS.spot_check_stages, 0.9999) or 0
+    lied = False
+    for i in range(bound):
+        tokens = await generate(gen, f"r{i}", 6)
+        lied = lied or tokens != reference[:6]
+        work = {w.peer: w.units for w in gen.work(f"r{i}")}
+        if spot.decode.caught:
+            break
+        assert "d" in work
+    assert lied  # its lies changed what the users were sent
+    assert spot.decode.caught == 1, f"not caught within {bound} sessions"
+    assert spot.stages.caught == 0 and spot.stages.checked >= 1  # its first chunks are honest
+    evidence = spot.evidence[0]
+    assert evidence.kind == "decode" and evidence.peer == "d"
+    assert evidence.unit == "layers 1-3 + head (decode steps)" and evidence.sessions <= bound
+    # nothing paid to d for the caught session; the replay's hops paid for their work
+    assert "d" not in work and set(evidence.checkers) <= {"d2", "d3"}
+    assert all(work[p] > 0 for p in evidence.checkers)
+    assert fitness.lied("d")
+    sessions = len(opened)
+    assert await generate(gen, "after", 6) == reference[:6]
+    assert len(opened) == sessions  # avoided
+    kept = json.loads((tmp_path / "spotchecks" / "evidence.jsonl").read_text().splitlines()[0])
+    assert kept["kind"] == "decode" and kept["peer"] == "d" and kept["verdict"] == "caught"
+    arrays = np.load(tmp_path / "spotchecks" / kept["arrays"])
+    assert len(PROMPT) < len(arrays["input"]) < len(PROMPT) + 6  # the history replayed
+    assert arrays["output"][0][0] != arrays["reference"][0][0]  # the tokens that differ
+
+
+async def test_decode_steps_on_a_route_of_several_peers_are_counted_unchecked(
+        replicated: dict[str, Served]) -> None:
+    """b lies on decode steps on a route with c: a replay with b replaced would disagree,
+    but c too could have lied on the generation and computed the replay honestly, so it
+    would name nobody: no replay is paid for, the decode steps are counted unchecked (by
+    name, for the dashboard), nobody is sentenced and both are paid."""
+    net, fitness = FakeNet(replicated), Fitness(DEFAULTS.unfit_s)
+    net.faults["b"] = lying_on_decode([], "b")
+    spot = SpotChecks(1.0, 0.0, DEFAULTS.spot_tolerance)
+    gen = generator(net, spot, fitness, InferenceConfig(spot_check_stages=1.0))
+    await generate(gen, "r", 6)
+    assert spot.stages.caught == 0 and spot.decode.caught == 0
+    assert spot.decode.checked == 0 and spot.decode.unchecked == 2
+    assert any("several peers" in unit for unit in spot.unchecked)
+    assert fitness.snapshot() == {} and {"b", "c"} <= {w.peer for w in gen.work("r")}
+
+
+async def test_after_a_failover_the_last_routes_own_tokens_are_replayed_and_pass(
+        tails: dict[str, Served], reference: list[int]) -> None:
+    """d stops answering at the fourth generated token; the generation goes on on a replica,
+    whose decode steps (the tokens it generated after the failover's replay) are checked by
+    a replay on the third, flagging nobody."""
+    net, fitness = FakeNet(tails), Fitness(DEFAULTS.unfit_s)
+    net.faults["d"] = hung(lambda m: m.get("op") == "step" and m["start"] == len(PROMPT) + 2)
+    spot = SpotChecks(1.0, 0.0, DEFAULTS.spot_tolerance)
+    gen = tail_generator(net, spot, fitness,
+                         InferenceConfig(spot_check_stages=1.0, step_timeout_s=1.0))
+    assert await generate(gen, "r", 6) == reference[:6]
+    assert not fitness.fit("d") and not fitness.lied("d")  # failed over, as a failure
+    assert spot.decode.seen == 1 and spot.decode.checked == 1
+    assert spot.decode.caught == 0 and spot.decode.unresolved == 0 and spot.decode.failed == 0
+    assert "d" in {w.peer for w in gen.work("r")}  # paid for what it did before it failed

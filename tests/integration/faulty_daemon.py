@@ -8,10 +8,13 @@ the seam that server's constructor offers; then the normal ``kvasird`` main runs
     flip              shard pieces served with their first byte flipped (a lying holder)
     lying-experts     expert outputs off by a little (a worker spot checks must catch)
     lying-stage       a stage's hidden rows off by a little (a stage spot checks must catch)
+    lying-decode      a stage honest on relayed steps that computes the decode steps forwarded
+                      to it on noise (one only a replay of the session catches)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -82,6 +85,18 @@ class LyingStage(StageServer):
         return out * 1.5 + 0.01 if isinstance(out, np.ndarray) else out
 
 
+class LyingDecode(StageServer):
+    """Computes every relayed step (a route's first prompt chunk, a check, a replay)
+    honestly, and each decode step forwarded to it on noise in place of the rows it was
+    sent: it reads the code, and lies only where it sees the gateway does not look."""
+
+    async def _step(self, s: Any, m: Any) -> Any:
+        if m.forward is not None and m.dt != "i32" and len(m.x) == 1:
+            noise = np.random.default_rng().standard_normal(m.x.shape).astype(np.float32)
+            m = dataclasses.replace(m, x=noise * np.abs(m.x).max())
+        return await super()._step(s, m)
+
+
 def _serving(wrap: Callable[[ShardStore], ShardSource]) -> Callable[..., ShardService]:
     def shards(p2p: P2PNode, store: ShardStore) -> ShardService:
         return ShardService(p2p, store, source=wrap(store))
@@ -99,6 +114,8 @@ def install(fault: str) -> None:
         service.ExpertServer = LyingExperts  # type: ignore[misc]
     elif name == "lying-stage":
         service.StageServer = LyingStage  # type: ignore[misc]
+    elif name == "lying-decode":
+        service.StageServer = LyingDecode  # type: ignore[misc]
     else:
         raise SystemExit(f"faulty_daemon: unknown fault {fault!r}")
     print(f"faulty_daemon: {fault}", file=sys.stderr)

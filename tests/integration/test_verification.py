@@ -1,7 +1,8 @@
 """Spot checks across real daemons on 127.0.0.1, with the default settings: a stage and an
-expert worker that return perturbed outputs (faulty_daemon: lying-stage, lying-experts)
-are caught within the sessions docs/verification.md predicts, avoided afterwards, and the
-evidence is kept on the checking node.
+expert worker that return perturbed outputs (faulty_daemon: lying-stage, lying-experts),
+and a stage that lies only on the decode steps forwarded to it (lying-decode), are caught
+within the sessions docs/verification.md predicts, avoided afterwards, and the evidence is
+kept on the checking node.
 """
 
 from __future__ import annotations
@@ -111,6 +112,30 @@ def test_a_lying_stage_is_caught_within_the_predicted_sessions_and_avoided(
         generate(gateway, [*PROMPT, 100 + i], 8)
     assert liar.get("/v0/inference")["serving"]["forwarded"] == forwarded  # avoided
     assert view["stages"]["unresolved"] == 0
+
+
+def test_a_stage_lying_only_on_decode_steps_is_caught_by_a_replay_and_avoided(
+        localnet: Callable[..., LocalNet], tmp_path: Path) -> None:
+    """As above, node 1 computing the relayed first chunk honestly: the first-chunk checks
+    pass it, the replays of its drawn sessions catch it."""
+    model = make_model(tmp_path / "dense.gguf", arch="llama", n_layer=4, n_embd=256, n_head=8,
+                       n_head_kv=4, head_dim=32, n_ff=1024, dtype="f32")
+    net = start(localnet, model, [["head", "layers:0-1"], ["layers:1-4"], ["layers:1-4"],
+                                  ["layers:1-4"]], {1: "lying-decode"})
+    gateway, liar = net.nodes[0], net.nodes[1]
+    caught_within(gateway, "decode", 4 * STAGE_SESSIONS)
+    view = spot(gateway)
+    assert [e["peer"] for e in view["evidence"]] == [liar.peer_id]
+    evidence = view["evidence"][0]
+    assert evidence["kind"] == "decode" and evidence["unit"] == "layers 1-3 (decode steps)"
+    assert evidence["sessions"] <= STAGE_SESSIONS
+    assert view["stages"]["caught"] == 0 and view["decode"]["unresolved"] == 0
+    assert kept(gateway)[0]["kind"] == "decode"
+    assert liar.peer_id in gateway.get("/v0/inference")["unfit"]
+    forwarded = liar.get("/v0/inference")["serving"]["forwarded"]
+    for i in range(5):
+        generate(gateway, [*PROMPT, 100 + i], 8)
+    assert liar.get("/v0/inference")["serving"]["forwarded"] == forwarded  # avoided
 
 
 MOE_LAYERS, MOE_EXPERTS = 4, 8

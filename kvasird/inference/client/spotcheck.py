@@ -14,9 +14,14 @@ rates, the cost, and a cheater's expected loss):
   output at position t depends on its KV of the positions before t, which only the chunk
   from position 0 lets a checker rebuild: a route that started from a kept prefix is not
   checked (counted as unchecked). The head's answer is a token: it must be the checker's
-  (`head_agrees`). A hop can tell the relayed chunk, though: one that computes it honestly
-  and lies on the forwarded decode steps is not caught (docs/verification.md, what is not
-  checked).
+  (`head_agrees`). A hop can tell the relayed chunk, though, and could compute it honestly
+  and lie on the forwarded decode steps: so a drawn hop is also checked on those, after
+  the generation ends (``decode``): the session's tokens are replayed, teacher-forced, on
+  the route with that hop replaced by other holders of its part, up to a generated
+  position drawn at random, and the replay's token there must be the generation's
+  (`head_agrees` again). The replay's other hops are the route's own, so a disagreement
+  is pinned on the drawn hop only when those are all this node's; otherwise it shows that
+  some hop of the route lied, not which (unresolved, the suspects logged).
 - expert workers (dispatch.ExpertDispatcher.checked): with probability ``spot_check`` per
   call, the rows are recomputed on this node's own copy of the experts or a second replica.
 
@@ -191,7 +196,8 @@ class Evidence:
     """One caught check, as the checking node keeps it."""
 
     kind: str
-    """"stage" or "experts"."""
+    """"stage" (its first prompt chunk), "decode" (its decode steps, by a replay of the
+    session) or "experts"."""
     peer: str
     """The peer caught out of tolerance."""
     unit: str
@@ -199,7 +205,8 @@ class Evidence:
     checkers: tuple[str, ...]
     """Who recomputed it (this node's own id for its own copy)."""
     input_sha256: str
-    """Of the input rows (or token ids) both were given, as float32/int32 bytes."""
+    """Of the input rows (or token ids) both were given, as float32/int32 bytes (for
+    "decode": the token history replayed)."""
     output_sha256: str
     """Of the caught peer's output."""
     reference_sha256: str
@@ -254,6 +261,9 @@ class SpotChecks:
         self.rng = rng or random.Random()
         """Draws checks and checkers (a peer must not predict either)."""
         self.stages, self.experts = Counts(stage_rate), Counts(expert_rate)
+        self.decode = Counts(stage_rate)
+        """The stages drawn, checked again on their decode steps by a replay of the session
+        (`seen`: the drawn hops whose route generated a decode step)."""
         self.unchecked: Counter[str] = Counter()
         """Unit name -> times it was drawn and nobody else could recompute it."""
         self.sessions: Counter[str] = Counter()
@@ -283,7 +293,7 @@ class SpotChecks:
                x: np.ndarray, out: np.ndarray, ref: np.ndarray, diff: float) -> Evidence:
         """Keep the evidence of `peer` caught: in memory for the status page, and as a JSON
         line (and the arrays) in `directory`."""
-        (self.stages if kind == "stage" else self.experts).caught += 1
+        {"stage": self.stages, "decode": self.decode, "experts": self.experts}[kind].caught += 1
         at = time.time()
         name = ""
         if self.directory is not None:
@@ -304,6 +314,7 @@ class SpotChecks:
 
     def status(self) -> dict[str, Any]:
         return {"stages": {**asdict(self.stages), "within_95": within(self.stages.rate, 0.95)},
+                "decode": asdict(self.decode),
                 "experts": {**asdict(self.experts),
                             "within_95": within(self.experts.rate, 0.95)},
                 "tolerance": self.tolerance, "unchecked_units": dict(self.unchecked),

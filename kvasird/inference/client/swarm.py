@@ -47,7 +47,12 @@ caught gets nothing for the generation (`work` leaves it out), is avoided for un
 accused on gossip, and the generation is replayed on a route without it; the checkers'
 work is counted like any hop's. A hop drawn that nobody else can recompute is counted
 as unchecked (the status page names it). The relayed chunk is a request per hop: a hop
-that hangs during it is found at the step timeout, not by the probe of a chain.
+that hangs during it is found at the step timeout, not by the probe of a chain. A hop can
+tell that chunk, so a drawn hop of the generation's last route is checked on its decode
+steps too, when the generation has ended and before `work` is handed over: the history up
+to a generated position drawn at random is replayed with the hop replaced
+(`_Run.check_decode`), and the tokens compared, where a disagreement can name it (a
+route of this node and that hop; elsewhere its decode steps are counted unchecked).
 
 Failover: when a hop fails, times out or refuses, its peer is avoided for a while
 (failover.judge), sessions on the old route are closed, a new route is planned, and the
@@ -366,6 +371,7 @@ class SwarmGenerator:
                         await pending.cancel()
                 with trio.move_on_after(2):
                     await run.close()
+                await run.check_decode(n_prompt)
                 if len(self._work) >= KEEP_WORK:  # never asked for: drop the oldest
                     del self._work[next(iter(self._work))]
                 self._work[rid] = run.work()
@@ -454,15 +460,28 @@ class _Run:
         self.caught: set[str] = set()
         """Peers caught out of tolerance by a spot check in this generation: whatever they
         did for it is paid to nobody."""
+        self.drawn: tuple[tuple[Hop, ...], tuple[Hop, ...]] = ((), ())
+        """The current route's hops, and those of them drawn for a spot check (checked on
+        its first prompt chunk at once, on its decode steps once the generation ends)."""
+        self.claims: list[tuple[str, int, tuple[tuple[str, int], ...]]] = []
+        """(stage, the expert units its layers could have dispatched, those its Close
+        reported) of every session closed: counted by `work`, unless the stage is caught
+        (a decode check's verdict comes after the close)."""
 
     def work(self) -> tuple[HopWork, ...]:
         """The units each peer did, with its time per token as this node measured it (the
         hop's own relayed timing where there is one, else the whole step's); none for a
         peer caught by a spot check."""
-        p = self.progress
-        return tuple(HopWork(peer, units, p.hop_ms.get(peer, p.step_ms))
-                     for peer, units in self.units.items()
-                     if units > 0 and peer not in self.caught)
+        p, units = self.progress, self.units.copy()
+        for stage, room, experts in self.claims:
+            if stage in self.caught:  # its word is worth nothing
+                continue
+            for peer, n in experts:
+                if n <= room and peer != stage:
+                    units[peer] += n
+                    room -= n
+        return tuple(HopWork(peer, n, p.hop_ms.get(peer, p.step_ms))
+                     for peer, n in units.items() if n > 0 and peer not in self.caught)
 
     def _count(self, n: int) -> None:
         """A step of n positions succeeded on the current route."""
@@ -475,15 +494,10 @@ class _Run:
                 self.gen.fitness.healthy(hop.peer)
 
     def _count_experts(self, hop: Hop, i: int, closed: Closed) -> None:
-        """The expert work hop i's session reports at close, within what it could have sent
-        (nothing from a stage caught by a spot check: its word is worth nothing)."""
-        if hop.peer in self.caught:
-            return
+        """The expert work hop i's session reports at close, and what it could have sent
+        (counted by `work`, within that)."""
         room = self.positions[i] * (hop.end - hop.first) * MAX_EXPERTS_PER_ROW
-        for peer, units in closed.experts:
-            if units <= room and peer != hop.peer:
-                self.units[peer] += units
-                room -= units
+        self.claims.append((hop.peer, room, tuple(closed.experts)))
 
     async def begin(self, history: list[int]) -> TokenEvent:
         """Open the first route and prefill the prompt (failing over like a step)."""
@@ -502,7 +516,7 @@ class _Run:
         ones bit for bit, tests/integration/test_prefix.py). A replay after a failover
         starts from nothing, so that the new route's KV holds the bits the old one's did."""
         gen, prompt = self.gen, len(history) - produced
-        self.history, self.produced = history, produced
+        self.history, self.produced, self.drawn = history, produced, ((), ())
         # the pages before the prompt's last token: it is computed whatever a hop holds,
         # and a delta-net's state cannot go back to it from the page after
         keys = page_keys(history[:prompt - 1]) if first and gen.config.prefix_cache else b""
@@ -627,6 +641,7 @@ class _Run:
         event = await self._relay(ids, start, trail=trail)
         spot, me = self.gen.spot, self.gen.me
         drawn = [s for s in trail if s.hop.peer != me and spot.draw(spot.stages, s.hop.peer)]
+        self.drawn = (self.route.hops, tuple(s.hop for s in drawn))
         if start > 0:  # the hops began from kept KV, which a checker does not have
             for seen in drawn:
                 spot.nobody(spot.stages, f"{unit_name(seen.hop)} (from a kept prefix)")
@@ -663,8 +678,8 @@ class _Run:
             ok, diff = agrees(seen.out, refs[-1][1], spot.tolerance, greedy)
             if spot.compared(spot.stages, diff if ok else math.inf):
                 if len(refs) > 1 and len(refs[0][0]) == 1:  # the first checker erred
-                    await self._condemn(refs[0][0][0].peer, seen, refs[0][1], seen.out,
-                                        [hop.peer, *(p.peer for p in pieces)])
+                    await self._condemn("stage", refs[0][0][0].peer, unit_name(hop), seen.x,
+                                        refs[0][1], seen.out, [hop.peer, *(p.peer for p in pieces)])
                 elif len(refs) > 1:
                     spot.stages.unresolved += 1
                 return
@@ -674,7 +689,7 @@ class _Run:
             spot.nobody(spot.stages, unit_name(hop))
         elif all(p.peer == me for p in refs[-1][0]) or (
                 len(refs) == 2 and agrees(refs[0][1], refs[1][1], spot.tolerance, greedy)[0]):
-            await self._condemn(hop.peer, seen, seen.out, refs[-1][1],
+            await self._condemn("stage", hop.peer, unit_name(hop), seen.x, seen.out, refs[-1][1],
                                 [p.peer for c, _ in refs for p in c])
         else:
             spot.stages.unresolved += 1
@@ -682,14 +697,15 @@ class _Run:
                         "could decide", peer=hop.peer,
                         checkers=[p.peer for c, _ in refs for p in c])
 
-    async def _condemn(self, peer: str, seen: Seen, out: np.ndarray | TokenEvent,
-                       ref: np.ndarray | TokenEvent, checkers: list[str]) -> None:
-        """`peer` answered `out` for hop `seen` where `checkers` computed `ref`: the evidence
-        is kept, nothing it did for this generation is paid, it is avoided for unfit_s,
-        and the network hears of it."""
-        spot, unit = self.gen.spot, unit_name(seen.hop)
+    async def _condemn(self, kind: str, peer: str, unit: str, x: np.ndarray,
+                       out: np.ndarray | TokenEvent, ref: np.ndarray | TokenEvent,
+                       checkers: list[str]) -> None:
+        """`peer` answered `out` for `unit` given `x` where `checkers` computed `ref`: the
+        evidence (of `kind`) is kept, nothing it did for this generation is paid, it is
+        avoided for unfit_s, and the network hears of it."""
+        spot = self.gen.spot
         _, diff = agrees(out, ref, spot.tolerance, self.sampling.temperature <= 0)
-        spot.caught("stage", peer, unit, checkers, seen.x, as_array(out), as_array(ref), diff)
+        spot.caught(kind, peer, unit, checkers, x, as_array(out), as_array(ref), diff)
         self.caught.add(peer)
         reason = f"failed a spot check of {unit}"
         self.gen.fitness.mark(peer, reason)
@@ -718,6 +734,109 @@ class _Run:
                     with contextlib.suppress(HopFailed):
                         await self._call(pieces[j], Close(f"{sid}.{j}"))
         for p in pieces:
+            self.units[p.peer] += n * (p.end - p.first + p.head)
+        return out
+
+    async def check_decode(self, prompt: int) -> None:
+        """The last route's hops drawn for a spot check, checked on its decode steps now that
+        the generation (of a `prompt` of that many tokens) has ended, before its work is
+        handed to settlement: a position is drawn among the tokens the route generated
+        after its first (a hop cannot tell which step is checked), and the history up to it
+        is replayed with the hop replaced (`_check_decode`). A route that generated no
+        decode step has nothing to check."""
+        hops, drawn = self.drawn
+        spot, first, me = self.gen.spot, self.produced + 1, self.gen.me
+        generated = len(self.history) - prompt
+        for hop in drawn:
+            if hop.peer in self.caught or generated <= first:
+                continue
+            spot.decode.seen += 1
+            if any(h.peer != me for h in hops if h is not hop):  # see _check_decode
+                spot.nobody(spot.decode, f"{unit_name(hop)} (decode steps, on a route of "
+                                         "several peers)")
+                continue
+            await self._check_decode(hops, hop, prompt, spot.rng.randrange(first, generated))
+
+    async def _check_decode(self, hops: tuple[Hop, ...], hop: Hop, prompt: int, j: int) -> None:
+        """Replay the session up to its j-th generated token, teacher-forced, on `hops` with
+        `hop` replaced by other holders of its part, and compare the replay's token with
+        the generation's (`head_agrees`). The replay's other hops are the route's, all this
+        node's (check_decode replays no other route): the replay differs from the
+        generation only in `hop`, and a disagreement is resolved as the first-chunk check
+        resolves one (two opinions). On a route with other peers one of them could have
+        lied on the decode steps and computed the replay honestly (it can tell a replay: it
+        is relayed), so a disagreement would name no one: such a route's decode steps are
+        counted unchecked rather than paid for with a replay that sentences nobody."""
+        spot, me = self.gen.spot, self.gen.me
+        greedy, at = self.sampling.temperature <= 0, hops.index(hop)
+        history = self.history[:prompt + j]
+        made, x = TokenEvent(self.history[prompt + j]), np.asarray(history, np.int32)
+        unit = f"{unit_name(hop)} (decode steps)"
+        refs: list[tuple[tuple[Hop, ...], TokenEvent]] = []
+        while len(refs) < 2:
+            exclude = {hop.peer, *(p.peer for c, _ in refs for p in c if p.peer != me)}
+            pieces = cover(hop, self.gen._fit(), exclude, me, spot.rng)
+            if pieces is None:
+                break
+            try:
+                refs.append((pieces, await self._replay((*hops[:at], *pieces, *hops[at + 1:]),
+                                                        history, j, prompt)))
+            except HopFailed as exc:
+                spot.decode.failed += 1
+                log.info("a decode check could not be finished: a hop of its replay failed",
+                         peer=hop.peer, failed=exc.peer, reason=exc.reason[:200])
+                return
+            ok, diff = agrees(made, refs[-1][1], spot.tolerance, greedy)
+            if spot.compared(spot.decode, diff if ok else math.inf):
+                if len(refs) > 1 and len(refs[0][0]) == 1:  # the first checker erred
+                    await self._condemn("decode", refs[0][0][0].peer, unit, x, refs[0][1],
+                                        made, [hop.peer, *(p.peer for p in pieces)])
+                elif len(refs) > 1:
+                    spot.decode.unresolved += 1
+                return
+            if all(p.peer == me for p in pieces):
+                break
+        if not refs:
+            spot.decode.unchecked += 1
+        elif all(p.peer == me for p in refs[-1][0]) or (
+                len(refs) == 2 and agrees(refs[0][1], refs[1][1], spot.tolerance, greedy)[0]):
+            await self._condemn("decode", hop.peer, unit, x, made, refs[-1][1],
+                                [p.peer for c, _ in refs for p in c])
+        else:
+            spot.decode.unresolved += 1
+            log.warning("a replay of a generation disagreed with it and nobody could be named",
+                        drawn=hop.peer, route=[h.peer for h in hops],
+                        checkers=[p.peer for c, _ in refs for p in c])
+
+    async def _replay(self, hops: tuple[Hop, ...], history: list[int], produced: int,
+                      prompt: int) -> TokenEvent:
+        """The head's token after `history` (a prompt of `prompt` tokens and `produced`
+        generated ones), recomputed on throwaway sessions of `hops` as a failover replays
+        it (`start`): the prompt in the same chunks, the generated tokens one position at
+        a time, the head drawing from the seeded stream where the route's head did. Each
+        step is relayed through this node; the work is counted to the hops like any."""
+        gen, sid, n = self.gen, secrets.token_hex(8), len(history)
+        opened: list[int] = []
+        try:
+            for i, p in enumerate(hops):
+                _read(p.peer, Opened.from_wire, await self._call(p, Open(
+                    f"{sid}.{i}", self.model, p.first, p.end, p.embed, p.head, n,
+                    MAX_TOP if p.head else 0, "", self.sampling, max(produced - 1, 0), prompt,
+                    delegation=gen.issuer.issue(p.peer, life_s(n)) if gen.issuer else b"")))
+                opened.append(i)
+            chunks = [(c, min(c + PREFILL_CHUNK, prompt), False)
+                      for c in range(0, prompt, PREFILL_CHUNK)]
+            for a, b, singly in [*chunks, *([(prompt, n, True)] if produced else [])]:
+                ids = tuple(history[a:b])
+                out = await self._through(hops, sid, np.asarray(ids), "i32", ids, a, singly)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                for i in opened:
+                    with contextlib.suppress(HopFailed):
+                        await self._call(hops[i], Close(f"{sid}.{i}"))
+        if not isinstance(out, TokenEvent):
+            raise HopFailed(hops[-1].peer, "the replay's route ends before the head")
+        for p in hops:
             self.units[p.peer] += n * (p.end - p.first + p.head)
         return out
 
