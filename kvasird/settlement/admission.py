@@ -166,8 +166,9 @@ class Admission:
 
     def receipted(self, wallet: Pubkey, before: tuple[int, int], after: tuple[int, int]) -> int:
         """A receipt from ``wallet`` moved its epoch's cumulative (units, amount) from
-        ``before`` to ``after``: the units it newly covers (0 for one whose amount did not
-        rise) come off the wallet's outstanding work. Returns them."""
+        ``before`` to ``after``: the units it newly covers (for one whose amount did not rise,
+        none beyond what that amount already paid for) come off the wallet's outstanding
+        work. Returns them."""
         rates = self.rates()
         added = max(rates.covered(*after) - rates.covered(*before), 0)
         if added:
