@@ -115,6 +115,7 @@ from kvasird.inference.client.routing import (
     uncovered,
 )
 from kvasird.inference.client.spotcheck import (
+    Counts,
     Seen,
     SpotChecks,
     agrees,
@@ -654,13 +655,21 @@ class _Run:
         return event
 
     async def _check(self, seen: Seen, ids: tuple[int, ...]) -> None:
-        """Recompute what hop `seen` did on other holders of its part and compare. This
-        node's own recomputation is authoritative; a peer's is one opinion, and when it
-        disagrees a second one (other holders again) decides: the checked hop is caught
-        when both disagree with it, the first checker when it alone (not a chain, where
-        which piece erred is not known) is contradicted by the second, nobody when the
-        three disagree or there is no second."""
-        spot, hop, me = self.gen.spot, seen.hop, self.gen.me
+        """Recompute what hop `seen` did on other holders of its part and compare."""
+        await self._judge("stage", self.gen.spot.stages, seen.hop, unit_name(seen.hop),
+                          seen.x, seen.out, lambda pieces: self._recompute(pieces, seen, ids))
+
+    async def _judge(self, kind: str, counts: Counts, hop: Hop, unit: str, x: np.ndarray,
+                     out: np.ndarray | TokenEvent,
+                     recompute: Callable[[tuple[Hop, ...]],
+                                         Awaitable[np.ndarray | TokenEvent]]) -> None:
+        """Compare `out`, what `hop` answered for `x`, with what other holders of its part
+        give (`recompute` on the pieces `cover` picks). This node's own recomputation is
+        authoritative; a peer's is one opinion, and when it disagrees a second one (other
+        holders again) decides: the checked hop is caught when both disagree with it, the
+        first checker when it alone (not a chain, where which piece erred is not known) is
+        contradicted by the second, nobody when the three disagree or there is no second."""
+        spot, me = self.gen.spot, self.gen.me
         greedy = self.sampling.temperature <= 0
         refs: list[tuple[tuple[Hop, ...], np.ndarray | TokenEvent]] = []
         while len(refs) < 2:
@@ -669,33 +678,32 @@ class _Run:
             if pieces is None:
                 break
             try:
-                refs.append((pieces, await self._recompute(pieces, seen, ids)))
+                refs.append((pieces, await recompute(pieces)))
             except HopFailed as exc:
-                spot.stages.failed += 1
-                log.info("a spot check could not be finished: its checker failed",
-                         peer=hop.peer, checker=exc.peer, reason=exc.reason[:200])
+                counts.failed += 1
+                log.info("a spot check could not be finished: a hop of its checkers failed",
+                         kind=kind, peer=hop.peer, failed=exc.peer, reason=exc.reason[:200])
                 return
-            ok, diff = agrees(seen.out, refs[-1][1], spot.tolerance, greedy)
-            if spot.compared(spot.stages, diff if ok else math.inf):
+            ok, diff = agrees(out, refs[-1][1], spot.tolerance, greedy)
+            if spot.compared(counts, diff if ok else math.inf):
                 if len(refs) > 1 and len(refs[0][0]) == 1:  # the first checker erred
-                    await self._condemn("stage", refs[0][0][0].peer, unit_name(hop), seen.x,
-                                        refs[0][1], seen.out, [hop.peer, *(p.peer for p in pieces)])
+                    await self._condemn(kind, refs[0][0][0].peer, unit, x, refs[0][1], out,
+                                        [hop.peer, *(p.peer for p in pieces)])
                 elif len(refs) > 1:
-                    spot.stages.unresolved += 1
+                    counts.unresolved += 1
                 return
             if all(p.peer == me for p in pieces):
                 break
         if not refs:
-            spot.nobody(spot.stages, unit_name(hop))
+            spot.nobody(counts, unit)
         elif all(p.peer == me for p in refs[-1][0]) or (
                 len(refs) == 2 and agrees(refs[0][1], refs[1][1], spot.tolerance, greedy)[0]):
-            await self._condemn("stage", hop.peer, unit_name(hop), seen.x, seen.out, refs[-1][1],
+            await self._condemn(kind, hop.peer, unit, x, out, refs[-1][1],
                                 [p.peer for c, _ in refs for p in c])
         else:
-            spot.stages.unresolved += 1
-            log.warning("a stage's spot check disagreed with its checker and nobody else "
-                        "could decide", peer=hop.peer,
-                        checkers=[p.peer for c, _ in refs for p in c])
+            counts.unresolved += 1
+            log.warning("a spot check disagreed with its checker and nobody else could decide",
+                        kind=kind, peer=hop.peer, checkers=[p.peer for c, _ in refs for p in c])
 
     async def _condemn(self, kind: str, peer: str, unit: str, x: np.ndarray,
                        out: np.ndarray | TokenEvent, ref: np.ndarray | TokenEvent,
@@ -767,46 +775,15 @@ class _Run:
         lied on the decode steps and computed the replay honestly (it can tell a replay: it
         is relayed), so a disagreement would name no one: such a route's decode steps are
         counted unchecked rather than paid for with a replay that sentences nobody."""
-        spot, me = self.gen.spot, self.gen.me
-        greedy, at = self.sampling.temperature <= 0, hops.index(hop)
+        at = hops.index(hop)
         history = self.history[:prompt + j]
-        made, x = TokenEvent(self.history[prompt + j]), np.asarray(history, np.int32)
-        unit = f"{unit_name(hop)} (decode steps)"
-        refs: list[tuple[tuple[Hop, ...], TokenEvent]] = []
-        while len(refs) < 2:
-            exclude = {hop.peer, *(p.peer for c, _ in refs for p in c if p.peer != me)}
-            pieces = cover(hop, self.gen._fit(), exclude, me, spot.rng)
-            if pieces is None:
-                break
-            try:
-                refs.append((pieces, await self._replay((*hops[:at], *pieces, *hops[at + 1:]),
-                                                        history, j, prompt)))
-            except HopFailed as exc:
-                spot.decode.failed += 1
-                log.info("a decode check could not be finished: a hop of its replay failed",
-                         peer=hop.peer, failed=exc.peer, reason=exc.reason[:200])
-                return
-            ok, diff = agrees(made, refs[-1][1], spot.tolerance, greedy)
-            if spot.compared(spot.decode, diff if ok else math.inf):
-                if len(refs) > 1 and len(refs[0][0]) == 1:  # the first checker erred
-                    await self._condemn("decode", refs[0][0][0].peer, unit, x, refs[0][1],
-                                        made, [hop.peer, *(p.peer for p in pieces)])
-                elif len(refs) > 1:
-                    spot.decode.unresolved += 1
-                return
-            if all(p.peer == me for p in pieces):
-                break
-        if not refs:
-            spot.decode.unchecked += 1
-        elif all(p.peer == me for p in refs[-1][0]) or (
-                len(refs) == 2 and agrees(refs[0][1], refs[1][1], spot.tolerance, greedy)[0]):
-            await self._condemn("decode", hop.peer, unit, x, made, refs[-1][1],
-                                [p.peer for c, _ in refs for p in c])
-        else:
-            spot.decode.unresolved += 1
-            log.warning("a replay of a generation disagreed with it and nobody could be named",
-                        drawn=hop.peer, route=[h.peer for h in hops],
-                        checkers=[p.peer for c, _ in refs for p in c])
+
+        async def replay(pieces: tuple[Hop, ...]) -> TokenEvent:
+            return await self._replay((*hops[:at], *pieces, *hops[at + 1:]), history, j, prompt)
+
+        await self._judge("decode", self.gen.spot.decode, hop,
+                          f"{unit_name(hop)} (decode steps)", np.asarray(history, np.int32),
+                          TokenEvent(self.history[prompt + j]), replay)
 
     async def _replay(self, hops: tuple[Hop, ...], history: list[int], produced: int,
                       prompt: int) -> TokenEvent:
