@@ -139,6 +139,16 @@ async def test_a_stage_returning_perturbed_rows_is_caught_paid_nothing_and_avoid
     assert spot.status()["evidence"][0]["input_sha256"] == kept["input_sha256"]
 
 
+async def honestly(gen: SwarmGenerator, sessions: int, n: int, reference: list[int]) -> None:
+    """`sessions` generations of `n` tokens, greedy and seeded by turns; the greedy ones
+    must be the reference's."""
+    seeded = SamplingParams(temperature=0.9, top_k=20, seed=7)
+    for i in range(sessions):
+        tokens = await generate(gen, f"h{i}", n, seeded if i % 2 else SamplingParams())
+        if i % 2 == 0:
+            assert tokens == reference[:n]
+
+
 @pytest.mark.slow
 async def test_a_thousand_honest_sessions_checked_every_time_flag_nobody(
         replicated: dict[str, Served], reference: list[int]) -> None:
@@ -148,11 +158,7 @@ async def test_a_thousand_honest_sessions_checked_every_time_flag_nobody(
     net, fitness = FakeNet(replicated), Fitness(DEFAULTS.unfit_s)
     spot = SpotChecks(1.0, 1.0, DEFAULTS.spot_tolerance)
     gen = generator(net, spot, fitness, InferenceConfig(spot_check_stages=1.0))
-    seeded = SamplingParams(temperature=0.9, top_k=20, seed=7)
-    for i in range(1000):
-        tokens = await generate(gen, f"h{i}", 2, seeded if i % 2 else SamplingParams())
-        if i % 2 == 0:
-            assert tokens == reference[:2]
+    await honestly(gen, 1000, 2, reference)
     assert spot.stages.caught == 0 and spot.stages.unresolved == 0
     assert spot.stages.checked == 1000  # b's, by b2 or b3
     assert spot.stages.worst_pass == 0.0  # one backend, the same chunk: the same bits
@@ -172,11 +178,7 @@ async def test_a_thousand_honest_sessions_replayed_on_their_decode_steps_flag_no
     net, fitness = FakeNet(tails), Fitness(DEFAULTS.unfit_s)
     spot = SpotChecks(1.0, 0.0, DEFAULTS.spot_tolerance)
     gen = tail_generator(net, spot, fitness, InferenceConfig(spot_check_stages=1.0))
-    seeded = SamplingParams(temperature=0.9, top_k=20, seed=7)
-    for i in range(1000):
-        tokens = await generate(gen, f"h{i}", 3, seeded if i % 2 else SamplingParams())
-        if i % 2 == 0:
-            assert tokens == reference[:3]
+    await honestly(gen, 1000, 3, reference)
     assert spot.decode.checked == 1000 and spot.decode.unchecked == 0
     assert spot.decode.caught == 0 and spot.decode.unresolved == 0 and spot.decode.failed == 0
     assert spot.stages.caught == 0 and fitness.snapshot() == {}
