@@ -16,8 +16,11 @@ from kvasird.db import connect
 from kvasird.errors import ConfigError, HomeError
 from kvasird.home import Home
 from kvasird.settlement.chain import ChainClient
-from kvasird.settlement.errors import WalletError
+from kvasird.settlement.errors import ChainRefused, WalletError
+from kvasird.settlement.governance import Governance
 from kvasird.settlement.ledger import Ledger
+from kvasird.settlement.localchain.faucet import OWN_USE
+from kvasird.settlement.pricing import GENESIS_PARAMS, NetworkParams
 from kvasird.settlement.receipts import ReceiptBook
 from kvasird.settlement.token import KVR_DECIMALS, format_kvr
 from kvasird.settlement.wallet import Wallet, parse_address, read_keypair, sign_link, write_keypair
@@ -40,6 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"Solana JSON-RPC URL (default: [settlement] rpc_url, else {LOCAL_RPC})")
     p.add_argument("--mint", default="",
                    help="KVR mint (default: [settlement] kvr_mint, else ask the local chain)")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON (amounts in base units: lamports, KVR x 10^6)")
     p.set_defaults(func=_show)
     cmds = p.add_subparsers(dest="wallet_command", metavar="ACTION")
     new = cmds.add_parser("new", help="create a keypair file (Solana JSON format, mode 0600)")
@@ -51,8 +56,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     claim = cmds.add_parser("claim", help="claim earnings from every gateway that owes this "
                             "node (the running daemon asks them; payouts checked on chain)")
     claim.set_defaults(func=_claim)
-    faucet = cmds.add_parser("faucet", help="get SOL and KVR from the local chain's faucet")
-    faucet.add_argument("--kvr", type=float, default=100.0, help="KVR to mint (default 100)")
+    faucet = cmds.add_parser(
+        "faucet", help="get SOL and KVR from a local chain's faucet (refused on any other chain)",
+        description="Mint test KVR and SOL on a kvasird local chain. A gateway needs the "
+        "network's stake in its wallet (the peers check it on chain) and KVR above it for "
+        "its operator's own requests: --stake mints both. On a real network KVR is bought "
+        "or earned, and there is no faucet.")
+    amount = faucet.add_mutually_exclusive_group()
+    amount.add_argument("--kvr", type=float, default=None, help="KVR to mint (default 100)")
+    amount.add_argument("--stake", action="store_true",
+                        help=f"mint what a gateway needs: the network's stake parameter plus "
+                             f"{OWN_USE // 10**KVR_DECIMALS} KVR for its operator's own use")
     faucet.add_argument("--sol", type=float, default=1.0, help="SOL for fees (default 1)")
     faucet.set_defaults(func=_faucet)
 
@@ -95,12 +109,19 @@ def _wallet(args: argparse.Namespace) -> Wallet:
 
 def _show(args: argparse.Namespace) -> int:
     wallet = _wallet(args)
-    sol, kvr = trio.run(_balances, *_rpc(args), wallet.address)
+    sol, kvr, mint = trio.run(_balances, *_rpc(args), wallet.address)
+    gateways = _receipts(_home(args))
+    pending = sum(unpaid for _, _, unpaid in gateways)
+    if args.json:
+        print(json.dumps({
+            "address": str(wallet.address), "lamports": sol, "kvr": kvr, "mint": str(mint),
+            "pending": pending, "gateways": [{"wallet": str(g), "peer_id": p, "unpaid": u}
+                                             for g, p, u in gateways]}))
+        return 0
     print(f"address           {wallet.address}")
     print(f"SOL               {sol / _LAMPORTS_PER_SOL:.9f}")
     print(f"KVR               {format_kvr(kvr)}")
-    gateways = _receipts(_home(args))
-    pending = sum(unpaid for _, _, unpaid in gateways)
+    print(f"KVR mint          {mint}")
     print(f"pending earnings  {format_kvr(pending)} KVR (receipts not yet paid)")
     for gateway, peer_id, unpaid in gateways:
         print(f"  from gateway {gateway} ({peer_id[:16]}…)  {format_kvr(unpaid)} KVR")
@@ -109,15 +130,16 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _balances(rpc: str, mint: str, address: Pubkey) -> tuple[int, int]:
+async def _balances(rpc: str, mint: str, address: Pubkey) -> tuple[int, int, Pubkey]:
     async with ChainClient(rpc) as chain:
-        mint_key = parse_address(mint) if mint else await _local_mint(chain)
-        return await chain.lamports(address), await chain.token_balance(address, mint_key)
-
-
-async def _local_mint(chain: ChainClient) -> Pubkey:
-    info = await chain.request("kvasir_localChain", [])
-    return parse_address(info["mint"])  # type: ignore[index]
+        try:
+            mint_key = parse_address(mint) if mint else (await chain.local_chain_keys()).mint
+        except ChainRefused:
+            raise WalletError(f"the chain at {rpc} does not name its KVR mint (only a kvasird "
+                              "local chain does): pass --mint, or set [settlement] kvr_mint "
+                              "in kvasird.toml") from None
+        return (await chain.lamports(address), await chain.token_balance(address, mint_key),
+                mint_key)
 
 
 def _receipts(home: Home) -> list[tuple[Pubkey, str, int]]:
@@ -190,17 +212,44 @@ def _network(home: Home) -> str:
 
 def _faucet(args: argparse.Namespace) -> int:
     wallet = _wallet(args)
-    trio.run(
-        _fund,
-        _rpc(args)[0],
-        wallet.address,
-        int(args.kvr * 10**KVR_DECIMALS),
-        int(args.sol * _LAMPORTS_PER_SOL),
-    )
-    print(f"funded {wallet.address}: {args.kvr} KVR, {args.sol} SOL")
+    lamports = int(args.sol * _LAMPORTS_PER_SOL)
+    trio.run(_fund, args, _rpc(args)[0], wallet.address, lamports)
     return 0
 
 
-async def _fund(rpc: str, address: Pubkey, kvr: int, lamports: int) -> None:
+async def _fund(args: argparse.Namespace, rpc: str, address: Pubkey, lamports: int) -> None:
+    """Mint what was asked on a local chain; any other chain is refused before anything."""
     async with ChainClient(rpc) as chain:
+        try:
+            keys = await chain.local_chain_keys()
+        except ChainRefused:
+            raise WalletError(
+                f"{rpc} is not a kvasird local chain: it has no faucet. On a real network KVR "
+                "is bought or earned, and a gateway's wallet must hold the network's stake "
+                "(see docs/market.md, \"Stake\")"
+            ) from None
+        if args.stake:
+            stake = _params(args, keys.genesis_wallet).stake_min
+            kvr = stake + OWN_USE
+            what = (f"the network's stake, {format_kvr(stake)} KVR, which the peers check "
+                    f"on chain before they serve this wallet's gateway, and "
+                    f"{format_kvr(OWN_USE)} KVR above it for the operator's own requests")
+        else:
+            kvr = int((100.0 if args.kvr is None else args.kvr) * 10**KVR_DECIMALS)
+            what = "test KVR"
         await chain.faucet(address, kvr=kvr, lamports=lamports)
+    print(f"funded {address}: {format_kvr(kvr)} KVR ({what}), "
+          f"{lamports / _LAMPORTS_PER_SOL:g} SOL for fees")
+
+
+def _params(args: argparse.Namespace, genesis: Pubkey) -> NetworkParams:
+    """The network parameters in force, as this node last heard them from its network's
+    genesis wallet (the genesis ones while it has heard none, or has no home)."""
+    home = _home(args)
+    if not home.db.exists():
+        return GENESIS_PARAMS
+    ledger = Ledger(home.db)
+    try:
+        return Governance(ledger, genesis, _network(home)).params()
+    finally:
+        ledger.close()

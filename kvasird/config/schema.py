@@ -276,15 +276,18 @@ class SettlementSection:
     enabled: bool = False
     """Take KVR payments and pay peers; off = a free node (local use, tests)."""
     rpc_url: str = ""
-    """Solana JSON-RPC URL of the network's chain; "" runs an embedded local chain."""
+    """Solana JSON-RPC URL of the network's chain; "" runs an embedded local chain. Waited
+    for at start (a chain may start after its nodes), up to a bound."""
     wallet: str = ""
     """Operator keypair file (Solana JSON), relative to the home; "" = receive-only."""
     wallet_address: str = ""
     """Payout address when no keypair file is held."""
     kvr_mint: str = ""
-    """KVR mint address; "" = the local chain's genesis mint."""
+    """KVR mint address; "" = the one the chain at ``rpc_url`` names (a kvasird local chain
+    does; a cluster cannot, and the node then stops before it joins, saying what to set)."""
     genesis_wallet: str = ""
-    """The network's genesis wallet (signer of governance); "" = the local chain's."""
+    """The network's genesis wallet (signer of governance); "" = the one the chain names,
+    like ``kvr_mint``."""
     commitment: str = field(default="finalized", metadata=_choice("processed", "confirmed", "finalized"))
     """Commitment required before crediting."""
     quote_ttl_s: float = field(default=300.0, metadata=_range(5, 86400))

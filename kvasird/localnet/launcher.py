@@ -27,8 +27,8 @@ from kvasird.errors import KvasirError
 from kvasird.home import Home
 from kvasird.identity import load_node_key
 from kvasird.settlement.chain import ChainClient
+from kvasird.settlement.localchain.faucet import OWN_USE
 from kvasird.settlement.pricing import GENESIS_STAKE_MIN
-from kvasird.settlement.token import KVR_DECIMALS
 from kvasird.settlement.wallet import read_keypair, write_keypair
 
 READY_TIMEOUT_S = 60.0
@@ -46,10 +46,6 @@ LOCAL_P2P = {"p2p.heartbeat_interval_s": 1.0, "p2p.liveness_timeout_s": 5.0,
 class LocalNetError(KvasirError):
     """A local daemon did not start or stop as expected; its log path is in the message."""
 
-
-OWN_USE = 1000 * 10**KVR_DECIMALS
-"""KVR each node's operator has above its stake for its own requests, which it pays the
-peers for like anyone's: millions of short requests at genesis prices."""
 
 @dataclass
 class LocalNode:

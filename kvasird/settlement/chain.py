@@ -77,6 +77,17 @@ class ChainTransaction:
 
 
 @dataclass(frozen=True)
+class NetworkKeys:
+    """The two addresses a network's money is known by on its chain."""
+
+    mint: Pubkey
+    """The KVR mint."""
+    genesis_wallet: Pubkey
+    """The only signer of governance messages (on a local chain, its mint authority and
+    faucet too)."""
+
+
+@dataclass(frozen=True)
 class SignatureState:
     """Where a signature stands."""
 
@@ -232,6 +243,18 @@ class ChainClient:
         if "error" in reply:
             raise ChainRefused(f"{method} refused by {self.url}: {reply['error'].get('message')}")
         return reply["result"]
+
+    async def local_chain_keys(self) -> NetworkKeys:
+        """The mint and genesis wallet a kvasird local chain was born with, which it tells
+        anyone who asks. A cluster has no such method: ChainRefused (it is not a local
+        chain); ChainError while the URL does not answer."""
+        info = await self.request("kvasir_localChain", [])
+        try:
+            return NetworkKeys(Pubkey.from_string(info["mint"]),  # type: ignore[index]
+                               Pubkey.from_string(info["genesisWallet"]))  # type: ignore[index]
+        except (KeyError, TypeError, ValueError):
+            raise ChainRefused(f"{self.url} answered kvasir_localChain without a mint and "
+                               "a genesis wallet: it is not a kvasird local chain") from None
 
     async def faucet(self, owner: Pubkey, kvr: int = 0, lamports: int = 0) -> None:
         """Fund ``owner`` on the local chain (SOL for fees, KVR base units) and wait for it."""

@@ -54,9 +54,10 @@ class SettlementConfig:
     wallet_address: str = ""
     """Public address to be paid at when no keypair file is held (cannot run a gateway vault)."""
     kvr_mint: str = ""
-    """KVR mint address; empty = the local chain's genesis mint."""
+    """KVR mint address; empty = the one the local chain names (service.with_network_keys)."""
     genesis_wallet: str = ""
-    """The network's genesis wallet, sole signer of governance messages; empty = local chain's."""
+    """The network's genesis wallet, sole signer of governance messages; empty = the one the
+    local chain names."""
     commitment: str = "finalized"
     """Commitment required before anything is credited or debited."""
     confirm_timeout_s: float = 60.0

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
 from solders.pubkey import Pubkey
 
 from kvasird.home import Home
+from kvasird.logs import get_logger
 from kvasird.settlement.admin import AdminAuth
-from kvasird.settlement.chain import ChainClient
+from kvasird.settlement.chain import ChainClient, NetworkKeys
 from kvasird.settlement.claims import Payout, Payouts, parse_claim
 from kvasird.settlement.config import SettlementConfig
-from kvasird.settlement.errors import ChainError, WalletError
+from kvasird.settlement.errors import ChainError, ChainRefused, WalletError
 from kvasird.settlement.governance import Governance, GovernanceMessage
 from kvasird.settlement.ledger import Ledger
 from kvasird.settlement.localchain import LocalChainInfo, serve_local_chain
@@ -24,7 +26,16 @@ from kvasird.settlement.receipts import ReceiptBook
 from kvasird.settlement.rewards import Rewards
 from kvasird.settlement.wallet import Wallet, WalletLink, parse_address, sign_link
 
+log = get_logger("kvasird.settlement")
+
 _LOCAL_FEE_LAMPORTS = 10**9
+CHAIN_WAIT_S = 40.0
+"""How long a starting daemon waits for a chain that does not answer yet (a daemon and its
+chain, systemd units or not, start in any order); then it exits 1 and systemd's
+Restart=on-failure starts it again. Short of the unit's WatchdogSec, which runs from the
+start, so that the daemon's own line, not the watchdog, says why."""
+CHAIN_RETRY_S = (1.0, 2.0, 4.0, 8.0)
+"""Pauses between asks while waiting for the chain (the last one repeats)."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +123,8 @@ async def run_settlement(
                 config.local_chain_listen,
             )
             local, url = started, started.url
-        mint, genesis = _network_keys(config, local, url)
+        config = await with_network_keys(config, str(home.config))
+        mint, genesis = _network_keys(config, local)
         wallet = Wallet.load(config.wallet, config.wallet_address)
         ledger = Ledger(home.db)
         chain = ChainClient(url, config.commitment, config.poll_interval_s)
@@ -129,16 +141,49 @@ async def run_settlement(
             nursery.cancel_scope.cancel()
 
 
-def _network_keys(
-    config: SettlementConfig, local: LocalChainInfo | None, url: str
-) -> tuple[Pubkey, Pubkey]:
-    """KVR mint and genesis wallet: from config, else from the embedded local chain."""
+async def with_network_keys(config: SettlementConfig, config_path: str) -> SettlementConfig:
+    """``config`` with the KVR mint and genesis wallet it leaves empty read from the chain at
+    its RPC URL: a kvasird local chain names its own, so a network built by hand needs only
+    ``rpc_url``. The daemon calls this before it joins the network, so that a chain that
+    cannot name them (a cluster) stops it with one line saying what to set. Unchanged when
+    both are set, or with no RPC URL (the embedded chain names its own once started)."""
+    if not config.rpc_url or (config.kvr_mint and config.genesis_wallet):
+        return config
+    async with ChainClient(config.rpc_url) as chain:
+        keys = await _wait_for_keys(chain, config_path)
+    log.info("the local chain named the network's KVR mint and genesis wallet",
+             rpc_url=config.rpc_url, mint=str(keys.mint), genesis_wallet=str(keys.genesis_wallet))
+    return replace(config, kvr_mint=config.kvr_mint or str(keys.mint),
+                   genesis_wallet=config.genesis_wallet or str(keys.genesis_wallet))
+
+
+async def _wait_for_keys(chain: ChainClient, config_path: str) -> NetworkKeys:
+    """Ask until the chain answers, at most CHAIN_WAIT_S; say so while it does not."""
+    with trio.move_on_after(CHAIN_WAIT_S):
+        for pause in itertools.chain(CHAIN_RETRY_S, itertools.repeat(CHAIN_RETRY_S[-1])):
+            try:
+                return await chain.local_chain_keys()
+            except ChainRefused:
+                raise ChainError(
+                    f"the chain at {chain.url} does not name its KVR mint and genesis wallet "
+                    "(only a kvasird local chain does): set [settlement] kvr_mint and "
+                    f"genesis_wallet in {config_path} to your network's"
+                ) from None
+            except ChainError as exc:
+                log.warning(f"waiting for the chain (up to {CHAIN_WAIT_S:g} s): {exc}",
+                            retry_in_s=pause)
+            await trio.sleep(pause)
+    raise ChainError(
+        f"the chain at {chain.url} did not answer within {CHAIN_WAIT_S:g} s: check that it "
+        "runs and that this machine reaches it (for a local network, `kvasird localchain "
+        f"--listen HOST:PORT` on its host), or fix [settlement] rpc_url in {config_path}"
+    )
+
+
+def _network_keys(config: SettlementConfig, local: LocalChainInfo | None) -> tuple[Pubkey, Pubkey]:
+    """KVR mint and genesis wallet: from config (filled by ``with_network_keys``), else from
+    the embedded local chain."""
     if local is None:
-        if not (config.kvr_mint and config.genesis_wallet):
-            raise ChainError(
-                "[settlement] kvr_mint and genesis_wallet must be set for the network "
-                f"served by {url}"
-            )
         return parse_address(config.kvr_mint), parse_address(config.genesis_wallet)
     mint = parse_address(config.kvr_mint) if config.kvr_mint else local.mint
     genesis = (

@@ -16,7 +16,7 @@ from solders.transaction import Transaction
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.errors import ChainError
 from kvasird.settlement.localchain import LocalChainInfo, serve_local_chain
-from kvasird.settlement.localchain.service import parse_listen
+from kvasird.settlement.localchain.service import exposure, parse_listen
 from kvasird.settlement.token import transfer_instructions
 
 from .conftest import KVR, funded, pay
@@ -102,10 +102,22 @@ async def test_health_and_faucet_are_local_only_rpc(
     }
 
 
-def test_local_chain_refuses_non_loopback_listen_address() -> None:
-    with pytest.raises(ChainError, match="loopback"):
-        parse_listen("0.0.0.0:8899")
+def test_a_local_chain_listens_beyond_loopback_only_where_named_and_with_a_warning() -> None:
     assert parse_listen("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert exposure("127.0.0.1") is None and exposure("::1") is None
+    assert parse_listen("10.77.0.1:8899") == ("10.77.0.1", 8899)  # a network built by hand
+    warning = exposure("10.77.0.1")
+    assert warning is not None and "anyone who reaches it can mint test KVR" in warning
+    for bad in ("localhost:8899", "10.77.0.1", "10.77.0.1:99999", "chain.example:8899"):
+        with pytest.raises(ChainError, match="must be an IP host:port"):
+            parse_listen(bad)
+
+
+async def test_the_chain_client_reads_a_local_chains_mint_and_genesis_wallet(
+    local_chain: LocalChainInfo, chain: ChainClient
+) -> None:
+    keys = await chain.local_chain_keys()
+    assert (keys.mint, keys.genesis_wallet) == (local_chain.mint, local_chain.genesis_wallet)
 
 
 async def test_transaction_with_a_forged_signature_is_refused(

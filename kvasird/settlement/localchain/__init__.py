@@ -1,4 +1,5 @@
-"""The embedded local chain: LiteSVM behind a Solana JSON-RPC facade on 127.0.0.1.
+"""The embedded local chain: LiteSVM behind a Solana JSON-RPC facade (on loopback, unless
+an operator names another address).
 
 genesis.py   the authority (mint authority, faucet, genesis wallet) and KVR mint keys
 store.py     SQLite persistence: touched accounts, transaction history, blockhashes
@@ -6,6 +7,7 @@ chain.py     LocalChain: executes transactions, records token balances, slots
 rpc.py       JSON-RPC methods in a cluster's shapes (+ kvasir_requestTokens faucet)
 http.py      the small trio/h11 HTTP server
 service.py   serve_local_chain(): run it in a nursery
+faucet.py    what a local gateway gets above its stake (OWN_USE)
 """
 
 from kvasird.settlement.localchain.service import LocalChainInfo, serve_local_chain

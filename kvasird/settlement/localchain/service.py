@@ -20,7 +20,7 @@ class LocalChainInfo:
     """What a started local chain tells its caller."""
 
     url: str
-    """JSON-RPC URL, http://127.0.0.1:<port>."""
+    """JSON-RPC URL, http://<listen host>:<port>."""
     mint: Pubkey
     """The KVR mint created at genesis."""
     genesis_wallet: Pubkey
@@ -30,17 +30,33 @@ class LocalChainInfo:
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
-    """``host:port`` with a loopback host; the local chain is never exposed."""
+    """``host:port`` with an IP host. Loopback is the default everywhere; another address is
+    taken only when an operator names it (a network built by hand on several machines needs
+    them to reach one chain), and ``exposure`` says what that means."""
     host, sep, port = listen.rpartition(":")
     try:
-        if not sep or not ipaddress.ip_address(host).is_loopback or not 0 <= int(port) < 65536:
+        if not sep or not 0 <= int(port) < 65536:
             raise ValueError
+        ipaddress.ip_address(host)
     except ValueError:
         raise ChainError(
-            f"local chain listen address {listen!r} must be a loopback host:port, "
-            "e.g. 127.0.0.1:8899 (port 0 picks a free one)"
+            f"local chain listen address {listen!r} must be an IP host:port, e.g. "
+            "127.0.0.1:8899 (port 0 picks a free one), or this machine's address on a "
+            "network you trust, e.g. 10.77.0.1:8899"
         ) from None
     return host, int(port)
+
+
+def exposure(host: str) -> str | None:
+    """The warning a local chain listening on ``host`` deserves (None on loopback): its faucet
+    answers whoever reaches it, and KVR from it is what a gateway's stake is checked in."""
+    if ipaddress.ip_address(host).is_loopback:
+        return None
+    return (
+        f"the local chain listens on {host}, beyond this machine: anyone who reaches it can "
+        "mint test KVR and SOL from its faucet (a gateway's stake included); listen only on "
+        "a network you trust"
+    )
 
 
 async def serve_local_chain(
