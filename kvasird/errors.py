@@ -28,12 +28,13 @@ KvasirError                      errors               anything kvasird raises on
 │       ├── RunRefused           compute.errors       one session's step of a batch is refused
 │       └── NoWorkers            inference.errors     no fit peer holds experts a stage needs now
 ├── ModelError                   errors               a model cannot be named, read or obtained
-│   ├── ModelRefError            model.ref            no model by that path, bundled:NAME or id
+│   ├── ModelRefError            model.ref            no model by that name, id, path or bundled:NAME
 │   ├── BundledModelError        model.bundled        the bundled GGUF cannot be fetched or checked
 │   ├── GGUFFormatError          model.gguffile       a file is not a GGUF this reader understands
 │   ├── ManifestError            model.manifest       a manifest is malformed or not of its id
 │   ├── SliceError               model.slice          a slice spec or file does not fit its model
 │   ├── StoreError               model.store          the shard store lacks the model or a piece
+│   │   ├── AmbiguousName        model.store          a name or id prefix names two models
 │   │   └── CorruptPiece         model.store          stored bytes fail their hash (deleted)
 │   ├── TransferError            model.transfer       a download did not finish (it resumes)
 │   ├── TestModelError           model.testmodels     no test model has these dimensions
@@ -70,6 +71,7 @@ KvasirError                      errors               anything kvasird raises on
 │   ├── GovernanceRejected       settlement.errors    not signed by the genesis wallet, or stale
 │   ├── AdminAuthError           settlement.errors    wallet sign-in or TOTP failed
 │   │   └── TotpAlreadyEnrolled  settlement.errors    TOTP is enrolled; no second secret is issued
+│   ├── ConsumerError            settlement.consumer  a paid request was refused, or cannot be paid
 │   └── NotAdmitted              settlement.admission this node does not work for that gateway
 └── LocalNetError                localnet.launcher    `kvasird localnet`: a daemon or the chain did
                                                       not start, stop or answer in time

@@ -32,6 +32,9 @@ QUOTED = {"messages": openai.chat_completions, "prompt": openai.completions,
           "input": responses.create, "anthropic": anthropic.messages}
 """A quote's body that is a request: the key that tells its API -> that API's parser."""
 
+PAID = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+"""The paths whose requests are paid for: one refused before it ran keeps its payment."""
+
 
 def build_app(gw: Gateway) -> Starlette:
     def bind(handler: Handler) -> Callable[[Request], Awaitable[Any]]:
@@ -66,6 +69,15 @@ def build_app(gw: Gateway) -> Starlette:
     async def balance(request: Request) -> JSONResponse:
         return JSONResponse(payment.prepaid(gw, request.path_params["wallet"]))
 
+    async def api_error(request: Request, exc: Exception) -> Response:
+        """An API error; a paid request's (refused before its payment was taken: an unknown
+        model, a bad field, a gateway not ready) says that the payment stays usable."""
+        assert isinstance(exc, ApiError)
+        header = request.headers.get(payment.HEADER.decode())
+        if header is not None and request.url.path in PAID:
+            exc.message += await payment.unused(gw, header.encode())
+        return _render(request, exc)
+
     async def status_page(_: Request) -> HTMLResponse:
         return HTMLResponse(dashboard.page(status.snapshot(gw)),
                             headers={"Cache-Control": "no-store"})
@@ -85,7 +97,7 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/status", status_json, methods=["GET"]),
         Route("/", status_page, methods=["GET"]),
     ], middleware=_cors(gw.config.cors_origins),
-       exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+       exception_handlers={ApiError: api_error, HTTPException: _http_error,
                            Exception: _unexpected})
 
 
@@ -102,11 +114,6 @@ def _render(request: Request, err: ApiError) -> JSONResponse:
     anthropic_shape = request.url.path.startswith("/v1/messages")
     return JSONResponse(err.anthropic() if anthropic_shape else err.openai(),
                         status_code=err.status)
-
-
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    return _render(request, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -16,11 +16,14 @@ the same database transaction that checks it was unused. After the generation it
 what it used (the prompt and the tokens produced); what a shorter answer left unused is
 credited to the payer's prepaid balance at this gateway (``GET /v1/kvasir/balance/<wallet>``),
 which pays a later quote when the request carries
-``X-Kvasir-Payment: <request_id>:<wallet>:<the wallet's signature of prepaid_message>``. The cost is split by the work the
-gateway measured itself (the generator's record of every hop that served it, prefill
-included), and each peer that worked is sent its new cumulative receipt. A paid request that
-fails is refunded on chain, from the insurance pool, for the part that was not served; the
-client's error names the refund transaction.
+``X-Kvasir-Payment: <request_id>:<wallet>:<the wallet's signature of prepaid_message>``.
+The cost is split by the work the gateway measured itself (the generator's record of every
+hop that served it, prefill included), and each peer that worked is sent its new cumulative
+receipt. A paid request refused or failed before its first token costs nothing: its payment
+stays usable, and the same header pays for the request sent again (a payment not yet
+verified is verified then, so that it outlives its quote); the error says so (``UNUSED``).
+One cut short after its first token is refunded on chain, from the insurance pool, for the
+part that was not served; the client's error names the refund transaction.
 
 The operator's own requests (from this machine, [settlement] free_local) need no quote, but
 they are not free for the peers: each is a quote the vault pays itself (``operator_quote``),
@@ -52,6 +55,8 @@ from kvasird.settlement.token import format_kvr
 from kvasird.settlement.wallet import parse_address
 
 if TYPE_CHECKING:
+    from solders.pubkey import Pubkey
+
     from kvasird.gateway.service import Gateway, Job
     from kvasird.settlement.exchange import Exchange
     from kvasird.settlement.service import Settlement
@@ -63,6 +68,9 @@ HOW = ("ask for a quote with POST /v1/kvasir/quote {\"prompt_tokens\": P, \"max_
        "(or with the request's own body), transfer its amount of KVR to its vault with its "
        "memo, and send the request again with the header "
        "X-Kvasir-Payment: <request_id>:<transaction signature>")
+UNUSED = (" Nothing was charged: your payment is unused, and the same X-Kvasir-Payment header "
+          "pays for the request sent again (corrected, or once the gateway can serve it).")
+"""How every error of a paid request that did no work ends: the rule is one for all."""
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS gateway_redeemed (
     request_id TEXT PRIMARY KEY,
@@ -109,23 +117,14 @@ async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> Charge | None:
         if s.config.free_local and operator_request(scope):
             return await _operator_charge(gw, s, job)
         raise PaymentRequired(f"this gateway takes KVR payments: {HOW}")
-    parts = [p.strip() for p in header.decode(errors="replace").split(":")]
-    try:
-        signature = Signature.from_string(parts[-1])
-        owner = parse_address(parts[1]) if len(parts) == 3 else None
-    except (ValueError, KvasirError):
-        owner = signature = None
-    if len(parts) not in (2, 3) or signature is None:
-        raise BadRequest("X-Kvasir-Payment must be <request_id>:<transaction signature>, or "
-                         "<request_id>:<wallet>:<the wallet's signature of the request id> to "
-                         "pay from the wallet's prepaid balance here", "X-Kvasir-Payment")
+    request_id, owner, signature = _parsed(header)
     try:
         if owner is None:
-            proof = await s.payments.settle_quote(parts[0], signature)
+            proof = await s.payments.settle_quote(request_id, signature)
         else:
-            if not signature.verify(owner, prepaid_message(parts[0])):
+            if not signature.verify(owner, prepaid_message(request_id)):
                 raise PaymentRejected(f"the signature is not {owner}'s over this request id")
-            proof = await s.payments.pay_quote_from_deposit(owner, parts[0])
+            proof = await s.payments.pay_quote_from_deposit(owner, request_id)
     except KvasirError as exc:
         raise PaymentRequired(f"payment not accepted: {exc}") from None
     coverage = s.payments.coverage(proof.key)
@@ -143,6 +142,42 @@ async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> Charge | None:
             "or n; this payment stays usable for a request within it")
     _redeem(gw, proof.key)
     return Charge(proof, coverage, operator=False)
+
+
+def _parsed(header: bytes) -> tuple[str, Pubkey | None, Signature]:
+    """(request id, the prepaid balance's owner or None for a transfer, signature)."""
+    parts = [p.strip() for p in header.decode(errors="replace").split(":")]
+    try:
+        signature = Signature.from_string(parts[-1])
+        owner = parse_address(parts[1]) if len(parts) == 3 else None
+    except (ValueError, KvasirError):
+        owner = signature = None
+    if len(parts) not in (2, 3) or signature is None:
+        raise BadRequest("X-Kvasir-Payment must be <request_id>:<transaction signature>, or "
+                         "<request_id>:<wallet>:<the wallet's signature of the request id> to "
+                         "pay from the wallet's prepaid balance here", "X-Kvasir-Payment")
+    return parts[0], owner, signature
+
+
+async def unused(gw: Gateway, header: bytes) -> str:
+    """A paid request refused before its payment was taken (an unknown model, a bad field,
+    a gateway not ready): the sentence its error ends with. A transfer is verified now, so
+    that the payment stays usable after its quote expires; a prepaid one was never taken."""
+    s = settlement_of(gw)
+    if s is None or gw.node is None:
+        return ""
+    try:
+        request_id, owner, signature = _parsed(header)
+    except BadRequest:
+        return ""
+    if s.payments.coverage(request_id) is None or _redeemed(gw.node.db, request_id):
+        return ""  # no such quote here, or its payment was spent already
+    if owner is None:
+        try:
+            await s.payments.settle_quote(request_id, signature)
+        except KvasirError as exc:
+            log.info("a refused request's payment is not verified", error=str(exc)[:200])
+    return UNUSED
 
 
 async def _operator_charge(gw: Gateway, s: Settlement, job: Job) -> Charge:
@@ -209,6 +244,20 @@ def _redeem(gw: Gateway, request_id: str) -> None:
                               "quote") from None
 
 
+def _redeemed(db: sqlite3.Connection, request_id: str) -> bool:
+    db.executescript(_SCHEMA)
+    return db.execute("SELECT 1 FROM gateway_redeemed WHERE request_id = ?",
+                      (request_id,)).fetchone() is not None
+
+
+def _release(gw: Gateway, request_id: str) -> None:
+    """Make a redeemed payment usable again: its request did no work. The quote stays paid,
+    and paying it again with the same header proves it again without a new transfer."""
+    assert gw.node is not None
+    with gw.node.db as db:
+        db.execute("DELETE FROM gateway_redeemed WHERE request_id = ?", (request_id,))
+
+
 def record_work(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: float,
                 served: int | None = None) -> SplitResult | None:
     """Split what the request used (or the ``served`` part of a failed one) by the work this
@@ -264,8 +313,9 @@ class OwnUse:
 
 
 async def refund(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: float) -> str:
-    """A paid request failed after ``tokens`` tokens: settle what was served, refund the
-    rest on chain; returns the sentence the client's error ends with."""
+    """A paid request failed after ``tokens`` tokens: before the first, its payment is
+    released (``UNUSED``); after it, what was served is settled and the rest refunded on
+    chain. Returns the sentence the client's error ends with."""
     s = settlement_of(gw)
     assert s is not None
     proof = charge.proof
@@ -276,6 +326,9 @@ async def refund(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: fl
         else:
             s.gateway()[0].settle(proof.key, (), epoch_now(), used=0)
         return ""
+    if not tokens:
+        _release(gw, proof.key)
+        return UNUSED
     if record_work(gw, charge, job, tokens, seconds, served) is None:
         return ""
     try:

@@ -7,12 +7,18 @@ enter: ``MeasuredWork`` is built by the gateway only. Each paid request is settl
 once: workers' share by weighted units, the operator's fee (plus rounding), and the
 insurance pool; every peer's cumulative receipt for the epoch grows in the same
 SQLite transaction.
+
+A peer's share of one request is often less than a base unit (a spot check's replay, a
+layer or two of a long route: a request costs a few dozen base units at genesis prices).
+Floored per request it would be nothing, forever, and the operator would keep it; so what
+the floor leaves of each share is carried (in millionths of a base unit, per peer) to the
+peer's next request, and a peer is paid its share of the work to the base unit over time.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from solders.keypair import Keypair
@@ -24,6 +30,12 @@ from kvasird.settlement.receipts import Receipt, receipt_body
 
 TIER_PERCENT = {"S": 150, "A": 125, "B": 100, "C": 70}
 """Reward multiplier per performance tier, in percent."""
+FRACTION = 10**6
+"""What a base unit is split into for the shares carried from one request to the next."""
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS settlement_carried (
+    peer_id TEXT PRIMARY KEY, fraction INTEGER NOT NULL);
+"""
 
 
 def tier_for(ms_per_token: float, thresholds: TierThresholds) -> str:
@@ -64,11 +76,18 @@ class SplitResult:
     """Gateway operator's fee, including rounding remainders."""
     insurance: int
     """Into the insurance pool."""
+    carried: dict[str, int]
+    """Peer id → what its share left below a base unit, in FRACTIONs of one, for its next
+    request."""
 
 
 def split_revenue(
-    amount: int, work: Sequence[MeasuredWork], split: RevenueSplit, tiers: TierThresholds
+    amount: int, work: Sequence[MeasuredWork], split: RevenueSplit, tiers: TierThresholds,
+    carried: Mapping[str, int] | None = None,
 ) -> SplitResult:
+    """Split ``amount``: the workers' pool by weighted units, each worker's share added to
+    what it ``carried`` from earlier requests and paid in whole base units (never more than
+    the request leaves after insurance); the operator gets the rest."""
     insurance = amount * split.insurance_bps // 10_000
     pool = amount * split.workers_bps // 10_000
     weights: dict[str, int] = {}
@@ -79,8 +98,14 @@ def split_revenue(
             weights.get(w.peer_id, 0) + w.units * TIER_PERCENT[tier_for(w.ms_per_token, tiers)]
         )
     total = sum(weights.values())
-    workers = {p: pool * wt // total for p, wt in weights.items()} if total else {}
-    return SplitResult(workers, amount - insurance - sum(workers.values()), insurance)
+    room = amount - insurance
+    workers, carry = {}, {}
+    for p, wt in weights.items():
+        owed = (carried or {}).get(p, 0) + pool * wt * FRACTION // total
+        workers[p] = min(owed // FRACTION, room)
+        carry[p] = owed - workers[p] * FRACTION
+        room -= workers[p]
+    return SplitResult(workers, room, insurance, carry)
 
 
 class Rewards:
@@ -99,6 +124,7 @@ class Rewards:
         self._network = network
         self._split = split
         self._tiers = tiers
+        ledger.db.executescript(_SCHEMA)
 
     def settle(self, request_id: str, work: Sequence[MeasuredWork], epoch: int,
                served: int | None = None, used: int | None = None) -> SplitResult:
@@ -124,7 +150,13 @@ class Rewards:
                            "DO UPDATE SET balance = balance + excluded.balance", (row[1], unused))
             paid = row[0] - unused
             amount = paid if served is None else min(max(served, 0), paid)
-            result = split_revenue(amount, work, self._split, self._tiers)
+            peers = sorted({w.peer_id for w in work})
+            carried = dict(db.execute(
+                "SELECT peer_id, fraction FROM settlement_carried WHERE peer_id IN "
+                f"({','.join('?' * len(peers))})", peers).fetchall())
+            result = split_revenue(amount, work, self._split, self._tiers, carried)
+            db.executemany("INSERT OR REPLACE INTO settlement_carried VALUES (?, ?)",
+                           result.carried.items())
             db.execute(
                 "UPDATE settlement_quotes SET state = ?, charged = ? WHERE request_id = ?",
                 ("settled" if amount == paid else "failed", amount, request_id),

@@ -162,15 +162,13 @@ def test_ring_peers_are_paid_on_chain_exactly_their_measured_share(
     page = httpx.get(net.nodes[1].status()["gateway"] + "/", timeout=10).text
     assert f"<th>received on chain</th><td>{dashboard.kvr(earned)}</td>" in page
 
-    # a paid request that fails before its first token is refunded, on chain, in full
+    # a paid request that fails before its first token charges nothing: its payment stays
+    # usable for the request sent again
     net.nodes[2].signal(signal.SIGKILL)  # the only holder of layers 20-30: no route is left
     net.nodes[2].proc.wait(10)  # type: ignore[union-attr]
-    before = kvr_balance(net, consumer.wallet.pubkey())
     with pytest.raises(openai.APIStatusError) as failed:
         consumer.ask()
-    message = str(failed.value)
-    assert f"refunded to {consumer.wallet.pubkey()}: transaction " in message, message
-    assert kvr_balance(net, consumer.wallet.pubkey()) == before
+    assert "Nothing was charged" in str(failed.value), failed.value
 
 
 def test_moe_ring_pays_the_expert_only_peers_for_their_rows(
@@ -250,8 +248,7 @@ def test_only_staked_paying_gateways_are_served(localnet: Callable[..., LocalNet
     with pytest.raises(openai.APIStatusError) as owing:
         consumer.ask()
     assert owing.value.status_code == 503 and "unpaid receipts" in str(owing.value)
-    refund = str(owing.value)
-    assert "refunded" in refund or "refund" in refund
+    assert "Nothing was charged" in str(owing.value)
     refill_sol(net, vault.pubkey(), lamports)
     for node in net.nodes[1:3]:
         assert [c["error"] for c in node.post("/v0/wallet/claim")["claims"]] == [""]

@@ -84,3 +84,23 @@ async def test_peer_accepts_gateway_receipts_and_rejects_forged_or_stale_ones(
     assert book.unpaid(economy.vault.pubkey()) == 100 * KVR
     with pytest.raises(ReceiptRejected, match="not newer"):
         book.accept(first.to_wire())
+
+
+def test_a_share_below_one_base_unit_per_request_is_paid_over_requests() -> None:
+    """A spot check's replay beside a long route: a few percent of a request of 35 base
+    units, under one unit each time; floored per request it was nothing, for good."""
+    work = [MeasuredWork("route", MeasuredWork.stage_units(44, 31), ms_per_token=10),
+            MeasuredWork("checker", MeasuredWork.stage_units(4, 13), ms_per_token=100)]
+    carried: dict[str, int] = {}
+    paid = {"route": 0, "checker": 0}
+    operator = 0
+    for _ in range(20):
+        result = split_revenue(35, work, RevenueSplit(), TIERS, carried)
+        carried = result.carried
+        operator += result.operator
+        paid = {p: paid[p] + result.workers[p] for p in paid}
+        assert sum(result.workers.values()) + result.operator + result.insurance == 35
+    pool = 20 * (35 * RevenueSplit().workers_bps // 10_000)
+    weight = 52 * 100 / (52 * 100 + 44 * 31 * 150)
+    assert paid["checker"] == int(pool * weight) > 0
+    assert paid["route"] + paid["checker"] == pool - 1  # the carries hold less than a unit each
