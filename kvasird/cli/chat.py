@@ -23,7 +23,7 @@ import httpx
 from kvasird.admin import client
 from kvasird.cli import home_of
 from kvasird.inference.api import GenerationError
-from kvasird.model.names import slug
+from kvasird.model.names import named_by
 
 if TYPE_CHECKING:
     from prompt_toolkit import PromptSession
@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat with a model through a gateway (streaming)")
     p.add_argument("prompt", nargs="?", help="ask once and exit (default: interactive)")
     p.add_argument("--url", help="gateway URL (default: the running daemon's gateway)")
-    p.add_argument("--model", help="model name, slug or id (default: the gateway's first model)")
+    p.add_argument("--model", help="model name, id or id prefix (default: the gateway's first "
+                   "model)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=512)
@@ -69,26 +70,25 @@ class Model:
     """A model as the gateway lists it."""
 
     id: str
-    """The model id, which requests carry: it names one model on every node."""
+    """The model id (64 hex digits), which requests carry: it names one model on every
+    node."""
     name: str
-    """What a person calls it ("SmolLM2 135M Instruct")."""
-    slug: str
-    """The name as one types it ("smollm2-135m-instruct")."""
+    """Its name on the network ("smollm2:135m-instruct")."""
 
     @classmethod
     def listed(cls, entry: dict[str, Any]) -> Model:
-        model_id = str(entry["id"])
-        name = str(entry.get("name") or entry.get("label") or model_id)
-        return cls(model_id, name, str(entry.get("slug") or slug(name)))
+        """A /v1/models entry: ``id`` is the name (``model_id`` the content id) on gateways
+        since names are ``family:tag``, the content id on older ones."""
+        return cls(str(entry.get("model_id") or entry["id"]),
+                   str(entry.get("name") or entry.get("label") or entry["id"]))
 
     def answers_to(self, text: str) -> bool:
-        """Whether ``text`` names this model: its id, an 8+ digit id prefix, name or slug."""
-        folded = text.strip().lower()
-        return folded in (self.id, self.name.lower(), self.slug) or (
-            len(folded) >= 8 and self.id.startswith(folded))
+        """Whether ``text`` names this model: its name, id, an 8+ digit id prefix or the
+        name's slug (``names.named_by``)."""
+        return named_by(text, self.id, self.name)
 
     def __str__(self) -> str:
-        return f"{self.name} ({self.slug}, id {self.id[:12]})"
+        return f"{self.name} (id {self.id[:12]})"
 
 
 class Chat:
@@ -139,12 +139,12 @@ class Chat:
         models = listed_models(self.http)
         if not name:
             say(f"chatting with {self.model}; the gateway serves: "
-                + ", ".join(m.slug for m in models))
+                + ", ".join(m.name for m in models))
             return
         found = next((m for m in models if m.answers_to(name)), None)
         if found is None:
             say(f"the gateway serves no model {name!r}: it serves "
-                + ", ".join(m.slug for m in models) + " (`/model NAME` switches)")
+                + ", ".join(m.name for m in models) + " (`/model NAME` switches)")
             return
         self.model = found
         say(f"now chatting with {found}")

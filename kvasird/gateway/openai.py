@@ -99,19 +99,21 @@ async def model(gw: Gateway, request: Request) -> JSONResponse:
     for m in gw.models():
         if m.answers_to(name):
             return JSONResponse(model_object(m, gw.created))
-    known = ", ".join(f"{m.model_id} ({m.label})" for m in gw.models()) or "none"
-    raise NotFound(f"model {name!r} is not served by this gateway; models: {known}", "model",
-                   "model_not_found")
+    known = ", ".join(f"{m.label} (id {m.model_id})" for m in gw.models()) or "none"
+    raise NotFound(f"model {name!r} is not served by this gateway; models: {known} (name one "
+                   "by its name, its id or 8+ hex digits of it)", "model", "model_not_found")
 
 
 def model_object(m: ModelInfo, created: int) -> dict[str, Any]:
-    """OpenAI's model object. ``id`` stays the model id: it is unique (two quantizations of
-    one model share a name), the same on every node, and what clients send back. ``name``
-    is the field chat UIs show in its place (Open WebUI does); ``slug`` is that name as a
-    request may give it. A request may name the model by either, by the id or by an 8+
-    hex digit prefix of it."""
-    return {"id": m.model_id, "object": "model", "created": created, "owned_by": "kvasir",
-            "name": m.label, "slug": slug(m.label), "label": m.label,
+    """OpenAI's model object. ``id`` is the model's name on the network
+    ("smollm2:135m-instruct"), the same on every node (names travel in the holders' signed
+    records, and a name two models claim is refused) and what clients send back, as with
+    ollama; ``model_id`` is the content id underneath it. ``name`` and ``label`` repeat
+    the name for chat UIs that show them (Open WebUI does); ``slug`` is the form requests
+    carried before names were ``family:tag``. A request may name the model by any of
+    these, or by an 8+ hex digit prefix of the id."""
+    return {"id": m.label, "object": "model", "created": created, "owned_by": "kvasir",
+            "model_id": m.model_id, "name": m.label, "slug": slug(m.label), "label": m.label,
             "context_length": m.context_length}
 
 

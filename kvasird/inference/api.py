@@ -13,7 +13,7 @@ from typing import Protocol
 
 from kvasird.compute.sampling import SamplingParams
 from kvasird.errors import KvasirError
-from kvasird.model.names import slug
+from kvasird.model.names import named_by
 
 
 class GenerationError(KvasirError):
@@ -53,7 +53,7 @@ class Sampling:
 @dataclass(frozen=True)
 class GenerationRequest:
     model: str
-    """Model id (hex) or its label."""
+    """Model id (hex) or its name."""
     prompt: tuple[int, ...]
     """Prompt token ids (chat template already applied)."""
     sampling: Sampling = field(default_factory=Sampling)
@@ -91,15 +91,16 @@ class ModelInfo:
     model_id: str
     """sha256 of the manifest (hex)."""
     label: str
-    """Human name ("SmolLM2 135M Instruct": model.names.human_name)."""
+    """Its name on the network ("smollm2:135m-instruct": model.names), the same on every
+    node: what /v1/models lists as the model's ``id``."""
     context_length: int
     """Longest prompt + completion the route accepts."""
 
     def answers_to(self, name: str) -> bool:
-        """Whether a request naming `name` means this model: its id, an id prefix of 8+
-        hex digits, its name, or the name's slug ("smollm2-135m-instruct")."""
-        return (name in (self.model_id, self.label) or name.lower() == slug(self.label)
-                or (len(name) >= 8 and self.model_id.startswith(name.lower())))
+        """Whether a request naming `name` means this model: its name, its id, an id prefix
+        of 8+ hex digits, or the name's slug ("smollm2-135m-instruct", what requests
+        carried before names were ``family:tag``)."""
+        return named_by(name, self.model_id, self.label)
 
 
 @dataclass(frozen=True)

@@ -158,19 +158,14 @@ class InferenceService:
         return self._n_layer() + 1 + experts
 
     def _info(self) -> ModelInfo | None:
-        """The model we route: label and context from our loaded engine when we hold a part."""
+        """The model we route, by the name the network gives it; context from our loaded
+        engine when we hold a part."""
         if self.market.model is None:
             return None
         served, kv = self.served, self.config.inference.kv_slots
         if served is None:
-            return ModelInfo(self._model_id(), self._model_id()[:12], kv)
-        return ModelInfo(self._model_id(), served.label, min(served.hp.n_ctx_train, kv))
-
-    def _stored_name(self) -> str | None:
-        """The model's name in our shard store: what `kvasird model add --name` gave it,
-        else its human name (the GGUF's general.name)."""
-        shards, model = self.market.shards, self.market.model
-        return None if shards is None or model is None else shards.store.name_of(model.model_id)
+            return ModelInfo(self._model_id(), self.market.name, kv)
+        return ModelInfo(self._model_id(), self.market.name, min(served.hp.n_ctx_train, kv))
 
     def _sources(self, units: list[Unit]) -> list[Path]:
         """The GGUF files holding `units`: the original, or verified slices from the store."""
@@ -285,8 +280,6 @@ class InferenceService:
                 kv_slots=c.inference.kv_slots, kv_dtype=c.inference.kv_dtype,
                 state_slots=c.inference.state_slots,
                 window_sessions=c.inference.window_sessions, remote=self.dispatcher.shard))
-            if served is not None:  # the name the owner gave it (`model add --name`), if any
-                served.label = self._stored_name() or served.label
             old, self.served, self.holdings = self.served, served, wanted
             if old is not None and self._nursery is not None:
                 self._nursery.start_soon(self._retire, old)

@@ -5,7 +5,9 @@ at 1,000 nodes that was 60 MB of gossip per node and minute, growing with the ne
 Now a record goes out
 
 - **on change**: anything in it but its sequence number and time (holdings and their
-  states, node state, addresses, wallet link, reachability, ...);
+  states, node state, addresses, wallet link, reachability, the model's name, ...): a
+  model renamed with `kvasird model add --name` is told at the next heartbeat, signed
+  like the rest of the record (gossipsub's strict signing: the peer id is the signer);
 - **as a keep-alive**, unchanged, every ``keepalive_s``: one heartbeat for each
   PEERS_PER_HEARTBEAT nodes taking part, between MIN_KEEPALIVE_HEARTBEATS (a handful of
   nodes, where records are cheap and a lost one should be repaired within seconds) and

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvasird.errors import WireError
 from kvasird.model.manifest import HEAD, Unit
+from kvasird.model.names import NAME, NAME_FORM
 from kvasird.settlement.errors import WalletError
 from kvasird.settlement.wallet import WalletLink
 from kvasird.wire import schema
@@ -34,6 +35,8 @@ MAX_LAYERS = 4096
 MAX_EXPERTS = 65536
 MAX_LOAD_ENTRIES = 16384
 MAX_RECORD_BYTES = 256 * 1024
+MAX_NAME = 129
+"""A model name's longest form: a 64-character family, ":" and a 64-character tag."""
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -178,6 +181,14 @@ class CoverageRecord:
     boot: str = ""
     """Random id of the sender's process start: a new one tells peers it restarted (and so
     forgives the failures its old process had). Optional on the wire; "" from older nodes."""
+    name: str = ""
+    """The model's name as the sender lists it (``family:tag``, model.names): how a node
+    that got the model by id, or asks for it by name, learns what to call it. Optional on
+    the wire; "" from older nodes and for an unnamed model."""
+    adopted: bool = False
+    """The sender took ``name`` from its peers' records rather than chose it (imported the
+    file or named the model): counted only where no holder that chose a name is heard
+    (``names.agreed_name``)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "peer": self.peer, "seq": self.seq, "ts": self.ts,
@@ -188,7 +199,9 @@ class CoverageRecord:
                 "caps": self.caps.to_wire(), "reach": self.reach,
                 "wallet": str(self.link.wallet) if self.link else "",  # read by older peers
                 **({"link": self.link.to_wire()} if self.link is not None else {}),
-                **({"boot": self.boot} if self.boot else {})}
+                **({"boot": self.boot} if self.boot else {}),
+                **({"name": self.name} if self.name else {}),
+                **({"adopted": True} if self.adopted else {})}
 
     @staticmethod
     def from_wire(value: Any) -> CoverageRecord:
@@ -205,6 +218,12 @@ class CoverageRecord:
                          for h in schema.items(d, "holdings", MAX_HOLDINGS, "coverage"))
         if holdings and not model:
             raise WireError("coverage.holdings given without a model id")
+        name = _name(d)
+        adopted = _flag(d, "adopted")
+        if name and not model:
+            raise WireError("coverage.name given without a model id")
+        if adopted and not name:
+            raise WireError("coverage.adopted given without a name")
         return CoverageRecord(
             peer=schema.text(d, "peer", 128, "coverage"),
             seq=schema.integer(d, "seq", 0, 2**62, "coverage"),
@@ -222,6 +241,8 @@ class CoverageRecord:
             has_all=_flag(d, "all"),
             reach=_reach(d),
             boot=schema.text(d, "boot", 32, "coverage") if "boot" in d else "",
+            name=name,
+            adopted=adopted,
         )
 
     def units(self) -> dict[Unit, str]:
@@ -241,6 +262,16 @@ def _link(d: dict[str, Any]) -> WalletLink | None:
     if link.peer_id != d.get("peer"):
         raise WireError("coverage.link: the wallet link is for another peer")
     return link
+
+
+def _name(d: dict[str, Any]) -> str:
+    """The record's model name: absent, or a name in its canonical form (lower case)."""
+    if "name" not in d:
+        return ""
+    name = schema.text(d, "name", MAX_NAME, "coverage")
+    if not NAME.fullmatch(name):
+        raise WireError(f"coverage.name: {NAME_FORM}")
+    return name
 
 
 def _reach(d: dict[str, Any]) -> str:

@@ -8,7 +8,16 @@ Records go out on change and as slow keep-alives (``publish.Publisher``); a hold
 connection fails under our eyes is suspected on the suspicion topic (``publish``'s
 docstring). Since records are no longer resent every few seconds, a node that starts
 fetches the map from a connected peer (the sync protocol): the latest signed gossip
-message of each peer, checked like gossip, so a peer cannot forge what it relays.
+message of each peer, checked like gossip, so a peer cannot forge what it relays. A node
+that names its model by id learns the manifest from peers after that first fetch: records
+that come before it knows its model are kept (``early``) and mapped once it does.
+
+A node that stops says goodbye (``leave``): its loops end, then its record goes out as
+offline while its peers are still connected, and every map drops it at once instead of
+counting it until its TTL runs out. It goes out by gossip, for the whole network, and
+to each connected peer over the goodbye protocol, which the peer answers once it has
+applied the record: a connection closed right after a write loses what the peer had not
+read yet (py-libp2p's muxer drops its buffers on the close), so a write alone is no proof.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ from kvasird.market.records import (
     compress,
 )
 from kvasird.model.manifest import Manifest, Unit
+from kvasird.model.names import agreed_name, named_by
 from kvasird.p2p import P2PNode
 from kvasird.p2p.streams import served
 from kvasird.settlement.wallet import WalletLink
@@ -73,6 +83,7 @@ COVERAGE = "coverage"
 LOAD = "load"
 SUSPECT = "suspicion"
 SYNC = "/kvasir/coverage-sync/1"
+GOODBYE = "/kvasir/goodbye/1"
 SYNC_FRAME_BYTES = 512 * 1024
 """A sync answer is frames of signed messages, each frame up to about this many bytes."""
 SYNC_TIMEOUT_S = 30.0
@@ -81,6 +92,8 @@ SYNC_PEERS = 1
 and again before its first decision, in case the first peer was as new as it is)."""
 LISTEN_HEARTBEATS = 2
 """Heartbeats a node listens (and syncs) before its first enrollment decision."""
+GOODBYE_TIMEOUT_S = 2.0
+"""How long a stopping node waits for its peers to apply its offline record."""
 __all__ = ["COVERAGE", "LOAD", "MIN_TTL_S", "SUSPECT", "MarketService", "record_ttl"]
 Loader = Callable[[list[Unit]], Awaitable[None]]
 
@@ -104,6 +117,9 @@ class MarketService:
         self.loader = loader
         self.shards = shards
         self.model: MarketModel | None = None
+        self.name = ""
+        """The model's name on the network, as this node's map tells it (``_agree_on_name``):
+        what its gateway lists the model as."""
         self.map: CoverageMap | None = None
         self.demand: Demand | None = None
         self.budget = 0
@@ -112,6 +128,9 @@ class MarketService:
             self._use(model)
         self.announcers: dict[str, set[str]] = {}
         """Peers whose records name a model: where to fetch a manifest we lack."""
+        self.names: dict[str, tuple[str, str]] = {}
+        """Each peer's (model id, model name) as its latest record gave them: how a model
+        configured by name is found before this node knows its id."""
         self.gate = RecordGate()
         self.held: dict[Unit, str] = {}
         self.state = "joining"
@@ -128,6 +147,16 @@ class MarketService:
         """This node's measured download rate: what a round's take is sized to."""
         self.signed: dict[str, bytes] = {}
         """Each mapped peer's latest record as its signed gossip message: what sync sends."""
+        self.early: dict[str, tuple[CoverageRecord, float]] = {}
+        """Records (with the time they count from) that came before this node knew its
+        model: mapped once it does (``_map_early``)."""
+        self.taking_part: trio.CancelScope | None = None
+        """The market's loops, once they run: ``leave`` cancels them before it says goodbye."""
+        self.left = trio.Event()
+        """Set once the goodbye is out (or its time ran out)."""
+        self.own: bytes | None = None
+        """Our latest published record as its signed gossip message (from our own
+        validator): what a goodbye hands to each peer."""
         self._connected: set[str] = set()
         self._wake = trio.Event()
         self.proofs: ClaimChecker | None = None if shards is None else ClaimChecker(
@@ -142,6 +171,7 @@ class MarketService:
         self.demand = Demand(model)
         self.budget = self.config.memory_budget_mb * 1024 * 1024
         self._check_pins(model)
+        self._agree_on_name()
 
     def _check_pins(self, model: MarketModel) -> None:
         """Refuse pins the model lacks or the budget cannot hold: peers refuse a record
@@ -209,18 +239,47 @@ class MarketService:
         self.gate.check(COVERAGE, signer, record.peer, record.seq, record.ts, now,
                         max_age_s=record.ttl if synced else 0.0)
         self.suspicions.settled(record.peer)  # it spoke
+        if record.peer == self.p2p.peer_id:
+            self.own = msg.SerializeToString()
         if record.model and record.peer != self.p2p.peer_id:
             self.announcers.setdefault(record.model, set()).add(record.peer)
+            self.names[record.peer] = (record.model, record.name)
         since = min(now, record.ts) if synced else now
-        if self.map is None or not self.map.apply(record, since):
-            return
-        if record.peer in self.map.entries:
+        if self.map is None:  # (validated in full once the model is known)
+            self.early[record.peer] = (record, since)
             self.signed[record.peer] = msg.SerializeToString()
-        else:
+        elif self.map.apply(record, since):
+            self._mapped(record, msg.SerializeToString())
+
+    def _mapped(self, record: CoverageRecord, raw: bytes) -> None:
+        """``record`` changed the map: keep its signed message while the map holds it (what
+        sync sends), and note what it claims for the proofs; a node that said goodbye
+        leaves both at once."""
+        assert self.map is not None
+        if record.peer not in self.map.entries:
             self.signed.pop(record.peer, None)
-        if self.proofs is not None and record.peer in self.map.entries \
-                and (manifest := self._manifest()) is not None:
+            if self.proofs is not None:
+                self.proofs.forget(record.peer)
+            return
+        self.signed[record.peer] = raw
+        if self.proofs is not None and (manifest := self._manifest()) is not None:
             self.proofs.note(record, manifest)
+
+    def _map_early(self) -> None:
+        """Map the records that came before the model was known, checked against it now."""
+        assert self.map is not None
+        early, self.early = self.early, {}
+        for peer, (record, since) in early.items():
+            raw = self.signed.pop(peer)
+            try:
+                if record.model == self.map.model.model_id:
+                    self.map.check(record)
+            except WireError as exc:
+                self.gate.rejected[peer] += 1
+                log.info("gossip record refused", signer=peer, reason=str(exc)[:200])
+                continue
+            if self.map.apply(record, since):
+                self._mapped(record, raw)
 
     def _apply_suspicion(self, value: Any, signer: str, now: float) -> None:
         s = Suspicion.from_wire(value)
@@ -259,6 +318,7 @@ class MarketService:
         self.gate.forget(peer)
         for announced in self.announcers.values():
             announced.discard(peer)
+        self.names.pop(peer, None)
         try:
             self.p2p.gossip.ban(peer)
         except Exception as exc:  # noqa: BLE001 - the gossip service is stopping
@@ -278,13 +338,16 @@ class MarketService:
 
     def record(self) -> CoverageRecord:
         has_all = bool(self.model and self.shards and self.shards.has_all(self.model.model_id))
+        name, chosen = (self.shards.store.name_claim(self.model.model_id)
+                        if self.model and self.shards and (self.held or has_all) else ("", False))
         return CoverageRecord(
             peer=self.p2p.peer_id, seq=self.next_seq(), ts=self.clock(),
             ttl=record_ttl(self.config.heartbeat_s, self.participants), state=self.state,
             protocol=PROTOCOL_VERSION, version=__version__, addrs=tuple(self.p2p.addrs()[:16]),
             model=self.model.model_id if self.model and (self.held or has_all) else "",
             budget=self.budget, holdings=compress(self.held), caps=self.caps, has_all=has_all,
-            reach=self.p2p.reachability.current.verdict, link=self.link, boot=self.boot)
+            reach=self.p2p.reachability.current.verdict, link=self.link, boot=self.boot,
+            name=name, adopted=bool(name) and not chosen)
 
     async def publish(self) -> None:
         """Publish our record if it changed, a keep-alive or a refutation is due."""
@@ -318,6 +381,7 @@ class MarketService:
         gossip.set_validator(SUSPECT, self._validate_suspicion)
         subs = [await gossip.subscribe(name) for name in (COVERAGE, LOAD, SUSPECT)]
         self.p2p.host.set_stream_handler(SYNC, self._serve_sync)
+        self.p2p.host.set_stream_handler(GOODBYE, self._serve_goodbye)
         try:
             async with trio.open_nursery() as nursery:
                 for sub in subs:
@@ -333,12 +397,61 @@ class MarketService:
                 else:
                     self.state = "online"
                 task_status.started()
+                self.taking_part = nursery.cancel_scope
         finally:
-            with trio.move_on_after(2) as scope:
+            with trio.move_on_after(GOODBYE_TIMEOUT_S) as scope:
                 scope.shield = True
-                self.state = "offline"
-                self.held.clear()
-                await self.publish()
+                await self._say_goodbye()
+            if scope.cancelled_caught:
+                log.info("not every peer heard the goodbye in time: those count this node "
+                         "until its record's TTL runs out")
+            self.left.set()
+
+    async def _say_goodbye(self) -> None:
+        """Publish our record as offline; hand it to each connected peer and wait for the
+        answers, and for the gossip copy to be written (for the peers we are not connected
+        to, through the ones we are)."""
+        self.state = "offline"
+        self.held.clear()
+        await self.publish()
+        if self.own is None:  # never published: no map counts this node
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.p2p.gossip.flush)
+            for peer in self.p2p.host.get_connected_peers():
+                nursery.start_soon(self._hand_goodbye, peer, self.own)
+
+    async def _hand_goodbye(self, peer: ID, raw: bytes) -> None:
+        try:
+            stream = await self.p2p.host.new_stream(peer, [GOODBYE])
+            async with served(stream, "goodbye", peer.to_string()):
+                await write_frame(stream, raw)
+                await FrameReader(stream, 64).read()  # applied
+        except Exception as exc:  # noqa: BLE001 - an old peer, or one going away: gossip then
+            log.debug("could not hand the goodbye to a peer", peer=str(peer),
+                      error=repr(exc)[:200])
+
+    async def _serve_goodbye(self, stream: INetStream) -> None:
+        """A peer that leaves hands us its offline record: checked like gossip, applied,
+        then answered."""
+        peer = stream.muxed_conn.peer_id.to_string()
+        async with served(stream, "goodbye", peer):
+            with trio.fail_after(GOODBYE_TIMEOUT_S):
+                raw = await FrameReader(stream, MAX_RECORD_BYTES + 4096).read()
+                msg = self._coverage_message(raw, "goodbye")
+                if ID(msg.from_id).to_string() != peer:
+                    raise WireError("goodbye: a record of another peer")
+                if self._admit(msg, lambda v, s, now: self._apply_coverage(v, s, now, msg)):
+                    await write_frame(stream, True)
+
+    async def leave(self) -> None:
+        """Say goodbye while the peers are still connected: end the loops (no round may
+        publish this node online again), publish the record as offline and wait until every
+        connected peer has applied it. Call it before the p2p host closes; bounded by
+        GOODBYE_TIMEOUT_S. A market that has not started yet has told no one anything."""
+        if self.taking_part is not None:
+            self.taking_part.cancel()
+            await self.left.wait()
 
     async def _heartbeat(self) -> None:
         """Each heartbeat: expire holders whose records stopped, suspect the ones whose
@@ -365,6 +478,7 @@ class MarketService:
                 self.participants = participants(tellers, silent)
                 self.publisher.keepalive_s = keepalive_s(self.config.heartbeat_s,
                                                          self.participants)
+                self._agree_on_name()
             for peer, seq in self.suspicions.due(now):
                 if peer not in self._connected:  # not back meanwhile (a flapping link)
                     await self.publish_suspicion(peer, seq)
@@ -407,12 +521,12 @@ class MarketService:
                     await write_frame(stream, batch)
                 await write_frame(stream, [])
 
-    async def sync(self, peer: ID) -> int:
+    async def sync(self, peer: ID) -> tuple[int, int]:
         """Fetch ``peer``'s map: each record checked as if it came by gossip (signature,
-        schema, sequence, clock), older ones only as old as their TTL; the count applied."""
-        topic = self.p2p.gossip.topic(COVERAGE)
+        schema, sequence, clock), older ones only as old as their TTL. Returns the records
+        that passed, and how many of them were news to this node."""
         stream = await self.p2p.host.new_stream(peer, [SYNC])
-        applied = 0
+        passed = news = 0
         async with served(stream, "coverage sync", peer.to_string()):
             reader = FrameReader(stream, SYNC_FRAME_BYTES + MAX_RECORD_BYTES + 4096)
             with trio.fail_after(SYNC_TIMEOUT_S):
@@ -420,17 +534,25 @@ class MarketService:
                     if not isinstance(batch, list):
                         raise WireError("coverage sync: expected a list of messages")
                     for raw in batch:
-                        if not isinstance(raw, bytes):  # bytes(an int) would allocate it
-                            raise WireError("coverage sync: expected messages as bytes")
-                        msg = rpc_pb2.Message.FromString(raw)
-                        if list(msg.topicIDs) != [topic] or not signature_validator(msg):
-                            raise WireError("coverage sync: a message not signed by its "
-                                            "sender, or of another topic")
+                        msg = self._coverage_message(raw, "coverage sync")
                         before = len(self.signed)
-                        self._admit(msg, lambda v, s, now, m=msg: self._apply_coverage(
-                            v, s, now, m, synced=True))
-                        applied += len(self.signed) > before
-        return applied
+                        passed += self._admit(msg, lambda v, s, now, m=msg: (
+                            self._apply_coverage(v, s, now, m, synced=True)))
+                        news += len(self.signed) > before
+        return passed, news
+
+    def _coverage_message(self, raw: Any, what: str) -> rpc_pb2.Message:
+        """A coverage record as its signer's gossip message, passed on by a peer (sync, a
+        goodbye): signed by its signer, of our network's coverage topic."""
+        if not isinstance(raw, bytes):  # bytes(an int) would allocate it
+            raise WireError(f"{what}: expected messages as bytes")
+        try:
+            msg = rpc_pb2.Message.FromString(raw)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError
+            raise WireError(f"{what}: not a gossip message ({exc})") from None
+        if list(msg.topicIDs) != [self.p2p.gossip.topic(COVERAGE)] or not signature_validator(msg):
+            raise WireError(f"{what}: a message not signed by its sender, or of another topic")
+        return msg
 
     async def _sync_when_connected(self) -> None:
         """Fetch the map once a peer is connected (a node started alone fetches nothing)."""
@@ -442,9 +564,9 @@ class MarketService:
         peers = list(self.p2p.host.get_connected_peers())
         for i in self.rng.permutation(len(peers))[:SYNC_PEERS]:
             try:
-                got = await self.sync(peers[int(i)])
+                passed, news = await self.sync(peers[int(i)])
                 log.info("fetched the coverage map from a peer", peer=str(peers[int(i)]),
-                         records=got)
+                         records=passed, new=news)
             except Exception as exc:  # noqa: BLE001 - an old peer, or one going away
                 log.debug("could not fetch the coverage map from a peer",
                           peer=str(peers[int(i)]), error=repr(exc)[:200])
@@ -452,12 +574,39 @@ class MarketService:
     async def _resolve_then_enroll(self) -> None:
         assert self.shards is not None
         manifest = await self.shards.resolve(
-            self.config.model, lambda m: sorted(self.announcers.get(m, ())))
+            self.config.model, lambda m: sorted(self.announcers.get(m, ())), self.named)
         self._use(MarketModel.from_manifest(manifest))
+        self._map_early()
         if self.budget > 0 or self.pinned:
             await self._enroll_loop()
         else:
             self.state = "online"
+
+    def named(self, text: str) -> list[str]:
+        """The ids of the models that ``text`` names (``names.named_by``) by what peers
+        announce: more than one when two models claim one name."""
+        return sorted({model for model, name in self.names.values()
+                       if named_by(text, model, name)})
+
+    def _agree_on_name(self) -> None:
+        """Call our model what the network calls it (``names.agreed_name`` of our own claim
+        and the records in our map); a model we got from peers is listed so in the store
+        too, so the next start (and `kvasird model list`) calls it the same."""
+        if self.model is None or self.map is None:
+            return
+        if self.shards is None:  # no store: a node of a test, or one that holds no bytes
+            self.name = self.model.model_id[:12]
+            return
+        store, model_id = self.shards.store, self.model.model_id
+        own = store.name_claim(model_id)
+        agreed = agreed_name([own, *((e.record.name, not e.record.adopted)
+                                     for e in self.map.entries.values()
+                                     if e.record.model == model_id
+                                     and e.record.peer != self.p2p.peer_id)])
+        if agreed and not own[1] and agreed != own[0]:
+            log.info("the network names the model", model=model_id[:16], name=agreed)
+            store.adopt_name(model_id, agreed)
+        self.name = agreed or store.name_of(model_id) or model_id[:12]
 
     def sources(self, units: tuple[Unit, ...]) -> list[str]:
         """Peers to download ``units`` from: full copies first, then online holders."""
@@ -577,7 +726,7 @@ class MarketService:
             return {**out, "model": None, "fully_covered": False, "routable": False}
         targets = self.demand.targets(self.config.target_replicas)
         out.update({
-            "model": {"id": self.model.model_id, "n_layer": self.model.n_layer,
+            "model": {"id": self.model.model_id, "name": self.name, "n_layer": self.model.n_layer,
                       "n_expert": self.model.n_expert, "bytes": self.model.total_bytes},
             "holders": {p: {"state": e.record.state, "budget": e.record.budget,
                             "boot": e.record.boot,

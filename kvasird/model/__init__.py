@@ -1,6 +1,9 @@
 """Models: GGUF manifests and model ids, slicing, the shard store, shard transfer.
 
-    ref          ModelRef: which model a name means (a GGUF path, bundled:NAME, a model id)
+    ref          ModelRef: which model a name means (a GGUF path, bundled:NAME, a model id,
+                 the model's name or an id prefix)
+    names        a model's name, family:tag (smollm2:135m-instruct), and the one the
+                 network agrees on from its holders' records
     gguffile     fast GGUF header reader (metadata + tensor table; data stays on disk)
     manifest     Manifest (per tensor / expert slab / chunk sha256), model id, Unit, Piece
     slice        SliceSpec (layers=A:B, experts=L:E0:E1, head) → mini-GGUF by byte copy

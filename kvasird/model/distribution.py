@@ -21,7 +21,7 @@ from kvasird.model.manifest import Manifest, Unit
 from kvasird.model.progress import mb_s
 from kvasird.model.ref import ModelRef
 from kvasird.model.slice import contiguous_runs, parse_spec
-from kvasird.model.store import ShardStore
+from kvasird.model.store import AmbiguousName, ShardStore, StoreError
 from kvasird.model.transfer import (
     PROTOCOL_ID,
     Progress,
@@ -70,11 +70,13 @@ class ShardService:
         with trio.fail_after(OPEN_TIMEOUT_S):
             return await self.p2p.host.new_stream(ID.from_base58(peer), [PROTOCOL_ID])
 
-    async def resolve(self, text: str, announcers: Callable[[str], list[str]]) -> Manifest:
-        """The manifest of the configured model, importing or fetching it as needed."""
+    async def resolve(self, text: str, announcers: Callable[[str], list[str]],
+                      named: Callable[[str], list[str]] = lambda text: []) -> Manifest:
+        """The manifest of the configured model, importing or fetching it as needed.
+        ``named(text)``: the ids of the models peers announce under that name."""
         ref = ModelRef.parse(text, where="market.model")
-        if ref.kind == "id":
-            model_id = ref.value
+        if ref.from_peers:
+            model_id = ref.value if ref.kind == "id" else await self._named(ref.value, named)
             while True:
                 try:
                     return self.store.manifest(model_id)
@@ -92,6 +94,30 @@ class ShardService:
         manifest = await trio.to_thread.run_sync(self.store.add, ref)
         log.info("model imported", model_id=manifest.model_id, bytes=manifest.total_bytes)
         return manifest
+
+    async def _named(self, name: str, named: Callable[[str], list[str]]) -> str:
+        """The id of the model ``name`` names: one this node knows by that name, else the
+        one its peers' records name so (waited for: a node holding nothing learns the id
+        from them). A name two models claim is refused with both ids."""
+        waiting = False
+        while True:
+            try:
+                return self.store.resolve(name)
+            except AmbiguousName:
+                raise
+            except StoreError:
+                pass
+            ids = named(name)
+            if len(ids) > 1:
+                raise AmbiguousName(f"[market] model = {name!r} names {len(ids)} models the "
+                                    f"network serves: {', '.join(ids)}: set it to the model "
+                                    "id of the one to serve")
+            if ids:
+                return ids[0]
+            if not waiting:
+                log.info("waiting for a peer's record naming the model", model=name)
+                waiting = True
+            await trio.sleep(1.0)
 
     def has_all(self, model_id: str) -> bool:
         """Whether this node holds every byte of the model (it can seed any unit)."""

@@ -5,10 +5,14 @@
     PATH          a GGUF file on this machine (``~`` expands; relative to the working directory)
     MODEL_ID      64 hex digits, the sha256 of a model's manifest: the model as peers announce
                   it, whose bytes come from them
+    NAME          the model's name (smollm2:135m-instruct, as `kvasird model list` prints it),
+                  its older slug (smollm2-135m-instruct) or a prefix of its id (8+ hex
+                  digits): looked up among the models this node knows
+                  (``ShardStore.resolve``), then among the names peers announce
 
 ``ModelRef.parse`` is the one reader of these forms: a bad name gets the same ModelRefError,
-listing the forms, wherever it was given. A model already in the shard store is also found by
-its name or an id prefix (``ShardStore.resolve``): a lookup among held models, not a form here.
+listing the forms, wherever it was given. A path that is a file wins over a name that
+looks the same.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Literal
 
 from kvasird.errors import ModelError
 from kvasird.model import bundled
+from kvasird.model.names import MIN_PREFIX, NAME
 
 BUNDLED_PREFIX = "bundled:"
 BUNDLED: dict[str, Callable[[], Path]] = {"smollm2": bundled.bundled_path}
@@ -28,8 +33,9 @@ BUNDLED: dict[str, Callable[[], Path]] = {"smollm2": bundled.bundled_path}
 
 _MODEL_ID = re.compile(r"[0-9a-fA-F]{64}")
 _KNOWN = ", ".join(BUNDLED_PREFIX + name for name in BUNDLED)
-FORMS = (f"name a model by the path of its GGUF file, as bundled:NAME ({_KNOWN}), or by its "
-         "model id (64 hex digits, as `kvasird model inspect` prints it)")
+FORMS = ("name a model by its name (e.g. smollm2:135m-instruct, as `kvasird model list` "
+         "prints it), its model id (64 hex digits) or an unambiguous prefix of the id "
+         f"({MIN_PREFIX}+ hex digits), the path of its GGUF file, or bundled:NAME ({_KNOWN})")
 """What every ModelRefError ends with: the forms accepted."""
 
 
@@ -39,13 +45,13 @@ class ModelRefError(ModelError):
 
 @dataclass(frozen=True)
 class ModelRef:
-    """A model named by one of the three forms; ``str()`` gives its canonical text."""
+    """A model named by one of the four forms; ``str()`` gives its canonical text."""
 
-    kind: Literal["bundled", "path", "id"]
+    kind: Literal["bundled", "path", "id", "name"]
     """Which form named it."""
     value: str
-    """The bundled model's NAME, the GGUF's absolute path (symlinks resolved), or the model
-    id in lower case."""
+    """The bundled model's NAME, the GGUF's absolute path (symlinks resolved), the model
+    id in lower case, or the model's name (or id prefix) in lower case."""
 
     @classmethod
     def parse(cls, text: str, where: str = "") -> ModelRef:
@@ -63,21 +69,30 @@ class ModelRef:
             return cls("path", str(path.resolve()))
         elif "/" in text or text.startswith(("~", ".")) or text.endswith(".gguf") or path.exists():
             reason = f"there is no file at {path}"
+        elif NAME.fullmatch(text.lower()):
+            return cls("name", text.lower())
         else:
-            reason = "it is not a model id (64 hex digits), and no file has that name"
+            reason = "it is not a model name or id, and no file has that name"
         said = f"{where} = {text!r}" if where else repr(text)
         raise ModelRefError(f"{said} names no model: {reason}; {FORMS}")
 
     def gguf(self) -> Path:
         """The model's GGUF on this machine: the file, or the bundled model's (fetched on
-        first use). A model id has none here: its bytes come from the peers announcing it."""
+        first use). A model named by its id or name has none here: its bytes come from the
+        peers announcing it."""
         if self.kind == "path":
             return Path(self.value)
         if self.kind == "bundled":
             return BUNDLED[self.value]()
-        raise ModelRefError(f"model id {self.value[:16]}… names a model that peers serve, but "
-                            f"this needs its GGUF file: give the file's path or bundled:NAME "
-                            f"({_KNOWN}); a node gets a model by its id with [market] model = ID")
+        said = f"model id {self.value[:16]}…" if self.kind == "id" else repr(self.value)
+        raise ModelRefError(f"{said} names a model that peers serve, but this needs its GGUF "
+                            f"file: give the file's path or bundled:NAME ({_KNOWN}); a node "
+                            "gets a model from its peers with [market] model = its name or id")
+
+    @property
+    def from_peers(self) -> bool:
+        """Whether the model's bytes come from peers (it is named by id or name, not a file)."""
+        return self.kind in ("id", "name")
 
     def __str__(self) -> str:
         return BUNDLED_PREFIX + self.value if self.kind == "bundled" else self.value

@@ -3,7 +3,7 @@
     <home>/shards/manifests/<model id>.msgpack   canonical manifest bytes (hash = model id)
     <home>/shards/blobs/<ab>/<sha256>            one piece (a tensor or an expert slab)
     <home>/shards/partial/<sha256>.part          a multi-chunk piece being downloaded
-    state.db  shard_models, shard_units, shard_refs
+    state.db  shard_models, shard_names, shard_units, shard_refs
 
 Every byte enters through ``put_piece`` or ``accept_chunk``, which hash it against the
 manifest before it lands (verified on write); ``read_piece`` hashes again (verified on
@@ -40,14 +40,16 @@ from kvasird.errors import ModelError
 from kvasird.home import Home
 from kvasird.logs import get_logger
 from kvasird.model.manifest import Manifest, ManifestError, Piece, Unit
-from kvasird.model.names import human_name
-from kvasird.model.ref import ModelRef
+from kvasird.model.names import NAME, model_name, named_by
+from kvasird.model.ref import FORMS, ModelRef
 from kvasird.model.slice import SliceSpec, gguf_pieces, units_of, verify_slice, write_slice
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS shard_models (
     model_id TEXT PRIMARY KEY, name TEXT NOT NULL, arch TEXT NOT NULL,
     total_bytes INTEGER NOT NULL, source TEXT NOT NULL, added_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS shard_names (
+    model_id TEXT NOT NULL, name TEXT NOT NULL, PRIMARY KEY (model_id, name));
 CREATE TABLE IF NOT EXISTS shard_units (
     model_id TEXT NOT NULL, unit TEXT NOT NULL,
     state TEXT NOT NULL CHECK (state IN ('pending', 'held')),
@@ -72,6 +74,11 @@ class StoreError(ModelError):
     """The shard store cannot do what was asked (unknown model, missing or corrupt piece)."""
 
 
+class AmbiguousName(StoreError):
+    """A name, slug or id prefix that names more than one model: the message lists their
+    ids, and the full id names the one meant."""
+
+
 class CorruptPiece(StoreError):
     """Stored bytes no longer match their hash; the blob has been deleted."""
 
@@ -83,7 +90,8 @@ class ModelRecord:
     model_id: str
     """sha256 of the manifest."""
     name: str
-    """Human name (model.names.human_name of its metadata and file name)."""
+    """Its name, ``family:tag`` (`kvasird model add --name`, else model.names.model_name of
+    its metadata and file name, or for a model fetched from peers the name they give it)."""
     arch: str
     """GGUF architecture, e.g. llama, qwen3moe."""
     total_bytes: int
@@ -127,20 +135,46 @@ class ShardStore:
     def add_manifest(self, manifest: Manifest, name: str = "", source: str = "peer",
                      default: str = "") -> None:
         """Know ``manifest``'s model, listed as ``name`` (it replaces the name it had), or,
-        for a model new here, ``default`` or the human name of its metadata."""
+        for a model new here, ``default`` or the name of its metadata (``model_name``).
+        A name from before names were ``family:tag`` ("SmolLM2 135M Instruct") is
+        replaced the same way: peers refuse such a name in a record."""
         path = self._manifest_path(manifest.model_id)
         if not path.exists():
             _write_atomic(path, manifest.raw)
         self._manifests[manifest.model_id] = manifest
-        shown = name or default or human_name({k: v for k, _, v in manifest.metadata})
+        shown = name or default or model_name({k: v for k, _, v in manifest.metadata})
+        old = self.name_of(manifest.model_id)
         with self._db:
             self._db.execute(
                 "INSERT OR IGNORE INTO shard_models VALUES (?, ?, ?, ?, ?, ?)",
                 (manifest.model_id, shown, manifest.arch, manifest.total_bytes, source,
                  time.time()))
-            if name:
-                self._db.execute("UPDATE shard_models SET name = ? WHERE model_id = ?",
-                                 (name, manifest.model_id))
+        if old is None or name or not NAME.fullmatch(old):
+            self._list_as(manifest.model_id, shown)
+
+    def adopt_name(self, model_id: str, name: str) -> None:
+        """List a model fetched from peers under the name the network gives it
+        (``names.agreed_name``); a model imported here keeps the name chosen for it."""
+        if not self.name_claim(model_id)[1]:
+            self._list_as(model_id, name)
+
+    def _list_as(self, model_id: str, name: str) -> None:
+        """The model's name is ``name`` now; the names it had still find it (``resolve``):
+        a node configured by a name starts again after the network renamed its model."""
+        with self._db:
+            self._db.execute("UPDATE shard_models SET name = ? WHERE model_id = ?",
+                             (name, model_id))
+            self._db.execute("INSERT OR IGNORE INTO shard_names VALUES (?, ?)", (model_id, name))
+
+    def name_claim(self, model_id: str) -> tuple[str, bool]:
+        """The name this node announces for a model, and whether it chose it (imported the
+        file, or named it with `kvasird model add --name`) rather than adopted it from
+        peers; ("", False) for a model it does not know."""
+        row = self._db.execute("SELECT name, source FROM shard_models WHERE model_id = ?",
+                               (model_id,)).fetchone()
+        if row is None or not NAME.fullmatch(row[0]):
+            return "", False
+        return row[0], row[1] != "peer"
 
     def manifest(self, model_id: str) -> Manifest:
         if model_id not in self._manifests:
@@ -159,15 +193,23 @@ class ShardStore:
             return None
 
     def resolve(self, ref: str) -> str:
-        """A model id from a full id, a unique id prefix (4+ chars) or a name."""
-        rows = self._db.execute(
-            "SELECT model_id FROM shard_models WHERE model_id = ? OR name = ? "
-            "OR (length(?) >= 4 AND model_id LIKE ? || '%')", (ref, ref, ref, ref)).fetchall()
-        ids = sorted({r[0] for r in rows})
-        if len(ids) != 1:
-            which = "no model matches" if not ids else "several models match"
-            raise StoreError(f"{which} {ref!r}: see `kvasird model list`")
+        """A model id from a full id, an id prefix (MIN_PREFIX+ hex digits), a name or the
+        slug of one (``names.named_by``), else a name a model had before; a text that names
+        two models is refused with both ids."""
+        ids = self._named(ref, "shard_models") or self._named(ref, "shard_names")
+        if len(ids) > 1:
+            listed = ", ".join(f"{mid} ({self.name_of(mid)})" for mid in ids)
+            raise AmbiguousName(f"{ref!r} names several models here: {listed}: give the "
+                                "model id")
+        if not ids:
+            raise StoreError(f"no model here is named {ref!r}: see `kvasird model list`; "
+                             f"{FORMS}")
         return ids[0]
+
+    def _named(self, ref: str, table: str) -> list[str]:
+        """The ids of the models ``ref`` names by the names ``table`` lists."""
+        rows = self._db.execute(f"SELECT model_id, name FROM {table}").fetchall()
+        return sorted({mid for mid, name in rows if named_by(ref, mid, name)})
 
     def name_of(self, model_id: str) -> str | None:
         """The name a model is listed under (`kvasird model add --name`, else its human
@@ -195,7 +237,7 @@ class ShardStore:
         manifest = Manifest.from_gguf(path, progress=None if progress is None else (
             lambda done, total: progress("hashing", done, total)))
         # a daemon importing its [market] model again keeps the name the owner gave it
-        self.add_manifest(manifest, name, source or str(path), default=human_name(
+        self.add_manifest(manifest, name, source or str(path), default=model_name(
             {k: v for k, _, v in manifest.metadata}, path.name))
         units = list(manifest.unit_sizes)
         self.begin(manifest.model_id, units)
@@ -220,6 +262,7 @@ class ShardStore:
         freed = self.drop(model_id, [Unit.parse(u) for u in self._units(model_id, None)])
         with self._db:
             self._db.execute("DELETE FROM shard_models WHERE model_id = ?", (model_id,))
+            self._db.execute("DELETE FROM shard_names WHERE model_id = ?", (model_id,))
         self._manifest_path(model_id).unlink(missing_ok=True)
         self._manifests.pop(model_id, None)
         return freed

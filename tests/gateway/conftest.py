@@ -88,7 +88,7 @@ def serving(net: LocalNet) -> Daemon:
     while httpx.get(url + "/health").status_code != 200:
         assert time.monotonic() < deadline, f"gateway not ready; log:\n{node.tail()}"
         time.sleep(0.1)
-    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    model = httpx.get(url + "/v1/models").json()["data"][0]["model_id"]
     return Daemon(node, url, model, Tokenizer.from_gguf(bundled_path()))
 
 

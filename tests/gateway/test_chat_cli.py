@@ -33,7 +33,7 @@ from kvasird.daemon.banner import print_banner
 
 pytestmark = pytest.mark.slow  # a real daemon per module
 
-NAME, SLUG = "SmolLM2 135M Instruct", "smollm2-135m-instruct"
+NAME, SLUG = "smollm2:135m-instruct", "smollm2-135m-instruct"
 WAIT_S = 60.0
 UP = "\x1b[A"
 PROMPT = "\n>"
@@ -56,10 +56,10 @@ def wait_served(daemon: Daemon, count: int) -> None:
 # --- names the gateway lists and accepts ------------------------------------------------
 
 
-def test_models_lists_the_human_name_next_to_the_id(daemon: Daemon) -> None:
+def test_models_lists_the_name_as_the_id_and_the_model_id_next_to_it(daemon: Daemon) -> None:
     [model] = httpx.get(daemon.url + "/v1/models").json()["data"]
-    assert re.fullmatch("[0-9a-f]{64}", model["id"])
-    assert (model["name"], model["slug"], model["label"]) == (NAME, SLUG, NAME)
+    assert model["model_id"] == daemon.model and re.fullmatch("[0-9a-f]{64}", daemon.model)
+    assert (model["id"], model["name"], model["slug"], model["label"]) == (NAME, NAME, SLUG, NAME)
 
 
 @pytest.mark.parametrize("how", ["id", "id prefix", "name", "slug"])
@@ -87,13 +87,13 @@ def banner_lines(daemon: Daemon) -> list[str]:
 
 def test_the_banner_shows_the_name_and_a_request_that_works(daemon: Daemon) -> None:
     lines = banner_lines(daemon)
-    assert f"model        {NAME} ({SLUG})" in lines
+    assert f"model        {NAME}" in lines
     curl = next(line for line in lines if line.lstrip().startswith("curl "))
     url = re.search(r"curl -s (\S+)", curl)
     body = re.search(r"-d '(.*)'$", curl)
     assert url and body, curl
     assert url[1] == daemon.url + "/v1/chat/completions"
-    assert json.loads(body[1])["model"] == SLUG
+    assert json.loads(body[1])["model"] == NAME
     r = httpx.post(url[1], content=body[1], headers={"content-type": "application/json"},
                    timeout=WAIT_S)
     assert r.status_code == 200, r.text
@@ -172,7 +172,7 @@ def test_commands_are_never_sent_to_the_model(chat: Chat, daemon: Daemon,
     err = capsys.readouterr().err
     assert "/reset" in err and "/model [NAME]" in err and "/quit" in err
     assert "there is no command /nonsense: /help lists them" in err
-    assert f"chatting with {NAME} ({SLUG}, id {chat.model.id[:12]})" in err
+    assert f"chatting with {NAME} (id {chat.model.id[:12]})" in err
 
 
 def test_model_switches_only_to_a_model_the_gateway_serves(
@@ -180,7 +180,7 @@ def test_model_switches_only_to_a_model_the_gateway_serves(
     before = chat.model
     converse(chat, "/model gpt-4o\r")
     assert chat.model == before
-    assert f"the gateway serves no model 'gpt-4o': it serves {SLUG}" in capsys.readouterr().err
+    assert f"the gateway serves no model 'gpt-4o': it serves {NAME}" in capsys.readouterr().err
     converse(chat, f"/model {NAME}\r")
     assert chat.model == before
     assert f"now chatting with {NAME}" in capsys.readouterr().err

@@ -38,8 +38,11 @@ def answer() -> Greedy:
     return greedy([Message(**m) for m in QUESTION], 16)
 
 
-def test_models_lists_the_served_model(client: openai.OpenAI, daemon: Daemon) -> None:
-    assert [m.id for m in client.models.list()] == [daemon.model]
+def test_models_lists_the_served_model_by_its_name(client: openai.OpenAI,
+                                                   daemon: Daemon) -> None:
+    [model] = client.models.list()
+    assert model.id == "smollm2:135m-instruct"
+    assert model.model_extra is not None and model.model_extra["model_id"] == daemon.model
 
 
 def test_chat_completion_answers_with_usage_from_the_tokenizer(

@@ -30,6 +30,20 @@ def test_the_boot_id_travels_and_older_records_without_one_still_parse() -> None
     assert "boot" not in CoverageRecord.from_wire(record()).to_wire()
 
 
+def test_the_model_name_travels_and_older_records_without_one_still_parse() -> None:
+    r = CoverageRecord.from_wire(record(name="smollm2:135m-instruct", adopted=True))
+    assert (r.name, r.adopted) == ("smollm2:135m-instruct", True)
+    assert CoverageRecord.from_wire(r.to_wire()) == r
+    older = CoverageRecord.from_wire(record())
+    assert (older.name, older.adopted) == ("", False)
+    assert "name" not in older.to_wire() and "adopted" not in older.to_wire()
+
+
+def test_a_chosen_name_is_not_marked_adopted_on_the_wire() -> None:
+    wire = CoverageRecord.from_wire(record(name="tiny:q3")).to_wire()
+    assert wire["name"] == "tiny:q3" and "adopted" not in wire
+
+
 @pytest.mark.parametrize(("change", "fragment"), [
     ({"v": 2}, "schema version"),
     ({"seq": -1}, "coverage.seq"),
@@ -46,6 +60,12 @@ def test_the_boot_id_travels_and_older_records_without_one_still_parse() -> None
     ({"boot": 7}, "coverage.boot"),
     ({"caps": {"backend": "CPU", "precision": "f32", "verdict": "maybe", "threads": 1}}, "verdict"),
     ({"model": "", "holdings": [["H", "online"]]}, "without a model id"),
+    ({"name": "SmolLM2 135M Instruct"}, "coverage.name: a model name is"),
+    ({"name": "x" * 200}, "coverage.name"),
+    ({"name": 7}, "coverage.name"),
+    ({"model": "", "holdings": [], "name": "tiny:q3"}, "name given without a model id"),
+    ({"adopted": True}, "adopted given without a name"),
+    ({"name": "tiny:q3", "adopted": 1}, "coverage.adopted"),
 ])
 def test_malformed_records_are_refused_naming_the_field(change: dict, fragment: str) -> None:
     with pytest.raises(WireError, match=fragment):

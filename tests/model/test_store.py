@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from kvasird.model.manifest import HEAD, Unit
+from kvasird.model.manifest import HEAD, Manifest, Unit
+from kvasird.model.names import model_name
 from kvasird.model.slice import (
     ExpertRange,
     LayerWindow,
@@ -15,7 +16,7 @@ from kvasird.model.slice import (
     verify_slice,
     write_slice,
 )
-from kvasird.model.store import CorruptPiece, ShardStore, StoreError
+from kvasird.model.store import AmbiguousName, CorruptPiece, ShardStore, StoreError
 
 
 def _blob_bytes(store) -> int:
@@ -109,6 +110,72 @@ def test_models_resolve_by_name_or_id_prefix(source_store, moe_manifest):
     assert source_store.resolve(mid[:8]) == mid
     with pytest.raises(StoreError, match="no model"):
         source_store.resolve("nothing-like-it")
+
+
+def test_a_model_is_found_by_its_name_slug_id_or_a_prefix_of_8_hex_digits(store_factory,
+                                                                           moe_path):
+    store = store_factory("named")
+    mid = store.import_gguf(moe_path, "tiny:q3").model_id
+    for text in ("tiny:q3", "TINY:Q3", "tiny-q3", mid, mid[:8]):
+        assert store.resolve(text) == mid
+    with pytest.raises(StoreError, match="no model here is named 'tiny'.*64 hex digits"):
+        store.resolve("tiny")
+    with pytest.raises(StoreError, match="no model here"):
+        store.resolve(mid[:7])
+
+
+def test_a_name_two_models_claim_is_refused_with_both_ids(store_factory, moe_path,
+                                                          dense_path):
+    store = store_factory("twins")
+    ids = sorted(store.import_gguf(p, "tiny:q3").model_id for p in (moe_path, dense_path))
+    with pytest.raises(AmbiguousName) as err:
+        store.resolve("tiny:q3")
+    assert all(mid in str(err.value) for mid in ids) and "give the model id" in str(err.value)
+    assert store.resolve(ids[0]) == ids[0]
+
+
+def test_an_imported_model_keeps_its_chosen_name_and_a_fetched_one_adopts(store_factory,
+                                                                          moe_path,
+                                                                          dense_path):
+    store = store_factory("names")
+    chosen = store.import_gguf(moe_path, "tiny:q3").model_id
+    store.import_gguf(moe_path)  # the daemon importing its [market] model again
+    store.adopt_name(chosen, "other:name")
+    assert store.name_claim(chosen) == ("tiny:q3", True)
+    fetched = Manifest.from_gguf(dense_path)
+    store.add_manifest(fetched)
+    derived, by_choice = store.name_claim(fetched.model_id)
+    assert (derived, by_choice) == (model_name(dict(_meta(fetched))), False)
+    store.adopt_name(fetched.model_id, "smollm2:135m-instruct")
+    assert store.name_claim(fetched.model_id) == ("smollm2:135m-instruct", False)
+    assert store.name_claim("ab" * 32) == ("", False)
+
+
+def test_a_model_the_network_renamed_is_still_found_by_its_former_name(store_factory,
+                                                                      moe_manifest):
+    store = store_factory("renamed")
+    store.add_manifest(moe_manifest)
+    store.adopt_name(moe_manifest.model_id, "smollm2:135m-instruct")
+    store.adopt_name(moe_manifest.model_id, "tiny:q3")
+    for text in ("tiny:q3", "smollm2:135m-instruct"):
+        assert store.resolve(text) == moe_manifest.model_id
+    store.drop_model(moe_manifest.model_id)
+    with pytest.raises(StoreError, match="no model here"):
+        store.resolve("smollm2:135m-instruct")
+
+
+def test_a_name_from_before_names_were_family_colon_tag_is_replaced(store_factory, moe_path,
+                                                                    moe_manifest):
+    store = store_factory("legacy")
+    store.import_gguf(moe_path, "My Old Name")
+    assert store.name_claim(moe_manifest.model_id) == ("", False)  # never announced so
+    store.import_gguf(moe_path)
+    assert store.name_claim(moe_manifest.model_id) == (
+        model_name(dict(_meta(moe_manifest)), moe_path.name), True)
+
+
+def _meta(manifest: Manifest):
+    return ((key, value) for key, _, value in manifest.metadata)
 
 
 def test_an_expert_unit_needs_all_its_slabs_to_be_held(store_factory, moe_manifest):

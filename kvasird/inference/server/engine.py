@@ -26,7 +26,6 @@ from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights
 from kvasird.inference.errors import Refusal
 from kvasird.inference.tokenizer import Tokenizer, TokenizerError
 from kvasird.model.manifest import Unit
-from kvasird.model.names import human_name
 from kvasird.model.slice import contiguous_runs
 
 INLINE_TOKENS = 4
@@ -82,7 +81,6 @@ class Served:
     def __init__(self, sources: list[Path], holdings: Holdings, backend: Backend,
                  hp: HParams) -> None:
         self.sources, self.holdings, self.backend, self.hp = sources, holdings, backend, hp
-        self.label = human_name(GGUFFile(sources[0]).metadata, sources[0].name)
         self.embed: Stage | None = None
         self.head: Stage | None = None
         self.windows: dict[tuple[int, int], Stage] = {}
