@@ -4,7 +4,8 @@ A handler parses its body (openai.py, anthropic.py), asks the Gateway to resolve
 model, build and check the prompt, and bound max_tokens, then returns a
 GenerationResponse for the resulting Job. The Gateway holds the Generator (a local
 engine or a swarm route: only the contract in kvasird.inference.api is used), the
-tokenizer of each model, the limits, and the counters the status page shows.
+tokenizer of each model (read from the model's manifest: a node that holds no part of the
+model is a gateway too), the limits, and the counters the status page shows.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from kvasird.daemon.node import Node
     from kvasird.inference.client.routing import Route
     from kvasird.inference.client.swarm import Progress
+    from kvasird.model.manifest import Manifest
 
 log = get_logger("kvasird.gateway")
 
@@ -79,10 +81,11 @@ class Health:
     (a path, a key, an address): /health shows it to anyone who asks."""
 
     status: HealthStatus
-    """ok: a request would be served now; starting: the model or its tokenizer is still
-    loading; no_model: this gateway has no model to serve; no_route: the online peers do
-    not cover the model; not_served: the peers refused this gateway's last request (unpaid
-    receipts, no stake, no credit left), and why."""
+    """ok: a request would be served now; starting: the model's manifest (tokenizer, chat
+    template) is not here yet, or the model is loading; no_model: this gateway has no model
+    to serve; no_route: the online peers do not cover the model; not_served: the peers
+    refused this gateway's last request (unpaid receipts, no stake, no credit left), and
+    why."""
     reason: str
     """In words, for a person."""
 
@@ -99,10 +102,13 @@ class Routing(Protocol):
     def missing(self) -> str: ...
 
 
-ModelSource = Callable[[], "Path | None"]
-"""Where the model's GGUF (tokenizer, chat template) is, or None while it is not on disk yet."""
-Loader = Callable[[Path, str], Generator]
-"""Builds a Generator from the model's GGUF and id (blocking; run in a worker thread)."""
+ModelSource = Callable[[], "Manifest | None"]
+"""The manifest of the model served (the whole GGUF's metadata: tokenizer, chat template,
+special tokens), or None while this node has not got it yet (read in a worker thread)."""
+Waiting = Callable[[], str]
+"""What the gateway waits for while its ModelSource has no manifest, in words a user can act on."""
+Loader = Callable[[str], Generator]
+"""Builds a Generator of the whole model, by its id (blocking; run in a worker thread)."""
 
 SOURCE_POLL_S = 0.5
 
@@ -110,12 +116,15 @@ SOURCE_POLL_S = 0.5
 class Gateway:
     def __init__(self, config: GatewayConfig, *, node: Node | None = None,
                  generator: Generator | None = None, model: ModelSource | None = None,
-                 load: Loader | None = None, config_path: str = "kvasird.toml") -> None:
-        """``model`` tells where the GGUF with the tokenizer and chat template is.
+                 waiting: Waiting | None = None, load: Loader | None = None,
+                 config_path: str = "kvasird.toml") -> None:
+        """``model`` gives the manifest the tokenizer and chat template are read from, so a
+        gateway needs no byte of the model itself; ``waiting`` says what it waits for until
+        then.
 
         ``generator`` serves at once; ``load`` builds one in a worker thread once the
-        gateway listens and the model's GGUF is on disk. Until a generator and the
-        tokenizer are there, the gateway answers 503 and /health says "starting".
+        gateway listens and has the manifest. Until a generator and the tokenizer are
+        there, the gateway answers 503 and /health says "starting".
         """
         self.config = config
         self.node = node
@@ -132,17 +141,18 @@ class Gateway:
         request is served)."""
         self._tokenizers: dict[str, tuple[Tokenizer, ChatTemplate]] = {}
         self._loaded = model is None
-        self._loading = "waiting for the model's GGUF (a model id's head comes from peers)"
-        """What the gateway waits for while it starts, in words."""
+        self._waiting = waiting or (lambda: "waiting for the model's manifest")
+        self._loading = ""
+        """What the gateway does once it has the manifest, while it starts, in words."""
         self._config_path = config_path
 
     @classmethod
     def for_node(cls, node: Node) -> Gateway:
-        """The node's gateway: tokenizer from [market] model; generation across the swarm
-        (the node's SwarmGenerator), or with the whole model loaded here when [gateway] local.
-
-        [market] model is a GGUF path, ``bundled:NAME`` or a model id; for an id the
-        tokenizer is read once this node holds the model's head (it comes with it).
+        """The node's gateway of its [market] model: tokenizer and chat template from the
+        model's manifest (the market imports it, or fetches it by model id from the peers
+        that serve the model), so any node is a gateway, one holding no unit included;
+        generation across the swarm (the node's SwarmGenerator), or with the whole model
+        loaded here when [gateway] local (which needs the GGUF file on this machine).
         """
         cfg = node.config
         if not cfg.market.model:
@@ -150,15 +160,18 @@ class Gateway:
         load = None
         if cfg.gateway.local:
             from kvasird.inference.local import LocalGenerator  # deferred: loads ggml
+            from kvasird.model.ref import ModelRef
 
-            def load(path: Path, model_id: str) -> Generator:
+            def load(model_id: str) -> Generator:
+                path = ModelRef.parse(cfg.market.model, where="market.model").gguf()
                 return LocalGenerator.open(path, model_id,
                                            node.shards.store.name_of(model_id) or _label(path),
                                            threads=cfg.compute.threads,
                                            kv_tokens=cfg.gateway.kv_tokens)
         swarm = None if load is not None else node.inference.generator
-        return cls(cfg.gateway, node=node, generator=swarm, model=partial(_node_model, node),
-                   load=load, config_path=str(node.home.config))
+        return cls(cfg.gateway, node=node, generator=swarm, model=partial(_node_manifest, node),
+                   waiting=partial(_node_waits, node), load=load,
+                   config_path=str(node.home.config))
 
     @property
     def ready(self) -> bool:
@@ -170,7 +183,7 @@ class Gateway:
             return Health("no_model", "this node serves no model: set [market] model in its "
                                       "kvasird.toml")
         if not self._loaded:
-            return Health("starting", self._loading)
+            return Health("starting", self._loading or self._waiting())
         models = self.models()
         if not models:
             return Health("no_model", "the model could not be loaded for generation here "
@@ -210,11 +223,11 @@ class Gateway:
                         self.node is not None and self.node.config.free_local_in_effect())))
                 task_status.started(self.url)
                 if self._model is not None:
-                    path, model_id, tok = await self._wait_for_model(self._model)
+                    model_id, tok = await self._wait_for_model(self._model)
                     self._tokenizers[model_id] = (tok, ChatTemplate.of(tok))
                     if self._load is not None:
                         self._loading = "loading the model for local generation"
-                        owned = self.generator = await self._load_generator(path, model_id)
+                        owned = self.generator = await self._load_generator(model_id)
                     self._loaded = True
                 health = self.health()
                 log.info(f"gateway {health.status}", url=self.url, reason=health.reason)
@@ -222,31 +235,34 @@ class Gateway:
             if owned is not None and hasattr(owned, "close"):
                 owned.close()
 
-    async def _wait_for_model(self, source: ModelSource) -> tuple[Path, str, Tokenizer]:
-        """The model's GGUF, id and tokenizer, once it can be read. The GGUF may arrive
-        through the shard store, which has no event to wait on; a read that fails (a slice
-        being assembled, a file being replaced) is logged and tried again, never the end
-        of the node."""
+    async def _wait_for_model(self, source: ModelSource) -> tuple[str, Tokenizer]:
+        """The model's id and tokenizer, once its manifest is here. The manifest arrives
+        through the market and the shard store, which have no event to wait on; a read that
+        fails (a file being replaced) is logged and tried again, never the end of the node.
+        The tokenizer is keyed by the manifest's id: the whole model's, never a slice's."""
         while True:
             try:
-                path = await trio.to_thread.run_sync(source)
-                if path is not None:
-                    self._loading = "reading the model's tokenizer"
-                    model_id, tok = await trio.to_thread.run_sync(_read_model, path)
-                    return path, model_id, tok
+                manifest = await trio.to_thread.run_sync(source)
+                if manifest is not None:
+                    self._loading = "reading the model's tokenizer from its manifest"
+                    tok = await trio.to_thread.run_sync(
+                        Tokenizer.from_metadata, manifest.metadata,
+                        f"model {manifest.model_id[:16]}")
+                    return manifest.model_id, tok
             except (KvasirError, OSError, ValueError) as exc:
                 log.warning("the gateway cannot read its model yet: trying again",
                             error=str(exc)[:300])
             await trio.sleep(SOURCE_POLL_S)
 
-    async def _load_generator(self, path: Path, model_id: str) -> Generator | None:
+    async def _load_generator(self, model_id: str) -> Generator | None:
         """The local generator, or None (logged, the gateway keeps answering 503) when the
         model cannot be loaded whole here."""
         assert self._load is not None
         try:
-            return await trio.to_thread.run_sync(self._load, path, model_id)
+            return await trio.to_thread.run_sync(self._load, model_id)
         except KvasirError as exc:
-            log.error(f"the gateway cannot load {path} for local generation: {exc}")
+            log.error(f"the gateway cannot load model {model_id[:16]} for local generation: "
+                      f"{exc}")
             return None
 
     # --- what handlers share ------------------------------------------------------------
@@ -326,25 +342,32 @@ class Gateway:
         return Job(request, self.generator, tokenizer, name, **options)  # type: ignore[arg-type]
 
 
-def _node_model(node: Node) -> Path | None:
-    """The GGUF of the node's [market] model: its path, the bundled file, or (for a model id)
-    the original or the head slice from the shard store once it is there."""
-    from kvasird.model.manifest import HEAD
+def _node_manifest(node: Node) -> Manifest | None:
+    """The manifest of the node's [market] model, once the market has it in the shard store
+    (imported from the file, or fetched by model id from a peer and checked against the id)."""
+    model = node.market.model
+    return None if model is None else node.shards.store.manifest(model.model_id)
+
+
+def _node_waits(node: Node) -> str:
+    """What a node's gateway waits for before the market has the model's manifest."""
     from kvasird.model.ref import ModelRef
 
-    ref = ModelRef.parse(node.config.market.model, where="market.model")
-    if ref.kind != "id":
-        return ref.gguf()
-    model = node.market.model
-    if model is None or HEAD not in node.shards.store.held_units(model.model_id):
-        return None
-    return node.shards.model_files(model.model_id, [HEAD])[0]
-
-
-def _read_model(path: Path) -> tuple[str, Tokenizer]:
-    from kvasird.model.manifest import Manifest
-
-    return Manifest.from_gguf(path).model_id, Tokenizer.from_gguf(path)
+    wanted = ModelRef.parse(node.config.market.model)
+    if not wanted.from_peers:
+        return "importing the model into the shard store (its file is read and hashed once)"
+    model = f"model {wanted.value[:16] if wanted.kind == 'id' else wanted.value}"
+    peers = len(node.p2p.peers)
+    if not peers:
+        return (f"waiting for peers, to fetch the manifest of {model} from one that serves "
+                "it: this node has none yet (check [p2p] bootstrap in its kvasird.toml, and "
+                "that the node it names is running)")
+    if not (node.market.announcers.get(wanted.value) or node.market.named(wanted.value)):
+        return (f"waiting for a peer serving {model}: none of this node's {peers} peers "
+                "announces it yet (check that a node holding the model is online, and "
+                "`kvasird coverage` there)")
+    return (f"fetching the manifest of {model} (tokenizer, chat template) from the peers "
+            "that serve it")
 
 
 def _label(path: Path) -> str:

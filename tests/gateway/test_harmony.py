@@ -108,9 +108,11 @@ class Served:
 @pytest.fixture
 async def served(tmp_path: Path) -> AsyncIterator[Served]:
     path = harmony_model(tmp_path / "harmony.gguf")
-    info = ModelInfo(Manifest.from_gguf(path).model_id, "harmony test", 4096)
+    manifest = Manifest.from_gguf(path)
+    info = ModelInfo(manifest.model_id, "harmony test", 4096)
     generator = Scripted(info)
-    gw = Gateway(GatewayConfig(listen="127.0.0.1:0"), generator=generator, model=lambda: path)
+    gw = Gateway(GatewayConfig(listen="127.0.0.1:0"), generator=generator,
+                 model=lambda: manifest)
     async with trio.open_nursery() as nursery:
         url = await nursery.start(gw.run)
         with trio.fail_after(30):

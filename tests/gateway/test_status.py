@@ -26,6 +26,7 @@ from kvasird.inference.client.swarm import Inbox, SwarmGenerator
 from kvasird.localnet.demo import SYSTEM
 from kvasird.market.records import Holding
 from kvasird.model.bundled import bundled_path
+from kvasird.model.manifest import Manifest
 
 N_LAYER = 30
 
@@ -77,7 +78,7 @@ async def test_health_follows_the_route_through_the_coverage_map() -> None:
     """ok only while the online peers chain the model's layers; the gap is named."""
     coverage = [HEAD_AND_FIRST, LAST]
     gw = Gateway(GatewayConfig(listen="127.0.0.1:0"), generator=swarm(lambda: coverage),
-                 model=bundled_path)
+                 model=lambda: Manifest.from_gguf(bundled_path()))
     async with trio.open_nursery() as nursery:
         await nursery.start(gw.run)
         with trio.fail_after(30):
