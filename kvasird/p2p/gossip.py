@@ -11,6 +11,11 @@ What one peer sends can end only that peer's stream, never the daemon: py-libp2p
 loop lets some errors out (a malformed RPC raises protobuf's DecodeError) into the pubsub
 service, whose failure would end the gossip nursery and the node with it; so its read
 loop and the tasks it starts per message are contained (``_ContainedPubsub``).
+
+py-libp2p's publish only queues a message for each peer's sending task. A node about to
+close its connections waits for those queues to be written (``flush``): its last message
+(the market's goodbye) would otherwise be dropped with the queues, and peers would learn
+that it left only when its record's TTL ran out.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -25,6 +31,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.score import ScoreParams, TopicScoreParams
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -67,6 +74,8 @@ GOSSIP_PEERS = 3
 MAX_MESSAGES_PER_TOPIC_PER_S = 500.0
 EQUIVOCATION_SWEEP_S = 60.0
 PUBLISH_TIMEOUT_S = 2.0
+FLUSH_TIMEOUT_S = 2.0
+FLUSH_POLL_S = 0.01
 log = get_logger("kvasird.p2p.gossip")
 
 # Scoring is on (py-libp2p leaves it off): every record a topic validator refuses costs
@@ -139,6 +148,15 @@ class Gossip:
             return True
         return False
 
+    async def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until every message published so far is written to its peers' streams; False
+        when that took longer than ``timeout_s`` (a peer that stopped reading)."""
+        with trio.move_on_after(timeout_s):
+            while self.pubsub.unsent():
+                await trio.sleep(FLUSH_POLL_S)
+            return True
+        return False
+
 
 class _BoundedGossip(GossipSub):
     """GossipSub that announces each heartbeat's message ids to GOSSIP_PEERS peers, not to
@@ -152,7 +170,36 @@ class _BoundedGossip(GossipSub):
 class _ContainedPubsub(Pubsub):
     """Pubsub whose per-peer work cannot fail the service: a peer whose stream or message
     raises is logged, its stream reset and the peer dropped from the mesh (and scored down
-    by its invalid messages, as usual)."""
+    by its invalid messages, as usual).
+
+    It also counts what it has yet to send (``unsent``), for ``Gossip.flush``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sending: set[RpcQueue] = set()
+        """Outbound queues whose peer's sending task runs: a queue left behind by a task
+        that ended (its peer gone, or the service cancelled) is never written."""
+        self.writing = 0
+        """Messages taken from a queue and being written to their peer's stream now."""
+
+    def unsent(self) -> int:
+        """Messages queued for a running sending task, or being written."""
+        return self.writing + sum(len(q) for q in self.sending)
+
+    async def handle_sending_messages(self, peer_id: ID, stream: INetStream,
+                                      queue: RpcQueue) -> None:
+        self.sending.add(queue)
+        try:
+            await super().handle_sending_messages(peer_id, stream, queue)
+        finally:
+            self.sending.discard(queue)
+
+    async def write_msg(self, stream: INetStream, rpc_msg: rpc_pb2.RPC) -> bool:
+        self.writing += 1
+        try:
+            return await super().write_msg(stream, rpc_msg)
+        finally:
+            self.writing -= 1
 
     async def continuously_read_stream(self, stream: INetStream) -> None:
         peer = stream.muxed_conn.peer_id

@@ -38,7 +38,8 @@ from kvasird.wire import pack
 
 STREAM_PROTOCOLS = ("/kvasir/heartbeat/1", "/kvasir/px/1", "/kvasir/dialback/1",
                     "/kvasir/addrs/1", "/kvasir/stage/1", "/kvasir/experts/1",
-                    "/kvasir/shard/1", "/kvasir/settle/1", "/kvasir/coverage-sync/1")
+                    "/kvasir/shard/1", "/kvasir/settle/1", "/kvasir/coverage-sync/1",
+                    "/kvasir/goodbye/1")
 TOPICS = ("coverage", "load", "governance", "unfit")
 KINDS = ("garbage", "oversized", "truncated", "not-msgpack", "wrong-shape", "half-closed",
          "slow")
