@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pwd
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,9 +22,29 @@ from pathlib import Path
 from kvasird.errors import HomeError
 
 
+SERVICE_HOME = Path("/var/lib/kvasird")
+"""The state directory of the service that `kvasird service install` sets up."""
+
+
 def default_home() -> Path:
     env = os.environ.get("KVASIRD_HOME")
     return Path(env).expanduser() if env else Path.home() / ".kvasird"
+
+
+def find_home(command: str) -> Path:
+    """The home a command that needs one works on, given no --home: the default home, or,
+    when that does not exist and $KVASIRD_HOME is unset, the service's, so that `sudo
+    kvasird status` on a machine running the service just works. Where the service's home
+    is closed to this user, the error says how to run ``command`` as its user."""
+    own = default_home()
+    if os.environ.get("KVASIRD_HOME") or own.exists() or not SERVICE_HOME.is_dir():
+        return own
+    if os.access(SERVICE_HOME, os.R_OK | os.X_OK):
+        return SERVICE_HOME if (SERVICE_HOME / "kvasird.toml").is_file() else own
+    user = pwd.getpwuid(SERVICE_HOME.stat().st_uid).pw_name
+    raise HomeError(f"there is no kvasird home at {own}; the service's home {SERVICE_HOME} is "
+                    f"readable by its user only: run `sudo -u {user} KVASIRD_HOME={SERVICE_HOME} "
+                    f"kvasird {command}` (or pass --home)")
 
 
 @dataclass(frozen=True)

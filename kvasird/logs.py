@@ -22,6 +22,20 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}
 # Dependencies are chatty at INFO; keep them at WARNING unless we run at debug.
 _QUIET = ("libp2p", "multiaddr", "httpx", "httpcore", "hypercorn", "trio_websocket", "asyncio")
+_DEBUG_ONLY = {
+    # An inbound connection closed after its security handshake: that is how a peer's
+    # reachability probe ends (kvasird.p2p.reachability dials us back, proves our peer id
+    # over Noise and hangs up without negotiating a muxer), so every node that joins one
+    # saw this logged as an error at start, and nothing was wrong.
+    "libp2p.network.swarm": ("fail to upgrade mux for peer",
+                             # Our dialer reports a failed dial once, with its reason and
+                             # what to check (kvasird.p2p.dialer); the swarm logs every try.
+                             "failed to upgrade security for peer"),
+    # One line per TCP attempt, four per dial; the dialer's warning says it once.
+    "libp2p.transport.tcp.tcp": ("Failed to open TCP stream",),
+}
+"""Dependencies' records, by logger and message start, that are noise unless we run at
+debug: harmless, or said once and better by our own code."""
 
 _json = False
 """Whether configure() chose JSON lines."""
@@ -66,8 +80,14 @@ def configure(level: str = "info", json: bool | None = None) -> None:
 def banner(text: str, **fields: Any) -> None:
     """Show the startup banner: as text on a terminal (or with text logs), else as one
     "banner" event with ``fields`` (the journal of a service holds only JSON)."""
+    announce(text, "banner", **fields)
+
+
+def announce(text: str, event: str, **fields: Any) -> None:
+    """Tell the operator ``text`` on a terminal (or with text logs), else log ``event``
+    with ``fields``."""
     if _json and not sys.stdout.isatty():
-        get_logger("kvasird.daemon").info("banner", **fields)
+        get_logger("kvasird.daemon").info(event, **fields)
     else:
         print(text, flush=True, file=sys.stdout)
 
@@ -104,7 +124,10 @@ class _PrintsToLog(io.TextIOBase):
 
 
 def _quiet_dependencies(record: logging.LogRecord) -> bool:
-    """Drop dependencies' records below WARNING (libp2p sets INFO on its own loggers)."""
+    """Drop dependencies' records below WARNING (libp2p sets INFO on its own loggers), and
+    those of _DEBUG_ONLY."""
+    if str(record.msg).startswith(_DEBUG_ONLY.get(record.name, ())):
+        return False
     return record.levelno >= logging.WARNING or not record.name.startswith(_QUIET)
 
 

@@ -24,9 +24,10 @@ def get(home: Home, path: str, timeout: float = 5.0) -> Any:
     return _json(home, path, body)
 
 
-def post(home: Home, path: str, timeout: float = 120.0) -> Any:
-    """POST to the running daemon's admin API; its JSON answer, errors included."""
-    return _json(home, path, _call(home, "POST", path, timeout)[1])
+def post(home: Home, path: str, timeout: float = 120.0, body: Any = None) -> Any:
+    """POST ``body`` (as JSON, if any) to the running daemon's admin API; its JSON answer,
+    errors included."""
+    return _json(home, path, _call(home, "POST", path, timeout, body)[1])
 
 
 def _json(home: Home, path: str, body: bytes) -> Any:
@@ -37,7 +38,8 @@ def _json(home: Home, path: str, body: bytes) -> Any:
                           f"than JSON: {body[:300].decode('utf-8', 'replace')}") from None
 
 
-def _call(home: Home, method: str, path: str, timeout: float) -> tuple[int, bytes]:
+def _call(home: Home, method: str, path: str, timeout: float,
+          body: Any = None) -> tuple[int, bytes]:
     url = home.admin_address()
     if url is None:
         raise DaemonNotRunning(f"no daemon is running for {home.root}: start it with "
@@ -45,7 +47,11 @@ def _call(home: Home, method: str, path: str, timeout: float) -> tuple[int, byte
     where = urlsplit(url)
     conn = http.client.HTTPConnection(where.hostname or "127.0.0.1", where.port, timeout=timeout)
     try:
-        conn.request(method, where.path.rstrip("/") + path)
+        if body is None:
+            conn.request(method, where.path.rstrip("/") + path)
+        else:
+            conn.request(method, where.path.rstrip("/") + path, json.dumps(body),
+                         {"Content-Type": "application/json"})
         resp = conn.getresponse()
         return resp.status, resp.read()
     except (OSError, http.client.HTTPException) as exc:

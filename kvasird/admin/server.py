@@ -10,6 +10,11 @@ signing in with the operator wallet and a TOTP code:
     POST /v0/auth/sign-in {"message", "signature", "totp"}    → {"token", "expires_at"}
     POST /v0/auth/totp                                        → {"uri"}   (loopback only, once)
 
+``GET /v0/serving`` is what `kvasird status` adds to ``/v0/status``: the model (name and
+id), the units held of it, the gateway's health. ``POST /v0/bootstrap {"addr"}`` dials a
+peer at once and keeps it connected, as the bootstrap list does (``kvasird bootstrap add``
+on a running daemon, like kubo's ``swarm connect``): ``{"peer_id", "connected", "error"}``.
+
 The two sign-in routes are open to everyone; TOTP enrolment never is open to other
 machines, not even with a session, since a stolen session must not mint a new second
 factor. Sign-in needs settlement (the operator wallet); without it other machines are
@@ -19,7 +24,7 @@ refused outright.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from solders.signature import Signature
 from starlette.applications import Starlette
@@ -29,9 +34,12 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvasird.config.load import check_multiaddr
+from kvasird.errors import ConfigError
 from kvasird.gateway.body import read_json
 from kvasird.gateway.errors import ApiError, BadRequest
 from kvasird.http import is_loopback
+from kvasird.p2p.dialer import peer_id_of
 from kvasird.settlement.admin import AdminAuth
 from kvasird.settlement.errors import AdminAuthError, TotpAlreadyEnrolled
 
@@ -40,6 +48,8 @@ if TYPE_CHECKING:
 
 MAX_SIGN_IN_BYTES = 8192
 """Largest sign-in body read (a SIWS message is a few hundred bytes; anyone may post one)."""
+MAX_BOOTSTRAP_BYTES = 4096
+"""Largest bootstrap body read (one multiaddr)."""
 OPEN_TO_ALL = frozenset({"/v0/auth/challenge", "/v0/auth/sign-in"})
 """Paths other machines may use without a session: the ones that give them one."""
 HOW_TO_SIGN_IN = (
@@ -56,6 +66,9 @@ def build_app(node: Node) -> Starlette:
     async def status(_: Request) -> JSONResponse:
         return JSONResponse(node.status())
 
+    async def serves(_: Request) -> JSONResponse:
+        return JSONResponse(serving(node))
+
     async def peers(_: Request) -> JSONResponse:
         return JSONResponse([p.to_json() for p in node.p2p.peers.snapshot()])
 
@@ -64,6 +77,20 @@ def build_app(node: Node) -> Starlette:
 
     async def shards(_: Request) -> JSONResponse:
         return JSONResponse(node.shards.view())
+
+    async def bootstrap(request: Request) -> JSONResponse:
+        try:
+            addr = (await read_json(request, MAX_BOOTSTRAP_BYTES)).string("addr")
+            check_multiaddr(addr, True, "addr")
+        except ApiError as exc:
+            return _error(exc.status, exc.message)
+        except ConfigError as exc:
+            return _error(400, str(exc))
+        dialer, pid = node.p2p.dialer, peer_id_of(addr)
+        dialer.add_bootstrap(addr)
+        connected = await dialer.dial([addr])
+        return JSONResponse({"peer_id": pid, "connected": connected,
+                             "error": None if connected else dialer.failures.get(pid)})
 
     async def settlement(_: Request) -> JSONResponse:
         s = node.settlement
@@ -111,12 +138,26 @@ def build_app(node: Node) -> Starlette:
         Route("/v0/settlement", settlement),
         Route("/v0/shards", shards),
         Route("/v0/status", status),
+        Route("/v0/serving", serves),
         Route("/v0/peers", peers),
         Route("/v0/coverage", coverage),
+        Route("/v0/bootstrap", bootstrap, methods=["POST"]),
         Route("/v0/auth/challenge", challenge, methods=["POST"]),
         Route("/v0/auth/sign-in", sign_in, methods=["POST"]),
         Route("/v0/auth/totp", enroll_totp, methods=["POST"]),
     ], middleware=[Middleware(OperatorGate, auth=admin_auth)])
+
+
+def serving(node: Node) -> dict[str, Any]:
+    """What `kvasird status` adds to the node's own status: the model it serves (name and
+    id), the units it holds of it, and its gateway's health."""
+    cov = node.market.coverage()
+    model = cov["model"]
+    health = node.gateway.health() if node.config.gateway.enabled else None
+    return {"model": {"name": model["name"], "id": model["id"]} if model else None,
+            "role": {"state": cov["state"], "units": cov["held"], "held_bytes": cov["held_bytes"],
+                     "budget_bytes": cov["budget_bytes"], "routable": cov["routable"]},
+            "health": {"status": health.status, "reason": health.reason} if health else None}
 
 
 class OperatorGate:

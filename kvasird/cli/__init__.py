@@ -5,13 +5,15 @@ Each module named in COMMANDS has ``register(subparsers)``, which adds its parse
 others stay stubs that only list themselves in ``--help``), so ``--version``, ``status``
 and ``peers`` answer without loading libp2p, numpy or the chain client. ``--home`` is
 accepted before or after the subcommand. ``main`` turns every KvasirError into one line
-on stderr and exit status 1: the message already says what to do.
+on stderr and exit status 1: the message already says what to do. Output cut short by its
+reader (``kvasird wallet | head -3``) ends the command quietly, as it would a C program.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +41,7 @@ COMMANDS = {
     "wallet": "operator wallet: address, SOL/KVR balances, pending earnings",
     "chat": "chat with a model through a gateway (streaming)",
     "generate": "generate text through the swarm from this node",
+    "pay": "ask a gateway one question and pay for it in KVR",
 }
 """Every subcommand and its line in ``kvasird --help``."""
 
@@ -46,7 +49,11 @@ CREATES_HOME = frozenset({"init", "model add", "localchain"})
 """The commands that may create a missing home; every other one refuses to run on it, so
 a mistyped --home is reported instead of appearing as a new directory."""
 
-HOME_HELP = "state directory (default: $KVASIRD_HOME, else ~/.kvasird)"
+HOME_HELP = ("state directory (default: $KVASIRD_HOME, else ~/.kvasird, else the service's "
+             "/var/lib/kvasird)")
+BROKEN_PIPE_STATUS = 141
+"""Exit status when stdout's reader went away: a shell's status for a process killed by
+SIGPIPE (128 + 13), which Python ignores and reports as BrokenPipeError instead."""
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -95,14 +102,20 @@ def command_path(args: argparse.Namespace) -> str:
 
 
 def home_of(args: argparse.Namespace, *, required: bool = True) -> Home:
-    """The home the command works on. Unless the command may create one (CREATES_HOME) or
-    the caller can do without (``required=False``), a missing home is an error that says
-    how to make one."""
+    """The home the command works on: --home, else $KVASIRD_HOME or ~/.kvasird, else (for a
+    command that needs one) the service's (kvasird.home.find_home). Unless the command may
+    create one (CREATES_HOME) or the caller can do without (``required=False``), a missing
+    home is an error that says how to make one."""
     from kvasird.errors import HomeError
-    from kvasird.home import Home, default_home
+    from kvasird.home import Home, default_home, find_home
 
-    root = (args.home or default_home()).expanduser().resolve()
-    if required and not root.is_dir() and command_path(args) not in CREATES_HOME:
+    creates = command_path(args) in CREATES_HOME
+    if args.home is not None:
+        root = args.home
+    else:
+        root = default_home() if creates or not required else find_home(command_path(args))
+    root = root.expanduser().resolve()
+    if required and not root.is_dir() and not creates:
         raise HomeError(f"there is no kvasird home at {root} (a typo in --home or "
                         f"$KVASIRD_HOME?): create one with `kvasird init --home {root}`")
     return Home(root)
@@ -110,10 +123,20 @@ def home_of(args: argparse.Namespace, *, required: bool = True) -> Home:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE_STATUS
+
+
+def _run(argv: list[str]) -> int:
     name = command_in(argv)
     args = build_parser(name if name in COMMANDS else None).parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a reader that went away is handled (main)
+        return status
     except KeyboardInterrupt:
         return 130
     except BaseException as exc:  # noqa: BLE001 - KvasirErrors may arrive inside exception groups
@@ -124,3 +147,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kvasird: {found}", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for the reader that went away
+    would raise again when the interpreter flushes it at exit."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (captured): nothing is flushed at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

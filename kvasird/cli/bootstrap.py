@@ -1,11 +1,17 @@
-"""``kvasird bootstrap list|add|rm``: edit the bootstrap list in kvasird.toml."""
+"""``kvasird bootstrap list|add|rm``: edit the bootstrap list in kvasird.toml.
+
+``add`` also has a running daemon dial the peer at once and keep it connected (like
+kubo's ``swarm connect``), and says whether the dial worked; ``rm`` applies at restart.
+"""
 
 from __future__ import annotations
 
 import argparse
 
+from kvasird.admin import client
 from kvasird.cli import home_of
 from kvasird.config import load, load_text, render
+from kvasird.errors import DaemonNotRunning
 from kvasird.home import Home
 
 
@@ -27,11 +33,26 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+DIAL_WAIT_S = 30.0
+"""How long `bootstrap add` waits for the daemon's dial (which itself gives up sooner)."""
+
+
 def _add(args: argparse.Namespace) -> int:
     home = home_of(args)
     current = list(load(home.config).p2p.bootstrap)
     _save(home, current + [a for a in args.addrs if a not in current])
-    return 0
+    try:
+        dials = [client.post(home, "/v0/bootstrap", DIAL_WAIT_S, {"addr": a}) for a in args.addrs]
+    except DaemonNotRunning:
+        print("the daemon is not running: it dials the list when it starts")
+        return 0
+    for addr, dial in zip(args.addrs, dials, strict=True):
+        if dial.get("connected"):
+            print(f"connected to {dial['peer_id']}")
+        else:
+            print(f"could not connect to {addr}: {dial.get('error')}; the daemon keeps "
+                  "trying, with backoff")
+    return 0 if all(d.get("connected") for d in dials) else 1
 
 
 def _rm(args: argparse.Namespace) -> int:
@@ -49,5 +70,5 @@ def _save(home: Home, addrs: list[str]) -> None:
     text = render(home.config.read_text(), {"p2p.bootstrap": addrs})
     load_text(text, source=str(home.config))  # validate before writing
     home.config.write_text(text)
-    print(f"bootstrap list now has {len(addrs)} entr{'y' if len(addrs) == 1 else 'ies'}; "
-          "restart the daemon to apply")
+    print(f"bootstrap list now has {len(addrs)} entr{'y' if len(addrs) == 1 else 'ies'} "
+          f"in {home.config}")

@@ -1,23 +1,28 @@
 """``kvasird service install``: run this checkout as a hardened systemd service.
 
-Creates the system user, writes the unit (pointing at this installation's ``kvasird``),
-reloads systemd and enables the service. ``--dry-run`` prints what it would do. It refuses
-an installation the service could not reach, which would never start: one that the unit's
-ProtectHome hides (a venv whose python links into a home directory, as pyenv's do), or
-one behind a directory its user may not enter.
+Creates the system user, writes the unit (pointing at this installation's ``kvasird``,
+its first start running ``kvasird init`` with the options given here: model, budget,
+bootstrap, ports), reloads systemd and enables the service. ``--dry-run`` prints what it
+would do, and what would stop it. It refuses an installation the service could not reach,
+which would never start: one that the unit's ProtectHome hides (a venv whose python links
+into a home directory, as pyenv's do), or one behind a directory its user may not enter.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
+from kvasird.cli.init import add_node_options, node_argv, node_values
+from kvasird.config import default_text, load_text, render
 from kvasird.errors import KvasirError
+from kvasird.home import SERVICE_HOME
 
 UNIT_TEMPLATE = Path(__file__).resolve().parents[2] / "systemd" / "kvasird.service"
 TEMPLATE_BIN = "/opt/kvasird/.venv/bin/kvasird"
@@ -38,14 +43,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     inst.add_argument("--protect-home", choices=("yes", "read-only"), default="yes",
                       help="ProtectHome= of the unit: read-only lets the service run a kvasird "
                            "installed in a home directory (default yes: homes are hidden)")
+    add_node_options(inst)
     inst.set_defaults(func=_install)
 
 
-def render_unit(user: str, binary: str, protect_home: str = "yes") -> str:
-    """The repository's unit with this installation's binary, the chosen user and ProtectHome."""
+def render_unit(user: str, binary: str, protect_home: str = "yes",
+                init_args: list[str] | None = None) -> str:
+    """The repository's unit with this installation's binary, the chosen user and
+    ProtectHome, and ``init_args`` for the `kvasird init` of its first start."""
     text = UNIT_TEMPLATE.read_text().replace(TEMPLATE_BIN, binary)
+    if init_args:
+        init = f"{binary} init"
+        text = text.replace(f'{init}"', f'{init} {_for_systemd(shlex.join(init_args))}"')
     text = text.replace("ProtectHome=yes", f"ProtectHome={protect_home}")
     return text.replace("User=kvasird", f"User={user}").replace("Group=kvasird", f"Group={user}")
+
+
+def _for_systemd(command: str) -> str:
+    """``command`` inside a double-quoted word of an Exec line: systemd reads backslashes
+    and double quotes there, and expands % specifiers and $ variables in every word."""
+    for raw, escaped in (("\\", "\\\\"), ('"', '\\"'), ("%", "%%"), ("$", "$$")):
+        command = command.replace(raw, escaped)
+    return command
 
 
 def installation() -> dict[str, Path]:
@@ -96,7 +115,10 @@ def _closed_directory(real: str) -> str | None:
 
 def _install(args: argparse.Namespace) -> int:
     runs = installation()
-    unit = render_unit(args.user, str(runs["kvasird"]), args.protect_home)
+    # The first start's init must not fail on what could be checked now (a bad model, a
+    # bootstrap without a peer id): the same config, validated here.
+    load_text(render(default_text(), node_values(args)), source="the service's kvasird.toml")
+    unit = render_unit(args.user, str(runs["kvasird"]), args.protect_home, node_argv(args))
     hidden = unreachable_by_service(unit, runs)
     target = args.unit_dir / "kvasird.service"
     steps = [
@@ -111,10 +133,13 @@ def _install(args: argparse.Namespace) -> int:
         print(f"# would write {target}:\n{unit}")
         for step in steps:
             print("# would run: " + " ".join(step))
+        print(f"# its state directory: {SERVICE_HOME} (commands run as root find it by "
+              "themselves, e.g. `sudo kvasird status`)")
+        if hidden is not None:
+            print(f"# but it would refuse to install: {hidden}")
+        return 0
     if hidden is not None:
         raise KvasirError(hidden)
-    if args.dry_run:
-        return 0
     if os.geteuid() != 0:
         raise KvasirError("installing a service needs root: run it with sudo, or use --dry-run")
     if shutil.which("systemctl") is None:
@@ -125,5 +150,6 @@ def _install(args: argparse.Namespace) -> int:
     for step in steps[1:]:
         subprocess.run(step, check=True)
     print(f"installed {target}; follow it with: journalctl -u kvasird -f "
-          "(systemctl status kvasird says what it waits for)")
+          "(systemctl status kvasird says what it waits for); `sudo kvasird status` finds "
+          f"its home, {SERVICE_HOME}")
     return 0

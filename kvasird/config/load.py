@@ -158,7 +158,7 @@ def _check_str(value: str, meta: dict[str, Any], where: str) -> str:
     if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
         raise ConfigError(f"{where} = {value!r} must match {meta['pattern']}")
     if meta.get("multiaddr"):
-        _check_multiaddr(value, meta.get("p2p", False), where)
+        check_multiaddr(value, meta.get("p2p", False), where)
     if meta.get("loopback"):
         _check_loopback(value, where)
     if meta.get("holdings"):
@@ -171,17 +171,24 @@ def _check_str(value: str, meta: dict[str, Any], where: str) -> str:
     return value
 
 
-def _check_multiaddr(value: str, needs_peer_id: bool, where: str) -> None:
+def check_multiaddr(value: str, needs_peer_id: bool, where: str) -> None:
+    """Raise a ConfigError unless ``value`` is a multiaddr (ending in /p2p/<peer id> when
+    ``needs_peer_id``); its example is one that this check accepts."""
     import multiaddr  # deferred: importing it pulls in a few hundred ms of libp2p helpers
 
     try:
         addr = multiaddr.Multiaddr(value)
     except Exception as exc:  # noqa: BLE001 - the library raises a zoo of types
+        example = EXAMPLE_JOIN if needs_peer_id else EXAMPLE_JOIN.split("/p2p/")[0]
         raise ConfigError(f"{where}: {value!r} is not a multiaddr ({exc}); "
-                          "example: /ip4/127.0.0.1/tcp/4001") from None
+                          f"example: {example}") from None
     if needs_peer_id and "p2p" not in [p.name for p in addr.protocols()]:
         raise ConfigError(f"{where}: {value!r} lacks /p2p/<peer id>; copy the full join "
                           "address from the other node's banner or `kvasird id`")
+
+
+EXAMPLE_JOIN = "/ip4/192.0.2.10/tcp/4001/p2p/12D3KooWQLhaHqTr65RWq9gCquhwQJUYkp96yFHBwsjiZjHt2Gqn"
+"""A join address as a banner prints one (a documentation address, a well-formed peer id)."""
 
 
 def _check_loopback(value: str, where: str) -> None:

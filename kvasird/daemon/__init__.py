@@ -2,11 +2,11 @@
 
     node      Node: opens state, starts p2p then the admin API, reports status; run_until_signal
     systemd   sd_notify (READY, STATUS, STOPPING, WATCHDOG) without extra dependencies
-    banner    the startup banner ending in "ready"
+    banner    the startup banner; what the node waits for, then "ready" once it serves
 
 Lifecycle: load config -> open state.db and node key -> P2PNode.running() (listening,
-gossip, liveness, exchange, bootstrap) -> admin API -> gateway -> banner -> STATUS= until
-the gateway can serve its model, then READY=1 -> wait for SIGTERM/SIGINT -> STOPPING=1
--> close peers, flush state, remove admin.json -> exit 0.
+gossip, liveness, exchange, bootstrap) -> admin API -> gateway -> banner -> STATUS= (and
+"waiting" lines) until the gateway can serve its model, then READY=1 and "ready" -> wait
+for SIGTERM/SIGINT -> STOPPING=1 -> close peers, flush state, remove admin.json -> exit 0.
 A second SIGINT exits at once.
 """

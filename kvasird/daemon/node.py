@@ -14,7 +14,7 @@ from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.admin.server import build_app
 from kvasird.config import Config
 from kvasird.daemon import earnings, systemd
-from kvasird.daemon.banner import print_banner
+from kvasird.daemon.banner import print_banner, print_ready, print_waiting
 from kvasird.daemon.risks import risky_settings
 from kvasird.db import connect
 from kvasird.gateway import Gateway
@@ -25,7 +25,7 @@ from kvasird.identity import load_node_key
 from kvasird.inference.service import InferenceService
 from kvasird.logs import get_logger
 from kvasird.market.records import Capabilities
-from kvasird.market.service import MarketService, metadata_only
+from kvasird.market.service import GOODBYE_TIMEOUT_S, MarketService, metadata_only
 from kvasird.model.distribution import ShardService
 from kvasird.compute import arch as archs
 from kvasird.compute.graph import use_device
@@ -38,12 +38,13 @@ from kvasird.settlement.admission import Admission, Rates
 from kvasird.settlement.config import SettlementConfig
 from kvasird.settlement.exchange import SETTLE_PROTOCOL, Exchange
 from kvasird.settlement.gossip import GovernanceGossip
-from kvasird.settlement.service import Settlement, run_settlement
+from kvasird.settlement.service import Settlement, run_settlement, with_network_keys
 
 log = get_logger("kvasird.daemon")
 
 NO_PEERS_DIAGNOSIS_S = 60.0
-READY_POLL_S = 1.0
+READY_POLL_S = 0.1
+"""How often a starting node looks whether it serves yet: "ready" follows health at once."""
 START_EXTEND_S = 30.0
 """How long systemd waits, past TimeoutStartSec, for the next STATUS= while not ready."""
 DRAIN_TIMEOUT_S = 8.0
@@ -100,11 +101,14 @@ class Node:
             for risk in risks:
                 log.warning(risk)
             self._check_model_file()
+            settling = (await with_network_keys(settlement_config(self.config, self.home),
+                                                str(self.home.config))
+                        if self.config.settlement.enabled else None)  # before joining
             async with self.p2p.running(), trio.open_nursery() as nursery:
                 await nursery.start(self.shards.run)
-                if self.config.settlement.enabled:
+                if settling is not None:
                     self.settlement = await nursery.start(
-                        run_settlement, settlement_config(self.config, self.home),
+                        run_settlement, settling,
                         self.home, self.p2p.peer_id, self.config.node.network)
                     await nursery.start(self._exchange_receipts, self.settlement)
                 await nursery.start(self.governance.run)
@@ -122,8 +126,7 @@ class Node:
                 if (interval := systemd.watchdog_interval_s()) is not None:
                     nursery.start_soon(systemd.keep_watchdog_fed, interval)
                 print_banner(self.status(), admin_url, str(self.home.config), risks)
-                log.info("ready", peer_id=self.p2p.peer_id, admin=admin_url)
-                nursery.start_soon(self._tell_systemd_when_serving)
+                nursery.start_soon(self._tell_when_serving, admin_url)
                 task_status.started(admin_url)
                 await trio.sleep_forever()
         finally:
@@ -142,17 +145,24 @@ class Node:
                 if self.config.inference.serve:
                     archs.check_file(path)
 
-    async def _tell_systemd_when_serving(self) -> None:
-        """Type=notify: READY=1 once the gateway can serve its model (at once on a node with
-        no gateway or no model to serve). Until then a STATUS= line says what it waits for,
-        with EXTEND_TIMEOUT_USEC= so that systemd's start timeout fires only when this loop
-        stops (a first download or a route through the swarm may take long)."""
+    async def _tell_when_serving(self, admin_url: str) -> None:
+        """"ready" (and Type=notify's READY=1) once the gateway can serve its model (at once
+        on a node with no gateway or no model to serve). Until then the operator sees what
+        it waits for, again when that changes, and systemd a STATUS= line (on each change,
+        and well within START_EXTEND_S) with EXTEND_TIMEOUT_USEC= so that its start timeout
+        fires only when this loop stops (a first download or a route may take long)."""
+        shown, told = "", -START_EXTEND_S
         while True:
             ready, status = self._readiness()
             if ready:
                 systemd.notify(f"READY=1\nSTATUS={status}")
+                print_ready(self.p2p.peer_id, admin_url, status)
                 return
-            systemd.notify(f"STATUS={status}\nEXTEND_TIMEOUT_USEC={int(START_EXTEND_S * 1e6)}")
+            if status != shown:
+                print_waiting(status)
+            if status != shown or trio.current_time() - told >= START_EXTEND_S / 3:
+                systemd.notify(f"STATUS={status}\nEXTEND_TIMEOUT_USEC={int(START_EXTEND_S * 1e6)}")
+                shown, told = status, trio.current_time()
             await trio.sleep(READY_POLL_S)
 
     def _readiness(self) -> tuple[bool, str]:
@@ -221,13 +231,19 @@ def _preferred_join(addrs: list[str]) -> str:
 
 
 async def run_until_signal(node: Node) -> None:
-    """Run the node; the first SIGTERM/SIGINT drains it, a second SIGINT exits at once."""
+    """Run the node; the first SIGTERM/SIGINT drains it, a second SIGINT exits at once.
+
+    Draining starts with the market's goodbye, while every service still runs: cancelling
+    the node first would end the gossip's sending tasks with the goodbye still queued, and
+    peers would route to this node until its record's TTL ran out."""
     node_scope = trio.CancelScope()
 
     async def watch(signals: trio.abc.ReceiveChannel[int]) -> None:
         async for signum in signals:
             log.info("stopping: closing peers and flushing state", signal=signal.Signals(signum).name)
             systemd.notify("STOPPING=1")
+            with trio.move_on_after(GOODBYE_TIMEOUT_S + 1):  # its loops' ending, then the goodbye
+                await node.market.leave()
             node_scope.cancel()
             break
         # py-libp2p's shielded teardown can block on a dead connection; our own state is

@@ -1,7 +1,10 @@
 """Whom to dial, and when: bootstrap peers (forever, with backoff), known peers, and
 peers learned by exchange (once each, with backoff after failures).
 
-Every dial has a timeout: a dial that hangs must not hold anything else up.
+Every dial has a timeout: a dial that hangs must not hold anything else up. A bootstrap
+peer that cannot be reached is one warning with the reason in words and what to check,
+repeated with a backoff of its own while it stays unreachable; libp2p's own lines for
+each try are debug (kvasird.logs).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.peerinfo import PeerInfo as Libp2pPeerInfo
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.exceptions import HandshakeFailure
+from libp2p.transport.exceptions import SecurityUpgradeFailure
 
 from kvasird.logs import get_logger
 
@@ -21,10 +26,47 @@ log = get_logger("kvasird.p2p.dialer")
 DIAL_TIMEOUT_S = 5.0
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 60.0
+WARN_AGAIN_MIN_S = 30.0
+WARN_AGAIN_MAX_S = 600.0
+"""A bootstrap peer that stays unreachable is warned about again after 30 s, then after
+twice as long each time, up to every 10 minutes."""
 
 
 def peer_id_of(addr: str) -> str:
     return addr.rsplit("/p2p/", 1)[-1]
+
+
+def why_failed(exc: BaseException, addrs: list[str]) -> str:
+    """A failed dial in words, with what to check. py-libp2p wraps the cause of each
+    address's failure several levels deep (MultiError, __cause__, exception groups)."""
+    where = ", ".join(a.rsplit("/p2p/", 1)[0] for a in addrs)
+    causes = _causes(exc)
+    if any(isinstance(c, (HandshakeFailure, SecurityUpgradeFailure)) for c in causes):
+        return (f"the node at {where} answered, but the peer id did not match "
+                f"{peer_id_of(addrs[0])} (or it uses another [p2p] psk_file): copy its join "
+                "address again from its banner or `kvasird id`")
+    if any(isinstance(c, ConnectionRefusedError) for c in causes):
+        return (f"connection refused at {where}: check that kvasird runs there and that the "
+                "port is the one in its banner's join address")
+    if errors := [c for c in causes if isinstance(c, OSError)]:
+        return (f"cannot connect to {where} ({errors[-1]}): check the address, and that no "
+                "firewall blocks its port")
+    return f"{str(exc)[:200]} (address {where})"
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it wraps, outermost first."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop(0)
+        if e in seen:
+            continue
+        seen.append(e)
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+        todo += [c for c in getattr(e, "errors", ()) if isinstance(c, BaseException)]
+        todo += [c for c in getattr(e, "exceptions", ()) if isinstance(c, BaseException)]
+    return seen
 
 
 class Dialer:
@@ -33,6 +75,11 @@ class Dialer:
         self._max_peers = max_peers
         self._backoff: dict[str, tuple[float, float]] = {}  # peer id -> (next try, delay)
         self._self_id = host.get_id().to_string()
+        self.failures: dict[str, str] = {}
+        """Why the last dial of each peer failed, in words (cleared once one works)."""
+        self._bootstrap: dict[str, list[str]] = {}
+        """Bootstrap peers kept connected: peer id -> its addresses."""
+        self._warned: dict[str, tuple[float, float]] = {}  # peer id -> (next warning, gap)
 
     def connected(self, peer_id: str) -> bool:
         return any(p.to_string() == peer_id for p in self._host.get_connected_peers())
@@ -56,16 +103,23 @@ class Dialer:
             log.warning("cannot dial: bad address", addrs=addrs, error=str(exc))
             return False
         info = Libp2pPeerInfo(infos[0].peer_id, [a for i in infos for a in i.addrs])
-        ok, error = False, f"no connection within {DIAL_TIMEOUT_S:g} s"
+        # py-libp2p dials one address per transport of all it holds for the peer, so an
+        # address tried before (a wrong port) would hide the one asked for now.
+        self._host.get_peerstore().clear_addrs(info.peer_id)
+        ok, error = False, (f"no answer within {DIAL_TIMEOUT_S:g} s from "
+                            f"{', '.join(addrs)}: check the address and the firewall")
         with trio.move_on_after(DIAL_TIMEOUT_S):
             try:
                 await self._host.connect(info)
                 ok = True
             except Exception as exc:  # noqa: BLE001 - the swarm raises a zoo of types
-                error = str(exc)[:200]
+                error = why_failed(exc, addrs)
         if ok:
             self._backoff.pop(pid, None)
+            self.failures.pop(pid, None)
+            self._warned.pop(pid, None)
         else:
+            self.failures[pid] = error
             log.debug("dial failed", peer=pid, error=error)
             _, delay = self._backoff.get(pid, (0.0, BACKOFF_MIN_S / 2))
             delay = min(delay * 2, BACKOFF_MAX_S)
@@ -75,16 +129,39 @@ class Dialer:
     async def keep_bootstrapped(self, bootstrap: tuple[str, ...], known: list[tuple[str, tuple[str, ...]]],
                                 *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Dial known peers once, and keep every bootstrap peer connected, with backoff."""
-        groups: dict[str, list[str]] = {}
         for addr in bootstrap:
-            groups.setdefault(peer_id_of(addr), []).append(addr)
+            self.add_bootstrap(addr)
         task_status.started()
         async with trio.open_nursery() as nursery:
             for _, addrs in known[: self._max_peers]:
-                if addrs and peer_id_of(addrs[0]) not in groups:
+                if addrs and peer_id_of(addrs[0]) not in self._bootstrap:
                     nursery.start_soon(self.dial, list(addrs))
             while True:
-                for pid, addrs in groups.items():
+                for pid, addrs in list(self._bootstrap.items()):
                     if not self.connected(pid) and self.due(pid):
-                        nursery.start_soon(self.dial, addrs)
+                        nursery.start_soon(self._dial_bootstrap, list(addrs))
                 await trio.sleep(1.0)
+
+    def add_bootstrap(self, addr: str) -> None:
+        """Keep ``addr``'s peer connected from now on (``kvasird bootstrap add`` on a
+        running daemon adds to the list it started with)."""
+        addrs = self._bootstrap.setdefault(peer_id_of(addr), [])
+        if addr not in addrs:
+            addrs.append(addr)
+
+    async def _dial_bootstrap(self, addrs: list[str]) -> None:
+        """Dial a bootstrap peer; a failure is a warning, again only after a growing gap.
+        After a failure its addresses rotate: py-libp2p tries one address per transport,
+        the first, so each of several TCP addresses gets its turn."""
+        pid = peer_id_of(addrs[0])
+        if await self.dial(addrs) or pid not in self.failures:
+            return
+        kept = self._bootstrap[pid]
+        kept.append(kept.pop(0))
+        now = trio.current_time()
+        at, gap = self._warned.get(pid, (now, WARN_AGAIN_MIN_S / 2))
+        if now >= at:
+            log.warning(f"cannot reach bootstrap peer {pid}: {self.failures[pid]}",
+                        peer=pid, addrs=addrs)
+            gap = min(gap * 2, WARN_AGAIN_MAX_S)
+            self._warned[pid] = (now + gap, gap)

@@ -251,7 +251,7 @@ import logging, sys, warnings
 import kvasird.p2p.host  # py-libp2p sets up its loggers on import, as in the daemon
 from kvasird import logs
 logs.configure("info")
-logging.getLogger("libp2p.network.swarm").error("fail to upgrade mux for peer %s", "QmPeer")
+logging.getLogger("libp2p.network.swarm").error("fail to open stream to peer %s", "QmPeer")
 logging.getLogger("gguf.gguf_writer").info("Writing the following files:")
 logging.getLogger("hypercorn.error").warning("hypercorn says %d", 1)
 print("a dependency prints", "this")
@@ -269,7 +269,7 @@ def test_dependencies_logs_prints_and_warnings_become_json_events() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
     logged = {(e.get("logger"), e["level"], e["event"]) for e in events(done.stderr.splitlines())}
-    assert {("libp2p.network.swarm", "error", "fail to upgrade mux for peer QmPeer"),
+    assert {("libp2p.network.swarm", "error", "fail to open stream to peer QmPeer"),
             ("gguf.gguf_writer", "info", "Writing the following files:"),
             ("hypercorn.error", "warning", "hypercorn says 1"),
             ("stdout", "info", "a dependency prints this"),

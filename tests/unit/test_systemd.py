@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 
 from kvasird.cli import main
 from kvasird.cli.service import installation, render_unit, unreachable_by_service
+from kvasird.config import load
 from kvasird.daemon import systemd
 
 UNIT = Path(__file__).resolve().parents[2] / "systemd" / "kvasird.service"
@@ -107,10 +109,39 @@ def test_an_installation_its_user_may_not_enter_is_refused(tmp_path: Path) -> No
                                   {"kvasird": private / "bin" / "kvasird"}) is None
 
 
-def test_service_install_refuses_this_installation_exactly_when_the_service_cannot_reach_it(
+def test_service_install_dry_run_shows_what_would_stop_the_install_and_succeeds(
         capsys: pytest.CaptureFixture[str]) -> None:
+    """--dry-run used to exit 1, "the service could not start", without trying anything."""
     runs = installation()
     why = unreachable_by_service(render_unit("kvasird", str(runs["kvasird"])), runs)
-    assert main(["service", "install", "--dry-run"]) == (0 if why is None else 1)
-    err = capsys.readouterr().err
-    assert (why is None and err == "") or err == f"kvasird: {why}\n"
+    assert main(["service", "install", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "# would run: systemctl daemon-reload" in out
+    assert (why is None) == ("would refuse to install" not in out)
+    assert why is None or f"# but it would refuse to install: {why}" in out
+
+
+def test_the_units_first_start_inits_the_home_with_the_options_given_at_install(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its ExecStartPre= ran a bare `kvasird init`: no model, no bootstrap, default ports."""
+    peer = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWESNwYUkewwdrtKoRqtf8HD43B1fEcnjCzBuQyw2qh5av"
+    assert main(["service", "install", "--dry-run", "--user", "root", "--protect-home",
+                 "read-only", "--model", "bundled:smollm2", "--budget", "1GiB", "--port-base",
+                 "4100", "--bootstrap", peer]) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("ExecStartPre=")]
+    home = tmp_path / "state"
+    argv = shlex.split(line.removeprefix("ExecStartPre=").replace("/var/lib/kvasird", str(home)))
+    done = subprocess.run(argv, env={**os.environ, "KVASIRD_HOME": str(home)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    config = load(home / "kvasird.toml")
+    assert (config.market.model, config.market.memory_budget_mb) == ("bundled:smollm2", 1024)
+    assert config.p2p.bootstrap == (peer,)
+    assert (config.gateway.listen, config.admin.listen) == ("127.0.0.1:4101", "127.0.0.1:4102")
+
+
+def test_service_install_refuses_options_the_first_start_would_fail_on(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["service", "install", "--dry-run", "--bootstrap", "/ip4/1.2.3.4/tcp/1"]) == 1
+    assert "lacks /p2p/<peer id>" in capsys.readouterr().err
