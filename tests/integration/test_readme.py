@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -13,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from readme import ROOT, commands, kvasird_args
 
 from kvasird.config import render
 from kvasird.home import Home
@@ -20,26 +19,7 @@ from kvasird.localnet import LocalNet
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
 KVASIRD = [sys.executable, "-m", "kvasird"]
-
-
-def commands() -> list[str]:
-    """The shell lines of the README's ```sh blocks, comments stripped."""
-    out = []
-    for block in re.findall(r"```sh\n(.*?)```", README, re.S):
-        for line in block.splitlines():
-            line = line.split("  #")[0].strip()
-            if line:
-                out.append(line)
-    return out
-
-
-def kvasird_args(line: str) -> list[str] | None:
-    """The arguments of a `.venv/bin/kvasird ...` command in ``line`` (None if there is none)."""
-    m = re.search(r"\.venv/bin/kvasird\s+(.*)$", line)
-    return shlex.split(m.group(1)) if m else None
 
 
 def test_the_readme_shows_the_two_commands_first_and_ci_runs_the_second() -> None:
@@ -77,7 +57,7 @@ def test_hobbyist_commands_work_against_a_running_node(
     home = tmp_path / "hobbyist"
     env = {**os.environ, "KVASIRD_HOME": str(home)}
     ran = 0
-    for line in commands():
+    for line in commands(walked=False):  # the walked ones: test_hand_built_network.py
         args = kvasird_args(line)
         if args is None or args[0] in ("localnet", "service") or args[0] == "run":
             continue  # localnet: the next test; service: needs root + systemd; run: below
