@@ -244,6 +244,8 @@ class MarketService:
         if record.model and record.peer != self.p2p.peer_id:
             self.announcers.setdefault(record.model, set()).add(record.peer)
             self.names[record.peer] = (record.model, record.name)
+        if record.state == "offline" or not record.model:  # it claims no name any more
+            self.names.pop(record.peer, None)
         since = min(now, record.ts) if synced else now
         if self.map is None:  # (validated in full once the model is known)
             self.early[record.peer] = (record, since)
@@ -470,6 +472,7 @@ class MarketService:
                              "suspected and did not answer)", peer=peer)
                     self.gate.forget(peer)
                     self.signed.pop(peer, None)
+                    self.names.pop(peer, None)
                     if self.proofs is not None:
                         self.proofs.forget(peer)
                 self._watch_connections(now)

@@ -45,12 +45,14 @@ def market(store: ShardStore, manifest: Manifest, me: str = "me") -> MarketServi
     return service
 
 
-def hear(service: MarketService, peer: str, seq: int, name: str, adopted: bool) -> None:
+def hear(service: MarketService, peer: str, seq: int, name: str, adopted: bool,
+         state: str = "online") -> None:
     """A peer's record, as the gossip validator applies it."""
     assert service.model is not None
-    record = CoverageRecord(peer, seq, time.time(), 60, "online", 1, "", (),
-                            service.model.model_id, 1 << 30,
-                            compress({HEAD: "online"}), name=name, adopted=adopted)
+    held = {HEAD: "online"} if state != "offline" else {}
+    record = CoverageRecord(peer, seq, time.time(), 60, state, 1, "", (),
+                            service.model.model_id if held else "", 1 << 30,
+                            compress(held), name=name if held else "", adopted=adopted)
     service._apply_coverage(record.to_wire(), peer, time.time(),
                             SimpleNamespace(SerializeToString=lambda: b""))  # type: ignore[arg-type]
 
@@ -111,3 +113,15 @@ def test_a_name_is_looked_up_among_what_peers_announce_and_two_models_claim_it(
     assert node.named(model_id[:8]) == [model_id] and node.named("tiny:q3") == []
     node.names["x"] = ("c" * 64, NAME)  # another model's holder claims the same name
     assert node.named(NAME) == sorted([model_id, "c" * 64])
+
+
+def test_a_peer_that_said_goodbye_claims_no_name_any_more(
+        store: ShardStore, manifest: Manifest) -> None:
+    store.add_manifest(manifest)
+    node = market(store, manifest)
+    other = "c" * 64
+    hear(node, "a", 1, NAME, adopted=False)
+    node.names["x"] = (other, NAME)
+    assert node.named(NAME) == sorted([manifest.model_id, other])
+    hear(node, "a", 2, NAME, adopted=False, state="offline")
+    assert node.named(NAME) == [other]
