@@ -9,6 +9,9 @@ import numpy as np
 from kvasird.compute.errors import WeightsError
 from kvasird.compute.ggufview import ArrayLen, GGUFFile
 
+DEFAULT_CONTEXT = 4096
+"""The trained context taken for a model whose GGUF does not say."""
+
 
 @dataclass(frozen=True)
 class HParams:
@@ -162,7 +165,7 @@ class HParams:
             int(f.get(k + "expert_feed_forward_length", 0)),
             rope_base=float(f.get(k + "rope.freq_base", 10000.0)),
             rms_eps=float(f.require(k + "attention.layer_norm_rms_epsilon")),
-            n_ctx_train=int(f.get(k + "context_length", 4096)),
+            n_ctx_train=int(f.get(k + "context_length", DEFAULT_CONTEXT)),
             **_windows(f, arch, n_layer),
             attn_scale=_attn_scale(arch, n_embd, n_head, n_layer),
             logit_softcap=float(f.get(k + "final_logit_softcapping", 0.0)),

@@ -29,6 +29,7 @@ from starlette.routing import Route as HttpRoute
 from kvasird import PROTOCOL_VERSION
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
+from kvasird.compute.hparams import DEFAULT_CONTEXT
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.sampling import SamplingParams
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
@@ -158,14 +159,19 @@ class InferenceService:
         return self._n_layer() + 1 + experts
 
     def _info(self) -> ModelInfo | None:
-        """The model we route, by the name the network gives it; context from our loaded
-        engine when we hold a part."""
+        """The model we route, by the name the network gives it; its context is what it was
+        trained on (from our loaded engine when we hold a part, else from its manifest),
+        within our KV slots."""
         if self.market.model is None:
             return None
         served, kv = self.served, self.config.inference.kv_slots
-        if served is None:
-            return ModelInfo(self._model_id(), self.market.name, kv)
-        return ModelInfo(self._model_id(), self.market.name, min(served.hp.n_ctx_train, kv))
+        if served is not None:
+            trained = served.hp.n_ctx_train
+        else:
+            manifest = self.market.manifest()
+            trained = kv if manifest is None else int(
+                manifest.meta(f"{manifest.arch}.context_length", DEFAULT_CONTEXT))
+        return ModelInfo(self._model_id(), self.market.name, min(trained, kv))
 
     def _sources(self, units: list[Unit]) -> list[Path]:
         """The GGUF files holding `units`: the original, or verified slices from the store."""

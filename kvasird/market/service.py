@@ -264,7 +264,7 @@ class MarketService:
                 self.proofs.forget(record.peer)
             return
         self.signed[record.peer] = raw
-        if self.proofs is not None and (manifest := self._manifest()) is not None:
+        if self.proofs is not None and (manifest := self.manifest()) is not None:
             self.proofs.note(record, manifest)
 
     def _map_early(self) -> None:
@@ -299,7 +299,7 @@ class MarketService:
 
     # --- claims checked ----------------------------------------------------------------
 
-    def _manifest(self) -> Manifest | None:
+    def manifest(self) -> Manifest | None:
         """The manifest of the model we serve, once the store has it."""
         if self.model is None or self.shards is None:
             return None
@@ -389,7 +389,7 @@ class MarketService:
                 for sub in subs:
                     nursery.start_soon(_drain, sub)
                 if self.proofs is not None:
-                    await nursery.start(self.proofs.run, self._manifest)
+                    await nursery.start(self.proofs.run, self.manifest)
                 nursery.start_soon(self._heartbeat)
                 nursery.start_soon(self._sync_when_connected)
                 if self.model is None and self.config.model and self.shards is not None:

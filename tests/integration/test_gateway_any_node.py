@@ -96,9 +96,10 @@ def held(node: LocalNode) -> list[str]:
     return list(node.get("/v0/coverage")["held"])
 
 
-def listing(node: LocalNode) -> list[str]:
+def listing(node: LocalNode) -> list[tuple[str, int]]:
+    """The models the node's gateway lists: (id, context length)."""
     r = httpx.get(node.status()["gateway"] + "/v1/models", timeout=10)
-    return [m["id"] for m in r.json()["data"]]
+    return [(m["id"], m["context_length"]) for m in r.json()["data"]]
 
 
 def chat(node: LocalNode, model_id: str) -> str:
@@ -134,8 +135,9 @@ def test_a_node_holding_nothing_and_a_head_holder_answer_chat_like_the_model_add
                            "market.memory_budget_mb": 200})
         configure(b.home, {**NODE, **settlement, "market.model": model_id,
                            "market.memory_budget_mb": 40, "market.hold": ["head"]})
+        # C's KV slots exceed what the model was trained on: its context is the model's.
         configure(c.home, {**NODE, **settlement, "market.model": model_id,
-                           "market.memory_budget_mb": 0})
+                           "market.memory_budget_mb": 0, "inference.kv_slots": 16384})
         trio.run(fund, chain.info["RPC URL"], [a, b, c])
 
         running.append(c)  # first: no peer yet, so no route
@@ -156,6 +158,7 @@ def test_a_node_holding_nothing_and_a_head_holder_answer_chat_like_the_model_add
 
         listed = [listing(node) for node in (a, b, c)]
         assert len(listed[0]) == 1 and listed[1] == listed[0] and listed[2] == listed[0]
+        assert listed[2][0][1] == 8192
         said = chat(a, model_id)
         assert "Paris" in said
         assert chat(b, model_id) == said
