@@ -193,7 +193,10 @@ def test_a_network_built_by_hand_serves_pays_and_survives_goodbyes(
     for line in claiming:
         b.command(*typed(line))
     wait_until("B's claim lands on chain", lambda: b.wallet()["kvr"] > before, 120, everyone)
-    earned = b.wallet()
+    earned, status = b.wallet(), b.json("status", "--json")
+    assert status["model"]["name"] == MODEL and status["health"]["status"] == "ok", status
+    assert status["earnings"]["received"] > 0, status
+    assert d.json("status", "--json")["role"]["units"] == []
 
     # SIGTERM of C: A stops listing C within 5 s, and requests keep working.
     c_peer = c.kvasird("id").splitlines()[0]
@@ -213,5 +216,6 @@ def test_a_network_built_by_hand_serves_pays_and_survives_goodbyes(
     wait_until("B serves again", lambda: b.health()[0] == 200, 120, everyone)
     assert time.monotonic() - restarted < 30.0
     assert b.chat()[0] == texts[a.host.ns]
-    again = b.wallet()
+    again, books = b.wallet(), b.json("status", "--json")["earnings"]
     assert again["kvr"] >= earned["kvr"] and again["pending"] >= earned["pending"], (earned, again)
+    assert books["received"] >= status["earnings"]["received"], (status, books)
