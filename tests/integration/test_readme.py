@@ -110,6 +110,7 @@ def test_the_main_command_answers_a_paid_prompt_and_cleans_up(tmp_path: Path) ->
             if out.startswith("running; press Ctrl-C"):
                 break
         text = "".join(seen)
+        assert "model smollm2:135m-instruct (" in text, text  # the name every node lists
         assert "A: " in text and "Paris" in text.split("A: ", 1)[1], text
         assert "paid" in text and "KVR on the local chain" in text
     finally:
