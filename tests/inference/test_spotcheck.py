@@ -435,3 +435,19 @@ async def test_after_a_failover_the_last_routes_own_tokens_are_replayed_and_pass
     assert spot.decode.seen == 1 and spot.decode.checked == 1
     assert spot.decode.caught == 0 and spot.decode.unresolved == 0 and spot.decode.failed == 0
     assert "d" in {w.peer for w in gen.work("r")}  # paid for what it did before it failed
+
+
+def test_a_peer_that_keeps_failing_checks_fills_no_disk(tmp_path: Path) -> None:
+    spot = SpotChecks(1.0, 1.0, DEFAULTS.spot_tolerance, tmp_path / "spotchecks")
+    spot.disk_bytes, spot.log_bytes = 100_000, 4_000
+    noise = np.random.default_rng(0)
+    for i in range(60):
+        rows = noise.standard_normal((8, 256)).astype(np.float32)  # ~23 kB for the three
+        spot.caught("stage", "liar", "layers 0-1", ["c"], rows, rows + 1, rows, 1.0)
+    kept = sorted((tmp_path / "spotchecks").glob("*.npz"))
+    assert sum(f.stat().st_size for f in kept) <= spot.disk_bytes and len(kept) >= 2
+    assert spot.stages.caught == 60
+    logs = [tmp_path / "spotchecks" / n for n in ("evidence.jsonl", "evidence.jsonl.1")]
+    assert all(f.exists() and f.stat().st_size < spot.log_bytes + 1_000 for f in logs)
+    newest = json.loads(logs[0].read_text().splitlines()[-1])
+    assert (tmp_path / "spotchecks" / newest["arrays"]).exists()

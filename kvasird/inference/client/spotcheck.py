@@ -64,6 +64,11 @@ MAX_DIVERGENCE = 1e300
 """What evidence says for an output of the wrong shape (JSON has no infinity)."""
 KEEP_EVIDENCE = 32
 """Caught checks kept in memory for the status page (all of them go to the evidence file)."""
+EVIDENCE_BYTES = 256 << 20
+"""Most bytes of evidence arrays kept on disk: past it the oldest files go (a peer that
+keeps failing checks must not fill the disk of the node that catches it)."""
+EVIDENCE_LOG_BYTES = 16 << 20
+"""evidence.jsonl past this size is moved to evidence.jsonl.1 (the one before that goes)."""
 log = get_logger("kvasird.inference.client.spotcheck")
 
 
@@ -269,6 +274,9 @@ class SpotChecks:
         self.sessions: Counter[str] = Counter()
         """Peer -> hop-sessions or worker calls of it this node could have checked."""
         self.evidence: deque[Evidence] = deque(maxlen=KEEP_EVIDENCE)
+        self.disk_bytes, self.log_bytes = EVIDENCE_BYTES, EVIDENCE_LOG_BYTES
+        """What the evidence arrays in `directory` may take at most (the oldest go first),
+        and the size at which evidence.jsonl is moved aside."""
 
     def draw(self, counts: Counts, peer: str) -> bool:
         """Whether this unit of `peer`'s work is checked."""
@@ -298,19 +306,41 @@ class SpotChecks:
         name = ""
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            name = f"{int(at * 1000)}-{kind}-{peer[-12:]}.npz"
+            caught = self.stages.caught + self.decode.caught + self.experts.caught
+            name = f"{int(at * 1000)}-{caught}-{kind}-{peer[-12:]}.npz"  # unique within a ms
             np.savez_compressed(self.directory / name, input=x, output=out, reference=ref)
         ev = Evidence(kind, peer, unit, tuple(checkers), sha256(x), sha256(out), sha256(ref),
                       min(diff, MAX_DIVERGENCE), self.tolerance, "caught", self.sessions[peer],
                       at, name)
         self.evidence.append(ev)
         if self.directory is not None:
-            with (self.directory / "evidence.jsonl").open("a") as f:
-                f.write(json.dumps(asdict(ev)) + "\n")
+            self._append(json.dumps(asdict(ev)) + "\n")
+            self._prune()
         log.warning("a peer failed a spot check: its work for the session is not paid",
                     kind=kind, peer=peer, unit=unit, divergence=diff,
                     tolerance=self.tolerance)
         return ev
+
+    def _append(self, line: str) -> None:
+        """One line onto evidence.jsonl, moved aside first once it is `log_bytes`."""
+        assert self.directory is not None
+        log_path = self.directory / "evidence.jsonl"
+        if log_path.exists() and log_path.stat().st_size >= self.log_bytes:
+            log_path.replace(log_path.with_name("evidence.jsonl.1"))
+        with log_path.open("a") as f:
+            f.write(line)
+
+    def _prune(self) -> None:
+        """The oldest evidence arrays removed until the rest fit in `disk_bytes` (their JSON
+        lines stay: the hashes in them still say what was compared)."""
+        assert self.directory is not None
+        files = sorted(self.directory.glob("*.npz"), key=lambda f: f.stat().st_mtime_ns)
+        total = sum(f.stat().st_size for f in files)
+        for f in files[:-1]:  # the newest stays, whatever its size
+            if total <= self.disk_bytes:
+                break
+            total -= f.stat().st_size
+            f.unlink()
 
     def status(self) -> dict[str, Any]:
         return {"stages": {**asdict(self.stages), "within_95": within(self.stages.rate, 0.95)},
