@@ -3,6 +3,8 @@
     node      Node: opens state, starts p2p then the admin API, reports status; run_until_signal
     systemd   sd_notify (READY, STATUS, STOPPING, WATCHDOG) without extra dependencies
     banner    the startup banner; what the node waits for, then "ready" once it serves
+    risks     settings that are risky together, said at start (a warning, a banner line)
+    earnings  the admin API's view of the money: earned, owed, claimed
 
 Lifecycle: load config -> open state.db and node key -> P2PNode.running() (listening,
 gossip, liveness, exchange, bootstrap) -> admin API -> gateway -> banner -> STATUS= (and

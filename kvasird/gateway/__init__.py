@@ -5,6 +5,9 @@
     body        reading a body within the size limit; typed fields, errors naming the field
     openai      /v1/chat/completions, /v1/completions, /v1/models[/{id}]: parsing, rendering
     anthropic   /v1/messages, /v1/messages/count_tokens: parsing and rendering
+    responses   OpenAI's Responses API: POST /v1/responses, GET /v1/responses/{id}
+    tools       tools in the two APIs: what a request offers and forces, the calls in a reply
+    payment     pay per inference: quote, payment on chain, receipts; the operator's own use
     generation  a Generator's token events -> text pieces (whole characters, stop sequences);
                 the generations of a request's n choices
     stops       text-level stop sequences with held-back partial matches

@@ -11,7 +11,10 @@ before a handler sees it.
     errors       the data plane's errors: a hop that failed, refused, or was unreachable
     local        LocalGenerator: the whole model on this node, ggml in a worker thread
     tokenizer    the model's byte-level BPE from the GGUF (HF tokenizers), streaming-safe
+    spm          SentencePiece vocabularies as llama.cpp encodes them
     chat         the GGUF's chat template, rendered in Jinja's sandbox
+    grammar      grammar-constrained decoding: a request's output follows a grammar
+    tools        tool calls: tools into the prompt, the model's calls out of its text
     client/      routing, SwarmGenerator (sessions along a route), failover, expert dispatch
                  from a stage, the hot-expert cache
     server/      the engine this node serves (stages, expert workers), the stage server, the

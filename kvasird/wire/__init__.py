@@ -1,6 +1,8 @@
 """Bytes on the wire: msgpack frames with hard limits, shared by every stream protocol.
 
     framing    length-prefixed msgpack frames over any byte stream (libp2p or trio)
+    schema     small strict checks of decoded peer input, each failure a WireError naming
+               the field
 
 A frame is a 4-byte big-endian length followed by that many bytes of msgpack. The
 length is checked against the protocol's limit *before* reading the body, so an

@@ -4,7 +4,8 @@ An architecture says which tensors a layer holds and how its graph is built. MoE
 architectures split a layer in two at the router (`dense`), so that the stage can send
 the routed rows to experts held elsewhere and add the combined result itself; `layer`
 is the whole layer with every expert held locally. Adding an architecture is adding
-a module here and its name to `_MODULES`.
+a module here and its name to `_MODULES`: llama, llama_moe (llama with experts, as
+Mixtral), qwen3, qwen3moe, gemma3, gpt_oss, qwen35 and qwen35moe.
 
 llama.cpp's name alone does not always say which: "llama" is dense Llama and, with
 `llama.expert_count` > 0, Mixtral's routed experts. So an architecture is looked up by

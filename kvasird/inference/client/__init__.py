@@ -10,4 +10,5 @@
     dispatch   ExpertDispatcher: a stage's remote experts on their workers (replicas,
                failover, spot checks, concurrent sessions' rows as one message)
     hotcache   HotExperts: experts a stage computes itself to spare round trips
+spotcheck  SpotChecks: a peer's output recomputed elsewhere and compared, the evidence kept
 """

@@ -5,6 +5,7 @@
     stage      StageServer: "/kvasir/stage/1" sessions (KV, admission, idle expiry, limits),
                steps computed and forwarded to the next hop, results to the owner
     experts    ExpertServer: "/kvasir/experts/1" rows of concurrent callers batched per layer
+    batch      concurrent sessions' decode steps through a stage as one batch
 
 The market's loader hands the units this node enrolled into to ``Served.build``:
 

@@ -8,6 +8,7 @@ rpc.py       JSON-RPC methods in a cluster's shapes (+ kvasir_requestTokens fauc
 http.py      the small trio/h11 HTTP server
 service.py   serve_local_chain(): run it in a nursery
 faucet.py    what a local gateway gets above its stake (OWN_USE)
+base58.py    Base58 (Bitcoin alphabet), for instruction data in JSON-encoded transactions
 """
 
 from kvasird.settlement.localchain.service import LocalChainInfo, serve_local_chain
