@@ -7,14 +7,17 @@
     hparams     a model's hyper-parameters from its metadata
     graph       Backend (CPU, threads, lock), TensorArena (weights/KV buffers), cached Graphs
     weights     load named tensors (and expert ranges) from a GGUF or slice mini-GGUFs
-    kvcache     the bounded KV pool of a stage, handed to Sessions in pages, and the
-                delta-net layers' recurrent states, one slot per session
+    kv/         the KV cache by concept: the bounded pool of a stage, handed to Sessions in
+                pages; the sliding-window ring; the delta-net layers' state slots; prefix
+                reuse; and the page keys (free of ggml: the gateway computes them)
     blocks      graph building blocks: norms, attention over the pool, gated delta-net,
                 FFNs, router, experts
     arch/       one module per architecture (llama, llama with experts, qwen3, qwen3moe,
                 gemma3, qwen35, qwen35moe) composing the blocks
     experts     ExpertWorker (the pure expert function) and split / dispatch / combine
     stage       Stage: a layer window [a, b) with optional embedding and head; generate()
+    steps       computations written as generators of what they need from outside (a remote
+                expert's rows), and their drivers
     sampling    greedy / temperature / top-k / top-p / repetition penalty, seeded
 
 Data flow of one forward on a stage:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from kvasird.compute.graph import F32, I32, I64, Builder, Tensor, ggml, ne_of
 from kvasird.compute.hparams import HParams
-from kvasird.compute.kvcache import PAGE, KVPool
+from kvasird.compute.kv.keys import PAGE
+from kvasird.compute.kv.pool import KVPool
 from kvasird.compute.weights import Weights
 
 ROPE_NORMAL = 0
@@ -339,6 +340,7 @@ class Blocks:
         """
         hp, ctx, p, T, pool = self.hp, self.ctx, f"blk.{layer}.", self.T, self.kv
         assert pool is not None
+        states = pool.states
         d, hk, hv, C, width = hp.ssm_head_dim, hp.ssm_k_heads, hp.ssm_v_heads, \
             hp.conv_channels, hp.ssm_conv
         qkv = self.mm(p + "attn_qkv.weight", cur)                       # [C, T]
@@ -349,7 +351,7 @@ class Blocks:
         g = ggml.ggml_mul(ctx, ggml.ggml_softplus(ctx, alpha), self.t(p + "ssm_a"))
         g = ggml.ggml_reshape_4d(ctx, g, 1, hv, T, 1)
 
-        held = ggml.ggml_get_rows(ctx, pool.conv[layer], self.state_slot)
+        held = ggml.ggml_get_rows(ctx, states.conv[layer], self.state_slot)
         held = ggml.ggml_reshape_3d(ctx, held, width - 1, C, 1)
         conv_in = ggml.ggml_concat(ctx, held, ggml.ggml_transpose(
             ctx, ggml.ggml_reshape_3d(ctx, qkv, C, T, 1)), 0)           # [width-1+T, C, 1]
@@ -357,7 +359,7 @@ class Blocks:
         tail = ggml.ggml_cont(ctx, ggml.ggml_view_3d(ctx, conv_in, width - 1, C, 1, int(c.nb[1]),
                                                      int(c.nb[2]), T * int(c.nb[0])))
         self.b.effects.append(ggml.ggml_set_rows(
-            ctx, pool.conv[layer], ggml.ggml_reshape_2d(ctx, tail, (width - 1) * C, 1),
+            ctx, states.conv[layer], ggml.ggml_reshape_2d(ctx, tail, (width - 1) * C, 1),
             self.state_row))
         conv = ggml.ggml_ssm_conv(ctx, conv_in, self.t(p + "ssm_conv1d.weight"))  # [C, T, 1]
         conv = ggml.ggml_silu(ctx, conv)
@@ -368,13 +370,13 @@ class Blocks:
 
         q, k, v = heads(hk, 0), heads(hk, d * hk), heads(hv, 2 * d * hk)
         q, k = l2_norm(ctx, q, hp.rms_eps), l2_norm(ctx, k, hp.rms_eps)
-        s0 = ggml.ggml_reshape_4d(ctx, ggml.ggml_get_rows(ctx, pool.delta[layer], self.state_slot),
-                                  d, d, hv, 1)
+        s0 = ggml.ggml_reshape_4d(ctx, ggml.ggml_get_rows(ctx, states.delta[layer],
+                                                          self.state_slot), d, d, hv, 1)
         res = ggml.ggml_gated_delta_net(ctx, q, k, v, g, beta, s0, 1)  # [d hv, T + d]: o, S
         o = ggml.ggml_view_4d(ctx, res, d, hv, T, 1, d * f, d * hv * f, d * hv * T * f, 0)
         self.b.effects.append(ggml.ggml_set_rows(
-            ctx, pool.delta[layer], ggml.ggml_view_2d(ctx, res, hp.delta_state, 1,
-                                                      hp.delta_state * f, d * hv * T * f),
+            ctx, states.delta[layer], ggml.ggml_view_2d(ctx, res, hp.delta_state, 1,
+                                                        hp.delta_state * f, d * hv * T * f),
             self.state_row))
         out = ggml.ggml_mul(ctx, self.norm(o, p + "ssm_norm.weight"), ggml.ggml_silu(ctx, z))
         return self.mm(p + "ssm_out.weight", ggml.ggml_reshape_2d(ctx, out, d * hv, T))
@@ -387,7 +389,7 @@ class Blocks:
 
         The products are llama.cpp's: K and V^T in the cache's precision, so with an F16
         cache q and the attention weights are rounded to F16 inside the matmuls exactly as
-        llama.cpp rounds them. V is stored transposed per page (kvcache.py), so the gathered
+        llama.cpp rounds them. V is stored transposed per page (kv/pool.py), so the gathered
         V^T is a copy of whole 64-slot rows rather than an element-wise transpose, which
         cost 40 % of a decode step on the bundled model.
 

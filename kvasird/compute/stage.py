@@ -15,7 +15,7 @@ a session's KV lives in the stage's pool and advances only when a forward succee
 `forward_batch` computes several sessions' runs (decode steps, short prompts) as one graph
 per segment: their rows go through the projections, FFNs and experts together (the
 weights are read once for all of them) and each session's rows attend over its own pages
-(kvcache's pages gathered per session, one mask per session; the attention products are
+(kv.pool's pages gathered per session, one mask per session; the attention products are
 batched over the sessions of each run length).
 """
 
@@ -39,7 +39,8 @@ from kvasird.compute.errors import InputError, KVCacheFull, RunRefused, WeightsE
 from kvasird.compute.experts import ExpertShard, ExpertWorker, check_shards, combine, dispatch
 from kvasird.compute.graph import F32, I32, Backend, Builder, GraphCache, ggml, ne_of
 from kvasird.compute.hparams import HParams
-from kvasird.compute.kvcache import PAGE, KVPool, KVSpec, Session
+from kvasird.compute.kv.keys import PAGE
+from kvasird.compute.kv.pool import KVPool, KVSpec, Session
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.sampling import Sampler
 from kvasird.compute.steps import Steps, drive
@@ -58,7 +59,7 @@ MAX_CHUNK = 512
 """Positions a sliding-window ring keeps beyond its window. A graph computes at most
 PREFILL_PIECE of them, but a closing session's ring then still holds the window of every
 page boundary in its last 512 positions, where an agent's next call runs on from (prefix
-reuse, kvcache)."""
+reuse, kv.prefix)."""
 
 STEP_ASIDE_S = 0.05
 """Longest a run waits between its pieces for a waiting forward to take the stage."""

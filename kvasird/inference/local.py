@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from kvasird.compute.kvcache import PAGE, KVSpec, Session
+from kvasird.compute.kv.keys import PAGE
+from kvasird.compute.kv.pool import KVSpec, Session
 from kvasird.compute.sampling import Sampler, log_softmax
 from kvasird.compute.stage import Stage
 from kvasird.inference.api import (

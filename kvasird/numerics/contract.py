@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType
 import kvasird.compute.arch as archs
 from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Backend
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.stage import Stage, generate
 from kvasird.numerics.metrics import Delta, compare, first_divergence

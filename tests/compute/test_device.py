@@ -15,7 +15,7 @@ import pytest
 from kvasird.cli.init import init_home
 from kvasird.compute.errors import ComputeError
 from kvasird.compute.graph import Backend, use_device
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage
 from kvasird.home import Home
 

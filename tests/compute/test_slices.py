@@ -7,7 +7,7 @@ import pytest
 
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage
 from kvasird.compute.weights import load_weights
 from kvasird.model.manifest import Manifest

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage, generate
 from kvasird.inference.chat import ChatTemplate, Message
 from kvasird.inference.tokenizer import Tokenizer

@@ -3,7 +3,7 @@ gateway takes it over the cheapest one."""
 
 from __future__ import annotations
 
-from kvasird.compute.kvcache import KEY_BYTES, PAGE, page_keys
+from kvasird.compute.kv.keys import KEY_BYTES, PAGE, page_keys
 from kvasird.inference.client.affinity import PrefixRoutes, hop_keys, offered, prefer, route_cost
 from kvasird.inference.client.routing import Hop, PeerHoldings, Route, plan_route
 

@@ -13,7 +13,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from kvasird.compute.kvcache import PAGE
+from kvasird.compute.kv.keys import PAGE
 from kvasird.errors import WireError
 from kvasird.identity import load_node_key
 from kvasird.inference.client.dispatch import ExpertDispatcher

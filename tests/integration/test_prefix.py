@@ -13,7 +13,7 @@ import openai
 import pytest
 from test_swarm import ROUTED_S, routable, settings, start  # type: ignore[import-not-found]
 
-from kvasird.compute.kvcache import PAGE
+from kvasird.compute.kv.keys import PAGE
 from kvasird.inference.client.swarm import PREFILL_CHUNK
 from kvasird.localnet import LocalNet
 from kvasird.model.bundled import bundled_path

@@ -303,7 +303,7 @@ def test_a_private_stage_serves_a_ring_through_the_relay(relayed: Relayed) -> No
     libp2p through the relay; the tokens equal the engine's own."""
     from test_swarm import PROMPTS, generate
 
-    from kvasird.compute.kvcache import KVSpec
+    from kvasird.compute.kv.pool import KVSpec
     from kvasird.compute.stage import Stage
     from kvasird.compute.stage import generate as engine_generate
     from kvasird.model.bundled import bundled_path

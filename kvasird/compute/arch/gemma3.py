@@ -3,7 +3,7 @@ before the product; norms after attention and after the FFN as well as before; G
 
 Layers alternate between a sliding window (with their own RoPE base) and global
 attention in llama.cpp's pattern (hparams: every sixth layer global unless the file says).
-The windowed layers keep only their window of KV, in a ring of pages (kvcache.py).
+The windowed layers keep only their window of KV, in a ring of pages (kv/window.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 projections, attention sinks (a learned per-head logit in every softmax, its weight
 dropped), layers alternating between a sliding window and full attention (even layers
 windowed, unless the file says; they keep only their window of KV, in a ring of pages:
-kvcache.py), routed experts with biases and the clamped SwiGLU.
+kv/window.py), routed experts with biases and the clamped SwiGLU.
 
 Routing as llama.cpp's SOFTMAX_WEIGHT gating: the router's biased logits, top-k of them,
 then a softmax over the k. The FFN reads the post-attention norm (gpt-oss has no

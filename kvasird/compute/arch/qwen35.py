@@ -4,7 +4,7 @@
 The attention layers project each head's query and an output gate together (the gate's
 sigmoid scales the attention output), norm Q and K per head, and rotate the first n_rot
 dimensions with multi-section RoPE. The delta-net layers' recurrent state lives with the
-session (kvcache.py); `Blocks.delta_net` has their math.
+session (kv/recurrent.py); `Blocks.delta_net` has their math.
 """
 
 from __future__ import annotations

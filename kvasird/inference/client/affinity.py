@@ -1,6 +1,6 @@
 """Prefix affinity: which route holds the start of a prompt, and when to take it. Pure.
 
-Stages keep the KV pages of finished sessions (kvcache.PrefixCache), filed under keys the
+Stages keep the KV pages of finished sessions (compute.kv.prefix.PrefixCache), filed under keys the
 gateway sends, so a request that starts like an earlier one (an agent's system prompt and
 history, sent again on every call) need compute only what follows, if it goes to the
 stages that computed the earlier one:
@@ -24,7 +24,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvasird.compute.kvcache import KEY_BYTES, PAGE
+from kvasird.compute.kv.keys import KEY_BYTES, PAGE
 from kvasird.inference.client.routing import PER_HOP_MS, PeerHoldings, Route
 
 REMEMBERED_KEYS = 1 << 16

@@ -81,7 +81,7 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from kvasird.compute.kvcache import PAGE, page_keys
+from kvasird.compute.kv.keys import PAGE, page_keys
 from kvasird.compute.sampling import SamplingParams
 from kvasird.config import InferenceConfig
 from kvasird.errors import WireError

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvasird.compute.errors import ComputeError
-from kvasird.compute.kvcache import KEY_BYTES, PAGE
+from kvasird.compute.kv.keys import KEY_BYTES, PAGE
 from kvasird.compute.sampling import MAX_GRAMMAR_CHARS, SamplingParams
 from kvasird.errors import WireError
 from kvasird.inference.api import TokenEvent
@@ -75,7 +75,7 @@ class Open:
     prompt: int = 0
     """Positions of the prompt: a grammar (sampling.grammar) constrains what follows them."""
     prefix: bytes = b""
-    """The page keys of the prompt's full pages (kvcache.page_keys): the hop starts the
+    """The page keys of the prompt's full pages (kv.keys.page_keys): the hop starts the
     session from the longest run of them it kept and answers how far (Opened)."""
     delegation: bytes = b""
     """The caller's signed delegation to this hop (protocol.delegation), which the hop sends
@@ -209,7 +209,7 @@ class Close:
 
     sid: str
     keep: bytes = b""
-    """Page keys of the session's tokens (kvcache.page_keys): the hop keeps that many of
+    """Page keys of the session's tokens (kv.keys.page_keys): the hop keeps that many of
     its full pages for later sessions of the same caller to start from."""
 
     def to_wire(self) -> dict[str, Any]:
@@ -423,7 +423,7 @@ def _boolean(d: dict[str, Any], key: str, what: str) -> bool:
 
 
 def _keys(d: dict[str, Any], key: str, max_tokens: int) -> bytes:
-    """Page keys (kvcache.page_keys) of at most the full pages of `max_tokens` positions."""
+    """Page keys (kv.keys.page_keys) of at most the full pages of `max_tokens` positions."""
     if key not in d:
         return b""
     v, most = d[key], max_tokens // PAGE

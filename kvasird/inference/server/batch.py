@@ -46,7 +46,7 @@ from kvasird.compute.stage import PREFILL_PIECE
 from kvasird.logs import get_logger
 
 if TYPE_CHECKING:
-    from kvasird.compute.kvcache import Session
+    from kvasird.compute.kv.pool import Session
     from kvasird.compute.stage import Stage
     from kvasird.inference.server.stage import ServedSession
 

@@ -19,7 +19,7 @@ from kvasird.compute.experts import ExpertShard, ExpertWorker
 from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Backend
 from kvasird.compute.hparams import HParams
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.stage import Stage, held_now
 from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights

@@ -34,7 +34,8 @@ import trio
 
 from kvasird.compute.errors import ComputeError, InputError, KVCacheFull
 from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch_steps
-from kvasird.compute.kvcache import PAGE, Session, split_keys
+from kvasird.compute.kv.keys import PAGE, split_keys
+from kvasird.compute.kv.pool import Session
 from kvasird.compute.sampling import Sampler, log_softmax
 from kvasird.compute.stage import Stage, held_now, locks_now
 from kvasird.compute.steps import drive_async
