@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_archs.py [--prompts 8] [--prompt-len 16] [--new 16]
                                           [--layers 3] [--dtypes f32,q8_0]
 
-For each architecture the generator writes (kvasird.model.testmodels.ARCHS) and each
+For each architecture the generator writes (kvasird_dev.testmodels.ARCHS) and each
 weight type, a tiny random-weight model is generated (the bundled tokenizer, real
 llama.cpp metadata), and llama.cpp (llama-cpp-python from .cache/llamacpp-venv, built by
 native/llamacpp) and kvasird (one stage holding the whole model, F16 KV as llama.cpp's
@@ -24,6 +24,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # kvasird_dev (not installed)
 sys.path.insert(0, str(HERE.parent / "tests" / "compute"))
 
 from bench_compute import LLAMACPP_PYTHON  # noqa: E402
@@ -32,8 +33,8 @@ from test_llamacpp import ours_and_llamacpp, random_prompts  # noqa: E402
 from kvasird.compute import arch as archs  # noqa: E402
 from kvasird.compute.ggufview import GGUFFile  # noqa: E402
 from kvasird.compute.hparams import HParams  # noqa: E402
-from kvasird.model.testmodels import ARCHS, make_model  # noqa: E402
 from kvasird.numerics.metrics import compare  # noqa: E402
+from kvasird_dev.testmodels import ARCHS, make_model  # noqa: E402
 
 
 def measure(path: Path, prompts: list[list[int]], n_new: int) -> dict[str, float | str]:

@@ -19,6 +19,7 @@ import contextlib
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,12 +28,14 @@ import numpy as np
 
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.stage import Stage
 from kvasird.compute.weights import load_weights
 from kvasird.model.bundled import bundled_path
-from kvasird.model.testmodels import make_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvasird_dev (not installed)
+from kvasird_dev.testmodels import make_model  # noqa: E402
 
 LLAMACPP_PYTHON = Path(__file__).resolve().parent.parent / ".cache/llamacpp-venv/bin/python"
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,8 +46,10 @@ from kvasird.market.model import MarketModel
 from kvasird.market.publish import keepalive_s, record_ttl
 from kvasird.market.records import Capabilities, CoverageRecord, Holding
 from kvasird.model.manifest import Manifest
-from kvasird.model.testmodels import make_model
 from kvasird.wire import pack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvasird_dev (not installed)
+from kvasird_dev.testmodels import make_model  # noqa: E402
 
 HEARTBEAT_S = 1.0
 CONVERGE_TIMEOUT_S = 180.0

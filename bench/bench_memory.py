@@ -3,12 +3,12 @@ same file, at 4k and 32k tokens of context.
 
     .venv/bin/python bench/bench_memory.py [--layers 12] [--contexts 4096,32768]
 
-For each architecture the generator writes (kvasird.model.testmodels.ARCHS) a model of
+For each architecture the generator writes (kvasird_dev.testmodels.ARCHS) a model of
 ``--layers`` layers (their real layer pattern: gemma3's sliding-window layers, the qwen35
 family's delta-net layers) is generated; one session's cache is measured on both sides:
 ours is what a stage holding the whole model allocates for a context of that many tokens,
 one recurrent-state slot and one sliding-window ring (KV f16: the windowed layers keep
-their window plus one chunk, kvcache.py); llama.cpp's is what it reports creating for one
+their window plus one chunk, kv/window.py); llama.cpp's is what it reports creating for one
 sequence of that context (llama-cpp-python from .cache/llamacpp-venv, KV f16), with its
 sliding-window cache full-size (llama-cpp-python's default) and bounded by the window
 (window plus one batch): "ratio" is ours over the bounded one.
@@ -25,12 +25,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # kvasird_dev (not installed)
 
 from bench_compute import LLAMACPP_PYTHON  # noqa: E402
 
-from kvasird.compute.kvcache import KVSpec  # noqa: E402
+from kvasird.compute.kv.pool import KVSpec  # noqa: E402
 from kvasird.compute.stage import Stage  # noqa: E402
-from kvasird.model.testmodels import ARCHS, make_model  # noqa: E402
+from kvasird_dev.testmodels import ARCHS, make_model  # noqa: E402
 
 MIB = 2**20
 LLAMACPP = r"""

@@ -10,7 +10,7 @@ A, B, A, B; each pair's decode tok/s ratio (A / B, the time from the first token
 last) is reported with the medians. Then, in process, what one step's admission and meter
 cost alone (µs), against a decode step of ring A.
 
---model dense uses the generated Llama-3.2-1B-widths model (kvasird.model.benchmodels,
+--model dense uses the generated Llama-3.2-1B-widths model (kvasird_dev.benchmodels,
 cached in .cache/bench-models; written on first use, a few minutes).
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -29,13 +30,15 @@ from solders.keypair import Keypair
 
 from kvasird.localnet import LocalNet
 from kvasird.localnet.placement import pinned
-from kvasird.model.benchmodels import bench_model
 from kvasird.model.bundled import bundled_path
 from kvasird.settlement.admission import Admission, Rates
 from kvasird.settlement.ledger import Ledger
 from kvasird.settlement.pricing import GENESIS_PARAMS
 from kvasird.settlement.receipts import ReceiptBook
 from kvasird.settlement.wallet import sign_link
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvasird_dev (not installed)
+from kvasird_dev.benchmodels import bench_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"

@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_scale.py [--quick] [--threads 1] [--tokens 32] [--rounds 5]
                                           [--device CUDA0] [--only ROW ...]
 
-The models are kvasird.model.benchmodels' (generated once, cached in .cache/bench-models):
+The models are kvasird_dev.benchmodels' (generated once, cached in .cache/bench-models):
 ``dense`` (Llama-3.2-1B shapes, Q4_K_M) and ``moe`` (Qwen3-30B-A3B shapes, 8 layers,
 Q4_K_M). Every row is paired with llama.cpp (llama-cpp-python from .cache/llamacpp-venv)
 on the same GGUF and threads, kept loaded in its own process and run right after each of
@@ -58,6 +58,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # kvasird_dev (not installed)
 
 from bench_compute import LLAMACPP_PYTHON, LlamaCppDecoder  # noqa: E402
 from bench_daemon import rss_mb  # noqa: E402
@@ -72,15 +73,16 @@ from bench_swarm import (  # noqa: E402
 )
 
 from kvasird.compute.graph import use_device  # noqa: E402
-from kvasird.compute.kvcache import PAGE, KVSpec  # noqa: E402
+from kvasird.compute.kv.keys import PAGE  # noqa: E402
+from kvasird.compute.kv.pool import KVSpec  # noqa: E402
 from kvasird.compute.stage import Stage  # noqa: E402
 from kvasird.localnet import LocalNet  # noqa: E402
 from kvasird.localnet.launcher import LocalNode  # noqa: E402
 from kvasird.localnet.placement import parse_hold  # noqa: E402
 from kvasird.logs import configure  # noqa: E402
 from kvasird.market.model import MarketModel  # noqa: E402
-from kvasird.model.benchmodels import SPECS, bench_model  # noqa: E402
 from kvasird.model.manifest import Manifest  # noqa: E402
+from kvasird_dev.benchmodels import SPECS, bench_model  # noqa: E402
 
 CACHE = HERE.parent / ".cache"
 GB = 2**30

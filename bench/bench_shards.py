@@ -44,9 +44,11 @@ from kvasird.identity.nodekey import create_node_key
 from kvasird.logs import configure
 from kvasird.model import bundled
 from kvasird.model.store import ShardStore
-from kvasird.model.testmodels import make_model
 from kvasird.model.transfer import PROTOCOL_ID, download, serve_shards
 from kvasird.p2p.host import build_host, parse_listen
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvasird_dev (not installed)
+from kvasird_dev.testmodels import make_model  # noqa: E402
 
 RAW_PROTOCOL = "/kvasir/bench-raw/1"
 YAMUX_POLICIES = (("", "1"), (" [batched updates]", "0"))

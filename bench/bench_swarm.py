@@ -45,13 +45,14 @@ import numpy as np
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvasird_dev (not installed)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
 
 from bench_compute import LlamaCppDecoder  # noqa: E402
 from test_swarm import experts, settings  # noqa: E402
 
 from kvasird.compute.experts import ExpertShard, dispatch  # noqa: E402
-from kvasird.compute.kvcache import KVSpec  # noqa: E402
+from kvasird.compute.kv.pool import KVSpec  # noqa: E402
 from kvasird.compute.stage import Stage  # noqa: E402
 from kvasird.inference.protocol import tensors  # noqa: E402
 from kvasird.inference.server.engine import Holdings, Served  # noqa: E402
@@ -62,8 +63,8 @@ from kvasird.localnet import LocalNet  # noqa: E402
 from kvasird.localnet.launcher import LocalNetError, LocalNode  # noqa: E402
 from kvasird.logs import configure  # noqa: E402
 from kvasird.model.bundled import bundled_path  # noqa: E402
-from kvasird.model.testmodels import make_model  # noqa: E402
 from kvasird.wire import pack, unpack  # noqa: E402
+from kvasird_dev.testmodels import make_model  # noqa: E402
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 28, 1834]
 

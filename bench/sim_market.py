@@ -3,7 +3,7 @@
     nice .venv/bin/python bench/sim_market.py run [--nodes 250 1000 10000] [--duration 900]
     nice .venv/bin/python bench/sim_market.py plot          # table + PNG from saved results
 
-``run`` simulates each size with kvasird.market.sim (the real records, map, demand and
+``run`` simulates each size with kvasird_dev.marketsim (the real records, map, demand and
 decide over a simulated gossip layer; see that module for what is approximated) and
 saves one JSON per size under bench/out/; ``plot`` (run after ``run``) prints the
 table, writes it as Markdown (bench/out/market_sim.md) and draws bench/out/market_sim.png.
@@ -27,8 +27,10 @@ from typing import Any
 import numpy as np
 
 from kvasird.market.records import CoverageRecord
-from kvasird.market.sim import MarketSim, SimConfig, SimResult, qwen122b
 from kvasird.wire import pack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvasird_dev (not installed)
+from kvasird_dev.marketsim import MarketSim, SimConfig, SimResult, qwen122b  # noqa: E402
 
 OUT = Path(__file__).parent / "out"
 

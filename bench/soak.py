@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/soak.py [--seconds 300] [--kill-every 40] [--clients 4]
 
-Four daemons of the bundled model with two replicas of every layer (kvasird.localnet.soak):
+Four daemons of the bundled model with two replicas of every layer (kvasird_dev.soak):
 every --kill-every seconds one of the three serving nodes is SIGKILLed and started again,
 and for a minute one of them is slowed (SIGSTOP/SIGCONT at a 50 % duty cycle), while
 --clients clients run greedy generations back to back through the gateway and never
@@ -12,11 +12,14 @@ retry. Every completed output is compared with one undisturbed daemon's.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
-from kvasird.localnet.soak import Soak
 from kvasird.model.bundled import bundled_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvasird_dev (not installed)
+from kvasird_dev.soak import Soak  # noqa: E402
 
 
 def main() -> int:

@@ -37,7 +37,6 @@ KvasirError                      errors               anything kvasird raises on
 │   │   ├── AmbiguousName        model.store          a name or id prefix names two models
 │   │   └── CorruptPiece         model.store          stored bytes fail their hash (deleted)
 │   ├── TransferError            model.transfer       a download did not finish (it resumes)
-│   ├── TestModelError           model.testmodels     no test model has these dimensions
 │   ├── TokenizerError           inference.tokenizer  the GGUF's tokenizer is missing or unknown
 │   └── ChatTemplateError        inference.chat       the chat template refuses these messages
 ├── GenerationError              inference.api        a generation did not start or was cut short

@@ -34,7 +34,6 @@ COMMANDS = {
     "localnet": "run a local network of daemons on 127.0.0.1",
     "coverage": "who holds which units of the model, and what is scarce",
     "service": "install kvasird as a systemd service",
-    "dev": "developer tools",
     "verify": "check the compute engine against the float64 oracle",
     "model": "models and shards held by this node",
     "localchain": "run a local Solana chain (LiteSVM) with a KVR mint and faucet",

@@ -5,6 +5,8 @@ what the tests prove is what a newcomer runs. Node i bootstraps from node i-1 on
 (a chain); peer exchange has to do the rest.
 
     launcher   LocalNet / LocalNode: init homes, start, wait for readiness, stop, clean up
+    placement  settings that pin a node's placement, for tests and benchmarks that count work
+    demo       `localnet up`'s model, chain and paid prompt
 """
 
 from kvasird.localnet.launcher import LocalNet, LocalNode

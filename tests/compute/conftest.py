@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage
 from kvasird.model.bundled import bundled_path
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Backend, ggml, ne_of
 from kvasird.compute.hparams import HParams
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage
 from kvasird.compute.weights import load_weights
 from kvasird.numerics.contract import VerifyPlan, verify
@@ -166,7 +166,7 @@ def test_experts_in_ranges_across_three_windows_equal_one_node(arch_models, arch
 def test_a_sliding_window_bounds_what_the_last_token_depends_on(tmp_path):
     """Every layer windowed (4 positions, 3 layers): the last of 12 tokens sees back 9
     positions, so the first two cannot change its logits; with one global layer they do."""
-    from kvasird.model.testmodels import make_model
+    from kvasird_dev.testmodels import make_model
 
     def last_logits(path, prompt):
         stage = Stage.load(path, threads=1, kv=EXACT_KV)
@@ -306,7 +306,7 @@ def test_qwen35_layers_alternate_as_full_attention_interval_says(arch_models):
     moe = archs.for_hparams(hp)
     assert "ssm_a" in moe.layer_tensors(hp, 0) and "attn_qkv.weight" not in moe.layer_tensors(hp, 1)
     stage = Stage.load(arch_models["qwen35moe", "f32"], threads=1, kv=EXACT_KV)
-    assert sorted(stage.kv.conv) == [0, 2] and sorted(stage.kv.k) == [1]
+    assert sorted(stage.kv.states.conv) == [0, 2] and sorted(stage.kv.k) == [1]
     stage.close()
 
 

@@ -12,7 +12,7 @@ from kvasird.compute.errors import ComputeError, InputError, WeightsError
 from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch
 from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.graph import Backend
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage
 from kvasird.compute.weights import load_weights
 from kvasird.numerics.metrics import compare
@@ -254,7 +254,7 @@ def test_an_experts_output_for_a_row_is_the_same_in_any_batch(tmp_path, dtype):
     at a worker): 16 rows routed to the same experts give, bit for bit, what each gives
     alone. (ggml's tiled MUL_MAT_ID kernel, which native/ggml-source keeps out, moved Q6_K
     experts' outputs by 1.7e-3 from 8 rows an expert on.)"""
-    from kvasird.model.testmodels import make_model
+    from kvasird_dev.testmodels import make_model
 
     path = make_model(tmp_path / "m.gguf", arch="qwen3moe", n_layer=1, dtype=dtype, n_embd=256,
                       head_dim=64, n_ff_exp=256, n_expert=8, n_expert_used=4)

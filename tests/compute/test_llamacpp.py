@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage, generate
 from kvasird.numerics.metrics import compare, first_divergence
 
@@ -145,7 +145,7 @@ def test_new_architectures_give_llamacpp_logits_and_greedy_tokens(arch_models, a
     Qwen3.5 hybrids (the prompt's delta-net state from one prefill, then 8 decode steps),
     as llama.cpp itself computes them (not our oracle)."""
     if dtype == "softcap":
-        from kvasird.model.testmodels import make_model
+        from kvasird_dev.testmodels import make_model
 
         path = make_model(tmp_path / "capped.gguf", arch="gemma3", n_layer=3, logit_softcap=3.0)
     else:
@@ -181,7 +181,7 @@ def test_a_k_quant_prompt_longer_than_a_piece_gives_llamacpp_logits_bit_for_bit(
     row as llama.cpp computes them: the logits are llama.cpp's bit for bit. (With the
     last layer's FFN on all 22 rows of the last piece, its Q6_K down projection over
     8192 inputs, Llama-3.2-1B's n_ff, rounded apart from llama.cpp's one-row product.)"""
-    from kvasird.model.testmodels import make_model
+    from kvasird_dev.testmodels import make_model
 
     path = make_model(tmp_path / "q4km.gguf", arch="llama", n_layer=3, n_embd=512,
                       n_head=8, n_head_kv=2, head_dim=64, n_ff=8192, dtype="q4_k_m", seed=5)
@@ -204,7 +204,7 @@ def test_a_32k_token_context_gives_llamacpp_logits(tmp_path: Path) -> None:
     """A model that declares a 32,768-token context, filled to its last position in one
     prompt: computed in 64-row pieces (512 graphs, none larger than a piece's), the last
     position's logits are llama.cpp's bit for bit."""
-    from kvasird.model.testmodels import make_model
+    from kvasird_dev.testmodels import make_model
 
     n = 32768
     path = make_model(tmp_path / "long.gguf", arch="llama", n_layer=2, context_length=n,

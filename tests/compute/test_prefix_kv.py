@@ -1,4 +1,4 @@
-"""Prefix reuse in the KV pool (kvcache.PrefixCache): a session that starts from a closed
+"""Prefix reuse in the KV pool (kv.prefix.PrefixCache): a session that starts from a closed
 session's pages computes what a cold one computes, the pages are shared until written,
 the cache gives way to new sessions, and it serves only the scope that filed a page."""
 
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from kvasird.compute.errors import InputError, KVCacheFull
-from kvasird.compute.kvcache import KEY_BYTES, PAGE, KVSpec, page_keys, split_keys
+from kvasird.compute.kv.keys import KEY_BYTES, PAGE, page_keys, split_keys
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 ME = ("gateway", (0, 3))
 

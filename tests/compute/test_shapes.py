@@ -26,7 +26,7 @@ from kvasird.compute.weights import load_weights
 from kvasird.model.gguffile import read_header
 from kvasird.model.manifest import Manifest
 from kvasird.model.slice import _add_metadata
-from kvasird.model.testmodels import ARCHS, make_model, save
+from kvasird_dev.testmodels import ARCHS, make_model, save
 
 Tensor = tuple[str, int, tuple[int, ...], bytes]
 """(name, ggml type, ne, bytes) of one tensor being rewritten."""

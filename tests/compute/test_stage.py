@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvasird.compute.errors import InputError, KVCacheFull, WeightsError
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage, generate
 from kvasird.numerics.metrics import compare
 from kvasird.numerics.oracle import Oracle
@@ -259,7 +259,7 @@ def test_every_weight_type_matches_an_oracle_that_rounds_like_ggml(tmp_path, arc
     products its own way (measured: 1.2e-2 from this oracle at the logits, as far from
     exact math as the row kernels are; not understood, as the llama model's Q6_K products
     at 10 rows agree), so that model takes 7 tokens here."""
-    from kvasird.model.testmodels import make_model
+    from kvasird_dev.testmodels import make_model
 
     dims = dict(n_embd=256, head_dim=64, n_ff_exp=256, n_ff=256) if dtype.endswith("_k") else {}
     path = make_model(tmp_path / "m.gguf", arch=arch, n_layer=2, dtype=dtype, tied_output=True,
@@ -287,8 +287,8 @@ def test_f16_matmuls_round_activations_like_the_oracle_and_the_model_stays_near_
     checked where it is deterministic, one matmul on the same float32 inputs (7e-8, the exact
     product 2.3e-4 away), and the whole F16 model against exact math within F16's precision."""
     from kvasird.compute.graph import Backend
-    from kvasird.model.testmodels import make_model
     from kvasird.numerics.ops import probe_ops
+    from kvasird_dev.testmodels import make_model
 
     path = make_model(tmp_path / "m.gguf", arch="llama", n_layer=2, dtype="f16", tied_output=True)
     backend = Backend(1)
@@ -376,7 +376,7 @@ def test_4_bit_matrices_are_held_repacked_where_the_cpu_computes_them_so(tmp_pat
     row), the Q6_K and F32 tensors in the plain one. The oracle test above holds the
     numbers to ggml's rounding either way."""
     from kvasird.compute.graph import repack_buffer_type
-    from kvasird.model.testmodels import make_model
+    from kvasird_dev.testmodels import make_model
 
     if repack_buffer_type() is None:
         pytest.skip("this CPU has no AVX2: ggml repacks nothing here")
@@ -399,7 +399,7 @@ def test_weights_that_are_all_repacked_load_alone(tmp_path):
     """A holding can be only Q4_K matrices: no plain buffer then."""
     from kvasird.compute.graph import Backend, repack_buffer_type
     from kvasird.compute.weights import load_weights
-    from kvasird.model.testmodels import make_model
+    from kvasird_dev.testmodels import make_model
 
     if repack_buffer_type() is None:
         pytest.skip("this CPU has no AVX2: ggml repacks nothing here")
@@ -427,7 +427,7 @@ def test_a_batch_pads_4_bit_products_to_the_rows_ggml_computes_for_less(tmp_path
 
     from kvasird.compute.blocks import padded_rows
     from kvasird.compute.graph import repack_buffer_type
-    from kvasird.model.testmodels import make_model
+    from kvasird_dev.testmodels import make_model
 
     assert [padded_rows(t) for t in range(1, 21)] == \
         [1, 4, 4, 4, 5, 8, 8, 8, 9, 16, 16, 16, 16, 16, 16, 16, 17, 20, 20, 20]
@@ -462,7 +462,7 @@ def test_a_range_of_4_bit_experts_computes_as_the_whole_layer(tmp_path, dtype):
     from kvasird.compute.experts import ExpertWorker
     from kvasird.compute.graph import Backend
     from kvasird.compute.weights import load_weights
-    from kvasird.model.testmodels import make_model
+    from kvasird_dev.testmodels import make_model
 
     path = make_model(tmp_path / "m.gguf", arch="qwen3moe", n_layer=1, dtype=dtype, n_embd=256,
                       head_dim=64, n_ff_exp=256, n_expert=16, n_expert_used=4)

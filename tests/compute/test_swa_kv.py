@@ -1,4 +1,4 @@
-"""Sliding-window layers keep only their window of KV (kvcache.py's window pool): the logits
+"""Sliding-window layers keep only their window of KV (kv/window.py's window pool): the logits
 stay bitwise those of a cache that keeps every position (KVSpec.swa_full), across chunked
 prefills, ring wrap-arounds, rewinds and interleaved sessions, in a fraction of the memory."""
 
@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from kvasird.compute.errors import InputError, KVCacheFull
-from kvasird.compute.kvcache import PAGE, KVSpec, ring_pages
+from kvasird.compute.kv.keys import PAGE
+from kvasird.compute.kv.pool import KVSpec
+from kvasird.compute.kv.window import ring_pages
 from kvasird.compute.stage import MAX_CHUNK, Stage, generate
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 pytestmark = pytest.mark.slow  # a minute of prefills and decodes over windowed caches
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from kvasird.cli import main
 from kvasird.compute.ggufview import GGUFFile
-from kvasird.model.testmodels import DTYPES, TestModelError, bundled_tokenizer, make_model
 from kvasird.numerics.oracle import Oracle
+from kvasird_dev.cli import main
+from kvasird_dev.testmodels import DTYPES, TestModelError, bundled_tokenizer, make_model
 
 UP = "blk.0.ffn_up_exps.weight"
 
@@ -185,7 +185,7 @@ def test_impossible_dimensions_raise_a_clear_error(tmp_path, dims):
 
 def test_cli_writes_a_model(tmp_path, capsys):
     out = tmp_path / "cli.gguf"
-    assert main(["dev", "make-model", str(out), "--arch", "llama", "--dtype", "q8_0",
+    assert main(["make-model", str(out), "--arch", "llama", "--dtype", "q8_0",
                  "--layers", "1"]) == 0
     _, kv = _fields(out)
     assert kv["llama.block_count"] == 1
@@ -198,12 +198,20 @@ def test_cli_writes_a_model(tmp_path, capsys):
                                              ("gpt-oss", "gpt-oss")])
 def test_cli_writes_the_new_architectures(tmp_path, arch, gguf_arch):
     out = tmp_path / f"{arch}.gguf"
-    assert main(["dev", "make-model", str(out), "--arch", arch, "--layers", "1",
+    assert main(["make-model", str(out), "--arch", arch, "--layers", "1",
                  "--experts", "4", "--experts-used", "1"]) == 0
     _, kv = _fields(out)
     assert kv["general.architecture"] == gguf_arch
     assert kv.get(f"{gguf_arch}.expert_count") == (4 if arch in ("mixtral", "qwen35moe",
                                                                   "gpt-oss") else None)
+
+
+def test_cli_reports_impossible_dimensions_in_one_line(tmp_path, capsys):
+    out = tmp_path / "bad.gguf"
+    assert main(["make-model", str(out), "--heads", "4", "--heads-kv", "3"]) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("python -m kvasird_dev: n_head 4 must be a multiple of n_head_kv 3")
+    assert not out.exists()
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from kvasird.gateway.service import Gateway
 from kvasird.inference.api import Finished, GenerationRequest, HopWork, ModelInfo, TokenEvent
 from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.manifest import Manifest
-from kvasird.model.testmodels import bundled_tokenizer, save
+from kvasird_dev.testmodels import bundled_tokenizer, save
 
 MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>",
            "<|return|>"]

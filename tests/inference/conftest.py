@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage, generate
 from kvasird.inference.server.engine import Holdings, Served
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 from .fakenet import no_experts
 

@@ -18,7 +18,8 @@ import trio
 from trio.testing import wait_all_tasks_blocked as wait_all_blocked
 
 from kvasird.compute.errors import InputError, RunRefused
-from kvasird.compute.kvcache import PAGE, KVSpec
+from kvasird.compute.kv.keys import PAGE
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import KV_BUCKET, Stage, generate
 from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol import tensors
@@ -26,7 +27,7 @@ from kvasird.inference.server import batch
 from kvasird.inference.server.batch import Batcher, _Queue
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.stage import StageServer
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 from .test_serving import _no_remote, call, open_msg
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import trio
 
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage, generate
 from kvasird.config import InferenceConfig
 from kvasird.inference.api import GenerationError
@@ -23,7 +23,7 @@ from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol.stage import Open, Step
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.model.gguffile import read_header
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 from .conftest import N_LAYER, PROMPT
 from .fakenet import FakeNet, no_experts

@@ -13,7 +13,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from trio.testing import MockClock
 
 from kvasird.compute.experts import ExpertShard
-from kvasird.compute.kvcache import KVSpec
+from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage, generate
 from kvasird.errors import WireError
 from kvasird.inference.api import TokenEvent
@@ -27,7 +27,7 @@ from kvasird.inference.server.stage import StageServer
 from kvasird.model.manifest import HEAD, Manifest, Unit
 from kvasird.model.slice import ExpertRange as SliceExperts
 from kvasird.model.slice import LayerWindow, gguf_pieces, write_slice
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 from .fakenet import NETWORK, FakeNet, hung, lying
 

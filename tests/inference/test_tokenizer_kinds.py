@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvasird.inference.tokenizer import Tokenizer, TokenizerError
-from kvasird.model.testvocab import BPE_PRES, SPM_SPECIALS, write_vocab
+from kvasird_dev.testvocab import BPE_PRES, SPM_SPECIALS, write_vocab
 
 LLAMACPP_PYTHON = Path(__file__).resolve().parents[2] / ".cache/llamacpp-venv/bin/python"
 VOCABS = [("gpt2", pre, False) for pre in BPE_PRES] + [("llama", "", True), ("llama", "", False)]

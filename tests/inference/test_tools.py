@@ -28,7 +28,7 @@ from kvasird.inference.tools import (
     format_of,
 )
 from kvasird.model.bundled import bundled_path
-from kvasird.model.testmodels import bundled_tokenizer
+from kvasird_dev.testmodels import bundled_tokenizer
 
 WEATHER = Tool("get_weather", "The weather in a city", {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from test_damaged_state import foreign_model  # type: ignore[import-not-found]
 
-from kvasird.compute.kvcache import PAGE
+from kvasird.compute.kv.keys import PAGE
 from kvasird.compute.stage import Stage
 from kvasird.inference.tokenizer import Tokenizer
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from gguf import GGUFWriter
 from kvasird.cli.init import init_home
 from kvasird.db import connect, ensure_schema
 from kvasird.home import Home
-from kvasird.model.testmodels import make_model, save
+from kvasird_dev.testmodels import make_model, save
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from test_swarm import events, start  # type: ignore[import-not-found]
 
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import LocalNode
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 pytestmark = pytest.mark.slow
 

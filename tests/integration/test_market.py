@@ -20,8 +20,8 @@ from kvasird.market.model import MarketModel
 from kvasird.market.records import CoverageRecord, Holding
 from kvasird.market.service import MIN_TTL_S
 from kvasird.model.manifest import Manifest
-from kvasird.model.testmodels import make_model
 from kvasird.wire import pack
+from kvasird_dev.testmodels import make_model
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import LocalNode, free_port
 from kvasird.model.bundled import bundled_path
 from kvasird.model.manifest import Manifest
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 pytestmark = pytest.mark.slow
 

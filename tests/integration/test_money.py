@@ -29,11 +29,11 @@ from kvasird.localnet.demo import held_from, kvr_balance
 from kvasird.localnet.launcher import OWN_USE, LocalNode
 from kvasird.localnet.placement import pinned
 from kvasird.model.bundled import bundled_path
-from kvasird.model.testmodels import make_model
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
 from kvasird.settlement.pricing import GENESIS_STAKE_MIN
 from kvasird.settlement.wallet import read_keypair
+from kvasird_dev.testmodels import make_model
 
 pytestmark = pytest.mark.slow
 

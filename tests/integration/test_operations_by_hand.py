@@ -29,7 +29,7 @@ import pytest
 from kvasird.config import load, render
 from kvasird.home import Home
 from kvasird.localnet.launcher import LocalNode, die_with_parent, free_port
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 pytestmark = pytest.mark.slow
 

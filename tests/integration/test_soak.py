@@ -1,4 +1,4 @@
-"""The churn soak, short: bench/soak.py runs it five minutes (kvasird.localnet.soak)."""
+"""The churn soak, short: bench/soak.py runs it five minutes (kvasird_dev.soak)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvasird.localnet.soak import Soak
 from kvasird.model.bundled import bundled_path
+from kvasird_dev.soak import Soak
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from kvasird.localnet.launcher import LocalNode
 from kvasird.localnet.placement import pinned
 from kvasird.model.bundled import bundled_path
 from kvasird.model.manifest import Manifest
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 pytestmark = pytest.mark.slow
 

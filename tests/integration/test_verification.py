@@ -21,7 +21,7 @@ from kvasird.inference.client.spotcheck import within
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import LocalNode
 from kvasird.localnet.placement import pinned
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from kvasird.market.records import Capabilities, CoverageRecord, compress
 from kvasird.market.service import MarketService
 from kvasird.model.manifest import HEAD, Manifest
 from kvasird.model.store import ShardStore
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 from .test_service import p2p
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvasird.market.model import MarketModel
-from kvasird.market.sim import MB, MarketSim, SimConfig, SimResult
 from kvasird.model.manifest import HEAD, Unit
+from kvasird_dev.marketsim import MB, MarketSim, SimConfig, SimResult
 
 MODEL_ID = "cd" * 32
 

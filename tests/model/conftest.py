@@ -13,8 +13,8 @@ from trio.testing import memory_stream_pair
 from kvasird.errors import PeerError
 from kvasird.model.manifest import Manifest
 from kvasird.model.store import ShardStore
-from kvasird.model.testmodels import make_model
 from kvasird.model.transfer import ShardSource, serve_shards
+from kvasird_dev.testmodels import make_model
 
 MOE_DIMS = {"n_layer": 3, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64,
             "n_expert": 8, "n_expert_used": 2, "n_ff_exp": 256, "dtype": "q4_k"}

@@ -93,7 +93,7 @@ def test_units_partition_every_tensor_byte(moe_manifest):
 
 def test_a_llama_file_with_experts_is_held_in_expert_units(tmp_path):
     """Mixtral's layout: general.architecture llama, experts as stacked _exps tensors."""
-    from kvasird.model.testmodels import make_model
+    from kvasird_dev.testmodels import make_model
 
     m = Manifest.from_gguf(make_model(tmp_path / "mixtral.gguf", arch="mixtral", n_layer=2,
                                       n_expert=4, n_expert_used=2))

@@ -10,10 +10,10 @@ import pytest
 
 from kvasird.cli import main
 from kvasird.compute.graph import Backend
-from kvasird.model.testmodels import make_model
 from kvasird.numerics.contract import Check, VerifyPlan, verify
 from kvasird.numerics.metrics import compare, first_divergence
 from kvasird.numerics.ops import probe_ops
+from kvasird_dev.testmodels import make_model
 
 SMALL = VerifyPlan(prompts=2, prompt_len=6, greedy_prompts=1, greedy_tokens=4)
 

@@ -17,6 +17,7 @@ from kvasird.config import render
 from kvasird.inference.tokenizer import Tokenizer
 from kvasird.localnet import LocalNet
 from kvasird.model.manifest import Manifest
+from kvasird_dev.cli import main as dev_main
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def home_serving_by_id(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     only read it, so the module shares one."""
     root = tmp_path_factory.mktemp("by-id")
     home, gguf = root / "home", root / "tiny.gguf"
-    assert main(["dev", "make-model", str(gguf), "--layers", "1"]) == 0
+    assert dev_main(["make-model", str(gguf), "--layers", "1"]) == 0
     assert main(["--home", str(home), "init"]) == 0
     assert main(["--home", str(home), "model", "add", str(gguf), "--name", "tiny"]) == 0
     listed = io.StringIO()
@@ -76,7 +77,7 @@ def test_an_empty_prompt_is_refused_as_empty(prompt: str, tmp_path: Path,
 def test_generate_works_on_a_node_that_names_its_model_by_id(tmp_path: Path) -> None:
     """The join path: [market] model is an id; the GGUF itself is not on this machine."""
     gguf = tmp_path / "tiny.gguf"
-    assert main(["dev", "make-model", str(gguf), "--layers", "1"]) == 0
+    assert dev_main(["make-model", str(gguf), "--layers", "1"]) == 0
     model_id = Manifest.from_gguf(gguf).model_id
     with LocalNet(tmp_path / "net", 1, settings={
             "market.model": model_id, "market.memory_budget_mb": 200,

@@ -12,7 +12,7 @@ from kvasird.model.distribution import ShardService, slice_specs
 from kvasird.home import Home
 from kvasird.model.manifest import HEAD, Unit
 from kvasird.model.store import ShardStore
-from kvasird.model.testmodels import make_model
+from kvasird_dev.testmodels import make_model
 
 
 def test_slice_specs_group_units_into_runs() -> None:

@@ -1,17 +1,35 @@
-"""``kvasird dev``: developer tools (generated test models)."""
+"""``python -m kvasird_dev``: write generated test and benchmark models from the command line.
+
+Run from the repository root (``-m`` finds the package there). Like ``kvasird``, a
+KvasirError ends the command with its message on one line and exit status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from kvasird.model.benchmodels import SPECS, bench_model
-from kvasird.model.testmodels import ARCHS, DTYPES, TestModelSpec, write_model
+from kvasird.errors import KvasirError
+from kvasird_dev.benchmodels import SPECS, bench_model
+from kvasird_dev.testmodels import ARCHS, DTYPES, TestModelSpec, write_model
+
+PROG = "python -m kvasird_dev"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("dev", help="developer tools")
-    cmds = p.add_subparsers(dest="dev_command", metavar="ACTION", required=True)
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return int(args.func(args))
+    except KvasirError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="kvasird developer tools",
+                                     allow_abbrev=False)
+    cmds = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     mk = cmds.add_parser("make-model", help="write a small random-weight GGUF (llama.cpp loads it)")
     mk.add_argument("out", type=Path, help="output .gguf path")
     mk.add_argument("--arch", choices=ARCHS, default="qwen3moe",
@@ -43,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bm.add_argument("--moe-layers", type=int, default=0,
                     help=f"layers of the moe model (default {SPECS['moe'].n_layer})")
     bm.set_defaults(func=_bench_models)
+    return parser
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -60,7 +79,7 @@ def _make_model(args: argparse.Namespace) -> int:
 
 def _bench_models(args: argparse.Namespace) -> int:
     if unknown := [n for n in args.names if n not in SPECS]:
-        print(f"kvasird dev bench-models: unknown model {', '.join(unknown)}: use "
+        print(f"{PROG} bench-models: unknown model {', '.join(unknown)}: use "
               f"{' or '.join(SPECS)}")
         return 2
     for name in args.names or list(SPECS):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
-from kvasird.model.testmodels import bundled_tokenizer, save
+from kvasird_dev.testmodels import bundled_tokenizer, save
 
 BPE_PRES = ("qwen2", "qwen35", "gpt-4o", "llama-bpe", "smollm")
 """Pre-tokenizer names of the byte-level BPE models we serve (qwen3/qwen3moe, Qwen3.5,

@@ -6,7 +6,7 @@
             of n_ff 768, top-8 (5.1 B parameters at 8 layers, 2.9 GiB; the real model has 48)
 
 Both carry the bundled SmolLM2 tokenizer (49,152 tokens, so the head is 100 M parameters
-where Llama 3.2's is 263 M) and are written by kvasird.model.testmodels, whose K-quants are
+where Llama 3.2's is 263 M) and are written by kvasird_dev.testmodels, whose K-quants are
 ggml's own kernels (``ggml_quantize_chunk``, what llama.cpp's quantizer calls), in the
 Q4_K_M mix llama.cpp gives such files. Weights are N(0, 1/fan_in): activations keep their
 scale through the layers, so the compute is that of a trained model of the same shapes
@@ -15,8 +15,8 @@ MoE's experts repeat every 16 (``distinct_experts``): ggml's K-quantizer needs m
 billion weights, and an expert costs the same to read and compute whatever its numbers.
 
 They are a pure function of their spec: generated once (about a minute per GB on two
-cores) and cached as ``<cache>/bench-models/<name>-<hash>.gguf``; ``kvasird dev
-bench-models`` writes them, ``bench/bench_scale.py`` uses them.
+cores) and cached as ``<cache>/bench-models/<name>-<hash>.gguf``; ``python -m
+kvasird_dev bench-models`` writes them, ``bench/bench_scale.py`` uses them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from kvasird.model.testmodels import TestModelSpec, write_model
+from kvasird_dev.testmodels import TestModelSpec, write_model
 
 SPECS: dict[str, TestModelSpec] = {
     "dense": TestModelSpec(arch="llama", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8,

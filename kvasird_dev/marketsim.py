@@ -68,7 +68,6 @@ node and minute, mean and 99th percentile over nodes and minutes.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
 import math
 import time

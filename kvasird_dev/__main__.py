@@ -1,0 +1,5 @@
+import sys
+
+from kvasird_dev.cli import main
+
+sys.exit(main())
