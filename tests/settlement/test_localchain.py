@@ -105,10 +105,12 @@ async def test_health_and_faucet_are_local_only_rpc(
 def test_a_local_chain_listens_beyond_loopback_only_where_named_and_with_a_warning() -> None:
     assert parse_listen("127.0.0.1:0") == ("127.0.0.1", 0)
     assert exposure("127.0.0.1") is None and exposure("::1") is None
-    assert parse_listen("10.77.0.1:8899") == ("10.77.0.1", 8899)  # a network built by hand
-    warning = exposure("10.77.0.1")
+    # a LAN address, as a network built by hand names it (192.0.2.0/24: documentation only;
+    # nothing is bound or dialled here)
+    assert parse_listen("192.0.2.10:8899") == ("192.0.2.10", 8899)
+    warning = exposure("192.0.2.10")
     assert warning is not None and "anyone who reaches it can mint test KVR" in warning
-    for bad in ("localhost:8899", "10.77.0.1", "10.77.0.1:99999", "chain.example:8899"):
+    for bad in ("localhost:8899", "192.0.2.10", "192.0.2.10:99999", "chain.example:8899"):
         with pytest.raises(ChainError, match="must be an IP host:port"):
             parse_listen(bad)
 
