@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    url = (args.url or _daemon_gateway(args)).rstrip("/")
+    url = (args.url or daemon_gateway(args)).rstrip("/")
     with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         models = listed_models(http)
         chat = Chat(http, args, pick(models, args.model, url) if args.model else models[0])
@@ -256,11 +256,12 @@ def _stream(http: httpx.Client, body: dict[str, Any]) -> Iterator[str]:
                     yield content
 
 
-def _daemon_gateway(args: argparse.Namespace) -> str:
+def daemon_gateway(args: argparse.Namespace, flag: str = "--url") -> str:
+    """The running daemon's gateway URL (chat's and pay's default)."""
     url = client.get(home_of(args), "/v0/status").get("gateway")
     if not url:
         raise ChatError("the running daemon has no gateway: set [gateway] enabled = true, or "
-                        "pass --url")
+                        f"pass {flag}")
     return str(url)
 
 

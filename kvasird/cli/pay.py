@@ -16,8 +16,8 @@ from pathlib import Path
 
 import trio
 
-from kvasird.cli.chat import _daemon_gateway
-from kvasird.cli.wallet import _keypair_path, _rpc
+from kvasird.cli.chat import daemon_gateway
+from kvasird.cli.wallet import keypair_path, rpc_and_mint
 from kvasird.settlement.consumer import Consumer, PaidAnswer
 from kvasird.settlement.token import format_kvr
 from kvasird.settlement.wallet import read_keypair
@@ -47,9 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    wallet = read_keypair(_keypair_path(args))
-    url = args.url or _daemon_gateway(args)
-    consumer = Consumer(url, _rpc(args)[0], wallet)
+    wallet = read_keypair(keypair_path(args))
+    url = args.url or daemon_gateway(args, "--gateway")
+    consumer = Consumer(url, rpc_and_mint(args)[0], wallet)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     messages.append({"role": "user", "content": args.prompt})
     answer: PaidAnswer = trio.run(functools.partial(

@@ -85,7 +85,9 @@ def _settlement(home: Home) -> SettlementSection | None:
     return load(home.config).settlement
 
 
-def _keypair_path(args: argparse.Namespace) -> Path:
+def keypair_path(args: argparse.Namespace) -> Path:
+    """The wallet's keypair file: --keypair (pay's --wallet), else [settlement] wallet, else
+    <home>/wallet.json (what `wallet` and `pay` use)."""
     if args.keypair:
         return args.keypair.expanduser()
     home = _home(args)
@@ -94,7 +96,7 @@ def _keypair_path(args: argparse.Namespace) -> Path:
     return home.root / Path(name).expanduser()
 
 
-def _rpc(args: argparse.Namespace) -> tuple[str, str]:
+def rpc_and_mint(args: argparse.Namespace) -> tuple[str, str]:
     """(RPC URL, KVR mint) from the flags, else [settlement], else the local chain's."""
     configured = _settlement(_home(args))
     rpc = args.rpc or (configured.rpc_url if configured else "") or LOCAL_RPC
@@ -104,12 +106,12 @@ def _rpc(args: argparse.Namespace) -> tuple[str, str]:
 def _wallet(args: argparse.Namespace) -> Wallet:
     if args.address:
         return Wallet(parse_address(args.address))
-    return Wallet.load(_keypair_path(args))
+    return Wallet.load(keypair_path(args))
 
 
 def _show(args: argparse.Namespace) -> int:
     wallet = _wallet(args)
-    sol, kvr, mint = trio.run(_balances, *_rpc(args), wallet.address)
+    sol, kvr, mint = trio.run(_balances, *rpc_and_mint(args), wallet.address)
     gateways = _receipts(_home(args))
     pending = sum(unpaid for _, _, unpaid in gateways)
     if args.json:
@@ -174,7 +176,7 @@ def _claim(args: argparse.Namespace) -> int:
 
 
 def _new(args: argparse.Namespace) -> int:
-    path = _keypair_path(args)
+    path = keypair_path(args)
     if not path.parent.is_dir():
         raise WalletError(f"cannot write {path}: {path.parent} does not exist "
                           "(create it, or pass --keypair FILE in an existing directory)")
@@ -187,7 +189,7 @@ def _new(args: argparse.Namespace) -> int:
 
 def _link(args: argparse.Namespace) -> int:
     home = home_of(args)
-    keypair = read_keypair(_keypair_path(args))
+    keypair = read_keypair(keypair_path(args))
     peer_id = args.peer_id or _node_peer_id(home)
     network = args.network or _network(home)
     print(json.dumps(sign_link(keypair, peer_id, network).to_wire(), indent=2))
@@ -213,7 +215,7 @@ def _network(home: Home) -> str:
 def _faucet(args: argparse.Namespace) -> int:
     wallet = _wallet(args)
     lamports = int(args.sol * _LAMPORTS_PER_SOL)
-    trio.run(_fund, args, _rpc(args)[0], wallet.address, lamports)
+    trio.run(_fund, args, rpc_and_mint(args)[0], wallet.address, lamports)
     return 0
 
 
