@@ -35,11 +35,11 @@ import trio
 
 from kvasird.compute.sampling import SamplingParams
 from kvasird.inference.api import Finished, GenerationRequest, Sampling
-from kvasird.inference.chat import ChatTemplate, Message
 from kvasird.inference.local import LocalGenerator
-from kvasird.inference.tokenizer import Tokenizer
 from kvasird.localnet import LocalNet
 from kvasird.model.bundled import bundled_path
+from kvasird.text.chat import ChatTemplate, Message
+from kvasird.text.tokenizer import Tokenizer
 
 SYSTEM = "You are a helpful assistant."
 QUESTION = "Write a short story about a dragon who learns to bake bread."

@@ -18,9 +18,9 @@ import numpy as np
 
 from kvasird.compute.sampling import Sampler, SamplingParams
 from kvasird.compute.stage import Stage
-from kvasird.inference.grammar import Constraint, for_json_schema, vocabulary
-from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.bundled import bundled_path
+from kvasird.text.grammar import Constraint, for_json_schema, vocabulary
+from kvasird.text.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "maxLength": 400}},
           "required": ["story"], "additionalProperties": False}

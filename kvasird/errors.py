@@ -10,25 +10,25 @@ KvasirError                      errors               anything kvasird raises on
 ├── WireError                    errors               a peer's bytes do not decode or fit a limit
 │   └── FrameTooLarge            wire.framing         a frame's length is over what may be read
 ├── PeerError                    errors               a peer could not be reached or misbehaved
-│   ├── HopFailed                inference.errors     a stage or worker failed: route around it
-│   │   ├── Refused              inference.errors     it answered no: busy, gone or bad request
-│   │   ├── Silent               inference.errors     it did not answer in time: busy or hung
-│   │   ├── Unreachable          inference.errors     no stream to it could be opened (yet)
+│   ├── HopFailed                wire.rpc             a stage or worker failed: route around it
+│   │   ├── Refused              wire.rpc             it answered no: busy, gone or bad request
+│   │   ├── Silent               wire.rpc             it did not answer in time: busy or hung
+│   │   ├── Unreachable          wire.rpc             no stream to it could be opened (yet)
 │   │   └── Lied                 inference.client.failover  it accused peers that did nothing
 │   ├── PeerMissing              model.transfer       it lacks pieces it was asked for (a proof)
 │   └── _Missing                 model.transfer       a holder lacks pieces (the next one is asked)
-├── Refusal                      inference.errors     this node refuses a peer's request; the peer
+├── Refusal                      wire.rpc             this node refuses a peer's request; the peer
 │                                                     gets its code (busy, gone, bad...) and why
 ├── NativeError                  errors               the ggml runtime is missing or lacks a feature
 │   └── ComputeError             compute.errors       the engine refuses; nothing reached ggml
 │       ├── WeightsError         compute.errors       the GGUF lacks a tensor, a shape, or an arch
 │       ├── InputError           compute.errors       a shape, token, position or expert is bad
-│       │   └── GrammarError     inference.grammar    a grammar or schema cannot be followed
+│       │   └── GrammarError     text.grammar         a grammar or schema cannot be followed
 │       ├── KVCacheFull          compute.errors       no KV cache room for more tokens
 │       ├── RunRefused           compute.errors       one session's step of a batch is refused
 │       └── NoWorkers            inference.errors     no fit peer holds experts a stage needs now
 ├── ModelError                   errors               a model cannot be named, read or obtained
-│   ├── ModelRefError            model.ref            no model by that name, id, path or bundled:NAME
+│   ├── ModelRefError            model.ref            no model by that name, id, path, bundled:NAME
 │   ├── BundledModelError        model.bundled        the bundled GGUF cannot be fetched or checked
 │   ├── GGUFFormatError          model.gguffile       a file is not a GGUF this reader understands
 │   ├── ManifestError            model.manifest       a manifest is malformed or not of its id
@@ -37,8 +37,8 @@ KvasirError                      errors               anything kvasird raises on
 │   │   ├── AmbiguousName        model.store          a name or id prefix names two models
 │   │   └── CorruptPiece         model.store          stored bytes fail their hash (deleted)
 │   ├── TransferError            model.transfer       a download did not finish (it resumes)
-│   ├── TokenizerError           inference.tokenizer  the GGUF's tokenizer is missing or unknown
-│   └── ChatTemplateError        inference.chat       the chat template refuses these messages
+│   ├── TokenizerError           text.tokenizer       the GGUF's tokenizer is missing or unknown
+│   └── ChatTemplateError        text.chat            the chat template refuses these messages
 ├── GenerationError              inference.api        a generation did not start or was cut short
 │   ├── NoRoute                  inference.api        no live peers cover the model now (503)
 │   ├── Busy                     inference.api        the route has no capacity left (429)

@@ -59,7 +59,7 @@ def write_vocab(path: Path, kind: str = "gpt2", pre: str = "qwen2",
 
 
 def _sentencepiece(keys: dict) -> tuple[list[str], list[float], list[int]]:
-    from kvasird.inference.tokenizer import _unicode_to_byte
+    from kvasird.text.tokenizer import _unicode_to_byte
     byte_of = _unicode_to_byte()
     bpe_tokens = keys["tokenizer.ggml.tokens"][2]
     bpe_types = keys["tokenizer.ggml.token_type"][2]

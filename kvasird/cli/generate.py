@@ -22,11 +22,11 @@ from kvasird.config import load
 from kvasird.errors import DaemonNotRunning
 from kvasird.home import Home
 from kvasird.inference.api import GenerationError
-from kvasird.inference.chat import ChatTemplate, Message
-from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.manifest import Manifest
 from kvasird.model.ref import ModelRef
 from kvasird.model.store import ShardStore, StoreError
+from kvasird.text.chat import ChatTemplate, Message
+from kvasird.text.tokenizer import Tokenizer
 
 
 class GenerateError(GenerationError):
@@ -36,10 +36,16 @@ class GenerateError(GenerationError):
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text through the swarm from this node")
     p.add_argument("prompt", nargs="?", default="", help="prompt text (tokenized here)")
-    p.add_argument("--model", default="", help="model name, id, id prefix or GGUF path "
-                                               "(default: the model this node serves)")
-    p.add_argument("--tokens", default="", help="prompt as comma-separated token ids; "
-                                                "prints ids instead of text")
+    p.add_argument(
+        "--model",
+        default="",
+        help="model name, id, id prefix or GGUF path (default: the model this node serves)",
+    )
+    p.add_argument(
+        "--tokens",
+        default="",
+        help="prompt as comma-separated token ids; prints ids instead of text",
+    )
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -49,13 +55,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if not (args.tokens or args.prompt.strip()):
-        raise GenerateError("the prompt is empty: give the text to continue, e.g. "
-                            "`kvasird generate \"Once upon a time\"`, or --tokens 1,2,3")
+        raise GenerateError(
+            "the prompt is empty: give the text to continue, e.g. "
+            '`kvasird generate "Once upon a time"`, or --tokens 1,2,3'
+        )
     home = home_of(args)
     tokenizer, model = _model(home, args.model, tokenize=not args.tokens)
     prompt = _prompt(args, tokenizer)
-    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "seed": args.seed}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+    }
     if tokenizer is not None and tokenizer.special.eos is not None:
         body["stop"] = [tokenizer.special.eos]
     decoder = tokenizer.stream() if tokenizer else None
@@ -65,8 +78,11 @@ def _run(args: argparse.Namespace) -> int:
             print(out, end="", flush=True)
         elif "finished" in event:
             print(decoder.finish() if decoder else "")
-            print(f"[{event['finished']}: {event['prompt_tokens']} prompt + "
-                  f"{event['completion_tokens']} generated tokens]", file=sys.stderr)
+            print(
+                f"[{event['finished']}: {event['prompt_tokens']} prompt + "
+                f"{event['completion_tokens']} generated tokens]",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -83,8 +99,9 @@ def _model(home: Home, name: str, tokenize: bool) -> tuple[Tokenizer | None, str
     if not served:
         return None, name
     ref = ModelRef.parse(served, where="market.model")
-    return (_stored_tokenizer(home, ref.value) if ref.from_peers
-            else Tokenizer.from_gguf(ref.gguf())), name
+    return (
+        _stored_tokenizer(home, ref.value) if ref.from_peers else Tokenizer.from_gguf(ref.gguf())
+    ), name
 
 
 def _stored_tokenizer(home: Home, name: str) -> Tokenizer:
@@ -96,9 +113,11 @@ def _stored_tokenizer(home: Home, name: str) -> Tokenizer:
             model_id = store.resolve(name)
             manifest = store.manifest(model_id)
         except StoreError as exc:
-            raise GenerateError(f"cannot tokenize for {name!r}: {exc} (a node has a model's "
-                                "manifest once it finds a peer serving it; or pass --model "
-                                "FILE.gguf, or --tokens 1,2,3)") from None
+            raise GenerateError(
+                f"cannot tokenize for {name!r}: {exc} (a node has a model's "
+                "manifest once it finds a peer serving it; or pass --model "
+                "FILE.gguf, or --tokens 1,2,3)"
+            ) from None
     return Tokenizer.from_metadata(manifest.metadata, f"model {model_id[:16]}")
 
 
@@ -107,31 +126,40 @@ def _prompt(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[int]:
         try:
             return [int(t) for t in args.tokens.split(",") if t.strip()]
         except ValueError:
-            raise GenerateError(f"--tokens {args.tokens!r}: give comma-separated integers") \
-                from None
+            raise GenerateError(
+                f"--tokens {args.tokens!r}: give comma-separated integers"
+            ) from None
     if tokenizer is None:
-        raise GenerateError("no tokenizer: this node serves no model; pass --model PATH.gguf "
-                            "or --tokens 1,2,3")
-    text = ChatTemplate.of(tokenizer).render([Message("user", args.prompt)]) if args.chat \
+        raise GenerateError(
+            "no tokenizer: this node serves no model; pass --model PATH.gguf or --tokens 1,2,3"
+        )
+    text = (
+        ChatTemplate.of(tokenizer).render([Message("user", args.prompt)])
+        if args.chat
         else args.prompt
+    )
     return tokenizer.encode(text, special=args.chat)
 
 
 def _stream(home: Home, body: dict[str, Any]):  # noqa: ANN202 - a generator of events
     url = home.admin_address()
     if url is None:
-        raise DaemonNotRunning(f"no daemon is running for {home.root}: start it with "
-                               f"`kvasird --home {home.root} run`")
+        raise DaemonNotRunning(
+            f"no daemon is running for {home.root}: start it with `kvasird --home {home.root} run`"
+        )
     try:
         with httpx.stream("POST", url + "/v0/generate", json=body, timeout=300) as resp:
             if resp.status_code != 200:
-                raise GenerateError(f"the daemon could not generate: "
-                                    f"{json.loads(resp.read()).get('error', resp.status_code)}")
+                raise GenerateError(
+                    f"the daemon could not generate: "
+                    f"{json.loads(resp.read()).get('error', resp.status_code)}"
+                )
             for line in resp.iter_lines():
                 event = json.loads(line)
                 if "error" in event:
                     raise GenerateError(f"generation stopped: {event['error']}")
                 yield event
     except httpx.HTTPError as exc:
-        raise DaemonNotRunning(f"the daemon for {home.root} does not answer at {url} ({exc})") \
-            from None
+        raise DaemonNotRunning(
+            f"the daemon for {home.root} does not answer at {url} ({exc})"
+        ) from None

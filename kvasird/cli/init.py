@@ -14,15 +14,10 @@ import argparse
 import re
 from typing import Any
 
-from solders.keypair import Keypair
-
 from kvasird.cli import home_of
-from kvasird.config import default_text, load_text, render
-from kvasird.db import connect
-from kvasird.errors import ConfigError, HomeError
-from kvasird.home import Home
-from kvasird.identity import create_node_key
-from kvasird.settlement.wallet import read_keypair, write_keypair
+from kvasird.daemon.init import init_home
+from kvasird.errors import ConfigError
+from kvasird.settlement.wallet import read_keypair
 
 PORTS = ("p2p", "gateway", "admin", "p2p-ws")
 """What listens at --port-base N, N+1, N+2, N+3."""
@@ -44,23 +39,50 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_node_options(p: argparse.ArgumentParser) -> None:
     """The options that write a new home's kvasird.toml (init, and service install)."""
     p.add_argument("--network", default=None, help="network name to join (default: kvasir-local)")
-    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                   help="peer to join through, ending in /p2p/<peer id> (repeatable)")
-    p.add_argument("--listen", action="append", default=[], metavar="ADDR",
-                   help="p2p address to listen on: an IP (0.0.0.0 by default) for the usual "
-                        "ports, or a full multiaddr such as /ip4/0.0.0.0/tcp/4001 (repeatable)")
-    p.add_argument("--port-base", type=int, default=None, metavar="N",
-                   help="ports N, N+1, N+2, N+3 for p2p, the gateway, the admin API and p2p "
-                        "over WebSocket: one flag per extra node on a machine")
-    p.add_argument("--model", default=None, metavar="MODEL",
-                   help="the model to serve, in any form [market] model accepts (a GGUF "
-                        "path, bundled:NAME, a name or a model id)")
-    p.add_argument("--budget", default=None, metavar="SIZE",
-                   help="memory for the model units this node holds, e.g. 512M or 2GiB")
-    p.add_argument("--rpc-url", default=None, metavar="URL",
-                   help="settle in KVR on the chain at this Solana JSON-RPC URL (its mint and "
-                        "genesis wallet are read from a kvasird local chain): turns settlement "
-                        f"on, with a new wallet {WALLET} in the home")
+    p.add_argument(
+        "--bootstrap",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="peer to join through, ending in /p2p/<peer id> (repeatable)",
+    )
+    p.add_argument(
+        "--listen",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="p2p address to listen on: an IP (0.0.0.0 by default) for the usual "
+        "ports, or a full multiaddr such as /ip4/0.0.0.0/tcp/4001 (repeatable)",
+    )
+    p.add_argument(
+        "--port-base",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ports N, N+1, N+2, N+3 for p2p, the gateway, the admin API and p2p "
+        "over WebSocket: one flag per extra node on a machine",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve, in any form [market] model accepts (a GGUF "
+        "path, bundled:NAME, a name or a model id)",
+    )
+    p.add_argument(
+        "--budget",
+        default=None,
+        metavar="SIZE",
+        help="memory for the model units this node holds, e.g. 512M or 2GiB",
+    )
+    p.add_argument(
+        "--rpc-url",
+        default=None,
+        metavar="URL",
+        help="settle in KVR on the chain at this Solana JSON-RPC URL (its mint and "
+        "genesis wallet are read from a kvasird local chain): turns settlement "
+        f"on, with a new wallet {WALLET} in the home",
+    )
 
 
 def node_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,8 +99,13 @@ def node_values(args: argparse.Namespace) -> dict[str, Any]:
     if args.budget is not None:
         values["market.memory_budget_mb"] = parse_size_mb(args.budget)
     if args.rpc_url is not None:
-        values.update({"settlement.enabled": True, "settlement.rpc_url": args.rpc_url,
-                       "settlement.wallet": WALLET})
+        values.update(
+            {
+                "settlement.enabled": True,
+                "settlement.rpc_url": args.rpc_url,
+                "settlement.wallet": WALLET,
+            }
+        )
     return values
 
 
@@ -87,9 +114,13 @@ def node_argv(args: argparse.Namespace) -> list[str]:
     unit): a model's path made absolute, since that init runs in another directory."""
     model = node_values(args).get("market.model")
     argv = [f"--bootstrap={a}" for a in args.bootstrap] + [f"--listen={a}" for a in args.listen]
-    for flag, value in (("--network", args.network), ("--port-base", args.port_base),
-                        ("--model", model), ("--budget", args.budget),
-                        ("--rpc-url", args.rpc_url)):
+    for flag, value in (
+        ("--network", args.network),
+        ("--port-base", args.port_base),
+        ("--model", model),
+        ("--budget", args.budget),
+        ("--rpc-url", args.rpc_url),
+    ):
         if value is not None:
             argv.append(f"{flag}={value}")
     return argv
@@ -98,8 +129,10 @@ def node_argv(args: argparse.Namespace) -> list[str]:
 def _ports(listen: list[str], base: int | None) -> dict[str, Any]:
     """[p2p] listen, and with a port base the gateway's and admin API's ports as well."""
     if base is not None and not 1 <= base <= 65535 - len(PORTS) + 1:
-        raise ConfigError(f"--port-base {base} is out of range: give a port from 1 to "
-                          f"{65535 - len(PORTS) + 1} (it takes {len(PORTS)} ports from there)")
+        raise ConfigError(
+            f"--port-base {base} is out of range: give a port from 1 to "
+            f"{65535 - len(PORTS) + 1} (it takes {len(PORTS)} ports from there)"
+        )
     full = [a for a in listen if a.startswith("/")]
     hosts = [a for a in listen if not a.startswith("/")]
     if base is not None and not listen:
@@ -107,8 +140,11 @@ def _ports(listen: list[str], base: int | None) -> dict[str, Any]:
     p2p, ws = (base, base + 3) if base is not None else (4001, 4002)
     out: dict[str, Any] = {}
     if full or hosts:
-        out["p2p.listen"] = full + [f"/{_ip_kind(h)}/{h}/tcp/{p}{suffix}" for h in hosts
-                                    for p, suffix in ((p2p, ""), (ws, "/ws"))]
+        out["p2p.listen"] = full + [
+            f"/{_ip_kind(h)}/{h}/tcp/{p}{suffix}"
+            for h in hosts
+            for p, suffix in ((p2p, ""), (ws, "/ws"))
+        ]
     if base is not None:
         out["gateway.listen"] = f"127.0.0.1:{base + 1}"
         out["admin.listen"] = f"127.0.0.1:{base + 2}"
@@ -136,30 +172,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"peer id      {key}")
     print(f"config       {home.config}")
     if values.get("settlement.wallet"):
-        print(f"wallet       {read_keypair(home.root / WALLET).pubkey()} ({home.root / WALLET}; "
-              "fund it: kvasird wallet faucet --stake on a local chain)")
+        print(
+            f"wallet       {read_keypair(home.root / WALLET).pubkey()} ({home.root / WALLET}; "
+            "fund it: kvasird wallet faucet --stake on a local chain)"
+        )
     print(f"start it with: kvasird --home {home.root} run")
     return 0
-
-
-def init_home(home: Home, values: dict[str, Any]) -> str:
-    """Create ``home`` with a new key and a config with ``values`` set; return the peer id.
-
-    The config is validated before anything is written, so a bad --bootstrap leaves no
-    half-made home behind. An existing key is never replaced.
-    """
-    text = render(default_text(), values)
-    load_text(text, source="the new kvasird.toml")
-    if home.node_key.exists():
-        raise HomeError(f"{home.root} is already initialised (node key {home.node_key} exists); "
-                        "refusing to overwrite it. Use another --home (and --port-base) for a "
-                        "second node.")
-    home.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = create_node_key(home.node_key)
-    wallet = values.get("settlement.wallet")
-    if wallet and not (home.root / wallet).exists():
-        write_keypair(home.root / wallet, Keypair())
-    if not home.config.exists():
-        home.config.write_text(text)
-    connect(home.db, create=True).close()  # a home being made may start from an empty file
-    return key.peer_id.to_string()

@@ -39,7 +39,7 @@ class SamplingParams:
     """Seed of the draw, 0..2^64-1 (it travels to the head in a 64-bit field); None =
     fresh entropy (a swarm generation draws one, so that every route it takes agrees)."""
     grammar: str = ""
-    """A grammar the output must follow (kvasird.inference.grammar: llguidance's JSON form,
+    """A grammar the output must follow (kvasird.text.grammar: llguidance's JSON form,
     e.g. of a JSON schema); "" = none. Compiled where the head samples."""
 
     def __post_init__(self) -> None:
@@ -54,15 +54,16 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 1 << 64:
             raise InputError(f"seed must be in 0..2^64-1, got {self.seed}")
         if len(self.grammar) > MAX_GRAMMAR_CHARS:
-            raise InputError(f"grammar of {len(self.grammar)} characters exceeds "
-                             f"{MAX_GRAMMAR_CHARS}")
+            raise InputError(
+                f"grammar of {len(self.grammar)} characters exceeds {MAX_GRAMMAR_CHARS}"
+            )
 
 
 MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 class Constraint(Protocol):
-    """What a sampler needs of a grammar (kvasird.inference.grammar.Constraint)."""
+    """What a sampler needs of a grammar (kvasird.text.grammar.Constraint)."""
 
     def allowed(self, generated: Sequence[int]) -> np.ndarray:
         """The tokens the grammar allows next (bool per vocabulary id), once it has
@@ -77,8 +78,12 @@ class Constraint(Protocol):
 class Sampler:
     """Draws tokens for one generation; holds the seeded random state between steps."""
 
-    def __init__(self, params: SamplingParams = SamplingParams(),
-                 constraint: Constraint | None = None, prompt: int = 0) -> None:
+    def __init__(
+        self,
+        params: SamplingParams = SamplingParams(),
+        constraint: Constraint | None = None,
+        prompt: int = 0,
+    ) -> None:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
         self.constraint = constraint
@@ -95,11 +100,12 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         if self.constraint is None:
             return self._draw(logits, history)
-        allowed = self.constraint.allowed(history[self.prompt:])
+        allowed = self.constraint.allowed(history[self.prompt :])
         z = np.asarray(logits).reshape(-1)
         if allowed.size > z.size:
-            raise InputError(f"the grammar's vocabulary has {allowed.size} tokens, the "
-                             f"logits {z.size}")
+            raise InputError(
+                f"the grammar's vocabulary has {allowed.size} tokens, the logits {z.size}"
+            )
         if allowed.size < z.size:  # an output padded past the tokenizer's vocabulary
             allowed = np.concatenate([allowed, np.zeros(z.size - allowed.size, bool)])
         token = self._draw(np.where(allowed, z, -np.inf), history, masked=True)
@@ -113,18 +119,24 @@ class Sampler:
             z = np.asarray(logits).reshape(-1)
             best = int(np.argmax(z)) if z.size else -1
             if best < 0 or not np.isfinite(z[best]):
-                raise InputError("logits must be a non-empty vector of finite numbers"
-                                 + (" that the grammar allows" if masked else ""))
+                raise InputError(
+                    "logits must be a non-empty vector of finite numbers"
+                    + (" that the grammar allows" if masked else "")
+                )
             return best
         z = np.array(logits, dtype=np.float64).reshape(-1)
-        if z.size == 0 or not (np.isfinite(z) | (masked & (z == -np.inf))).all() \
-                or not np.isfinite(z).any():
+        if (
+            z.size == 0
+            or not (np.isfinite(z) | (masked & (z == -np.inf))).all()
+            or not np.isfinite(z).any()
+        ):
             raise InputError("logits must be a non-empty vector of finite numbers")
         if p.repetition_penalty != 1.0:
             seen = np.unique(np.fromiter(history, dtype=np.int64))
             seen = seen[(seen >= 0) & (seen < z.size)]
-            z[seen] = np.where(z[seen] > 0, z[seen] / p.repetition_penalty,
-                               z[seen] * p.repetition_penalty)
+            z[seen] = np.where(
+                z[seen] > 0, z[seen] / p.repetition_penalty, z[seen] * p.repetition_penalty
+            )
         if p.temperature == 0:
             return int(np.argmax(z))
         order = np.argsort(-z, kind="stable")

@@ -13,7 +13,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from kvasird.compute.sampling import SamplingParams
 from kvasird.gateway.body import Fields, objects, read_json
 from kvasird.gateway.errors import ApiError, BadRequest
 from kvasird.gateway.generation import Choice, Done, Piece
@@ -28,9 +27,9 @@ from kvasird.gateway.tools import (
     finish_with_calls,
     tool_use_id,
 )
-from kvasird.inference.api import Sampling
-from kvasird.inference.chat import Message
-from kvasird.inference.tools import Args, Broken, Closed, Event, Opened, Said
+from kvasird.inference.api import Sampling, SamplingParams
+from kvasird.text.chat import Message
+from kvasird.text.toolcalls.events import Args, Broken, CallClosed, CallOpened, Event, Said
 
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence"}
 
@@ -40,23 +39,36 @@ async def messages(gw: Gateway, request: Request) -> GenerationResponse:
     name = f.string("model")
     info, tok, template = gw.resolve(name)
     use = anthropic_tool_use(f, template)
-    prompt = gw.check_prompt(info, gw.chat_prompt(template, tok, conversation(f), "messages",
-                                                  use.tools), "messages")
+    prompt = gw.check_prompt(
+        info, gw.chat_prompt(template, tok, conversation(f), "messages", use.tools), "messages"
+    )
     if f.obj("thinking").string("type", "disabled") != "disabled":
         raise BadRequest("extended thinking is not supported by this gateway", "thinking")
-    params = SamplingParams(temperature=f.number("temperature", 1.0, 0, 1), top_p=top_p(f),
-                            top_k=f.integer("top_k", 0, 0, 1 << 20), grammar=use.grammar)
+    params = SamplingParams(
+        temperature=f.number("temperature", 1.0, 0, 1),
+        top_p=top_p(f),
+        top_k=f.integer("top_k", 0, 0, 1 << 20),
+        grammar=use.grammar,
+    )
     sampling = Sampling(params, gw.max_tokens(f.integer("max_tokens"), "max_tokens"))
-    job = gw.job(info, tok, name, prompt, sampling, stops=stops(f, "stop_sequences"),
-                 stream=f.boolean("stream", False))
+    job = gw.job(
+        info,
+        tok,
+        name,
+        prompt,
+        sampling,
+        stops=stops(f, "stop_sequences"),
+        stream=f.boolean("stream", False),
+    )
     return GenerationResponse(gw, job, MessagesRenderer(job, use))
 
 
 async def count_tokens(gw: Gateway, request: Request) -> JSONResponse:
     f = await read_json(request, gw.config.max_body_bytes)
     _, tok, template = gw.resolve(f.string("model"))
-    prompt = gw.chat_prompt(template, tok, conversation(f), "messages",
-                            anthropic_tool_use(f, template).tools)
+    prompt = gw.chat_prompt(
+        template, tok, conversation(f), "messages", anthropic_tool_use(f, template).tools
+    )
     return JSONResponse({"input_tokens": len(prompt)})
 
 
@@ -71,12 +83,15 @@ def conversation(f: Fields) -> list[Message]:
     for m in objects(raw, "messages"):
         role = m.string("role")
         if role not in ("user", "assistant"):
-            raise BadRequest(f"`{m.where('role')}` must be \"user\" or \"assistant\", got "
-                             f"{role!r} (the system prompt is the top-level `system`)",
-                             m.where("role"))
+            raise BadRequest(
+                f'`{m.where("role")}` must be "user" or "assistant", got '
+                f"{role!r} (the system prompt is the top-level `system`)",
+                m.where("role"),
+            )
         content = m.value.get("content")
-        if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") in (
-                "tool_use", "tool_result") for b in content):
+        if isinstance(content, list) and any(
+            isinstance(b, dict) and b.get("type") in ("tool_use", "tool_result") for b in content
+        ):
             out += anthropic_blocks(role, content, m.where("content"))
         else:
             out.append(Message(role, content_text(content, m.where("content"))))
@@ -111,20 +126,33 @@ class MessagesRenderer:
     def stream_error(self, err: ApiError) -> list[bytes]:
         return [sse(err.anthropic(), "error")]
 
-    def message(self, content: list[dict[str, Any]], done: Done | None,
-                output_tokens: int, called: bool = False) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant",
-                "model": self.job.model_name, "content": content,
-                "stop_reason": self.stop_reason(done, called) if done else None,
-                "stop_sequence": done.stop_sequence if done else None,
-                "usage": self.usage(done, output_tokens)}
+    def message(
+        self,
+        content: list[dict[str, Any]],
+        done: Done | None,
+        output_tokens: int,
+        called: bool = False,
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.job.model_name,
+            "content": content,
+            "stop_reason": self.stop_reason(done, called) if done else None,
+            "stop_sequence": done.stop_sequence if done else None,
+            "usage": self.usage(done, output_tokens),
+        }
 
     def usage(self, done: Done | None, output_tokens: int) -> dict[str, int]:
         """Anthropic's input_tokens leave out the prompt tokens read from a cache (here: the
         kept KV a route started from), which it counts as cache_read_input_tokens."""
         cached = done.cached_tokens if done else 0
-        return {"input_tokens": len(self.job.request.prompt) - cached,
-                "cache_read_input_tokens": cached, "output_tokens": output_tokens}
+        return {
+            "input_tokens": len(self.job.request.prompt) - cached,
+            "cache_read_input_tokens": cached,
+            "output_tokens": output_tokens,
+        }
 
     @staticmethod
     def stop_reason(done: Done, called: bool) -> str:
@@ -135,15 +163,26 @@ class MessagesRenderer:
         reply = self.use.read(only.text)
         calls = list(reply.calls)
         blocks = [{"type": "text", "text": reply.text}] if reply.text or not calls else []
-        return self.message(blocks + anthropic_tool_blocks(calls), only.done,
-                            only.done.completion_tokens, bool(calls))
+        return self.message(
+            blocks + anthropic_tool_blocks(calls),
+            only.done,
+            only.done.completion_tokens,
+            bool(calls),
+        )
 
     def stream_start(self) -> list[bytes]:
-        return [sse({"type": "message_start", "message": self.message([], None, 0)},
-                    "message_start"),
-                sse({"type": "content_block_start", "index": 0,
-                     "content_block": {"type": "text", "text": ""}}, "content_block_start"),
-                self.ping]
+        return [
+            sse({"type": "message_start", "message": self.message([], None, 0)}, "message_start"),
+            sse(
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+                "content_block_start",
+            ),
+            self.ping,
+        ]
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
         if self._reader is not None:
@@ -157,25 +196,33 @@ class MessagesRenderer:
                 if self._open != "text":
                     out += self._start({"type": "text", "text": ""})
                 out.append(self._delta({"type": "text_delta", "text": e.text}))
-            elif isinstance(e, Opened):
+            elif isinstance(e, CallOpened):
                 self._called = True
-                out += self._start({"type": "tool_use", "id": tool_use_id(e.id),
-                                    "name": e.name, "input": {}})
+                out += self._start(
+                    {"type": "tool_use", "id": tool_use_id(e.id), "name": e.name, "input": {}}
+                )
             elif isinstance(e, Args):
                 out.append(self._delta({"type": "input_json_delta", "partial_json": e.text}))
-            elif isinstance(e, Closed | Broken):
+            elif isinstance(e, CallClosed | Broken):
                 out += self._stop()
         return out
 
     def _start(self, block: dict[str, Any]) -> list[bytes]:
         out = self._stop()
         self._block, self._open = self._block + 1, block["type"]
-        return [*out, sse({"type": "content_block_start", "index": self._block,
-                           "content_block": block}, "content_block_start")]
+        return [
+            *out,
+            sse(
+                {"type": "content_block_start", "index": self._block, "content_block": block},
+                "content_block_start",
+            ),
+        ]
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse({"type": "content_block_delta", "index": self._block, "delta": delta},
-                   "content_block_delta")
+        return sse(
+            {"type": "content_block_delta", "index": self._block, "delta": delta},
+            "content_block_delta",
+        )
 
     def _stop(self) -> list[bytes]:
         if self._open is None:
@@ -186,9 +233,21 @@ class MessagesRenderer:
     def stream_end(self, dones: list[Done]) -> list[bytes]:
         (done,) = dones
         out = self._blocks(self._reader.end()) if self._reader is not None else []
-        return out + self._stop() + [
-                sse({"type": "message_delta",
-                     "delta": {"stop_reason": self.stop_reason(done, self._called),
-                               "stop_sequence": done.stop_sequence},
-                     "usage": self.usage(done, done.completion_tokens)}, "message_delta"),
-                sse({"type": "message_stop"}, "message_stop")]
+        return (
+            out
+            + self._stop()
+            + [
+                sse(
+                    {
+                        "type": "message_delta",
+                        "delta": {
+                            "stop_reason": self.stop_reason(done, self._called),
+                            "stop_sequence": done.stop_sequence,
+                        },
+                        "usage": self.usage(done, done.completion_tokens),
+                    },
+                    "message_delta",
+                ),
+                sse({"type": "message_stop"}, "message_stop"),
+            ]
+        )

@@ -5,9 +5,9 @@
         ─▶ Piece… Done        (rendered by openai.py or anthropic.py)
 
 The special tokens a model writes are dropped from the text, but for the markers its chat
-format reads replies by (harmony's ``<|channel|>``...: kvasird.inference.tools.Format.markers),
-which are kept as their text. The end-of-generation token is never in it: the Generator
-stops there without handing it on.
+format reads replies by (harmony's ``<|channel|>``...:
+kvasird.text.toolcalls.hermes.Format.markers), which are kept as their text. The
+end-of-generation token is never in it: the Generator stops there without handing it on.
 
 A request for n choices (OpenAI's ``n``) is n such generations, run side by side
 (``produce``, one task each), their pieces tagged with the choice's index. Leaving the
@@ -28,8 +28,8 @@ import trio
 from kvasird.errors import KvasirError
 from kvasird.gateway.stops import StopMatcher
 from kvasird.inference.api import Finished, GenerationRequest, Generator, TokenEvent
-from kvasird.inference.tokenizer import Tokenizer
-from kvasird.inference.tools import format_of
+from kvasird.text.tokenizer import Tokenizer
+from kvasird.text.toolcalls.registry import format_of
 
 
 @dataclass(frozen=True)
@@ -81,13 +81,21 @@ def for_choice(request: GenerationRequest, index: int) -> GenerationRequest:
     if params.seed is not None:
         digest = hashlib.blake2b(f"{params.seed}/{index}".encode(), digest_size=8).digest()
         params = dataclasses.replace(params, seed=int.from_bytes(digest, "little"))
-    return dataclasses.replace(request, request_id=f"{request.request_id}-{index}",
-                               sampling=dataclasses.replace(request.sampling, params=params))
+    return dataclasses.replace(
+        request,
+        request_id=f"{request.request_id}-{index}",
+        sampling=dataclasses.replace(request.sampling, params=params),
+    )
 
 
-async def produce(generator: Generator, tokenizer: Tokenizer, request: GenerationRequest,
-                  stops: tuple[str, ...], index: int,
-                  out: trio.MemorySendChannel[Piece | Done | KvasirError]) -> None:
+async def produce(
+    generator: Generator,
+    tokenizer: Tokenizer,
+    request: GenerationRequest,
+    stops: tuple[str, ...],
+    index: int,
+    out: trio.MemorySendChannel[Piece | Done | KvasirError],
+) -> None:
     """Send one choice's pieces and its Done to ``out``, or the error that ended it."""
     async with out, aclosing(pieces(generator, tokenizer, request, stops, index)) as items:
         try:
@@ -97,8 +105,13 @@ async def produce(generator: Generator, tokenizer: Tokenizer, request: Generatio
             await out.send(exc)
 
 
-async def pieces(generator: Generator, tokenizer: Tokenizer, request: GenerationRequest,
-                 stops: tuple[str, ...], index: int = 0) -> AsyncGenerator[Piece | Done, None]:
+async def pieces(
+    generator: Generator,
+    tokenizer: Tokenizer,
+    request: GenerationRequest,
+    stops: tuple[str, ...],
+    index: int = 0,
+) -> AsyncGenerator[Piece | Done, None]:
     decoder, matcher = Decoder(tokenizer), StopMatcher(stops)
     pending: list[TokenEvent] = []
     produced = 0
@@ -110,8 +123,14 @@ async def pieces(generator: Generator, tokenizer: Tokenizer, request: Generation
                 if tail or pending:
                     yield Piece(tail, tuple(pending), index)
                 reason = "stop_sequence" if hit else event.reason
-                yield Done(reason, hit, event.prompt_tokens, event.completion_tokens, index,
-                           event.cached_tokens)
+                yield Done(
+                    reason,
+                    hit,
+                    event.prompt_tokens,
+                    event.completion_tokens,
+                    index,
+                    event.cached_tokens,
+                )
                 return
             pending.append(event)
             produced += 1
@@ -144,8 +163,9 @@ class Decoder:
 
 
 @asynccontextmanager
-async def _closing(events: AsyncIterator[TokenEvent | Finished]
-                   ) -> AsyncIterator[AsyncIterator[TokenEvent | Finished]]:
+async def _closing(
+    events: AsyncIterator[TokenEvent | Finished],
+) -> AsyncIterator[AsyncIterator[TokenEvent | Finished]]:
     """Close the Generator's stream when we leave (the protocol promises an async iterator;
     async generators, the usual implementation, free their KV cache in aclose)."""
     try:

@@ -17,7 +17,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from kvasird import __version__
-from kvasird.compute.sampling import SamplingParams
 from kvasird.gateway.body import Fields, objects, read_json, text
 from kvasird.gateway.errors import ApiError, BadRequest, NotFound
 from kvasird.gateway.generation import Choice, Done, Piece
@@ -30,18 +29,22 @@ from kvasird.gateway.tools import (
     openai_tool_calls,
     openai_tool_use,
 )
-from kvasird.inference.api import ModelInfo, Sampling, TokenEvent
-from kvasird.inference.chat import Message
-from kvasird.inference.grammar import JSON_OBJECT, GrammarError, check, for_json_schema
-from kvasird.inference.tokenizer import Tokenizer
-from kvasird.inference.tools import Args, Event, Opened, Reader, Said, Thought
+from kvasird.inference.api import ModelInfo, Sampling, SamplingParams, TokenEvent
 from kvasird.model.names import slug
+from kvasird.text.chat import Message
+from kvasird.text.grammar import JSON_OBJECT, GrammarError, check, for_json_schema
+from kvasird.text.tokenizer import Tokenizer
+from kvasird.text.toolcalls.events import Args, CallOpened, Event, Reader, Said, Thought
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-         "tool": "tool"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 MAX_STOPS = 16
-FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length",
-          "tool_calls": "tool_calls"}
+FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls"}
 DONE = b"data: [DONE]\n\n"
 
 
@@ -50,20 +53,28 @@ async def chat_completions(gw: Gateway, request: Request) -> GenerationResponse:
     name = f.string("model")
     info, tok, template = gw.resolve(name)
     use = openai_tool_use(f, template)
-    prompt = gw.check_prompt(info, gw.chat_prompt(template, tok, messages(f), "messages",
-                                                  use.tools), "messages")
+    prompt = gw.check_prompt(
+        info, gw.chat_prompt(template, tok, messages(f), "messages", use.tools), "messages"
+    )
     logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", 0, 0, 20)
     if top and not logprobs:
         raise BadRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     field = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
     max_tokens = gw.max_tokens(f.integer(field, None), field)
-    job = gw.job(info, tok, name, prompt, sampling(f, max_tokens, top if logprobs else -1,
-                                                   use.grammar),
-                 stops=stops(f), stream=f.boolean("stream", False),
-                 include_usage=f.obj("stream_options").boolean("include_usage", False),
-                 top_logprobs=top if logprobs else -1, ignore_eos=f.boolean("ignore_eos", False),
-                 n=gw.choices(f.integer("n", 1)))
+    job = gw.job(
+        info,
+        tok,
+        name,
+        prompt,
+        sampling(f, max_tokens, top if logprobs else -1, use.grammar),
+        stops=stops(f),
+        stream=f.boolean("stream", False),
+        include_usage=f.obj("stream_options").boolean("include_usage", False),
+        top_logprobs=top if logprobs else -1,
+        ignore_eos=f.boolean("ignore_eos", False),
+        n=gw.choices(f.integer("n", 1)),
+    )
     return GenerationResponse(gw, job, ChatRenderer(job, use))
 
 
@@ -80,17 +91,26 @@ async def completions(gw: Gateway, request: Request) -> GenerationResponse:
     asked = f.integer("logprobs", None, 0, 20)
     top = -1 if asked is None else asked
     max_tokens = gw.max_tokens(f.integer("max_tokens", 16), "max_tokens")
-    job = gw.job(info, tok, name, prompt, sampling(f, max_tokens, top), stops=stops(f),
-                 stream=f.boolean("stream", False),
-                 include_usage=f.obj("stream_options").boolean("include_usage", False),
-                 top_logprobs=top, ignore_eos=f.boolean("ignore_eos", False),
-                 n=gw.choices(f.integer("n", 1)))
+    job = gw.job(
+        info,
+        tok,
+        name,
+        prompt,
+        sampling(f, max_tokens, top),
+        stops=stops(f),
+        stream=f.boolean("stream", False),
+        include_usage=f.obj("stream_options").boolean("include_usage", False),
+        top_logprobs=top,
+        ignore_eos=f.boolean("ignore_eos", False),
+        n=gw.choices(f.integer("n", 1)),
+    )
     return GenerationResponse(gw, job, CompletionRenderer(job))
 
 
 async def models(gw: Gateway, _: Request) -> JSONResponse:
-    return JSONResponse({"object": "list",
-                         "data": [model_object(m, gw.created) for m in gw.models()]})
+    return JSONResponse(
+        {"object": "list", "data": [model_object(m, gw.created) for m in gw.models()]}
+    )
 
 
 async def model(gw: Gateway, request: Request) -> JSONResponse:
@@ -100,8 +120,12 @@ async def model(gw: Gateway, request: Request) -> JSONResponse:
         if m.answers_to(name):
             return JSONResponse(model_object(m, gw.created))
     known = ", ".join(f"{m.label} (id {m.model_id})" for m in gw.models()) or "none"
-    raise NotFound(f"model {name!r} is not served by this gateway; models: {known} (name one "
-                   "by its name, its id or 8+ hex digits of it)", "model", "model_not_found")
+    raise NotFound(
+        f"model {name!r} is not served by this gateway; models: {known} (name one "
+        "by its name, its id or 8+ hex digits of it)",
+        "model",
+        "model_not_found",
+    )
 
 
 def model_object(m: ModelInfo, created: int) -> dict[str, Any]:
@@ -112,9 +136,17 @@ def model_object(m: ModelInfo, created: int) -> dict[str, Any]:
     the name for chat UIs that show them (Open WebUI does); ``slug`` is the form requests
     carried before names were ``family:tag``. A request may name the model by any of
     these, or by an 8+ hex digit prefix of the id."""
-    return {"id": m.label, "object": "model", "created": created, "owned_by": "kvasir",
-            "model_id": m.model_id, "name": m.label, "slug": slug(m.label), "label": m.label,
-            "context_length": m.context_length}
+    return {
+        "id": m.label,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvasir",
+        "model_id": m.model_id,
+        "name": m.label,
+        "slug": slug(m.label),
+        "label": m.label,
+        "context_length": m.context_length,
+    }
 
 
 def messages(f: Fields) -> list[Message]:
@@ -125,15 +157,23 @@ def messages(f: Fields) -> list[Message]:
     for m in objects(raw, "messages"):
         role = m.string("role")
         if role not in ROLES:
-            raise BadRequest(f"`{m.where('role')}` must be one of {', '.join(ROLES)}, got "
-                             f"{role!r}", m.where("role"))
+            raise BadRequest(
+                f"`{m.where('role')}` must be one of {', '.join(ROLES)}, got {role!r}",
+                m.where("role"),
+            )
         content = m.value.get("content")
         if content is None and role != "assistant":
             raise BadRequest(f"`{m.where('content')}` is required", m.where("content"))
         text_ = content_text(content, m.where("content"))
         if role == "tool":
-            out.append(Message("tool", text_, tool_call_id=m.string("tool_call_id", ""),
-                               name=m.string("name", "")))
+            out.append(
+                Message(
+                    "tool",
+                    text_,
+                    tool_call_id=m.string("tool_call_id", ""),
+                    name=m.string("name", ""),
+                )
+            )
         elif role == "assistant" and m.has("tool_calls"):
             out.append(Message("assistant", text_, openai_calls(m)))
         else:
@@ -153,8 +193,10 @@ def content_text(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -
     for part in objects(content, where):
         kind = part.string("type")
         if kind not in kinds:
-            raise BadRequest(f"`{part.where('type')}` is {kind!r}: only text content is "
-                             "supported", part.where("type"))
+            raise BadRequest(
+                f"`{part.where('type')}` is {kind!r}: only text content is supported",
+                part.where("type"),
+            )
         parts.append(part.string("text"))
     return "".join(parts)
 
@@ -171,11 +213,16 @@ def prompt_tokens(f: Fields, tok: Tokenizer, special: bool) -> list[int]:
     if isinstance(raw, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
         bad = [t for t in raw if not 0 <= t < tok.n_vocab]
         if bad:
-            raise BadRequest(f"`prompt` holds token id {bad[0]}, outside the vocabulary "
-                             f"0..{tok.n_vocab - 1}", "prompt")
+            raise BadRequest(
+                f"`prompt` holds token id {bad[0]}, outside the vocabulary 0..{tok.n_vocab - 1}",
+                "prompt",
+            )
         return list(raw)
-    raise BadRequest("`prompt` must be a string or an array of token ids (one prompt; for "
-                     "several answers to it, ask for `n` choices)", "prompt")
+    raise BadRequest(
+        "`prompt` must be a string or an array of token ids (one prompt; for "
+        "several answers to it, ask for `n` choices)",
+        "prompt",
+    )
 
 
 def sampling(f: Fields, max_tokens: int, top_logprobs: int, tool_grammar: str = "") -> Sampling:
@@ -185,17 +232,26 @@ def sampling(f: Fields, max_tokens: int, top_logprobs: int, tool_grammar: str = 
             raise BadRequest(f"`{name}` is not supported (only 0); use `repetition_penalty`", name)
     for name in ("functions", "logit_bias"):
         if f.value.get(name):
-            raise BadRequest(f"`{name}` is not supported by this gateway"
-                             + (": use `tools`" if name == "functions" else ""), name)
+            raise BadRequest(
+                f"`{name}` is not supported by this gateway"
+                + (": use `tools`" if name == "functions" else ""),
+                name,
+            )
     seed = f.integer("seed", None)
-    params = SamplingParams(temperature=f.number("temperature", 1.0, 0, 2), top_p=top_p(f),
-                            top_k=f.integer("top_k", 0, 0, 1 << 20),
-                            repetition_penalty=f.number("repetition_penalty", 1.0, 0.01, 10),
-                            seed=None if seed is None else seed % (1 << 64),
-                            grammar=tool_grammar or response_format(f.obj("response_format")))
+    params = SamplingParams(
+        temperature=f.number("temperature", 1.0, 0, 2),
+        top_p=top_p(f),
+        top_k=f.integer("top_k", 0, 0, 1 << 20),
+        repetition_penalty=f.number("repetition_penalty", 1.0, 0.01, 10),
+        seed=None if seed is None else seed % (1 << 64),
+        grammar=tool_grammar or response_format(f.obj("response_format")),
+    )
     if tool_grammar and response_format(f.obj("response_format")):
-        raise BadRequest("`response_format` and a `tool_choice` that forces a call cannot "
-                         "both hold the reply: drop one", "response_format")
+        raise BadRequest(
+            "`response_format` and a `tool_choice` that forces a call cannot "
+            "both hold the reply: drop one",
+            "response_format",
+        )
     return Sampling(params, max_tokens, max(top_logprobs, 1) if top_logprobs >= 0 else 0)
 
 
@@ -214,8 +270,10 @@ def response_format(f: Fields) -> str:
             spec.string("name", "")
             grammar = for_json_schema(spec.value.get("schema", {}), f"{spec.where('schema')}")
         else:
-            raise BadRequest(f"`{f.where('type')}` must be \"text\", \"json_object\" or "
-                             f"\"json_schema\", got {kind!r}", f.where("type"))
+            raise BadRequest(
+                f'`{f.where("type")}` must be "text", "json_object" or "json_schema", got {kind!r}',
+                f.where("type"),
+            )
         check(grammar, f.path)
     except GrammarError as exc:
         raise BadRequest(f"`{f.path}`: {exc}", f.path) from None
@@ -238,8 +296,9 @@ def stops(f: Fields, name: str = "stop") -> tuple[str, ...]:
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise BadRequest(f"`{name}` must be a string or an array of strings", name)
     if len(items) > MAX_STOPS or any(not s or len(s) > 256 for s in items):
-        raise BadRequest(f"`{name}` takes up to {MAX_STOPS} non-empty sequences of at most 256 "
-                         "characters", name)
+        raise BadRequest(
+            f"`{name}` takes up to {MAX_STOPS} non-empty sequences of at most 256 characters", name
+        )
     return tuple(text(s, name) for s in items)
 
 
@@ -268,18 +327,29 @@ class _OpenAIRenderer:
         the prompt tokens the first choice's route started from kept KV (OpenAI's cached
         tokens)."""
         prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": dones[0].cached_tokens}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": dones[0].cached_tokens},
+        }
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
-        return {**self.envelope([self.choice(c) for c in choices]),
-                "usage": self.usage([c.done for c in choices])}
+        return {
+            **self.envelope([self.choice(c) for c in choices]),
+            "usage": self.usage([c.done for c in choices]),
+        }
 
     def envelope(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        out = {"id": self.id, "object": self.kind, "created": self.created,
-               "model": self.job.model_name, "system_fingerprint": f"kvasird-{__version__}",
-               "choices": choices, **extra}
+        out = {
+            "id": self.id,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.job.model_name,
+            "system_fingerprint": f"kvasird-{__version__}",
+            "choices": choices,
+            **extra,
+        }
         if self.job.stream and self.job.include_usage:
             out.setdefault("usage", None)
         return out
@@ -325,26 +395,52 @@ class ChatRenderer(_OpenAIRenderer):
             message["reasoning_content"] = reply.reasoning
         if calls:
             message.update(content=reply.text or None, tool_calls=openai_tool_calls(calls))
-        return {"index": c.done.index, "message": message,
-                "logprobs": self.logprobs(list(c.tokens)),
-                "finish_reason": self.finish(c.done, bool(calls))}
+        return {
+            "index": c.done.index,
+            "message": message,
+            "logprobs": self.logprobs(list(c.tokens)),
+            "finish_reason": self.finish(c.done, bool(calls)),
+        }
 
     def finish(self, done: Done, called: bool) -> str:
         return "tool_calls" if finish_with_calls(done.reason, called) else FINISH[done.reason]
 
     def stream_start(self) -> list[bytes]:
-        return [sse(self.envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]))
-                for i in range(self.job.n)]
+        return [
+            sse(
+                self.envelope(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+            for i in range(self.job.n)
+        ]
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
         if self.use.reads:
             return self._deltas(piece.index, self._reader(piece.index).feed(piece.text))
         if not piece.text and self.job.top_logprobs < 0:
             return []
-        return [sse(self.envelope([{"index": piece.index, "delta": {"content": piece.text},
-                                    "logprobs": self.logprobs(list(piece.tokens)),
-                                    "finish_reason": None}]))]
+        return [
+            sse(
+                self.envelope(
+                    [
+                        {
+                            "index": piece.index,
+                            "delta": {"content": piece.text},
+                            "logprobs": self.logprobs(list(piece.tokens)),
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+        ]
 
     def stream_end(self, dones: list[Done]) -> list[bytes]:
         out = []
@@ -365,37 +461,65 @@ class ChatRenderer(_OpenAIRenderer):
                 delta: dict[str, Any] = {"content": e.text}
             elif isinstance(e, Thought):
                 delta = {"reasoning_content": e.text}
-            elif isinstance(e, Opened):
+            elif isinstance(e, CallOpened):
                 self._called.add(index)
-                delta = {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
-                                         "function": {"name": e.name, "arguments": ""}}]}
+                delta = {
+                    "tool_calls": [
+                        {
+                            "index": e.index,
+                            "id": e.id,
+                            "type": "function",
+                            "function": {"name": e.name, "arguments": ""},
+                        }
+                    ]
+                }
             elif isinstance(e, Args):
                 delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
             else:
                 continue
-            out.append(sse(self.envelope([{"index": index, "delta": delta, "logprobs": None,
-                                           "finish_reason": None}])))
+            out.append(
+                sse(
+                    self.envelope(
+                        [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
+                    )
+                )
+            )
         return out
 
     def final_choice(self, done: Done) -> dict[str, Any]:
-        return {"index": done.index, "delta": {}, "logprobs": None,
-                "finish_reason": self.finish(done, done.index in self._called)}
+        return {
+            "index": done.index,
+            "delta": {},
+            "logprobs": None,
+            "finish_reason": self.finish(done, done.index in self._called),
+        }
 
     def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
         if self.job.top_logprobs < 0:
             return None
         tok, n = self.job.tokenizer, self.job.top_logprobs
-        return {"content": [{**_token(tok, t.token, t.logprob),
-                             "top_logprobs": [_token(tok, i, lp) for i, lp in t.top[:n]]}
-                            for t in tokens], "refusal": None}
+        return {
+            "content": [
+                {
+                    **_token(tok, t.token, t.logprob),
+                    "top_logprobs": [_token(tok, i, lp) for i, lp in t.top[:n]],
+                }
+                for t in tokens
+            ],
+            "refusal": None,
+        }
 
 
 class CompletionRenderer(_OpenAIRenderer):
     prefix, kind = "cmpl", "text_completion"
 
     def choice(self, c: Choice) -> dict[str, Any]:
-        return {"index": c.done.index, "text": c.text, "logprobs": self.logprobs(list(c.tokens)),
-                "finish_reason": FINISH[c.done.reason]}
+        return {
+            "index": c.done.index,
+            "text": c.text,
+            "logprobs": self.logprobs(list(c.tokens)),
+            "finish_reason": FINISH[c.done.reason],
+        }
 
     def stream_start(self) -> list[bytes]:
         return []
@@ -403,13 +527,28 @@ class CompletionRenderer(_OpenAIRenderer):
     def stream_piece(self, piece: Piece) -> list[bytes]:
         if not piece.text and self.job.top_logprobs < 0:
             return []
-        return [sse(self.envelope([{"index": piece.index, "text": piece.text,
-                                    "logprobs": self.logprobs(list(piece.tokens)),
-                                    "finish_reason": None}]))]
+        return [
+            sse(
+                self.envelope(
+                    [
+                        {
+                            "index": piece.index,
+                            "text": piece.text,
+                            "logprobs": self.logprobs(list(piece.tokens)),
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+        ]
 
     def final_choice(self, done: Done) -> dict[str, Any]:
-        return {"index": done.index, "text": "", "logprobs": None,
-                "finish_reason": FINISH[done.reason]}
+        return {
+            "index": done.index,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": FINISH[done.reason],
+        }
 
     def logprobs(self, tokens: list[TokenEvent]) -> dict[str, Any] | None:
         if self.job.top_logprobs < 0:
@@ -417,10 +556,15 @@ class CompletionRenderer(_OpenAIRenderer):
         tok, n = self.job.tokenizer, self.job.top_logprobs
         texts = [tok.token_bytes(t.token).decode("utf-8", "replace") for t in tokens]
         offsets = [sum(len(x) for x in texts[:i]) for i in range(len(texts))]
-        return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{tok.token_bytes(i).decode("utf-8", "replace"): lp
-                                  for i, lp in t.top[:n]} for t in tokens],
-                "text_offset": offsets}
+        return {
+            "tokens": texts,
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [
+                {tok.token_bytes(i).decode("utf-8", "replace"): lp for i, lp in t.top[:n]}
+                for t in tokens
+            ],
+            "text_offset": offsets,
+        }
 
 
 def _token(tok: Tokenizer, token: int, logprob: float | None) -> dict[str, Any]:

@@ -1,26 +1,26 @@
 """OpenAI's Responses API: POST /v1/responses, GET /v1/responses/{id}.
 
-    request   model, instructions, input (a string, or items: messages with input_text /
-              output_text parts, function_call and function_call_output items), tools
-              (flat: {type: "function", name, description, parameters}), tool_choice,
-              parallel_tool_calls, text.format (text | json_object | json_schema),
-              temperature, top_p, max_output_tokens, stream, previous_response_id, store
-    prompt    the previous response's conversation (when named), then the instructions as
-              the system message (instructions are not carried over, as OpenAI documents),
-              then the input, through the model's chat template with the tools
-    reply     a response object: output items (a message with output_text, function_call
-              items for the calls the model made), usage, status "completed" or
-              "incomplete" (max_output_tokens)
-    stream    response.created, response.in_progress, then per output item
-              output_item.added, (content_part.added, output_text.delta..., output_text.done,
-              content_part.done | function_call_arguments.delta, .done), output_item.done,
-              then response.completed; every event numbered (sequence_number). With tools,
-              text is sent as soon as it cannot be the start of a call, and each call as it
-              is written (its arguments as partial JSON); a call cut off by the token limit
-              ends "incomplete".
-    store     responses kept STORE_S (at most STORE_MAX, the oldest dropped first) in this
-              gateway's memory, for previous_response_id and GET: a chain of turns without
-              resending them, within a bounded time
+request   model, instructions, input (a string, or items: messages with input_text /
+          output_text parts, function_call and function_call_output items), tools
+          (flat: {type: "function", name, description, parameters}), tool_choice,
+          parallel_tool_calls, text.format (text | json_object | json_schema),
+          temperature, top_p, max_output_tokens, stream, previous_response_id, store
+prompt    the previous response's conversation (when named), then the instructions as
+          the system message (instructions are not carried over, as OpenAI documents),
+          then the input, through the model's chat template with the tools
+reply     a response object: output items (a message with output_text, function_call
+          items for the calls the model made), usage, status "completed" or
+          "incomplete" (max_output_tokens)
+stream    response.created, response.in_progress, then per output item
+          output_item.added, (content_part.added, output_text.delta..., output_text.done,
+          content_part.done | function_call_arguments.delta, .done), output_item.done,
+          then response.completed; every event numbered (sequence_number). With tools,
+          text is sent as soon as it cannot be the start of a call, and each call as it
+          is written (its arguments as partial JSON); a call cut off by the token limit
+          ends "incomplete".
+store     responses kept STORE_S (at most STORE_MAX, the oldest dropped first) in this
+          gateway's memory, for previous_response_id and GET: a chain of turns without
+          resending them, within a bounded time
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from weakref import WeakKeyDictionary
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from kvasird.compute.sampling import SamplingParams
 from kvasird.gateway.body import Fields, objects, read_json, text
 from kvasird.gateway.errors import ApiError, BadRequest, NotFound
 from kvasird.gateway.generation import Choice, Done, Piece
@@ -42,9 +41,10 @@ from kvasird.gateway.openai import content_text, response_format, top_p
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
 from kvasird.gateway.tools import ToolUse, choose, parse_tool, tool_items
-from kvasird.inference.api import Sampling
-from kvasird.inference.chat import Message
-from kvasird.inference.tools import Args, Broken, Closed, Event, Opened, Said, ToolCall
+from kvasird.inference.api import Sampling, SamplingParams
+from kvasird.text.chat import Message
+from kvasird.text.toolcalls.calls import ToolCall
+from kvasird.text.toolcalls.events import Args, Broken, CallClosed, CallOpened, Event, Said
 
 STORE_S = 3600.0
 STORE_MAX = 256
@@ -66,9 +66,13 @@ class Store:
         hit = self._items.get(rid)
         if hit is None or time.monotonic() - hit[0] > STORE_S:
             self._items.pop(rid, None)
-            raise NotFound(f"response {rid!r} is not stored here (responses are kept "
-                           f"{STORE_S / 60:g} minutes, {STORE_MAX} at most): send the whole "
-                           "conversation as `input` instead", where, "response_not_found")
+            raise NotFound(
+                f"response {rid!r} is not stored here (responses are kept "
+                f"{STORE_S / 60:g} minutes, {STORE_MAX} at most): send the whole "
+                "conversation as `input` instead",
+                where,
+                "response_not_found",
+            )
         return hit[1], hit[2]
 
 
@@ -92,27 +96,39 @@ async def create(gw: Gateway, request: Request) -> GenerationResponse:
         raise BadRequest("`input` is empty: there is nothing to answer", "input")
     system = [Message("system", f.string("instructions"))] if f.has("instructions") else []
     use = tool_use(f, template)
-    prompt = gw.check_prompt(info, gw.chat_prompt(template, tok, [*system, *conversation],
-                                                  "input", use.tools), "input")
+    prompt = gw.check_prompt(
+        info, gw.chat_prompt(template, tok, [*system, *conversation], "input", use.tools), "input"
+    )
     fmt = f.obj("text").obj("format")
     grammar = use.grammar or response_format(_as_response_format(fmt))
     if use.grammar and fmt.string("type", "text") != "text":
-        raise BadRequest("`text.format` and a `tool_choice` that forces a call cannot both "
-                         "hold the reply: drop one", "text.format")
-    params = SamplingParams(temperature=f.number("temperature", 1.0, 0, 2), top_p=top_p(f),
-                            grammar=grammar)
+        raise BadRequest(
+            "`text.format` and a `tool_choice` that forces a call cannot both "
+            "hold the reply: drop one",
+            "text.format",
+        )
+    params = SamplingParams(
+        temperature=f.number("temperature", 1.0, 0, 2), top_p=top_p(f), grammar=grammar
+    )
     max_tokens = gw.max_tokens(f.integer("max_output_tokens", None), "max_output_tokens")
-    job = gw.job(info, tok, name, prompt, Sampling(params, max_tokens),
-                 stream=f.boolean("stream", False))
-    echo = {"instructions": f.value.get("instructions"), "previous_response_id": previous,
-            "temperature": params.temperature, "top_p": params.top_p,
-            "max_output_tokens": max_tokens, "tools": f.value.get("tools") or [],
-            "tool_choice": f.value.get("tool_choice", "auto"),
-            "parallel_tool_calls": f.boolean("parallel_tool_calls", True),
-            "text": {"format": fmt.value or {"type": "text"}},
-            "metadata": f.obj("metadata").value}
-    renderer = ResponsesRenderer(job, use, echo, conversation,
-                                 store_of(gw) if f.boolean("store", True) else None)
+    job = gw.job(
+        info, tok, name, prompt, Sampling(params, max_tokens), stream=f.boolean("stream", False)
+    )
+    echo = {
+        "instructions": f.value.get("instructions"),
+        "previous_response_id": previous,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "max_output_tokens": max_tokens,
+        "tools": f.value.get("tools") or [],
+        "tool_choice": f.value.get("tool_choice", "auto"),
+        "parallel_tool_calls": f.boolean("parallel_tool_calls", True),
+        "text": {"format": fmt.value or {"type": "text"}},
+        "metadata": f.obj("metadata").value,
+    }
+    renderer = ResponsesRenderer(
+        job, use, echo, conversation, store_of(gw) if f.boolean("store", True) else None
+    )
     return GenerationResponse(gw, job, renderer)
 
 
@@ -124,8 +140,13 @@ def _as_response_format(fmt: Fields) -> Fields:
     """text.format as Chat Completions' response_format (json_schema's fields sit flat)."""
     if fmt.string("type", "text") != "json_schema":
         return fmt
-    return Fields({"type": "json_schema", "json_schema": {
-        "name": fmt.string("name", ""), "schema": fmt.obj("schema").value}}, fmt.path)
+    return Fields(
+        {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.string("name", ""), "schema": fmt.obj("schema").value},
+        },
+        fmt.path,
+    )
 
 
 def input_items(f: Fields) -> list[Message]:
@@ -140,14 +161,25 @@ def input_items(f: Fields) -> list[Message]:
         if kind == "message":
             role = item.string("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise BadRequest(f"`{item.where('role')}` must be user, assistant, system or "
-                                 f"developer, got {role!r}", item.where("role"))
-            out.append(Message("system" if role == "developer" else role,
-                               content_text(item.value.get("content"), item.where("content"),
-                                            ("input_text", "output_text", "text"))))
+                raise BadRequest(
+                    f"`{item.where('role')}` must be user, assistant, system or "
+                    f"developer, got {role!r}",
+                    item.where("role"),
+                )
+            out.append(
+                Message(
+                    "system" if role == "developer" else role,
+                    content_text(
+                        item.value.get("content"),
+                        item.where("content"),
+                        ("input_text", "output_text", "text"),
+                    ),
+                )
+            )
         elif kind == "function_call":
-            call = ToolCall(item.string("call_id"), item.string("name"),
-                            item.string("arguments", "{}"))
+            call = ToolCall(
+                item.string("call_id"), item.string("name"), item.string("arguments", "{}")
+            )
             if out and out[-1].role == "assistant" and out[-1].tool_calls:
                 last = out.pop()
                 out.append(Message("assistant", last.content, (*last.tool_calls, call)))
@@ -155,11 +187,19 @@ def input_items(f: Fields) -> list[Message]:
                 out.append(Message("assistant", "", (call,)))
         elif kind == "function_call_output":
             output = item.value.get("output")
-            out.append(Message("tool", output if isinstance(output, str) else json.dumps(output),
-                               tool_call_id=item.string("call_id")))
+            out.append(
+                Message(
+                    "tool",
+                    output if isinstance(output, str) else json.dumps(output),
+                    tool_call_id=item.string("call_id"),
+                )
+            )
         else:
-            raise BadRequest(f"`{item.where('type')}` is {kind!r}: this gateway takes message, "
-                             "function_call and function_call_output items", item.where("type"))
+            raise BadRequest(
+                f"`{item.where('type')}` is {kind!r}: this gateway takes message, "
+                "function_call and function_call_output items",
+                item.where("type"),
+            )
     return out
 
 
@@ -170,22 +210,31 @@ def tool_use(f: Fields, template: Any) -> ToolUse:
     tools = []
     for t in tool_items(f, "tools"):
         if t.string("type") != "function":
-            raise BadRequest(f"`{t.where('type')}` is {t.string('type')!r}: only function "
-                             "tools are supported", t.where("type"))
+            raise BadRequest(
+                f"`{t.where('type')}` is {t.string('type')!r}: only function tools are supported",
+                t.where("type"),
+            )
         tools.append(parse_tool(t, "name", "description", "parameters"))
     choice = f.value.get("tool_choice", "auto")
     parallel = f.boolean("parallel_tool_calls", True)
     if choice in ("none", "auto", "required"):
         return choose(tools, template, choice, None, parallel, "tool_choice")
-    return choose(tools, template, "named", f.obj("tool_choice").string("name"), parallel,
-                  "tool_choice")
+    return choose(
+        tools, template, "named", f.obj("tool_choice").string("name"), parallel, "tool_choice"
+    )
 
 
 class ResponsesRenderer:
     ping = b": ping\n\n"
 
-    def __init__(self, job: Job, use: ToolUse, echo: dict[str, Any],
-                 conversation: list[Message], store: Store | None) -> None:
+    def __init__(
+        self,
+        job: Job,
+        use: ToolUse,
+        echo: dict[str, Any],
+        conversation: list[Message],
+        store: Store | None,
+    ) -> None:
         self.job, self.use, self.echo = job, use, echo
         self.conversation, self.store = conversation, store
         self.id = f"resp_{job.request.request_id}"
@@ -200,28 +249,52 @@ class ResponsesRenderer:
 
     # --- the response object ----------------------------------------------------------
 
-    def response(self, status: str, output: list[dict[str, Any]],
-                 done: Done | None) -> dict[str, Any]:
-        usage = None if done is None else {
-            "input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "input_tokens_details": {"cached_tokens": done.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
-        return {"id": self.id, "object": "response", "created_at": self.created,
-                "status": status, "model": self.job.model_name, "output": output,
-                "error": None, "incomplete_details": {"reason": "max_output_tokens"}
-                if status == "incomplete" else None, "usage": usage, "truncation": "disabled",
-                "store": self.store is not None, **self.echo}
+    def response(
+        self, status: str, output: list[dict[str, Any]], done: Done | None
+    ) -> dict[str, Any]:
+        usage = (
+            None
+            if done is None
+            else {
+                "input_tokens": done.prompt_tokens,
+                "output_tokens": done.completion_tokens,
+                "total_tokens": done.prompt_tokens + done.completion_tokens,
+                "input_tokens_details": {
+                    "cached_tokens": done.cached_tokens,
+                    "cache_write_tokens": 0,
+                },
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
+        )
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.job.model_name,
+            "output": output,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "usage": usage,
+            "truncation": "disabled",
+            "store": self.store is not None,
+            **self.echo,
+        }
 
     def _finish(self, done: Done) -> dict[str, Any]:
         if not self._items:
             self._apply([Said("")])
-        self._close("incomplete" if self._reader is not None and self._reader.cut
-                    else "completed")
-        said = "".join(i["content"][0]["text"] for i in self._items if i["type"] == "message"
-                       and i["content"])
-        calls = tuple(ToolCall(i["call_id"], i["name"], i["arguments"]) for i in self._items
-                      if i["type"] == "function_call" and i["status"] == "completed")
+        self._close("incomplete" if self._reader is not None and self._reader.cut else "completed")
+        said = "".join(
+            i["content"][0]["text"] for i in self._items if i["type"] == "message" and i["content"]
+        )
+        calls = tuple(
+            ToolCall(i["call_id"], i["name"], i["arguments"])
+            for i in self._items
+            if i["type"] == "function_call" and i["status"] == "completed"
+        )
         status = "incomplete" if done.reason == "length" else "completed"
         body = self.response(status, self._items, done)
         if self.store is not None:
@@ -244,35 +317,65 @@ class ResponsesRenderer:
                     out += self._close("completed")
                     ident = self.msg_id + (f"_{self._messages}" if self._messages else "")
                     self._messages += 1
-                    self._open = {"type": "message", "id": ident, "status": "in_progress",
-                                  "role": "assistant", "content": []}
+                    self._open = {
+                        "type": "message",
+                        "id": ident,
+                        "status": "in_progress",
+                        "role": "assistant",
+                        "content": [],
+                    }
                     self._items.append(self._open)
                     i += 1
                     part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                    out += [self._event("response.output_item.added", output_index=i,
-                                        item=self._open),
-                            self._event("response.content_part.added", item_id=ident,
-                                        output_index=i, content_index=0, part=part)]
+                    out += [
+                        self._event("response.output_item.added", output_index=i, item=self._open),
+                        self._event(
+                            "response.content_part.added",
+                            item_id=ident,
+                            output_index=i,
+                            content_index=0,
+                            part=part,
+                        ),
+                    ]
                     self._open["content"].append(part)
                 if e.text:
                     self._open["content"][0]["text"] += e.text
-                    out.append(self._event("response.output_text.delta", item_id=self._open["id"],
-                                           output_index=i, content_index=0, delta=e.text,
-                                           logprobs=[]))
-            elif isinstance(e, Opened):
+                    out.append(
+                        self._event(
+                            "response.output_text.delta",
+                            item_id=self._open["id"],
+                            output_index=i,
+                            content_index=0,
+                            delta=e.text,
+                            logprobs=[],
+                        )
+                    )
+            elif isinstance(e, CallOpened):
                 out += self._close("completed")
-                self._open = {"type": "function_call", "id": "fc_" + e.id.removeprefix("call_"),
-                              "call_id": e.id, "name": e.name, "arguments": "",
-                              "status": "in_progress"}
+                self._open = {
+                    "type": "function_call",
+                    "id": "fc_" + e.id.removeprefix("call_"),
+                    "call_id": e.id,
+                    "name": e.name,
+                    "arguments": "",
+                    "status": "in_progress",
+                }
                 self._items.append(self._open)
-                out.append(self._event("response.output_item.added", output_index=i + 1,
-                                       item=self._open))
+                out.append(
+                    self._event("response.output_item.added", output_index=i + 1, item=self._open)
+                )
             elif isinstance(e, Args) and self._open is not None:
                 self._open["arguments"] += e.text
-                out.append(self._event("response.function_call_arguments.delta",
-                                       item_id=self._open["id"], output_index=i, delta=e.text))
-            elif isinstance(e, Closed | Broken):
-                out += self._close("completed" if isinstance(e, Closed) else "incomplete")
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=self._open["id"],
+                        output_index=i,
+                        delta=e.text,
+                    )
+                )
+            elif isinstance(e, CallClosed | Broken):
+                out += self._close("completed" if isinstance(e, CallClosed) else "incomplete")
         return out
 
     def _close(self, status: str) -> list[bytes]:
@@ -283,13 +386,33 @@ class ResponsesRenderer:
         item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
-            out = [self._event("response.output_text.done", item_id=item["id"], output_index=i,
-                               content_index=0, text=part["text"], logprobs=[]),
-                   self._event("response.content_part.done", item_id=item["id"],
-                               output_index=i, content_index=0, part=part)]
+            out = [
+                self._event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=i,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                ),
+                self._event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=i,
+                    content_index=0,
+                    part=part,
+                ),
+            ]
         else:
-            out = [self._event("response.function_call_arguments.done", item_id=item["id"],
-                               output_index=i, name=item["name"], arguments=item["arguments"])]
+            out = [
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=i,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            ]
         return [*out, self._event("response.output_item.done", output_index=i, item=item)]
 
     # --- Renderer -----------------------------------------------------------------------
@@ -308,8 +431,10 @@ class ResponsesRenderer:
 
     def stream_start(self) -> list[bytes]:
         start = self.response("in_progress", [], None)
-        return [self._event("response.created", response=start),
-                self._event("response.in_progress", response=start)]
+        return [
+            self._event("response.created", response=start),
+            self._event("response.in_progress", response=start),
+        ]
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
         return self._apply(self._events_of(piece.text))
@@ -319,8 +444,9 @@ class ResponsesRenderer:
         out = self._apply(self._events_of("", end=True))
         if not self._items:
             out += self._apply([Said("")])
-        out += self._close("incomplete" if self._reader is not None and self._reader.cut
-                           else "completed")
+        out += self._close(
+            "incomplete" if self._reader is not None and self._reader.cut else "completed"
+        )
         body = self._finish(done)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return [*out, self._event(kind, response=body)]
@@ -329,5 +455,7 @@ class ResponsesRenderer:
         body = self.response("failed", [], None)
         code, message = err.code or "server_error", err.message
         body["error"] = {"code": code, "message": message}
-        return [self._event("error", code=code, message=message, param=err.param),
-                self._event("response.failed", response=body)]
+        return [
+            self._event("error", code=code, message=message, param=err.param),
+            self._event("response.failed", response=body),
+        ]

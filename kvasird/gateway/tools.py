@@ -1,22 +1,22 @@
 """Tools in the two APIs: what a request offers and forces, and the calls in a reply.
 
-    request    OpenAI     tools [{type: "function", function: {name, description, parameters}}],
-                          tool_choice "none" | "auto" | "required" | {type, function: {name}},
-                          parallel_tool_calls
-               Anthropic  tools [{name, description, input_schema}],
-                          tool_choice {type: "auto" | "any" | "tool" (name) | "none",
-                                       disable_parallel_tool_use}
-               -> ToolUse: the tools the prompt offers, and the grammar that forces a call
-                  ("" under "auto": the model may answer in text, its calls are parsed out)
-    messages   OpenAI assistant ``tool_calls`` and role "tool"; Anthropic ``tool_use`` and
-               ``tool_result`` blocks -> chat Messages the template renders back
-    reply      the model's text parsed by its family's format (kvasird.inference.tools) ->
-               OpenAI ``message.tool_calls`` / Anthropic ``tool_use`` blocks, with finish
-               reason "tool_calls" / stop reason "tool_use"; streamed as it is generated
-               (``ToolUse.reader``): a call's name as soon as it is written, its arguments
-               as partial JSON. A format that frames every reply (harmony) reads it with
-               tools or without: its reasoning is OpenAI's ``reasoning_content``, left out
-               of Anthropic's and the Responses API's replies
+request    OpenAI     tools [{type: "function", function: {name, description, parameters}}],
+                      tool_choice "none" | "auto" | "required" | {type, function: {name}},
+                      parallel_tool_calls
+           Anthropic  tools [{name, description, input_schema}],
+                      tool_choice {type: "auto" | "any" | "tool" (name) | "none",
+                                   disable_parallel_tool_use}
+           -> ToolUse: the tools the prompt offers, and the grammar that forces a call
+              ("" under "auto": the model may answer in text, its calls are parsed out)
+messages   OpenAI assistant ``tool_calls`` and role "tool"; Anthropic ``tool_use`` and
+           ``tool_result`` blocks -> chat Messages the template renders back
+reply      the model's text parsed by its family's format (kvasird.text.toolcalls) ->
+           OpenAI ``message.tool_calls`` / Anthropic ``tool_use`` blocks, with finish
+           reason "tool_calls" / stop reason "tool_use"; streamed as it is generated
+           (``ToolUse.reader``): a call's name as soon as it is written, its arguments
+           as partial JSON. A format that frames every reply (harmony) reads it with
+           tools or without: its reasoning is OpenAI's ``reasoning_content``, left out
+           of Anthropic's and the Responses API's replies
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from typing import Any
 
 from kvasird.gateway.body import Fields, objects
 from kvasird.gateway.errors import BadRequest
-from kvasird.inference.chat import ChatTemplate, Message
-from kvasird.inference.grammar import GrammarError, for_json_schema
-from kvasird.inference.tools import MAX_TOOLS, Format, Reader, Reply, Tool, ToolCall
+from kvasird.text.chat import ChatTemplate, Message
+from kvasird.text.grammar import GrammarError, for_json_schema
+from kvasird.text.toolcalls.calls import MAX_TOOLS, Tool, ToolCall
+from kvasird.text.toolcalls.events import Reader, Reply
+from kvasird.text.toolcalls.hermes import Format
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -59,7 +61,7 @@ class ToolUse:
         return self.format.read(text, self.tools)
 
     def reader(self) -> Reader:
-        """Reads one reply as it streams (kvasird.inference.tools.Format.stream)."""
+        """Reads one reply as it streams (kvasird.text.toolcalls.hermes.Format.stream)."""
         assert self.format is not None and self.reads
         return self.format.stream(self.tools)
 
@@ -74,13 +76,14 @@ def openai_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
     raw = f.value.get("tools")
     if not raw:
         if f.value.get("tool_choice") not in (None, "none", "auto"):
-            raise BadRequest("`tool_choice` asks for a tool call but `tools` is empty",
-                             "tool_choice")
+            raise BadRequest(
+                "`tool_choice` asks for a tool call but `tools` is empty", "tool_choice"
+            )
         return ToolUse(format=template.tool_format)
     tools = []
     for t in tool_items(f, "tools"):
         if t.string("type", "function") != "function":
-            raise BadRequest(f"`{t.where('type')}` must be \"function\"", t.where("type"))
+            raise BadRequest(f'`{t.where("type")}` must be "function"', t.where("type"))
         fn = t.obj("function")
         tools.append(parse_tool(fn, "name", "description", "parameters"))
     choice = f.value.get("tool_choice", "auto")
@@ -88,8 +91,9 @@ def openai_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
     if choice in ("none", "auto", "required"):
         return choose(tools, template, choice, None, parallel, "tool_choice")
     c = f.obj("tool_choice")
-    return choose(tools, template, "named", c.obj("function").string("name"), parallel,
-                "tool_choice")
+    return choose(
+        tools, template, "named", c.obj("function").string("name"), parallel, "tool_choice"
+    )
 
 
 def anthropic_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
@@ -100,11 +104,16 @@ def anthropic_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
     kind = c.string("type", "auto")
     modes = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
     if kind not in modes:
-        raise BadRequest(f"`{c.where('type')}` must be one of {', '.join(modes)}",
-                         c.where("type"))
+        raise BadRequest(f"`{c.where('type')}` must be one of {', '.join(modes)}", c.where("type"))
     parallel = not c.boolean("disable_parallel_tool_use", False)
-    return choose(tools, template, modes[kind], c.string("name") if kind == "tool" else None,
-                parallel, "tool_choice")
+    return choose(
+        tools,
+        template,
+        modes[kind],
+        c.string("name") if kind == "tool" else None,
+        parallel,
+        "tool_choice",
+    )
 
 
 def tool_items(f: Fields, name: str) -> list[Fields]:
@@ -117,8 +126,10 @@ def tool_items(f: Fields, name: str) -> list[Fields]:
 def parse_tool(t: Fields, name_key: str, description_key: str, schema_key: str) -> Tool:
     name = t.string(name_key)
     if not NAME.match(name):
-        raise BadRequest(f"`{t.where(name_key)}` must be 1-64 letters, digits, '_', '-' or "
-                         f"'.', got {name!r}", t.where(name_key))
+        raise BadRequest(
+            f"`{t.where(name_key)}` must be 1-64 letters, digits, '_', '-' or '.', got {name!r}",
+            t.where(name_key),
+        )
     schema = t.obj(schema_key).value or {"type": "object", "properties": {}}
     try:
         for_json_schema(schema, t.where(schema_key))
@@ -127,8 +138,14 @@ def parse_tool(t: Fields, name_key: str, description_key: str, schema_key: str) 
     return Tool(name, t.string(description_key, ""), schema)
 
 
-def choose(tools: list[Tool], template: ChatTemplate, mode: str, name: str | None,
-           parallel: bool, where: str) -> ToolUse:
+def choose(
+    tools: list[Tool],
+    template: ChatTemplate,
+    mode: str,
+    name: str | None,
+    parallel: bool,
+    where: str,
+) -> ToolUse:
     """What ``mode`` ("none", "auto", "required", "named" with ``name``) asks of ``tools``."""
     fmt = template.tool_format
     if mode == "none":
@@ -148,6 +165,7 @@ def choose(tools: list[Tool], template: ChatTemplate, mode: str, name: str | Non
 
 # --- messages ------------------------------------------------------------------------
 
+
 def openai_calls(m: Fields) -> tuple[ToolCall, ...]:
     """An assistant message's ``tool_calls``."""
     out = []
@@ -157,8 +175,9 @@ def openai_calls(m: Fields) -> tuple[ToolCall, ...]:
         try:
             json.loads(arguments)
         except ValueError:
-            raise BadRequest(f"`{fn.where('arguments')}` must be a JSON object as text",
-                             fn.where("arguments")) from None
+            raise BadRequest(
+                f"`{fn.where('arguments')}` must be a JSON object as text", fn.where("arguments")
+            ) from None
         out.append(ToolCall(c.string("id", ""), fn.string("name"), arguments))
     return tuple(out)
 
@@ -172,18 +191,29 @@ def anthropic_blocks(role: str, content: Any, where: str) -> list[Message]:
         if kind == "text":
             text.append(block.string("text"))
         elif kind == "tool_use" and role == "assistant":
-            calls.append(ToolCall(block.string("id", ""), block.string("name"),
-                                  json.dumps(block.obj("input").value, ensure_ascii=False)))
+            calls.append(
+                ToolCall(
+                    block.string("id", ""),
+                    block.string("name"),
+                    json.dumps(block.obj("input").value, ensure_ascii=False),
+                )
+            )
         elif kind == "tool_result" and role == "user":
             body = block.value.get("content", "")
             if isinstance(body, list):
-                body = "".join(p.string("text") for p in objects(body, block.where("content"))
-                               if p.string("type") == "text")
+                body = "".join(
+                    p.string("text")
+                    for p in objects(body, block.where("content"))
+                    if p.string("type") == "text"
+                )
             results.append(Message("tool", str(body), tool_call_id=block.string("tool_use_id")))
         else:
-            raise BadRequest(f"`{block.where('type')}` is {kind!r}: a {role} message holds "
-                             f"text{' and tool_use' if role == 'assistant' else ' and tool_result'}"
-                             " blocks", block.where("type"))
+            raise BadRequest(
+                f"`{block.where('type')}` is {kind!r}: a {role} message holds "
+                f"text{' and tool_use' if role == 'assistant' else ' and tool_result'}"
+                " blocks",
+                block.where("type"),
+            )
     if role == "assistant":
         return [Message("assistant", "".join(text), tuple(calls))]
     return [*results, *([Message("user", "".join(text))] if text else [])]
@@ -191,14 +221,19 @@ def anthropic_blocks(role: str, content: Any, where: str) -> list[Message]:
 
 # --- replies -------------------------------------------------------------------------
 
+
 def openai_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    return [{"id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]
 
 
 def anthropic_tool_blocks(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    return [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name,
-             "input": _object(c.arguments)} for c in calls]
+    return [
+        {"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": _object(c.arguments)}
+        for c in calls
+    ]
 
 
 def tool_use_id(call_id: str) -> str:

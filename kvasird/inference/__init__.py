@@ -1,4 +1,7 @@
-"""Inference: turning a prompt into tokens, on one node or across the swarm.
+"""Inference: turning a prompt's token ids into tokens, on one node or across the swarm.
+
+It speaks token ids only: text (tokenizer, chat templates, grammars, tool calls) is
+kvasird.text's, at the edges, and HTTP is the gateway's and the admin API's.
 
 The package is split the way a token's data flows: the generating side (client/) plans a
 route and sends steps; the serving side (server/) computes them; transport/ carries the
@@ -10,11 +13,6 @@ before a handler sees it.
                  as OpenAI or Anthropic; the generator may be local or a route across peers)
     errors       the data plane's errors: a hop that failed, refused, or was unreachable
     local        LocalGenerator: the whole model on this node, ggml in a worker thread
-    tokenizer    the model's byte-level BPE from the GGUF (HF tokenizers), streaming-safe
-    spm          SentencePiece vocabularies as llama.cpp encodes them
-    chat         the GGUF's chat template, rendered in Jinja's sandbox
-    grammar      grammar-constrained decoding: a request's output follows a grammar
-    tools        tool calls: tools into the prompt, the model's calls out of its text
     client/      routing, SwarmGenerator (sessions along a route), failover, expert dispatch
                  from a stage, the hot-expert cache
     server/      the engine this node serves (stages, expert workers), the stage server, the
@@ -26,8 +24,8 @@ before a handler sees it.
                  expert dispatcher it calls through the engine
     steptrace    where a traced step's time went: per hop queue / compute / after, the wire
     verdicts     spot-check verdicts on gossip; a quorum of accusers makes a node avoid a worker
-    service      the daemon's wiring: market loader, protocol handlers, admin generate API,
-                 load reports on gossip
+    service      the daemon's wiring: market loader, protocol handlers, load reports on
+                 gossip
 
 Data flow of one swarm token (boundaries go stage to stage; a hop on this node is a direct
 call):

@@ -2,7 +2,9 @@
 
 The gateway tokenizes, applies the chat template and detects text-level stop sequences;
 a Generator only ever sees token ids. Events are plain frozen values so the same stream
-can be rendered as OpenAI chunks, Anthropic events, or a CLI's output.
+can be rendered as OpenAI chunks, Anthropic events, or a CLI's output. The sampler's
+settings (SamplingParams, the engine's type) are part of the contract and are taken from
+here: whoever asks for a generation reaches the engine only through this module.
 """
 
 from __future__ import annotations

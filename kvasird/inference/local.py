@@ -30,8 +30,8 @@ from kvasird.inference.api import (
     TokenEvent,
     UnknownModel,
 )
-from kvasird.inference.grammar import Constraint, vocabulary
-from kvasird.inference.tokenizer import Tokenizer
+from kvasird.text.grammar import Constraint, vocabulary
+from kvasird.text.tokenizer import Tokenizer
 
 PREFILL_CHUNK = 128
 """Prompt tokens computed per turn of the lock (a turn of a decoding request is 1 token)."""
@@ -52,8 +52,9 @@ class LocalGenerator:
         self._tokenizer: Tokenizer | None = None
 
     @classmethod
-    def open(cls, path: str | Path, model_id: str, label: str, *, threads: int = 0,
-             kv_tokens: int = 4096) -> LocalGenerator:
+    def open(
+        cls, path: str | Path, model_id: str, label: str, *, threads: int = 0, kv_tokens: int = 4096
+    ) -> LocalGenerator:
         """Load the whole GGUF at ``path`` (blocking: call it from a worker thread)."""
         stage = Stage.load(path, threads=threads, kv=KVSpec(n_slots=kv_tokens))
         context = min(stage.hp.n_ctx_train, stage.kv.max_session_tokens)
@@ -67,8 +68,10 @@ class LocalGenerator:
             return None
         if self._tokenizer is None:
             if self.path is None:
-                raise UnknownModel("this generator was not loaded from a file: it has no "
-                                   "tokenizer to compile a grammar against")
+                raise UnknownModel(
+                    "this generator was not loaded from a file: it has no "
+                    "tokenizer to compile a grammar against"
+                )
             self._tokenizer = Tokenizer.from_gguf(self.path)
         return Constraint(vocabulary(self._tokenizer), grammar)
 
@@ -87,8 +90,10 @@ class LocalGenerator:
         info = self.info
         if info.answers_to(name):
             return info
-        raise UnknownModel(f"model {name!r} is not served here; GET /v1/models lists "
-                           f"{info.model_id} ({info.label})")
+        raise UnknownModel(
+            f"model {name!r} is not served here; GET /v1/models lists "
+            f"{info.model_id} ({info.label})"
+        )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | Finished]:
         self.resolve(request.model)
@@ -97,11 +102,15 @@ class LocalGenerator:
         budget = min(s.max_tokens, self.info.context_length - n_prompt)
         promise = -(-(n_prompt + max(budget, 0)) // PAGE) * PAGE
         if n_prompt == 0 or budget < 1:
-            raise Busy(f"the prompt of {n_prompt} tokens leaves no room in the context of "
-                       f"{self.info.context_length}: shorten it")
+            raise Busy(
+                f"the prompt of {n_prompt} tokens leaves no room in the context of "
+                f"{self.info.context_length}: shorten it"
+            )
         if self._promised + promise > self.stage.kv.n_slots:
-            raise Busy(f"the KV cache is fully promised ({self._promised} of "
-                       f"{self.stage.kv.n_slots} slots in use): retry shortly")
+            raise Busy(
+                f"the KV cache is fully promised ({self._promised} of "
+                f"{self.stage.kv.n_slots} slots in use): retry shortly"
+            )
         self._promised += promise
         session: Session | None = None
         try:
@@ -110,7 +119,7 @@ class LocalGenerator:
             history = list(request.prompt)
             logits = None
             for c in range(0, n_prompt, PREFILL_CHUNK):
-                chunk = np.asarray(history[c:c + PREFILL_CHUNK], np.int64)
+                chunk = np.asarray(history[c : c + PREFILL_CHUNK], np.int64)
                 logits = await self._step(self.stage.forward, session, chunk)
             produced = 0
             while True:

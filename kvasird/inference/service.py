@@ -1,54 +1,35 @@
 """InferenceService: this node's part in the data plane, wired into the daemon.
 
-    market loader ──units──▶ Served (stages + expert workers, built in a thread)
-    "/kvasir/stage/1"   ──▶ StageServer   (sessions on our stages)
-    "/kvasir/experts/1" ──▶ ExpertServer  (batched expert rows for other stages)
-    LaneServer (TCP) ──▶ the same two handlers over lanes (direct, sealed; lane.py)
-    SwarmGenerator ── routes over the coverage map ──▶ peers' StageServers (or ours, in process)
-                   ◀── Inbox ◀── the head's token (boundaries go stage to stage, one-way)
-    admin API: POST /v0/generate (NDJSON token stream), GET /v0/inference (routes, sessions, unfit)
-    every few heartbeats: a LoadReport (tokens computed, experts selected) on gossip
-    spot-check failures: an unfit verdict on gossip (Verdicts; a quorum of accusers counts)
+market loader ──units──▶ Served (stages + expert workers, built in a thread)
+"/kvasir/stage/1"   ──▶ StageServer   (sessions on our stages)
+"/kvasir/experts/1" ──▶ ExpertServer  (batched expert rows for other stages)
+LaneServer (TCP) ──▶ the same two handlers over lanes (direct, sealed; lane.py)
+SwarmGenerator ── routes over the coverage map ──▶ peers' StageServers (or ours, in process)
+               ◀── Inbox ◀── the head's token (boundaries go stage to stage, one-way)
+status(): routes, sessions, unfit (the admin API's GET /v0/inference, kvasird.admin.generate)
+every few heartbeats: a LoadReport (tokens computed, experts selected) on gossip
+spot-check failures: an unfit verdict on gossip (Verdicts; a quorum of accusers counts)
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import trio
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route as HttpRoute
+from libp2p.custom_types import TProtocol
 
 from kvasird import PROTOCOL_VERSION
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
 from kvasird.compute.hparams import DEFAULT_CONTEXT
 from kvasird.compute.runtime import compute_threads
-from kvasird.compute.sampling import SamplingParams
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
-from kvasird.config import Config, GatewayConfig
-from kvasird.gateway.body import Fields, read_json
-from kvasird.gateway.errors import ApiError, BadRequest, Forbidden, PaymentRequired
-from kvasird.gateway.openai import top_p
-from kvasird.http import operator_request, relay_header
-from kvasird.inference.api import (
-    Busy,
-    Finished,
-    GenerationError,
-    GenerationRequest,
-    ModelInfo,
-    NoRoute,
-    Sampling,
-    TokenEvent,
-    UnknownModel,
-)
+from kvasird.config import Config
+from kvasird.inference.api import ModelInfo
 from kvasird.inference.client.dispatch import ExpertDispatcher
 from kvasird.inference.client.hotcache import HotExperts
 from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
@@ -57,11 +38,10 @@ from kvasird.inference.client.swarm import Inbox, SwarmGenerator
 from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol import EXPERT_PROTOCOL, STAGE_PROTOCOL, experts, stage
 from kvasird.inference.protocol.delegation import Issuer, Verifier
-from kvasird.inference.protocol.stage import MAX_TOP
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.experts import ExpertServer
 from kvasird.inference.server.stage import StageServer
-from kvasird.inference.transport.channel import MAX_FRAME, Channels, Handler, Intake, serve
+from kvasird.inference.transport.channel import Channels, serve
 from kvasird.inference.transport.lane import LaneServer, tcp_ip
 from kvasird.inference.verdicts import Verdicts
 from kvasird.logs import get_logger
@@ -72,6 +52,7 @@ from kvasird.p2p import P2PNode
 from kvasird.settlement.admission import Admission, NotAdmitted
 from kvasird.settlement.rewards import MeasuredWork
 from kvasird.settlement.wallet import WalletLink
+from kvasird.wire.rpc import MAX_FRAME, Handler, Intake
 
 ADMITTED_S = 1.0
 """A step or an expert request leans on its gateway's last pass of the stake and debt checks
@@ -79,7 +60,6 @@ this long (a session's stages checked them at open anyway); the meter counts eve
 RETIRE_GRACE_S = 2.0
 """A replaced engine is freed this long after its last session ended."""
 REPORT_HEARTBEATS = 3
-STATUS = {NoRoute: 503, Busy: 429, UnknownModel: 404}
 log = get_logger("kvasird.inference")
 
 
@@ -88,8 +68,7 @@ class OwnUse(Protocol):
 
     async def charge(self, prompt: int, output: int) -> Any: ...
 
-    def settle(self, charge: Any, work: list[MeasuredWork], prompt: int, tokens: int) -> None:
-        ...
+    def settle(self, charge: Any, work: list[MeasuredWork], prompt: int, tokens: int) -> None: ...
 
 
 class InferenceService:
@@ -103,38 +82,77 @@ class InferenceService:
         is the same object and no proof changed: holders() runs for every remote MoE
         layer of every token)."""
         self.channels = Channels(p2p.host, lanes=c.lanes, connect=p2p.connect)
-        self.lanes = LaneServer(_lane_host(config.p2p.listen), c.lane_port, MAX_FRAME,
-                                p2p.config_path) if c.lanes else None
+        self.lanes = (
+            LaneServer(_lane_host(config.p2p.listen), c.lane_port, MAX_FRAME, p2p.config_path)
+            if c.lanes
+            else None
+        )
         self.fitness = Fitness(c.unfit_s)
         self.latency = Latency(p2p.peer_id, self._rtt)
-        self.verdicts = Verdicts(p2p.gossip, p2p.peer_id, self.fitness, c.unfit_quorum,
-                                 c.unfit_s)
+        self.verdicts = Verdicts(p2p.gossip, p2p.peer_id, self.fitness, c.unfit_quorum, c.unfit_s)
         self.inbox = Inbox()
-        self.spot = SpotChecks(c.spot_check_stages, c.spot_check, c.spot_tolerance,
-                               Path(p2p.config_path).parent / "spotchecks")
+        self.spot = SpotChecks(
+            c.spot_check_stages,
+            c.spot_check,
+            c.spot_tolerance,
+            Path(p2p.config_path).parent / "spotchecks",
+        )
         """Spot checks of the peers this node's generations and stages use (the evidence of
         those caught is kept in <home>/spotchecks)."""
-        self.stages = StageServer(self._model_id, lambda: self.served,
-                                  max_sessions=c.max_sessions, idle_s=c.session_idle_s,
-                                  wire_dtype=c.wire_dtype, me=p2p.peer_id,
-                                  send=self._send_stage, deliver=self.inbox.deliver,
-                                  prefix=c.prefix_cache, batch_rows=c.batch_sessions,
-                                  batch_window_s=c.batch_window_ms / 1000,
-                                  batch_min_s=c.batch_min_ms / 1000,
-                                  batch_pipelined=c.batch_pipelined)
+        self.stages = StageServer(
+            self._model_id,
+            lambda: self.served,
+            max_sessions=c.max_sessions,
+            idle_s=c.session_idle_s,
+            wire_dtype=c.wire_dtype,
+            me=p2p.peer_id,
+            send=self._send_stage,
+            deliver=self.inbox.deliver,
+            prefix=c.prefix_cache,
+            batch_rows=c.batch_sessions,
+            batch_window_s=c.batch_window_ms / 1000,
+            batch_min_s=c.batch_min_ms / 1000,
+            batch_pipelined=c.batch_pipelined,
+        )
         self.issuer = Issuer(p2p.key.keypair, p2p.network)
         """Signs this node's delegations: to each hop it opens a session on, and its own."""
-        self.experts = ExpertServer(lambda: self.served, window_s=c.batch_window_ms / 1000,
-                                    wire_dtype=c.wire_dtype, delegations=Verifier(p2p.network))
+        self.experts = ExpertServer(
+            lambda: self.served,
+            window_s=c.batch_window_ms / 1000,
+            wire_dtype=c.wire_dtype,
+            delegations=Verifier(p2p.network),
+        )
         self.dispatcher = ExpertDispatcher(
-            self.issuer, self.holders, self.channels, self.latency, self.fitness, self._own_experts,
-            timeout_s=c.expert_timeout_s, wire_dtype=c.wire_dtype, spot_check=c.spot_check,
-            tolerance=c.spot_tolerance, hot=HotExperts(self._load_hot, c.hot_experts, c.hot_after),
-            accuse=self.verdicts.accuse, window_s=c.batch_window_ms / 1000, spot=self.spot)
-        self.generator = SwarmGenerator(p2p.peer_id, self._info, self._n_layer, self.holders,
-                                        self.channels, self.stages.handle, self.latency,
-                                        self.fitness, c, self.inbox, issuer=self.issuer,
-                                        spot=self.spot, accuse=self.verdicts.accuse)
+            self.issuer,
+            self.holders,
+            self.channels,
+            self.latency,
+            self.fitness,
+            self._own_experts,
+            timeout_s=c.expert_timeout_s,
+            wire_dtype=c.wire_dtype,
+            spot_check=c.spot_check,
+            tolerance=c.spot_tolerance,
+            hot=HotExperts(self._load_hot, c.hot_experts, c.hot_after),
+            accuse=self.verdicts.accuse,
+            window_s=c.batch_window_ms / 1000,
+            spot=self.spot,
+        )
+        self.generator = SwarmGenerator(
+            p2p.peer_id,
+            self._info,
+            self._n_layer,
+            self.holders,
+            self.channels,
+            self.stages.handle,
+            self.latency,
+            self.fitness,
+            c,
+            self.inbox,
+            issuer=self.issuer,
+            spot=self.spot,
+            accuse=self.verdicts.accuse,
+        )
         self._extra: list[tuple[str, Handler]] = []
         self.own_use: OwnUse | None = None
         """On a paid node: charges the admin API's generations to the operator's wallet and
@@ -169,8 +187,11 @@ class InferenceService:
             trained = served.hp.n_ctx_train
         else:
             manifest = self.market.manifest()
-            trained = kv if manifest is None else int(
-                manifest.meta(f"{manifest.arch}.context_length", DEFAULT_CONTEXT))
+            trained = (
+                kv
+                if manifest is None
+                else int(manifest.meta(f"{manifest.arch}.context_length", DEFAULT_CONTEXT))
+            )
         return ModelInfo(self._model_id(), self.market.name, min(trained, kv))
 
     def _sources(self, units: list[Unit]) -> list[Path]:
@@ -190,9 +211,12 @@ class InferenceService:
         windows), then read off the loop."""
         unit = Unit("expert", layer, expert)
         market = self.market
-        fetched = (market.shards is not None and market.model is not None
-                   and market.map is not None and await market.shards.fetch(
-                       market.model.model_id, [unit], market.sources((unit,))))
+        fetched = (
+            market.shards is not None
+            and market.model is not None
+            and market.map is not None
+            and await market.shards.fetch(market.model.model_id, [unit], market.sources((unit,)))
+        )
         if fetched:
             self.dispatcher.stats["hot_fetched"] += 1
         return await trio.to_thread.run_sync(self._load_hot_now, layer, expert)
@@ -210,8 +234,9 @@ class InferenceService:
         if peer == self.p2p.peer_id:
             await self.stages.handle(peer, msg)
         else:
-            await self.channels.notify(peer, STAGE_PROTOCOL, msg,
-                                       self.config.inference.step_timeout_s)
+            await self.channels.notify(
+                peer, STAGE_PROTOCOL, msg, self.config.inference.step_timeout_s
+            )
 
     def _rtt(self, peer: str) -> float | None:
         info = self.p2p.peers.get(peer)
@@ -238,7 +263,8 @@ class InferenceService:
                     if hit is not None and r.boot != hit[0].boot and self.fitness.restarted(p):
                         log.info("peer restarted: its failures are forgiven", peer=p)
                     held = PeerHoldings.of_record(
-                        r, proofs.proven(r) if proofs is not None else None)
+                        r, proofs.proven(r) if proofs is not None else None
+                    )
                     hit = known[p] = (r, version, held)
                 out.append(hit[2])
         if self.served is not None:
@@ -255,6 +281,7 @@ class InferenceService:
         """A paid network: sessions open here, steps compute and expert rows are computed
         only for the gateways ``admission`` accepts, each piece of work metered before it
         is done; the reason of a refusal goes back as an "unpaid" refusal."""
+
         async def admit(gateway: str, units: int) -> None:
             try:  # a session's open checks in full; its steps and rows lean on a recent pass
                 await admission.check(gateway, ADMITTED_S if units else 0.0)
@@ -281,16 +308,32 @@ class InferenceService:
                 return
             c = self.config
             began = time.monotonic()
-            served = None if not held else await trio.to_thread.run_sync(lambda: Served.build(
-                self._sources(held), wanted, threads=c.compute.threads,
-                kv_slots=c.inference.kv_slots, kv_dtype=c.inference.kv_dtype,
-                state_slots=c.inference.state_slots,
-                window_sessions=c.inference.window_sessions, remote=self.dispatcher.shard))
+            served = (
+                None
+                if not held
+                else await trio.to_thread.run_sync(
+                    lambda: Served.build(
+                        self._sources(held),
+                        wanted,
+                        threads=c.compute.threads,
+                        kv_slots=c.inference.kv_slots,
+                        kv_dtype=c.inference.kv_dtype,
+                        state_slots=c.inference.state_slots,
+                        window_sessions=c.inference.window_sessions,
+                        remote=self.dispatcher.shard,
+                    )
+                )
+            )
             old, self.served, self.holdings = self.served, served, wanted
             if old is not None and self._nursery is not None:
                 self._nursery.start_soon(self._retire, old)
-            log.info("serving", head=wanted.head, windows=list(wanted.windows),
-                     experts=len(wanted.experts), seconds=round(time.monotonic() - began, 2))
+            log.info(
+                "serving",
+                head=wanted.head,
+                windows=list(wanted.windows),
+                experts=len(wanted.experts),
+                seconds=round(time.monotonic() - began, 2),
+            )
 
     async def _retire(self, old: Served) -> None:
         """Free a replaced engine once no session runs on it (they finish or expire)."""
@@ -310,18 +353,39 @@ class InferenceService:
                 self.dispatcher.hot.nursery = nursery
                 await nursery.start(self.channels.run)
                 await nursery.start(self.verdicts.run)
-                protocols: list[tuple[str, Callable[[dict[str, Any]], Any] | None, Handler,
-                                      Callable[[Any], bool] | None, Intake | None]] = [
-                    (STAGE_PROTOCOL, stage.parse, self.stages.answer, self.stages.inline,
-                     Intake(self.stages.admitted)),
-                    (EXPERT_PROTOCOL, experts.parse, self.experts.answer, None,
-                     Intake(self.experts.admitted)),
-                    *((p, None, h, None, None) for p, h in self._extra)]
+                protocols: list[
+                    tuple[
+                        str,
+                        Callable[[dict[str, Any]], Any] | None,
+                        Handler,
+                        Callable[[Any], bool] | None,
+                        Intake | None,
+                    ]
+                ] = [
+                    (
+                        STAGE_PROTOCOL,
+                        stage.parse,
+                        self.stages.answer,
+                        self.stages.inline,
+                        Intake(self.stages.admitted),
+                    ),
+                    (
+                        EXPERT_PROTOCOL,
+                        experts.parse,
+                        self.experts.answer,
+                        None,
+                        Intake(self.experts.admitted),
+                    ),
+                    *((p, None, h, None, None) for p, h in self._extra),
+                ]
                 for protocol, parse, handle, inline, intake in protocols:
-                    answer = functools.partial(serve, handle=handle, idle_s=idle, parse=parse,
-                                               inline=inline, intake=intake)
-                    host.set_stream_handler(protocol, functools.partial(
-                        answer, lanes=self.lanes, protocol=protocol))
+                    answer = functools.partial(
+                        serve, handle=handle, idle_s=idle, parse=parse, inline=inline, intake=intake
+                    )
+                    host.set_stream_handler(
+                        TProtocol(protocol),
+                        functools.partial(answer, lanes=self.lanes, protocol=protocol),
+                    )
                     if self.lanes is not None:
                         self.lanes.register(protocol, answer)
                 if self.lanes is not None:
@@ -353,42 +417,56 @@ class InferenceService:
         self.dispatcher.selected = type(selected)()
         if not self.market.model or (tokens == 0 and not selected):
             return
-        report = LoadReport(self.p2p.peer_id, self.market.next_seq(), time.time(),
-                            self._model_id(), max(window_s, 0.1), tokens,
-                            tuple((layer, e, n) for (layer, e), n in sorted(selected.items())))
+        report = LoadReport(
+            self.p2p.peer_id,
+            self.market.next_seq(),
+            time.time(),
+            self._model_id(),
+            max(window_s, 0.1),
+            tokens,
+            tuple((layer, e, n) for (layer, e), n in sorted(selected.items())),
+        )
         try:
             await self.market.publish_load(report)
         except Exception as exc:  # noqa: BLE001 - no peers to publish to
             log.debug("load report not published", error=repr(exc))
 
-    # --- admin API -----------------------------------------------------------------------
-
-    def routes(self) -> list[HttpRoute]:
-        return [HttpRoute("/v0/generate", self._http_generate, methods=["POST"]),
-                HttpRoute("/v0/inference", self._http_status)]
+    # --- what the admin API shows (kvasird.admin.generate serves it) ---------------------
 
     def status(self) -> dict[str, Any]:
         return {
-            "serving": {"head": self.holdings.head, "windows": list(self.holdings.windows),
-                        "experts": list(self.holdings.experts),
-                        "sessions": len(self.stages.sessions),
-                        "forwarded": self.stages.forwarded,
-                        "expert_rows": self.experts.rows, "expert_calls": self.experts.calls,
-                        "batches": dict(self.stages.batcher.stats)},
-            "generations": {rid: {"route": list(p.route), "tokens": p.tokens,
-                                  "failovers": p.failovers, "hop_ms": p.hop_ms,
-                                  "step_ms": p.step_ms}
-                            for rid, p in self.generator.active.items()},
+            "serving": {
+                "head": self.holdings.head,
+                "windows": list(self.holdings.windows),
+                "experts": list(self.holdings.experts),
+                "sessions": len(self.stages.sessions),
+                "forwarded": self.stages.forwarded,
+                "expert_rows": self.experts.rows,
+                "expert_calls": self.experts.calls,
+                "batches": dict(self.stages.batcher.stats),
+            },
+            "generations": {
+                rid: {
+                    "route": list(p.route),
+                    "tokens": p.tokens,
+                    "failovers": p.failovers,
+                    "hop_ms": p.hop_ms,
+                    "step_ms": p.step_ms,
+                }
+                for rid, p in self.generator.active.items()
+            },
             "breakdown": self.generator.traces.summary(),
             "prefix": self._prefix_status(),
             "dispatch": dict(self.dispatcher.stats),
             "unfit": self.fitness.snapshot(),
             "spot_checks": self.spot.status(),
-            "lanes": {"port": self.lanes.port if self.lanes else None,
-                      "accepted": self.lanes.lanes if self.lanes else 0,
-                      "refused": self.lanes.refused if self.lanes else 0,
-                      "open_to": sorted({p for p, _ in self.channels.lanes_up()}),
-                      "libp2p_to": sorted({p for p, _ in self.channels.on_libp2p()})},
+            "lanes": {
+                "port": self.lanes.port if self.lanes else None,
+                "accepted": self.lanes.lanes if self.lanes else 0,
+                "refused": self.lanes.refused if self.lanes else 0,
+                "open_to": sorted({p for p, _ in self.channels.lanes_up()}),
+                "libp2p_to": sorted({p for p, _ in self.channels.on_libp2p()}),
+            },
         }
 
     def _prefix_status(self) -> dict[str, int]:
@@ -396,117 +474,13 @@ class InferenceService:
         layer windows' kept pages (KV of finished sessions) and the pages sessions reused."""
         pools = [st.kv for st in self.served.windows.values()] if self.served else []
         caches = [kv.prefix for kv in pools if kv.prefix is not None]
-        return {"reused_tokens": self.generator.reused,
-                "kept_pages": sum(len(c) for c in caches),
-                "reused_pages": sum(c.hits for c in caches)}
-
-    async def _http_status(self, _: Request) -> JSONResponse:
-        return JSONResponse(self.status())
-
-    async def _http_generate(self, request: Request) -> Response:
-        """Generations for the operator on this machine (``kvasird generate``), within the
-        gateway's caps. With payments on, the operator's own requests (operator_request) are
-        served only when [settlement] free_local is in effect, and paid to the peers from its
-        wallet like the gateway's own (``own_use``); anyone else is sent to the gateway's
-        paid API."""
-        settlement, client = self.config.settlement, request.client.host if request.client else ""
-        pay = ("use the gateway's paid API: POST /v1/kvasir/quote on the gateway, pay the quote, "
-               "then send the request to the gateway with X-Kvasir-Payment: "
-               "<request_id>:<transaction signature>")
-        try:
-            if settlement.enabled and not self.config.free_local_in_effect():
-                raise PaymentRequired("this node takes KVR payments ([settlement] free_local is "
-                                      "off; \"auto\" is off while [gateway] listen is not "
-                                      f"loopback) and the admin API takes none: {pay}")
-            if settlement.enabled and not operator_request(request.scope):
-                relayed = relay_header(request.scope)
-                who = f"a client relayed by a proxy ({relayed})" if relayed else \
-                    client or "an unknown client"
-                raise Forbidden("the admin API generates for callers on this machine only, not "
-                                f"for {who}: {pay}")
-            req = parse_request(await read_json(request, self.config.gateway.max_body_bytes),
-                                self.config.gateway)
-            own = self.own_use
-            charge = await own.charge(len(req.prompt), req.sampling.max_tokens) \
-                if own is not None else None
-        except ApiError as exc:
-            return JSONResponse({"error": str(exc), "kind": type(exc).__name__},
-                                status_code=exc.status)
-        produced = 0
-
-        def settle() -> None:  # the peers are paid for it like for the gateway's requests
-            if own is not None:
-                work = [MeasuredWork(w.peer, w.units, w.ms_per_token)
-                        for w in self.generator.work(req.request_id)]
-                own.settle(charge, work, len(req.prompt) if produced else 0, produced)
-
-        events = self.generator.generate(req)
-        try:
-            first = await events.__anext__()
-        except GenerationError as exc:
-            settle()
-            return JSONResponse({"error": str(exc), "kind": type(exc).__name__},
-                                status_code=STATUS.get(type(exc), 500))
-
-        async def lines() -> AsyncIterator[bytes]:
-            nonlocal produced
-            try:
-                produced += isinstance(first, TokenEvent)
-                yield _line(first)
-                async for event in events:
-                    produced += isinstance(event, TokenEvent)
-                    yield _line(event)
-            except GenerationError as exc:
-                yield (json.dumps({"error": str(exc), "kind": type(exc).__name__}) + "\n").encode()
-            finally:
-                if isinstance(events, AsyncGenerator):
-                    await events.aclose()
-                settle()
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-
-def parse_request(body: Fields, caps: GatewayConfig) -> GenerationRequest:
-    """The admin API's generate body: token ids in (the CLI tokenizes); no prompt longer and
-    no max_tokens larger than the gateway would take."""
-    prompt = _token_ids(body, "prompt", None)
-    if len(prompt) > caps.max_prompt_tokens:
-        raise BadRequest(f"the prompt is {len(prompt)} tokens, over this node's limit "
-                         f"([gateway] max_prompt_tokens): {caps.max_prompt_tokens}", "prompt")
-    max_tokens = body.integer("max_tokens", min(32, caps.max_tokens), 1)
-    if max_tokens > caps.max_tokens:
-        raise BadRequest(f"`max_tokens` = {max_tokens} exceeds this node's limit of "
-                         f"{caps.max_tokens} ([gateway] max_tokens)", "max_tokens")
-    params = SamplingParams(temperature=body.number("temperature", 0.0, 0), top_p=top_p(body),
-                            top_k=body.integer("top_k", 0, 0),
-                            repetition_penalty=body.number("repetition_penalty", 1.0, 0.01),
-                            seed=body.integer("seed", None, 0, (1 << 64) - 1))
-    sampling = Sampling(params, max_tokens, body.integer("logprobs", 0, 0, MAX_TOP))
-    return GenerationRequest(body.string("model", ""), tuple(prompt), sampling,
-                             frozenset(_token_ids(body, "stop", [])),
-                             body.string("request_id", "") or secrets.token_hex(8))
-
-
-def _token_ids(body: Fields, name: str, default: list[int] | None) -> list[int]:
-    """The array field ``name`` if it holds token ids only (``default`` None: required)."""
-    ids: list[int] = body.array(name) if default is None else body.array(name, default)
-    if not all(type(t) is int and t >= 0 for t in ids):
-        raise BadRequest(f"`{name}` must be an array of token ids (integers >= 0)", name)
-    return ids
-
-
-def _line(event: TokenEvent | Finished) -> bytes:
-    if isinstance(event, TokenEvent):
-        d: dict[str, Any] = {"token": event.token}
-        if event.logprob is not None:
-            d.update(logprob=event.logprob, top=[list(t) for t in event.top])
-    else:
-        d = {"finished": event.reason, "prompt_tokens": event.prompt_tokens,
-             "completion_tokens": event.completion_tokens}
-    return (json.dumps(d) + "\n").encode()
+        return {
+            "reused_tokens": self.generator.reused,
+            "kept_pages": sum(len(c) for c in caches),
+            "reused_pages": sum(c.hits for c in caches),
+        }
 
 
 def _lane_host(listen: tuple[str, ...]) -> str:
     """The IP lanes listen on: that of the first TCP listen address (all interfaces if none)."""
     return next((ip for addr in listen if (ip := tcp_ip(addr))), "0.0.0.0")
-

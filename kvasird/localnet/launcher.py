@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -21,8 +22,8 @@ import trio
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 
-from kvasird.cli.init import init_home
 from kvasird.config import render
+from kvasird.daemon.init import init_home
 from kvasird.errors import KvasirError
 from kvasird.home import Home
 from kvasird.identity import load_node_key
@@ -37,10 +38,13 @@ is seen within 0.1 s). A loaded 2-core machine took over 30 s to start one (impo
 model's import and check) while the suite's other worker ran daemons too."""
 STOP_TIMEOUT_S = 10.0
 # A loopback network can afford fast heartbeats: dead peers vanish within ~6 s.
-LOCAL_P2P = {"p2p.heartbeat_interval_s": 1.0, "p2p.liveness_timeout_s": 5.0,
-             "p2p.peer_exchange_interval_s": 1.0,
-             # Loopback networks must not find each other (or the LAN) by multicast.
-             "p2p.mdns": False}
+LOCAL_P2P = {
+    "p2p.heartbeat_interval_s": 1.0,
+    "p2p.liveness_timeout_s": 5.0,
+    "p2p.peer_exchange_interval_s": 1.0,
+    # Loopback networks must not find each other (or the LAN) by multicast.
+    "p2p.mdns": False,
+}
 
 
 class LocalNetError(KvasirError):
@@ -105,7 +109,9 @@ class LocalNode:
         out = open(self.log, "ab")  # noqa: SIM115 - handed to the child process
         self.proc = subprocess.Popen(
             [*self.command, "--home", str(self.home.root), "run"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             preexec_fn=None if outlive_parent else die_with_parent,
         )
@@ -116,8 +122,10 @@ class LocalNode:
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise LocalNetError(f"node {self.index} exited with status {self.proc.returncode} "
-                                    f"before it was ready; its log: {self.log}\n{self.tail()}")
+                raise LocalNetError(
+                    f"node {self.index} exited with status {self.proc.returncode} "
+                    f"before it was ready; its log: {self.log}\n{self.tail()}"
+                )
             if self.home.admin_address():
                 try:
                     status = self.status()
@@ -128,8 +136,10 @@ class LocalNode:
                     return
             time.sleep(0.1)
         self.stop()
-        raise LocalNetError(f"node {self.index} was not ready within {ready_timeout:g} s; "
-                            f"its log: {self.log}\n{self.tail()}")
+        raise LocalNetError(
+            f"node {self.index} was not ready within {ready_timeout:g} s; "
+            f"its log: {self.log}\n{self.tail()}"
+        )
 
     def signal(self, sig: int) -> None:
         if self.alive():
@@ -175,10 +185,22 @@ class LocalChainProcess:
         begin = self.log.stat().st_size if self.log.exists() else 0
         out = open(self.log, "ab")  # noqa: SIM115 - handed to the child process
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvasird", "localchain", "--data", str(self.data),
-             "--listen", "127.0.0.1:0"], stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=None if self.outlive_parent else die_with_parent)
+            [
+                sys.executable,
+                "-m",
+                "kvasird",
+                "localchain",
+                "--data",
+                str(self.data),
+                "--listen",
+                "127.0.0.1:0",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=None if self.outlive_parent else die_with_parent,
+        )
         out.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -198,10 +220,13 @@ class LocalChainProcess:
         raise LocalNetError(f"the local chain did not start; its log: {self.log}")
 
     def settings(self) -> dict[str, Any]:
-        return {"settlement.enabled": True, "settlement.rpc_url": self.info["RPC URL"],
-                "settlement.kvr_mint": self.info["KVR mint"],
-                "settlement.genesis_wallet": self.info["genesis wallet"],
-                "settlement.commitment": "confirmed"}
+        return {
+            "settlement.enabled": True,
+            "settlement.rpc_url": self.info["RPC URL"],
+            "settlement.kvr_mint": self.info["KVR mint"],
+            "settlement.genesis_wallet": self.info["genesis wallet"],
+            "settlement.commitment": "confirmed",
+        }
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -218,10 +243,8 @@ def die_with_parent() -> None:
 
     A test or a demo that is killed must not leave daemons behind.
     """
-    try:
+    with contextlib.suppress(OSError):  # no glibc here: no parent-death signal
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 _handed_out: set[int] = set()
@@ -265,16 +288,18 @@ def _share(lo: int, hi: int, share: str) -> tuple[int, int]:
         if not 0 <= k < n:
             raise ValueError
     except ValueError:
-        raise LocalNetError(f"KVASIR_PORT_SHARE={share!r}: write K/N with 0 <= K < N, "
-                            "e.g. 0/2") from None
+        raise LocalNetError(
+            f"KVASIR_PORT_SHARE={share!r}: write K/N with 0 <= K < N, e.g. 0/2"
+        ) from None
     size = (hi - lo + 1) // n
     return lo + k * size, lo + (k + 1) * size - 1
 
 
 def _ephemeral_range() -> tuple[int, int]:
     try:
-        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range")
-                     .read_text().split())
+        low, high = (
+            int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        )
         return low, high
     except (OSError, ValueError):
         return 32768, 60999
@@ -283,18 +308,28 @@ def _ephemeral_range() -> tuple[int, int]:
 class LocalNet:
     """N daemons on loopback under ``root``; use as a context manager to always clean up."""
 
-    def __init__(self, root: Path, n: int, network: str = "localnet",
-                 settings: dict[str, Any] | None = None, chain: bool = False,
-                 outlive_parent: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        n: int,
+        network: str = "localnet",
+        settings: dict[str, Any] | None = None,
+        chain: bool = False,
+        outlive_parent: bool = False,
+    ) -> None:
         self.root = root
         self.network = network
         self.settings = {**LOCAL_P2P, **(settings or {})}
         self.outlive_parent = outlive_parent
         """Leave the processes running when this launcher exits (--detach)."""
-        self.chain = (LocalChainProcess(root / "chain", root / "chain.log",
-                                        outlive_parent=outlive_parent) if chain else None)
-        self.nodes = [LocalNode(i, Home(root / f"node{i}"), log=root / f"node{i}.log")
-                      for i in range(n)]
+        self.chain = (
+            LocalChainProcess(root / "chain", root / "chain.log", outlive_parent=outlive_parent)
+            if chain
+            else None
+        )
+        self.nodes = [
+            LocalNode(i, Home(root / f"node{i}"), log=root / f"node{i}.log") for i in range(n)
+        ]
 
     def __enter__(self) -> LocalNet:
         return self
@@ -374,7 +409,9 @@ class LocalNet:
             except (httpx.HTTPError, LocalNetError, ValueError):
                 pass
             time.sleep(0.2)
-        raise LocalNetError(f"timed out after {timeout:g} s waiting until {what}; logs in {self.root}")
+        raise LocalNetError(
+            f"timed out after {timeout:g} s waiting until {what}; logs in {self.root}"
+        )
 
     def fully_connected(self) -> bool:
         live = [n for n in self.nodes if n.alive()]
@@ -393,7 +430,18 @@ class LocalNet:
 
     def write_state(self) -> None:
         chain = self.chain.proc.pid if self.chain is not None and self.chain.proc else None
-        state = {"network": self.network, "chain_pid": chain, "nodes": [
-            {"index": n.index, "home": str(n.home.root), "pid": n.proc.pid if n.proc else None,
-             "peer_id": n.peer_id, "log": str(n.log)} for n in self.nodes]}
+        state = {
+            "network": self.network,
+            "chain_pid": chain,
+            "nodes": [
+                {
+                    "index": n.index,
+                    "home": str(n.home.root),
+                    "pid": n.proc.pid if n.proc else None,
+                    "peer_id": n.peer_id,
+                    "log": str(n.log),
+                }
+                for n in self.nodes
+            ],
+        }
         (self.root / "localnet.json").write_text(json.dumps(state, indent=2))

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
+from kvasird.config.pins import parse_pin
 from kvasird.model.manifest import HEAD, Unit
 
 
 def parse_hold(text: str) -> list[Unit]:
-    """Units named by one pin; ranges are half-open (``layers:0-10`` is layers 0..9)."""
-    parts = text.split(":")
-    try:
-        if parts == ["head"]:
-            return [HEAD]
-        if parts[0] == "layers" and len(parts) == 2:
-            a, b = _range(parts[1])
-            return [Unit("layer", i) for i in range(a, b)]
-        if parts[0] == "experts" and len(parts) == 3:
-            layer = int(parts[1])
-            a, b = _range(parts[2])
-            return [Unit("expert", layer, e) for e in range(a, b)]
-    except ValueError:
-        pass
-    raise ValueError(f"{text!r} is not a pin: write \"head\", \"layers:A-B\" or \"experts:L:A-B\"")
-
-
-def _range(text: str) -> tuple[int, int]:
-    a, b = (int(x) for x in text.split("-"))
-    if not 0 <= a < b:
-        raise ValueError(text)
-    return a, b
+    """Units named by one pin (its syntax: kvasird.config.pins)."""
+    pin = parse_pin(text)
+    if pin.kind == "head":
+        return [HEAD]
+    if pin.kind == "layers":
+        return [Unit("layer", i) for i in range(pin.first, pin.end)]
+    return [Unit("expert", pin.layer, e) for e in range(pin.first, pin.end)]

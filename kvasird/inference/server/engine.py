@@ -24,9 +24,9 @@ from kvasird.compute.runtime import compute_threads
 from kvasird.compute.stage import Stage, held_now
 from kvasird.compute.weights import EXPERT_SUFFIXES, Weights, load_weights
 from kvasird.inference.errors import Refusal
-from kvasird.inference.tokenizer import Tokenizer, TokenizerError
 from kvasird.model.manifest import Unit
 from kvasird.model.slice import contiguous_runs
+from kvasird.text.tokenizer import Tokenizer, TokenizerError
 
 INLINE_TOKENS = 4
 """Steps (and expert batches) of at most this many rows may compute on the event loop's
@@ -58,8 +58,11 @@ class Holdings:
         for u in units:
             if u.kind == "expert":
                 by_layer.setdefault(u.layer, []).append(u.expert)
-        experts = tuple((layer, a, b) for layer, es in sorted(by_layer.items())
-                        for a, b in contiguous_runs(sorted(es)))
+        experts = tuple(
+            (layer, a, b)
+            for layer, es in sorted(by_layer.items())
+            for a, b in contiguous_runs(sorted(es))
+        )
         return cls(any(u.kind == "head" for u in units), tuple(contiguous_runs(layers)), experts)
 
     def expert_ranges(self, layer: int) -> list[tuple[int, int]]:
@@ -78,8 +81,9 @@ class Run:
 class Served:
     """The engine objects for a Holdings: stages and expert workers on one backend."""
 
-    def __init__(self, sources: list[Path], holdings: Holdings, backend: Backend,
-                 hp: HParams) -> None:
+    def __init__(
+        self, sources: list[Path], holdings: Holdings, backend: Backend, hp: HParams
+    ) -> None:
         self.sources, self.holdings, self.backend, self.hp = sources, holdings, backend, hp
         self.embed: Stage | None = None
         self.head: Stage | None = None
@@ -93,16 +97,32 @@ class Served:
         self._tokenizer: Tokenizer | None = None
 
     @classmethod
-    def build(cls, sources: list[Path], holdings: Holdings, *, threads: int, kv_slots: int,
-              remote: RemoteHook, kv_dtype: str = "f16", state_slots: int = 8,
-              window_sessions: int = 8) -> Served:
+    def build(
+        cls,
+        sources: list[Path],
+        holdings: Holdings,
+        *,
+        threads: int,
+        kv_slots: int,
+        remote: RemoteHook,
+        kv_dtype: str = "f16",
+        state_slots: int = 8,
+        window_sessions: int = 8,
+    ) -> Served:
         """Load everything `holdings` names from the model's GGUF, or the slices holding
         those units (blocking)."""
         hp = HParams.from_gguf(GGUFFile(sources[0]))
         served = cls(sources, holdings, Backend(compute_threads(threads)), hp)
         try:
-            served._load(KVSpec(n_slots=kv_slots, dtype=kv_dtype, state_slots=state_slots,
-                                window_sessions=window_sessions), remote)
+            served._load(
+                KVSpec(
+                    n_slots=kv_slots,
+                    dtype=kv_dtype,
+                    state_slots=state_slots,
+                    window_sessions=window_sessions,
+                ),
+                remote,
+            )
         except BaseException:
             served.close()
             raise
@@ -112,10 +132,17 @@ class Served:
         hp, h, be = self.hp, self.holdings, self.backend
         positions = KVSpec(n_slots=1 << 20)  # embed/head stages hold no KV: positions only
         if h.head:
-            self.embed = Stage.load(self.sources, (0, 0), embed=True, head=False, backend=be,
-                                    kv=positions)
-            self.head = Stage.load(self.sources, (hp.n_layer, hp.n_layer), embed=False, head=True,
-                                   backend=be, kv=positions)
+            self.embed = Stage.load(
+                self.sources, (0, 0), embed=True, head=False, backend=be, kv=positions
+            )
+            self.head = Stage.load(
+                self.sources,
+                (hp.n_layer, hp.n_layer),
+                embed=False,
+                head=True,
+                backend=be,
+                kv=positions,
+            )
         extra: list[tuple[int, int, int]] = []
         for a, b in h.windows:
             shards: dict[int, list[ExpertShard]] = {}
@@ -128,9 +155,16 @@ class Served:
                     ranges[layer] = max(held, key=lambda r: r[1] - r[0])
                     extra += [(layer, *r) for r in held if r != ranges[layer]]
                 shards[layer] = [remote(layer, lo, hi) for lo, hi in _complement(held, hp.n_expert)]
-            stage = Stage.load(self.sources, (a, b), embed=False, head=False, backend=be,
-                               kv=kv, experts=shards,
-                               expert_ranges=ranges)
+            stage = Stage.load(
+                self.sources,
+                (a, b),
+                embed=False,
+                head=False,
+                backend=be,
+                kv=kv,
+                experts=shards,
+                expert_ranges=ranges,
+            )
             self.windows[(a, b)] = stage
             local = stage.local_worker()
             for layer, r in stage.weights.experts.items():
@@ -194,8 +228,11 @@ class Served:
             if a <= first and end <= b:
                 stage = self._parts[(first, end)] = whole.part(first, end)
                 return stage
-        raise Refusal("bad", f"this node serves no layer window holding [{first}, {end}); "
-                             f"it serves {sorted(self.windows)}")
+        raise Refusal(
+            "bad",
+            f"this node serves no layer window holding [{first}, {end}); "
+            f"it serves {sorted(self.windows)}",
+        )
 
     def all_stages(self) -> list[Stage]:
         return [st for st in (self.embed, self.head, *self.windows.values()) if st is not None]
@@ -211,8 +248,11 @@ class Served:
                 except TokenizerError:
                     continue
             else:
-                raise Refusal("bad", "this node holds no part of the model that carries its "
-                                     "tokenizer, so it cannot follow a grammar")
+                raise Refusal(
+                    "bad",
+                    "this node holds no part of the model that carries its "
+                    "tokenizer, so it cannot follow a grammar",
+                )
         return self._tokenizer
 
     def close(self) -> None:
@@ -237,14 +277,15 @@ def _complement(held: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]
     return out + [(e, n)] if e < n else out
 
 
-async def run_short(holders: Sequence[Stage | ExpertWorker | Backend], short: bool,
-                     fn: Callable[..., T], *args: Any) -> T:
+async def run_short(
+    holders: Sequence[Stage | ExpertWorker | Backend], short: bool, fn: Callable[..., T], *args: Any
+) -> T:
     """fn(*args) in place when the work is `short` (a decode step of a few ms) and nothing
-    else is computing on `holders`: handing it to a thread and back would add ~0.1 ms per
-    hop, more on a busy machine. Otherwise in a worker thread, as long work must be."""
+    else is computing on `holders`: handing it to a thread and back would add to every hop
+    (see bench/bench_swarm.py's per-hop breakdown). Otherwise in a worker thread, as long
+    work must be."""
     if short:
         with held_now(holders) as held:
             if held:
                 return fn(*args)
     return await trio.to_thread.run_sync(fn, *args)
-

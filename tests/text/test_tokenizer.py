@@ -13,10 +13,10 @@ from functools import lru_cache
 import pytest
 import regex
 
-from kvasird.inference.chat import ChatTemplate, ChatTemplateError, Message
-from kvasird.inference.tokenizer import Tokenizer, TokenizerError, _unicode_to_byte
 from kvasird.model.bundled import bundled_path
 from kvasird.model.gguffile import read_header
+from kvasird.text.chat import ChatTemplate, ChatTemplateError, Message
+from kvasird.text.tokenizer import Tokenizer, TokenizerError, _unicode_to_byte
 
 TEXTS = [
     "Hello world", "What is the capital of France?", "  leading and trailing spaces  ",
@@ -166,7 +166,7 @@ def test_ids_equal_a_from_the_definition_bpe(tok: Tokenizer, text: str) -> None:
 def test_user_defined_tokens_are_text_and_control_tokens_are_left_out_when_decoding() -> None:
     """As llama.cpp renders them: Qwen's <tool_call> (user-defined in its GGUFs) is text the
     model writes, where the tool-call reader finds it; <|im_end|> (control) is not."""
-    from kvasird.inference.tokenizer import CONTROL, USER_DEFINED, SpecialTokens, Tokenizer
+    from kvasird.text.tokenizer import CONTROL, USER_DEFINED, SpecialTokens, Tokenizer
 
     tokens = ["a", "b", "<tool_call>", "<|im_end|>"]
     tok = Tokenizer(tokens, [1, 1, USER_DEFINED, CONTROL], [], "default",

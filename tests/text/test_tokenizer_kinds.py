@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvasird.inference.tokenizer import Tokenizer, TokenizerError
+from kvasird.text.tokenizer import Tokenizer, TokenizerError
 from kvasird_dev.testvocab import BPE_PRES, SPM_SPECIALS, write_vocab
 
 LLAMACPP_PYTHON = Path(__file__).resolve().parents[2] / ".cache/llamacpp-venv/bin/python"

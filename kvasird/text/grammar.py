@@ -33,7 +33,7 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from kvasird.compute.errors import InputError
-from kvasird.inference.tokenizer import Tokenizer
+from kvasird.text.tokenizer import Tokenizer
 
 
 class GrammarError(InputError):
@@ -76,9 +76,13 @@ def vocabulary(tokenizer: Tokenizer) -> LLTokenizer:
     with _lock:
         hit = _vocabularies.get(id(tokenizer))
         if hit is None or hit[0] is not tokenizer:
-            hit = _vocabularies[id(tokenizer)] = (tokenizer, LLTokenizer(
-                TokenizerWrapper(_Vocab(tokenizer)),
-                eos_token=sorted(tokenizer.special.end_of_generation) or None))
+            hit = _vocabularies[id(tokenizer)] = (
+                tokenizer,
+                LLTokenizer(
+                    TokenizerWrapper(_Vocab(tokenizer)),
+                    eos_token=sorted(tokenizer.special.end_of_generation) or None,
+                ),
+            )
         return hit[1]
 
 
@@ -92,8 +96,10 @@ class _Vocab:
         self.bos_token_id = tok.special.bos
         self.special_token_ids = [i for i in range(tok.n_vocab) if tok.is_special(i)]
         special = set(self.special_token_ids)
-        self.tokens = [b"\xff" + tok.token_bytes(i) if i in special else tok.token_bytes(i)
-                       for i in range(tok.n_vocab)]
+        self.tokens = [
+            b"\xff" + tok.token_bytes(i) if i in special else tok.token_bytes(i)
+            for i in range(tok.n_vocab)
+        ]
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
@@ -115,15 +121,17 @@ class Constraint:
         """Output tokens the grammar has seen."""
 
     def allowed(self, generated: Any) -> np.ndarray:
-        for token in generated[self.consumed:]:
+        for token in generated[self.consumed :]:
             self.consume(int(token))
         if self._matcher.is_stopped():  # complete, its end drawn: only an end again
             return self._end.copy()
         bits = np.frombuffer(self._matcher.compute_bitmask(), np.uint8)
-        mask = np.unpackbits(bits, bitorder="little")[:self._n].astype(bool)
+        mask = np.unpackbits(bits, bitorder="little")[: self._n].astype(bool)
         if not mask.any():
-            raise GrammarError(f"the grammar allows no token here: "
-                               f"{self._matcher.get_error()[:200] or 'it is complete'}")
+            raise GrammarError(
+                f"the grammar allows no token here: "
+                f"{self._matcher.get_error()[:200] or 'it is complete'}"
+            )
         return mask
 
     def consume(self, token: int) -> None:
@@ -131,8 +139,9 @@ class Constraint:
             self.consumed += 1
             return
         if not self._matcher.consume_token(token):
-            raise GrammarError(f"token {token} does not follow the grammar: "
-                               f"{self._matcher.get_error()[:200]}")
+            raise GrammarError(
+                f"token {token} does not follow the grammar: {self._matcher.get_error()[:200]}"
+            )
         self.consumed += 1
 
     @property

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
+from kvasird.admin import generate
 from kvasird.config import Config, GatewayConfig, P2PConfig
 from kvasird.config.schema import SettlementSection
 from kvasird.identity import create_node_key
@@ -44,7 +45,8 @@ async def admin(tmp_path: Path, client: str = LOCAL,
                   sqlite3.connect(":memory:"))
     service = InferenceService(p2p, MarketService(p2p, config.market, None, Capabilities()),
                                config)
-    transport = httpx.ASGITransport(app=Starlette(routes=service.routes()), client=(client, 4242))
+    transport = httpx.ASGITransport(app=Starlette(routes=generate.routes(service)),
+                                    client=(client, 4242))
     async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:5101") as c:
         yield c
 

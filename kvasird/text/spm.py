@@ -29,9 +29,15 @@ BYTE = 6
 class SentencePiece:
     """Text <-> ids for one SentencePiece vocabulary."""
 
-    def __init__(self, tokens: Sequence[str], scores: Sequence[float], types: Sequence[int],
-                 specials: Sequence[int], user_defined: Sequence[int],
-                 add_space_prefix: bool) -> None:
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        scores: Sequence[float],
+        types: Sequence[int],
+        specials: Sequence[int],
+        user_defined: Sequence[int],
+        add_space_prefix: bool,
+    ) -> None:
         self.tokens = list(tokens)
         self.scores = list(scores)
         self.add_space_prefix = add_space_prefix
@@ -39,14 +45,17 @@ class SentencePiece:
         for i, t in enumerate(self.tokens):
             self._ids.setdefault(t, i)
         unknown = self._ids.get("<unk>", 0)
-        self._bytes = [self._ids.get(f"<0x{b:02X}>", self._ids.get(chr(b), unknown) if b < 0x80
-                                     else unknown) for b in range(256)]
+        self._bytes = [
+            self._ids.get(f"<0x{b:02X}>", self._ids.get(chr(b), unknown) if b < 0x80 else unknown)
+            for b in range(256)
+        ]
         by_length = sorted(specials, key=lambda i: -len(self.tokens[i]))
         self._all_special = [(self.tokens[i], i) for i in by_length if self.tokens[i]]
         user = set(user_defined)
         self._user = [(t, i) for t, i in self._all_special if i in user]
-        self.token_bytes = [_piece_bytes(t, kind)
-                            for t, kind in zip(self.tokens, types, strict=True)]
+        self.token_bytes = [
+            _piece_bytes(t, kind) for t, kind in zip(self.tokens, types, strict=True)
+        ]
 
     def encode(self, text: str, *, special: bool = False) -> list[int]:
         out: list[int] = []
@@ -77,7 +86,7 @@ class SentencePiece:
         def pair(left: int, right: int) -> None:
             if left < 0 or right < 0:
                 return
-            piece = text[start[left]:start[left] + size[left] + size[right]]
+            piece = text[start[left] : start[left] + size[left] + size[right]]
             token = self._ids.get(piece)
             if token is None:
                 return
@@ -99,7 +108,7 @@ class SentencePiece:
         out: list[int] = []
         i = 0
         while i >= 0:  # every merged piece is a token; a lone character may not be
-            piece = text[start[i]:start[i] + size[i]]
+            piece = text[start[i] : start[i] + size[i]]
             token = self._ids.get(piece)
             if token is not None:
                 out.append(token)

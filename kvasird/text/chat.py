@@ -30,12 +30,16 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvasird.errors import ModelError
-from kvasird.inference.tokenizer import Tokenizer
-from kvasird.inference.tools import Format, Tool, ToolCall, format_of, reads_tools
+from kvasird.text.tokenizer import Tokenizer
+from kvasird.text.toolcalls.calls import Tool, ToolCall
+from kvasird.text.toolcalls.hermes import Format
+from kvasird.text.toolcalls.registry import format_of, reads_tools
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
-          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 NINE_CHARACTER_IDS = re.compile(r"id\s*\|\s*length\s*!=\s*9")
@@ -53,7 +57,7 @@ class Message:
     content: str
     """The message text."""
     tool_calls: tuple[ToolCall, ...] = ()
-    """An assistant's calls of tools (kvasird.inference.tools)."""
+    """An assistant's calls of tools (kvasird.text.toolcalls)."""
     tool_call_id: str = ""
     """A tool result: the call it answers."""
     name: str = ""
@@ -64,8 +68,9 @@ class ChatTemplate:
     """A compiled chat template and the special-token texts it may refer to."""
 
     def __init__(self, source: str | None, bos: str = "", eos: str = "") -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
         try:
@@ -82,11 +87,12 @@ class ChatTemplate:
 
         def text(token: int | None) -> str:
             return tokenizer.tokens[token] if token is not None else ""
+
         return cls(tokenizer.chat_template, text(sp.bos), text(sp.eos))
 
     @property
     def tool_format(self) -> Format:
-        """How this model writes tool calls (kvasird.inference.tools.format_of)."""
+        """How this model writes tool calls (kvasird.text.toolcalls.registry.format_of)."""
         return format_of(self.source)
 
     def render(self, messages: Sequence[Message], tools: Sequence[Tool] = ()) -> str:
@@ -108,28 +114,45 @@ class ChatTemplate:
                     plain.insert(0, {"role": "system", "content": text})
         extra = {"tools": [t.openai() for t in tools]} if tools and native else {}
         try:
-            text = self._template.render(messages=plain, add_generation_prompt=True,
-                                         bos_token=self._bos, eos_token=self._eos, **extra)
+            text = self._template.render(
+                messages=plain,
+                add_generation_prompt=True,
+                bos_token=self._bos,
+                eos_token=self._eos,
+                **extra,
+            )
         except (TemplateError, TypeError, ValueError) as exc:  # a filter given the wrong type
-            raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") \
-                from None
+            raise ChatTemplateError(
+                f"the model's chat template rejected the messages: {exc}"
+            ) from None
         return text + prefill
 
 
-def _as_dict(m: Message, native: bool, names: dict[str, str],
-             short_ids: bool) -> dict[str, Any]:
+def _as_dict(m: Message, native: bool, names: dict[str, str], short_ids: bool) -> dict[str, Any]:
     """A message as templates read it: OpenAI's shape for one that knows tools. A result
     that does not name its tool (Anthropic's never do) is named after its call."""
+
     def call_id(text: str) -> str:
         return _nine_characters(text) if short_ids else text
+
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        out["tool_calls"] = [{"id": call_id(c.id), "type": "function", "function": {
-            "name": c.name, "arguments": json.loads(c.arguments or "{}")}}
-            for c in m.tool_calls] if native else list(m.tool_calls)
+        out["tool_calls"] = (
+            [
+                {
+                    "id": call_id(c.id),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.loads(c.arguments or "{}")},
+                }
+                for c in m.tool_calls
+            ]
+            if native
+            else list(m.tool_calls)
+        )
     if m.role == "tool":
-        out.update(tool_call_id=call_id(m.tool_call_id),
-                   name=m.name or names.get(m.tool_call_id, ""))
+        out.update(
+            tool_call_id=call_id(m.tool_call_id), name=m.name or names.get(m.tool_call_id, "")
+        )
     return out
 
 
@@ -148,7 +171,13 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )

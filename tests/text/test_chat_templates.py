@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvasird.inference.chat import ChatTemplate, ChatTemplateError, Message
-from kvasird.inference.tools import ToolCall
+from kvasird.text.chat import ChatTemplate, ChatTemplateError, Message
+from kvasird.text.toolcalls.calls import ToolCall
 
 CALL = ToolCall("call_0123456789abcdef01234567", "get_weather", '{"city": "Zürich"}')
 CONVERSATION = [Message("user", "Weather?"), Message("assistant", "", (CALL,)),

@@ -10,24 +10,22 @@ import numpy as np
 import pytest
 
 from kvasird.compute.sampling import Sampler, SamplingParams
-from kvasird.inference.chat import ChatTemplate, Message
-from kvasird.inference.grammar import Constraint, GrammarError, vocabulary
-from kvasird.inference.tokenizer import Tokenizer
-from kvasird.inference.tools import (
-    FORMATS,
+from kvasird.model.bundled import bundled_path
+from kvasird.text.chat import ChatTemplate, Message
+from kvasird.text.grammar import Constraint, GrammarError, vocabulary
+from kvasird.text.tokenizer import Tokenizer
+from kvasird.text.toolcalls.calls import Tool, ToolCall
+from kvasird.text.toolcalls.events import (
     Args,
     Broken,
-    Closed,
+    CallClosed,
+    CallOpened,
     Event,
-    Opened,
     Reply,
     Said,
     Thought,
-    Tool,
-    ToolCall,
-    format_of,
 )
-from kvasird.model.bundled import bundled_path
+from kvasird.text.toolcalls.registry import FORMATS, format_of
 from kvasird_dev.testmodels import bundled_tokenizer
 
 WEATHER = Tool("get_weather", "The weather in a city", {
@@ -97,13 +95,13 @@ def test_a_streamed_reply_holds_the_text_and_calls_of_the_whole_one(step: int) -
     events = streamed("hermes", TWO_CALLS, step)
     content, calls = FORMATS["hermes"].parse(TWO_CALLS, TOOLS)
     assert "".join(e.text for e in events if isinstance(e, Said)) == content
-    closed = [e.call for e in events if isinstance(e, Closed)]
+    closed = [e.call for e in events if isinstance(e, CallClosed)]
     assert [(c.name, c.arguments) for c in closed] == [(c.name, c.arguments) for c in calls]
     for k, call in enumerate(closed):  # the arguments sent are the call's, exactly
         assert "".join(e.text for e in events if isinstance(e, Args) and e.index == k) == \
             call.arguments
     assert json.loads(closed[0].arguments) == {"city": 'a}</tool_call>"{', "unit": "c"}
-    opened = [e for e in events if isinstance(e, Opened)]
+    opened = [e for e in events if isinstance(e, CallOpened)]
     assert [(o.index, o.id, o.name) for o in opened] == [(k, c.id, c.name)
                                                          for k, c in enumerate(closed)]
 
@@ -113,20 +111,20 @@ def test_a_call_is_announced_as_soon_as_its_name_is_written() -> None:
     assert reader.feed("Sure. <tool") == [Said("Sure.")]  # "<tool" may begin a call
     assert reader.feed('_call>\n{"name": "get_time", "arguments": ') == []
     (opened, args) = reader.feed('{"zo')
-    assert isinstance(opened, Opened) and opened.name == "get_time"
+    assert isinstance(opened, CallOpened) and opened.name == "get_time"
     assert args == Args(0, '{"zo')
     assert reader.feed('ne": "utc"}') == [Args(0, 'ne": "utc"}')]
     assert reader.feed("}\n</tool_") == []
     (closed,) = reader.feed("call>")
-    assert isinstance(closed, Closed) and closed.call.arguments == '{"zone": "utc"}'
+    assert isinstance(closed, CallClosed) and closed.call.arguments == '{"zone": "utc"}'
     assert not reader.cut and reader.end() == []
 
 
 def test_a_reply_cut_inside_a_call_keeps_it_out_of_a_whole_reply() -> None:
     text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "ut'
     events = streamed("hermes", text, 4)
-    assert [type(e) for e in events][:2] == [Opened, Args] and not any(
-        isinstance(e, Closed) for e in events)
+    assert [type(e) for e in events][:2] == [CallOpened, Args] and not any(
+        isinstance(e, CallClosed) for e in events)
     assert FORMATS["hermes"].parse(text, TOOLS) == ("", [])
 
 
@@ -142,7 +140,7 @@ def test_llama3_replies_are_read_whole() -> None:
     text = '{"name": "get_time", "parameters": {"zone": "utc"}}'
     reader = FORMATS["llama3"].stream(TOOLS)
     assert reader.feed(text) == []
-    assert [type(e) for e in reader.end()] == [Opened, Args, Closed]
+    assert [type(e) for e in reader.end()] == [CallOpened, Args, CallClosed]
 
 
 def test_llama3_output_is_parsed_with_or_without_the_python_tag() -> None:
@@ -260,7 +258,7 @@ def test_a_harmony_reply_cut_inside_a_call_is_never_closed() -> None:
     text = '<|channel|>commentary to=functions.get_time json<|message|>{"zone": "ut'
     reader = FORMATS["harmony"].stream(TOOLS)
     events = [*reader.feed(text), *reader.end()]
-    assert [type(e) for e in events] == [Opened, Args] and reader.cut
+    assert [type(e) for e in events] == [CallOpened, Args] and reader.cut
     assert read(text) == Reply("")
 
 
@@ -281,7 +279,7 @@ def test_a_streamed_harmony_reply_holds_what_the_whole_one_does(text: str, step:
     events, whole = harmony_streamed(text, step), read(text)
     assert "".join(e.text for e in events if isinstance(e, Said)) == whole.text
     assert "".join(e.text for e in events if isinstance(e, Thought)) == whole.reasoning
-    closed = [e.call for e in events if isinstance(e, Closed)]
+    closed = [e.call for e in events if isinstance(e, CallClosed)]
     assert [(c.name, c.arguments) for c in closed] == [(c.name, c.arguments)
                                                        for c in whole.calls]
     for k, call in enumerate(closed):
@@ -296,10 +294,10 @@ def test_a_harmony_call_is_announced_once_its_header_is_read() -> None:
     assert reader.feed("end|><|start|>assistant<|channel|>commentary to=functions.get_time "
                        "<|constrain|>json") == []
     (opened,) = reader.feed("<|message|>")
-    assert isinstance(opened, Opened) and opened.name == "get_time"
+    assert isinstance(opened, CallOpened) and opened.name == "get_time"
     assert reader.feed('{"zone": "utc"}') == [Args(0, '{"zone": "utc"}')]
     (closed,) = reader.end()
-    assert isinstance(closed, Closed) and closed.call.arguments == '{"zone": "utc"}'
+    assert isinstance(closed, CallClosed) and closed.call.arguments == '{"zone": "utc"}'
     assert not reader.cut
 
 
@@ -395,7 +393,7 @@ def test_a_streamed_qwen_xml_reply_holds_the_text_and_calls_of_the_whole_one(ste
     events = xml_streamed(XML_CALLS, step)
     content, calls = FORMATS["qwen_xml"].parse(XML_CALLS, XML_TOOLS)
     assert "".join(e.text for e in events if isinstance(e, Said)) == content
-    closed = [e.call for e in events if isinstance(e, Closed)]
+    closed = [e.call for e in events if isinstance(e, CallClosed)]
     assert [(c.name, c.arguments) for c in closed] == [(c.name, c.arguments) for c in calls]
     for k, call in enumerate(closed):
         assert "".join(e.text for e in events if isinstance(e, Args) and e.index == k) == \
@@ -406,11 +404,11 @@ def test_a_qwen_xml_call_is_announced_at_its_function_tag() -> None:
     reader = FORMATS["qwen_xml"].stream(XML_TOOLS)
     assert reader.feed("<tool_call>\n<function=get_ti") == []
     (opened,) = reader.feed("me>\n")
-    assert isinstance(opened, Opened) and opened.name == "get_time"
+    assert isinstance(opened, CallOpened) and opened.name == "get_time"
     assert reader.feed("<parameter=zone>\nut") == []
     assert reader.feed("c\n</parameter>\n") == [Args(0, '{"zone": "utc"')]
     args, closed = reader.feed("</function>")
-    assert args == Args(0, "}") and isinstance(closed, Closed)
+    assert args == Args(0, "}") and isinstance(closed, CallClosed)
     assert closed.call.arguments == '{"zone": "utc"}'
     assert reader.feed("\n</tool_call>") == [] and not reader.cut
 
@@ -418,7 +416,7 @@ def test_a_qwen_xml_call_is_announced_at_its_function_tag() -> None:
 def test_a_qwen_xml_reply_cut_inside_a_call_is_never_closed() -> None:
     text = "<tool_call>\n<function=get_time>\n<parameter=zone>\nut"
     events = xml_streamed(text, 3)
-    assert [type(e) for e in events] == [Opened]
+    assert [type(e) for e in events] == [CallOpened]
     assert FORMATS["qwen_xml"].parse(text, XML_TOOLS) == ("", [])
 
 
@@ -491,7 +489,7 @@ def test_a_streamed_mistral_reply_holds_the_text_and_calls_of_the_whole_one(
     events += reader.end()
     content, calls = FORMATS[name].parse(text, TOOLS)
     assert "".join(e.text for e in events if isinstance(e, Said)) == content
-    closed = [e.call for e in events if isinstance(e, Closed)]
+    closed = [e.call for e in events if isinstance(e, CallClosed)]
     assert [(c.name, c.arguments) for c in closed] == [(c.name, c.arguments) for c in calls]
     for k, call in enumerate(closed):
         assert "".join(e.text for e in events if isinstance(e, Args) and e.index == k) == \
@@ -503,9 +501,9 @@ def test_a_mistral_call_is_announced_at_its_args_marker() -> None:
     reader = FORMATS["mistral"].stream(TOOLS)
     assert reader.feed("[TOOL_CALLS]get_time") == []
     (opened,) = reader.feed("[ARGS]")
-    assert isinstance(opened, Opened) and opened.name == "get_time"
+    assert isinstance(opened, CallOpened) and opened.name == "get_time"
     assert reader.feed('{"zone": "ut') == [Args(0, '{"zone": "ut')] and reader.cut
-    assert reader.end() == []  # cut: never Closed
+    assert reader.end() == []  # cut: never CallClosed
     assert FORMATS["mistral"].parse('[TOOL_CALLS]get_time[ARGS]{"zone": "ut', TOOLS) == ("", [])
 
 
@@ -520,7 +518,7 @@ def test_mistral_calls_of_no_tool_offered_stay_text(name: str, text: str) -> Non
 def test_mistral_arguments_that_are_no_object_make_no_call() -> None:
     reader = FORMATS["mistral"].stream(TOOLS)
     events = [*reader.feed("[TOOL_CALLS]get_time[ARGS]utc, please"), *reader.end()]
-    assert [type(e) for e in events] == [Opened, Broken, Said]
+    assert [type(e) for e in events] == [CallOpened, Broken, Said]
     assert events[1] == Broken(0, "[TOOL_CALLS]get_time[ARGS]")
 
 
