@@ -24,6 +24,7 @@ refused outright.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from solders.signature import Signature
@@ -44,7 +45,10 @@ from kvasird.settlement.admin import AdminAuth
 from kvasird.settlement.errors import AdminAuthError, TotpAlreadyEnrolled
 
 if TYPE_CHECKING:
-    from kvasird.daemon.node import Node
+    from kvasird.gateway.service import Health
+    from kvasird.gateway.status import NodeView
+    from kvasird.p2p.dialer import Dialer
+    from kvasird.settlement.service import Settlement
 
 MAX_SIGN_IN_BYTES = 8192
 """Largest sign-in body read (a SIWS message is a few hundred bytes; anyone may post one)."""
@@ -62,21 +66,35 @@ NO_SETTLEMENT = (
 )
 
 
-def build_app(node: Node) -> Starlette:
+@dataclass(frozen=True)
+class AdminNode:
+    """What the admin API reads and does of its node (the daemon builds it)."""
+
+    view: NodeView
+    """The node's status, peers, coverage and shards, as the gateway's /status reads them."""
+    dialer: Dialer
+    """Dials a bootstrap address at once and keeps it connected (POST /v0/bootstrap)."""
+    settlement: Callable[[], Settlement | None]
+    """Governance, the price and operator sign-in (None while [settlement] is off)."""
+    health: Callable[[], Health] | None
+    """The gateway's health (None: [gateway] enabled = false)."""
+
+
+def build_app(node: AdminNode) -> Starlette:
     async def status(_: Request) -> JSONResponse:
-        return JSONResponse(node.status())
+        return JSONResponse(node.view.status())
 
     async def serves(_: Request) -> JSONResponse:
         return JSONResponse(serving(node))
 
     async def peers(_: Request) -> JSONResponse:
-        return JSONResponse([p.to_json() for p in node.p2p.peers.snapshot()])
+        return JSONResponse([p.to_json() for p in node.view.peers()])
 
     async def coverage(_: Request) -> JSONResponse:
-        return JSONResponse(node.market.coverage())
+        return JSONResponse(node.view.coverage())
 
     async def shards(_: Request) -> JSONResponse:
-        return JSONResponse(node.shards.view())
+        return JSONResponse(node.view.shards())
 
     async def bootstrap(request: Request) -> JSONResponse:
         try:
@@ -86,21 +104,32 @@ def build_app(node: Node) -> Starlette:
             return _error(exc.status, exc.message)
         except ConfigError as exc:
             return _error(400, str(exc))
-        dialer, pid = node.p2p.dialer, peer_id_of(addr)
+        dialer, pid = node.dialer, peer_id_of(addr)
         dialer.add_bootstrap(addr)
         connected = await dialer.dial([addr])
-        return JSONResponse({"peer_id": pid, "connected": connected,
-                             "error": None if connected else dialer.failures.get(pid)})
+        return JSONResponse(
+            {
+                "peer_id": pid,
+                "connected": connected,
+                "error": None if connected else dialer.failures.get(pid),
+            }
+        )
 
     async def settlement(_: Request) -> JSONResponse:
-        s = node.settlement
+        s = node.settlement()
         if s is None:
             return JSONResponse({"enabled": False})
-        return JSONResponse({"enabled": True, "params": s.governance.params().to_wire(),
-                             "price_per_1k_tokens": s.prices.price})
+        return JSONResponse(
+            {
+                "enabled": True,
+                "params": s.governance.params().to_wire(),
+                "price_per_1k_tokens": s.prices.price,
+            }
+        )
 
     def admin_auth() -> AdminAuth | None:
-        return node.settlement.admin if node.settlement is not None else None
+        s = node.settlement()
+        return s.admin if s is not None else None
 
     async def challenge(_: Request) -> JSONResponse:
         auth = admin_auth()
@@ -127,37 +156,50 @@ def build_app(node: Node) -> Starlette:
         if auth is None:
             return _error(404, NO_SETTLEMENT)
         if not is_loopback(_client_host(request.scope)):
-            return _error(403, "TOTP enrolment is allowed only from this machine: run "
-                               "POST /v0/auth/totp on the node itself")
+            return _error(
+                403,
+                "TOTP enrolment is allowed only from this machine: run "
+                "POST /v0/auth/totp on the node itself",
+            )
         try:
             return JSONResponse({"uri": auth.enroll_totp()})
         except TotpAlreadyEnrolled as exc:
             return _error(409, str(exc))
 
-    return Starlette(routes=[
-        Route("/v0/settlement", settlement),
-        Route("/v0/shards", shards),
-        Route("/v0/status", status),
-        Route("/v0/serving", serves),
-        Route("/v0/peers", peers),
-        Route("/v0/coverage", coverage),
-        Route("/v0/bootstrap", bootstrap, methods=["POST"]),
-        Route("/v0/auth/challenge", challenge, methods=["POST"]),
-        Route("/v0/auth/sign-in", sign_in, methods=["POST"]),
-        Route("/v0/auth/totp", enroll_totp, methods=["POST"]),
-    ], middleware=[Middleware(OperatorGate, auth=admin_auth)])
+    return Starlette(
+        routes=[
+            Route("/v0/settlement", settlement),
+            Route("/v0/shards", shards),
+            Route("/v0/status", status),
+            Route("/v0/serving", serves),
+            Route("/v0/peers", peers),
+            Route("/v0/coverage", coverage),
+            Route("/v0/bootstrap", bootstrap, methods=["POST"]),
+            Route("/v0/auth/challenge", challenge, methods=["POST"]),
+            Route("/v0/auth/sign-in", sign_in, methods=["POST"]),
+            Route("/v0/auth/totp", enroll_totp, methods=["POST"]),
+        ],
+        middleware=[Middleware(OperatorGate, auth=admin_auth)],
+    )
 
 
-def serving(node: Node) -> dict[str, Any]:
+def serving(node: AdminNode) -> dict[str, Any]:
     """What `kvasird status` adds to the node's own status: the model it serves (name and
     id), the units it holds of it, and its gateway's health."""
-    cov = node.market.coverage()
+    cov = node.view.coverage()
     model = cov["model"]
-    health = node.gateway.health() if node.config.gateway.enabled else None
-    return {"model": {"name": model["name"], "id": model["id"]} if model else None,
-            "role": {"state": cov["state"], "units": cov["held"], "held_bytes": cov["held_bytes"],
-                     "budget_bytes": cov["budget_bytes"], "routable": cov["routable"]},
-            "health": {"status": health.status, "reason": health.reason} if health else None}
+    health = node.health() if node.health is not None else None
+    return {
+        "model": {"name": model["name"], "id": model["id"]} if model else None,
+        "role": {
+            "state": cov["state"],
+            "units": cov["held"],
+            "held_bytes": cov["held_bytes"],
+            "budget_bytes": cov["budget_bytes"],
+            "routable": cov["routable"],
+        },
+        "health": {"status": health.status, "reason": health.reason} if health else None,
+    }
 
 
 class OperatorGate:
@@ -190,8 +232,9 @@ class OperatorGate:
         scheme, _, token = header.partition(" ")
         if scheme.lower() == "bearer" and token.strip() and auth.session_valid(token.strip()):
             return None
-        return ("this admin API answers other machines only with an operator session: "
-                + HOW_TO_SIGN_IN)
+        return (
+            "this admin API answers other machines only with an operator session: " + HOW_TO_SIGN_IN
+        )
 
 
 async def _sign_in_fields(request: Request) -> tuple[str, Signature, str]:
@@ -200,8 +243,11 @@ async def _sign_in_fields(request: Request) -> tuple[str, Signature, str]:
     try:
         return message, Signature.from_string(signature), totp
     except ValueError:
-        raise BadRequest("`signature` must be the base58 signature of the message's UTF-8 "
-                         "bytes by the operator wallet", "signature") from None
+        raise BadRequest(
+            "`signature` must be the base58 signature of the message's UTF-8 "
+            "bytes by the operator wallet",
+            "signature",
+        ) from None
 
 
 def _client_host(scope: Scope) -> str:

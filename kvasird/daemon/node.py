@@ -5,19 +5,22 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from kvasird import PROTOCOL_VERSION, __version__
+from kvasird.admin import generate
 from kvasird.admin.server import build_app
+from kvasird.compute import arch as archs
+from kvasird.compute.graph import use_device
 from kvasird.config import Config
-from kvasird.daemon import earnings, systemd
+from kvasird.daemon import earnings, systemd, wiring
 from kvasird.daemon.banner import print_banner, print_ready, print_waiting
 from kvasird.daemon.risks import risky_settings
 from kvasird.db import connect
-from kvasird.gateway import Gateway
 from kvasird.gateway.payment import OwnUse
 from kvasird.home import Home
 from kvasird.http import serve_asgi
@@ -27,8 +30,6 @@ from kvasird.logs import get_logger
 from kvasird.market.records import Capabilities
 from kvasird.market.service import GOODBYE_TIMEOUT_S, MarketService, metadata_only
 from kvasird.model.distribution import ShardService
-from kvasird.compute import arch as archs
-from kvasird.compute.graph import use_device
 from kvasird.model.gguffile import read_header
 from kvasird.model.ref import ModelRef
 from kvasird.model.store import ShardStore
@@ -59,21 +60,33 @@ class Node:
         self.key = load_node_key(home.node_key)
         self.p2p = P2PNode(self.key, config.p2p, config.node.network, self.db, str(home.config))
         self.shards = ShardService(self.p2p, ShardStore.open(home))
-        self.market = MarketService(self.p2p, config.market, None,
-                                    Capabilities(backend=config.compute.device or "CPU",
-                                                 threads=config.compute.threads or 1),
-                                    shards=self.shards,
-                                    loader=(lambda units: self.inference.load(units))
-                                    if config.inference.serve else metadata_only)
+        self.market = MarketService(
+            self.p2p,
+            config.market,
+            None,
+            Capabilities(
+                backend=config.compute.device or "CPU", threads=config.compute.threads or 1
+            ),
+            shards=self.shards,
+            loader=(lambda units: self.inference.load(units))
+            if config.inference.serve
+            else metadata_only,
+        )
         self.inference = InferenceService(self.p2p, self.market, config)
-        self.gateway = Gateway.for_node(self)
+        self.gateway = wiring.gateway_of(self)
         self.settlement: Settlement | None = None
         """Payments and rewards, once started (None while [settlement] is off)."""
         self.admission: Admission | None = None
         """Whom this node works for (None while [settlement] is off: everyone)."""
         self.exchange: Exchange | None = None
         """Receipts and claims with other peers (None while [settlement] is off)."""
-        self.governance = GovernanceGossip(self)
+        self.governance = GovernanceGossip(
+            self.p2p.gossip,
+            lambda: self.settlement,
+            config.node.network,
+            config.settlement.genesis_wallet,
+            str(home.config),
+        )
         self.started_at = time.monotonic()
 
     def status(self) -> dict[str, Any]:
@@ -101,25 +114,40 @@ class Node:
             for risk in risks:
                 log.warning(risk)
             self._check_model_file()
-            settling = (await with_network_keys(settlement_config(self.config, self.home),
-                                                str(self.home.config))
-                        if self.config.settlement.enabled else None)  # before joining
+            settling = (
+                await with_network_keys(
+                    SettlementConfig(self.config.settlement), str(self.home.config)
+                )
+                if self.config.settlement.enabled
+                else None
+            )  # before joining
             async with self.p2p.running(), trio.open_nursery() as nursery:
                 await nursery.start(self.shards.run)
                 if settling is not None:
                     self.settlement = await nursery.start(
-                        run_settlement, settling,
-                        self.home, self.p2p.peer_id, self.config.node.network)
+                        run_settlement,
+                        settling,
+                        self.home,
+                        self.p2p.peer_id,
+                        self.config.node.network,
+                    )
                     await nursery.start(self._exchange_receipts, self.settlement)
                 await nursery.start(self.governance.run)
                 await nursery.start(self.inference.run)
                 await nursery.start(self.market.run)
-                app = build_app(self)
-                app.router.routes.extend([*self.inference.routes(), *earnings.routes(self)])
-                admin_url = await nursery.start(lambda task_status: serve_asgi(
-                    app, self.config.admin.listen, what="admin API", section="admin",
-                    config_path=str(self.home.config),
-                    allowed_hosts=self.config.admin.allowed_hosts, task_status=task_status))
+                app = build_app(wiring.admin_of(self))
+                app.router.routes.extend([*generate.routes(self.inference), *earnings.routes(self)])
+                admin_url = await nursery.start(
+                    lambda task_status: serve_asgi(
+                        app,
+                        self.config.admin.listen,
+                        what="admin API",
+                        section="admin",
+                        config_path=str(self.home.config),
+                        allowed_hosts=self.config.admin.allowed_hosts,
+                        task_status=task_status,
+                    )
+                )
                 await nursery.start(self.gateway.run)
                 self.home.write_admin_address(admin_url, os.getpid())
                 nursery.start_soon(self._diagnose_loneliness)
@@ -146,7 +174,7 @@ class Node:
                     archs.check_file(path)
 
     async def _tell_when_serving(self, admin_url: str) -> None:
-        """"ready" (and Type=notify's READY=1) once the gateway can serve its model (at once
+        """ "ready" (and Type=notify's READY=1) once the gateway can serve its model (at once
         on a node with no gateway or no model to serve). Until then the operator sees what
         it waits for, again when that changes, and systemd a STATUS= line (on each change,
         and well within START_EXTEND_S) with EXTEND_TIMEOUT_USEC= so that its start timeout
@@ -174,24 +202,39 @@ class Node:
             return True, f"gateway {self.gateway.url}: {health.reason}"
         return False, f"waiting ({health.status}): {health.reason}"
 
-    async def _exchange_receipts(self, s: Settlement, *,
-                                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                                 ) -> None:
+    async def _exchange_receipts(
+        self, s: Settlement, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Settlement between peers: publish our wallet link, admit only paying gateways,
         deliver and take receipts, claim."""
-        c = s.config
+        c = s.config.section
         self.market.link = s.link
-        def rates() -> Rates:
-            return Rates(self.inference.units_per_token(), s.prices.price,
-                         s.governance.params().floor)
 
-        self.admission = Admission(self.p2p.peer_id, s.network, self.inference.link_of,
-                                   s.receipts, s.stake, s.governance.params,
-                                   max_unpaid=c.max_unpaid, rates=rates, cache_s=c.stake_cache_s)
+        def rates() -> Rates:
+            return Rates(
+                self.inference.units_per_token(), s.prices.price, s.governance.params().floor
+            )
+
+        self.admission = Admission(
+            self.p2p.peer_id,
+            s.network,
+            self.inference.link_of,
+            s.receipts,
+            s.stake,
+            s.governance.params,
+            max_unpaid=c.max_unpaid,
+            rates=rates,
+            cache_s=s.config.stake_cache_s,
+        )
         self.inference.use_admission(self.admission)
-        self.exchange = Exchange(s, self.p2p.peer_id, self.inference.channels.request,
-                                 self.inference.link_of, self.admission,
-                                 claim_threshold=c.claim_threshold)
+        self.exchange = Exchange(
+            s,
+            self.p2p.peer_id,
+            self.inference.channels.request,
+            self.inference.link_of,
+            self.admission,
+            claim_threshold=c.claim_threshold,
+        )
         self.inference.own_use = OwnUse(s, self.p2p.peer_id, self.exchange)
         self.inference.also_serve(SETTLE_PROTOCOL, self.exchange.handle)
         await self.exchange.run(task_status=task_status)
@@ -207,20 +250,10 @@ class Node:
                     f"no peers after {NO_PEERS_DIAGNOSIS_S:g} s: check that the bootstrap "
                     f"addresses in {self.home.config} are reachable from this machine, that "
                     "the other node runs on the same network name, and that no firewall "
-                    "blocks its port", bootstrap=list(self.config.p2p.bootstrap))
+                    "blocks its port",
+                    bootstrap=list(self.config.p2p.bootstrap),
+                )
             await trio.sleep(300)
-
-
-def settlement_config(config: Config, home: Home) -> SettlementConfig:
-    """[settlement] of kvasird.toml as the settlement subsystem's config, free_local resolved
-    against [gateway] listen."""
-    section = config.settlement
-    return SettlementConfig(
-        rpc_url=section.rpc_url, wallet=home.root / section.wallet if section.wallet else None,
-        wallet_address=section.wallet_address, kvr_mint=section.kvr_mint,
-        genesis_wallet=section.genesis_wallet, commitment=section.commitment,
-        quote_ttl_s=section.quote_ttl_s, free_local=config.free_local_in_effect(),
-        max_unpaid=section.max_unpaid, claim_threshold=section.claim_threshold)
 
 
 def _preferred_join(addrs: list[str]) -> str:
@@ -238,9 +271,11 @@ async def run_until_signal(node: Node) -> None:
     peers would route to this node until its record's TTL ran out."""
     node_scope = trio.CancelScope()
 
-    async def watch(signals: trio.abc.ReceiveChannel[int]) -> None:
+    async def watch(signals: AsyncIterator[int]) -> None:
         async for signum in signals:
-            log.info("stopping: closing peers and flushing state", signal=signal.Signals(signum).name)
+            log.info(
+                "stopping: closing peers and flushing state", signal=signal.Signals(signum).name
+            )
             systemd.notify("STOPPING=1")
             with trio.move_on_after(GOODBYE_TIMEOUT_S + 1):  # its loops' ending, then the goodbye
                 await node.market.leave()

@@ -36,8 +36,7 @@ prepaid balances); else 402 says how to top up. The response says who paid
 
 from __future__ import annotations
 
-import sqlite3
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,19 +63,32 @@ if TYPE_CHECKING:
 log = get_logger("kvasird.gateway.payment")
 
 HEADER = b"x-kvasir-payment"
-HOW = ("ask for a quote with POST /v1/kvasir/quote {\"prompt_tokens\": P, \"max_tokens\": N} "
-       "(or with the request's own body), transfer its amount of KVR to its vault with its "
-       "memo, and send the request again with the header "
-       "X-Kvasir-Payment: <request_id>:<transaction signature>")
-UNUSED = (" Nothing was charged: your payment is unused, and the same X-Kvasir-Payment header "
-          "pays for the request sent again (corrected, or once the gateway can serve it).")
+HOW = (
+    'ask for a quote with POST /v1/kvasir/quote {"prompt_tokens": P, "max_tokens": N} '
+    "(or with the request's own body), transfer its amount of KVR to its vault with its "
+    "memo, and send the request again with the header "
+    "X-Kvasir-Payment: <request_id>:<transaction signature>"
+)
+UNUSED = (
+    " Nothing was charged: your payment is unused, and the same X-Kvasir-Payment header "
+    "pays for the request sent again (corrected, or once the gateway can serve it)."
+)
 """How every error of a paid request that did no work ends: the rule is one for all."""
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS gateway_redeemed (
-    request_id TEXT PRIMARY KEY,
-    redeemed_at REAL NOT NULL
-);
-"""
+
+
+@dataclass(frozen=True)
+class Settling:
+    """What the gateway's payments use of the node it runs on (the daemon builds it):
+    settlement and the receipt exchange start after the gateway is built, hence callables."""
+
+    settlement: Callable[[], Settlement | None]
+    """Payments and rewards (None while [settlement] is off or not started yet)."""
+    exchange: Callable[[], Exchange | None]
+    """Where receipts go out to the peers (None while settlement is off)."""
+    me: str
+    """This node's peer id: who did the work of a generation that ran here alone."""
+    layers: Callable[[], int]
+    """Layers of the model served (1 while the market has none): that work's units."""
 
 
 @dataclass(frozen=True)
@@ -93,12 +105,14 @@ class Charge:
     def headers(self) -> list[tuple[bytes, bytes]]:
         """Response headers that say who pays and the most it may cost."""
         who = f"operator {self.proof.payer}" if self.operator else "payment"
-        return [(b"x-kvasir-paid-by", who.encode()),
-                (b"x-kvasir-max-cost", str(self.coverage.amount).encode())]
+        return [
+            (b"x-kvasir-paid-by", who.encode()),
+            (b"x-kvasir-max-cost", str(self.coverage.amount).encode()),
+        ]
 
 
 def settlement_of(gw: Gateway) -> Settlement | None:
-    return getattr(gw.node, "settlement", None) if gw.node is not None else None
+    return gw.settling.settlement() if gw.settling is not None else None
 
 
 def _asks(job: Job) -> tuple[int, int]:
@@ -114,7 +128,7 @@ async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> Charge | None:
         return None
     header = dict(scope.get("headers") or []).get(HEADER)
     if header is None:
-        if s.config.free_local and operator_request(scope):
+        if gw.free_local and operator_request(scope):
             return await _operator_charge(gw, s, job)
         raise PaymentRequired(f"this gateway takes KVR payments: {HOW}")
     request_id, owner, signature = _parsed(header)
@@ -137,10 +151,12 @@ async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> Charge | None:
             f"this request may use {prompt} prompt tokens and {output} output tokens{each}, "
             f"which cost {format_kvr(need)} KVR at the quote's prices, and the payment covers "
             f"{format_kvr(coverage.amount)} KVR: {format_kvr(need - coverage.amount)} KVR more "
-            f"is needed. Ask for a quote of {{\"prompt_tokens\": {prompt}, \"max_tokens\": "
+            f'is needed. Ask for a quote of {{"prompt_tokens": {prompt}, "max_tokens": '
             f"{output}}} (or POST the request's body to /v1/kvasir/quote), or lower max_tokens "
-            "or n; this payment stays usable for a request within it")
-    _redeem(gw, proof.key)
+            "or n; this payment stays usable for a request within it"
+        )
+    if not s.redemptions.redeem(proof.key):
+        raise PaymentRequired("this payment has already been used for a request: pay a new quote")
     return Charge(proof, coverage, operator=False)
 
 
@@ -153,9 +169,12 @@ def _parsed(header: bytes) -> tuple[str, Pubkey | None, Signature]:
     except (ValueError, KvasirError):
         owner = signature = None
     if len(parts) not in (2, 3) or signature is None:
-        raise BadRequest("X-Kvasir-Payment must be <request_id>:<transaction signature>, or "
-                         "<request_id>:<wallet>:<the wallet's signature of the request id> to "
-                         "pay from the wallet's prepaid balance here", "X-Kvasir-Payment")
+        raise BadRequest(
+            "X-Kvasir-Payment must be <request_id>:<transaction signature>, or "
+            "<request_id>:<wallet>:<the wallet's signature of the request id> to "
+            "pay from the wallet's prepaid balance here",
+            "X-Kvasir-Payment",
+        )
     return parts[0], owner, signature
 
 
@@ -164,13 +183,13 @@ async def unused(gw: Gateway, header: bytes) -> str:
     a gateway not ready): the sentence its error ends with. A transfer is verified now, so
     that the payment stays usable after its quote expires; a prepaid one was never taken."""
     s = settlement_of(gw)
-    if s is None or gw.node is None:
+    if s is None:
         return ""
     try:
         request_id, owner, signature = _parsed(header)
     except BadRequest:
         return ""
-    if s.payments.coverage(request_id) is None or _redeemed(gw.node.db, request_id):
+    if s.payments.coverage(request_id) is None or s.redemptions.redeemed(request_id):
         return ""  # no such quote here, or its payment was spent already
     if owner is None:
         try:
@@ -182,38 +201,44 @@ async def unused(gw: Gateway, header: bytes) -> str:
 
 async def _operator_charge(gw: Gateway, s: Settlement, job: Job) -> Charge:
     """The operator's own request: a quote the vault pays itself, if it can afford it."""
-    assert gw.node is not None
-    return await operator_charge(s, gw.node.p2p.peer_id, *_asks(job))
+    assert gw.settling is not None
+    return await operator_charge(s, gw.settling.me, *_asks(job))
 
 
 async def operator_charge(s: Settlement, me: str, prompt: int, output: int) -> Charge:
     """A quote the vault pays itself for ``prompt`` tokens in and ``output`` out (node ``me``),
     if the operator's wallet can afford it above the stake and what it owes; else 402."""
     if s.rewards is None:
-        raise PaymentRequired("this machine's requests are paid to the peers from the "
-                              f"operator's wallet, and only the address {s.wallet.address} is "
-                              "configured: set [settlement] wallet to its keypair file")
+        raise PaymentRequired(
+            "this machine's requests are paid to the peers from the "
+            f"operator's wallet, and only the address {s.wallet.address} is "
+            "configured: set [settlement] wallet to its keypair file"
+        )
     need = s.prices.amount_for(output, prompt)
     try:
         held = await s.chain.token_balance(s.wallet.address, s.mint)
     except ChainError as exc:
-        raise PaymentRequired(f"this machine's requests are paid from the operator's wallet, "
-                              f"whose balance cannot be read from the chain now ({exc}): "
-                              "retry shortly") from None
+        raise PaymentRequired(
+            f"this machine's requests are paid from the operator's wallet, "
+            f"whose balance cannot be read from the chain now ({exc}): "
+            "retry shortly"
+        ) from None
     stake = s.governance.params().stake_min
     if held < stake:
         raise PaymentRequired(
             f"this machine's requests are paid from the operator's wallet {s.wallet.address}, "
             f"which holds {format_kvr(held)} KVR, below the network's stake minimum of "
             f"{format_kvr(stake)} KVR: the peers serve no gateway below it. Send KVR to "
-            f"{s.wallet.address} to top it up")
-    spare = held - stake - owed(s, me)
+            f"{s.wallet.address} to top it up"
+        )
+    spare = held - stake - s.owed(me)
     if spare < need:
         raise PaymentRequired(
             f"this machine's requests are paid from the operator's wallet {s.wallet.address}, "
             f"which has {format_kvr(max(spare, 0))} KVR to spend above the network's stake "
             f"minimum and what it owes, and this request may cost {format_kvr(need)} KVR: "
-            f"send KVR to {s.wallet.address} to top it up (or lower max_tokens)")
+            f"send KVR to {s.wallet.address} to top it up (or lower max_tokens)"
+        )
     quote = s.payments.operator_quote(output, prompt)
     proof = PaymentProof(quote.request_id, "", quote.amount, str(s.wallet.address))
     coverage = s.payments.coverage(quote.request_id)
@@ -221,58 +246,28 @@ async def operator_charge(s: Settlement, me: str, prompt: int, output: int) -> C
     return Charge(proof, coverage, operator=True)
 
 
-def owed(s: Settlement, me: str) -> int:
-    """Base units in the vault that belong to others: what the operator may spend on its own
-    requests is the vault's KVR less the network's stake minimum and this (other peers'
-    unclaimed earnings, the insurance pool, consumers' prepaid balances). What this node
-    earned as a peer of its own gateway is the operator's already."""
-    value = s.ledger.value
-    return (value("SELECT SUM(earned - paid) FROM settlement_earnings WHERE peer_id != ?", me)
-            + value("SELECT balance FROM settlement_pools WHERE name = 'insurance'")
-            + value("SELECT SUM(balance) FROM settlement_deposits"))
-
-
-def _redeem(gw: Gateway, request_id: str) -> None:
-    assert gw.node is not None
-    db: sqlite3.Connection = gw.node.db
-    db.executescript(_SCHEMA)
-    try:
-        with db:
-            db.execute("INSERT INTO gateway_redeemed VALUES (?, ?)", (request_id, time.time()))
-    except sqlite3.IntegrityError:
-        raise PaymentRequired("this payment has already been used for a request: pay a new "
-                              "quote") from None
-
-
-def _redeemed(db: sqlite3.Connection, request_id: str) -> bool:
-    db.executescript(_SCHEMA)
-    return db.execute("SELECT 1 FROM gateway_redeemed WHERE request_id = ?",
-                      (request_id,)).fetchone() is not None
-
-
-def _release(gw: Gateway, request_id: str) -> None:
-    """Make a redeemed payment usable again: its request did no work. The quote stays paid,
-    and paying it again with the same header proves it again without a new transfer."""
-    assert gw.node is not None
-    with gw.node.db as db:
-        db.execute("DELETE FROM gateway_redeemed WHERE request_id = ?", (request_id,))
-
-
-def record_work(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: float,
-                served: int | None = None) -> SplitResult | None:
+def record_work(
+    gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: float, served: int | None = None
+) -> SplitResult | None:
     """Split what the request used (or the ``served`` part of a failed one) by the work this
     gateway measured — never by what peers claim — and send each peer that worked its new
     receipt."""
     s = settlement_of(gw)
-    if s is None or gw.node is None:
+    if s is None or gw.settling is None:
         return None
-    work = _measured(gw, job, tokens, seconds)
-    return settle_work(s, gw.node.exchange, charge, work, _asks(job)[0], tokens, served)
+    work = _measured(gw.settling, job, tokens, seconds)
+    return settle_work(s, gw.settling.exchange(), charge, work, _asks(job)[0], tokens, served)
 
 
-def settle_work(s: Settlement, exchange: Exchange | None, charge: Charge,
-                work: list[MeasuredWork], prompt: int, tokens: int,
-                served: int | None = None) -> SplitResult | None:
+def settle_work(
+    s: Settlement,
+    exchange: Exchange | None,
+    charge: Charge,
+    work: list[MeasuredWork],
+    prompt: int,
+    tokens: int,
+    served: int | None = None,
+) -> SplitResult | None:
     """Settle ``charge`` for ``prompt`` tokens in and ``tokens`` out by ``work``, and queue
     each peer's new receipt (the gateway's requests and the admin API's generations)."""
     epoch = epoch_now()
@@ -281,12 +276,17 @@ def settle_work(s: Settlement, exchange: Exchange | None, charge: Charge,
         rewards, _ = s.gateway()
         split = rewards.settle(charge.proof.key, work, epoch, served, used)
     except KvasirError as exc:
-        log.warning("could not settle a paid request", request_id=charge.proof.key,
-                    error=str(exc))
+        log.warning("could not settle a paid request", request_id=charge.proof.key, error=str(exc))
         return None
-    log.info("paid request settled", used=used, paid=charge.proof.amount,
-             operator=charge.operator, workers=split.workers, fee=split.operator,
-             insurance=split.insurance)
+    log.info(
+        "paid request settled",
+        used=used,
+        paid=charge.proof.amount,
+        operator=charge.operator,
+        workers=split.workers,
+        fee=split.operator,
+        insurance=split.insurance,
+    )
     if exchange is not None:
         exchange.deliver([w.peer_id for w in work], epoch)
     return split
@@ -307,8 +307,7 @@ class OwnUse:
     async def charge(self, prompt: int, output: int) -> Charge:
         return await operator_charge(self.settlement, self.me, prompt, output)
 
-    def settle(self, charge: Charge, work: list[MeasuredWork], prompt: int,
-               tokens: int) -> None:
+    def settle(self, charge: Charge, work: list[MeasuredWork], prompt: int, tokens: int) -> None:
         settle_work(self.settlement, self.exchange, charge, work, prompt, tokens)
 
 
@@ -326,8 +325,8 @@ async def refund(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: fl
         else:
             s.gateway()[0].settle(proof.key, (), epoch_now(), used=0)
         return ""
-    if not tokens:
-        _release(gw, proof.key)
+    if not tokens:  # the quote stays paid: the same header proves it again, no new transfer
+        s.redemptions.release(proof.key)
         return UNUSED
     if record_work(gw, charge, job, tokens, seconds, served) is None:
         return ""
@@ -336,25 +335,32 @@ async def refund(gw: Gateway, charge: Charge, job: Job, tokens: int, seconds: fl
         payout = await payouts.refund(proof.key)
     except KvasirError as exc:
         log.warning("refund not sent", request_id=proof.key, error=str(exc))
-        return (f" A refund of {format_kvr(proof.amount - served)} KVR is owed to you but "
-                f"could not be sent yet ({exc}); the gateway's log has it.")
+        return (
+            f" A refund of {format_kvr(proof.amount - served)} KVR is owed to you but "
+            f"could not be sent yet ({exc}); the gateway's log has it."
+        )
     log.info("paid request refunded", amount=payout.amount, signature=payout.signature)
-    return (f" {format_kvr(payout.amount)} KVR of your payment (the part not served) was "
-            f"refunded to {payout.recipient}: transaction {payout.signature}.")
+    return (
+        f" {format_kvr(payout.amount)} KVR of your payment (the part not served) was "
+        f"refunded to {payout.recipient}: transaction {payout.signature}."
+    )
 
 
-def _measured(gw: Gateway, job: Job, tokens: int, seconds: float) -> list[MeasuredWork]:
+def _measured(settling: Settling, job: Job, tokens: int, seconds: float) -> list[MeasuredWork]:
     """Who did the work of ``job`` and how much, as this node measured it: the generator's
     record of every hop of every choice, or (a generator that ran here alone) this node for
     all of it: each choice computed the prompt and its own tokens."""
     done = [w for r in job.requests() for w in job.generator.work(r.request_id)]
     if done:
         return [MeasuredWork(w.peer, w.units, w.ms_per_token) for w in done]
-    assert gw.node is not None
-    n_layer = gw.node.market.model.n_layer if gw.node.market.model else 1
     positions = job.n * len(job.request.prompt) + tokens
-    return [MeasuredWork(gw.node.p2p.peer_id, MeasuredWork.stage_units(positions, n_layer + 1),
-                         1000.0 * seconds / max(tokens, 1))]
+    return [
+        MeasuredWork(
+            settling.me,
+            MeasuredWork.stage_units(positions, settling.layers() + 1),
+            1000.0 * seconds / max(tokens, 1),
+        )
+    ]
 
 
 def prepaid(gw: Gateway, wallet: str) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import trio
@@ -27,13 +26,14 @@ from kvasird.gateway.generation import for_choice
 from kvasird.gateway.stats import GatewayStats
 from kvasird.http import serve_asgi
 from kvasird.inference.api import GenerationRequest, Generator, ModelInfo, NoRoute, Sampling
-from kvasird.inference.chat import ChatTemplate, ChatTemplateError, Message
-from kvasird.inference.tokenizer import Tokenizer
-from kvasird.inference.tools import Tool
 from kvasird.logs import get_logger
+from kvasird.text.chat import ChatTemplate, ChatTemplateError, Message
+from kvasird.text.tokenizer import Tokenizer
+from kvasird.text.toolcalls.calls import Tool
 
 if TYPE_CHECKING:
-    from kvasird.daemon.node import Node
+    from kvasird.gateway.payment import Settling
+    from kvasird.gateway.status import NodeView
     from kvasird.inference.client.routing import Route
     from kvasird.inference.client.swarm import Progress
     from kvasird.model.manifest import Manifest
@@ -114,10 +114,19 @@ SOURCE_POLL_S = 0.5
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, *, node: Node | None = None,
-                 generator: Generator | None = None, model: ModelSource | None = None,
-                 waiting: Waiting | None = None, load: Loader | None = None,
-                 config_path: str = "kvasird.toml") -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        node: NodeView | None = None,
+        settling: Settling | None = None,
+        free_local: bool = False,
+        generator: Generator | None = None,
+        model: ModelSource | None = None,
+        waiting: Waiting | None = None,
+        load: Loader | None = None,
+        config_path: str = "kvasird.toml",
+    ) -> None:
         """``model`` gives the manifest the tokenizer and chat template are read from, so a
         gateway needs no byte of the model itself; ``waiting`` says what it waits for until
         then.
@@ -125,9 +134,15 @@ class Gateway:
         ``generator`` serves at once; ``load`` builds one in a worker thread once the
         gateway listens and has the manifest. Until a generator and the tokenizer are
         there, the gateway answers 503 and /health says "starting".
+
+        ``node`` is what /status shows of the node the gateway runs on, ``settling`` what
+        its payments use of it (both None: a gateway without a node, requests free), and
+        ``free_local`` whether this machine's own requests need no quote.
         """
         self.config = config
         self.node = node
+        self.settling = settling
+        self.free_local = free_local
         self.generator = generator
         self.stats = GatewayStats()
         self.url = ""
@@ -146,33 +161,6 @@ class Gateway:
         """What the gateway does once it has the manifest, while it starts, in words."""
         self._config_path = config_path
 
-    @classmethod
-    def for_node(cls, node: Node) -> Gateway:
-        """The node's gateway of its [market] model: tokenizer and chat template from the
-        model's manifest (the market imports it, or fetches it by model id from the peers
-        that serve the model), so any node is a gateway, one holding no unit included;
-        generation across the swarm (the node's SwarmGenerator), or with the whole model
-        loaded here when [gateway] local (which needs the GGUF file on this machine).
-        """
-        cfg = node.config
-        if not cfg.market.model:
-            return cls(cfg.gateway, node=node, config_path=str(node.home.config))
-        load = None
-        if cfg.gateway.local:
-            from kvasird.inference.local import LocalGenerator  # deferred: loads ggml
-            from kvasird.model.ref import ModelRef
-
-            def load(model_id: str) -> Generator:
-                path = ModelRef.parse(cfg.market.model, where="market.model").gguf()
-                return LocalGenerator.open(path, model_id,
-                                           node.shards.store.name_of(model_id) or _label(path),
-                                           threads=cfg.compute.threads,
-                                           kv_tokens=cfg.gateway.kv_tokens)
-        swarm = None if load is not None else node.inference.generator
-        return cls(cfg.gateway, node=node, generator=swarm, model=partial(_node_manifest, node),
-                   waiting=partial(_node_waits, node), load=load,
-                   config_path=str(node.home.config))
-
     @property
     def ready(self) -> bool:
         """A request for the model would be served now (health is ok)."""
@@ -180,15 +168,19 @@ class Gateway:
 
     def health(self) -> Health:
         if self.generator is None and self._model is None:
-            return Health("no_model", "this node serves no model: set [market] model in its "
-                                      "kvasird.toml")
+            return Health(
+                "no_model", "this node serves no model: set [market] model in its kvasird.toml"
+            )
         if not self._loaded:
             return Health("starting", self._loading or self._waiting())
         models = self.models()
         if not models:
-            return Health("no_model", "the model could not be loaded for generation here "
-                                      "(see the node's log)" if self._load is not None else
-                                      "the generator serves no model yet")
+            return Health(
+                "no_model",
+                "the model could not be loaded for generation here (see the node's log)"
+                if self._load is not None
+                else "the generator serves no model yet",
+            )
         route, missing = self.route_now()
         if route is None and missing:
             return Health("no_route", f"the online peers do not cover the model: {missing}")
@@ -216,11 +208,18 @@ class Gateway:
         owned = None
         try:
             async with trio.open_nursery() as nursery:
-                self.url = await nursery.start(partial(
-                    serve_asgi, build_app(self), self.config.listen, what="gateway",
-                    section="gateway", config_path=self._config_path,
-                    allowed_hosts=self.config.allowed_hosts, favours_this_machine=(
-                        self.node is not None and self.node.config.free_local_in_effect())))
+                self.url = await nursery.start(
+                    partial(
+                        serve_asgi,
+                        build_app(self),
+                        self.config.listen,
+                        what="gateway",
+                        section="gateway",
+                        config_path=self._config_path,
+                        allowed_hosts=self.config.allowed_hosts,
+                        favours_this_machine=self.free_local,
+                    )
+                )
                 task_status.started(self.url)
                 if self._model is not None:
                     model_id, tok = await self._wait_for_model(self._model)
@@ -246,12 +245,15 @@ class Gateway:
                 if manifest is not None:
                     self._loading = "reading the model's tokenizer from its manifest"
                     tok = await trio.to_thread.run_sync(
-                        Tokenizer.from_metadata, manifest.metadata,
-                        f"model {manifest.model_id[:16]}")
+                        Tokenizer.from_metadata,
+                        manifest.metadata,
+                        f"model {manifest.model_id[:16]}",
+                    )
                     return manifest.model_id, tok
             except (KvasirError, OSError, ValueError) as exc:
-                log.warning("the gateway cannot read its model yet: trying again",
-                            error=str(exc)[:300])
+                log.warning(
+                    "the gateway cannot read its model yet: trying again", error=str(exc)[:300]
+                )
             await trio.sleep(SOURCE_POLL_S)
 
     async def _load_generator(self, model_id: str) -> Generator | None:
@@ -261,8 +263,7 @@ class Gateway:
         try:
             return await trio.to_thread.run_sync(self._load, model_id)
         except KvasirError as exc:
-            log.error(f"the gateway cannot load model {model_id[:16]} for local generation: "
-                      f"{exc}")
+            log.error(f"the gateway cannot load model {model_id[:16]} for local generation: {exc}")
             return None
 
     # --- what handlers share ------------------------------------------------------------
@@ -273,23 +274,34 @@ class Gateway:
     def resolve(self, name: str) -> tuple[ModelInfo, Tokenizer, ChatTemplate]:
         """The model a request names (ModelInfo.answers_to) and its tokenizer."""
         if self.generator is None:
-            raise Unavailable("this gateway has no generator yet: it is still loading, or the "
-                              "node serves no model ([gateway] local / [market] model)",
-                              code="not_ready")
+            raise Unavailable(
+                "this gateway has no generator yet: it is still loading, or the "
+                "node serves no model ([gateway] local / [market] model)",
+                code="not_ready",
+            )
         for info in self.generator.models():
             if info.answers_to(name):
                 if info.model_id not in self._tokenizers:
-                    raise Unavailable(f"the tokenizer of {info.label} is not loaded yet",
-                                      code="not_ready")
+                    raise Unavailable(
+                        f"the tokenizer of {info.label} is not loaded yet", code="not_ready"
+                    )
                 tok, template = self._tokenizers[info.model_id]
                 return info, tok, template
         known = ", ".join(f"{m.model_id} ({m.label})" for m in self.generator.models()) or "none"
-        raise NotFound(f"model {name!r} is not served by this gateway; models: {known}",
-                       "model", "model_not_found")
+        raise NotFound(
+            f"model {name!r} is not served by this gateway; models: {known}",
+            "model",
+            "model_not_found",
+        )
 
-    def chat_prompt(self, template: ChatTemplate, tokenizer: Tokenizer,
-                    messages: Sequence[Message], field: str,
-                    tools: Sequence[Tool] = ()) -> list[int]:
+    def chat_prompt(
+        self,
+        template: ChatTemplate,
+        tokenizer: Tokenizer,
+        messages: Sequence[Message],
+        field: str,
+        tools: Sequence[Tool] = (),
+    ) -> list[int]:
         """Token ids of the messages (and tools offered) through the model's chat template
         (no limits applied)."""
         try:
@@ -307,8 +319,11 @@ class Gateway:
         if info.context_length - 1 < limit:
             limit, what = info.context_length - 1, "what the model's context leaves room for"
         if len(prompt) > limit:
-            raise BadRequest(f"the prompt is {len(prompt)} tokens, over {what}: {limit}", field,
-                             "context_length_exceeded")
+            raise BadRequest(
+                f"the prompt is {len(prompt)} tokens, over {what}: {limit}",
+                field,
+                "context_length_exceeded",
+            )
         return prompt
 
     def max_tokens(self, requested: int | None, field: str) -> int:
@@ -318,8 +333,11 @@ class Gateway:
         if requested < 1:
             raise BadRequest(f"`{field}` must be at least 1, got {requested}", field)
         if requested > cap:
-            raise BadRequest(f"`{field}` = {requested} exceeds this gateway's limit of {cap} "
-                             "([gateway] max_tokens)", field)
+            raise BadRequest(
+                f"`{field}` = {requested} exceeds this gateway's limit of {cap} "
+                "([gateway] max_tokens)",
+                field,
+            )
         return requested
 
     def choices(self, requested: int) -> int:
@@ -328,50 +346,32 @@ class Gateway:
         if requested < 1:
             raise BadRequest(f"`n` must be at least 1, got {requested}", "n")
         if requested > cap:
-            raise BadRequest(f"`n` = {requested} exceeds this gateway's limit of {cap} choices "
-                             "([gateway] max_n)", "n")
+            raise BadRequest(
+                f"`n` = {requested} exceeds this gateway's limit of {cap} choices "
+                "([gateway] max_n)",
+                "n",
+            )
         return requested
 
-    def job(self, info: ModelInfo, tokenizer: Tokenizer, name: str, prompt: list[int],
-            sampling: Sampling, *, ignore_eos: bool = False, **options: object) -> Job:
+    def job(
+        self,
+        info: ModelInfo,
+        tokenizer: Tokenizer,
+        name: str,
+        prompt: list[int],
+        sampling: Sampling,
+        *,
+        ignore_eos: bool = False,
+        **options: object,
+    ) -> Job:
         """``ignore_eos`` (vLLM's extension) generates max_tokens whatever the model says."""
         ends = frozenset() if ignore_eos else tokenizer.special.end_of_generation
-        request = GenerationRequest(model=info.model_id, prompt=tuple(prompt), sampling=sampling,
-                                    stop_tokens=ends, request_id=secrets.token_hex(12))
+        request = GenerationRequest(
+            model=info.model_id,
+            prompt=tuple(prompt),
+            sampling=sampling,
+            stop_tokens=ends,
+            request_id=secrets.token_hex(12),
+        )
         assert self.generator is not None, "resolve() found the model first"
         return Job(request, self.generator, tokenizer, name, **options)  # type: ignore[arg-type]
-
-
-def _node_manifest(node: Node) -> Manifest | None:
-    """The manifest of the node's [market] model, once the market has it in the shard store
-    (imported from the file, or fetched by model id from a peer and checked against the id)."""
-    model = node.market.model
-    return None if model is None else node.shards.store.manifest(model.model_id)
-
-
-def _node_waits(node: Node) -> str:
-    """What a node's gateway waits for before the market has the model's manifest."""
-    from kvasird.model.ref import ModelRef
-
-    wanted = ModelRef.parse(node.config.market.model)
-    if not wanted.from_peers:
-        return "importing the model into the shard store (its file is read and hashed once)"
-    model = f"model {wanted.value[:16] if wanted.kind == 'id' else wanted.value}"
-    peers = len(node.p2p.peers)
-    if not peers:
-        return (f"waiting for peers, to fetch the manifest of {model} from one that serves "
-                "it: this node has none yet (check [p2p] bootstrap in its kvasird.toml, and "
-                "that the node it names is running)")
-    if not (node.market.announcers.get(wanted.value) or node.market.named(wanted.value)):
-        return (f"waiting for a peer serving {model}: none of this node's {peers} peers "
-                "announces it yet (check that a node holding the model is online, and "
-                "`kvasird coverage` there)")
-    return (f"fetching the manifest of {model} (tokenizer, chat template) from the peers "
-            "that serve it")
-
-
-def _label(path: Path) -> str:
-    from kvasird.compute.ggufview import GGUFFile
-    from kvasird.model.names import human_name
-
-    return human_name(GGUFFile(path).metadata, path.name)

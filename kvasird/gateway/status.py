@@ -10,16 +10,56 @@ peers and what each holds, coverage, earnings, the price band and shard download
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Any
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvasird.gateway import payment
 from kvasird.gateway.service import Gateway, Routing
 
-NODE_KEYS = ("peer_id", "network", "join_addr", "peers", "uptime_s", "version", "protocol",
-             "earnings")
-COVERAGE_KEYS = ("state", "held", "held_bytes", "budget_bytes", "model", "segments",
-                 "fully_covered", "routable", "holders")
+if TYPE_CHECKING:
+    from kvasird.p2p.peers import PeerInfo
+
+NODE_KEYS = (
+    "peer_id",
+    "network",
+    "join_addr",
+    "peers",
+    "uptime_s",
+    "version",
+    "protocol",
+    "earnings",
+)
+COVERAGE_KEYS = (
+    "state",
+    "held",
+    "held_bytes",
+    "budget_bytes",
+    "model",
+    "segments",
+    "fully_covered",
+    "routable",
+    "holders",
+)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """What the node a gateway runs on shows of itself, read anew on each call; the daemon
+    builds it, so that the gateway (and the admin API) never hold the node itself."""
+
+    status: Callable[[], dict[str, Any]]
+    """The node's own status (peer id, network, addresses, uptime, version, earnings)."""
+    peers: Callable[[], list[PeerInfo]]
+    """The connected peers, oldest connection first."""
+    coverage: Callable[[], dict[str, Any]]
+    """The market's view of the model: who holds which units, whether a route exists."""
+    shards: Callable[[], dict[str, Any]]
+    """The shard store and its downloads."""
+    earnings: Callable[[], dict[str, Any]]
+    """Earnings, receipts and what is owed (``{"enabled": False}`` with settlement off)."""
+    checks: Callable[[], dict[str, Any]]
+    """What this node's spot checks saw."""
 
 
 def health(gw: Gateway) -> tuple[int, dict[str, str]]:
@@ -35,28 +75,34 @@ def snapshot(gw: Gateway) -> dict[str, Any]:
     out: dict[str, Any] = {
         "ready": h.status == "ok",
         "health": {"status": h.status, "reason": h.reason},
-        "gateway": {"url": gw.url, **gw.stats.snapshot(), "series": gw.stats.series(),
-                    "routes": gw.stats.recent_routes(),
-                    "route_now": [asdict(hop) for hop in route.hops] if route else None,
-                    "missing": missing or None},
-        "models": [{"id": m.model_id, "label": m.label, "context_length": m.context_length}
-                   for m in gw.models()],
+        "gateway": {
+            "url": gw.url,
+            **gw.stats.snapshot(),
+            "series": gw.stats.series(),
+            "routes": gw.stats.recent_routes(),
+            "route_now": [asdict(hop) for hop in route.hops] if route else None,
+            "missing": missing or None,
+        },
+        "models": [
+            {"id": m.model_id, "label": m.label, "context_length": m.context_length}
+            for m in gw.models()
+        ],
         "price": price(gw),
     }
     node = gw.node
     if node is not None:
-        from kvasird.daemon import earnings  # deferred: a gateway may run without a node
-
         status = node.status()
         out["node"] = {k: status[k] for k in NODE_KEYS if k in status}
-        out["peers"] = [{**p.to_json(), "rtt_ms": _round(p.rtt_ms)}
-                        for p in node.p2p.peers.snapshot()]
-        cov = node.market.coverage()
+        out["peers"] = [{**p.to_json(), "rtt_ms": _round(p.rtt_ms)} for p in node.peers()]
+        cov = node.coverage()
         out["coverage"] = {k: cov.get(k) for k in COVERAGE_KEYS}
-        out["claims"] = {k: v for k, v in earnings.summary(node).items()
-                         if k in ("enabled", "gateways", "pending", "owed_to_peers", "own_use")}
-        out["shards"] = node.shards.view()
-        out["checks"] = node.inference.spot.status()
+        out["claims"] = {
+            k: v
+            for k, v in node.earnings().items()
+            if k in ("enabled", "gateways", "pending", "owed_to_peers", "own_use")
+        }
+        out["shards"] = node.shards()
+        out["checks"] = node.checks()
     return out
 
 
@@ -67,9 +113,13 @@ def price(gw: Gateway) -> dict[str, int] | None:
     if s is None:
         return None
     params = s.governance.params()
-    return {"per_1k_tokens": s.prices.price, "per_1k_output_tokens": s.prices.price,
-            "per_1k_input_tokens": s.prices.input_price, "floor": params.floor,
-            "ceiling": params.ceiling}
+    return {
+        "per_1k_tokens": s.prices.price,
+        "per_1k_output_tokens": s.prices.price,
+        "per_1k_input_tokens": s.prices.input_price,
+        "floor": params.floor,
+        "ceiling": params.ceiling,
+    }
 
 
 def _round(value: float | None) -> float | None:

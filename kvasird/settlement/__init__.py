@@ -3,7 +3,8 @@
 The rule: credit only what the chain proves, never what a client asserts; every
 balance has exactly one writer.
 
-    config.py       SettlementConfig: what an operator may set (never the price band)
+    config.py       SettlementConfig: [settlement] of kvasird.toml and what tests tune (never the
+                    price band)
     errors.py       SettlementError and its tree
     token.py        KVR amounts (base units) and SPL transfer/mint/memo instructions
     wallet.py       operator keypair file / address-only wallet; wallet↔peer-id link statements
@@ -13,6 +14,7 @@ balance has exactly one writer.
     locks.py        per-key locks around each money operation
     verify.py       what a transaction proves: vault delta, mint, memo binding, sender binding
     payments.py     quotes → payment verification (one-shot signatures), prepaid deposits
+    redemptions.py  which paid quotes have served a request at this gateway (each serves one)
     pricing.py      NetworkParams and the utilization-driven PriceController
     governance.py   network parameters change only by genesis-signed, versioned messages
     gossip.py       the governance topic: validate (verify before relaying), apply, re-publish
@@ -30,7 +32,7 @@ Data flow (gateway):
     consumer ──signature──▶ Payments.settle_quote ──ChainClient.transaction──▶ verify ──▶ ledger
     inference done ──MeasuredWork (every hop the route used, as the gateway counted it)
         ──▶ Rewards.settle ──▶ earnings, receipts ──Exchange.deliver──▶ each peer's ReceiptBook
-    inference failed ──▶ Rewards.settle(served part) ──▶ Payouts.refund (insurance → payer, on chain)
+    inference failed ──▶ Rewards.settle(served part) ──▶ Payouts.refund (insurance → payer on chain)
     peer ──claim (Exchange)──▶ Payouts.claim ──lock──▶ pending payout ──send/confirm──▶ debit
         ──▶ the peer checks the payout on chain (ReceiptBook.verify_payout)
 

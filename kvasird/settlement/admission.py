@@ -102,11 +102,20 @@ class Admission:
     """The serving side's rule; one per daemon, consulted on every session open, every step
     and every expert request."""
 
-    def __init__(self, me: str, network: str, links: Callable[[str], WalletLink | None],
-                 book: ReceiptBook, balance: Callable[[Pubkey], Awaitable[int]],
-                 params: Callable[[], NetworkParams], *, max_unpaid: int,
-                 rates: Callable[[], Rates] | None = None, cache_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        me: str,
+        network: str,
+        links: Callable[[str], WalletLink | None],
+        book: ReceiptBook,
+        balance: Callable[[Pubkey], Awaitable[int]],
+        params: Callable[[], NetworkParams],
+        *,
+        max_unpaid: int,
+        rates: Callable[[], Rates] | None = None,
+        cache_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.me, self.network, self.links, self.book = me, network, links, book
         self.balance, self.params, self.max_unpaid = balance, params, max_unpaid
         self.rates = rates or (lambda: Rates(1, params().ceiling, params().floor))
@@ -148,11 +157,11 @@ class Admission:
             return
         link = self.links(gateway)
         if link is None or link.network != self.network:  # refused by check() with the why
-            raise NotAdmitted(f"{PREFIX}: gateway {gateway} announces no payout wallet on "
-                              f"{self.network}")
+            raise NotAdmitted(
+                f"{PREFIX}: gateway {gateway} announces no payout wallet on {self.network}"
+            )
         account = self.accounts.setdefault(link.wallet, Account())
-        allowed = params.credit_units + min(int(TOLERANCE * account.receipted),
-                                            params.credit_units)
+        allowed = params.credit_units + min(int(TOLERANCE * account.receipted), params.credit_units)
         if account.outstanding() + units > allowed:
             self._refused(gateway)
             rates = self.rates()
@@ -161,7 +170,8 @@ class Admission:
                 f"{PREFIX}: gateway wallet {link.wallet} has {gap} units of work done here "
                 f"(about {format_kvr(rates.value(gap))} KVR) that its receipts do not cover, "
                 f"and its credit is {allowed} units: it is served again once its receipts "
-                "catch up (a gateway sends them after each request it settles)")
+                "catch up (a gateway sends them after each request it settles)"
+            )
         account.metered += units
 
     def receipted(self, wallet: Pubkey, before: tuple[int, int], after: tuple[int, int]) -> int:
@@ -183,21 +193,27 @@ class Admission:
     async def _check(self, gateway: str, params: NetworkParams, now: float) -> None:
         link = self.links(gateway)
         if link is None or link.network != self.network:
-            raise NotAdmitted(f"{PREFIX}: gateway {gateway} announces no payout wallet on "
-                              f"{self.network}; run it with [settlement] enabled and a wallet "
-                              f"holding at least {format_kvr(params.stake_min)} KVR")
+            raise NotAdmitted(
+                f"{PREFIX}: gateway {gateway} announces no payout wallet on "
+                f"{self.network}; run it with [settlement] enabled and a wallet "
+                f"holding at least {format_kvr(params.stake_min)} KVR"
+            )
         stake = await self._stake(link.wallet, now)
         if stake < params.stake_min:
-            raise NotAdmitted(f"{PREFIX}: gateway wallet {link.wallet} holds "
-                              f"{format_kvr(stake)} KVR, below the network's stake minimum of "
-                              f"{format_kvr(params.stake_min)} KVR (held in the wallet, "
-                              "checked on chain)")
+            raise NotAdmitted(
+                f"{PREFIX}: gateway wallet {link.wallet} holds "
+                f"{format_kvr(stake)} KVR, below the network's stake minimum of "
+                f"{format_kvr(params.stake_min)} KVR (held in the wallet, "
+                "checked on chain)"
+            )
         unpaid = self.book.unpaid(link.wallet)
         if unpaid > self.max_unpaid:
-            raise NotAdmitted(f"{PREFIX}: gateway wallet {link.wallet} owes this node "
-                              f"{format_kvr(unpaid)} KVR in unpaid receipts, over its limit of "
-                              f"{format_kvr(self.max_unpaid)} KVR; it is served again once it "
-                              "pays this node's claims")
+            raise NotAdmitted(
+                f"{PREFIX}: gateway wallet {link.wallet} owes this node "
+                f"{format_kvr(unpaid)} KVR in unpaid receipts, over its limit of "
+                f"{format_kvr(self.max_unpaid)} KVR; it is served again once it "
+                "pays this node's claims"
+            )
 
     async def _stake(self, wallet: Pubkey, now: float) -> int:
         """The KVR ``wallet`` holds, from the chain at most ``cache_s`` ago."""
@@ -207,8 +223,10 @@ class Admission:
         try:
             stake = await self.balance(wallet)
         except ChainError as exc:
-            raise NotAdmitted(f"{PREFIX}: the stake of gateway wallet {wallet} cannot be "
-                              f"read from the chain now ({exc}); retry shortly") from None
+            raise NotAdmitted(
+                f"{PREFIX}: the stake of gateway wallet {wallet} cannot be "
+                f"read from the chain now ({exc}); retry shortly"
+            ) from None
         if len(self._stakes) > 4096:
             self._stakes.clear()
         self._stakes[wallet] = (now, stake)

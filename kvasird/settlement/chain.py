@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import trio
@@ -248,13 +248,17 @@ class ChainClient:
         """The mint and genesis wallet a kvasird local chain was born with, which it tells
         anyone who asks. A cluster has no such method: ChainRefused (it is not a local
         chain); ChainError while the URL does not answer."""
-        info = await self.request("kvasir_localChain", [])
+        info: Any = await self.request("kvasir_localChain", [])  # any JSON: checked below
         try:
-            return NetworkKeys(Pubkey.from_string(info["mint"]),  # type: ignore[index]
-                               Pubkey.from_string(info["genesisWallet"]))  # type: ignore[index]
+            return NetworkKeys(
+                Pubkey.from_string(info["mint"]),
+                Pubkey.from_string(info["genesisWallet"]),
+            )
         except (KeyError, TypeError, ValueError):
-            raise ChainRefused(f"{self.url} answered kvasir_localChain without a mint and "
-                               "a genesis wallet: it is not a kvasird local chain") from None
+            raise ChainRefused(
+                f"{self.url} answered kvasir_localChain without a mint and "
+                "a genesis wallet: it is not a kvasird local chain"
+            ) from None
 
     async def faucet(self, owner: Pubkey, kvr: int = 0, lamports: int = 0) -> None:
         """Fund ``owner`` on the local chain (SOL for fees, KVR base units) and wait for it."""

@@ -71,13 +71,18 @@ class Payouts:
 
     def claimable(self, peer_id: str, db: sqlite3.Connection | None = None) -> int:
         """Earned − paid − reserved by pending payouts."""
-        row = (db or self._ledger.db).execute(
-            "SELECT COALESCE((SELECT earned - paid FROM settlement_earnings WHERE peer_id = ?1), 0)"
-            " - COALESCE((SELECT SUM(amount) FROM settlement_payouts"
-            " WHERE kind = 'claim' AND key = ?1 "
-            "AND state = 'pending'), 0)",
-            (peer_id,),
-        ).fetchone()
+        row = (
+            (db or self._ledger.db)
+            .execute(
+                "SELECT COALESCE((SELECT earned - paid FROM settlement_earnings"
+                " WHERE peer_id = ?1), 0)"
+                " - COALESCE((SELECT SUM(amount) FROM settlement_payouts"
+                " WHERE kind = 'claim' AND key = ?1 "
+                "AND state = 'pending'), 0)",
+                (peer_id,),
+            )
+            .fetchone()
+        )
         return int(row[0] or 0)
 
     async def claim(self, peer_id: str, wallet: Pubkey) -> Payout:
@@ -86,8 +91,9 @@ class Payouts:
             amount = self.claimable(peer_id)
             if amount <= 0:
                 raise ClaimError(f"nothing to claim for {peer_id}: no unpaid earnings")
-            payout = await self.prepare("claim", peer_id, wallet, amount,
-                                        lambda db: self.claimable(peer_id, db))
+            payout = await self.prepare(
+                "claim", peer_id, wallet, amount, lambda db: self.claimable(peer_id, db)
+            )
             return await self.submit(payout)
 
     async def refund(self, request_id: str) -> Payout:
@@ -107,12 +113,19 @@ class Payouts:
                 request_id,
             ):
                 raise ClaimError("request was already refunded")
-            payout = await self.prepare("refund", request_id, Pubkey.from_string(row[1]), row[0],
-                                        _insurance_available)
+            payout = await self.prepare(
+                "refund", request_id, Pubkey.from_string(row[1]), row[0], _insurance_available
+            )
             return await self.submit(payout)
 
-    async def prepare(self, kind: str, key: str, recipient: Pubkey, amount: int,
-                      available: Callable[[sqlite3.Connection], int]) -> Payout:
+    async def prepare(
+        self,
+        kind: str,
+        key: str,
+        recipient: Pubkey,
+        amount: int,
+        available: Callable[[sqlite3.Connection], int],
+    ) -> Payout:
         """Sign the transfer and record it as pending; nothing is sent yet. Call under the lock.
 
         What the balance holds is read again in the transaction that reserves the amount
@@ -131,8 +144,10 @@ class Payouts:
         payout = Payout(str(tx.signatures[0]), kind, key, str(recipient), amount, "pending")
         with self._ledger.transaction() as db:
             if (left := available(db)) < amount:
-                raise ClaimError(f"the balance holds {left}, the payout needs {amount}: "
-                                 "another payout took it first; nothing was sent")
+                raise ClaimError(
+                    f"the balance holds {left}, the payout needs {amount}: "
+                    "another payout took it first; nothing was sent"
+                )
             db.execute(
                 "INSERT INTO settlement_payouts VALUES (?, ?, ?, ?, ?, ?, 'pending')",
                 (payout.signature, kind, key, payout.recipient, amount, bytes(tx)),
@@ -257,7 +272,8 @@ def _insurance_available(db: sqlite3.Connection) -> int:
     row = db.execute(
         "SELECT COALESCE((SELECT balance FROM settlement_pools WHERE name = 'insurance'), 0) - "
         "COALESCE((SELECT SUM(amount) FROM settlement_payouts WHERE kind = 'refund' "
-        "AND state = 'pending'), 0)").fetchone()
+        "AND state = 'pending'), 0)"
+    ).fetchone()
     return int(row[0] or 0)
 
 

@@ -1,4 +1,5 @@
-"""Settlement settings an operator may choose.
+"""Settlement settings: what an operator may choose ([settlement] of kvasird.toml, declared
+with the file's other sections in kvasird.config.schema) and what only tests tune.
 
 Network economics (the price band and the controller gains) are deliberately absent:
 they are network parameters, changed only by a governance message signed by the
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvasird.config.schema import SettlementSection
 
 
 @dataclass(frozen=True)
@@ -41,40 +44,23 @@ class RevenueSplit:
 
 @dataclass(frozen=True)
 class SettlementConfig:
-    """What the daemon passes to the settlement subsystem ([settlement] in kvasird.toml)."""
+    """What the daemon passes to the settlement subsystem: the operator's [settlement] as
+    kvasird.toml has it (one type, declared with the rest of the file's sections), and the
+    settings the file does not offer (tests and tooling set them)."""
 
-    rpc_url: str = ""
-    """Solana JSON-RPC URL; empty starts the embedded local chain on 127.0.0.1."""
+    section: SettlementSection = SettlementSection()
+    """[settlement] of kvasird.toml: RPC URL, wallet (relative to the home), KVR mint,
+    genesis wallet, commitment, quote TTL, max unpaid, claim threshold."""
     local_chain_data: Path | None = None
     """Data directory of the embedded local chain (default <home>/localchain)."""
     local_chain_listen: str = "127.0.0.1:0"
     """host:port of the embedded local chain's RPC; port 0 picks a free one."""
-    wallet: Path | None = None
-    """Operator keypair file (Solana JSON format); None + ``wallet_address`` = receive only."""
-    wallet_address: str = ""
-    """Public address to be paid at when no keypair file is held (cannot run a gateway vault)."""
-    kvr_mint: str = ""
-    """KVR mint address; empty = the one the local chain names (service.with_network_keys)."""
-    genesis_wallet: str = ""
-    """The network's genesis wallet, sole signer of governance messages; empty = the one the
-    local chain names."""
-    commitment: str = "finalized"
-    """Commitment required before anything is credited or debited."""
     confirm_timeout_s: float = 60.0
-    """How long to wait for a payout to reach ``commitment`` before reconciling later."""
+    """How long to wait for a payout to reach the commitment before reconciling later."""
     poll_interval_s: float = 0.05
     """Interval between signature-status polls."""
-    quote_ttl_s: float = 300.0
-    """How long a quote can be paid."""
-    max_unpaid: int = 10_000_000
-    """Base units of a gateway's unpaid receipts after which this node stops serving it."""
-    claim_threshold: int = 1_000_000
-    """Claim from a gateway by itself once it owes this much (0: only when asked)."""
     stake_cache_s: float = 30.0
     """How long a gateway's stake, read from the chain, is trusted."""
-    free_local: bool = True
-    """The operator's own requests (kvasird.http.operator_request) need no quote: [settlement]
-    free_local with its "auto" resolved (Config.free_local_in_effect)."""
     tiers: TierThresholds = TierThresholds()
     """Thresholds of the measured performance tiers."""
     split: RevenueSplit = RevenueSplit()

@@ -1,10 +1,11 @@
 """Receipts and claims between peers, over libp2p: the protocol "/kvasir/settle/1".
 
-    gateway ──{op: receipt, receipt}──▶ peer    ReceiptBook.accept: signed by the gateway's
+    gateway ──ReceiptDelivery {op, receipt}──▶ peer
+            ◀── Noted {} ──                      ReceiptBook.accept: signed by the gateway's
                                                  wallet, newer than the one held; the peer
                                                  notes the peer id that wallet speaks from
-    peer ──{op: claim, link}──▶ gateway         Settlement.claim: pays the peer's linked
-            ◀── {signature, amount} ──           wallet on chain (pending record first, under
+    peer ──Claim {op, link}──▶ gateway          Settlement.claim: pays the peer's linked
+            ◀── Paid {signature, amount} ──      wallet on chain (pending record first, under
                                                  the peer's lock), then debits
     peer                                         ReceiptBook.verify_payout: counts the payout
                                                  only once the chain shows it
@@ -37,12 +38,12 @@ from kvasird.settlement.errors import ClaimError, ReceiptRejected
 from kvasird.settlement.receipts import Receipt
 from kvasird.settlement.wallet import WalletLink
 from kvasird.wire import schema
+from kvasird.wire.protocols import OP, SETTLE_PROTOCOL
 
 if TYPE_CHECKING:
     from kvasird.settlement.admission import Admission
     from kvasird.settlement.service import Settlement
 
-SETTLE_PROTOCOL = "/kvasir/settle/1"
 RECEIPT_TIMEOUT_S = 10.0
 CLAIM_TIMEOUT_S = 90.0
 """A claim waits for the gateway's payout to reach the required commitment."""
@@ -56,6 +57,89 @@ Request = Callable[[str, str, dict[str, Any], float], Awaitable[dict[str, Any]]]
 
 def epoch_now() -> int:
     return int(time.time() // EPOCH_S)
+
+
+@dataclass(frozen=True)
+class ReceiptDelivery:
+    """A gateway's new cumulative receipt for the peer it sends it to."""
+
+    receipt: Receipt
+    """Signed by the gateway's wallet (its signature checked on parsing)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {OP: "receipt", "receipt": self.receipt.to_wire()}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> ReceiptDelivery:
+        return ReceiptDelivery(
+            Receipt.from_wire(schema.mapping(d.get("receipt"), "settle.receipt"))
+        )
+
+
+@dataclass(frozen=True)
+class Noted:
+    """The peer took a receipt (the answer carries nothing else)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def from_wire(d: Any) -> Noted:
+        schema.mapping(d, "settle.noted")
+        return Noted()
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A peer asks a gateway to pay what its receipts say it earned."""
+
+    terms: dict[str, Any]
+    """What the claim names, as sent: only the peer's wallet link, which the gateway
+    verifies against the caller (Settlement.claim); a claim naming anything else (units,
+    an amount) is refused there, whole."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {OP: "claim", **self.terms}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Claim:
+        schema.mapping(d.get("link"), "settle.claim.link")
+        return Claim({k: v for k, v in d.items() if k not in ("id", OP)})
+
+
+@dataclass(frozen=True)
+class Paid:
+    """The gateway's answer to a claim: the payout it sent on chain."""
+
+    signature: str
+    """The payout transaction (the peer checks it on chain before counting it)."""
+    amount: int
+    """Base units paid."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"signature": self.signature, "amount": self.amount}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Paid:
+        return Paid(
+            schema.text(d, "signature", 100, "settle.paid"),
+            schema.integer(d, "amount", 0, 1 << 63, "settle.paid"),
+        )
+
+
+_PARSERS: dict[str, Callable[[dict[str, Any]], ReceiptDelivery | Claim]] = {
+    "receipt": ReceiptDelivery.from_wire,
+    "claim": Claim.from_wire,
+}
+
+
+def parse(d: dict[str, Any]) -> ReceiptDelivery | Claim:
+    """The request a decoded settle frame holds, validated (WireError naming the field)."""
+    op = d.get(OP)
+    parser = _PARSERS.get(op) if isinstance(op, str) else None
+    if parser is None:
+        raise WireError(f"settle: unknown op {op!r:.40}")
+    return parser(d)
 
 
 @dataclass(frozen=True)
@@ -74,16 +158,28 @@ class Claimed:
     """Why the claim failed, when it did."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"gateway": self.gateway, "peer_id": self.peer_id, "amount": self.amount,
-                "signature": self.signature, "error": self.error}
+        return {
+            "gateway": self.gateway,
+            "peer_id": self.peer_id,
+            "amount": self.amount,
+            "signature": self.signature,
+            "error": self.error,
+        }
 
 
 class Exchange:
     """This node's side of receipts and claims, as a gateway and as a serving peer."""
 
-    def __init__(self, settlement: Settlement, me: str, request: Request,
-                 links: Callable[[str], WalletLink | None], admission: Admission, *,
-                 claim_threshold: int) -> None:
+    def __init__(
+        self,
+        settlement: Settlement,
+        me: str,
+        request: Request,
+        links: Callable[[str], WalletLink | None],
+        admission: Admission,
+        *,
+        claim_threshold: int,
+    ) -> None:
         self.s, self.me, self.request, self.links = settlement, me, request, links
         self.admission, self.claim_threshold = admission, claim_threshold
         self._due_send, self._due = trio.open_memory_channel[tuple[str, int]](4096)
@@ -108,8 +204,7 @@ class Exchange:
                 try:
                     self._due_send.send_nowait((peer, epoch))
                 except trio.WouldBlock:
-                    log.warning("receipt queue full: the next receipt makes up for it",
-                                peer=peer)
+                    log.warning("receipt queue full: the next receipt makes up for it", peer=peer)
 
     async def _deliver_loop(self) -> None:
         rewards, _ = self.s.gateway()
@@ -122,42 +217,50 @@ class Exchange:
                 except trio.WouldBlock:
                     break
             for p, e in pending:
-                msg = {"op": "receipt", "receipt": rewards.receipt(p, e).to_wire()}
+                msg = ReceiptDelivery(rewards.receipt(p, e)).to_wire()
                 try:
-                    await self.request(p, SETTLE_PROTOCOL, msg, RECEIPT_TIMEOUT_S)
+                    Noted.from_wire(await self.request(p, SETTLE_PROTOCOL, msg, RECEIPT_TIMEOUT_S))
                     self.delivered += 1
                 except KvasirError as exc:
-                    log.info("receipt not delivered (the next one makes up for it)", peer=p,
-                             reason=str(exc)[:200])
+                    log.info(
+                        "receipt not delivered (the next one makes up for it)",
+                        peer=p,
+                        reason=str(exc)[:200],
+                    )
 
-    async def _claimed(self, caller: str, wire: dict[str, Any]) -> dict[str, Any]:
-        payout = await self.s.claim(caller, wire)
+    async def _claimed(self, caller: str, claim: Claim) -> Paid:
+        payout = await self.s.claim(caller, claim.terms)
         log.info("claim paid", peer=caller, amount=payout.amount, signature=payout.signature)
-        return {"signature": payout.signature, "amount": payout.amount}
+        return Paid(payout.signature, payout.amount)
 
     # --- serving peer side -------------------------------------------------------------
 
-    def _accept_receipt(self, caller: str, wire: Any) -> dict[str, Any]:
-        link, wire = self.links(caller), schema.mapping(wire, "settle.receipt")
-        signed = Receipt.from_wire(wire)
+    def _accept_receipt(self, caller: str, delivery: ReceiptDelivery) -> Noted:
+        link, signed = self.links(caller), delivery.receipt
         if link is None or link.wallet != signed.gateway:
-            raise ReceiptRejected(f"receipt signed by {signed.gateway} came from {caller}, "
-                                  "whose record links another wallet (or none): ignored")
+            raise ReceiptRejected(
+                f"receipt signed by {signed.gateway} came from {caller}, "
+                "whose record links another wallet (or none): ignored"
+            )
         before = self.s.receipts.held(signed.gateway, signed.epoch)
-        receipt = self.s.receipts.accept(wire)
+        receipt = self.s.receipts.accept(signed.to_wire())
         self.s.receipts.remember_gateway(receipt.gateway, caller)
         self.admission.receipted(receipt.gateway, before, (receipt.units, receipt.amount))
-        if 0 < self.claim_threshold <= self.s.receipts.unpaid(receipt.gateway) \
-                and self._nursery is not None:
+        if (
+            0 < self.claim_threshold <= self.s.receipts.unpaid(receipt.gateway)
+            and self._nursery is not None
+        ):
             self._nursery.start_soon(self.claim_all)
-        return {}
+        return Noted()
 
     async def claim_all(self) -> list[Claimed]:
         """Claim from every gateway that owes this node, verifying each payout on chain."""
         link = self.s.link
         if link is None:
-            raise ClaimError("this node holds no wallet keypair to sign its claims with: set "
-                             "[settlement] wallet to a keypair file")
+            raise ClaimError(
+                "this node holds no wallet keypair to sign its claims with: set "
+                "[settlement] wallet to a keypair file"
+            )
         async with self._claiming:
             out = []
             for gateway, peer_id, unpaid in self.s.receipts.gateways():
@@ -167,13 +270,13 @@ class Exchange:
 
     async def _claim_one(self, gateway: Pubkey, peer_id: str, link: WalletLink) -> Claimed:
         try:
-            reply = await self.request(peer_id, SETTLE_PROTOCOL,
-                                       {"op": "claim", "link": link.to_wire()}, CLAIM_TIMEOUT_S)
-            if "error" in reply:
-                raise ClaimError(str(reply["error"])[:300])
-            signature = Signature.from_string(schema.text(reply, "signature", 100, "claim"))
-            got = await self.s.receipts.verify_payout(self.s.chain, gateway, link.wallet,
-                                                      self.s.mint, signature)
+            reply = await self.request(
+                peer_id, SETTLE_PROTOCOL, Claim({"link": link.to_wire()}).to_wire(), CLAIM_TIMEOUT_S
+            )
+            signature = Signature.from_string(Paid.from_wire(reply).signature)
+            got = await self.s.receipts.verify_payout(
+                self.s.chain, gateway, link.wallet, self.s.mint, signature
+            )
         except (KvasirError, ValueError) as exc:
             log.warning("claim failed", gateway=str(gateway), peer=peer_id, error=str(exc)[:300])
             return Claimed(str(gateway), peer_id, 0, "", str(exc)[:300])
@@ -183,10 +286,7 @@ class Exchange:
     # --- the protocol --------------------------------------------------------------------
 
     async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
-        op = msg.get("op")
-        if op == "receipt":
-            return self._accept_receipt(caller, msg.get("receipt"))
-        if op == "claim":
-            claim = {k: v for k, v in msg.items() if k not in ("id", "op")}
-            return await self._claimed(caller, claim)
-        raise WireError(f"settle: unknown op {op!r}")
+        request = parse(msg)
+        if isinstance(request, ReceiptDelivery):
+            return self._accept_receipt(caller, request).to_wire()
+        return (await self._claimed(caller, request)).to_wire()

@@ -11,6 +11,7 @@ passes only messages this node can vouch for, and a forgery stops at the first h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -23,43 +24,55 @@ from kvasird.settlement.errors import GovernanceRejected, WalletError
 from kvasird.settlement.governance import GovernanceMessage, verify_governance
 from kvasird.settlement.wallet import parse_address
 from kvasird.wire import pack, schema, unpack
+from kvasird.wire.protocols import GOVERNANCE_TOPIC
 
 if TYPE_CHECKING:
     from solders.pubkey import Pubkey
 
-    from kvasird.daemon.node import Node
+    from kvasird.p2p.gossip import Gossip
+    from kvasird.settlement.service import Settlement
 
 log = get_logger("kvasird.governance")
 
-TOPIC = "governance"
 MAX_MESSAGE_BYTES = 4096
 REPUBLISH_S = 60.0
 
 
 class GovernanceGossip:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(
+        self,
+        gossip: Gossip,
+        settlement: Callable[[], Settlement | None],
+        network: str,
+        genesis_wallet: str,
+        config_path: str,
+    ) -> None:
+        """``settlement`` is the node's, once started (None while [settlement] is off);
+        ``genesis_wallet`` is [settlement] genesis_wallet of the file at ``config_path``."""
+        self._gossip = gossip
+        self._settlement = settlement
+        self._network = network
         self.latest: dict[str, Any] | None = None
         """The newest message applied here, as it travels on the wire."""
-        self._genesis = _configured_genesis(node)
+        self._genesis = _configured_genesis(genesis_wallet, config_path)
         """[settlement] genesis_wallet, which a node without settlement checks messages
         against; None when it is left to the local chain (unknown while settlement is off)."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        gossip = self.node.p2p.gossip
-        gossip.set_validator(TOPIC, self._validate)
-        sub = await gossip.subscribe(TOPIC)
+        gossip = self._gossip
+        gossip.set_validator(GOVERNANCE_TOPIC, self._validate)
+        sub = await gossip.subscribe(GOVERNANCE_TOPIC)
         task_status.started()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_drain, sub)
             while True:
                 await trio.sleep(REPUBLISH_S)
                 if self.latest is not None:
-                    await gossip.publish(TOPIC, pack(self.latest))
+                    await gossip.publish(GOVERNANCE_TOPIC, pack(self.latest))
 
     async def publish(self, message: GovernanceMessage) -> None:
         """Apply locally, then gossip (used by the genesis operator's tooling and tests)."""
-        await self.node.p2p.gossip.publish(TOPIC, pack(message.to_wire()))
+        await self._gossip.publish(GOVERNANCE_TOPIC, pack(message.to_wire()))
 
     async def _validate(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
         """Whether to relay ``msg``; applies it on the way when it is newer than ours."""
@@ -93,10 +106,10 @@ class GovernanceGossip:
         cannot judge signatures, so it relays every well-formed message, as a plain
         gossip router would; the settlement nodes on the path are the ones that filter.
         """
-        settlement = self.node.settlement
+        settlement = self._settlement()
         if settlement is None:
             if self._genesis is not None:
-                verify_governance(message, self._genesis, self.node.config.node.network)
+                verify_governance(message, self._genesis, self._network)
             return True
         governance = settlement.governance
         governance.verify(message)
@@ -110,20 +123,25 @@ class GovernanceGossip:
             )
         params = settlement.apply_governance(wire)
         self.latest = wire
-        log.info("network parameters changed", version=params.version, floor=params.floor,
-                 ceiling=params.ceiling)
+        log.info(
+            "network parameters changed",
+            version=params.version,
+            floor=params.floor,
+            ceiling=params.ceiling,
+        )
         return True
 
 
-def _configured_genesis(node: Node) -> Pubkey | None:
-    text = node.config.settlement.genesis_wallet
+def _configured_genesis(text: str, config_path: str) -> Pubkey | None:
     if not text:
         return None
     try:
         return parse_address(text)
     except WalletError as exc:
-        raise ConfigError(f"[settlement] genesis_wallet in {node.home.config}: {exc}; set it "
-                          "to the network's genesis wallet, or leave it empty") from None
+        raise ConfigError(
+            f"[settlement] genesis_wallet in {config_path}: {exc}; set it "
+            "to the network's genesis wallet, or leave it empty"
+        ) from None
 
 
 async def _drain(sub: Any) -> None:

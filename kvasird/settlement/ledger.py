@@ -15,8 +15,9 @@ Tables (all amounts integers in KVR base units):
     governance       applied network-parameter messages, by version
     admin_*          sign-in nonces, TOTP last step, session hashes, failed sign-in times
     peer_receipts    (peer side) the latest receipt from each gateway, and payouts verified on chain
-    peer_gateways    (peer side) the peer id each paying gateway wallet speaks from (where claims go)
+    peer_gateways    (peer side) the peer id a paying gateway wallet speaks from (where claims go)
     refunds          the unserved part of each failed paid request, owed back from insurance
+    gateway_redeemed paid quotes that have served a request (redemptions.py)
 
 The database is the daemon's state.db; tables are created if missing.
 """

@@ -143,8 +143,19 @@ def _insert(db: sqlite3.Connection, quote: Quote, state: str, payer: str) -> Non
         "INSERT INTO settlement_quotes (request_id, memo, amount, max_tokens, price, "
         "prompt_tokens, input_price, expires_at, payer, state) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (quote.request_id, quote.reference, quote.amount, quote.max_tokens, quote.price,
-         quote.prompt_tokens, quote.input_price, quote.expires_at, payer or None, state))
+        (
+            quote.request_id,
+            quote.reference,
+            quote.amount,
+            quote.max_tokens,
+            quote.price,
+            quote.prompt_tokens,
+            quote.input_price,
+            quote.expires_at,
+            payer or None,
+            state,
+        ),
+    )
 
 
 class QuoteLimiter:
@@ -237,15 +248,26 @@ class Payments:
     def _new_quote(self, max_tokens: int, prompt_tokens: int) -> Quote:
         request_id = secrets.token_urlsafe(24)
         p = self._prices
-        return Quote(request_id, payment_reference(request_id),
-                     p.amount_for(max_tokens, prompt_tokens), max_tokens, p.price,
-                     prompt_tokens, p.input_price, self.vault, self.mint,
-                     self._clock() + self._ttl)
+        return Quote(
+            request_id,
+            payment_reference(request_id),
+            p.amount_for(max_tokens, prompt_tokens),
+            max_tokens,
+            p.price,
+            prompt_tokens,
+            p.input_price,
+            self.vault,
+            self.mint,
+            self._clock() + self._ttl,
+        )
 
     def coverage(self, request_id: str) -> Coverage | None:
         """What a quote pays for, at the prices it was made at (None: unknown)."""
-        row = self._ledger.one("SELECT amount, prompt_tokens, max_tokens, input_price, price "
-                               "FROM settlement_quotes WHERE request_id = ?", request_id)
+        row = self._ledger.one(
+            "SELECT amount, prompt_tokens, max_tokens, input_price, price "
+            "FROM settlement_quotes WHERE request_id = ?",
+            request_id,
+        )
         return Coverage(*row) if row else None
 
     def quoted_tokens(self, request_id: str) -> int:
@@ -316,7 +338,8 @@ class Payments:
         async with self._locks.hold(f"wallet:{owner}"), self._locks.hold(f"quote:{request_id}"):
             row = self._ledger.one(
                 "SELECT amount, state, payer FROM settlement_quotes WHERE request_id = ?",
-                request_id)
+                request_id,
+            )
             if row is not None and row[1] == "paid" and row[2] == str(owner):  # asked again
                 return PaymentProof(request_id, "", row[0], str(owner))
             if row is None or row[1] != "open":

@@ -19,7 +19,6 @@ from typing import Any
 from kvasird.settlement.errors import GovernanceRejected
 from kvasird.settlement.token import KVR_DECIMALS
 
-
 DEFAULT_CREDIT_UNITS = 4_000_000
 """A gateway's credit of unreceipted work at each peer: a 4k-token prompt through 100
 layers with room to spare, and a few KVR cents at genesis prices."""
@@ -63,8 +62,10 @@ class NetworkParams:
             for bad, text in (
                 (self.version < 0, "version must be >= 0"),
                 (not 0 <= self.floor <= self.ceiling, "need 0 <= floor <= ceiling"),
-                (self.floor == 0 < self.ceiling, "a floor of 0 is only for a free network "
-                 "(ceiling 0 too)"),
+                (
+                    self.floor == 0 < self.ceiling,
+                    "a floor of 0 is only for a free network (ceiling 0 too)",
+                ),
                 (self.stake_min < 0, "stake_min must be >= 0"),
                 (self.credit_units < 0, "credit_units must be >= 0"),
                 (not 0 < self.input_bps <= 10_000, "input_bps must be in (0, 10000]"),
@@ -90,8 +91,10 @@ class NetworkParams:
             "smoothing": float(self.smoothing),
             "stake_min": int(self.stake_min),
         }
-        for name, default in (("credit_units", DEFAULT_CREDIT_UNITS),
-                              ("input_bps", DEFAULT_INPUT_BPS)):
+        for name, default in (
+            ("credit_units", DEFAULT_CREDIT_UNITS),
+            ("input_bps", DEFAULT_INPUT_BPS),
+        ):
             if getattr(self, name) != default:
                 out[name] = int(getattr(self, name))
         return out
@@ -117,7 +120,12 @@ class NetworkParams:
 GENESIS_STAKE_MIN = 100_000 * 10**KVR_DECIMALS
 """100,000 KVR: what a wallet must hold to operate a gateway (the seeds' rule)."""
 GENESIS_PARAMS = NetworkParams(
-    version=0, floor=200, ceiling=20_000, target_utilization=0.7, gain=0.5, smoothing=0.3,
+    version=0,
+    floor=200,
+    ceiling=20_000,
+    target_utilization=0.7,
+    gain=0.5,
+    smoothing=0.3,
     stake_min=GENESIS_STAKE_MIN,
 )
 """The parameters every network starts with until its genesis wallet signs others."""

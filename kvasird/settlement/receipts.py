@@ -145,8 +145,11 @@ class ReceiptBook:
 
     def held(self, gateway: Pubkey, epoch: int) -> tuple[int, int]:
         """(units, amount) of the receipt held from ``gateway`` for ``epoch`` ((0, 0): none)."""
-        row = self._ledger.one("SELECT amount, body FROM settlement_peer_receipts "
-                               "WHERE gateway = ? AND epoch = ?", str(gateway), epoch)
+        row = self._ledger.one(
+            "SELECT amount, body FROM settlement_peer_receipts WHERE gateway = ? AND epoch = ?",
+            str(gateway),
+            epoch,
+        )
         return (int(json.loads(row[1])["units"]), int(row[0])) if row else (0, 0)
 
     def unpaid(self, gateway: Pubkey) -> int:
@@ -156,8 +159,10 @@ class ReceiptBook:
     def remember_gateway(self, gateway: Pubkey, peer_id: str) -> None:
         """The peer id the gateway wallet's receipts come from: where claims go."""
         with self._ledger.transaction() as db:
-            db.execute("INSERT OR REPLACE INTO settlement_peer_gateways VALUES (?, ?)",
-                       (str(gateway), peer_id))
+            db.execute(
+                "INSERT OR REPLACE INTO settlement_peer_gateways VALUES (?, ?)",
+                (str(gateway), peer_id),
+            )
 
     def gateways(self) -> list[tuple[Pubkey, str, int]]:
         """(gateway wallet, its peer id, unpaid) for every gateway this node holds receipts of."""
@@ -170,12 +175,14 @@ class ReceiptBook:
     def received(self, gateway: Pubkey) -> int:
         """Every payout from ``gateway`` the chain has shown this node."""
         return self._ledger.value(
-            "SELECT SUM(amount) FROM settlement_peer_payouts WHERE gateway = ?", str(gateway))
+            "SELECT SUM(amount) FROM settlement_peer_payouts WHERE gateway = ?", str(gateway)
+        )
 
     def earned(self, gateway: Pubkey) -> int:
         """What ``gateway``'s latest receipts say it owes this node in all, paid or not."""
         return self._ledger.value(
-            "SELECT SUM(amount) FROM settlement_peer_receipts WHERE gateway = ?", str(gateway))
+            "SELECT SUM(amount) FROM settlement_peer_receipts WHERE gateway = ?", str(gateway)
+        )
 
     async def verify_payout(
         self,

@@ -82,7 +82,10 @@ class SplitResult:
 
 
 def split_revenue(
-    amount: int, work: Sequence[MeasuredWork], split: RevenueSplit, tiers: TierThresholds,
+    amount: int,
+    work: Sequence[MeasuredWork],
+    split: RevenueSplit,
+    tiers: TierThresholds,
     carried: Mapping[str, int] | None = None,
 ) -> SplitResult:
     """Split ``amount``: the workers' pool by weighted units, each worker's share added to
@@ -108,6 +111,28 @@ def split_revenue(
     return SplitResult(workers, room, insurance, carry)
 
 
+@dataclass(frozen=True)
+class PeerEarnings:
+    """One peer's account at this gateway."""
+
+    peer_id: str
+    """The peer that worked for this gateway."""
+    earned: int
+    """Base units it earned, over every request."""
+    paid: int
+    """Base units paid out to it (confirmed claims)."""
+    measured_units: int
+    """The work this gateway measured it do (units before tiers)."""
+
+    def to_json(self) -> dict[str, str | int]:
+        return {
+            "peer_id": self.peer_id,
+            "earned": self.earned,
+            "paid": self.paid,
+            "measured_units": self.measured_units,
+        }
+
+
 class Rewards:
     """The gateway's side: settle paid requests into earnings, issue receipts."""
 
@@ -126,8 +151,14 @@ class Rewards:
         self._tiers = tiers
         ledger.db.executescript(_SCHEMA)
 
-    def settle(self, request_id: str, work: Sequence[MeasuredWork], epoch: int,
-               served: int | None = None, used: int | None = None) -> SplitResult:
+    def settle(
+        self,
+        request_id: str,
+        work: Sequence[MeasuredWork],
+        epoch: int,
+        served: int | None = None,
+        used: int | None = None,
+    ) -> SplitResult:
         """Divide a paid request's amount; each request is settled (or failed) once.
 
         ``served``: of a request cut short by a failure, the part of the amount that was
@@ -139,31 +170,42 @@ class Rewards:
         with self._ledger.transaction() as db:
             row = db.execute(
                 "SELECT amount, payer FROM settlement_quotes WHERE request_id = ? AND "
-                "state = 'paid'", (request_id,),
+                "state = 'paid'",
+                (request_id,),
             ).fetchone()
             if row is None:
                 raise QuoteError("request is not paid, or was already settled or refunded")
-            unused = min(max(row[0] - used, 0), row[0]) if used is not None and served is None \
-                else 0
+            unused = (
+                min(max(row[0] - used, 0), row[0]) if used is not None and served is None else 0
+            )
             if unused and row[1] and row[1] != str(self._gateway.pubkey()):  # not our own use
-                db.execute("INSERT INTO settlement_deposits VALUES (?, ?) ON CONFLICT (owner) "
-                           "DO UPDATE SET balance = balance + excluded.balance", (row[1], unused))
+                db.execute(
+                    "INSERT INTO settlement_deposits VALUES (?, ?) ON CONFLICT (owner) "
+                    "DO UPDATE SET balance = balance + excluded.balance",
+                    (row[1], unused),
+                )
             paid = row[0] - unused
             amount = paid if served is None else min(max(served, 0), paid)
             peers = sorted({w.peer_id for w in work})
-            carried = dict(db.execute(
-                "SELECT peer_id, fraction FROM settlement_carried WHERE peer_id IN "
-                f"({','.join('?' * len(peers))})", peers).fetchall())
+            carried = dict(
+                db.execute(
+                    "SELECT peer_id, fraction FROM settlement_carried WHERE peer_id IN "
+                    f"({','.join('?' * len(peers))})",
+                    peers,
+                ).fetchall()
+            )
             result = split_revenue(amount, work, self._split, self._tiers, carried)
-            db.executemany("INSERT OR REPLACE INTO settlement_carried VALUES (?, ?)",
-                           result.carried.items())
+            db.executemany(
+                "INSERT OR REPLACE INTO settlement_carried VALUES (?, ?)", result.carried.items()
+            )
             db.execute(
                 "UPDATE settlement_quotes SET state = ?, charged = ? WHERE request_id = ?",
                 ("settled" if amount == paid else "failed", amount, request_id),
             )
             if amount < paid:
-                db.execute("INSERT INTO settlement_refunds VALUES (?, ?)",
-                           (request_id, paid - amount))
+                db.execute(
+                    "INSERT INTO settlement_refunds VALUES (?, ?)", (request_id, paid - amount)
+                )
                 _add_to_pool(db, "insurance", paid - amount)
             for w in work:
                 tier = tier_for(w.ms_per_token, self._tiers)
@@ -223,12 +265,27 @@ class Rewards:
 
     def own_use(self) -> tuple[int, int]:
         """(requests, base units charged) of the operator's own requests, paid by the vault."""
-        row = self._ledger.one("SELECT COUNT(*), SUM(charged) FROM settlement_quotes WHERE "
-                               "payer = ? AND state != 'paid'", str(self._gateway.pubkey()))
+        row = self._ledger.one(
+            "SELECT COUNT(*), SUM(charged) FROM settlement_quotes WHERE "
+            "payer = ? AND state != 'paid'",
+            str(self._gateway.pubkey()),
+        )
         return (int(row[0]), int(row[1] or 0)) if row else (0, 0)
 
     def pool(self, name: str) -> int:
         return self._ledger.value("SELECT balance FROM settlement_pools WHERE name = ?", name)
+
+    def peers(self) -> list[PeerEarnings]:
+        """What this gateway owes each peer that worked for it, by peer id."""
+        rows = self._ledger.db.execute(
+            "SELECT peer_id, earned, paid FROM settlement_earnings ORDER BY peer_id"
+        ).fetchall()
+        units = dict(
+            self._ledger.db.execute(
+                "SELECT peer_id, SUM(units) FROM settlement_work GROUP BY peer_id"
+            ).fetchall()
+        )
+        return [PeerEarnings(p, earned, paid, units.get(p, 0)) for p, earned, paid in rows]
 
 
 def _add_to_pool(db: sqlite3.Connection, name: str, amount: int) -> None:

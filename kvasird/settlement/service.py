@@ -23,6 +23,7 @@ from kvasird.settlement.locks import KeyedLocks
 from kvasird.settlement.payments import Payments
 from kvasird.settlement.pricing import NetworkParams, PriceController
 from kvasird.settlement.receipts import ReceiptBook
+from kvasird.settlement.redemptions import Redemptions
 from kvasird.settlement.rewards import Rewards
 from kvasird.settlement.wallet import Wallet, WalletLink, parse_address, sign_link
 
@@ -73,6 +74,8 @@ class Settlement:
     link: WalletLink | None
     """This node's payout wallet linked to its peer id (None without a keypair: the node
     can neither run a paid gateway nor claim)."""
+    redemptions: Redemptions
+    """Which paid quotes have served a request at this node's gateway."""
 
     def gateway(self) -> tuple[Rewards, Payouts]:
         if self.rewards is None or self.payouts is None:
@@ -92,6 +95,18 @@ class Settlement:
         rewards, payouts = self.gateway()
         rewards.fail(request_id)
         return await payouts.refund(request_id)
+
+    def owed(self, me: str) -> int:
+        """Base units in the vault that belong to others: what the operator may spend on its
+        own requests is the vault's KVR less the network's stake minimum and this (other
+        peers' unclaimed earnings, the insurance pool, consumers' prepaid balances). What
+        node ``me`` earned as a peer of its own gateway is the operator's already."""
+        value = self.ledger.value
+        return (
+            value("SELECT SUM(earned - paid) FROM settlement_earnings WHERE peer_id != ?", me)
+            + value("SELECT balance FROM settlement_pools WHERE name = 'insurance'")
+            + value("SELECT SUM(balance) FROM settlement_deposits")
+        )
 
     async def stake(self, wallet: Pubkey) -> int:
         """The KVR ``wallet`` holds on chain (what a gateway's stake is checked by)."""
@@ -115,7 +130,7 @@ async def run_settlement(
     """Start settlement (and the local chain if no RPC URL is set); runs until cancelled."""
     async with trio.open_nursery() as nursery:
         local: LocalChainInfo | None = None
-        url = config.rpc_url
+        url = config.section.rpc_url
         if not url:
             started: LocalChainInfo = await nursery.start(
                 serve_local_chain,
@@ -125,9 +140,12 @@ async def run_settlement(
             local, url = started, started.url
         config = await with_network_keys(config, str(home.config))
         mint, genesis = _network_keys(config, local)
-        wallet = Wallet.load(config.wallet, config.wallet_address)
+        operator = config.section
+        wallet = Wallet.load(
+            home.root / operator.wallet if operator.wallet else None, operator.wallet_address
+        )
         ledger = Ledger(home.db)
-        chain = ChainClient(url, config.commitment, config.poll_interval_s)
+        chain = ChainClient(url, operator.commitment, config.poll_interval_s)
         try:
             settlement = await _assemble(
                 config, chain, ledger, wallet, mint, genesis, peer_id, network, local
@@ -147,14 +165,25 @@ async def with_network_keys(config: SettlementConfig, config_path: str) -> Settl
     ``rpc_url``. The daemon calls this before it joins the network, so that a chain that
     cannot name them (a cluster) stops it with one line saying what to set. Unchanged when
     both are set, or with no RPC URL (the embedded chain names its own once started)."""
-    if not config.rpc_url or (config.kvr_mint and config.genesis_wallet):
+    operator = config.section
+    if not operator.rpc_url or (operator.kvr_mint and operator.genesis_wallet):
         return config
-    async with ChainClient(config.rpc_url) as chain:
+    async with ChainClient(operator.rpc_url) as chain:
         keys = await _wait_for_keys(chain, config_path)
-    log.info("the local chain named the network's KVR mint and genesis wallet",
-             rpc_url=config.rpc_url, mint=str(keys.mint), genesis_wallet=str(keys.genesis_wallet))
-    return replace(config, kvr_mint=config.kvr_mint or str(keys.mint),
-                   genesis_wallet=config.genesis_wallet or str(keys.genesis_wallet))
+    log.info(
+        "the local chain named the network's KVR mint and genesis wallet",
+        rpc_url=operator.rpc_url,
+        mint=str(keys.mint),
+        genesis_wallet=str(keys.genesis_wallet),
+    )
+    return replace(
+        config,
+        section=replace(
+            operator,
+            kvr_mint=operator.kvr_mint or str(keys.mint),
+            genesis_wallet=operator.genesis_wallet or str(keys.genesis_wallet),
+        ),
+    )
 
 
 async def _wait_for_keys(chain: ChainClient, config_path: str) -> NetworkKeys:
@@ -170,8 +199,9 @@ async def _wait_for_keys(chain: ChainClient, config_path: str) -> NetworkKeys:
                     f"genesis_wallet in {config_path} to your network's"
                 ) from None
             except ChainError as exc:
-                log.warning(f"waiting for the chain (up to {CHAIN_WAIT_S:g} s): {exc}",
-                            retry_in_s=pause)
+                log.warning(
+                    f"waiting for the chain (up to {CHAIN_WAIT_S:g} s): {exc}", retry_in_s=pause
+                )
             await trio.sleep(pause)
     raise ChainError(
         f"the chain at {chain.url} did not answer within {CHAIN_WAIT_S:g} s: check that it "
@@ -183,11 +213,12 @@ async def _wait_for_keys(chain: ChainClient, config_path: str) -> NetworkKeys:
 def _network_keys(config: SettlementConfig, local: LocalChainInfo | None) -> tuple[Pubkey, Pubkey]:
     """KVR mint and genesis wallet: from config (filled by ``with_network_keys``), else from
     the embedded local chain."""
+    operator = config.section
     if local is None:
-        return parse_address(config.kvr_mint), parse_address(config.genesis_wallet)
-    mint = parse_address(config.kvr_mint) if config.kvr_mint else local.mint
+        return parse_address(operator.kvr_mint), parse_address(operator.genesis_wallet)
+    mint = parse_address(operator.kvr_mint) if operator.kvr_mint else local.mint
     genesis = (
-        parse_address(config.genesis_wallet) if config.genesis_wallet else local.genesis_wallet
+        parse_address(operator.genesis_wallet) if operator.genesis_wallet else local.genesis_wallet
     )
     return mint, genesis
 
@@ -213,7 +244,7 @@ async def _assemble(
         mint=mint,
         prices=prices,
         locks=locks,
-        quote_ttl_s=config.quote_ttl_s,
+        quote_ttl_s=config.section.quote_ttl_s,
     )
     rewards = payouts = None
     if wallet.keypair is not None:
@@ -238,4 +269,5 @@ async def _assemble(
         local,
         network,
         sign_link(wallet.keypair, peer_id, network) if wallet.keypair is not None else None,
+        Redemptions(ledger),
     )

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyotp
 import pytest
 import trio
 from solders.keypair import Keypair
 from solders.pubkey import Pubkey
 from solders.signature import Signature
 
+from kvasird.settlement.admin import AdminAuth
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.claims import Payouts
 from kvasird.settlement.config import RevenueSplit, TierThresholds
+from kvasird.settlement.governance import Governance
 from kvasird.settlement.ledger import Ledger
 from kvasird.settlement.localchain import LocalChainInfo, serve_local_chain
 from kvasird.settlement.locks import KeyedLocks
@@ -158,3 +162,40 @@ async def earn_100_kvr(economy: Economy, chain: ChainClient, mint: Pubkey) -> No
     request = await economy.paid_request(chain, mint, 125)
     economy.rewards.settle(request, [MeasuredWork(PEER, units=1000, ms_per_token=100.0)], epoch=1)
     assert economy.payouts.claimable(PEER) == 100 * KVR
+
+
+class Clock:
+    """A settable clock (TOTP codes depend on time)."""
+
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def operator() -> Keypair:
+    return Keypair()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def auth(ledger: Ledger, operator: Keypair, clock: Clock) -> tuple[AdminAuth, pyotp.TOTP]:
+    admin = AdminAuth(ledger, operator.pubkey(), "node.example", clock=clock)
+    secret = re.search(r"secret=([A-Z2-7]+)", admin.enroll_totp()).group(1)
+    return admin, pyotp.TOTP(secret)
+
+
+@pytest.fixture
+def genesis() -> Keypair:
+    return Keypair()
+
+
+@pytest.fixture
+def governance(ledger: Ledger, genesis: Keypair) -> Governance:
+    return Governance(ledger, genesis.pubkey(), NETWORK)

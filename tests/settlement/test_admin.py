@@ -2,42 +2,12 @@
 
 from __future__ import annotations
 
-import re
-
-import pyotp
 import pytest
 from solders.keypair import Keypair
 
-from kvasird.settlement.admin import AdminAuth
 from kvasird.settlement.errors import AdminAuthError
-from kvasird.settlement.ledger import Ledger
 
-
-class Clock:
-    """A settable clock (TOTP codes depend on time)."""
-
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def operator() -> Keypair:
-    return Keypair()
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def auth(ledger: Ledger, operator: Keypair, clock: Clock) -> tuple[AdminAuth, pyotp.TOTP]:
-    admin = AdminAuth(ledger, operator.pubkey(), "node.example", clock=clock)
-    secret = re.search(r"secret=([A-Z2-7]+)", admin.enroll_totp()).group(1)
-    return admin, pyotp.TOTP(secret)
+from .conftest import Clock
 
 
 def test_operator_signs_in_with_wallet_and_totp(auth, operator: Keypair, clock: Clock) -> None:

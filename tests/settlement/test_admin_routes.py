@@ -13,11 +13,12 @@ import pyotp
 import pytest
 from solders.keypair import Keypair
 
-from kvasird.admin.server import build_app
+from kvasird.admin.server import AdminNode, build_app
+from kvasird.gateway.status import NodeView
 from kvasird.settlement.admin import AdminAuth
 from kvasird.settlement.ledger import Ledger
 
-from .test_admin import Clock, clock, operator  # noqa: F401 - fixtures
+from .conftest import Clock
 
 REMOTE = ("203.0.113.9", 1234)
 LOOPBACK = ("127.0.0.1", 1234)
@@ -30,14 +31,17 @@ class AdminOnlySettlement:
     admin: AdminAuth
 
 
-class StandInNode:
-    """What the admin API's status and auth routes read of a Node."""
+def stand_in_node(settlement: AdminOnlySettlement | None) -> AdminNode:
+    """What the admin API's status and auth routes read of a node: its status and its
+    settlement; the rest is empty, and nothing dials."""
 
-    def __init__(self, settlement: AdminOnlySettlement | None) -> None:
-        self.settlement = settlement
+    def empty() -> dict[str, Any]:
+        return {}
 
-    def status(self) -> dict[str, Any]:
-        return {"peer_id": "12D3KooWStandIn"}
+    view = NodeView(status=lambda: {"peer_id": "12D3KooWStandIn"}, peers=list, coverage=empty,
+                    shards=empty, earnings=empty, checks=empty)
+    return AdminNode(view, None, lambda: settlement,  # type: ignore[arg-type,return-value]
+                     health=None)
 
 
 Client = Callable[..., AbstractAsyncContextManager[httpx.AsyncClient]]
@@ -54,8 +58,8 @@ def client(admin: AdminAuth) -> Client:
     async def connect(
         peer: tuple[str, int], settlement: bool = True
     ) -> AsyncIterator[httpx.AsyncClient]:
-        node = StandInNode(AdminOnlySettlement(admin) if settlement else None)
-        transport = httpx.ASGITransport(app=build_app(node), client=peer)  # type: ignore[arg-type]
+        node = stand_in_node(AdminOnlySettlement(admin) if settlement else None)
+        transport = httpx.ASGITransport(app=build_app(node), client=peer)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
             yield http
 

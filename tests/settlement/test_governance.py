@@ -11,21 +11,11 @@ from kvasird.settlement.governance import Governance, GovernanceMessage, sign_go
 from kvasird.settlement.ledger import Ledger
 from kvasird.settlement.pricing import GENESIS_PARAMS, NetworkParams, PriceController
 
-NETWORK = "kvasir-test"
+from .conftest import NETWORK
 
 
 def params(version: int, floor: int = 100, ceiling: int = 1000) -> NetworkParams:
     return NetworkParams(version, floor, ceiling, target_utilization=0.6, gain=0.4, smoothing=0.5)
-
-
-@pytest.fixture
-def genesis() -> Keypair:
-    return Keypair()
-
-
-@pytest.fixture
-def governance(ledger: Ledger, genesis: Keypair) -> Governance:
-    return Governance(ledger, genesis.pubkey(), NETWORK)
 
 
 def test_genesis_signed_message_changes_the_parameters(
@@ -105,9 +95,10 @@ def test_retune_keeps_the_price_inside_the_new_band() -> None:
 def test_config_has_no_path_into_network_parameters() -> None:
     from dataclasses import fields
 
+    from kvasird.config.schema import SettlementSection
     from kvasird.settlement.config import SettlementConfig
 
-    names = {f.name for f in fields(SettlementConfig)}
+    names = {f.name for f in (*fields(SettlementConfig), *fields(SettlementSection))}
     assert not names & {"floor", "ceiling", "gain", "smoothing", "target_utilization", "price"}
     assert isinstance(Pubkey.default(), Pubkey)
 

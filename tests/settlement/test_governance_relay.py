@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,17 +10,16 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from solders.keypair import Keypair
 
-from kvasird.config import Config, NodeConfig
-from kvasird.config.schema import SettlementSection
-from kvasird.settlement.gossip import TOPIC, GovernanceGossip
+from kvasird.settlement.gossip import GovernanceGossip
+from kvasird.wire.protocols import GOVERNANCE_TOPIC
 from kvasird.errors import ConfigError
-from kvasird.home import Home
 from kvasird.settlement.governance import Governance, GovernanceMessage, sign_governance
 from kvasird.settlement.pricing import PriceController
 from kvasird.settlement.service import Settlement
 from kvasird.wire import pack
 
-from .test_governance import NETWORK, genesis, governance, params  # noqa: F401 - fixtures
+from .conftest import NETWORK
+from .test_governance import params
 
 FORWARDER = ID(b"forwarder")
 
@@ -35,27 +33,21 @@ class GovernedSettlement:
     apply_governance = Settlement.apply_governance
 
 
-class StandInNode:
-    """What the governance gossip reads of a Node: settlement, configuration and home."""
-
-    home = Home(Path("/var/lib/kvasird"))
-
-    def __init__(self, settlement: GovernedSettlement | None, genesis_wallet: str = "") -> None:
-        self.settlement = settlement
-        self.config = Config().replace(
-            node=NodeConfig(network=NETWORK),
-            settlement=SettlementSection(genesis_wallet=genesis_wallet),
-        )
+CONFIG_PATH = "/var/lib/kvasird/kvasird.toml"
 
 
 def gossip_of(governance: Governance | None, genesis_wallet: str = "") -> GovernanceGossip:
+    """The gossip of a node whose settlement is ``governance`` (None: settlement off); it
+    validates without publishing, so it needs no gossip router."""
     settled = GovernedSettlement(governance, PriceController()) if governance else None
-    return GovernanceGossip(StandInNode(settled, genesis_wallet))  # type: ignore[arg-type]
+    return GovernanceGossip(None, lambda: settled,  # type: ignore[arg-type,return-value]
+                            NETWORK, genesis_wallet, CONFIG_PATH)
 
 
 async def relays(gossip: GovernanceGossip, message: GovernanceMessage | dict[str, Any]) -> bool:
     wire = message.to_wire() if isinstance(message, GovernanceMessage) else message
-    return await gossip._validate(FORWARDER, rpc_pb2.Message(data=pack(wire), topicIDs=[TOPIC]))
+    return await gossip._validate(FORWARDER, rpc_pb2.Message(data=pack(wire),
+                                                             topicIDs=[GOVERNANCE_TOPIC]))
 
 
 async def test_forged_message_that_is_not_newer_is_not_relayed(governance: Governance) -> None:

@@ -12,6 +12,7 @@ import trio
 from solders.keypair import Keypair
 from trio.testing import MockClock
 
+from kvasird.config.schema import SettlementSection
 from kvasird.home import Home
 from kvasird.localnet.launcher import free_port
 from kvasird.settlement.config import SettlementConfig
@@ -33,11 +34,11 @@ def cluster(body: bytes) -> bytes:
 async def test_a_node_given_only_a_local_chains_url_settles_with_its_mint(
     nursery: trio.Nursery, local_chain: LocalChainInfo, tmp_path: Path
 ) -> None:
-    config = SettlementConfig(rpc_url=local_chain.url)
+    config = SettlementConfig(SettlementSection(rpc_url=local_chain.url))
     filled = await with_network_keys(config, CONFIG)
-    assert filled.kvr_mint == str(local_chain.mint)
-    assert filled.genesis_wallet == str(local_chain.genesis_wallet)
-    config = replace(config, wallet_address=str(Keypair().pubkey()))
+    assert filled.section.kvr_mint == str(local_chain.mint)
+    assert filled.section.genesis_wallet == str(local_chain.genesis_wallet)
+    config = SettlementConfig(replace(config.section, wallet_address=str(Keypair().pubkey())))
     with trio.fail_after(20):
         s = await nursery.start(run_settlement, config, Home(tmp_path), "12D3KooWMe",
                                 "kvasir-test")
@@ -45,7 +46,8 @@ async def test_a_node_given_only_a_local_chains_url_settles_with_its_mint(
 
 
 async def test_keys_set_in_the_config_are_kept_and_need_no_chain() -> None:
-    config = SettlementConfig(rpc_url="http://127.0.0.1:9", kvr_mint="M", genesis_wallet="G")
+    config = SettlementConfig(
+        SettlementSection(rpc_url="http://127.0.0.1:9", kvr_mint="M", genesis_wallet="G"))
     assert await with_network_keys(config, CONFIG) is config
 
 
@@ -55,7 +57,7 @@ async def test_a_chain_that_cannot_name_its_mint_says_what_to_set_where(
     port = await nursery.start(serve_http, cluster, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}"
     with pytest.raises(ChainError) as refused:
-        await with_network_keys(SettlementConfig(rpc_url=url), CONFIG)
+        await with_network_keys(SettlementConfig(SettlementSection(rpc_url=url)), CONFIG)
     assert str(refused.value) == (
         f"the chain at {url} does not name its KVR mint and genesis wallet (only a kvasird "
         f"local chain does): set [settlement] kvr_mint and genesis_wallet in {CONFIG} to "
@@ -68,7 +70,7 @@ async def test_a_chain_that_never_answers_is_given_up_on_after_the_wait(
     url = f"http://127.0.0.1:{free_port()}"
     started = trio.current_time()
     with pytest.raises(ChainError, match=f"did not answer within {CHAIN_WAIT_S:g} s.*rpc_url"):
-        await with_network_keys(SettlementConfig(rpc_url=url), CONFIG)
+        await with_network_keys(SettlementConfig(SettlementSection(rpc_url=url)), CONFIG)
     assert trio.current_time() - started == pytest.approx(CHAIN_WAIT_S)
 
 
@@ -84,6 +86,7 @@ async def test_a_chain_that_starts_after_the_node_is_waited_for(
         chain.append(await nursery.start(serve_local_chain, tmp_path / "chain", listen))
 
     nursery.start_soon(start_later)
-    filled = await with_network_keys(SettlementConfig(rpc_url=f"http://{listen}"), CONFIG)
+    filled = await with_network_keys(
+        SettlementConfig(SettlementSection(rpc_url=f"http://{listen}")), CONFIG)
     assert 10 <= trio.current_time() < CHAIN_WAIT_S
-    assert filled.kvr_mint == str(chain[0].mint)
+    assert filled.section.kvr_mint == str(chain[0].mint)

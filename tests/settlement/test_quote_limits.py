@@ -11,6 +11,7 @@ from solders.signature import Signature
 from kvasird.config import GatewayConfig
 from kvasird.gateway import Gateway
 from kvasird.gateway.app import build_app
+from kvasird.gateway.payment import Settling
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.errors import QuoteError, QuotesTooFrequent
 from kvasird.settlement.ledger import Ledger
@@ -25,8 +26,7 @@ from kvasird.settlement.payments import (
 )
 from kvasird.settlement.pricing import PriceController
 
-from .conftest import KVR, funded, pay
-from .test_admin import Clock, clock  # noqa: F401 - the settable clock fixture
+from .conftest import KVR, Clock, funded, pay
 
 TTL_S = 60.0
 CLIENT = "198.51.100.7"
@@ -144,13 +144,6 @@ def test_limiter_says_how_long_to_wait(clock: Clock) -> None:
 
 
 @dataclass(frozen=True)
-class SettledNode:
-    """The one thing the gateway's quote route reads of a node: its settlement."""
-
-    settlement: SettlementWithPayments
-
-
-@dataclass(frozen=True)
 class SettlementWithPayments:
     """The part of Settlement the quote route uses."""
 
@@ -158,8 +151,10 @@ class SettlementWithPayments:
 
 
 async def test_gateway_answers_429_to_a_client_asking_too_often(payments: Payments) -> None:
-    node = SettledNode(SettlementWithPayments(payments))
-    gateway = Gateway(GatewayConfig(), node=node)  # type: ignore[arg-type]
+    settled = SettlementWithPayments(payments)
+    settling = Settling(lambda: settled,  # type: ignore[arg-type,return-value]
+                        exchange=lambda: None, me="12D3KooWGateway", layers=lambda: 1)
+    gateway = Gateway(GatewayConfig(), settling=settling)
     transport = httpx.ASGITransport(app=build_app(gateway), client=("203.0.113.9", 1234))
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
         answers = [

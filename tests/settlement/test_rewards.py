@@ -51,6 +51,15 @@ async def test_request_is_settled_once(
     assert economy.rewards.earned(PEER) == 4 * KVR
 
 
+async def test_each_peer_account_shows_what_it_earned_and_the_work_measured(
+    chain: ChainClient, local_chain: LocalChainInfo, economy: Economy
+) -> None:
+    request = await economy.paid_request(chain, local_chain.mint, 5)
+    economy.rewards.settle(request, [MeasuredWork(PEER, 10, 20.0)], epoch=1)
+    assert [p.to_json() for p in economy.rewards.peers()] == [
+        {"peer_id": PEER, "earned": 4 * KVR, "paid": 0, "measured_units": 10}]
+
+
 async def test_unpaid_request_earns_nothing(economy: Economy) -> None:
     quote = economy.payments.quote(1000)
     with pytest.raises(QuoteError):

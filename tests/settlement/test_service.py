@@ -8,6 +8,7 @@ import pytest
 import trio
 from solders.keypair import Keypair
 
+from kvasird.config.schema import SettlementSection
 from kvasird.home import Home
 from kvasird.settlement.config import SettlementConfig
 from kvasird.settlement.errors import GovernanceRejected, WalletError
@@ -32,7 +33,7 @@ async def test_gateway_quotes_verifies_settles_pays_claims_and_refunds(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     write_keypair(tmp_path / "wallet.json", Keypair())
-    s = await start(nursery, tmp_path, SettlementConfig(wallet=tmp_path / "wallet.json"))
+    s = await start(nursery, tmp_path, SettlementConfig(SettlementSection(wallet="wallet.json")))
     assert s.local_chain is not None
     assert await s.chain.lamports(s.wallet.address) > 0  # local vault funded for fees
     consumer = await funded(s.chain, s.local_chain, 100 * KVR)
@@ -60,7 +61,8 @@ async def test_gateway_quotes_verifies_settles_pays_claims_and_refunds(
 async def test_governance_from_the_genesis_wallet_retunes_the_price(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    s = await start(nursery, tmp_path, SettlementConfig(wallet_address=str(Keypair().pubkey())))
+    s = await start(nursery, tmp_path,
+                    SettlementConfig(SettlementSection(wallet_address=str(Keypair().pubkey()))))
     genesis, _ = load_or_create_genesis(tmp_path / "localchain" / "genesis.json")
     band = NetworkParams(1, floor=50, ceiling=60, target_utilization=0.5, gain=1, smoothing=1)
     with pytest.raises(GovernanceRejected):

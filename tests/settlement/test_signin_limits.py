@@ -12,7 +12,7 @@ from kvasird.settlement.admin import MAX_FAILED_SIGN_INS, AdminAuth
 from kvasird.settlement.errors import AdminAuthError
 from kvasird.settlement.ledger import Ledger
 
-from .test_admin import Clock, auth, clock, operator  # noqa: F401 - fixtures
+from .conftest import Clock
 
 Auth = tuple[AdminAuth, pyotp.TOTP]
 
