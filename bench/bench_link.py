@@ -40,9 +40,10 @@ import numpy as np  # noqa: E402
 import trio  # noqa: E402
 
 from kvasird.inference.protocol import tensors  # noqa: E402
-from kvasird.inference.transport.channel import MAX_FRAME, Channel, serve  # noqa: E402
+from kvasird.inference.transport.channel import serve  # noqa: E402
 from kvasird.inference.transport.lane import SealedStream  # noqa: E402
 from kvasird.logs import configure  # noqa: E402
+from kvasird.wire.rpc import MAX_FRAME, Channel  # noqa: E402
 
 HOPS = 3
 KEY = bytes(range(32))

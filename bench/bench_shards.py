@@ -44,7 +44,8 @@ from kvasird.identity.nodekey import create_node_key
 from kvasird.logs import configure
 from kvasird.model import bundled
 from kvasird.model.store import ShardStore
-from kvasird.model.transfer import PROTOCOL_ID, download, serve_shards
+from kvasird.model.transfer import download, serve_shards
+from kvasird.wire.protocols import SHARD_PROTOCOL
 from kvasird.p2p.host import build_host, parse_listen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvasird_dev (not installed)
@@ -117,7 +118,7 @@ async def _send_zeros(stream) -> None:
 
 def mount(host, source: ShardStore) -> None:
     host.set_stream_handler(RAW_PROTOCOL, _send_zeros)
-    host.set_stream_handler(PROTOCOL_ID, lambda s: serve_shards(s, source))
+    host.set_stream_handler(SHARD_PROTOCOL, lambda s: serve_shards(s, source))
 
 
 async def raw_stream(a, peer, mib: int, profile: bool) -> tuple[int, float, pstats.Stats | None]:
@@ -145,7 +146,7 @@ async def shard_libp2p(a, peer, model_id: str, tmp: Path, name: str,
     client = ShardStore(tmp / name / "shards", tmp / f"{name}.db")
 
     async def open_stream(_slot: int):
-        return await a.new_stream(peer, [PROTOCOL_ID])
+        return await a.new_stream(peer, [SHARD_PROTOCOL])
 
     t = time.perf_counter()
     report = await download(client, model_id, None, list(range(streams)), open_stream)

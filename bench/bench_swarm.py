@@ -57,13 +57,14 @@ from kvasird.compute.stage import Stage  # noqa: E402
 from kvasird.inference.protocol import tensors  # noqa: E402
 from kvasird.inference.server.engine import Holdings, Served  # noqa: E402
 from kvasird.inference.server.stage import StageServer  # noqa: E402
-from kvasird.inference.transport.channel import MAX_FRAME, Channels, serve  # noqa: E402
+from kvasird.inference.transport.channel import Channels, serve  # noqa: E402
 from kvasird.inference.transport.lane import LaneServer  # noqa: E402
 from kvasird.localnet import LocalNet  # noqa: E402
 from kvasird.localnet.launcher import LocalNetError, LocalNode  # noqa: E402
 from kvasird.logs import configure  # noqa: E402
 from kvasird.model.bundled import bundled_path  # noqa: E402
 from kvasird.wire import pack, unpack  # noqa: E402
+from kvasird.wire.rpc import MAX_FRAME  # noqa: E402
 from kvasird_dev.testmodels import make_model  # noqa: E402
 
 PROMPT = [1, 504, 3458, 282, 4649, 314, 28, 1834]

@@ -109,7 +109,8 @@ from kvasird.market.records import (
     Suspicion,
     compress,
 )
-from kvasird.market.service import COVERAGE, LISTEN_HEARTBEATS, SUSPECT
+from kvasird.market.service import LISTEN_HEARTBEATS
+from kvasird.wire.protocols import COVERAGE_TOPIC, SUSPECT_TOPIC
 from kvasird.model.manifest import Unit
 from kvasird.p2p.gossip import (
     GOSSIP_PEERS,
@@ -374,7 +375,7 @@ class _Holders:
 
 
 @cache
-def envelope_bytes(data_len: int, topic: str = f"kvasir/mainnet/{COVERAGE}") -> int:
+def envelope_bytes(data_len: int, topic: str = f"kvasir/mainnet/{COVERAGE_TOPIC}") -> int:
     """Bytes around a gossip payload of ``data_len``: pubsub Message + RPC, yamux, Noise."""
     msg = rpc_pb2.Message(from_id=b"\0" * PEER_ID_BYTES, data=b"\0" * data_len,
                           seqno=b"\0" * 8, topicIDs=[topic], signature=b"\0" * 64,
@@ -670,7 +671,7 @@ class MarketSim:
         node.record = record
         self._count(t, len(data), changed)
         try:
-            self.gate.check(COVERAGE, node.peer, node.peer, record.seq, record.ts, EPOCH + t)
+            self.gate.check(COVERAGE_TOPIC, node.peer, node.peer, record.seq, record.ts, EPOCH + t)
         except Stale:
             return
         except WireError:
@@ -698,7 +699,7 @@ class MarketSim:
         return row
 
     def _count(self, t: float, size: int, changed: bool) -> None:
-        row = self._message(t, size, COVERAGE)
+        row = self._message(t, size, COVERAGE_TOPIC)
         row[_BIN["records"]] += 1
         row[_BIN["record_bytes"]] += size
         row[_BIN["envelope_bytes"]] += envelope_bytes(size)
@@ -710,7 +711,7 @@ class MarketSim:
         assert node.record is not None
         s = Suspicion("12D3KooW" + "x" * 44, int((EPOCH + t) * 1000), EPOCH + t, node.peer,
                       node.record.seq)
-        self._message(t, len(pack(s.to_wire())), SUSPECT)[_BIN["suspicions"]] += 1
+        self._message(t, len(pack(s.to_wire())), SUSPECT_TOPIC)[_BIN["suspicions"]] += 1
 
     def _expire(self, t: float, _: int) -> None:
         for peer in self.truth.expire(t):

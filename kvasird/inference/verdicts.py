@@ -26,8 +26,8 @@ from kvasird.logs import get_logger
 from kvasird.market.gate import RecordGate, Stale
 from kvasird.p2p.gossip import Gossip
 from kvasird.wire import pack, schema, unpack
+from kvasird.wire.protocols import UNFIT_TOPIC
 
-TOPIC = "unfit"
 SCHEMA_VERSION = 1
 MAX_VERDICT_BYTES = 4096
 log = get_logger("kvasird.inference.verdicts")
@@ -47,26 +47,35 @@ class Verdict:
     """What the spot check saw."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "peer": self.peer, "seq": self.seq, "ts": self.ts,
-                "accused": self.accused, "reason": self.reason}
+        return {
+            "v": SCHEMA_VERSION,
+            "peer": self.peer,
+            "seq": self.seq,
+            "ts": self.ts,
+            "accused": self.accused,
+            "reason": self.reason,
+        }
 
     @staticmethod
     def from_wire(value: Any) -> Verdict:
         d = schema.mapping(value, "unfit")
         if d.get("v") != SCHEMA_VERSION:
             raise WireError(f"unfit.v: unsupported schema version {d.get('v')!r}")
-        return Verdict(schema.text(d, "peer", 128, "unfit"),
-                       schema.integer(d, "seq", 0, 2**62, "unfit"),
-                       schema.number(d, "ts", 0, 2**40, "unfit"),
-                       schema.text(d, "accused", 128, "unfit"),
-                       schema.text(d, "reason", 256, "unfit"))
+        return Verdict(
+            schema.text(d, "peer", 128, "unfit"),
+            schema.integer(d, "seq", 0, 2**62, "unfit"),
+            schema.number(d, "ts", 0, 2**40, "unfit"),
+            schema.text(d, "accused", 128, "unfit"),
+            schema.text(d, "reason", 256, "unfit"),
+        )
 
 
 class Verdicts:
     """Publishes our accusations; counts others' and sentences on a quorum."""
 
-    def __init__(self, gossip: Gossip, me: str, fitness: Fitness, quorum: int,
-                 window_s: float) -> None:
+    def __init__(
+        self, gossip: Gossip, me: str, fitness: Fitness, quorum: int, window_s: float
+    ) -> None:
         self.gossip, self.me, self.fitness = gossip, me, fitness
         self.quorum, self.window_s = quorum, window_s
         self.gate = RecordGate()
@@ -75,8 +84,8 @@ class Verdicts:
         self._seq = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self.gossip.set_validator(TOPIC, self._validate)
-        sub = await self.gossip.subscribe(TOPIC)
+        self.gossip.set_validator(UNFIT_TOPIC, self._validate)
+        sub = await self.gossip.subscribe(UNFIT_TOPIC)
         task_status.started()
         while True:  # applied in the validator; keep the subscription drained
             await sub.get()
@@ -85,7 +94,7 @@ class Verdicts:
         self._seq = max(self._seq + 1, time.time_ns() // 1_000_000)
         verdict = Verdict(self.me, self._seq, time.time(), accused, reason[:256])
         try:
-            await self.gossip.publish(TOPIC, pack(verdict.to_wire()))
+            await self.gossip.publish(UNFIT_TOPIC, pack(verdict.to_wire()))
         except Exception as exc:  # noqa: BLE001 - no peers, or one died mid-send
             log.debug("verdict not published", error=repr(exc))
 
@@ -95,7 +104,7 @@ class Verdicts:
             if len(msg.data) > MAX_VERDICT_BYTES:
                 raise WireError(f"verdict of {len(msg.data)} bytes")
             verdict = Verdict.from_wire(unpack(msg.data, MAX_VERDICT_BYTES))
-            self.gate.check(TOPIC, signer, verdict.peer, verdict.seq, verdict.ts, time.time())
+            self.gate.check(UNFIT_TOPIC, signer, verdict.peer, verdict.seq, verdict.ts, time.time())
         except Stale:
             return True
         except WireError as exc:
@@ -113,5 +122,6 @@ class Verdicts:
         for who in [w for w, t in accusers.items() if now - t > self.window_s]:
             del accusers[who]
         if len(accusers) >= self.quorum and verdict.peer != self.me:
-            self.fitness.mark(verdict.accused, f"accused by {len(accusers)} peers: "
-                                               f"{verdict.reason}")
+            self.fitness.mark(
+                verdict.accused, f"accused by {len(accusers)} peers: {verdict.reason}"
+            )

@@ -49,7 +49,7 @@ from kvasird.logs import get_logger
 from kvasird.market.records import CoverageRecord
 from kvasird.model.manifest import CHUNK_SIZE, Manifest, Piece, Unit
 from kvasird.model.store import ShardStore
-from kvasird.model.transfer import OpenStream, PeerMissing, ask, proof_digest
+from kvasird.model.transfer import OpenStream, PeerMissing, ProveAsk, ReadAsk, ask, proof_digest
 
 log = get_logger("kvasird.market.proofs")
 
@@ -66,7 +66,7 @@ MAX_RETRY_S = 15.0
 """An unanswered claim is asked again soon: until it is proven the peer is not routed to,
 and the usual reasons (a peer just restarted, stopped for a moment, its address not yet
 dialled) pass in seconds. A longer back-off kept a restarted replica out of routes for
-minutes in the churn soak (65.7 % of requests completed instead of 99 %)."""
+minutes in the churn soak (bench/soak.py), and requests failed."""
 LIAR_BAN_S = 3600.0
 """How long a peer caught lying stays out of this node's map (its restarts do not end it)."""
 PARALLEL = 4
@@ -87,21 +87,27 @@ class Question:
     ranges: tuple[tuple[int, int], ...]
     """(offset within the piece, length) asked for a proof; empty for a read."""
 
-    def request(self, model_id: str, nonce: bytes) -> dict[str, Any]:
+    def request(self, model_id: str, nonce: bytes) -> ReadAsk | ProveAsk:
         p = self.piece
         if not self.ranges:
-            return {"op": "read", "model": model_id,
-                    "ranges": [[p.tensor, p.expert, self.offset, self.length]]}
-        return {"op": "prove", "model": model_id, "nonce": nonce,
-                "ranges": [[p.tensor, p.expert, o, n] for o, n in self.ranges]}
+            return ReadAsk(model_id, ((p.tensor, p.expert, self.offset, self.length),))
+        return ProveAsk(model_id, nonce, tuple((p.tensor, p.expert, o, n) for o, n in self.ranges))
 
 
-def pick(manifest: Manifest, units: Iterable[Unit], have: Callable[[Piece], bool],
-         rng: np.random.Generator, n: int = CHALLENGES) -> list[Question]:
+def pick(
+    manifest: Manifest,
+    units: Iterable[Unit],
+    have: Callable[[Piece], bool],
+    rng: np.random.Generator,
+    n: int = CHALLENGES,
+) -> list[Question]:
     """``n`` questions on spans drawn uniformly among the pieces of ``units`` (fewer when
     there are fewer spans). ``have(piece)``: whether we hold it intact ourselves."""
-    spans = [(p, off, length, sha) for p in manifest.pieces(units)
-             for off, length, sha in p.spans(CHUNK_SIZE)]
+    spans = [
+        (p, off, length, sha)
+        for p in manifest.pieces(units)
+        for off, length, sha in p.spans(CHUNK_SIZE)
+    ]
     if not spans:
         return []
     out = []
@@ -110,8 +116,7 @@ def pick(manifest: Manifest, units: Iterable[Unit], have: Callable[[Piece], bool
         ranges: tuple[tuple[int, int], ...] = ()
         if have(piece):
             sizes = rng.integers(1, min(RANGE_BYTES, length) + 1, size=RANGES)
-            ranges = tuple((off + int(rng.integers(0, length - int(s) + 1)), int(s))
-                           for s in sizes)
+            ranges = tuple((off + int(rng.integers(0, length - int(s) + 1)), int(s)) for s in sizes)
         out.append(Question(piece, off, length, sha, ranges))
     return out
 
@@ -136,11 +141,18 @@ class _Claims:
 class ClaimChecker:
     """Checks the claims of peers' records, one trio task (``run``), as records come in."""
 
-    def __init__(self, me: str, store: ShardStore, open_stream: OpenStream,
-                 latest: Callable[[str], CoverageRecord | None],
-                 on_liar: Callable[[str, str], None], rng: np.random.Generator, *,
-                 on_pardon: Callable[[str], None] = lambda peer: None,
-                 timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        me: str,
+        store: ShardStore,
+        open_stream: OpenStream,
+        latest: Callable[[str], CoverageRecord | None],
+        on_liar: Callable[[str, str], None],
+        rng: np.random.Generator,
+        *,
+        on_pardon: Callable[[str], None] = lambda peer: None,
+        timeout_s: float = TIMEOUT_S,
+    ) -> None:
         self.me, self.store, self.open_stream = me, store, open_stream
         self.latest = latest
         """The newest record of a peer in the map (None once it left)."""
@@ -196,14 +208,21 @@ class ClaimChecker:
 
     def view(self) -> dict[str, Any]:
         now = trio.current_time()
-        return {"liars": {p: why for p, (until, why) in self.liars.items() if until >= now},
-                "proven_units": {p: len(c.proven) for p, c in self.claims.items()},
-                "unproven": sorted(self._due), "asked": dict(self.asked)}
+        return {
+            "liars": {p: why for p, (until, why) in self.liars.items() if until >= now},
+            "proven_units": {p: len(c.proven) for p, c in self.claims.items()},
+            "unproven": sorted(self._due),
+            "asked": dict(self.asked),
+        }
 
     # --- the task -----------------------------------------------------------------------
 
-    async def run(self, manifest: Callable[[], Manifest | None], *,
-                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self,
+        manifest: Callable[[], Manifest | None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         limit = trio.CapacityLimiter(PARALLEL)
         running: set[str] = set()
         async with trio.open_nursery() as nursery:
@@ -223,8 +242,9 @@ class ClaimChecker:
                 with trio.move_on_after(1.0):
                     await self._wake.wait()
 
-    async def _check_one(self, peer: str, manifest: Manifest, limit: trio.CapacityLimiter,
-                         running: set[str]) -> None:
+    async def _check_one(
+        self, peer: str, manifest: Manifest, limit: trio.CapacityLimiter, running: set[str]
+    ) -> None:
         try:
             async with limit:
                 await self.check(peer, manifest)
@@ -244,12 +264,16 @@ class ClaimChecker:
             self._due.discard(peer)
             return "nothing"
         questions = await trio.to_thread.run_sync(
-            pick, manifest, wanted, self.store.check_piece, self.rng)
+            pick, manifest, wanted, self.store.check_piece, self.rng
+        )
         try:
             for q in questions:
                 if not await self._ask(peer, manifest.model_id, q):
-                    self._liar(peer, f"answered wrong bytes for {q.piece.tensor}"
-                                     f"{'' if q.piece.expert < 0 else f' expert {q.piece.expert}'}")
+                    self._liar(
+                        peer,
+                        f"answered wrong bytes for {q.piece.tensor}"
+                        f"{'' if q.piece.expert < 0 else f' expert {q.piece.expert}'}",
+                    )
                     return "liar"
         except PeerMissing:
             newest = self.latest(peer)
@@ -278,17 +302,20 @@ class ClaimChecker:
         nonce = secrets.token_bytes(32)
         if q.ranges:
             self.asked["prove"] += 1
-            mine = await trio.to_thread.run_sync(lambda: [
-                self.store.read_range(model_id, q.piece.tensor, q.piece.expert, o, n)
-                for o, n in q.ranges])
+            mine = await trio.to_thread.run_sync(
+                lambda: [
+                    self.store.read_range(model_id, q.piece.tensor, q.piece.expert, o, n)
+                    for o, n in q.ranges
+                ]
+            )
             if any(part is None for part in mine):  # our own copy went bad meanwhile
                 return True
-            got = await ask(self.open_stream, peer, q.request(model_id, nonce), 32,
-                            self.timeout_s)
+            got = await ask(self.open_stream, peer, q.request(model_id, nonce), 32, self.timeout_s)
             return got == proof_digest(nonce, [p for p in mine if p is not None])
         self.asked["read"] += 1
-        got = await ask(self.open_stream, peer, q.request(model_id, nonce), q.length,
-                        self.timeout_s)
+        got = await ask(
+            self.open_stream, peer, q.request(model_id, nonce), q.length, self.timeout_s
+        )
         self.asked["read_bytes"] += len(got)
         return hashlib.sha256(got).digest() == q.sha256
 
@@ -307,6 +334,10 @@ class ClaimChecker:
         self.claims.pop(peer, None)
         self._due.discard(peer)
         self.version += 1
-        log.warning("peer lied about what it holds: out of the map and its records refused",
-                    peer=peer, why=why, ban_s=LIAR_BAN_S)
+        log.warning(
+            "peer lied about what it holds: out of the map and its records refused",
+            peer=peer,
+            why=why,
+            ban_s=LIAR_BAN_S,
+        )
         self.on_liar(peer, why)

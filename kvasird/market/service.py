@@ -22,6 +22,7 @@ read yet (py-libp2p's muxer drops its buffers on the close), so a write alone is
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -43,9 +44,9 @@ from kvasird.market.demand import Demand, fully_covered, segments, with_spare
 from kvasird.market.enroll import decide
 from kvasird.market.gate import RecordGate, Stale
 from kvasird.market.model import MarketModel
+from kvasird.market.pacing import Bandwidth, joins_round, round_budget
 from kvasird.market.pinning import parse_hold
 from kvasird.market.proofs import ClaimChecker
-from kvasird.market.pacing import Bandwidth, joins_round, round_budget
 from kvasird.market.publish import (
     MIN_TTL_S,
     SUSPECT_TTL_S,
@@ -76,14 +77,16 @@ from kvasird.settlement.wallet import WalletLink
 if TYPE_CHECKING:
     from kvasird.model.distribution import ShardService
 from kvasird.wire import FrameReader, pack, unpack, write_frame
+from kvasird.wire.protocols import (
+    COVERAGE_TOPIC,
+    GOODBYE_PROTOCOL,
+    LOAD_TOPIC,
+    SUSPECT_TOPIC,
+    SYNC_PROTOCOL,
+)
 
 log = get_logger("kvasird.market")
 
-COVERAGE = "coverage"
-LOAD = "load"
-SUSPECT = "suspicion"
-SYNC = "/kvasir/coverage-sync/1"
-GOODBYE = "/kvasir/goodbye/1"
 SYNC_FRAME_BYTES = 512 * 1024
 """A sync answer is frames of signed messages, each frame up to about this many bytes."""
 SYNC_TIMEOUT_S = 30.0
@@ -94,7 +97,14 @@ LISTEN_HEARTBEATS = 2
 """Heartbeats a node listens (and syncs) before its first enrollment decision."""
 GOODBYE_TIMEOUT_S = 2.0
 """How long a stopping node waits for its peers to apply its offline record."""
-__all__ = ["COVERAGE", "LOAD", "MIN_TTL_S", "SUSPECT", "MarketService", "record_ttl"]
+__all__ = [
+    "COVERAGE_TOPIC",
+    "LOAD_TOPIC",
+    "MIN_TTL_S",
+    "SUSPECT_TOPIC",
+    "MarketService",
+    "record_ttl",
+]
 Loader = Callable[[list[Unit]], Awaitable[None]]
 
 
@@ -103,10 +113,17 @@ async def metadata_only(units: list[Unit]) -> None:
 
 
 class MarketService:
-    def __init__(self, p2p: P2PNode, config: MarketConfig, model: MarketModel | None,
-                 caps: Capabilities, loader: Loader = metadata_only,
-                 seed: int | None = None, shards: ShardService | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        p2p: P2PNode,
+        config: MarketConfig,
+        model: MarketModel | None,
+        caps: Capabilities,
+        loader: Loader = metadata_only,
+        seed: int | None = None,
+        shards: ShardService | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.p2p = p2p
         self.clock = clock
         """Unix time (a test's virtual clock): records' times, TTLs and keep-alives."""
@@ -159,9 +176,19 @@ class MarketService:
         validator): what a goodbye hands to each peer."""
         self._connected: set[str] = set()
         self._wake = trio.Event()
-        self.proofs: ClaimChecker | None = None if shards is None else ClaimChecker(
-            p2p.peer_id, shards.store, shards.open_stream, self._latest, self._caught_lying,
-            np.random.default_rng(), on_pardon=lambda peer: self.p2p.gossip.unban(peer))
+        self.proofs: ClaimChecker | None = (
+            None
+            if shards is None
+            else ClaimChecker(
+                p2p.peer_id,
+                shards.store,
+                shards.open_stream,
+                self._latest,
+                self._caught_lying,
+                np.random.default_rng(),
+                on_pardon=lambda peer: self.p2p.gossip.unban(peer),
+            )
+        )
         """Checks what peers claim to hold before routing trusts it (None without a store:
         every claim is taken as it comes)."""
 
@@ -179,21 +206,26 @@ class MarketService:
         their logs would say why."""
         where = f"{self.p2p.config_path}: [market] hold"
         if outside := sorted(str(u) for u in self.pinned if not model.contains(u)):
-            raise ConfigError(f"{where} names {', '.join(outside[:3])}, which the model "
-                              f"lacks ({model.n_layer} layers, {model.n_expert} experts per "
-                              "layer): pin units inside it")
+            raise ConfigError(
+                f"{where} names {', '.join(outside[:3])}, which the model "
+                f"lacks ({model.n_layer} layers, {model.n_expert} experts per "
+                "layer): pin units inside it"
+            )
         need = sum(model.size(u) for u in self.pinned)
         if need > self.budget:
             mb = -(-need // (1024 * 1024))
-            raise ConfigError(f"{where} pins {len(self.pinned)} units that need {need / 2**20:.1f} "
-                              f"MB, more than memory_budget_mb = {self.config.memory_budget_mb}"
-                              f": set memory_budget_mb to at least {mb}, or pin fewer units")
+            raise ConfigError(
+                f"{where} pins {len(self.pinned)} units that need {need / 2**20:.1f} "
+                f"MB, more than memory_budget_mb = {self.config.memory_budget_mb}"
+                f": set memory_budget_mb to at least {mb}, or pin fewer units"
+            )
 
     # --- gossip in -------------------------------------------------------------------
 
     async def _validate_coverage(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
-        return self._admit(msg, lambda value, signer, now: self._apply_coverage(
-            value, signer, now, msg))
+        return self._admit(
+            msg, lambda value, signer, now: self._apply_coverage(value, signer, now, msg)
+        )
 
     async def _validate_load(self, forwarder: ID, msg: rpc_pb2.Message) -> bool:
         return self._admit(msg, self._apply_load)
@@ -216,8 +248,9 @@ class MarketService:
             return False
         return True
 
-    def _apply_coverage(self, value: Any, signer: str, now: float, msg: rpc_pb2.Message,
-                        synced: bool = False) -> None:
+    def _apply_coverage(
+        self, value: Any, signer: str, now: float, msg: rpc_pb2.Message, synced: bool = False
+    ) -> None:
         """``synced``: fetched from a peer's map, so stamped at its last keep-alive: it may
         be up to its TTL old, and lives only what is left of that."""
         record = CoverageRecord.from_wire(value)
@@ -229,15 +262,24 @@ class MarketService:
             # node (silent while it holds nothing) took other units than the ones on its disk.
             # Peers still count it, so ours goes out now to replace it (publish.py).
             if not self.publisher.supersede:
-                log.info("a peer holds this node's record of its previous run: replacing it",
-                         boot=record.boot)
+                log.info(
+                    "a peer holds this node's record of its previous run: replacing it",
+                    boot=record.boot,
+                )
                 self.publisher.supersede = True
                 self._wake.set()
             raise Stale("a record of this node's previous run")
         if self.map is not None and record.model == self.map.model.model_id:
             self.map.check(record)
-        self.gate.check(COVERAGE, signer, record.peer, record.seq, record.ts, now,
-                        max_age_s=record.ttl if synced else 0.0)
+        self.gate.check(
+            COVERAGE_TOPIC,
+            signer,
+            record.peer,
+            record.seq,
+            record.ts,
+            now,
+            max_age_s=record.ttl if synced else 0.0,
+        )
         self.suspicions.settled(record.peer)  # it spoke
         if record.peer == self.p2p.peer_id:
             self.own = msg.SerializeToString()
@@ -285,7 +327,7 @@ class MarketService:
 
     def _apply_suspicion(self, value: Any, signer: str, now: float) -> None:
         s = Suspicion.from_wire(value)
-        self.gate.check(SUSPECT, signer, s.peer, s.seq, s.ts, now)
+        self.gate.check(SUSPECT_TOPIC, signer, s.peer, s.seq, s.ts, now)
         self.suspicions.settled(s.suspect)  # someone said it: we need not
         if s.suspect == self.p2p.peer_id:
             log.info("a peer suspects this node: answering with a fresh record", by=s.peer)
@@ -294,7 +336,8 @@ class MarketService:
         elif s.suspect in self._connected:
             return  # it answers our own liveness pings: first-hand news beats hearsay
         elif self.map is not None and self.map.suspect(
-                s.suspect, s.of, now + suspect_s(self.config.heartbeat_s)):
+            s.suspect, s.of, now + suspect_s(self.config.heartbeat_s)
+        ):
             log.info("holder suspected by a peer that saw it fail", peer=s.suspect, by=s.peer)
 
     # --- claims checked ----------------------------------------------------------------
@@ -328,7 +371,7 @@ class MarketService:
 
     def _apply_load(self, value: Any, signer: str, now: float) -> None:
         report = LoadReport.from_wire(value)
-        self.gate.check(LOAD, signer, report.peer, report.seq, report.ts, now)
+        self.gate.check(LOAD_TOPIC, signer, report.peer, report.seq, report.ts, now)
         if self.demand is not None and report.model == self.demand.model.model_id:
             self.demand.add(report, now)
 
@@ -340,16 +383,31 @@ class MarketService:
 
     def record(self) -> CoverageRecord:
         has_all = bool(self.model and self.shards and self.shards.has_all(self.model.model_id))
-        name, chosen = (self.shards.store.name_claim(self.model.model_id)
-                        if self.model and self.shards and (self.held or has_all) else ("", False))
+        name, chosen = (
+            self.shards.store.name_claim(self.model.model_id)
+            if self.model and self.shards and (self.held or has_all)
+            else ("", False)
+        )
         return CoverageRecord(
-            peer=self.p2p.peer_id, seq=self.next_seq(), ts=self.clock(),
-            ttl=record_ttl(self.config.heartbeat_s, self.participants), state=self.state,
-            protocol=PROTOCOL_VERSION, version=__version__, addrs=tuple(self.p2p.addrs()[:16]),
+            peer=self.p2p.peer_id,
+            seq=self.next_seq(),
+            ts=self.clock(),
+            ttl=record_ttl(self.config.heartbeat_s, self.participants),
+            state=self.state,
+            protocol=PROTOCOL_VERSION,
+            version=__version__,
+            addrs=tuple(self.p2p.addrs()[:16]),
             model=self.model.model_id if self.model and (self.held or has_all) else "",
-            budget=self.budget, holdings=compress(self.held), caps=self.caps, has_all=has_all,
-            reach=self.p2p.reachability.current.verdict, link=self.link, boot=self.boot,
-            name=name, adopted=bool(name) and not chosen)
+            budget=self.budget,
+            holdings=compress(self.held),
+            caps=self.caps,
+            has_all=has_all,
+            reach=self.p2p.reachability.current.verdict,
+            link=self.link,
+            boot=self.boot,
+            name=name,
+            adopted=bool(name) and not chosen,
+        )
 
     async def publish(self) -> None:
         """Publish our record if it changed, a keep-alive or a refutation is due."""
@@ -359,7 +417,7 @@ class MarketService:
         self.publisher.sent(record, now)
         data = pack(record.to_wire())
         try:
-            await self.p2p.gossip.publish(COVERAGE, data)
+            await self.p2p.gossip.publish(COVERAGE_TOPIC, data)
         except Exception as exc:  # noqa: BLE001 - no peers yet, or a peer died mid-send
             log.debug("publishing the coverage record failed", error=repr(exc))
 
@@ -367,23 +425,25 @@ class MarketService:
         s = Suspicion(self.p2p.peer_id, self.next_seq(), self.clock(), peer, seq)
         log.info("holder's connection failed: suspecting it", peer=peer)
         try:
-            await self.p2p.gossip.publish(SUSPECT, pack(s.to_wire()))
+            await self.p2p.gossip.publish(SUSPECT_TOPIC, pack(s.to_wire()))
         except Exception as exc:  # noqa: BLE001 - as publish
             log.debug("publishing a suspicion failed", error=repr(exc))
 
     async def publish_load(self, report: LoadReport) -> None:
-        await self.p2p.gossip.publish(LOAD, pack(report.to_wire()))
+        await self.p2p.gossip.publish(LOAD_TOPIC, pack(report.to_wire()))
 
     # --- the loops -------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         gossip = self.p2p.gossip
-        gossip.set_validator(COVERAGE, self._validate_coverage)
-        gossip.set_validator(LOAD, self._validate_load)
-        gossip.set_validator(SUSPECT, self._validate_suspicion)
-        subs = [await gossip.subscribe(name) for name in (COVERAGE, LOAD, SUSPECT)]
-        self.p2p.host.set_stream_handler(SYNC, self._serve_sync)
-        self.p2p.host.set_stream_handler(GOODBYE, self._serve_goodbye)
+        gossip.set_validator(COVERAGE_TOPIC, self._validate_coverage)
+        gossip.set_validator(LOAD_TOPIC, self._validate_load)
+        gossip.set_validator(SUSPECT_TOPIC, self._validate_suspicion)
+        subs = [
+            await gossip.subscribe(name) for name in (COVERAGE_TOPIC, LOAD_TOPIC, SUSPECT_TOPIC)
+        ]
+        self.p2p.host.set_stream_handler(SYNC_PROTOCOL, self._serve_sync)
+        self.p2p.host.set_stream_handler(GOODBYE_PROTOCOL, self._serve_goodbye)
         try:
             async with trio.open_nursery() as nursery:
                 for sub in subs:
@@ -405,8 +465,10 @@ class MarketService:
                 scope.shield = True
                 await self._say_goodbye()
             if scope.cancelled_caught:
-                log.info("not every peer heard the goodbye in time: those count this node "
-                         "until its record's TTL runs out")
+                log.info(
+                    "not every peer heard the goodbye in time: those count this node "
+                    "until its record's TTL runs out"
+                )
             self.left.set()
 
     async def _say_goodbye(self) -> None:
@@ -425,13 +487,12 @@ class MarketService:
 
     async def _hand_goodbye(self, peer: ID, raw: bytes) -> None:
         try:
-            stream = await self.p2p.host.new_stream(peer, [GOODBYE])
+            stream = await self.p2p.host.new_stream(peer, [GOODBYE_PROTOCOL])
             async with served(stream, "goodbye", peer.to_string()):
                 await write_frame(stream, raw)
                 await FrameReader(stream, 64).read()  # applied
         except Exception as exc:  # noqa: BLE001 - an old peer, or one going away: gossip then
-            log.debug("could not hand the goodbye to a peer", peer=str(peer),
-                      error=repr(exc)[:200])
+            log.debug("could not hand the goodbye to a peer", peer=str(peer), error=repr(exc)[:200])
 
     async def _serve_goodbye(self, stream: INetStream) -> None:
         """A peer that leaves hands us its offline record: checked like gossip, applied,
@@ -468,8 +529,11 @@ class MarketService:
             now = self.clock()
             if self.map is not None:
                 for peer in self.map.expire(now - stall):
-                    log.info("holder's coverage expired (its TTL ran out, or it was "
-                             "suspected and did not answer)", peer=peer)
+                    log.info(
+                        "holder's coverage expired (its TTL ran out, or it was "
+                        "suspected and did not answer)",
+                        peer=peer,
+                    )
                     self.gate.forget(peer)
                     self.signed.pop(peer, None)
                     self.names.pop(peer, None)
@@ -479,8 +543,7 @@ class MarketService:
                 tellers, silent = census([e.record for e in self.map.entries.values()])
                 self.publisher.present = present(self.p2p.peer_id, silent)
                 self.participants = participants(tellers, silent)
-                self.publisher.keepalive_s = keepalive_s(self.config.heartbeat_s,
-                                                         self.participants)
+                self.publisher.keepalive_s = keepalive_s(self.config.heartbeat_s, self.participants)
                 self._agree_on_name()
             for peer, seq in self.suspicions.due(now):
                 if peer not in self._connected:  # not back meanwhile (a flapping link)
@@ -528,7 +591,7 @@ class MarketService:
         """Fetch ``peer``'s map: each record checked as if it came by gossip (signature,
         schema, sequence, clock), older ones only as old as their TTL. Returns the records
         that passed, and how many of them were news to this node."""
-        stream = await self.p2p.host.new_stream(peer, [SYNC])
+        stream = await self.p2p.host.new_stream(peer, [SYNC_PROTOCOL])
         passed = news = 0
         async with served(stream, "coverage sync", peer.to_string()):
             reader = FrameReader(stream, SYNC_FRAME_BYTES + MAX_RECORD_BYTES + 4096)
@@ -539,8 +602,9 @@ class MarketService:
                     for raw in batch:
                         msg = self._coverage_message(raw, "coverage sync")
                         before = len(self.signed)
-                        passed += self._admit(msg, lambda v, s, now, m=msg: (
-                            self._apply_coverage(v, s, now, m, synced=True)))
+                        passed += self._admit(
+                            msg, functools.partial(self._apply_coverage, msg=msg, synced=True)
+                        )
                         news += len(self.signed) > before
         return passed, news
 
@@ -553,13 +617,15 @@ class MarketService:
             msg = rpc_pb2.Message.FromString(raw)
         except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError
             raise WireError(f"{what}: not a gossip message ({exc})") from None
-        if list(msg.topicIDs) != [self.p2p.gossip.topic(COVERAGE)] or not signature_validator(msg):
+        if list(msg.topicIDs) != [self.p2p.gossip.topic(COVERAGE_TOPIC)] or not signature_validator(
+            msg
+        ):
             raise WireError(f"{what}: a message not signed by its sender, or of another topic")
         return msg
 
     async def _sync_when_connected(self) -> None:
         """Fetch the map once a peer is connected (a node started alone fetches nothing)."""
-        while not self.p2p.host.get_connected_peers():
+        while not self.p2p.host.get_connected_peers():  # noqa: ASYNC110 - no event for a first peer
             await trio.sleep(min(self.config.heartbeat_s, 1.0))
         await self._sync_from_peers()
 
@@ -568,16 +634,24 @@ class MarketService:
         for i in self.rng.permutation(len(peers))[:SYNC_PEERS]:
             try:
                 passed, news = await self.sync(peers[int(i)])
-                log.info("fetched the coverage map from a peer", peer=str(peers[int(i)]),
-                         records=passed, new=news)
+                log.info(
+                    "fetched the coverage map from a peer",
+                    peer=str(peers[int(i)]),
+                    records=passed,
+                    new=news,
+                )
             except Exception as exc:  # noqa: BLE001 - an old peer, or one going away
-                log.debug("could not fetch the coverage map from a peer",
-                          peer=str(peers[int(i)]), error=repr(exc)[:200])
+                log.debug(
+                    "could not fetch the coverage map from a peer",
+                    peer=str(peers[int(i)]),
+                    error=repr(exc)[:200],
+                )
 
     async def _resolve_then_enroll(self) -> None:
         assert self.shards is not None
         manifest = await self.shards.resolve(
-            self.config.model, lambda m: sorted(self.announcers.get(m, ())), self.named)
+            self.config.model, lambda m: sorted(self.announcers.get(m, ())), self.named
+        )
         self._use(MarketModel.from_manifest(manifest))
         self._map_early()
         if self.budget > 0 or self.pinned:
@@ -588,8 +662,7 @@ class MarketService:
     def named(self, text: str) -> list[str]:
         """The ids of the models that ``text`` names (``names.named_by``) by what peers
         announce: more than one when two models claim one name."""
-        return sorted({model for model, name in self.names.values()
-                       if named_by(text, model, name)})
+        return sorted({model for model, name in self.names.values() if named_by(text, model, name)})
 
     def _agree_on_name(self) -> None:
         """Call our model what the network calls it (``names.agreed_name`` of our own claim
@@ -602,10 +675,16 @@ class MarketService:
             return
         store, model_id = self.shards.store, self.model.model_id
         own = store.name_claim(model_id)
-        agreed = agreed_name([own, *((e.record.name, not e.record.adopted)
-                                     for e in self.map.entries.values()
-                                     if e.record.model == model_id
-                                     and e.record.peer != self.p2p.peer_id)])
+        agreed = agreed_name(
+            [
+                own,
+                *(
+                    (e.record.name, not e.record.adopted)
+                    for e in self.map.entries.values()
+                    if e.record.model == model_id and e.record.peer != self.p2p.peer_id
+                ),
+            ]
+        )
         if agreed and not own[1] and agreed != own[0]:
             log.info("the network names the model", model=model_id[:16], name=agreed)
             store.adopt_name(model_id, agreed)
@@ -636,20 +715,41 @@ class MarketService:
         self.map.expire(self.clock())
         records = [e.record for e in self.map.entries.values()]
         peers = self.participants = participants(*census(records))
-        targets = with_spare(self.demand.targets(self.config.target_replicas), self.model,
-                             market_budget(records, peers))
+        targets = with_spare(
+            self.demand.targets(self.config.target_replicas),
+            self.model,
+            market_budget(records, peers),
+        )
         held_bytes = sum(self.model.size(u) for u in self.held)
         rate = self.bandwidth.rate
         if not self.pinned - set(self.held) and not joins_round(
-                self.model, self.map.active, targets, peers, self.budget, rate,
-                self.config.rebalance_s, self.config.heartbeat_s, self.rng):
+            self.model,
+            self.map.active,
+            targets,
+            peers,
+            self.budget,
+            rate,
+            self.config.rebalance_s,
+            self.config.heartbeat_s,
+            self.rng,
+        ):
             self.state = "online"  # nothing for us this round (the herd guard)
             await self.publish()
             return
         budget = round_budget(self.model, self.budget, held_bytes, rate)
-        plan = decide(self.model, self.map.active, targets, self.p2p.peer_id, budget,
-                      set(self.held), self.pinned, self.map.holders, self.rng, peers=peers,
-                      stored=await self._stored())
+        plan = decide(
+            self.model,
+            self.map.active,
+            targets,
+            self.p2p.peer_id,
+            budget,
+            set(self.held),
+            self.pinned,
+            self.map.holders,
+            self.rng,
+            peers=peers,
+            stored=await self._stored(),
+        )
         if plan.drop:
             for u in plan.drop:
                 self.held[u] = "draining"
@@ -678,19 +778,27 @@ class MarketService:
         try:
             await self.loader([])
         except Exception as exc:  # noqa: BLE001 - the old engine serves on, a superset
-            log.warning("could not rebuild the engine for the units still held; it serves "
-                        "what it held before", error=str(exc)[:300])
+            log.warning(
+                "could not rebuild the engine for the units still held; it serves "
+                "what it held before",
+                error=str(exc)[:300],
+            )
 
     async def _prune(self) -> None:
         if self.shards is not None and self.model is not None:
-            await trio.to_thread.run_sync(self.shards.prune, self.model.model_id,
-                                          set(self.held), self.budget)
+            await trio.to_thread.run_sync(
+                self.shards.prune, self.model.model_id, set(self.held), self.budget
+            )
 
     async def _add(self, add: tuple[Unit, ...], dropping: int) -> bool:
         """Announce, obtain and load ``add``; False (the units given up) when that failed."""
         assert self.model is not None
-        log.info("enrolling", units=len(add), dropping=dropping,
-                 bytes=sum(self.model.size(u) for u in add))
+        log.info(
+            "enrolling",
+            units=len(add),
+            dropping=dropping,
+            bytes=sum(self.model.size(u) for u in add),
+        )
         for u in add:
             self.held[u] = "joining"
         await self.publish()
@@ -706,8 +814,11 @@ class MarketService:
                         self.proofs.condemn(peer, "sent bytes that are not the model's")
             await self.loader(list(add))
         except Exception as exc:  # noqa: BLE001 - a failed download or load gives the units up
-            log.warning("could not obtain or load enrolled units; giving them up",
-                        units=len(add), error=str(exc)[:300])
+            log.warning(
+                "could not obtain or load enrolled units; giving them up",
+                units=len(add),
+                error=str(exc)[:300],
+            )
             for u in add:
                 del self.held[u]
             await self.publish()
@@ -719,36 +830,57 @@ class MarketService:
     # --- views -----------------------------------------------------------------------
 
     def coverage(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"peer_id": self.p2p.peer_id, "state": self.state,
-                               "held": [str(u) for u in sorted(self.held)],
-                               "held_bytes": sum(self.model.size(u) for u in self.held) if self.model else 0,
-                               "budget_bytes": self.budget,
-                               "rejected": dict(self.gate.rejected),
-                               "gossip_scores": self._scores()}
+        out: dict[str, Any] = {
+            "peer_id": self.p2p.peer_id,
+            "state": self.state,
+            "held": [str(u) for u in sorted(self.held)],
+            "held_bytes": sum(self.model.size(u) for u in self.held) if self.model else 0,
+            "budget_bytes": self.budget,
+            "rejected": dict(self.gate.rejected),
+            "gossip_scores": self._scores(),
+        }
         if self.map is None or self.model is None or self.demand is None:
             return {**out, "model": None, "fully_covered": False, "routable": False}
         targets = self.demand.targets(self.config.target_replicas)
-        out.update({
-            "model": {"id": self.model.model_id, "name": self.name, "n_layer": self.model.n_layer,
-                      "n_expert": self.model.n_expert, "bytes": self.model.total_bytes},
-            "holders": {p: {"state": e.record.state, "budget": e.record.budget,
-                            "boot": e.record.boot,
-                            "holdings": [h.to_wire() for h in e.record.holdings],
-                            "proven_units": None if self.proofs is None
-                            else len(self.proofs.proven(e.record))}
-                        for p, e in self.map.entries.items()},
-            "proofs": None if self.proofs is None else self.proofs.view(),
-            "segments": segments(self.model, self.map.active, targets),
-            "fully_covered": fully_covered(self.map.active, targets),
-            "routable": fully_covered(self.map.online, self.demand.targets(1)),
-        })
+        out.update(
+            {
+                "model": {
+                    "id": self.model.model_id,
+                    "name": self.name,
+                    "n_layer": self.model.n_layer,
+                    "n_expert": self.model.n_expert,
+                    "bytes": self.model.total_bytes,
+                },
+                "holders": {
+                    p: {
+                        "state": e.record.state,
+                        "budget": e.record.budget,
+                        "boot": e.record.boot,
+                        "holdings": [h.to_wire() for h in e.record.holdings],
+                        "proven_units": None
+                        if self.proofs is None
+                        else len(self.proofs.proven(e.record)),
+                    }
+                    for p, e in self.map.entries.items()
+                },
+                "proofs": None if self.proofs is None else self.proofs.view(),
+                "segments": segments(self.model, self.map.active, targets),
+                "fully_covered": fully_covered(self.map.active, targets),
+                "routable": fully_covered(self.map.online, self.demand.targets(1)),
+            }
+        )
         return out
 
     def _scores(self) -> dict[str, float]:
         router = self.p2p.gossip.router
-        topics = [self.p2p.gossip.topic(COVERAGE), self.p2p.gossip.topic(LOAD)]
-        return {pid.to_string(): round(router.scorer.score(pid, topics), 3)
-                for pid in list(router.peer_protocol)}
+        scorer = router.scorer
+        if scorer is None:  # py-libp2p's gossipsub always makes one; its type allows none
+            return {}
+        topics = [self.p2p.gossip.topic(COVERAGE_TOPIC), self.p2p.gossip.topic(LOAD_TOPIC)]
+        return {
+            pid.to_string(): round(scorer.score(pid, topics), 3)
+            for pid in list(router.peer_protocol)
+        }
 
 
 async def _drain(sub: Any) -> None:

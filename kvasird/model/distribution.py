@@ -23,7 +23,6 @@ from kvasird.model.ref import ModelRef
 from kvasird.model.slice import contiguous_runs, parse_spec
 from kvasird.model.store import AmbiguousName, ShardStore, StoreError
 from kvasird.model.transfer import (
-    PROTOCOL_ID,
     Progress,
     ShardSource,
     TransferReport,
@@ -32,6 +31,7 @@ from kvasird.model.transfer import (
     serve_shards,
 )
 from kvasird.p2p import P2PNode
+from kvasird.wire.protocols import SHARD_PROTOCOL
 
 log = get_logger("kvasird.shards")
 
@@ -43,8 +43,9 @@ OPEN_TIMEOUT_S = 10.0
 
 
 class ShardService:
-    def __init__(self, p2p: P2PNode, store: ShardStore, *,
-                 source: ShardSource | None = None) -> None:
+    def __init__(
+        self, p2p: P2PNode, store: ShardStore, *, source: ShardSource | None = None
+    ) -> None:
         self.p2p = p2p
         self.store = store
         self.source: ShardSource = store if source is None else source
@@ -58,7 +59,7 @@ class ShardService:
         the same as JSON."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self.p2p.host.set_stream_handler(PROTOCOL_ID, self._serve)
+        self.p2p.host.set_stream_handler(SHARD_PROTOCOL, self._serve)
         task_status.started()
         await trio.sleep_forever()
 
@@ -68,10 +69,14 @@ class ShardService:
 
     async def open_stream(self, peer: str) -> Any:
         with trio.fail_after(OPEN_TIMEOUT_S):
-            return await self.p2p.host.new_stream(ID.from_base58(peer), [PROTOCOL_ID])
+            return await self.p2p.host.new_stream(ID.from_base58(peer), [SHARD_PROTOCOL])
 
-    async def resolve(self, text: str, announcers: Callable[[str], list[str]],
-                      named: Callable[[str], list[str]] = lambda text: []) -> Manifest:
+    async def resolve(
+        self,
+        text: str,
+        announcers: Callable[[str], list[str]],
+        named: Callable[[str], list[str]] = lambda text: [],
+    ) -> Manifest:
         """The manifest of the configured model, importing or fetching it as needed.
         ``named(text)``: the ids of the models peers announce under that name."""
         ref = ModelRef.parse(text, where="market.model")
@@ -87,8 +92,11 @@ class ShardService:
                     try:
                         return await ensure_manifest(self.store, model_id, peers, self.open_stream)
                     except Exception as exc:  # noqa: BLE001 - try again with whoever announces it
-                        log.warning("fetching the model manifest failed", model=model_id[:16],
-                                    error=str(exc)[:200])
+                        log.warning(
+                            "fetching the model manifest failed",
+                            model=model_id[:16],
+                            error=str(exc)[:200],
+                        )
                 await trio.sleep(1.0)
         log.info("importing model into the shard store", model=str(ref))
         manifest = await trio.to_thread.run_sync(self.store.add, ref)
@@ -109,9 +117,11 @@ class ShardService:
                 pass
             ids = named(name)
             if len(ids) > 1:
-                raise AmbiguousName(f"[market] model = {name!r} names {len(ids)} models the "
-                                    f"network serves: {', '.join(ids)}: set it to the model "
-                                    "id of the one to serve")
+                raise AmbiguousName(
+                    f"[market] model = {name!r} names {len(ids)} models the "
+                    f"network serves: {', '.join(ids)}: set it to the model "
+                    "id of the one to serve"
+                )
             if ids:
                 return ids[0]
             if not waiting:
@@ -122,11 +132,15 @@ class ShardService:
     def has_all(self, model_id: str) -> bool:
         """Whether this node holds every byte of the model (it can seed any unit)."""
         try:
-            return set(self.store.held_units(model_id)) >= set(self.store.manifest(model_id).unit_sizes)
+            return set(self.store.held_units(model_id)) >= set(
+                self.store.manifest(model_id).unit_sizes
+            )
         except Exception:  # noqa: BLE001 - unknown model
             return False
 
-    async def fetch(self, model_id: str, units: Iterable[Unit], holders: list[str]) -> TransferReport | None:
+    async def fetch(
+        self, model_id: str, units: Iterable[Unit], holders: list[str]
+    ) -> TransferReport | None:
         """Download the units not yet on disk, or no longer intact there, from ``holders``;
         None when nothing was missing."""
         units = list(units)
@@ -134,13 +148,20 @@ class ShardService:
         missing = [u for u in units if u not in held]
         if not missing:
             return None
-        report = await download(self.store, model_id, missing, holders, self.open_stream,
-                                progress=self._progress)
+        report = await download(
+            self.store, model_id, missing, holders, self.open_stream, progress=self._progress
+        )
         self.last_report = report
-        log.info("units downloaded", model=model_id[:16], units=len(report.units),
-                 bytes=report.total_bytes, received=report.received_bytes,
-                 resumed=report.resumed_bytes, bad_holders=list(report.bad_holders),
-                 seconds=round(report.seconds, 2))
+        log.info(
+            "units downloaded",
+            model=model_id[:16],
+            units=len(report.units),
+            bytes=report.total_bytes,
+            received=report.received_bytes,
+            resumed=report.resumed_bytes,
+            bad_holders=list(report.bad_holders),
+            seconds=round(report.seconds, 2),
+        )
         return report
 
     def model_files(self, model_id: str, units: Iterable[Unit]) -> list[Path]:
@@ -188,8 +209,12 @@ class ShardService:
                 freed += path.stat().st_size
                 path.unlink(missing_ok=True)
         if freed:
-            log.info("store pruned to the budget", model=model_id[:16], freed_bytes=freed,
-                     kept_units=len(keep))
+            log.info(
+                "store pruned to the budget",
+                model=model_id[:16],
+                freed_bytes=freed,
+                kept_units=len(keep),
+            )
         return freed
 
     def _progress(self, p: Progress) -> None:
@@ -198,14 +223,27 @@ class ShardService:
     def view(self) -> dict[str, Any]:
         r, p = self.last_report, self.progress
         return {
-            "models": [{"model_id": m.model_id, "name": m.name, "held_bytes": m.held_bytes,
-                        "total_bytes": m.total_bytes} for m in self.store.models()],
+            "models": [
+                {
+                    "model_id": m.model_id,
+                    "name": m.name,
+                    "held_bytes": m.held_bytes,
+                    "total_bytes": m.total_bytes,
+                }
+                for m in self.store.models()
+            ],
             "progress": None if p is None else progress_view(p),
-            "last_download": None if r is None else {
-                "units": len(r.units), "total_bytes": r.total_bytes,
-                "received_bytes": r.received_bytes, "resumed_bytes": r.resumed_bytes,
-                "rejected_bytes": r.rejected_bytes, "bad_holders": list(r.bad_holders),
-                "seconds": r.seconds},
+            "last_download": None
+            if r is None
+            else {
+                "units": len(r.units),
+                "total_bytes": r.total_bytes,
+                "received_bytes": r.received_bytes,
+                "resumed_bytes": r.resumed_bytes,
+                "rejected_bytes": r.rejected_bytes,
+                "bad_holders": list(r.bad_holders),
+                "seconds": r.seconds,
+            },
         }
 
 
@@ -231,9 +269,22 @@ def _slice_name(spec: str) -> str:
 
 def progress_view(p: Progress) -> dict[str, Any]:
     """A download's progress as JSON: overall and per unit (rates in bytes/s and MB/s)."""
-    return {"done_bytes": p.done_bytes, "total_bytes": p.total_bytes, "rate": p.rate,
-            "mb_s": mb_s(p.rate), "eta_s": p.eta_s, "holders": p.holders,
-            "finished": p.finished,
-            "units": [{"unit": str(u.unit), "done_bytes": u.done_bytes,
-                       "total_bytes": u.total_bytes, "mb_s": mb_s(u.rate), "eta_s": u.eta_s}
-                      for u in p.units]}
+    return {
+        "done_bytes": p.done_bytes,
+        "total_bytes": p.total_bytes,
+        "rate": p.rate,
+        "mb_s": mb_s(p.rate),
+        "eta_s": p.eta_s,
+        "holders": p.holders,
+        "finished": p.finished,
+        "units": [
+            {
+                "unit": str(u.unit),
+                "done_bytes": u.done_bytes,
+                "total_bytes": u.total_bytes,
+                "mb_s": mb_s(u.rate),
+                "eta_s": u.eta_s,
+            }
+            for u in p.units
+        ],
+    }

@@ -4,12 +4,12 @@ Transport-agnostic: it runs over any stream with ``async read(n)``, ``async writ
 and ``async close()`` (a libp2p stream on ``/kvasir/shard/1``, or trio memory streams in
 tests). On one stream the client sends requests one after another, each a msgpack frame:
 
-    {"op": "manifest", "model": ID}                   → header, then the manifest bytes
-    {"op": "read", "model": ID, "ranges": [[tensor, expert, offset, length], ...]}
+    ManifestAsk {"op": "manifest", "model": ID}        → header, then the manifest bytes
+    ReadAsk {"op": "read", "model": ID, "ranges": [[tensor, expert, offset, length]...]}
                                                       → header, then the ranges' bytes, concatenated
-    {"op": "prove", "model": ID, "nonce": BYTES, "ranges": [...]}
-                                                      → header, then sha256(nonce ‖ the ranges' bytes)
-    header: {"ok": true, "len": N} | {"ok": false, "error": TEXT, "missing": [range index...]}
+    ProveAsk {"op": "prove", "model": ID, "nonce": BYTES, "ranges": [...]}
+                                                      → header, then sha256(nonce ‖ ranges' bytes)
+    Header {"ok": true, "len": N} | {"ok": false, "error": TEXT, "missing": [index...]}
 
 Download (``download``): the wanted units' pieces that the store lacks are cut into
 chunks (the manifest's verification grain, 4 MiB) and shared out to one worker per
@@ -38,9 +38,10 @@ from kvasird.errors import KvasirError, ModelError, PeerError, WireError
 from kvasird.model.manifest import MAX_MANIFEST, Manifest, ManifestError, Piece, Unit
 from kvasird.model.progress import LogPacer, Meter, TerminalBar, mb_s
 from kvasird.model.store import ShardStore, StoreError
+from kvasird.wire import schema
 from kvasird.wire.framing import ByteStream, FrameReader, write_frame
+from kvasird.wire.protocols import OP
 
-PROTOCOL_ID = "/kvasir/shard/1"
 MAX_REQUEST_FRAME = 1 << 20
 """Largest request frame (a read request lists at most MAX_RANGES ranges)."""
 MAX_RANGES = 4096
@@ -77,8 +78,9 @@ class ShardSource(Protocol):
 
     def manifest_bytes(self, model_id: str) -> bytes | None: ...
 
-    def read_range(self, model_id: str, tensor: str, expert: int, offset: int,
-                   length: int) -> bytes | None: ...
+    def read_range(
+        self, model_id: str, tensor: str, expert: int, offset: int, length: int
+    ) -> bytes | None: ...
 
 
 Peer = Hashable
@@ -149,11 +151,133 @@ class TransferReport:
 
 ProgressCallback = Callable[[Progress], None]
 
+Range = tuple[str, int, int, int]
+"""(tensor, expert, offset, length): bytes of one piece."""
+
+
+# messages
+
+
+@dataclass(frozen=True)
+class ManifestAsk:
+    """Send me the manifest of this model."""
+
+    model: str
+    """The model id (the manifest's hash)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {OP: "manifest", "model": self.model}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> ManifestAsk:
+        return ManifestAsk(schema.text(d, "model", 128, "shard"))
+
+
+@dataclass(frozen=True)
+class ReadAsk:
+    """Send me these bytes of a model's pieces."""
+
+    model: str
+    """The model id."""
+    ranges: tuple[Range, ...]
+    """1..MAX_RANGES ranges, at most MAX_READ bytes in all."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {OP: "read", "model": self.model, "ranges": [list(r) for r in self.ranges]}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> ReadAsk:
+        return ReadAsk(schema.text(d, "model", 128, "shard"), _ranges(d.get("ranges")))
+
+
+@dataclass(frozen=True)
+class ProveAsk:
+    """Prove you hold these bytes: answer sha256(nonce ‖ them) (proof_digest)."""
+
+    model: str
+    """The model id."""
+    nonce: bytes
+    """Fresh per question, NONCE_BYTES long, so the answer cannot be kept from before."""
+    ranges: tuple[Range, ...]
+    """As a read's."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            OP: "prove",
+            "model": self.model,
+            "nonce": self.nonce,
+            "ranges": [list(r) for r in self.ranges],
+        }
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> ProveAsk:
+        nonce = d.get("nonce")
+        if not isinstance(nonce, bytes) or not NONCE_BYTES[0] <= len(nonce) <= NONCE_BYTES[1]:
+            raise WireError(
+                f"shard.nonce: a proof request needs a nonce of "
+                f"{NONCE_BYTES[0]}-{NONCE_BYTES[1]} bytes"
+            )
+        return ProveAsk(schema.text(d, "model", 128, "shard"), nonce, _ranges(d.get("ranges")))
+
+
+ShardAsk = ManifestAsk | ReadAsk | ProveAsk
+_ASKS: dict[str, Callable[[dict[str, Any]], ShardAsk]] = {
+    "manifest": ManifestAsk.from_wire,
+    "read": ReadAsk.from_wire,
+    "prove": ProveAsk.from_wire,
+}
+
+
+def parse(value: Any) -> ShardAsk:
+    """The request a decoded frame holds, validated (WireError naming the field)."""
+    if not isinstance(value, dict):
+        raise WireError("shard request: expected a map with an op and a model id")
+    d: dict[str, Any] = value
+    op = d.get(OP)
+    parser = _ASKS.get(op) if isinstance(op, str) else None
+    if parser is None:
+        raise WireError(f"shard.{OP}: unknown op {op!r:.40}")
+    return parser(d)
+
+
+@dataclass(frozen=True)
+class Header:
+    """What comes before an answer's bytes: how many, or why there are none."""
+
+    length: int
+    """Bytes that follow (0 on a refusal)."""
+    error: str = ""
+    """Why the request was refused; "" when it was answered."""
+    missing: tuple[int, ...] | None = None
+    """On a refusal for pieces not held: the indexes of the ranges missing (a manifest
+    not held: (0,)); None on any other refusal."""
+
+    def to_wire(self) -> dict[str, Any]:
+        if not self.error:
+            return {"ok": True, "len": self.length}
+        out: dict[str, Any] = {"ok": False, "error": self.error}
+        if self.missing is not None:
+            out["missing"] = list(self.missing)
+        return out
+
+    @staticmethod
+    def from_wire(value: Any) -> Header:
+        d = schema.mapping(value, "shard response header")
+        if d.get("ok") is True:
+            return Header(schema.integer(d, "len", 0, 1 << 62, "shard response header"))
+        missing = d.get("missing")
+        error = str(d.get("error"))[:200] or "refused"
+        if isinstance(missing, list) and all(isinstance(i, int) for i in missing):
+            return Header(0, error, tuple(missing))
+        return Header(0, error)
+
 
 # server
 
-async def serve_shards(stream: ShardStream, source: ShardSource,
-                       idle_timeout: float = 120.0) -> None:
+
+async def serve_shards(
+    stream: ShardStream, source: ShardSource, idle_timeout: float = 120.0
+) -> None:
     """Answer requests on one stream until the peer closes it, breaks the protocol or stays
     idle for idle_timeout; then close the stream. Mount it as the stream handler:
     ``host.set_stream_handler(PROTOCOL_ID, lambda s: serve_shards(s, store))``."""
@@ -167,7 +291,7 @@ async def serve_shards(stream: ShardStream, source: ShardSource,
             try:
                 header, body = await trio.to_thread.run_sync(_answer, source, request)
             except KvasirError as exc:
-                header, body = {"ok": False, "error": str(exc)}, []
+                header, body = Header(0, str(exc)).to_wire(), []
             await write_frame(stream, header)
             for part in body:
                 await stream.write(part)
@@ -177,30 +301,22 @@ async def serve_shards(stream: ShardStream, source: ShardSource,
         await _close(stream)
 
 
-def _answer(source: ShardSource, request: Any) -> tuple[dict[str, Any], list[bytes]]:
-    if not isinstance(request, dict) or not isinstance(request.get("model"), str):
-        raise WireError("shard request must be a map with a model id")
-    model, op = request["model"], request.get("op")
-    if op == "manifest":
-        raw = source.manifest_bytes(model)
+def _answer(source: ShardSource, value: Any) -> tuple[dict[str, Any], list[bytes]]:
+    """The answer to a decoded request frame: its header's wire form, then its bytes."""
+    request = parse(value)
+    if isinstance(request, ManifestAsk):
+        raw = source.manifest_bytes(request.model)
         if raw is None:
-            return {"ok": False, "error": "unknown model", "missing": [0]}, []
-        return {"ok": True, "len": len(raw)}, [raw]
-    if op not in ("read", "prove"):
-        raise WireError(f"unknown shard op {op!r}")
-    nonce = request.get("nonce") if op == "prove" else b""
-    if not isinstance(nonce, bytes) or op == "prove" and not (
-            NONCE_BYTES[0] <= len(nonce) <= NONCE_BYTES[1]):
-        raise WireError(f"a proof request needs a nonce of {NONCE_BYTES[0]}-{NONCE_BYTES[1]} bytes")
-    ranges = _ranges(request.get("ranges"))
-    parts = [source.read_range(model, *r) for r in ranges]
+            return Header(0, "unknown model", (0,)).to_wire(), []
+        return Header(len(raw)).to_wire(), [raw]
+    parts = [source.read_range(request.model, *r) for r in request.ranges]
     held = [p for p in parts if p is not None]
     if len(held) < len(parts):
-        missing = [i for i, p in enumerate(parts) if p is None]
-        return {"ok": False, "error": "pieces not held here", "missing": missing}, []
-    if op == "prove":
-        return {"ok": True, "len": 32}, [proof_digest(nonce, held)]
-    return {"ok": True, "len": sum(len(p) for p in held)}, held
+        missing = tuple(i for i, p in enumerate(parts) if p is None)
+        return Header(0, "pieces not held here", missing).to_wire(), []
+    if isinstance(request, ProveAsk):
+        return Header(32).to_wire(), [proof_digest(request.nonce, held)]
+    return Header(sum(len(p) for p in held)).to_wire(), held
 
 
 def proof_digest(nonce: bytes, parts: Iterable[bytes]) -> bytes:
@@ -212,36 +328,43 @@ def proof_digest(nonce: bytes, parts: Iterable[bytes]) -> bytes:
     return h.digest()
 
 
-def _ranges(value: Any) -> list[tuple[str, int, int, int]]:
+def _ranges(value: Any) -> tuple[Range, ...]:
     if not isinstance(value, list) or not 0 < len(value) <= MAX_RANGES:
-        raise WireError(f"read request needs 1..{MAX_RANGES} ranges")
+        raise WireError(f"shard.ranges: a request needs 1..{MAX_RANGES} ranges")
     out = []
     for r in value:
-        if (not isinstance(r, list) or len(r) != 4 or not isinstance(r[0], str)
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r[1:])
-                or r[2] < 0 or r[3] < 0):
-            raise WireError("each range is [tensor, expert, offset, length]")
+        if (
+            not isinstance(r, list)
+            or len(r) != 4
+            or not isinstance(r[0], str)
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in r[1:])
+            or r[2] < 0
+            or r[3] < 0
+        ):
+            raise WireError("shard.ranges: each range is [tensor, expert, offset, length]")
         out.append((r[0], r[1], r[2], r[3]))
     if sum(r[3] for r in out) > MAX_READ:
-        raise WireError(f"read request asks for more than {MAX_READ} bytes")
-    return out
+        raise WireError(f"shard.ranges: a request asks for more than {MAX_READ} bytes")
+    return tuple(out)
 
 
 # client
 
-Range = tuple[str, int, int, int]
-"""(tensor, expert, offset, length): bytes of one piece."""
 
-
-async def ask(open_stream: OpenStream, peer: Peer, request: dict[str, Any], max_len: int,
-              stall_timeout: float) -> bytes:
+async def ask(
+    open_stream: OpenStream,
+    peer: Peer,
+    request: ReadAsk | ProveAsk,
+    max_len: int,
+    stall_timeout: float,
+) -> bytes:
     """One request on a stream of its own, and its answer's bytes. Raises PeerMissing when
     the holder says it lacks a piece asked for; other errors as they come (a transport
     failure, WireError for a malformed answer, trio.TooSlowError past stall_timeout)."""
     stream = await open_stream(peer)
     try:
         with trio.fail_after(stall_timeout):
-            await write_frame(stream, request)
+            await write_frame(stream, request.to_wire())
             return bytes(await _response(stream, max_len))
     except _Missing:
         raise PeerMissing(f"{str(peer)[:16]} lacks pieces it was asked for") from None
@@ -249,15 +372,16 @@ async def ask(open_stream: OpenStream, peer: Peer, request: dict[str, Any], max_
         await _close(stream)
 
 
-async def fetch_manifest(open_stream: OpenStream, holders: Sequence[Peer], model_id: str,
-                         stall_timeout: float = 30.0) -> Manifest:
+async def fetch_manifest(
+    open_stream: OpenStream, holders: Sequence[Peer], model_id: str, stall_timeout: float = 30.0
+) -> Manifest:
     """The manifest of model_id from the first holder that sends bytes hashing to it."""
     for peer in holders:
         try:
             stream = await open_stream(peer)
             try:
                 with trio.fail_after(stall_timeout):
-                    await write_frame(stream, {"op": "manifest", "model": model_id})
+                    await write_frame(stream, ManifestAsk(model_id).to_wire())
                     raw = await _response(stream, MAX_MANIFEST)
             finally:
                 await _close(stream)
@@ -266,12 +390,19 @@ async def fetch_manifest(open_stream: OpenStream, holders: Sequence[Peer], model
             log.warning("holder sent a bad manifest", peer=str(peer), error=str(exc))
         except (Exception, trio.TooSlowError) as exc:  # noqa: BLE001 - any transport failure
             log.info("holder could not send the manifest", peer=str(peer), error=repr(exc))
-    raise TransferError(f"no holder sent the manifest of {model_id[:16]}: "
-                        "check that the holders are online and hold this model")
+    raise TransferError(
+        f"no holder sent the manifest of {model_id[:16]}: "
+        "check that the holders are online and hold this model"
+    )
 
 
-async def ensure_manifest(store: ShardStore, model_id: str, holders: Sequence[Peer],
-                          open_stream: OpenStream, stall_timeout: float = 30.0) -> Manifest:
+async def ensure_manifest(
+    store: ShardStore,
+    model_id: str,
+    holders: Sequence[Peer],
+    open_stream: OpenStream,
+    stall_timeout: float = 30.0,
+) -> Manifest:
     """The model's manifest from the store, else fetched from a holder and stored."""
     try:
         return store.manifest(model_id)
@@ -281,10 +412,18 @@ async def ensure_manifest(store: ShardStore, model_id: str, holders: Sequence[Pe
         return manifest
 
 
-async def download(store: ShardStore, model_id: str, units: Iterable[Unit] | None,
-                   holders: Sequence[Peer], open_stream: OpenStream, *,
-                   progress: ProgressCallback | None = None, stall_timeout: float = 30.0,
-                   retries: int = 2, batch_bytes: int = BATCH_BYTES) -> TransferReport:
+async def download(
+    store: ShardStore,
+    model_id: str,
+    units: Iterable[Unit] | None,
+    holders: Sequence[Peer],
+    open_stream: OpenStream,
+    *,
+    progress: ProgressCallback | None = None,
+    stall_timeout: float = 30.0,
+    retries: int = 2,
+    batch_bytes: int = BATCH_BYTES,
+) -> TransferReport:
     """Obtain `units` of a model (all when None) from `holders` into the store.
 
     The manifest comes from the store, else from the first holder whose copy hashes to
@@ -307,21 +446,37 @@ async def download(store: ShardStore, model_id: str, units: Iterable[Unit] | Non
         nursery.start_soon(job.report_progress)
         async with trio.open_nursery() as workers:
             for peer in holders:
-                workers.start_soon(_Holder(job, peer, open_stream, stall_timeout, retries,
-                                           batch_bytes).run)
+                workers.start_soon(
+                    _Holder(job, peer, open_stream, stall_timeout, retries, batch_bytes).run
+                )
         nursery.cancel_scope.cancel()
     if any(job.left.values()):
         raise TransferError(
             f"download of {model_id[:16]} stopped with {job.total - job.done:,} bytes missing: "
             f"no holder left (bad: {', '.join(job.bad) or 'none'}); verified pieces are kept, "
-            "run it again with other holders to resume")
+            "run it again with other holders to resume"
+        )
     store.mark_held(model_id, wanted)
-    report = TransferReport(model_id, tuple(wanted), job.total, job.resumed, job.received,
-                            job.rejected, tuple(job.bad), trio.current_time() - start)
-    log.info("shard download finished", model=model_id[:16], units=len(wanted),
-             bytes=report.total_bytes, received=report.received_bytes,
-             resumed=report.resumed_bytes, bad_holders=list(report.bad_holders),
-             seconds=round(report.seconds, 3))
+    report = TransferReport(
+        model_id,
+        tuple(wanted),
+        job.total,
+        job.resumed,
+        job.received,
+        job.rejected,
+        tuple(job.bad),
+        trio.current_time() - start,
+    )
+    log.info(
+        "shard download finished",
+        model=model_id[:16],
+        units=len(wanted),
+        bytes=report.total_bytes,
+        received=report.received_bytes,
+        resumed=report.resumed_bytes,
+        bad_holders=list(report.bad_holders),
+        seconds=round(report.seconds, 3),
+    )
     return report
 
 
@@ -368,11 +523,13 @@ def _plan(store: ShardStore, manifest: Manifest, units: list[Unit]) -> _Work:
             continue
         spans = piece.spans(manifest.chunk_size)
         done = store.resume_point(piece, manifest.chunk_size) if len(spans) > 1 else set()
-        todo = [_Chunk(piece, off, n, sha)
-                for i, (off, n, sha) in enumerate(spans) if i not in done]
+        todo = [
+            _Chunk(piece, off, n, sha) for i, (off, n, sha) in enumerate(spans) if i not in done
+        ]
         resumed += piece.length - sum(c.length for c in todo)
-        unit_done[piece.unit] = unit_done.get(piece.unit, 0) + piece.length - sum(
-            c.length for c in todo)
+        unit_done[piece.unit] = (
+            unit_done.get(piece.unit, 0) + piece.length - sum(c.length for c in todo)
+        )
         if todo:
             left[piece.sha256] = len(todo)
             chunks += todo
@@ -384,8 +541,15 @@ def _plan(store: ShardStore, manifest: Manifest, units: list[Unit]) -> _Work:
 class _Job:
     """Shared state of one download: the queue of chunks and the counters."""
 
-    def __init__(self, store: ShardStore, manifest: Manifest, work: _Work,
-                 progress: ProgressCallback | None, start: float, n_holders: int) -> None:
+    def __init__(
+        self,
+        store: ShardStore,
+        manifest: Manifest,
+        work: _Work,
+        progress: ProgressCallback | None,
+        start: float,
+        n_holders: int,
+    ) -> None:
         self.store, self.manifest = store, manifest
         self.pending: deque[_Chunk] = deque(work.chunks)
         self.left = work.left
@@ -398,8 +562,9 @@ class _Job:
         self._changed = trio.Event()
         self._progress = progress
         self.meter = Meter(self.total, self.done, start)
-        self.units = {u: Meter(n, work.unit_done.get(u, 0), start)
-                      for u, n in sorted(work.unit_total.items())}
+        self.units = {
+            u: Meter(n, work.unit_done.get(u, 0), start) for u, n in sorted(work.unit_total.items())
+        }
         self._unit_done = dict(work.unit_done)
         self._pacer = LogPacer(start)
         self._bar = TerminalBar(f"shards {manifest.model_id[:8]}", self.total)
@@ -441,8 +606,10 @@ class _Job:
         self._unit_done[unit] = self._unit_done.get(unit, 0) + chunk.length
         self.left[chunk.piece.sha256] -= 1
         self._changed.set()
-        return self.left[chunk.piece.sha256] == 0 and len(chunk.piece.spans(
-            self.manifest.chunk_size)) > 1
+        return (
+            self.left[chunk.piece.sha256] == 0
+            and len(chunk.piece.spans(self.manifest.chunk_size)) > 1
+        )
 
     async def changed(self) -> None:
         event = self._changed
@@ -460,9 +627,14 @@ class _Job:
         self.meter.update(self.done, now)
         for u, meter in self.units.items():
             meter.update(self._unit_done.get(u, 0), now)
-        p = Progress(self.done, self.total, self.meter.rate, self.meter.eta_s, self.active,
-                     tuple(UnitProgress(u, m.done, m.total, m.rate, m.eta_s)
-                           for u, m in self.units.items()))
+        p = Progress(
+            self.done,
+            self.total,
+            self.meter.rate,
+            self.meter.eta_s,
+            self.active,
+            tuple(UnitProgress(u, m.done, m.total, m.rate, m.eta_s) for u, m in self.units.items()),
+        )
         if self._progress is not None:
             self._progress(p)
         self._bar.show(self.meter)
@@ -470,14 +642,22 @@ class _Job:
             self._log(p)
 
     def _log(self, p: Progress) -> None:
-        busy = [u for u in p.units if 0 < u.done_bytes < u.total_bytes] or \
-            [u for u in p.units if u.done_bytes < u.total_bytes][:1]
-        log.info("shard download progress", model=self.manifest.model_id[:16],
-                 unit=",".join(str(u.unit) for u in busy) or "-",
-                 units_done=sum(u.done_bytes >= u.total_bytes for u in p.units),
-                 units=len(p.units), bytes=p.done_bytes, total=p.total_bytes,
-                 pct=round(100 * self.meter.fraction, 1), mb_s=mb_s(p.rate),
-                 eta_s=None if p.eta_s is None else round(p.eta_s, 1), holders=p.holders)
+        busy = [u for u in p.units if 0 < u.done_bytes < u.total_bytes] or [
+            u for u in p.units if u.done_bytes < u.total_bytes
+        ][:1]
+        log.info(
+            "shard download progress",
+            model=self.manifest.model_id[:16],
+            unit=",".join(str(u.unit) for u in busy) or "-",
+            units_done=sum(u.done_bytes >= u.total_bytes for u in p.units),
+            units=len(p.units),
+            bytes=p.done_bytes,
+            total=p.total_bytes,
+            pct=round(100 * self.meter.fraction, 1),
+            mb_s=mb_s(p.rate),
+            eta_s=None if p.eta_s is None else round(p.eta_s, 1),
+            holders=p.holders,
+        )
 
     async def report_progress(self) -> None:
         with self._bar:
@@ -492,8 +672,15 @@ class _Job:
 class _Holder:
     """One holder's worker: requests batches of chunks until none is left for it."""
 
-    def __init__(self, job: _Job, peer: Peer, open_stream: OpenStream, stall_timeout: float,
-                 retries: int, batch_bytes: int) -> None:
+    def __init__(
+        self,
+        job: _Job,
+        peer: Peer,
+        open_stream: OpenStream,
+        stall_timeout: float,
+        retries: int,
+        batch_bytes: int,
+    ) -> None:
         self.job, self.peer, self.open_stream = job, peer, open_stream
         self.stall, self.retries, self.batch_bytes = stall_timeout, retries, batch_bytes
         self.lying = False
@@ -510,8 +697,12 @@ class _Holder:
                     return
                 except (Exception, trio.TooSlowError) as exc:  # noqa: BLE001 - transport failure
                     failures += 1
-                    log.info("shard holder failed", peer=str(self.peer), error=repr(exc),
-                             attempt=failures)
+                    log.info(
+                        "shard holder failed",
+                        peer=str(self.peer),
+                        error=repr(exc),
+                        attempt=failures,
+                    )
                     await trio.sleep(0.2 * failures)
         finally:
             self.job.holder_gone()
@@ -542,8 +733,9 @@ class _Holder:
         sent: deque[list[_Chunk]] = deque()
         try:
             while True:
-                while len(sent) < PIPELINE and (batch := self.job.take(self.peer,
-                                                                       self.batch_bytes)):
+                while len(sent) < PIPELINE and (
+                    batch := self.job.take(self.peer, self.batch_bytes)
+                ):
                     sent.append(batch)
                     await self._send(stream, batch)
                 if not sent:
@@ -563,10 +755,11 @@ class _Holder:
             raise
 
     async def _send(self, stream: ShardStream, batch: list[_Chunk]) -> None:
-        ranges = [[c.piece.tensor, c.piece.expert, c.offset, c.length] for c in batch]
+        ranges = tuple((c.piece.tensor, c.piece.expert, c.offset, c.length) for c in batch)
         with trio.fail_after(self.stall):
-            await write_frame(stream, {"op": "read", "model": self.job.manifest.model_id,
-                                       "ranges": ranges}, MAX_REQUEST_FRAME)
+            await write_frame(
+                stream, ReadAsk(self.job.manifest.model_id, ranges).to_wire(), MAX_REQUEST_FRAME
+            )
 
     async def _receive(self, stream: ShardStream, batch: list[_Chunk]) -> bytearray | None:
         """The bytes of a batch; None if the holder lacks some of it (noted, not retried)."""
@@ -575,18 +768,23 @@ class _Holder:
             data = await _response(stream, expected, self.stall)
         except _Missing as missing:
             refused = self.job.refused.setdefault(self.peer, set())
-            refused.update((batch[i].sha256, batch[i].offset) for i in missing.indexes
-                           if 0 <= i < len(batch))
-            log.debug("holder lacks pieces; asking others", peer=str(self.peer),
-                      pieces=len(missing.indexes))
+            refused.update(
+                (batch[i].sha256, batch[i].offset) for i in missing.indexes if 0 <= i < len(batch)
+            )
+            log.debug(
+                "holder lacks pieces; asking others",
+                peer=str(self.peer),
+                pieces=len(missing.indexes),
+            )
             return None
         self.job.received += len(data)
         if len(data) != expected:
             raise WireError(f"holder sent {len(data)} bytes for a request of {expected}")
         return data
 
-    async def _keep(self, batch: list[_Chunk], data: bytearray, slot: trio.Semaphore,
-                    session: trio.CancelScope) -> None:
+    async def _keep(
+        self, batch: list[_Chunk], data: bytearray, slot: trio.Semaphore, session: trio.CancelScope
+    ) -> None:
         """Verify and store a batch; a wrong chunk ends this holder's session for good."""
         with trio.CancelScope(shield=True):
             good = await trio.to_thread.run_sync(self._check_and_write, batch, data)
@@ -601,17 +799,22 @@ class _Holder:
             if not self.lying:
                 self.lying = True
                 self.job.bad.append(str(self.peer))
-                log.warning("shard holder sent wrong bytes; not using it again",
-                            peer=str(self.peer), model=self.job.manifest.model_id[:16],
-                            tensor=bad[0].piece.tensor, expert=bad[0].piece.expert,
-                            bad_chunks=len(bad))
+                log.warning(
+                    "shard holder sent wrong bytes; not using it again",
+                    peer=str(self.peer),
+                    model=self.job.manifest.model_id[:16],
+                    tensor=bad[0].piece.tensor,
+                    expert=bad[0].piece.expert,
+                    bad_chunks=len(bad),
+                )
             session.cancel()
 
     def _check_and_write(self, batch: list[_Chunk], data: bytearray) -> list[bool]:
         view, pos, out = memoryview(data), 0, []
         for c in batch:
-            out.append(self.job.store.accept_chunk(c.piece, c.offset, view[pos:pos + c.length],
-                                                   c.sha256))
+            out.append(
+                self.job.store.accept_chunk(c.piece, c.offset, view[pos : pos + c.length], c.sha256)
+            )
             pos += c.length
         return out
 
@@ -630,16 +833,13 @@ async def _response(stream: ByteStream, max_len: int, stall: float | None = None
     """Read one response: its header frame, then exactly the announced bytes."""
     reader = FrameReader(stream, MAX_REQUEST_FRAME)
     with trio.fail_after(stall if stall is not None else math.inf):
-        header = await reader.read()
-    if not isinstance(header, dict):
-        raise WireError("shard response header must be a map")
-    if not header.get("ok"):
-        missing = header.get("missing")
-        if isinstance(missing, list) and all(isinstance(i, int) for i in missing):
-            raise _Missing(missing)
-        raise PeerError(f"holder refused: {str(header.get('error'))[:200]}")
-    length = header.get("len")
-    if not isinstance(length, int) or not 0 <= length <= max_len:
+        header = Header.from_wire(await reader.read())
+    if header.error:
+        if header.missing is not None:
+            raise _Missing(list(header.missing))
+        raise PeerError(f"holder refused: {header.error}")
+    length = header.length
+    if length > max_len:
         raise WireError(f"shard response of {length!r} bytes, expected at most {max_len}")
     buf = bytearray(length)
     view, got = memoryview(buf), 0
@@ -648,13 +848,15 @@ async def _response(stream: ByteStream, max_len: int, stall: float | None = None
             part = await stream.read(min(READ_SIZE, length - got))
         if not part:
             raise WireError(f"holder closed the stream after {got} of {length} bytes")
-        view[got:got + len(part)] = part
+        view[got : got + len(part)] = part
         got += len(part)
     return buf
 
 
 async def _close(stream: ShardStream) -> None:
     # closing a broken stream may fail; there is nothing left to do about it then
-    with trio.CancelScope(deadline=trio.current_time() + 1, shield=True), \
-            contextlib.suppress(Exception):
+    with (
+        trio.CancelScope(deadline=trio.current_time() + 1, shield=True),
+        contextlib.suppress(Exception),
+    ):
         await stream.close()

@@ -2,6 +2,7 @@
 
     host       build the host (Noise only, yamux, TCP + WebSocket, no auto-dialer)
     hello      the first message on a heartbeat stream: network, protocol, addresses
+    messages   the other frames of heartbeat, peer exchange, dial-back and address push
     liveness   heartbeats; the single writer of the peer table; drops dead peers
     peers      the peer table (in memory) and known peers (persisted in state.db)
     dialer     bootstrap peers with backoff, known peers at start, exchanged peers

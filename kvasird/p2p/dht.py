@@ -80,7 +80,8 @@ class PeerRouting:
     def on_reachability(self, r: Reachability) -> None:
         """Serve when public, only ask when private (applied by the sync loop)."""
         self._wanted_mode = {"public": DHTMode.SERVER, "private": DHTMode.CLIENT}.get(
-            r.verdict, self._wanted_mode)
+            r.verdict, self._wanted_mode
+        )
 
     async def _sync(self) -> None:
         """Apply the wanted mode; put hello-checked peers into peerstore and routing table."""

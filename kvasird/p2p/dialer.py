@@ -42,15 +42,21 @@ def why_failed(exc: BaseException, addrs: list[str]) -> str:
     where = ", ".join(a.rsplit("/p2p/", 1)[0] for a in addrs)
     causes = _causes(exc)
     if any(isinstance(c, (HandshakeFailure, SecurityUpgradeFailure)) for c in causes):
-        return (f"the node at {where} answered, but the peer id did not match "
-                f"{peer_id_of(addrs[0])} (or it uses another [p2p] psk_file): copy its join "
-                "address again from its banner or `kvasird id`")
+        return (
+            f"the node at {where} answered, but the peer id did not match "
+            f"{peer_id_of(addrs[0])} (or it uses another [p2p] psk_file): copy its join "
+            "address again from its banner or `kvasird id`"
+        )
     if any(isinstance(c, ConnectionRefusedError) for c in causes):
-        return (f"connection refused at {where}: check that kvasird runs there and that the "
-                "port is the one in its banner's join address")
+        return (
+            f"connection refused at {where}: check that kvasird runs there and that the "
+            "port is the one in its banner's join address"
+        )
     if errors := [c for c in causes if isinstance(c, OSError)]:
-        return (f"cannot connect to {where} ({errors[-1]}): check the address, and that no "
-                "firewall blocks its port")
+        return (
+            f"cannot connect to {where} ({errors[-1]}): check the address, and that no "
+            "firewall blocks its port"
+        )
     return f"{str(exc)[:200]} (address {where})"
 
 
@@ -106,8 +112,13 @@ class Dialer:
         # py-libp2p dials one address per transport of all it holds for the peer, so an
         # address tried before (a wrong port) would hide the one asked for now.
         self._host.get_peerstore().clear_addrs(info.peer_id)
-        ok, error = False, (f"no answer within {DIAL_TIMEOUT_S:g} s from "
-                            f"{', '.join(addrs)}: check the address and the firewall")
+        ok, error = (
+            False,
+            (
+                f"no answer within {DIAL_TIMEOUT_S:g} s from "
+                f"{', '.join(addrs)}: check the address and the firewall"
+            ),
+        )
         with trio.move_on_after(DIAL_TIMEOUT_S):
             try:
                 await self._host.connect(info)
@@ -126,8 +137,13 @@ class Dialer:
             self._backoff[pid] = (trio.current_time() + delay * random.uniform(0.8, 1.2), delay)
         return ok
 
-    async def keep_bootstrapped(self, bootstrap: tuple[str, ...], known: list[tuple[str, tuple[str, ...]]],
-                                *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def keep_bootstrapped(
+        self,
+        bootstrap: tuple[str, ...],
+        known: list[tuple[str, tuple[str, ...]]],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Dial known peers once, and keep every bootstrap peer connected, with backoff."""
         for addr in bootstrap:
             self.add_bootstrap(addr)
@@ -137,9 +153,9 @@ class Dialer:
                 if addrs and peer_id_of(addrs[0]) not in self._bootstrap:
                     nursery.start_soon(self.dial, list(addrs))
             while True:
-                for pid, addrs in list(self._bootstrap.items()):
+                for pid, boot_addrs in list(self._bootstrap.items()):
                     if not self.connected(pid) and self.due(pid):
-                        nursery.start_soon(self._dial_bootstrap, list(addrs))
+                        nursery.start_soon(self._dial_bootstrap, list(boot_addrs))
                 await trio.sleep(1.0)
 
     def add_bootstrap(self, addr: str) -> None:
@@ -161,7 +177,8 @@ class Dialer:
         now = trio.current_time()
         at, gap = self._warned.get(pid, (now, WARN_AGAIN_MIN_S / 2))
         if now >= at:
-            log.warning(f"cannot reach bootstrap peer {pid}: {self.failures[pid]}",
-                        peer=pid, addrs=addrs)
+            log.warning(
+                f"cannot reach bootstrap peer {pid}: {self.failures[pid]}", peer=pid, addrs=addrs
+            )
             gap = min(gap * 2, WARN_AGAIN_MAX_S)
             self._warned[pid] = (now + gap, gap)

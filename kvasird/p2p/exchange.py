@@ -7,7 +7,6 @@ all connected. One request and one reply per stream; both bounded in size and ti
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -15,28 +14,16 @@ from libp2p.peer.id import ID
 
 from kvasird.logs import get_logger
 from kvasird.p2p.dialer import Dialer
-from kvasird.p2p.hello import MAX_ADDR_LEN, MAX_ADDRS
+from kvasird.p2p.messages import Peers, PeersAsk
 from kvasird.p2p.peers import PeerTable
 from kvasird.p2p.streams import served
-from kvasird.wire import read_frame, schema, write_frame
+from kvasird.wire import read_frame, write_frame
+from kvasird.wire.protocols import PX_PROTOCOL
 
-PROTOCOL = "/kvasir/px/1"
-MAX_PEERS_PER_REPLY = 64
 ASK_PER_ROUND = 3
 TIMEOUT_S = 5.0
 _MAX_FRAME = 256 * 1024
 log = get_logger("kvasird.p2p.exchange")
-
-
-def parse_reply(value: Any) -> list[tuple[str, tuple[str, ...]]]:
-    d = schema.mapping(value, "px")
-    out = []
-    for item in schema.items(d, "peers", MAX_PEERS_PER_REPLY, "px"):
-        entry = schema.mapping(item, "px.peers[]")
-        pid = schema.text(entry, "id", 128, "px.peers[]")
-        addrs = schema.text_list(entry, "addrs", MAX_ADDRS, MAX_ADDR_LEN, "px.peers[]")
-        out.append((pid, tuple(a for a in addrs if a.endswith(f"/p2p/{pid}"))))
-    return out
 
 
 class PeerExchange:
@@ -47,7 +34,7 @@ class PeerExchange:
         self._interval = interval_s
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._host.set_stream_handler(PROTOCOL, self._serve)
+        self._host.set_stream_handler(PX_PROTOCOL, self._serve)
         task_status.started()
         while True:
             await trio.sleep(self._interval * random.uniform(0.2, 0.6))
@@ -64,16 +51,20 @@ class PeerExchange:
                 continue
             async with trio.open_nursery() as nursery:
                 for other, addrs in learned:
-                    if (other not in self._peers and addrs and self._dialer.room()
-                            and self._dialer.due(other)):
+                    if (
+                        other not in self._peers
+                        and addrs
+                        and self._dialer.room()
+                        and self._dialer.due(other)
+                    ):
                         nursery.start_soon(self._dialer.dial, list(addrs))
 
-    async def _ask(self, pid: ID) -> list[tuple[str, tuple[str, ...]]]:
+    async def _ask(self, pid: ID) -> tuple[tuple[str, tuple[str, ...]], ...]:
         with trio.fail_after(TIMEOUT_S):
-            stream = await self._host.new_stream(pid, [PROTOCOL])
+            stream = await self._host.new_stream(pid, [PX_PROTOCOL])
             try:
-                await write_frame(stream, {"t": "px?"})
-                return parse_reply(await read_frame(stream, _MAX_FRAME))
+                await write_frame(stream, PeersAsk().to_wire())
+                return Peers.from_wire(await read_frame(stream, _MAX_FRAME)).peers
             finally:
                 await stream.close()
 
@@ -81,7 +72,12 @@ class PeerExchange:
         asker = stream.muxed_conn.peer_id.to_string()
         async with served(stream, "peer exchange", asker):
             with trio.fail_after(TIMEOUT_S):
-                await read_frame(stream, 1024)
-                peers = [{"id": p.peer_id, "addrs": list(p.addrs)}
-                         for p in self._peers.snapshot() if p.addrs and p.peer_id != asker]
-                await write_frame(stream, {"peers": peers[:MAX_PEERS_PER_REPLY]}, _MAX_FRAME)
+                PeersAsk.from_wire(await read_frame(stream, 1024))
+                peers = Peers(
+                    tuple(
+                        (p.peer_id, p.addrs)
+                        for p in self._peers.snapshot()
+                        if p.addrs and p.peer_id != asker
+                    )
+                )
+                await write_frame(stream, peers.to_wire(), _MAX_FRAME)

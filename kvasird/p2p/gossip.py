@@ -27,6 +27,7 @@ from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
@@ -37,7 +38,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from kvasird.logs import get_logger
 
-GOSSIPSUB = "/meshsub/1.1.0"
+GOSSIPSUB = TProtocol("/meshsub/1.1.0")
 
 # Mesh and gossip sized for the coverage market's measured traffic (bench/market.md, the
 # simulation at 10,000 nodes): records of 0.3-1 KB, published on change and kept alive
@@ -83,7 +84,9 @@ log = get_logger("kvasird.p2p.gossip")
 # (its RPCs are ignored), below -50 we stop publishing to it, below -20 gossiping to it.
 SCORE_PARAMS = ScoreParams(
     p4_invalid_messages=TopicScoreParams(weight=10.0, cap=1000.0, decay=0.99),
-    publish_threshold=-50.0, gossip_threshold=-20.0, graylist_threshold=-100.0,
+    publish_threshold=-50.0,
+    gossip_threshold=-20.0,
+    graylist_threshold=-100.0,
     accept_px_threshold=0.0,
 )
 
@@ -94,9 +97,13 @@ class Gossip:
     def __init__(self, host: IHost, network: str, heartbeat_s: float = 1.0) -> None:
         self.network = network
         self.router = _BoundedGossip(
-            [GOSSIPSUB], degree=MESH_DEGREE, degree_low=MESH_DEGREE_LOW,
-            degree_high=MESH_DEGREE_HIGH, gossip_window=GOSSIP_WINDOW,
-            gossip_history=GOSSIP_HISTORY, heartbeat_interval=max(1, int(heartbeat_s)),
+            [GOSSIPSUB],
+            degree=MESH_DEGREE,
+            degree_low=MESH_DEGREE_LOW,
+            degree_high=MESH_DEGREE_HIGH,
+            gossip_window=GOSSIP_WINDOW,
+            gossip_history=GOSSIP_HISTORY,
+            heartbeat_interval=max(1, int(heartbeat_s)),
             adaptive_gossip_enabled=False,
             spam_protection_enabled=True,
             max_messages_per_topic_per_second=MAX_MESSAGES_PER_TOPIC_PER_S,
@@ -152,7 +159,7 @@ class Gossip:
         """Wait until every message published so far is written to its peers' streams; False
         when that took longer than ``timeout_s`` (a peer that stopped reading)."""
         with trio.move_on_after(timeout_s):
-            while self.pubsub.unsent():
+            while self.pubsub.unsent():  # noqa: ASYNC110 - py-libp2p's queues signal no drain
                 await trio.sleep(FLUSH_POLL_S)
             return True
         return False
@@ -186,8 +193,9 @@ class _ContainedPubsub(Pubsub):
         """Messages queued for a running sending task, or being written."""
         return self.writing + sum(len(q) for q in self.sending)
 
-    async def handle_sending_messages(self, peer_id: ID, stream: INetStream,
-                                      queue: RpcQueue) -> None:
+    async def handle_sending_messages(
+        self, peer_id: ID, stream: INetStream, queue: RpcQueue
+    ) -> None:
         self.sending.add(queue)
         try:
             await super().handle_sending_messages(peer_id, stream, queue)
@@ -206,8 +214,11 @@ class _ContainedPubsub(Pubsub):
         try:
             await super().continuously_read_stream(stream)
         except Exception as exc:  # noqa: BLE001 - anything a peer's bytes can raise
-            log.info("gossip stream from a peer failed: dropped it", peer=str(peer),
-                     error=repr(exc)[:200])
+            log.info(
+                "gossip stream from a peer failed: dropped it",
+                peer=str(peer),
+                error=repr(exc)[:200],
+            )
             with contextlib.suppress(Exception):
                 await stream.reset()
             self._handle_dead_peer(peer)
@@ -231,5 +242,8 @@ class _ContainedPubsub(Pubsub):
         except Exception as exc:  # noqa: BLE001 - one message, from one peer
             if msg_forwarder == self.my_id:
                 raise  # our own publish: its caller hears of it
-            log.info("gossip message from a peer failed: dropped it", peer=str(msg_forwarder),
-                     error=repr(exc)[:200])
+            log.info(
+                "gossip message from a peer failed: dropped it",
+                peer=str(msg_forwarder),
+                error=repr(exc)[:200],
+            )

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvasird.wire import schema
+from kvasird.wire.protocols import OP
 
 MAX_ADDRS = 16
 MAX_ADDR_LEN = 256
@@ -27,8 +28,13 @@ class Hello:
     """Dialable addresses of the sender, each ending in /p2p/<id>."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": "hello", "network": self.network, "protocol": self.protocol,
-                "version": self.version, "addrs": list(self.addrs)}
+        return {
+            OP: "hello",
+            "network": self.network,
+            "protocol": self.protocol,
+            "version": self.version,
+            "addrs": list(self.addrs),
+        }
 
     @staticmethod
     def from_wire(value: Any, sender: str) -> Hello:

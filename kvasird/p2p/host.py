@@ -53,8 +53,9 @@ async def _open_exclusive_listeners(host: str | None, port: int) -> list[trio.So
 _tcp._open_reuseport_listeners = _open_exclusive_listeners
 
 
-def build_host(key: NodeKey, listen: list[str], announce: list[str], max_peers: int,
-               psk: str | None = None) -> IHost:
+def build_host(
+    key: NodeKey, listen: list[str], announce: list[str], max_peers: int, psk: str | None = None
+) -> IHost:
     """A host that speaks only Noise: a plaintext or secio peer fails negotiation.
 
     With ``psk`` (64 hex digits, see ``psk``) every connection is also wrapped in the
@@ -64,7 +65,7 @@ def build_host(key: NodeKey, listen: list[str], announce: list[str], max_peers: 
     noise = NoiseTransport(libp2p_keypair=key.keypair, noise_privkey=new_x25519().private_key)
     conn_config = ConnectionConfig(
         max_connections=max_peers + 16,
-        min_connections=0,        # no auto-dialer: bootstrap and peer exchange decide whom to dial
+        min_connections=0,  # no auto-dialer: bootstrap and peer exchange decide whom to dial
         low_watermark=0,
         high_watermark=max_peers + 8,
         max_connections_per_peer=1,
@@ -92,8 +93,9 @@ def parse_listen(values: tuple[str, ...]) -> list[str]:
     avoids that.
     """
     if not values:
-        raise ConfigError("p2p.listen is empty: give at least one address such as "
-                          "/ip4/0.0.0.0/tcp/4001")
+        raise ConfigError(
+            "p2p.listen is empty: give at least one address such as /ip4/0.0.0.0/tcp/4001"
+        )
     return [_resolve_zero_port(a) for a in values]
 
 
@@ -114,8 +116,11 @@ def interface_ipv4s() -> list[str]:
     try:
         for _, name in socket.if_nameindex():
             try:
-                packed = fcntl.ioctl(sock.fileno(), 0x8915,  # SIOCGIFADDR
-                                     struct.pack("256s", name.encode()[:15]))
+                packed = fcntl.ioctl(
+                    sock.fileno(),
+                    0x8915,  # SIOCGIFADDR
+                    struct.pack("256s", name.encode()[:15]),
+                )
             except OSError:
                 continue
             out.append(socket.inet_ntoa(packed[20:24]))

@@ -23,20 +23,28 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
+from kvasird.errors import WireError
 from kvasird.logs import get_logger
 from kvasird.p2p.hello import Hello
+from kvasird.p2p.messages import Ping, Pong
 from kvasird.p2p.peers import PeerTable
 from kvasird.p2p.streams import served
 from kvasird.wire import FrameReader, write_frame
+from kvasird.wire.protocols import HEARTBEAT_PROTOCOL
 
-PROTOCOL = "/kvasir/heartbeat/1"
 _MAX_FRAME = 16 * 1024
 log = get_logger("kvasird.p2p.liveness")
 
 
 class Liveness:
-    def __init__(self, host: IHost, peers: PeerTable, hello: Callable[[], Hello],
-                 interval_s: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        host: IHost,
+        peers: PeerTable,
+        hello: Callable[[], Hello],
+        interval_s: float,
+        timeout_s: float,
+    ) -> None:
         self._host = host
         self._peers = peers
         self._hello = hello
@@ -49,7 +57,7 @@ class Liveness:
         self._nursery: trio.Nursery
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._host.set_stream_handler(PROTOCOL, self._serve)
+        self._host.set_stream_handler(HEARTBEAT_PROTOCOL, self._serve)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
@@ -112,7 +120,7 @@ class Liveness:
         key = pid.to_string()
         try:
             with trio.fail_after(self._timeout):
-                stream = await self._host.new_stream(pid, [PROTOCOL])
+                stream = await self._host.new_stream(pid, [HEARTBEAT_PROTOCOL])
                 reader = FrameReader(stream, _MAX_FRAME)
                 await write_frame(stream, self._hello().to_wire())
                 their = Hello.from_wire(await reader.read(), key)
@@ -131,8 +139,8 @@ class Liveness:
             left = self._timeout - self._silent_s(key)
             try:
                 with trio.fail_after(max(left, 0.1)):
-                    await write_frame(stream, {"t": "ping", "n": n})
-                    while await reader.read() != {"t": "pong", "n": n}:
+                    await write_frame(stream, Ping(n).to_wire())
+                    while _pong(await reader.read(), key) != n:
                         pass
             except trio.TooSlowError:
                 return f"no heartbeat answer for {self._timeout:g} s"
@@ -152,12 +160,17 @@ class Liveness:
     def _check(self, key: str, their: Hello) -> str:
         ours = self._hello()
         if their.network != ours.network:
-            log.warning("peer is on another network", peer=key, theirs=their.network,
-                        ours=ours.network)
+            log.warning(
+                "peer is on another network", peer=key, theirs=their.network, ours=ours.network
+            )
             return f"peer is on network {their.network!r}, we are on {ours.network!r}"
         if their.protocol != ours.protocol:
-            log.warning("peer speaks another wire protocol version", peer=key,
-                        theirs=their.protocol, ours=ours.protocol)
+            log.warning(
+                "peer speaks another wire protocol version",
+                peer=key,
+                theirs=their.protocol,
+                ours=ours.protocol,
+            )
             return f"peer speaks protocol {their.protocol}, we speak {ours.protocol}"
         return ""
 
@@ -175,8 +188,21 @@ class Liveness:
             # refreshes last_seen, so a dropped peer cannot linger through its old stream.
             while True:
                 with trio.fail_after(self._timeout + self._interval):
-                    msg = await reader.read()
-                if isinstance(msg, dict) and msg.get("t") == "ping" and isinstance(msg.get("n"), int):
-                    self._heard_from(key)
-                    self._peers.seen(key)
-                    await write_frame(stream, {"t": "pong", "n": msg["n"]})
+                    value = await reader.read()
+                try:
+                    ping = Ping.from_wire(value)
+                except WireError as exc:  # not a ping: answered by nothing, the stream stays
+                    log.debug("heartbeat frame ignored", peer=key, reason=str(exc))
+                    continue
+                self._heard_from(key)
+                self._peers.seen(key)
+                await write_frame(stream, Pong(ping.n).to_wire())
+
+
+def _pong(value: object, peer: str) -> int | None:
+    """The counter of `value` when it is a Pong; None (logged) for any other frame."""
+    try:
+        return Pong.from_wire(value).n
+    except WireError as exc:
+        log.debug("heartbeat frame ignored", peer=peer, reason=str(exc))
+        return None

@@ -35,8 +35,14 @@ def service_tag(network: str, psk: str | None) -> str:
 
 
 class LanDiscovery:
-    def __init__(self, host: IHost, dialer: Dialer, network: str, psk: str | None,
-                 addrs: Callable[[], list[str]]) -> None:
+    def __init__(
+        self,
+        host: IHost,
+        dialer: Dialer,
+        network: str,
+        psk: str | None,
+        addrs: Callable[[], list[str]],
+    ) -> None:
         self._host = host
         self._dialer = dialer
         self._tag = service_tag(network, psk)
@@ -66,13 +72,18 @@ class LanDiscovery:
         announce = self._addrs()
         port = next((int(a.split("/")[4]) for a in announce if a.split("/")[3:4] == ["tcp"]), 0)
         try:
-            mdns = create_mdns_discovery(self._host.get_network(), port=port,
-                                         listen_addrs=announce,
-                                         private_network_fingerprint=self._tag)
+            mdns = create_mdns_discovery(
+                self._host.get_network(),
+                port=port,
+                listen_addrs=announce,
+                private_network_fingerprint=self._tag,
+            )
         except OSError as exc:
-            log.warning("mDNS is unavailable (UDP port 5353 cannot be used): LAN peers will not "
-                        "be found automatically; set [p2p] mdns = false to silence this",
-                        error=str(exc))
+            log.warning(
+                "mDNS is unavailable (UDP port 5353 cannot be used): LAN peers will not "
+                "be found automatically; set [p2p] mdns = false to silence this",
+                error=str(exc),
+            )
             task_status.started()
             return
         peerDiscovery.register_peer_discovered_handler(discovered)

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 import multiaddr
 import trio
+from libp2p.network.swarm import Swarm
 
 from kvasird import PROTOCOL_VERSION, __version__
 from kvasird.config import P2PConfig
@@ -31,8 +32,14 @@ log = get_logger("kvasird.p2p")
 
 
 class P2PNode:
-    def __init__(self, key: NodeKey, config: P2PConfig, network: str, db: sqlite3.Connection,
-                 config_path: str = "kvasird.toml") -> None:
+    def __init__(
+        self,
+        key: NodeKey,
+        config: P2PConfig,
+        network: str,
+        db: sqlite3.Connection,
+        config_path: str = "kvasird.toml",
+    ) -> None:
         self.key = key
         self.config = config
         self.network = network
@@ -43,21 +50,45 @@ class P2PNode:
         self.peers = PeerTable(db)
         self.dialer = CircuitDialer(self.host, config.max_peers)
         self.push = AddressPush(self.host, self.peers, self.addrs, __version__)
-        self.relays = Relays(self.host, self.peers, config.relay_service,
-                             config.relay_reservations, self.psk, self.push.changed)
+        self.relays = Relays(
+            self.host,
+            self.peers,
+            config.relay_service,
+            config.relay_reservations,
+            self.psk,
+            self.push.changed,
+        )
         self.dialer.relays = self.relays
-        self.reachability = DialBack(self.host, self.peers, self.addrs, self.psk,
-                                     config.reachability_interval_s, self._reachability_changed,
-                                     config_path)
-        self.routing = (PeerRouting(self.host, self.peers, self.dialer,
-                                    config.peer_exchange_interval_s) if config.dht else None)
-        self.lan = (LanDiscovery(self.host, self.dialer, network, self.psk, self.addrs)
-                    if config.mdns else None)
+        self.reachability = DialBack(
+            self.host,
+            self.peers,
+            self.addrs,
+            self.psk,
+            config.reachability_interval_s,
+            self._reachability_changed,
+            config_path,
+        )
+        self.routing = (
+            PeerRouting(self.host, self.peers, self.dialer, config.peer_exchange_interval_s)
+            if config.dht
+            else None
+        )
+        self.lan = (
+            LanDiscovery(self.host, self.dialer, network, self.psk, self.addrs)
+            if config.mdns
+            else None
+        )
         self.gossip = Gossip(self.host, network)
-        self.liveness = Liveness(self.host, self.peers, self.hello, config.heartbeat_interval_s,
-                                 config.liveness_timeout_s)
-        self.exchange = PeerExchange(self.host, self.peers, self.dialer,
-                                     config.peer_exchange_interval_s)
+        self.liveness = Liveness(
+            self.host,
+            self.peers,
+            self.hello,
+            config.heartbeat_interval_s,
+            config.liveness_timeout_s,
+        )
+        self.exchange = PeerExchange(
+            self.host, self.peers, self.dialer, config.peer_exchange_interval_s
+        )
 
     @property
     def peer_id(self) -> str:
@@ -67,8 +98,9 @@ class P2PNode:
         """Addresses other nodes can dial, each ending in /p2p/<our id>; relay circuit
         addresses (while we hold reservations) last, always within the hello's limit."""
         if self.config.announce:
-            direct = [a if "/p2p/" in a else f"{a}/p2p/{self.peer_id}"
-                      for a in self.config.announce]
+            direct = [
+                a if "/p2p/" in a else f"{a}/p2p/{self.peer_id}" for a in self.config.announce
+            ]
         else:
             direct = dialable_addrs(self.host)
         circuit = self.relays.circuit_addrs()[: MAX_ADDRS // 2]
@@ -95,13 +127,15 @@ class P2PNode:
 
     def reach_status(self) -> dict[str, object]:
         """Reachability, relays and discovery, for `kvasird status`."""
-        return {**self.reachability.current.to_json(),
-                "relay_service": self.relays.serving,
-                "relays": sorted(self.relays.reservations),
-                "circuit_addrs": self.relays.circuit_addrs(),
-                "dht": self.routing.mode if self.routing is not None else "off",
-                "mdns": self.lan is not None,
-                "private_network": fingerprint(self.psk)}
+        return {
+            **self.reachability.current.to_json(),
+            "relay_service": self.relays.serving,
+            "relays": sorted(self.relays.reservations),
+            "circuit_addrs": self.relays.circuit_addrs(),
+            "dht": self.routing.mode if self.routing is not None else "off",
+            "mdns": self.lan is not None,
+            "private_network": fingerprint(self.psk),
+        }
 
     def hello(self) -> Hello:
         return Hello(self.network, PROTOCOL_VERSION, __version__, tuple(self.addrs()))
@@ -118,7 +152,9 @@ class P2PNode:
             self._check_listening()
             # The swarm's auto-connector redials the whole peerstore toward a target
             # between its watermarks; whom we dial is the dialer's decision alone.
-            await self.host.get_network().auto_connector.stop()
+            swarm = self.host.get_network()
+            assert isinstance(swarm, Swarm)  # build_host's network
+            await swarm.auto_connector.stop()
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.gossip.run)
@@ -132,8 +168,9 @@ class P2PNode:
                         await nursery.start(self.routing.run)
                     if self.lan is not None:
                         await nursery.start(self.lan.run)
-                    await nursery.start(self.dialer.keep_bootstrapped, self.config.bootstrap,
-                                        self.peers.known())
+                    await nursery.start(
+                        self.dialer.keep_bootstrapped, self.config.bootstrap, self.peers.known()
+                    )
                     yield self
                     nursery.cancel_scope.cancel()
             finally:
@@ -156,10 +193,11 @@ class P2PNode:
                 try:
                     bind_exclusively(host, port).close()
                 except OSError as exc:
-                    raise listen_error("[p2p] listen", host, port, exc,
-                                       self.config_path) from None
-            raise ConfigError(f"cannot listen on {addr}: set [p2p] listen in "
-                              f"{self.config_path} to an address of this machine")
+                    raise listen_error("[p2p] listen", host, port, exc, self.config_path) from None
+            raise ConfigError(
+                f"cannot listen on {addr}: set [p2p] listen in "
+                f"{self.config_path} to an address of this machine"
+            )
 
     async def close_all(self) -> None:
         network = self.host.get_network()

@@ -40,9 +40,14 @@ class PeerInfo:
     """The peer's kvasird version, from its hello ("" until received)."""
 
     def to_json(self) -> dict[str, object]:
-        return {"peer_id": self.peer_id, "addrs": list(self.addrs),
-                "connected_since": self.connected_since, "last_seen": self.last_seen,
-                "rtt_ms": self.rtt_ms, "version": self.version}
+        return {
+            "peer_id": self.peer_id,
+            "addrs": list(self.addrs),
+            "connected_since": self.connected_since,
+            "last_seen": self.last_seen,
+            "rtt_ms": self.rtt_ms,
+            "version": self.version,
+        }
 
 
 class PeerTable:
@@ -80,25 +85,29 @@ class PeerTable:
                     "INSERT INTO peers(peer_id, addrs, last_seen) VALUES (?, ?, ?) "
                     "ON CONFLICT(peer_id) DO UPDATE SET addrs=excluded.addrs, "
                     "last_seen=excluded.last_seen",
-                    (peer_id, json.dumps(list(addrs)), time.time()))
+                    (peer_id, json.dumps(list(addrs)), time.time()),
+                )
 
     def seen(self, peer_id: str, rtt_ms: float | None = None) -> None:
         p = self._peers.get(peer_id)
         if p is not None:
-            self._peers[peer_id] = replace(p, last_seen=time.time(),
-                                           rtt_ms=p.rtt_ms if rtt_ms is None else rtt_ms)
+            self._peers[peer_id] = replace(
+                p, last_seen=time.time(), rtt_ms=p.rtt_ms if rtt_ms is None else rtt_ms
+            )
 
     def dropped(self, peer_id: str) -> PeerInfo | None:
         p = self._peers.pop(peer_id, None)
         if p is not None and p.addrs:
             with self._db:
-                self._db.execute("UPDATE peers SET last_seen=? WHERE peer_id=?",
-                                 (p.last_seen, peer_id))
+                self._db.execute(
+                    "UPDATE peers SET last_seen=? WHERE peer_id=?", (p.last_seen, peer_id)
+                )
         return p
 
     def known(self) -> list[tuple[str, tuple[str, ...]]]:
         """Persisted peers seen within a week, most recent first (for re-dialing at start)."""
         rows = self._db.execute(
             "SELECT peer_id, addrs FROM peers WHERE last_seen > ? ORDER BY last_seen DESC",
-            (time.time() - KNOWN_PEER_MAX_AGE_S,)).fetchall()
+            (time.time() - KNOWN_PEER_MAX_AGE_S,),
+        ).fetchall()
         return [(pid, tuple(json.loads(addrs))) for pid, addrs in rows]

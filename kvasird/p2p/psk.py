@@ -33,14 +33,18 @@ def load_psk(path: str) -> str | None:
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise ConfigError(f"p2p.psk_file {path!r} cannot be read ({exc.strerror}): fix the path "
-                          "or set psk_file = \"\" to join the open network") from None
+        raise ConfigError(
+            f"p2p.psk_file {path!r} cannot be read ({exc.strerror}): fix the path "
+            'or set psk_file = "" to join the open network'
+        ) from None
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if lines[:2] == list(_HEADER):
         lines = lines[2:]
     if len(lines) != 1 or not _HEX64.fullmatch(lines[0]):
-        raise ConfigError(f"p2p.psk_file {path!r} must hold 64 hex digits (32 bytes), alone or "
-                          "after the '/key/swarm/psk/1.0.0/' and '/base16/' header lines")
+        raise ConfigError(
+            f"p2p.psk_file {path!r} must hold 64 hex digits (32 bytes), alone or "
+            "after the '/key/swarm/psk/1.0.0/' and '/base16/' header lines"
+        )
     return lines[0].lower()
 
 

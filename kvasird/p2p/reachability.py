@@ -29,19 +29,17 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.security.pnet.protector import new_protected_conn
 
 from kvasird.errors import WireError
 from kvasird.logs import get_logger
-from kvasird.p2p.hello import MAX_ADDR_LEN
+from kvasird.p2p.messages import MAX_PROBED, DialBackAsk, Reached
 from kvasird.p2p.peers import PeerTable
-from kvasird.wire import read_frame, schema, write_frame
+from kvasird.wire import read_frame, write_frame
+from kvasird.wire.protocols import DIALBACK_PROTOCOL
 
-PROTOCOL = TProtocol("/kvasir/dialback/1")
 PEERS_ASKED = 3
-MAX_ADDRS = 8
 ASK_TIMEOUT_S = 12.0
 PROBE_TIMEOUT_S = 4.0
 RETRY_UNKNOWN_S = 5.0
@@ -66,9 +64,14 @@ class Reachability:
     """Unix time of the last round (0 before the first)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "reached": list(self.reached), "asked": self.asked,
-                "answered": self.answered, "confirmed": self.confirmed,
-                "checked_at": self.checked_at}
+        return {
+            "verdict": self.verdict,
+            "reached": list(self.reached),
+            "asked": self.asked,
+            "answered": self.answered,
+            "confirmed": self.confirmed,
+            "checked_at": self.checked_at,
+        }
 
 
 def decide(asked: int, answers: list[tuple[str, ...]]) -> Reachability:
@@ -98,16 +101,25 @@ def advice(r: Reachability, addrs: list[str], config_path: str) -> str:
     if r.verdict == "unknown":
         return "reachability unknown: no peer answered the dial-back check yet"
     ports = sorted({a.split("/")[4] for a in addrs if "/tcp/" in a and not is_circuit(a)})
-    return (f"peers cannot dial this node at {', '.join(a for a in addrs if not is_circuit(a))}: "
-            f"forward TCP port {'/'.join(ports) or '?'} on your router to this machine, or set "
-            f"[p2p] announce in {config_path} to your public address; until then other nodes "
-            "reach it only through relays (its /p2p-circuit addresses)")
+    return (
+        f"peers cannot dial this node at {', '.join(a for a in addrs if not is_circuit(a))}: "
+        f"forward TCP port {'/'.join(ports) or '?'} on your router to this machine, or set "
+        f"[p2p] announce in {config_path} to your public address; until then other nodes "
+        "reach it only through relays (its /p2p-circuit addresses)"
+    )
 
 
 class DialBack:
-    def __init__(self, host: IHost, peers: PeerTable, addrs: Callable[[], list[str]],
-                 psk: str | None, interval_s: float,
-                 on_change: Callable[[Reachability], None], config_path: str) -> None:
+    def __init__(
+        self,
+        host: IHost,
+        peers: PeerTable,
+        addrs: Callable[[], list[str]],
+        psk: str | None,
+        interval_s: float,
+        on_change: Callable[[Reachability], None],
+        config_path: str,
+    ) -> None:
         self._host = host
         self._peers = peers
         self._addrs = addrs
@@ -118,7 +130,7 @@ class DialBack:
         self.current = Reachability("unknown")
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._host.set_stream_handler(PROTOCOL, self._serve)
+        self._host.set_stream_handler(DIALBACK_PROTOCOL, self._serve)
         task_status.started()
         while True:
             if len(self._peers):
@@ -127,13 +139,16 @@ class DialBack:
             await trio.sleep(min(wait, self._interval) * random.uniform(0.9, 1.1))
 
     def direct_addrs(self) -> list[str]:
-        return [a for a in self._addrs() if not is_circuit(a)][:MAX_ADDRS]
+        return [a for a in self._addrs() if not is_circuit(a)][:MAX_PROBED]
 
     async def check(self) -> Reachability:
         """Ask up to PEERS_ASKED connected peers, in parallel; publish and log the verdict."""
         addrs = self.direct_addrs()
-        candidates = [p.peer_id for p in self._peers.snapshot()
-                      if p.addrs and not all(is_circuit(a) for a in p.addrs)]
+        candidates = [
+            p.peer_id
+            for p in self._peers.snapshot()
+            if p.addrs and not all(is_circuit(a) for a in p.addrs)
+        ]
         asked = random.sample(candidates, min(PEERS_ASKED, len(candidates)))
         answers: list[tuple[str, ...]] = []
 
@@ -152,20 +167,22 @@ class DialBack:
         if changed:
             text = advice(result, addrs, self._config_path)
             (log.warning if result.verdict == "private" else log.info)(
-                text, reachability=result.verdict, asked=result.asked,
-                answered=result.answered, confirmed=result.confirmed)
+                text,
+                reachability=result.verdict,
+                asked=result.asked,
+                answered=result.answered,
+                confirmed=result.confirmed,
+            )
             self._on_change(result)
         return result
 
     async def _ask(self, pid: str, addrs: list[str]) -> tuple[str, ...] | None:
         try:
             with trio.fail_after(ASK_TIMEOUT_S):
-                stream = await self._host.new_stream(ID.from_base58(pid), [PROTOCOL])
+                stream = await self._host.new_stream(ID.from_base58(pid), [DIALBACK_PROTOCOL])
                 try:
-                    await write_frame(stream, {"t": "dialback?", "addrs": addrs})
-                    reply = schema.mapping(await read_frame(stream, _MAX_FRAME), "dialback")
-                    reached = schema.text_list(reply, "reached", MAX_ADDRS, MAX_ADDR_LEN,
-                                               "dialback")
+                    await write_frame(stream, DialBackAsk(tuple(addrs)).to_wire())
+                    reached = Reached.from_wire(await read_frame(stream, _MAX_FRAME)).reached
                 finally:
                     await stream.close()
         except Exception as exc:  # noqa: BLE001 - an old peer, a timeout, a reset: no answer
@@ -177,8 +194,7 @@ class DialBack:
         asker = stream.muxed_conn.peer_id
         try:
             with trio.fail_after(ASK_TIMEOUT_S - 1):
-                request = schema.mapping(await read_frame(stream, _MAX_FRAME), "dialback")
-                addrs = schema.text_list(request, "addrs", MAX_ADDRS, MAX_ADDR_LEN, "dialback")
+                addrs = DialBackAsk.from_wire(await read_frame(stream, _MAX_FRAME)).addrs
                 remote = stream.get_remote_address()
                 seen_ip = remote[0] if remote else None
                 wanted = [a for a in addrs if self._may_probe(a, asker, seen_ip)]
@@ -191,7 +207,7 @@ class DialBack:
                 async with trio.open_nursery() as nursery:
                     for addr in wanted:
                         nursery.start_soon(one, addr)
-                await write_frame(stream, {"reached": reached})
+                await write_frame(stream, Reached(tuple(reached)).to_wire())
         except (trio.TooSlowError, WireError) as exc:
             log.debug("dial-back request dropped", peer=asker.to_string(), reason=repr(exc))
         except Exception as exc:  # noqa: BLE001 - stream resets surface as many types

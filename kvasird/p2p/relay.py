@@ -32,7 +32,6 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p.abc import IHost, INetStream
-from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo as Libp2pPeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
@@ -49,15 +48,16 @@ from libp2p.tools.anyio_service import background_trio_service
 from kvasird.errors import WireError
 from kvasird.logs import get_logger
 from kvasird.p2p.dialer import Dialer, peer_id_of
-from kvasird.p2p.hello import MAX_ADDR_LEN, MAX_ADDRS
+from kvasird.p2p.messages import AddrsPush
 from kvasird.p2p.peers import PeerTable
 from kvasird.p2p.reachability import Reachability, is_circuit
-from kvasird.wire import read_frame, schema, write_frame
+from kvasird.wire import read_frame, write_frame
+from kvasird.wire.protocols import ADDRS_PROTOCOL
 
-ADDRS_PROTOCOL = TProtocol("/kvasir/addrs/1")
 # Per reservation: 16 circuits at once, each up to an hour and 1 GiB; 64 reservations.
-LIMITS = RelayLimits(duration=3600, data=1 << 30, max_circuit_conns=16, max_reservations=64,
-                     reservation_ttl=3600)
+LIMITS = RelayLimits(
+    duration=3600, data=1 << 30, max_circuit_conns=16, max_reservations=64, reservation_ttl=3600
+)
 RESERVE_TIMEOUT_S = 8.0
 DIAL_TIMEOUT_S = 10.0
 PUSH_TIMEOUT_S = 5.0
@@ -78,8 +78,15 @@ class Reservation:
 
 
 class Relays:
-    def __init__(self, host: IHost, peers: PeerTable, mode: str, wanted: int,
-                 psk: str | None, on_addrs_changed: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        host: IHost,
+        peers: PeerTable,
+        mode: str,
+        wanted: int,
+        psk: str | None,
+        on_addrs_changed: Callable[[], None],
+    ) -> None:
         self._host = host
         self._peers = peers
         self._mode = mode
@@ -89,7 +96,8 @@ class Relays:
         self._on_addrs_changed = on_addrs_changed
         self.protocol = CircuitV2Protocol(host, limits=LIMITS, allow_hop=False)
         self.transport = CircuitV2Transport(
-            host, self.protocol, RelayConfig(roles=RelayRole.STOP, limits=LIMITS))
+            host, self.protocol, RelayConfig(roles=RelayRole.STOP, limits=LIMITS)
+        )
         self.reservations: dict[str, Reservation] = {}
         self.serving = False
         self._refused: dict[str, float] = {}
@@ -121,8 +129,10 @@ class Relays:
             self._host.set_stream_handler(HOP_PROTOCOL, self.protocol._handle_hop_stream)
         else:
             self._host.remove_stream_handler(HOP_PROTOCOL)
-        log.info("relay service " + ("offered to private peers" if on else "off"),
-                 max_reservations=LIMITS.max_reservations)
+        log.info(
+            "relay service " + ("offered to private peers" if on else "off"),
+            max_reservations=LIMITS.max_reservations,
+        )
 
     def circuit_addrs(self) -> list[str]:
         """Our /p2p-circuit addresses, one per direct address of each relay we hold."""
@@ -144,18 +154,23 @@ class Relays:
         for relay, res in list(self.reservations.items()):
             if res.expires - now < REFRESH_BEFORE_S:
                 await self._reserve(relay)
-        candidates = [p.peer_id for p in self._peers.snapshot()
-                      if p.peer_id not in self.reservations and p.addrs
-                      and not all(is_circuit(a) for a in p.addrs)
-                      and self._refused.get(p.peer_id, 0.0) < now]
+        candidates = [
+            p.peer_id
+            for p in self._peers.snapshot()
+            if p.peer_id not in self.reservations
+            and p.addrs
+            and not all(is_circuit(a) for a in p.addrs)
+            and self._refused.get(p.peer_id, 0.0) < now
+        ]
         random.shuffle(candidates)
         for relay in candidates:
             if len(self.reservations) >= self._wanted:
                 break
             await self._reserve(relay)
         if set(self.reservations) != before:
-            log.info("relay reservations changed", relays=sorted(self.reservations),
-                     wanted=self._wanted)
+            log.info(
+                "relay reservations changed", relays=sorted(self.reservations), wanted=self._wanted
+            )
             self._on_addrs_changed()
 
     async def _reserve(self, relay: str) -> None:
@@ -194,7 +209,8 @@ class Relays:
         relay_maddr, dest = self.transport.parse_circuit_ma(maddr)
         relay_id = ID.from_base58(str(relay_maddr.get_peer_id()))
         raw = await self.transport.dial_peer_info(
-            Libp2pPeerInfo(dest, [maddr]), relay_info=Libp2pPeerInfo(relay_id, [relay_maddr]))
+            Libp2pPeerInfo(dest, [maddr]), relay_info=Libp2pPeerInfo(relay_id, [relay_maddr])
+        )
         if self._psk:
             raw = new_protected_conn(raw, self._psk)
         await self._host.upgrade_outbound_connection(raw, dest)
@@ -242,8 +258,9 @@ class CircuitDialer(Dialer):
 class AddressPush:
     """Tell connected peers our new address list (after a reservation changed)."""
 
-    def __init__(self, host: IHost, peers: PeerTable, addrs: Callable[[], list[str]],
-                 version: str) -> None:
+    def __init__(
+        self, host: IHost, peers: PeerTable, addrs: Callable[[], list[str]], version: str
+    ) -> None:
         self._host = host
         self._peers = peers
         self._addrs = addrs
@@ -268,7 +285,7 @@ class AddressPush:
             with trio.fail_after(PUSH_TIMEOUT_S):
                 stream = await self._host.new_stream(ID.from_base58(pid), [ADDRS_PROTOCOL])
                 try:
-                    await write_frame(stream, {"t": "addrs", "addrs": addrs[:MAX_ADDRS]})
+                    await write_frame(stream, AddrsPush(tuple(addrs)).to_wire())
                 finally:
                     await stream.close()
         except Exception as exc:  # noqa: BLE001 - the next heartbeat decides if it is gone
@@ -278,8 +295,7 @@ class AddressPush:
         sender = stream.muxed_conn.peer_id.to_string()
         try:
             with trio.fail_after(PUSH_TIMEOUT_S):
-                d = schema.mapping(await read_frame(stream, 16 * 1024), "addrs")
-                addrs = schema.text_list(d, "addrs", MAX_ADDRS, MAX_ADDR_LEN, "addrs")
+                addrs = AddrsPush.from_wire(await read_frame(stream, 16 * 1024)).addrs
             known = self._peers.get(sender)
             if known is not None:
                 own = tuple(a for a in addrs if a.endswith(f"/p2p/{sender}"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,7 +31,5 @@ async def served(stream: Any, what: str, peer: str, *, reset: bool = False) -> A
     finally:
         with trio.move_on_after(1) as scope:
             scope.shield = True
-            try:
+            with contextlib.suppress(Exception):  # the stream is already gone
                 await (stream.reset() if reset else stream.close())
-            except Exception:  # noqa: BLE001 - already gone
-                pass

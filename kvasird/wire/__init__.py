@@ -3,6 +3,9 @@
     framing    length-prefixed msgpack frames over any byte stream (libp2p or trio)
     schema     small strict checks of decoded peer input, each failure a WireError naming
                the field
+    protocols  every peer protocol id and gossip topic, and the message types of each
+    rpc        request/response with ids and one-way messages over one long-lived stream:
+               Channel (caller), serve (server), Intake, the errors of a peer call
 
 A frame is a 4-byte big-endian length followed by that many bytes of msgpack. The
 length is checked against the protocol's limit *before* reading the body, so an
@@ -22,5 +25,13 @@ from kvasird.wire.framing import (
     write_frame,
 )
 
-__all__ = ["ByteStream", "FrameReader", "FrameTooLarge", "frame", "pack", "read_frame", "unpack",
-           "write_frame"]
+__all__ = [
+    "ByteStream",
+    "FrameReader",
+    "FrameTooLarge",
+    "frame",
+    "pack",
+    "read_frame",
+    "unpack",
+    "write_frame",
+]

@@ -40,9 +40,13 @@ def unpack(data: bytes, max_len: int = DEFAULT_MAX_FRAME) -> Any:
     """Decode msgpack with container limits tied to the frame size (no memory bombs)."""
     try:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=False,
-            max_bin_len=max_len, max_str_len=max_len,
-            max_array_len=max_len // 2 + 1, max_map_len=max_len // 4 + 1,
+            data,
+            raw=False,
+            strict_map_key=False,
+            max_bin_len=max_len,
+            max_str_len=max_len,
+            max_array_len=max_len // 2 + 1,
+            max_map_len=max_len // 4 + 1,
         )
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise WireError(f"malformed msgpack from peer: {exc}") from None
@@ -60,8 +64,11 @@ class FrameReader:
         while len(self._buf) < n:
             chunk = await self._stream.read(n - len(self._buf))
             if not chunk:
-                raise WireError("peer closed the stream in the middle of a frame"
-                                if self._buf else "peer closed the stream")
+                raise WireError(
+                    "peer closed the stream in the middle of a frame"
+                    if self._buf
+                    else "peer closed the stream"
+                )
             self._buf += chunk
         out = bytes(self._buf[:n])
         del self._buf[:n]

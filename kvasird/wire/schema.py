@@ -38,12 +38,18 @@ def number(d: dict[str, Any], key: str, lo: float, hi: float, what: str) -> floa
     return float(v)
 
 
-def text_list(d: dict[str, Any], key: str, max_items: int, max_len: int, what: str) -> tuple[str, ...]:
+def text_list(
+    d: dict[str, Any], key: str, max_items: int, max_len: int, what: str
+) -> tuple[str, ...]:
     v = d.get(key)
-    if (not isinstance(v, list) or len(v) > max_items
-            or not all(isinstance(s, str) and len(s) <= max_len for s in v)):
-        raise WireError(f"{what}.{key}: expected at most {max_items} strings of at most "
-                        f"{max_len} chars")
+    if (
+        not isinstance(v, list)
+        or len(v) > max_items
+        or not all(isinstance(s, str) and len(s) <= max_len for s in v)
+    ):
+        raise WireError(
+            f"{what}.{key}: expected at most {max_items} strings of at most {max_len} chars"
+        )
     return tuple(v)
 
 

@@ -23,14 +23,9 @@ from kvasird.inference.errors import (
     Unreachable,
     sentence,
 )
-from kvasird.inference.transport.channel import (
-    SMALL_FRAME,
-    SMALL_IN_FLIGHT,
-    Channels,
-    Intake,
-    serve,
-)
+from kvasird.inference.transport.channel import Channels, serve
 from kvasird.p2p.host import build_host, parse_listen
+from kvasird.wire.rpc import SMALL_FRAME, SMALL_IN_FLIGHT, Intake
 
 PROTO = "/kvasir/test-channel/1"
 

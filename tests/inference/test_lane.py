@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,8 +17,10 @@ from trio.testing import MockClock
 from kvasird.errors import WireError
 from kvasird.inference.errors import HopFailed, Refused
 from kvasird.inference.transport import lane
-from kvasird.inference.transport.channel import MAX_FRAME, Channel, Channels, Intake, serve
+from kvasird.inference.transport.channel import Channels, serve
 from kvasird.wire import FrameReader
+from kvasird.wire.rpc import MAX_FRAME, Channel, Intake
+from tests.support import eventually_async
 
 from .test_channel import PROTO, handler, pair
 
@@ -185,11 +188,11 @@ async def test_offers_are_single_use_bound_to_protocol_and_limited_per_peer() ->
         assert await stream.read() == b"world" and served == ["peer-a"]
         with pytest.raises(WireError, match="did not confirm"):  # the ticket is spent
             await lane.connect("127.0.0.1", offer, MAX_FRAME, 5)
-        wrong_key = {**server.offer("peer-a", "/p/1"), "key": bytes(32)}
+        wrong_key = dataclasses.replace(server.offer("peer-a", "/p/1"), key=bytes(32))
         with pytest.raises(WireError, match="authentication"):
             await lane.connect("127.0.0.1", wrong_key, MAX_FRAME, 5)
         with pytest.raises(WireError, match="expected"):
-            await lane.connect("127.0.0.1", {"port": "x"}, MAX_FRAME, 5)
+            lane.LaneOffer.from_wire({"port": "x"})
         for _ in range(3 * lane.TICKETS_PER_PEER):
             server.offer("peer-b", "/p/1")
         assert sum(v[0] == "peer-b" for v in server._tickets.values()) == lane.TICKETS_PER_PEER
@@ -214,18 +217,16 @@ async def test_channels_move_requests_onto_a_lane_and_fall_back_when_it_breaks(
     async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
         server, channels, peer = await offering(a, b, nursery)
         assert (await channels.request(peer, PROTO, {"n": 1}, 5))["echo"] == 1
-        with trio.fail_after(5):
-            while not channels.lane_open(peer, PROTO):
-                await trio.sleep(0.01)
+        await eventually_async("the lane opens", lambda: channels.lane_open(peer, PROTO),
+                               timeout=5, every=0.01)
         assert channels.on_libp2p() == []
         for n in range(2, 6):  # over the lane now
             assert (await channels.request(peer, PROTO, {"n": n}, 5))["echo"] == n
         assert server.lanes == 1
         # the lane's TCP connection dies: requests go back to the libp2p channel
         await channels._lanes[(peer, PROTO)].stream.reset()
-        with trio.fail_after(5):
-            while channels.lane_open(peer, PROTO):
-                await trio.sleep(0.01)
+        await eventually_async("the lane is closed", lambda: not channels.lane_open(peer, PROTO),
+                               timeout=5, every=0.01)
         assert channels.on_libp2p() == [(peer, PROTO)]
         assert (await channels.request(peer, PROTO, {"n": 7}, 5))["echo"] == 7
         # a request caught on a lane as it breaks fails (the caller fails over) and drops it
@@ -246,9 +247,8 @@ async def test_a_lane_opens_over_a_websocket_connection(tmp_path: Path) -> None:
         server, channels, peer = await offering(a, b, nursery)
         assert (await channels.request(peer, PROTO, {"n": 1}, 5))["echo"] == 1
         assert channels._open[(peer, PROTO)].stream.get_remote_address() is None
-        with trio.fail_after(5):
-            while not channels.lane_open(peer, PROTO):  # noqa: ASYNC110 - polls the state
-                await trio.sleep(0.01)
+        await eventually_async("the lane opens", lambda: channels.lane_open(peer, PROTO),
+                               timeout=5, every=0.01)
         assert (await channels.request(peer, PROTO, {"n": 2}, 5))["echo"] == 2
         assert server.lanes == 1 and channels.on_libp2p() == []
         nursery.cancel_scope.cancel()
@@ -293,9 +293,8 @@ async def _renew_lane(channels: Channels, peer: str, *,
                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     channels._lane_next.clear()
     await channels.request(peer, PROTO, {"n": 8}, 5)
-    with trio.fail_after(5):
-        while not channels.lane_open(peer, PROTO):
-            await trio.sleep(0.01)
+    await eventually_async("the lane opens again", lambda: channels.lane_open(peer, PROTO),
+                           timeout=5, every=0.01)
     task_status.started()
 
 
@@ -356,9 +355,8 @@ async def test_inline_one_way_messages_run_in_the_reader_in_order() -> None:
             assert seen == ["quick", "slow", "inline slow", "inline quick"]
             # an inline message handled for longer than the idle limit is not cut off
             await channel.notify({"name": "inline long", "s": 1.0}, 5)
-            with trio.fail_after(5):
-                while "inline long" not in seen:
-                    await trio.sleep(0.05)  # noqa: ASYNC110 - a poll is the test's point
+            await eventually_async("the long inline message is handled",
+                                   lambda: "inline long" in seen, timeout=5)
             nursery.cancel_scope.cancel()
 
 

@@ -27,20 +27,13 @@ from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.experts import ExpertServer
 from kvasird.inference.server.stage import StageServer
 from kvasird.inference.stepcontext import COMPANY, TALLY, Company, Tally
-from kvasird.inference.transport.channel import SMALL_FRAME, Channels, Intake, serve
+from kvasird.inference.transport.channel import Channels, serve
+from kvasird.wire.rpc import SMALL_FRAME, Intake
 
+from .conftest import N_EXPERT, N_LAYER
 from .fakenet import NETWORK
 from .test_channel import pair
-from .test_serving import (  # noqa: F401 - fixtures
-    N_EXPERT,
-    N_LAYER,
-    direct,
-    moe,
-    open_msg,
-    worker,
-)
-
-__all__ = ["moe", "worker"]
+from .test_serving import direct, open_msg
 
 STAGE, GW1, GW2 = (Issuer(create_new_key_pair(), NETWORK) for _ in range(3))
 
@@ -138,7 +131,7 @@ async def test_each_gateway_is_admitted_once_for_the_units_of_its_own_rows(
 
 
 async def test_a_stage_works_for_a_sessions_owner_and_the_hop_before_it_only(
-        moe: Path, worker: Served) -> None:  # noqa: F811
+        moe: Path, worker: Served) -> None:
     served = Served.build([moe], Holdings(windows=((0, 2),)), threads=1, kv_slots=4 * PAGE,
                           remote=direct(worker))
     try:

@@ -43,12 +43,12 @@ class GossipPeer:
         reader = FrameReader(stream)
         try:
             await reader.read()
-            await write_frame(stream, {"t": "hello", "network": self.network,
+            await write_frame(stream, {"op": "hello", "network": self.network,
                                        "protocol": PROTOCOL_VERSION, "version": "test",
                                        "addrs": self.advertised})
             while True:
                 msg = await reader.read()
-                await write_frame(stream, {"t": "pong", "n": msg["n"]})
+                await write_frame(stream, {"op": "pong", "n": msg["n"]})
         except Exception:  # noqa: BLE001 - the daemon hung up
             return
 

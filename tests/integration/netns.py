@@ -152,7 +152,7 @@ def shard_probe(circuit_addr: str, relay_addr: str, key_dir: str) -> dict[str, A
 
     from kvasird.config import P2PConfig
     from kvasird.identity.nodekey import create_node_key
-    from kvasird.model.transfer import PROTOCOL_ID
+    from kvasird.wire.protocols import SHARD_PROTOCOL
     from kvasird.p2p import P2PNode
     from kvasird.wire import read_frame, write_frame
 
@@ -172,7 +172,7 @@ def shard_probe(circuit_addr: str, relay_addr: str, key_dir: str) -> dict[str, A
             conns = conns if isinstance(conns, list) else [conns]
             relayed = "p2p-circuit" in repr([c.get_transport_addresses() for c in conns])
             with trio.fail_after(20):
-                stream = await node.host.new_stream(target, [PROTOCOL_ID])
+                stream = await node.host.new_stream(target, [SHARD_PROTOCOL])
                 rtts = []
                 for _ in range(10):
                     start = time.perf_counter()

@@ -7,7 +7,8 @@ import pytest
 
 from kvasird.identity.nodekey import create_node_key
 from kvasird.model.slice import LayerWindow, units_of
-from kvasird.model.transfer import PROTOCOL_ID, download, serve_shards
+from kvasird.model.transfer import download, serve_shards
+from kvasird.wire.protocols import SHARD_PROTOCOL
 from kvasird.p2p.host import build_host, parse_listen
 
 pytestmark = pytest.mark.slow
@@ -18,12 +19,12 @@ async def test_a_window_downloads_over_a_libp2p_stream(source_store, store_facto
     listen = [parse_listen(("/ip4/127.0.0.1/tcp/0",)) for _ in range(2)]
     a = build_host(create_node_key(tmp_path / "a.key"), listen[0], [], 8)
     b = build_host(create_node_key(tmp_path / "b.key"), listen[1], [], 8)
-    b.set_stream_handler(PROTOCOL_ID, lambda stream: serve_shards(stream, source_store))
+    b.set_stream_handler(SHARD_PROTOCOL, lambda stream: serve_shards(stream, source_store))
     client = store_factory("client")
     units = units_of(moe_manifest, LayerWindow(0, 2))
 
     async def open_stream(peer):
-        return await a.new_stream(peer, [PROTOCOL_ID])
+        return await a.new_stream(peer, [SHARD_PROTOCOL])
 
     async with a.run([multiaddr.Multiaddr(x) for x in listen[0]]), \
             b.run([multiaddr.Multiaddr(x) for x in listen[1]]):

@@ -17,7 +17,7 @@ those that reach a layer within `window_s` of each other go to a worker as one m
 Every request carries, for each gateway whose session rows are in it, that gateway's
 signed delegation to this stage (the one its open carried, or this node's own for rows of
 no session) and how many of the rows are its: the worker computes nothing without them.
-A worker that has not admitted us lately takes only small frames (channel.Intake): a
+A worker that has not admitted us lately takes only small frames (rpc.Intake): a
 request too large for one is preceded by its first row alone, which gets us admitted.
 
 Experts the stage selects often enough are cached and computed here (HotExperts): planned
@@ -32,7 +32,6 @@ marked unfit and accused on gossip, its units for the session are taken out of t
 stage's Close tally (the gateway pays it nothing for the session), and the evidence is
 kept on this node; a call drawn that nobody else can recompute is counted as unchecked.
 """
-
 
 from __future__ import annotations
 
@@ -64,8 +63,9 @@ from kvasird.inference.protocol.delegation import Issuer
 from kvasird.inference.protocol.experts import ADMITTED_S, ExpertRequest, Outputs, selections
 from kvasird.inference.server.engine import INLINE_TOKENS, run_short
 from kvasird.inference.stepcontext import COMPANY, TALLY
-from kvasird.inference.transport.channel import SMALL_FRAME, Channels
+from kvasird.inference.transport.channel import Channels
 from kvasird.logs import get_logger
+from kvasird.wire.rpc import SMALL_FRAME
 
 MAX_ATTEMPTS = 4
 LAST_RESORT_PAUSE_S = 0.25
@@ -80,16 +80,27 @@ LocalExperts = Callable[[int, int], "tuple[ExpertWorker, int, int] | None"]
 log = get_logger("kvasird.inference.client.dispatch")
 
 
-
 class ExpertDispatcher:
     """Computes expert ranges this node lacks on the workers that hold them."""
 
-    def __init__(self, issuer: Issuer, holders: Callable[[], list[PeerHoldings]],
-                 channels: Channels, latency: Latency, fitness: Fitness, local: LocalExperts, *,
-                 timeout_s: float, wire_dtype: str, spot_check: float, tolerance: float,
-                 hot: HotExperts | None = None,
-                 accuse: Callable[[str, str], Awaitable[None]] | None = None,
-                 window_s: float = 0.0, spot: SpotChecks | None = None) -> None:
+    def __init__(
+        self,
+        issuer: Issuer,
+        holders: Callable[[], list[PeerHoldings]],
+        channels: Channels,
+        latency: Latency,
+        fitness: Fitness,
+        local: LocalExperts,
+        *,
+        timeout_s: float,
+        wire_dtype: str,
+        spot_check: float,
+        tolerance: float,
+        hot: HotExperts | None = None,
+        accuse: Callable[[str, str], Awaitable[None]] | None = None,
+        window_s: float = 0.0,
+        spot: SpotChecks | None = None,
+    ) -> None:
         self.issuer, self.me = issuer, issuer.peer_id
         self.holders, self.channels, self.local = holders, channels, local
         self.accuse = accuse
@@ -116,15 +127,17 @@ class ExpertDispatcher:
     def shard(self, layer: int, first: int, end: int) -> ExpertShard:
         """Experts [first, end) of `layer` on other peers: awaited from the event loop
         (`acall`), or called from a stage's worker thread (`call`, which enters the loop)."""
+
         async def acall(lay: int, rows: np.ndarray, sel: np.ndarray) -> np.ndarray:
             return await self.compute(lay, first, end, rows, sel)
 
-        return ExpertShard(first, end,
-                           lambda lay, rows, sel: trio.from_thread.run(acall, lay, rows, sel),
-                           acall)
+        return ExpertShard(
+            first, end, lambda lay, rows, sel: trio.from_thread.run(acall, lay, rows, sel), acall
+        )
 
-    async def compute(self, layer: int, first: int, end: int, rows: np.ndarray,
-                      sel: np.ndarray) -> np.ndarray:
+    async def compute(
+        self, layer: int, first: int, end: int, rows: np.ndarray, sel: np.ndarray
+    ) -> np.ndarray:
         """Outputs for shard-local ids `sel`, with failover."""
         gids = sel.astype(np.int64) + first
         for g in np.unique(gids):
@@ -135,8 +148,13 @@ class ExpertDispatcher:
             except HopFailed as exc:
                 self.fitness.failed(exc.peer, exc.reason, sentence(exc))
                 self.stats["failovers"] += 1
-                log.info("expert worker replaced", peer=exc.peer, layer=layer,
-                         reason=exc.reason[:200], attempt=attempt + 1)
+                log.info(
+                    "expert worker replaced",
+                    peer=exc.peer,
+                    layer=layer,
+                    reason=exc.reason[:200],
+                    attempt=attempt + 1,
+                )
                 continue
             if strikes := self.fitness.strikes:  # the workers that answered work again
                 for peer in {p[0] for p in pieces} & strikes.keys():
@@ -144,11 +162,13 @@ class ExpertDispatcher:
             for peer in {p[0] for p in pieces if not self.fitness.fit(p[0])}:
                 self.fitness.pardon(peer)  # avoided, asked as the last resort: it answered
             return _combine(layer, rows, gids, pieces, outs)
-        raise NoWorkers(f"experts [{first}, {end}) of layer {layer} failed on "
-                        f"{MAX_ATTEMPTS} workers")
+        raise NoWorkers(
+            f"experts [{first}, {end}) of layer {layer} failed on {MAX_ATTEMPTS} workers"
+        )
 
-    async def _attempt(self, layer: int, first: int, end: int, rows: np.ndarray,
-                       gids: np.ndarray) -> tuple[list[Piece], list[np.ndarray]]:
+    async def _attempt(
+        self, layer: int, first: int, end: int, rows: np.ndarray, gids: np.ndarray
+    ) -> tuple[list[Piece], list[np.ndarray]]:
         """On the event loop: plan the pieces, split the rows, call every worker at once.
 
         The split is compute.dispatch's own: a pass with recording shards collects each
@@ -166,13 +186,15 @@ class ExpertDispatcher:
             def record(lay: int, r: np.ndarray, sel: np.ndarray) -> np.ndarray:
                 asked.append((piece, r, sel))
                 return np.zeros((len(r), sel.shape[1], r.shape[1]), np.float32)
+
             return ExpertShard(piece[1], piece[2], record)
 
         dispatch(layer, rows, gids, [recorder(p) for p in pieces])
         return pieces, await self._call_all(layer, asked)
 
-    async def _call_all(self, layer: int, shards: list[tuple[Piece, np.ndarray, np.ndarray]]
-                        ) -> list[np.ndarray]:
+    async def _call_all(
+        self, layer: int, shards: list[tuple[Piece, np.ndarray, np.ndarray]]
+    ) -> list[np.ndarray]:
         """Every piece's outputs, in order. The workers' requests go out first; our cached
         experts compute meanwhile, in a thread while any request is out (the loop must stay
         free to send them and take the answers: computed in place first, they would add
@@ -189,16 +211,25 @@ class ExpertDispatcher:
                 failed.append(exc)
 
         with contextlib.ExitStack() as held:  # ours stay cached until computed
-            mine = [(i, held.enter_context(self.hot.using((layer, s[0][3]))))
-                    for i, s in enumerate(shards) if s[0][0] == self.me]
+            mine = [
+                (i, held.enter_context(self.hot.using((layer, s[0][3]))))
+                for i, s in enumerate(shards)
+                if s[0][0] == self.me
+            ]
             async with trio.open_nursery() as nursery:
                 for i in remote:
                     nursery.start_soon(one, i)
                 for i, worker in mine:
                     (_, lo, _, e0, _), r, sel = shards[i]
                     self.stats["hot_rows"] += len(r)
-                    outs[i] = await run_short([worker], len(r) <= INLINE_TOKENS and not remote,
-                                              worker, layer, r, sel.astype(np.int64) + lo - e0)
+                    outs[i] = await run_short(
+                        [worker],
+                        len(r) <= INLINE_TOKENS and not remote,
+                        worker,
+                        layer,
+                        r,
+                        sel.astype(np.int64) + lo - e0,
+                    )
         if failed:
             raise failed[0]
         return [o for o in outs if o is not None]
@@ -208,8 +239,11 @@ class ExpertDispatcher:
         each id goes to the first piece holding it (compute.dispatch), so what we cache is
         computed here and the rest goes to each worker as one message; without one, a cover
         through workers that failed once. None when nothing can take every id."""
-        ours = [(self.me, e, e + 1, e, e + 1) for lay, e in sorted(self.hot.workers)
-                if lay == layer and first <= e < end]
+        ours = [
+            (self.me, e, e + 1, e, e + 1)
+            for lay, e in sorted(self.hot.workers)
+            if lay == layer and first <= e < end
+        ]
         fitness = self.fitness
         others = [h for h in self.holders() if h.peer != self.me]
         fit = [h for h in others if fitness.fit(h.peer)]
@@ -222,17 +256,23 @@ class ExpertDispatcher:
         # the last resort, as a route's: workers avoided after failing once (one that timed
         # out on its first call, or refused while it reloaded) beat failing the step
         cover = cover_experts(
-            expert_holders([h for h in others if fitness.second_chance(h.peer)], layer, first,
-                           end), first, end,
-            lambda p: self.latency(p) + (0.0 if fitness.fit(p) else AVOIDED_MS))
+            expert_holders([h for h in others if fitness.second_chance(h.peer)], layer, first, end),
+            first,
+            end,
+            lambda p: self.latency(p) + (0.0 if fitness.fit(p) else AVOIDED_MS),
+        )
         if cover is None:
             return None
-        log.info("no fit worker holds the experts: asking ones that failed lately", layer=layer,
-                 avoided=sorted({c[0] for c in cover if not fitness.fit(c[0])}))
+        log.info(
+            "no fit worker holds the experts: asking ones that failed lately",
+            layer=layer,
+            avoided=sorted({c[0] for c in cover if not fitness.fit(c[0])}),
+        )
         return ours + cover
 
-    async def checked(self, peer: str, e0: int, layer: int, rows: np.ndarray,
-                      gids: np.ndarray) -> np.ndarray:
+    async def checked(
+        self, peer: str, e0: int, layer: int, rows: np.ndarray, gids: np.ndarray
+    ) -> np.ndarray:
         """A worker's outputs; with probability `spot_check` verified against a judge.
 
         Our own copy of the experts is an authoritative judge. A second replica is not:
@@ -248,8 +288,9 @@ class ExpertDispatcher:
         own = self.local(layer, int(gids.min()))
         if own is not None and own[1] <= int(gids.min()) and int(gids.max()) < own[2]:
             worker, first, _ = own
-            ref = await run_short([worker], len(rows) <= INLINE_TOKENS, worker, layer, rows,
-                                  gids - first)
+            ref = await run_short(
+                [worker], len(rows) <= INLINE_TOKENS, worker, layer, rows, gids - first
+            )
             if spot.compared(spot.experts, divergence(out, ref)):
                 return out
             await self._caught(peer, unit, [self.me], rows, out, ref)
@@ -268,8 +309,12 @@ class ExpertDispatcher:
         if len(others) < 2:
             self.stats["unresolved"] += 1
             spot.experts.unresolved += 1
-            log.warning("spot check disagreement without a third replica", peer=peer,
-                        other=second, layer=layer)
+            log.warning(
+                "spot check disagreement without a third replica",
+                peer=peer,
+                other=second,
+                layer=layer,
+            )
             return out
         judge = await self.remote(others[1][0], others[1][1], layer, rows, gids)
         if self._close(out, judge):
@@ -280,8 +325,15 @@ class ExpertDispatcher:
             await self._caught(second, unit, [others[1][0]], rows, ref, judge)
         return judge
 
-    async def _caught(self, peer: str, unit: str, checkers: list[str], rows: np.ndarray,
-                      out: np.ndarray, ref: np.ndarray) -> None:
+    async def _caught(
+        self,
+        peer: str,
+        unit: str,
+        checkers: list[str],
+        rows: np.ndarray,
+        out: np.ndarray,
+        ref: np.ndarray,
+    ) -> None:
         """`peer` answered `out` where the judges computed `ref`: nothing it computed for
         this session is reported in the stage's Close tally, it is avoided, accused on
         gossip, and the evidence is kept."""
@@ -303,20 +355,31 @@ class ExpertDispatcher:
         """The range `peer` holds that a call to it computed, as the status page names it
         (one name per range, however many calls)."""
         lo, hi = int(gids.min()), int(gids.max()) + 1
-        e1 = next((b for p, a, b in expert_holders(self.holders(), layer, lo, hi)
-                   if p == peer and a == e0), hi)
+        e1 = next(
+            (
+                b
+                for p, a, b in expert_holders(self.holders(), layer, lo, hi)
+                if p == peer and a == e0
+            ),
+            hi,
+        )
         return f"experts {e0}-{e1 - 1} of layer {layer}"
 
     def _replicas(self, layer: int, gids: np.ndarray, exclude: set[str]) -> list[tuple[str, int]]:
         lo, hi = int(gids.min()), int(gids.max()) + 1
-        fit = [h for h in self.holders() if h.peer not in exclude and h.peer != self.me
-               and self.fitness.fit(h.peer)]
-        found = [(p, e0) for p, e0, e1 in expert_holders(fit, layer, lo, hi)
-                 if e0 <= lo and hi <= e1]
+        fit = [
+            h
+            for h in self.holders()
+            if h.peer not in exclude and h.peer != self.me and self.fitness.fit(h.peer)
+        ]
+        found = [
+            (p, e0) for p, e0, e1 in expert_holders(fit, layer, lo, hi) if e0 <= lo and hi <= e1
+        ]
         return sorted(found, key=lambda r: self.latency(r[0]))
 
-    async def remote(self, peer: str, e0: int, layer: int, rows: np.ndarray,
-                     gids: np.ndarray) -> np.ndarray:
+    async def remote(
+        self, peer: str, e0: int, layer: int, rows: np.ndarray, gids: np.ndarray
+    ) -> np.ndarray:
         """One worker call: rows and local ids (global - e0, e0 the start of the range the
         worker advertises, sent along so a worker can check it) out, outputs back; the
         work (the experts the rows selected) is counted to the session the step computes
@@ -324,17 +387,27 @@ class ExpertDispatcher:
         """
         tally = TALLY.get()
         if tally is not None and not tally.delegation:
-            raise Refusal("bad", "the session's gateway sent no delegation when it opened it: "
-                                 "expert workers compute none of its rows without one "
-                                 "(upgrade the gateway)")
-        out = await self._remote(peer, e0, layer, rows, gids,
-                                 tally.delegation if tally is not None else self.issuer.own())
+            raise Refusal(
+                "bad",
+                "the session's gateway sent no delegation when it opened it: "
+                "expert workers compute none of its rows without one "
+                "(upgrade the gateway)",
+            )
+        out = await self._remote(
+            peer,
+            e0,
+            layer,
+            rows,
+            gids,
+            tally.delegation if tally is not None else self.issuer.own(),
+        )
         if tally is not None:
             tally.experts[peer] += selections(gids)
         return out
 
-    async def _remote(self, peer: str, e0: int, layer: int, rows: np.ndarray,
-                      gids: np.ndarray, delegation: bytes) -> np.ndarray:
+    async def _remote(
+        self, peer: str, e0: int, layer: int, rows: np.ndarray, gids: np.ndarray, delegation: bytes
+    ) -> np.ndarray:
         """The call of ``remote``, for the session `delegation` is for.
 
         While other sessions' decode steps are interleaved on this node's stages, the rows
@@ -375,8 +448,7 @@ class ExpertDispatcher:
                 del self._outgoing[key]
             batch.done.set()
 
-    async def _send(self, peer: str, e0: int, layer: int, parts: list[_Part]
-                    ) -> list[np.ndarray]:
+    async def _send(self, peer: str, e0: int, layer: int, parts: list[_Part]) -> list[np.ndarray]:
         """Each part's outputs, from one request whose rows go grouped by delegation (each
         group announced in ``for``, in the order of the rows)."""
         first: dict[bytes, int] = {}
@@ -393,16 +465,25 @@ class ExpertDispatcher:
         outs = dict(zip(order, np.split(out, bounds), strict=True))
         return [outs[i] for i in range(len(parts))]
 
-    async def _request(self, peer: str, e0: int, layer: int, rows: np.ndarray,
-                       gids: np.ndarray, groups: list[tuple[bytes, int]]) -> np.ndarray:
+    async def _request(
+        self,
+        peer: str,
+        e0: int,
+        layer: int,
+        rows: np.ndarray,
+        gids: np.ndarray,
+        groups: list[tuple[bytes, int]],
+    ) -> np.ndarray:
         """One request; to a worker that has not admitted us lately, a request too large
         for its small frames goes as its first row alone, then the rest."""
         itemsize = 2 if self.wire_dtype == "f16" else 4
-        if len(rows) > 1 and rows.size * itemsize + gids.size * 4 > SMALL_FRAME // 2 and \
-                time.monotonic() - self._admitted.get(peer, -math.inf) > ADMITTED_S / 2:
+        if (
+            len(rows) > 1
+            and rows.size * itemsize + gids.size * 4 > SMALL_FRAME // 2
+            and time.monotonic() - self._admitted.get(peer, -math.inf) > ADMITTED_S / 2
+        ):
             rest = [(groups[0][0], groups[0][1] - 1)] if groups[0][1] > 1 else []
-            head = await self._request(peer, e0, layer, rows[:1], gids[:1],
-                                       [(groups[0][0], 1)])
+            head = await self._request(peer, e0, layer, rows[:1], gids[:1], [(groups[0][0], 1)])
             tail = await self._request(peer, e0, layer, rows[1:], gids[1:], rest + groups[1:])
             return np.concatenate([head, tail])
         msg = ExpertRequest(layer, e0, rows, gids - e0, tuple(groups), self.wire_dtype).to_wire()
@@ -421,8 +502,11 @@ class ExpertDispatcher:
         except WireError as exc:  # a malformed answer is a failed worker
             raise HopFailed(peer, f"bad expert output: {exc}") from None
         if out.shape != (len(rows), gids.shape[1], rows.shape[1]):
-            raise HopFailed(peer, f"bad expert output: shape {list(out.shape)} for "
-                                  f"{len(rows)} rows of {gids.shape[1]} experts")
+            raise HopFailed(
+                peer,
+                f"bad expert output: shape {list(out.shape)} for "
+                f"{len(rows)} rows of {gids.shape[1]} experts",
+            )
         return out
 
 
@@ -440,10 +524,14 @@ class _Outgoing:
     error: HopFailed | None = None
 
 
-def _combine(layer: int, rows: np.ndarray, gids: np.ndarray, pieces: list[Piece],
-             outs: list[np.ndarray]) -> np.ndarray:
+def _combine(
+    layer: int, rows: np.ndarray, gids: np.ndarray, pieces: list[Piece], outs: list[np.ndarray]
+) -> np.ndarray:
     """compute.dispatch's second pass: the same split, fed the workers' answers in order."""
     answers = iter(outs)
-    return dispatch(layer, rows, gids, [ExpertShard(lo, hi, lambda *_: next(answers))
-                                        for _, lo, hi, _, _ in pieces])
-
+    return dispatch(
+        layer,
+        rows,
+        gids,
+        [ExpertShard(lo, hi, lambda *_: next(answers)) for _, lo, hi, _, _ in pieces],
+    )

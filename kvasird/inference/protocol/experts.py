@@ -31,7 +31,7 @@ MAX_GATEWAYS = 64
 """Most gateways one request's rows may be computed for."""
 ADMITTED_S = 60.0
 """A caller that had a request admitted by a worker this recently may send it frames of
-any size (channel.Intake); before, only small ones."""
+any size (rpc.Intake); before, only small ones."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -53,9 +53,14 @@ class ExpertRequest:
     """How the rows travel: "f32" or "f16"."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": "experts", "layer": self.layer, "first": self.first,
-                "rows": tensors.encode(self.rows, self.dt), "ids": tensors.encode(self.ids, "i32"),
-                "for": [list(g) for g in self.groups]}
+        return {
+            "op": "experts",
+            "layer": self.layer,
+            "first": self.first,
+            "rows": tensors.encode(self.rows, self.dt),
+            "ids": tensors.encode(self.ids, "i32"),
+            "for": [list(g) for g in self.groups],
+        }
 
     def widened(self) -> ExpertRequest:
         """The request with its rows as float32 (tensors.widen: a copy, checked finite)."""
@@ -67,9 +72,12 @@ class ExpertRequest:
         rows = tensors.view(value, "experts.rows", ("f32", "f16"), (None, None))
         return ExpertRequest(
             schema.integer(d, "layer", 0, MAX_LAYERS - 1, "experts"),
-            schema.integer(d, "first", 0, MAX_EXPERTS, "experts"), rows,
+            schema.integer(d, "first", 0, MAX_EXPERTS, "experts"),
+            rows,
             tensors.decode(d.get("ids"), "experts.ids", ("i32",), (len(rows), None)),
-            _groups(d, len(rows)) if "for" in d else (), value["dt"])
+            _groups(d, len(rows)) if "for" in d else (),
+            value["dt"],
+        )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -106,12 +114,22 @@ def _groups(d: dict[str, Any], rows: int) -> tuple[tuple[bytes, int], ...]:
     """The wire's ``for``: [delegation, rows] per gateway, the rows adding up to all of them
     (none at all: the handler refuses it, saying so)."""
     groups = schema.items(d, "for", MAX_GATEWAYS, "experts")
-    if groups and (not all(type(g) is list and len(g) == 2 and type(g[0]) is bytes
-                           and len(g[0]) <= delegation.MAX_BYTES and type(g[1]) is int
-                           and g[1] >= 1 for g in groups)
-                   or sum(g[1] for g in groups) != rows):
-        raise WireError(f"experts.for: expected [delegation, rows] per gateway, the rows "
-                        f"adding up to the request's {rows}")
+    if groups and (
+        not all(
+            type(g) is list
+            and len(g) == 2
+            and type(g[0]) is bytes
+            and len(g[0]) <= delegation.MAX_BYTES
+            and type(g[1]) is int
+            and g[1] >= 1
+            for g in groups
+        )
+        or sum(g[1] for g in groups) != rows
+    ):
+        raise WireError(
+            f"experts.for: expected [delegation, rows] per gateway, the rows "
+            f"adding up to the request's {rows}"
+        )
     return tuple((g[0], g[1]) for g in groups)
 
 

@@ -44,8 +44,15 @@ class ExpertServer:
     a single session's requests go straight to compute.
     """
 
-    def __init__(self, served: Callable[[], Served | None], *, window_s: float,
-                 wire_dtype: str, delegations: Verifier, admit: Admit = admit_all) -> None:
+    def __init__(
+        self,
+        served: Callable[[], Served | None],
+        *,
+        window_s: float,
+        wire_dtype: str,
+        delegations: Verifier,
+        admit: Admit = admit_all,
+    ) -> None:
         self.served, self.window_s, self.wire_dtype = served, window_s, wire_dtype
         self.delegations, self.admit = delegations, admit
         self._admitted: dict[str, float] = {}
@@ -70,8 +77,9 @@ class ExpertServer:
             raise Refusal("bad", "this node holds no experts")
         run = served.run_of(m.layer, m.first)
         if run is None:
-            raise Refusal("bad", f"this node holds no experts of layer {m.layer} from "
-                                 f"expert {m.first} on")
+            raise Refusal(
+                "bad", f"this node holds no experts of layer {m.layer} from expert {m.first} on"
+            )
         worker = run.worker
         # ids count from the range start the caller saw advertised; ours may start lower
         rows, ids = worker.validate(m.layer, m.rows, m.ids.astype(np.int64) + m.first - run.first)
@@ -80,7 +88,7 @@ class ExpertServer:
 
     def admitted(self, caller: str) -> bool:
         """Whether `caller` had a request admitted here lately (ADMITTED_S): the transport
-        lets it send frames of any size (channel.Intake)."""
+        lets it send frames of any size (rpc.Intake)."""
         at = self._admitted.get(caller)
         return at is not None and time.monotonic() - at < ADMITTED_S
 
@@ -88,14 +96,17 @@ class ExpertServer:
         """Check every delegation the request carries, then have each gateway admitted for
         the expert units of its own rows (the count its stage keeps: experts.selections)."""
         if not m.groups:
-            raise Refusal("unpaid", "the request names no gateway (`for`): a worker computes "
-                                    "rows only for gateways that delegated the caller, each "
-                                    "with its signed delegation")
+            raise Refusal(
+                "unpaid",
+                "the request names no gateway (`for`): a worker computes "
+                "rows only for gateways that delegated the caller, each "
+                "with its signed delegation",
+            )
         units: Counter[str] = Counter()
         at = 0
         for wire, rows in m.groups:
             gateway = self.delegations.check(wire, caller).gateway
-            units[gateway] += selections(m.ids[at:at + rows])
+            units[gateway] += selections(m.ids[at : at + rows])
             at += rows
         for gateway, n in units.items():
             await self.admit(gateway, n)
@@ -104,8 +115,9 @@ class ExpertServer:
             self._admitted = {p: t for p, t in self._admitted.items() if now - t < ADMITTED_S}
         self._admitted[caller] = now
 
-    async def _batched(self, worker: ExpertWorker, layer: int, rows: np.ndarray,
-                       ids: np.ndarray) -> np.ndarray:
+    async def _batched(
+        self, worker: ExpertWorker, layer: int, rows: np.ndarray, ids: np.ndarray
+    ) -> np.ndarray:
         key = (id(worker), layer)
         job = _Job(rows, ids)
         queue = self._queues.setdefault(key, [])
@@ -119,7 +131,6 @@ class ExpertServer:
             raise Refusal("bad", str(job.error))
         assert job.out is not None
         return job.out
-
 
     async def _lead(self, key: tuple[int, int], worker: ExpertWorker, layer: int) -> None:
         """Wait out the batching window, then compute every job queued for `key` at once."""
@@ -157,14 +168,15 @@ class _Job:
 
 def _run_batch(worker: ExpertWorker, layer: int, batch: list[_Job]) -> list[np.ndarray]:
     """One ggml call for every job: ids padded to the widest (repeating the first id)."""
-    if len(batch) == 1:  # a lone session's call: nothing to pad (np.pad alone is ~15 µs)
+    if len(batch) == 1:  # a lone call: nothing to pad (bench/bench_compute.py, per call)
         return [worker(layer, batch[0].rows, batch[0].ids)]
     width = max(j.ids.shape[1] for j in batch)
-    ids = np.concatenate([np.pad(j.ids, ((0, 0), (0, width - j.ids.shape[1])), mode="edge")
-                          for j in batch])
+    ids = np.concatenate(
+        [np.pad(j.ids, ((0, 0), (0, width - j.ids.shape[1])), mode="edge") for j in batch]
+    )
     out = worker(layer, np.concatenate([j.rows for j in batch]), ids)
     outs, at = [], 0
     for j in batch:
-        outs.append(out[at:at + len(j.rows), :j.ids.shape[1]])
+        outs.append(out[at : at + len(j.rows), : j.ids.shape[1]])
         at += len(j.rows)
     return outs

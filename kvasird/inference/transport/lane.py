@@ -7,8 +7,8 @@ ChaCha20-Poly1305). A generation pays it on every hop of every token, so once a 
 has a libp2p channel to a peer it asks for a lane and moves the hot path onto it:
 
     caller (Channels)                                 server (LaneServer)
-    ── libp2p channel: {op: "lane"} ───────────────▶  offer(): ticket = (token, key) bound to
-    ◀─ {port, token, key} ───────────────────────────  the caller's peer id and protocol, 30 s
+    ── libp2p channel: LaneAsk {op: "lane"} ───────▶  offer(): ticket = (token, key) bound to
+    ◀─ LaneOffer {port, token, key} ─────────────────  the caller's peer id and protocol, 30 s
     TCP connect (the libp2p peer's IP, port) ── token ─▶ take the ticket (once)
     ◀─ sealed "ok" ─────────────────────────────────  proves the server holds the key
     Channel over SealedStream ◀── sealed frames ──▶   serve(the protocol's handler, caller)
@@ -20,7 +20,7 @@ because the "ok" opens with the key. Records carry per-direction counters as non
 replayed, reordered, forged or truncated record ends the lane.
 
 A record is one frame, read whole before the frame reader sees it: the server's limits on
-a caller it does not work for (channel.Intake) apply to the record's length, before its
+a caller it does not work for (rpc.Intake) apply to the record's length, before its
 body is read (``SealedStream.check``).
 
 Lanes are an optimisation, never a requirement: when the offer is refused, the TCP connect
@@ -35,6 +35,7 @@ import re
 import secrets
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -44,7 +45,8 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from kvasird.errors import WireError
 from kvasird.logs import get_logger
 from kvasird.ports import listen_error
-from kvasird.wire import FrameTooLarge
+from kvasird.wire import FrameTooLarge, schema
+from kvasird.wire.protocols import OP
 
 TICKET_S = 30.0
 """An offered ticket must be used within this time."""
@@ -73,6 +75,48 @@ Serve = Callable[..., Any]
 """serve(sealed stream, peer=caller peer id) -> awaitable serving the protocol until it ends."""
 
 
+@dataclass(frozen=True)
+class LaneAsk:
+    """May I have a lane to this protocol? (asked over its libp2p channel)"""
+
+    TYPE = "lane"
+    """Its type on the wire: a channel's server answers it before the protocol's own parse."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {OP: self.TYPE}
+
+    @staticmethod
+    def from_wire(value: Any) -> LaneAsk:
+        if schema.mapping(value, "lane").get(OP) != LaneAsk.TYPE:
+            raise WireError(f"lane.{OP}: expected {LaneAsk.TYPE!r}")
+        return LaneAsk()
+
+
+@dataclass(frozen=True)
+class LaneOffer:
+    """A ticket for one lane: where to connect, and the secret that opens it."""
+
+    port: int
+    """The lane server's TCP port (on the IP of the caller's libp2p connection)."""
+    token: bytes
+    """Presented first on the TCP connection; good once, for TICKET_S."""
+    key: bytes
+    """The ChaCha20-Poly1305 key of the lane's records."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"port": self.port, "token": self.token, "key": self.key}
+
+    @staticmethod
+    def from_wire(value: Any) -> LaneOffer:
+        d = schema.mapping(value, "lane offer")
+        token, key = d.get("token"), d.get("key")
+        if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
+            raise WireError(f"lane offer.token: expected {TOKEN_BYTES} bytes")
+        if not isinstance(key, bytes) or len(key) != 32:
+            raise WireError("lane offer.key: expected 32 bytes")
+        return LaneOffer(schema.integer(d, "port", 1, 65535, "lane offer"), token, key)
+
+
 class SealedStream:
     """A TCP stream carrying ChaCha20-Poly1305 records: what framing needs (read/write).
 
@@ -85,25 +129,34 @@ class SealedStream:
     lets other tasks run, so a busy lane cannot starve its process.
     """
 
-    def __init__(self, stream: trio.abc.Stream, key: bytes, initiator: bool,
-                 max_record: int) -> None:
+    whole_records = True
+    """Each frame is one record, sent whole within its own deadline (``write``'s wait_s):
+    an rpc Channel writes it without a lock of its own (kvasird.wire.rpc)."""
+
+    def __init__(
+        self, stream: trio.abc.Stream, key: bytes, initiator: bool, max_record: int
+    ) -> None:
         self._stream = stream
         self._aead = ChaCha20Poly1305(key)
-        self._out_dir, self._in_dir = (b"\x00\x00\x00\x00", b"\x01\x00\x00\x00") if initiator \
+        self._out_dir, self._in_dir = (
+            (b"\x00\x00\x00\x00", b"\x01\x00\x00\x00")
+            if initiator
             else (b"\x01\x00\x00\x00", b"\x00\x00\x00\x00")
+        )
         self._sent = 0
         self._received = 0
         self._max = max_record + 16
         self._raw = bytearray()
         self._plain = bytearray()
         self._send_lock = trio.Lock()
-        self._socket = stream.socket if isinstance(stream, trio.SocketStream) \
-            and os.name == "posix" else None
+        self._socket = (
+            stream.socket if isinstance(stream, trio.SocketStream) and os.name == "posix" else None
+        )
         self._broken = False
         self._quick = 0
         self.check: Callable[[int], None] | None = None
         """What the frame a record carries must pass, given its length, before the record's
-        body is read (raising to refuse it: the server's channel.Intake)."""
+        body is read (raising to refuse it: the server's rpc.Intake)."""
 
     async def write(self, data: bytes, wait_s: float = WRITE_S) -> None:
         """Send `data` as one record, whole within `wait_s` (or the lane ends)."""
@@ -181,20 +234,22 @@ class SealedStream:
             try:
                 self.check(length - _SEALED - _LEN.size)
             except FrameTooLarge:
-                del self._raw[:_LEN.size]
+                del self._raw[: _LEN.size]
                 await self._skip(length)  # the sender, writing it whole, then reads why
                 raise
         if not await self._fill(_LEN.size + length):
             raise WireError("lane closed in the middle of a record")
-        sealed = bytes(self._raw[_LEN.size:_LEN.size + length])
-        del self._raw[:_LEN.size + length]
+        sealed = bytes(self._raw[_LEN.size : _LEN.size + length])
+        del self._raw[: _LEN.size + length]
         nonce = self._in_dir + self._received.to_bytes(8, "little")
         self._received += 1
         try:
             record = self._aead.decrypt(nonce, sealed, None)
         except InvalidTag:
-            raise WireError("lane record failed authentication (forged, replayed or "
-                            "reordered): closing the lane") from None
+            raise WireError(
+                "lane record failed authentication (forged, replayed or "
+                "reordered): closing the lane"
+            ) from None
         await self._fair()
         return record
 
@@ -236,8 +291,9 @@ class SealedStream:
 class LaneServer:
     """Listens for lanes and hands each one to the protocol its ticket was offered for."""
 
-    def __init__(self, host: str, port: int, max_record: int,
-                 config_path: str = "kvasird.toml") -> None:
+    def __init__(
+        self, host: str, port: int, max_record: int, config_path: str = "kvasird.toml"
+    ) -> None:
         self.host, self.port, self.max_record = host, port, max_record
         self.config_path = config_path
         self._serve: dict[str, Serve] = {}
@@ -250,28 +306,32 @@ class LaneServer:
     def register(self, protocol: str, serve: Serve) -> None:
         self._serve[protocol] = serve
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve lanes until cancelled; started once listening, with the listeners."""
         try:
             listeners = await trio.open_tcp_listeners(self.port, host=self.host)
         except OSError as exc:
-            raise listen_error("[inference] lane_port", self.host, self.port, exc,
-                               self.config_path) from None
+            raise listen_error(
+                "[inference] lane_port", self.host, self.port, exc, self.config_path
+            ) from None
         self.port = listeners[0].socket.getsockname()[1]
         log.info("lanes listening", host=self.host, port=self.port)
         await trio.serve_listeners(self._accept, listeners, task_status=task_status)
 
-    def offer(self, peer: str, protocol: str) -> dict[str, Any]:
+    def offer(self, peer: str, protocol: str) -> LaneOffer:
         """A ticket for `peer` to open a lane for `protocol` (sent over its libp2p channel)."""
         if protocol not in self._serve or not self.port:
             raise WireError(f"no lanes for {protocol} here")
         now = trio.current_time()
         self._tickets = {t: v for t, v in self._tickets.items() if v[3] > now}
         mine = sorted((v[3], t) for t, v in self._tickets.items() if v[0] == peer)
-        for _, token in mine[:max(0, len(mine) - TICKETS_PER_PEER + 1)]:
+        for _, token in mine[: max(0, len(mine) - TICKETS_PER_PEER + 1)]:
             del self._tickets[token]
         token, key = secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(32)
         self._tickets[token] = (peer, protocol, key, now + TICKET_S)
-        return {"port": self.port, "token": token, "key": key}
+        return LaneOffer(self.port, token, key)
 
     async def _accept(self, stream: trio.SocketStream) -> None:
         try:
@@ -304,18 +364,13 @@ def tcp_ip(addr: str) -> str | None:
     return m.group(1) if m else None
 
 
-async def connect(ip: str, offer: dict[str, Any], max_record: int,
-                  timeout_s: float) -> SealedStream:
-    """Open the lane `offer` (the server's reply to "lane") describes; raise on any failure."""
-    port, token, key = offer.get("port"), offer.get("token"), offer.get("key")
-    if not (isinstance(port, int) and 0 < port < 65536 and isinstance(token, bytes)
-            and len(token) == TOKEN_BYTES and isinstance(key, bytes) and len(key) == 32):
-        raise WireError("lane offer: expected {port, token (16 bytes), key (32 bytes)}")
+async def connect(ip: str, offer: LaneOffer, max_record: int, timeout_s: float) -> SealedStream:
+    """Open the lane `offer` (the server's reply to LaneAsk) describes; raise on any failure."""
     with trio.fail_after(timeout_s):
-        stream = await trio.open_tcp_stream(ip, port)
+        stream = await trio.open_tcp_stream(ip, offer.port)
         try:
-            await stream.send_all(token)
-            sealed = SealedStream(stream, key, initiator=True, max_record=max_record)
+            await stream.send_all(offer.token)
+            sealed = SealedStream(stream, offer.key, initiator=True, max_record=max_record)
             if await sealed.read(len(_OK)) != _OK:
                 raise WireError("lane: the server did not confirm the ticket")
         except BaseException:
