@@ -22,6 +22,7 @@ import time
 import timeit
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -30,7 +31,7 @@ import trio
 
 from bench_metering import ring
 
-from kvasird.inference.client.routing import Hop, Route
+from kvasird.inference.client.routing import Fitness, Hop, Route
 from kvasird.inference.client.swarm import Progress, _Run
 from kvasird.inference.protocol.experts import selections
 from kvasird.inference.stepcontext import TALLY, Tally
@@ -114,6 +115,7 @@ def accounting_per_step() -> list[tuple[str, str]]:
     run: Any = _Run.__new__(_Run)
     run.route, run.units, run.positions, run.progress = Route(hops, 1.0), Counter(), Counter(), \
         Progress()
+    run.gen = SimpleNamespace(fitness=Fitness(300))  # the one thing _count asks of the generator
     tally, one_row = Tally("gw"), np.array([[3, 5]])
 
     def stage_call() -> None:

@@ -9,8 +9,8 @@ layers 0-9, two replicas hold layers 10-19 and two layers 20-29, so every hop bu
 gateway's own has a checker. Everything computes in this one process, one thing at a
 time, so a generation's time is its compute: the ratio of the time at a rate to the time
 at 0 is the extra compute the checks cost (a checked session also waits for its checks
-before its first token: the time to first token shows it), the replays of the drawn hops'
-decode steps after each generation included. Within a round the rates
+before its first token: the time to first token shows it), the checks of the drawn hops'
+later steps after each generation (commit and reveal) included. Within a round the rates
 alternate, generation by generation; the table gives the median over rounds. Rate 0 still
 relays every route's first prompt chunk through the gateway (every rate does, so that a
 hop cannot tell a checked session): its cost is in the baseline.
@@ -100,15 +100,16 @@ async def measure(args: argparse.Namespace) -> None:
     print(f"prompt {args.prompt} tokens, {args.tokens} generated, {args.generations} "
           f"generations x {args.rounds} rounds, in process (one core's compute)")
     print(f"{'rate':>6} {'s/generation':>13} {'extra':>7} {'TTFT ms':>8} {'hops checked':>13} "
-          f"{'replays':>8}")
+          f"{'later steps checked':>20}")
     for r in RATES:
         t = statistics.median(took[r])
         checked = spot[r].stages.checked / max(spot[r].stages.seen, 1)
         print(f"{r:>6.2f} {t:>13.3f} {t / base - 1:>+7.1%} "
               f"{statistics.median(ttft[r]) * 1000:>8.1f} {checked:>13.1%} "
-              f"{spot[r].decode.checked:>8}")
+              f"{spot[r].decode.checked:>20}")
         assert spot[r].stages.caught == 0 and spot[r].stages.unresolved == 0
         assert spot[r].decode.caught == 0 and spot[r].decode.unresolved == 0
+        assert spot[r].decode.unshown == 0
 
 
 def main() -> None:

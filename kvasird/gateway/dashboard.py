@@ -20,10 +20,22 @@ from kvasird.settlement.token import KVR_DECIMALS
 
 COLOURS = {"full": "#2e9e44", "partial": "#e0a800", "missing": "#d9363e"}
 """Coverage of a unit: replicas at the target, some, none."""
-PEER_COLOURS = ("#3b6fd6", "#c2487a", "#1f9e8f", "#8a5cd0", "#d9822b", "#5a8f29", "#b5473a",
-                "#4a90a4")
-STATE_COLOURS = {"ok": "#2e9e44", "starting": "#3b6fd6", "no_route": "#d9363e",
-                 "no_model": "#6b7380"}
+PEER_COLOURS = (
+    "#3b6fd6",
+    "#c2487a",
+    "#1f9e8f",
+    "#8a5cd0",
+    "#d9822b",
+    "#5a8f29",
+    "#b5473a",
+    "#4a90a4",
+)
+STATE_COLOURS = {
+    "ok": "#2e9e44",
+    "starting": "#3b6fd6",
+    "no_route": "#d9363e",
+    "no_model": "#6b7380",
+}
 WIDTH, LABEL_W, ROW, GAP = 960, 130, 22, 5
 """Topology picture: viewBox width, row label width, row height, gap between rows."""
 
@@ -59,24 +71,34 @@ def page(snap: dict[str, Any]) -> str:
 def _header(health: dict[str, str], node: dict[str, Any], model: dict[str, Any] | None) -> str:
     state = health["status"]
     label = {"ok": "ready", "no_route": "no route", "no_model": "no model"}.get(state, state)
-    facts = ["" if state == "ok" else escape(model["label"]) if model else "no model",
-             f"network {escape(node['network'])}" if node.get("network") else "",
-             f"up {_duration(node['uptime_s'])}" if "uptime_s" in node else "",
-             f"v{escape(node['version'])}" if node.get("version") else ""]
-    join = (f'<p class="join">join: <code>{escape(node["join_addr"])}</code></p>'
-            if node.get("join_addr") else "")
-    return (f'<h1>kvasird <span class="pill" id="state" data-state="{escape(state)}" '
-            f'style="background:{STATE_COLOURS.get(state, "#6b7380")}">{label}</span></h1>'
-            f'<p class="reason">{escape(health["reason"])}</p>'
-            f'<p class="facts">{" · ".join(f for f in facts if f)}</p>{join}')
+    facts = [
+        "" if state == "ok" else escape(model["label"]) if model else "no model",
+        f"network {escape(node['network'])}" if node.get("network") else "",
+        f"up {_duration(node['uptime_s'])}" if "uptime_s" in node else "",
+        f"v{escape(node['version'])}" if node.get("version") else "",
+    ]
+    join = (
+        f'<p class="join">join: <code>{escape(node["join_addr"])}</code></p>'
+        if node.get("join_addr")
+        else ""
+    )
+    return (
+        f'<h1>kvasird <span class="pill" id="state" data-state="{escape(state)}" '
+        f'style="background:{STATE_COLOURS.get(state, "#6b7380")}">{label}</span></h1>'
+        f'<p class="reason">{escape(health["reason"])}</p>'
+        f'<p class="facts">{" · ".join(f for f in facts if f)}</p>{join}'
+    )
 
 
 def _summary(snap: dict[str, Any]) -> str:
     gw = snap["gateway"]
-    rows = [("requests served", gw["requests_served"]), ("in flight", gw["in_flight"]),
-            ("tokens generated", gw["tokens_generated"]),
-            ("decode speed", _unit(gw["decode_tokens_per_s"], "tokens/s")),
-            ("time to first token", _unit(gw["ttft_ms_median"], "ms", "median "))]
+    rows = [
+        ("requests served", gw["requests_served"]),
+        ("in flight", gw["in_flight"]),
+        ("tokens generated", gw["tokens_generated"]),
+        ("decode speed", _unit(gw["decode_tokens_per_s"], "tokens/s")),
+        ("time to first token", _unit(gw["ttft_ms_median"], "ms", "median ")),
+    ]
     refused = {k: v for k, v in gw["requests_by_status"].items() if k != "200"}
     if refused:
         rows.append(("other answers", ", ".join(f"{v}× {k}" for k, v in refused.items())))
@@ -88,7 +110,8 @@ def _charts() -> str:
         f'<figure><figcaption>{what} <b id="chart-{key}-now">–</b></figcaption>'
         f'<svg id="chart-{key}" class="spark" viewBox="0 0 300 64" preserveAspectRatio="none" '
         f'role="img" aria-label="{what}, last five minutes"></svg></figure>'
-        for key, what in (("tps", "tokens/s, last minute"), ("ttft", "time to first token")))
+        for key, what in (("tps", "tokens/s, last minute"), ("ttft", "time to first token"))
+    )
 
 
 def _topology(snap: dict[str, Any]) -> str:
@@ -103,20 +126,24 @@ def _topology(snap: dict[str, Any]) -> str:
     rows += [_peer_row(model, peer, held, colour[peer]) for peer, held in holders.items()]
     rows.append(_route_row(model["n_layer"], gw["route_now"], gw["missing"], colour))
     height = len(rows) * (ROW + GAP) + 18
-    body = "".join(_row(i, label, cells, model["n_layer"] + 1)
-                   for i, (label, cells) in enumerate(rows))
-    svg = (f'<div class="scroll"><svg class="topo" xmlns="http://www.w3.org/2000/svg" '
-           f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="topology: layers across, '
-           f'peers as rows">{body}{_axis(model["n_layer"], height - 4)}</svg></div>')
-    legend = "".join(f'<span><i style="background:{c}"></i>{k}</span>'
-                     for k, c in COLOURS.items())
-    what = f"{model['n_layer']} layers" + (f" × {model['n_expert']} experts"
-                                           if model["n_expert"] else "")
-    warn = (f'<p class="warn">No route now: {escape(gw["missing"])}.</p>'
-            if gw["missing"] else "")
-    return (f'<p>{escape(what)}, {_bytes(model["bytes"])}; column H is the head '
-            f'(embedding and output).</p>{warn}{svg}<p class="legend">{legend}</p>'
-            f'{_recent_routes(gw["routes"], colour)}')
+    body = "".join(
+        _row(i, label, cells, model["n_layer"] + 1) for i, (label, cells) in enumerate(rows)
+    )
+    svg = (
+        f'<div class="scroll"><svg class="topo" xmlns="http://www.w3.org/2000/svg" '
+        f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="topology: layers across, '
+        f'peers as rows">{body}{_axis(model["n_layer"], height - 4)}</svg></div>'
+    )
+    legend = "".join(f'<span><i style="background:{c}"></i>{k}</span>' for k, c in COLOURS.items())
+    what = f"{model['n_layer']} layers" + (
+        f" × {model['n_expert']} experts" if model["n_expert"] else ""
+    )
+    warn = f'<p class="warn">No route now: {escape(gw["missing"])}.</p>' if gw["missing"] else ""
+    return (
+        f"<p>{escape(what)}, {_bytes(model['bytes'])}; column H is the head "
+        f'(embedding and output).</p>{warn}{svg}<p class="legend">{legend}</p>'
+        f"{_recent_routes(gw['routes'], colour)}"
+    )
 
 
 def _holders(cov: dict[str, Any], me: str) -> dict[str, list[list[Any]]]:
@@ -134,15 +161,20 @@ Cell = tuple[int, float, float, str, str]
 """(column, top, height as fractions of the row, fill, tooltip); column 0 is the head."""
 
 
-def _coverage_row(cov: dict[str, Any], holders: dict[str, list[list[Any]]]
-                  ) -> tuple[str, list[Cell]]:
+def _coverage_row(
+    cov: dict[str, Any], holders: dict[str, list[list[Any]]]
+) -> tuple[str, list[Cell]]:
     n_layer = cov["model"]["n_layer"]
     worst: dict[int, tuple[float, int, int]] = {}
     for seg in cov.get("segments") or []:
         r, t = seg["replicas"], seg["target"]
-        cols = ([0] if seg["unit"] == "head" else
-                range(seg["layers"][0] + 1, seg["layers"][1] + 1) if seg["unit"] == "layers"
-                else [seg["layer"] + 1])
+        cols = (
+            [0]
+            if seg["unit"] == "head"
+            else range(seg["layers"][0] + 1, seg["layers"][1] + 1)
+            if seg["unit"] == "layers"
+            else [seg["layer"] + 1]
+        )
         for col in cols:
             if col not in worst or r / max(t, 1) < worst[col][0]:
                 worst[col] = (r / max(t, 1), r, t)
@@ -158,12 +190,17 @@ def _coverage_row(cov: dict[str, Any], holders: dict[str, list[list[Any]]]
 
 def _holds(holdings: list[list[Any]], col: int) -> bool:
     """Whether a holding covers topology column ``col`` (0 the head, layer i at i + 1)."""
-    return any((h[0] == "H" and col == 0) or (h[0] == "L" and h[1] < col <= h[2])
-               or (h[0] == "E" and h[1] + 1 == col) for h in holdings)
+    return any(
+        (h[0] == "H" and col == 0)
+        or (h[0] == "L" and h[1] < col <= h[2])
+        or (h[0] == "E" and h[1] + 1 == col)
+        for h in holdings
+    )
 
 
-def _peer_row(model: dict[str, Any], peer: str, holdings: list[list[Any]], colour: str
-              ) -> tuple[str, list[Cell]]:
+def _peer_row(
+    model: dict[str, Any], peer: str, holdings: list[list[Any]], colour: str
+) -> tuple[str, list[Cell]]:
     """One cell per unit the peer holds; units not online yet (or draining) are faded."""
     cells: list[Cell] = []
     name = _short(peer)
@@ -173,18 +210,28 @@ def _peer_row(model: dict[str, Any], peer: str, holdings: list[list[Any]], colou
         if kind == "H":
             cells.append((0, 0.0, 1.0, fill, f"{name}: head ({state})"))
         elif kind == "L":
-            cells += [(layer + 1, 0.0, 1.0, fill, f"{name}: layer {layer} ({state})")
-                      for layer in range(h[1], h[2])]
+            cells += [
+                (layer + 1, 0.0, 1.0, fill, f"{name}: layer {layer} ({state})")
+                for layer in range(h[1], h[2])
+            ]
         else:
             layer, e0, e1 = h[1], h[2], h[3]
             n = max(model["n_expert"], 1)
-            cells.append((layer + 1, e0 / n, (e1 - e0) / n, fill,
-                          f"{name}: layer {layer} experts {e0}-{e1 - 1} ({state})"))
+            cells.append(
+                (
+                    layer + 1,
+                    e0 / n,
+                    (e1 - e0) / n,
+                    fill,
+                    f"{name}: layer {layer} experts {e0}-{e1 - 1} ({state})",
+                )
+            )
     return name, cells
 
 
-def _route_row(n_layer: int, hops: list[dict[str, Any]] | None, missing: str | None,
-               colour: dict[str, str]) -> tuple[str, list[Cell]]:
+def _route_row(
+    n_layer: int, hops: list[dict[str, Any]] | None, missing: str | None, colour: dict[str, str]
+) -> tuple[str, list[Cell]]:
     if not hops:
         tip = f"no route: {missing}" if missing else "no route is needed: the whole model runs here"
         fill = COLOURS["missing"] if missing else "#c9ced6"
@@ -192,27 +239,33 @@ def _route_row(n_layer: int, hops: list[dict[str, Any]] | None, missing: str | N
     cells: list[Cell] = []
     for i, hop in enumerate(hops, 1):
         fill = colour.get(hop["peer"], "#6b7380")
-        parts = (["embedding"] if hop["embed"] else []) + (
-            [f"layers {hop['first']}-{hop['end'] - 1}"] if hop["end"] > hop["first"] else []) + (
-            ["output"] if hop["head"] else [])
+        parts = (
+            (["embedding"] if hop["embed"] else [])
+            + ([f"layers {hop['first']}-{hop['end'] - 1}"] if hop["end"] > hop["first"] else [])
+            + (["output"] if hop["head"] else [])
+        )
         tip = f"hop {i}: {_short(hop['peer'])} · {' + '.join(parts)}"
         cols = ([0] if hop["embed"] or hop["head"] else []) + list(
-            range(hop["first"] + 1, hop["end"] + 1))
+            range(hop["first"] + 1, hop["end"] + 1)
+        )
         cells += [(col, 0.2, 0.6, fill, tip) for col in cols]
     return "route now", cells
 
 
 def _row(i: int, label: str, cells: list[Cell], n_col: int) -> str:
     y = i * (ROW + GAP)
-    out = [f'<text x="0" y="{y + 16}" font-size="14">{escape(label)}</text>',
-           f'<rect x="{LABEL_W}" y="{y}" width="{WIDTH - LABEL_W}" height="{ROW}" '
-           'fill="#eef0f3"/>']
+    out = [
+        f'<text x="0" y="{y + 16}" font-size="14">{escape(label)}</text>',
+        f'<rect x="{LABEL_W}" y="{y}" width="{WIDTH - LABEL_W}" height="{ROW}" fill="#eef0f3"/>',
+    ]
     kind = "cov" if label == "coverage" else "cell"
     for col, top, h, fill, tip in cells:
         x, w = _col_x(col, n_col)
-        out.append(f'<rect class="{kind}" data-col="{col}" x="{x:.1f}" y="{y + top * ROW:.1f}" '
-                   f'width="{max(w - 1, 1):.1f}" height="{max(h * ROW, 1):.1f}" fill="{fill}">'
-                   f'<title>{escape(tip)}</title></rect>')
+        out.append(
+            f'<rect class="{kind}" data-col="{col}" x="{x:.1f}" y="{y + top * ROW:.1f}" '
+            f'width="{max(w - 1, 1):.1f}" height="{max(h * ROW, 1):.1f}" fill="{fill}">'
+            f"<title>{escape(tip)}</title></rect>"
+        )
     return "".join(out)
 
 
@@ -224,19 +277,27 @@ def _col_x(col: int, n_col: int) -> tuple[float, float]:
 def _axis(n_layer: int, y: int) -> str:
     step = 5 if n_layer > 12 else 1
     marks = [(0, "H")] + [(layer + 1, str(layer)) for layer in range(0, n_layer, step)]
-    return "".join(f'<text x="{_col_x(col, n_layer + 1)[0] + 1:.1f}" y="{y}" font-size="12" '
-                   f'fill="#6b7380">{t}</text>' for col, t in marks)
+    return "".join(
+        f'<text x="{_col_x(col, n_layer + 1)[0] + 1:.1f}" y="{y}" font-size="12" '
+        f'fill="#6b7380">{t}</text>'
+        for col, t in marks
+    )
 
 
 def _recent_routes(routes: list[dict[str, Any]], colour: dict[str, str]) -> str:
     if not routes:
         return "<p>No generation has run through the swarm lately.</p>"
     items = "".join(
-        "<li>" + " → ".join(f'<span class="chip" style="border-color:'
-                            f'{colour.get(p, "#6b7380")}">{escape(_short(p))}</span>'
-                            for p in r["peers"]) + f" · {_duration(r['seen_s_ago'])} ago</li>"
-        for r in routes)
-    return f"<p>Routes generations ran on lately:</p><ul class=\"routes\">{items}</ul>"
+        "<li>"
+        + " → ".join(
+            f'<span class="chip" style="border-color:'
+            f'{colour.get(p, "#6b7380")}">{escape(_short(p))}</span>'
+            for p in r["peers"]
+        )
+        + f" · {_duration(r['seen_s_ago'])} ago</li>"
+        for r in routes
+    )
+    return f'<p>Routes generations ran on lately:</p><ul class="routes">{items}</ul>'
 
 
 def _peers(snap: dict[str, Any]) -> str:
@@ -250,16 +311,23 @@ def _peers(snap: dict[str, Any]) -> str:
     rows = []
     for peer in ids:
         info = connected.get(peer, {})
-        dot = (f'<i class="dot" style="background:{colour[peer]}"></i>' if peer in colour
-               else '<i class="dot"></i>')
+        dot = (
+            f'<i class="dot" style="background:{colour[peer]}"></i>'
+            if peer in colour
+            else '<i class="dot"></i>'
+        )
         you = ' <span class="tag">this node</span>' if peer == me else ""
         rtt = "–" if peer == me else _unit(info.get("rtt_ms"), "ms")
         held = _holding_text(holders.get(peer, [])) or "nothing"
-        rows.append(f'<tr><td title="{escape(peer)}">{dot}<code>{escape(_short(peer))}</code>'
-                    f'{you}</td><td>{rtt}</td><td>{escape(held)}</td>'
-                    f'<td>{escape(str(info.get("version") or ""))}</td></tr>')
-    return ('<div class="scroll"><table class="peers"><tr><th>peer</th><th>RTT</th>'
-            f'<th>holds</th><th>version</th></tr>{"".join(rows)}</table></div>')
+        rows.append(
+            f'<tr><td title="{escape(peer)}">{dot}<code>{escape(_short(peer))}</code>'
+            f"{you}</td><td>{rtt}</td><td>{escape(held)}</td>"
+            f"<td>{escape(str(info.get('version') or ''))}</td></tr>"
+        )
+    return (
+        '<div class="scroll"><table class="peers"><tr><th>peer</th><th>RTT</th>'
+        f"<th>holds</th><th>version</th></tr>{''.join(rows)}</table></div>"
+    )
 
 
 def _checks(snap: dict[str, Any]) -> str:
@@ -272,21 +340,42 @@ def _checks(snap: dict[str, Any]) -> str:
     rows = []
     for kind, what in (("stages", "stage sessions"), ("experts", "expert calls")):
         t = view[kind]
-        odds = (f", a cheat caught within {t['within_95']} (95 %)"
-                if t["within_95"] is not None else "")
-        rows.append((what, f"{t['checked']} checked, {t['caught']} caught"
-                     + (f", {t['unresolved']} undecided" if t["unresolved"] else "")
-                     + f" ({t['rate']:.0%} drawn{odds})"))
+        odds = (
+            f", a cheat caught within {t['within_95']} (95 %)" if t["within_95"] is not None else ""
+        )
+        rows.append(
+            (
+                what,
+                f"{t['checked']} checked, {t['caught']} caught"
+                + (f", {t['unresolved']} undecided" if t["unresolved"] else "")
+                + f" ({t['rate']:.0%} drawn{odds})",
+            )
+        )
+    d = view["decode"]
+    rows.append(
+        (
+            "later steps",
+            f"{d['checked']} checked, {d['caught']} caught"
+            + (f", {d['unresolved']} undecided" if d["unresolved"] else "")
+            + f", {d['unshown']} hop-sessions unpaid: could not show their work",
+        )
+    )
     out = _table(rows)
     if view["evidence"]:
         out += "<h3>Caught</h3>" + _grid(
             ["peer", "unit", "off by", "sessions"],
-            [[_short(e["peer"]), e["unit"], f"{e['divergence']:.3g}", str(e["sessions"])]
-             for e in view["evidence"]])
+            [
+                [_short(e["peer"]), e["unit"], f"{e['divergence']:.3g}", str(e["sessions"])]
+                for e in view["evidence"]
+            ],
+        )
     unchecked = view["unchecked_units"]
     if unchecked:
-        out += ('<p class="warn">Drawn but not checkable: ' + escape(", ".join(
-            f"{unit} ×{n}" for unit, n in sorted(unchecked.items()))) + ".</p>")
+        out += (
+            '<p class="warn">Drawn but not checkable: '
+            + escape(", ".join(f"{unit} ×{n}" for unit, n in sorted(unchecked.items())))
+            + ".</p>"
+        )
     return out
 
 
@@ -298,8 +387,9 @@ def _holding_text(holdings: list[list[Any]]) -> str:
         if h[0] == "H":
             out.append(f"head{state}")
         elif h[0] == "L":
-            out.append((f"layer {h[1]}" if h[2] - h[1] == 1 else f"layers {h[1]}-{h[2] - 1}")
-                       + state)
+            out.append(
+                (f"layer {h[1]}" if h[2] - h[1] == 1 else f"layers {h[1]}-{h[2] - 1}") + state
+            )
         else:
             out.append(f"layer {h[1]} experts {h[2]}-{h[3] - 1}{state}")
     return ", ".join(out)
@@ -310,23 +400,35 @@ def _earnings(snap: dict[str, Any]) -> str:
     if not claims.get("enabled"):
         return "<p>Settlement is off on this node: it serves for free and earns nothing.</p>"
     total = snap["node"].get("earnings") or {}
-    out = _table([("earned (receipts)", kvr(total.get("earned", 0))),
-                  ("received on chain", kvr(total.get("received", 0))),
-                  ("pending", kvr(total.get("pending", 0)))])
+    out = _table(
+        [
+            ("earned (receipts)", kvr(total.get("earned", 0))),
+            ("received on chain", kvr(total.get("received", 0))),
+            ("pending", kvr(total.get("pending", 0))),
+        ]
+    )
     if claims["gateways"]:
         out += "<h3>From gateways</h3>" + _grid(
             ["gateway", "earned", "received", "pending"],
-            [[_short(g["peer_id"]), kvr(g["earned"]), kvr(g["received"]), kvr(g["pending"])]
-             for g in claims["gateways"]])
+            [
+                [_short(g["peer_id"]), kvr(g["earned"]), kvr(g["received"]), kvr(g["pending"])]
+                for g in claims["gateways"]
+            ],
+        )
     if claims.get("owed_to_peers"):
         out += "<h3>This gateway owes</h3>" + _grid(
             ["peer", "earned", "paid", "units"],
-            [[_short(p["peer_id"]), kvr(p["earned"]), kvr(p["paid"]),
-              str(p["measured_units"])] for p in claims["owed_to_peers"]])
+            [
+                [_short(p["peer_id"]), kvr(p["earned"]), kvr(p["paid"]), str(p["measured_units"])]
+                for p in claims["owed_to_peers"]
+            ],
+        )
     own = claims.get("own_use") or {}
     if own.get("requests"):
-        out += (f"<p>Your own requests from this machine: {own['requests']}, paid to the "
-                f"peers from your wallet: {kvr(own['spent'])}.</p>")
+        out += (
+            f"<p>Your own requests from this machine: {own['requests']}, paid to the "
+            f"peers from your wallet: {kvr(own['spent'])}.</p>"
+        )
     if claims.get("pending"):
         out += "<p>Claim what is pending with <code>kvasird wallet claim</code>.</p>"
     return out
@@ -342,11 +444,13 @@ def _price(price: dict[str, int] | None) -> str:
     at = 0.0 if hi <= lo else (math.log(max(p, lo)) - math.log(lo)) / (math.log(hi) - math.log(lo))
     given = price.get("per_1k_input_tokens")
     inputs = f"<p>Prompt tokens: {kvr(given)} per 1000.</p>" if given is not None else ""
-    return (f'<p class="big">{kvr(p)} <small>per 1000 output tokens</small></p>{inputs}'
-            f'<div class="band" role="img" aria-label="price inside its band">'
-            f'<i style="left:{100 * min(max(at, 0.0), 1.0):.1f}%"></i></div>'
-            f'<p class="ends"><span>floor {kvr(lo)}</span><span>ceiling {kvr(hi)}</span></p>'
-            "<p>Utilization moves the price inside the band governance sets.</p>")
+    return (
+        f'<p class="big">{kvr(p)} <small>per 1000 output tokens</small></p>{inputs}'
+        f'<div class="band" role="img" aria-label="price inside its band">'
+        f'<i style="left:{100 * min(max(at, 0.0), 1.0):.1f}%"></i></div>'
+        f'<p class="ends"><span>floor {kvr(lo)}</span><span>ceiling {kvr(hi)}</span></p>'
+        "<p>Utilization moves the price inside the band governance sets.</p>"
+    )
 
 
 def _shards(view: dict[str, Any] | None) -> str:
@@ -357,26 +461,34 @@ def _shards(view: dict[str, Any] | None) -> str:
     if p and p["done_bytes"] < p["total_bytes"]:
         done, total, rate = p["done_bytes"], p["total_bytes"], p["rate"] or 0
         eta = f", {_duration((total - done) / rate)} left" if rate > 0 else ""
-        out.append(f"<p>Downloading: {_bytes(done)} of {_bytes(total)}, "
-                   f"{rate / 2**20:.1f} MB/s{eta}</p>{_bar(done, total)}")
+        out.append(
+            f"<p>Downloading: {_bytes(done)} of {_bytes(total)}, "
+            f"{rate / 2**20:.1f} MB/s{eta}</p>{_bar(done, total)}"
+        )
     for m in view.get("models", []):
         name = m.get("name") or m["model_id"][:12]
-        out.append(f"<p>{escape(name)}: {_bytes(m['held_bytes'])} of "
-                   f"{_bytes(m['total_bytes'])} held</p>{_bar(m['held_bytes'], m['total_bytes'])}")
+        out.append(
+            f"<p>{escape(name)}: {_bytes(m['held_bytes'])} of "
+            f"{_bytes(m['total_bytes'])} held</p>{_bar(m['held_bytes'], m['total_bytes'])}"
+        )
     if r := view.get("last_download"):
-        out.append(f"<p>Last download: {r['units']} units, {_bytes(r['received_bytes'])} in "
-                   f"{_duration(r['seconds'])}</p>")
+        out.append(
+            f"<p>Last download: {r['units']} units, {_bytes(r['received_bytes'])} in "
+            f"{_duration(r['seconds'])}</p>"
+        )
     return "".join(out) or "<p>No model in this node's store.</p>"
 
 
 def _chat(model: dict[str, Any] | None) -> str:
     model_id = escape(model["id"]) if model else ""
-    return (f'<div id="chat-log" class="chat-log" aria-live="polite"></div>'
-            f'<form id="chat" data-model="{model_id}">'
-            '<textarea name="q" rows="2" placeholder="Ask the model…" required></textarea>'
-            '<label>temperature<input name="temperature" type="number" min="0" max="2" '
-            'step="0.1" value="0.7"></label>'
-            '<button type="submit" name="send">Send</button></form>')
+    return (
+        f'<div id="chat-log" class="chat-log" aria-live="polite"></div>'
+        f'<form id="chat" data-model="{model_id}">'
+        '<textarea name="q" rows="2" placeholder="Ask the model…" required></textarea>'
+        '<label>temperature<input name="temperature" type="number" min="0" max="2" '
+        'step="0.1" value="0.7"></label>'
+        '<button type="submit" name="send">Send</button></form>'
+    )
 
 
 def _table(rows: list[tuple[str, Any]]) -> str:

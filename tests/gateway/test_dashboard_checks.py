@@ -20,6 +20,9 @@ def test_the_card_names_the_units_nobody_else_holds_and_the_peers_caught() -> No
     assert "<th>stage sessions</th><td>7 checked, 1 caught (10% drawn, a cheat caught " \
         "within 29 (95 %))</td>" in card
     assert "Drawn but not checkable: layers 20-29 ×2." in card
+    spot.decode.checked, spot.decode.unshown = 3, 2
+    assert "<th>later steps</th><td>3 checked, 0 caught, 2 hop-sessions unpaid: could not " \
+        "show their work</td>" in _checks({"checks": spot.status()})
     assert "layers 10-19" in card
     assert "not checkable" not in _checks({"checks": SpotChecks(0.1, 0.05, 1e-3).status()})
     assert "without a node" in _checks({})

@@ -56,7 +56,8 @@ class FakeNet:
     """Named peers; `down` peers and `cut` links (from, to) refuse to connect."""
 
     def __init__(self, served: dict[str, Served], me: str = "gw", *, max_sessions: int = 8,
-                 experts: dict[str, Served] | None = None) -> None:
+                 experts: dict[str, Served] | None = None,
+                 servers: dict[str, type[StageServer]] | None = None) -> None:
         self.me, self.inbox = me, Inbox()
         self.nursery: trio.Nursery | None = None
         """Where one-way messages are in flight (`running`, or a test's own nursery)."""
@@ -68,10 +69,11 @@ class FakeNet:
         """Peers missing from the coverage map (`holders`): their records are late."""
         self.sent: list[tuple[str, str, str]] = []
         """(from, to, op) of every one-way message sent."""
-        self.servers = {n: StageServer(lambda: "m", lambda s=s: s, max_sessions=max_sessions,
-                                       idle_s=60, wire_dtype="f32", me=n, send=self._sender(n),
-                                       deliver=self.inbox.deliver if n == me else None)
-                        for n, s in served.items()}
+        kinds = servers or {}  # peer -> its stage server's class (a liar's)
+        self.servers = {n: kinds.get(n, StageServer)(
+            lambda: "m", lambda s=s: s, max_sessions=max_sessions, idle_s=60, wire_dtype="f32",
+            me=n, send=self._sender(n), deliver=self.inbox.deliver if n == me else None)
+            for n, s in served.items()}
         self.experts = {n: ExpertServer(lambda s=s: s, window_s=0, wire_dtype="f32",
                                         delegations=Verifier(NETWORK))
                         for n, s in (experts or {}).items()}

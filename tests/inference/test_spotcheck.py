@@ -4,12 +4,13 @@ are paid nothing for those sessions, are avoided, and leave evidence on the chec
 node; checked every time, 1,000 honest sessions (and worker calls) flag nobody; a head
 that answers a token it did not draw is caught, and a lying checker is caught in place of
 the peer it checked; a stage that computes the relayed first chunk honestly and lies on
-the forwarded decode steps is caught by a replay of the session after it ends, and on a
-route with other peers, where the replay cannot say who lied, nobody is sentenced.
+the forwarded decode steps is caught from the rows it must show of a drawn step, on a
+route of any peers; a hop whose commitment contradicts what it sent is paid nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Iterator
@@ -33,14 +34,14 @@ from kvasird.inference.client.spotcheck import (
 )
 from kvasird.inference.client.swarm import SwarmGenerator
 from kvasird.inference.protocol import tensors
+from kvasird.inference.protocol.stage import Open
 from kvasird.inference.server.engine import Holdings, Served
+from kvasird.inference.server.stage import StageServer
 from kvasird.inference.stepcontext import TALLY, Tally
 
-from .conftest import N_LAYER, PROMPT
+from .conftest import N_EXPERT, N_LAYER, PROMPT
 from .fakenet import FakeNet, Handle, hung, lying, no_experts
-from .test_serving import N_EXPERT, STAGE, moe, worker  # noqa: F401 - fixtures
-
-__all__ = ["moe", "worker"]
+from .test_serving import STAGE
 
 DEFAULTS = InferenceConfig()
 
@@ -114,7 +115,8 @@ async def test_a_stage_returning_perturbed_rows_is_caught_paid_nothing_and_avoid
         work = {w.peer: w.units for w in gen.work(f"r{i}")}
         if spot.stages.caught:
             break
-        assert "b" in work  # an unchecked session of the cheat is paid, as it looks done
+        # not drawn, yet not paid: its answers are not the rows it committed to
+        assert "b" not in work and spot.decode.unshown == i + 1
     assert spot.stages.caught == 1, f"not caught within {bound} sessions"
     evidence = spot.evidence[0]
     assert evidence.peer == "b" and evidence.unit == "layers 1-2"
@@ -162,11 +164,10 @@ async def test_a_thousand_honest_sessions_checked_every_time_flag_nobody(
     assert spot.stages.caught == 0 and spot.stages.unresolved == 0
     assert spot.stages.checked == 1000  # b's, by b2 or b3
     assert spot.stages.worst_pass == 0.0  # one backend, the same chunk: the same bits
-    # a route of two peers: their decode steps are not replayed (nobody could be named)
-    assert spot.decode.checked == 0 and spot.decode.unchecked == 2000
-    assert spot.status()["unchecked_units"] == {
-        "layer 3": 1000, "layers 1-2 (decode steps, on a route of several peers)": 1000,
-        "layer 3 (decode steps, on a route of several peers)": 1000}
+    # b's later steps too, from the rows it showed; c has no replica
+    assert spot.decode.checked == 1000 and spot.decode.unchecked == 1000
+    assert spot.decode.caught == 0 and spot.decode.unresolved == 0 and spot.decode.unshown == 0
+    assert spot.status()["unchecked_units"] == {"layer 3": 1000, "layer 3 (decode steps)": 1000}
     assert fitness.snapshot() == {}
 
 
@@ -201,7 +202,7 @@ def expert_net(worker: Served, tmp_path: Path, rate: float
 
 
 async def test_a_worker_returning_perturbed_outputs_is_caught_and_left_out_of_the_tally(
-        worker: Served, tmp_path: Path) -> None:  # noqa: F811
+        worker: Served, tmp_path: Path) -> None:
     net, fitness, dispatcher, spot = expert_net(worker, tmp_path, DEFAULTS.spot_check)
     net.faults["w"] = lying
     rng = np.random.default_rng(5)
@@ -230,7 +231,7 @@ async def test_a_worker_returning_perturbed_outputs_is_caught_and_left_out_of_th
 
 
 async def test_a_thousand_honest_expert_calls_checked_every_time_flag_nobody(
-        worker: Served, tmp_path: Path) -> None:  # noqa: F811
+        worker: Served, tmp_path: Path) -> None:
     net, fitness, dispatcher, spot = expert_net(worker, tmp_path, 1.0)
     rng = np.random.default_rng(6)
     TALLY.set(Tally("gw", STAGE.own()))
@@ -322,24 +323,24 @@ async def test_a_checker_contradicted_by_a_second_is_the_one_caught(
     assert fitness.lied("b2") and fitness.fit("b")
 
 
-def lying_on_decode(opened: list[str], peer: str):  # noqa: ANN201 - a fakenet Fault
-    """A stage that computes every relayed step (the route's first prompt chunk, a check,
-    a replay) honestly and, on the decode steps forwarded to it, computes on noise in place
-    of the rows it was sent (and notes each session opened on it)."""
-    rng = np.random.default_rng(3)
+class LyingOnDecode(StageServer):
+    """A stage that computes every relayed step (the route's first prompt chunk, a check's
+    recomputation) honestly and each decode step forwarded to it on garbage in place of the
+    rows it was sent; it writes down what it really received and sent (it reads the code:
+    a commitment that contradicts its neighbours' costs it its pay at once)."""
 
-    def fault(handle: Handle) -> Handle:
-        async def lie(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
-            if msg.get("op") == "open":
-                opened.append(peer)
-            if msg.get("op") == "step" and "back" in msg and msg["x"]["dt"] != "i32":
-                x = tensors.decode(msg["x"], "x", ("f32", "f16"), (None, None))
-                if len(x) == 1:
-                    noise = rng.standard_normal(x.shape).astype(np.float32) * np.abs(x).max()
-                    msg = {**msg, "x": tensors.encode(noise, msg["x"]["dt"])}
-            return await handle(caller, msg)
-        return lie
-    return fault
+    rng = np.random.default_rng(3)
+    opened: list[str] = []
+
+    async def answer(self, caller: str, m: Any) -> dict[str, Any]:
+        if isinstance(m, Open):
+            LyingOnDecode.opened.append(self.me)
+        return await super().answer(caller, m)
+
+    async def _step(self, s: Any, m: Any) -> Any:
+        if m.forward is not None and m.dt != "i32" and len(m.x) == 1:
+            m = dataclasses.replace(m, x=self.rng.permutation(m.x, axis=1))
+        return await super()._step(s, m)
 
 
 @pytest.fixture(scope="module")
@@ -364,13 +365,13 @@ def tail_generator(net: FakeNet, spot: SpotChecks, fitness: Fitness,
                           config, net.inbox, spot=spot)
 
 
-async def test_a_stage_lying_only_on_decode_steps_is_caught_by_a_replay_and_paid_nothing(
+async def test_a_stage_lying_only_on_decode_steps_is_caught_and_paid_nothing(
         tails: dict[str, Served], reference: list[int], tmp_path: Path) -> None:
-    """d passes every first-chunk check; with the default rate, a replay of a drawn session
-    with d replaced catches it within the sessions docs/verification.md predicts."""
-    opened: list[str] = []
-    net, fitness = FakeNet(tails), Fitness(DEFAULTS.unfit_s)
-    net.faults["d"] = lying_on_decode(opened, "d")
+    """d passes every first-chunk check; with the default rate, the rows it shows for a
+    drawn session, recomputed on a replica, catch it within the sessions
+    docs/verification.md predicts."""
+    opened = LyingOnDecode.opened = []
+    net, fitness = FakeNet(tails, servers={"d": LyingOnDecode}), Fitness(DEFAULTS.unfit_s)
     spot = SpotChecks(DEFAULTS.spot_check_stages, DEFAULTS.spot_check,
                       DEFAULTS.spot_tolerance, tmp_path / "spotchecks")
     gen = tail_generator(net, spot, fitness)
@@ -389,7 +390,7 @@ async def test_a_stage_lying_only_on_decode_steps_is_caught_by_a_replay_and_paid
     evidence = spot.evidence[0]
     assert evidence.kind == "decode" and evidence.peer == "d"
     assert evidence.unit == "layers 1-3 + head (decode steps)" and evidence.sessions <= bound
-    # nothing paid to d for the caught session; the replay's hops paid for their work
+    # nothing paid to d for the caught session; the checkers paid for their work
     assert "d" not in work and set(evidence.checkers) <= {"d2", "d3"}
     assert all(work[p] > 0 for p in evidence.checkers)
     assert fitness.lied("d")
@@ -399,25 +400,43 @@ async def test_a_stage_lying_only_on_decode_steps_is_caught_by_a_replay_and_paid
     kept = json.loads((tmp_path / "spotchecks" / "evidence.jsonl").read_text().splitlines()[0])
     assert kept["kind"] == "decode" and kept["peer"] == "d" and kept["verdict"] == "caught"
     arrays = np.load(tmp_path / "spotchecks" / kept["arrays"])
-    assert len(PROMPT) < len(arrays["input"]) < len(PROMPT) + 6  # the history replayed
+    assert len(PROMPT) < len(arrays["input"]) < len(PROMPT) + 6  # the inputs it showed
     assert arrays["output"][0][0] != arrays["reference"][0][0]  # the tokens that differ
 
 
-async def test_decode_steps_on_a_route_of_several_peers_are_counted_unchecked(
-        replicated: dict[str, Served]) -> None:
-    """b lies on decode steps on a route with c: a replay with b replaced would disagree,
-    but c too could have lied on the generation and computed the replay honestly, so it
-    would name nobody: no replay is paid for, the decode steps are counted unchecked (by
-    name, for the dashboard), nobody is sentenced and both are paid."""
-    net, fitness = FakeNet(replicated), Fitness(DEFAULTS.unfit_s)
-    net.faults["b"] = lying_on_decode([], "b")
+async def test_a_stage_lying_on_decode_steps_on_a_route_of_several_peers_is_caught(
+        replicated: dict[str, Served], reference: list[int]) -> None:
+    """b lies on the decode steps forwarded to it on a route with c: what b showed of a
+    drawn step, recomputed on a replica from the inputs it showed (which are bound by what
+    the hop before it sent), names b; c, honest, is paid and not flagged."""
+    LyingOnDecode.opened = []
+    net, fitness = FakeNet(replicated, servers={"b": LyingOnDecode}), Fitness(DEFAULTS.unfit_s)
     spot = SpotChecks(1.0, 0.0, DEFAULTS.spot_tolerance)
     gen = generator(net, spot, fitness, InferenceConfig(spot_check_stages=1.0))
-    await generate(gen, "r", 6)
-    assert spot.stages.caught == 0 and spot.decode.caught == 0
-    assert spot.decode.checked == 0 and spot.decode.unchecked == 2
-    assert any("several peers" in unit for unit in spot.unchecked)
-    assert fitness.snapshot() == {} and {"b", "c"} <= {w.peer for w in gen.work("r")}
+    assert await generate(gen, "r", 6) != reference[:6]  # its lies reached the user
+    assert spot.stages.caught == 0 and spot.decode.caught == 1 and spot.decode.unshown == 0
+    assert [e.peer for e in spot.evidence] == ["b"]
+    assert spot.evidence[0].unit == "layers 1-2 (decode steps)"
+    assert set(spot.evidence[0].checkers) <= {"b2", "b3"}
+    assert spot.unchecked == {"layer 3": 1, "layer 3 (decode steps)": 1}  # c has no replica
+    work = {w.peer for w in gen.work("r")}
+    assert "b" not in work and "c" in work
+    assert fitness.lied("b") and fitness.fit("c")
+
+
+async def test_a_hop_whose_commitment_contradicts_what_it_sent_is_paid_nothing(
+        replicated: dict[str, Served], reference: list[int]) -> None:
+    """b answers the relayed steps with rows other than those it wrote down (a fault in
+    front of its server): the gateway saw what b sent, so b alone cannot show its work and
+    is paid nothing, though no check was drawn; c, which computed on what b sent, is paid."""
+    net, fitness = FakeNet(replicated), Fitness(DEFAULTS.unfit_s)
+    net.faults["b"] = perturbing([], "b")
+    spot = SpotChecks(0.0, 0.0, DEFAULTS.spot_tolerance)
+    gen = generator(net, spot, fitness, InferenceConfig(spot_check_stages=0.0))
+    await generate(gen, "r", 3)
+    assert spot.decode.unshown == 1 and spot.stages.checked == 0
+    work = {w.peer for w in gen.work("r")}
+    assert "b" not in work and {"gw", "c"} <= work
 
 
 async def test_after_a_failover_the_last_routes_own_tokens_are_replayed_and_pass(

@@ -9,7 +9,7 @@ the seam that server's constructor offers; then the normal ``kvasird`` main runs
     lying-experts     expert outputs off by a little (a worker spot checks must catch)
     lying-stage       a stage's hidden rows off by a little (a stage spot checks must catch)
     lying-decode      a stage honest on relayed steps that computes the decode steps forwarded
-                      to it on noise (one only a replay of the session catches)
+                      to it on garbage (one only the rows it must show catch)
 """
 
 from __future__ import annotations
@@ -86,14 +86,17 @@ class LyingStage(StageServer):
 
 
 class LyingDecode(StageServer):
-    """Computes every relayed step (a route's first prompt chunk, a check, a replay)
-    honestly, and each decode step forwarded to it on noise in place of the rows it was
-    sent: it reads the code, and lies only where it sees the gateway does not look."""
+    """Computes every relayed step (a route's first prompt chunk, a check's recomputation)
+    honestly, and each decode step forwarded to it on garbage in place of the rows it was
+    sent: it reads the code, and lies only where the gateway does not see its rows (its
+    ledger holds what it really received and sent: a commitment that contradicts its
+    neighbours' would cost it its pay at once)."""
 
     async def _step(self, s: Any, m: Any) -> Any:
         if m.forward is not None and m.dt != "i32" and len(m.x) == 1:
-            noise = np.random.default_rng().standard_normal(m.x.shape).astype(np.float32)
-            m = dataclasses.replace(m, x=noise * np.abs(m.x).max())
+            # the row's own values shuffled: garbage of the right magnitude (noise scaled
+            # to the largest value can overflow the next hop's f16 rows, which would blame it)
+            m = dataclasses.replace(m, x=np.random.default_rng().permutation(m.x, axis=1))
         return await super()._step(s, m)
 
 

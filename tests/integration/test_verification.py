@@ -1,7 +1,8 @@
 """Spot checks across real daemons on 127.0.0.1, with the default settings: a stage and an
 expert worker that return perturbed outputs (faulty_daemon: lying-stage, lying-experts),
-and a stage that lies only on the decode steps forwarded to it (lying-decode), are caught
-within the sessions docs/verification.md predicts, avoided afterwards, and the evidence is
+and a stage that lies only on the decode steps forwarded to it (lying-decode), on a route
+of the gateway and that stage or of several peers, are caught within the sessions
+docs/verification.md predicts, avoided afterwards, and the evidence is
 kept on the checking node.
 """
 
@@ -114,10 +115,10 @@ def test_a_lying_stage_is_caught_within_the_predicted_sessions_and_avoided(
     assert view["stages"]["unresolved"] == 0
 
 
-def test_a_stage_lying_only_on_decode_steps_is_caught_by_a_replay_and_avoided(
+def test_a_stage_lying_only_on_decode_steps_is_caught_and_avoided(
         localnet: Callable[..., LocalNet], tmp_path: Path) -> None:
     """As above, node 1 computing the relayed first chunk honestly: the first-chunk checks
-    pass it, the replays of its drawn sessions catch it."""
+    pass it, the rows it must show of its drawn sessions' later steps catch it."""
     model = make_model(tmp_path / "dense.gguf", arch="llama", n_layer=4, n_embd=256, n_head=8,
                        n_head_kv=4, head_dim=32, n_ff=1024, dtype="f32")
     net = start(localnet, model, [["head", "layers:0-1"], ["layers:1-4"], ["layers:1-4"],
@@ -134,6 +135,34 @@ def test_a_stage_lying_only_on_decode_steps_is_caught_by_a_replay_and_avoided(
     assert liar.peer_id in gateway.get("/v0/inference")["unfit"]
     forwarded = liar.get("/v0/inference")["serving"]["forwarded"]
     for i in range(5):
+        generate(gateway, [*PROMPT, 100 + i], 8)
+    assert liar.get("/v0/inference")["serving"]["forwarded"] == forwarded  # avoided
+
+
+def test_a_stage_lying_on_decode_steps_on_a_route_of_several_peers_is_caught(
+        localnet: Callable[..., LocalNet], tmp_path: Path) -> None:
+    """The route is the gateway (head, layer 0), one of nodes 1-3 (layers 1-2: node 1 lies
+    on the decode steps forwarded to it) and node 4 (layer 3, nobody else's): no replay
+    could tell which of node 1 and node 4 lied, but the rows node 1 must show of a drawn
+    step, recomputed on the other two holders of its part, name it; node 4 is never
+    flagged."""
+    model = make_model(tmp_path / "dense.gguf", arch="llama", n_layer=4, n_embd=256, n_head=8,
+                       n_head_kv=4, head_dim=32, n_ff=1024, dtype="f32")
+    net = start(localnet, model, [["head", "layers:0-1"], ["layers:1-3"], ["layers:1-3"],
+                                  ["layers:1-3"], ["layers:3-4"]], {1: "lying-decode"})
+    gateway, liar, alone = net.nodes[0], net.nodes[1], net.nodes[4]
+    caught_within(gateway, "decode", 4 * STAGE_SESSIONS)
+    view = spot(gateway)
+    assert [e["peer"] for e in view["evidence"]] == [liar.peer_id]
+    evidence = view["evidence"][0]
+    assert evidence["kind"] == "decode" and evidence["unit"] == "layers 1-2 (decode steps)"
+    assert evidence["sessions"] <= STAGE_SESSIONS
+    assert set(evidence["checkers"]) == {net.nodes[2].peer_id, net.nodes[3].peer_id}
+    assert view["decode"]["unshown"] == 0
+    unfit = gateway.get("/v0/inference")["unfit"]
+    assert liar.peer_id in unfit and alone.peer_id not in unfit
+    forwarded = liar.get("/v0/inference")["serving"]["forwarded"]
+    for i in range(3):
         generate(gateway, [*PROMPT, 100 + i], 8)
     assert liar.get("/v0/inference")["serving"]["forwarded"] == forwarded  # avoided
 

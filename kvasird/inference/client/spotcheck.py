@@ -15,13 +15,15 @@ rates, the cost, and a cheater's expected loss):
   from position 0 lets a checker rebuild: a route that started from a kept prefix is not
   checked (counted as unchecked). The head's answer is a token: it must be the checker's
   (`head_agrees`). A hop can tell the relayed chunk, though, and could compute it honestly
-  and lie on the forwarded decode steps: so a drawn hop is also checked on those, after
-  the generation ends (``decode``): the session's tokens are replayed, teacher-forced, on
-  the route with that hop replaced by other holders of its part, up to a generated
-  position drawn at random, and the replay's token there must be the generation's
-  (`head_agrees` again). The replay's other hops are the route's own, so a disagreement
-  is pinned on the drawn hop only when those are all this node's; otherwise it shows that
-  some hop of the route lied, not which (unresolved, the suspects logged).
+  and lie on the forwarded steps: so a drawn hop is also checked on one of those, after
+  the generation ends (``decode``), by commit and reveal: at close every hop commits to
+  the digests of what it received and sent at each step (server.ledger); the gateway
+  matches each hop's outputs with the next hop's inputs (a hop whose commitment is missing
+  or contradicts is paid nothing: `unshown`), asks the drawn hop to show its rows up to a
+  step drawn among the later ones, checks them against its commitment, and recomputes
+  that step from the inputs shown on other holders of its part (its output, or the head's
+  token by `head_agrees`). Its inputs are bound by the hop before it, so a disagreement
+  names it, on a route of any peers.
 - expert workers (dispatch.ExpertDispatcher.checked): with probability ``spot_check`` per
   call, the rows are recomputed on this node's own copy of the experts or a second replica.
 
@@ -106,13 +108,17 @@ class Seen:
     """What it answered: hidden rows, or the head's token."""
 
 
-def agrees(out: np.ndarray | TokenEvent, ref: np.ndarray | TokenEvent, tolerance: float,
-           greedy: bool) -> tuple[bool, float]:
+def agrees(
+    out: np.ndarray | TokenEvent, ref: np.ndarray | TokenEvent, tolerance: float, greedy: bool
+) -> tuple[bool, float]:
     """Whether a checked output is within tolerance of the reference, and how far off it is
     (a head's token: 0 when it agrees, else 1)."""
     if isinstance(out, TokenEvent) or isinstance(ref, TokenEvent):
-        ok = isinstance(out, TokenEvent) and isinstance(ref, TokenEvent) and \
-            head_agrees(out, ref, tolerance, greedy)
+        ok = (
+            isinstance(out, TokenEvent)
+            and isinstance(ref, TokenEvent)
+            and head_agrees(out, ref, tolerance, greedy)
+        )
         return ok, 0.0 if ok else 1.0
     diff = divergence(out, ref)
     return diff <= tolerance, diff
@@ -121,8 +127,9 @@ def agrees(out: np.ndarray | TokenEvent, ref: np.ndarray | TokenEvent, tolerance
 def as_array(out: np.ndarray | TokenEvent) -> np.ndarray:
     """An output as evidence: the rows, or the head's token and the logprobs it reported."""
     if isinstance(out, TokenEvent):
-        return np.array([[out.token, out.logprob if out.logprob is not None else np.nan],
-                         *out.top], np.float64)
+        return np.array(
+            [[out.token, out.logprob if out.logprob is not None else np.nan], *out.top], np.float64
+        )
     return out
 
 
@@ -143,8 +150,9 @@ def head_agrees(checked: TokenEvent, ref: TokenEvent, tolerance: float, greedy: 
     return best - top[checked.token] <= TIE_SCALE * tolerance
 
 
-def cover(hop: Hop, holders: Iterable[PeerHoldings], exclude: Container[str], me: str,
-          rng: random.Random) -> tuple[Hop, ...] | None:
+def cover(
+    hop: Hop, holders: Iterable[PeerHoldings], exclude: Container[str], me: str, rng: random.Random
+) -> tuple[Hop, ...] | None:
     """Hops of peers other than those in `exclude` that compute what `hop` computes: its
     layers [first, end), from token ids when it embeds, to a token when it samples. One
     holder of the whole part where there is one (this node first: it is the cheapest and
@@ -185,8 +193,7 @@ def cover(hop: Hop, holders: Iterable[PeerHoldings], exclude: Container[str], me
 def unit_name(hop: Hop) -> str:
     """A hop's part as the status page names units: layers inclusive, and the head."""
     n = hop.end - hop.first
-    parts = [f"layer {hop.first}" if n == 1 else f"layers {hop.first}-{hop.end - 1}"] \
-        if n else []
+    parts = [f"layer {hop.first}" if n == 1 else f"layers {hop.first}-{hop.end - 1}"] if n else []
     if hop.embed or hop.head:
         parts.append("head")
     return " + ".join(parts)
@@ -254,21 +261,33 @@ class Counts:
     unchecked: int = 0
     """Drawn, but nobody else could recompute it (or, for a stage, its route started from
     a kept prefix)."""
+    unshown: int = 0
+    """Hops that could not show their work (decode: no commitment at close, one that
+    contradicts this node or the next hop, rows it did not keep or that are not what it
+    committed to): paid nothing for the generation, not accused (which of two hops that
+    contradict each other lied is not known)."""
 
 
 class SpotChecks:
     """This node's spot checks: the draw, the counts, the units nobody can check, and the
     evidence of every peer caught (kept in `directory`, when given)."""
 
-    def __init__(self, stage_rate: float, expert_rate: float, tolerance: float,
-                 directory: Path | None = None, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        stage_rate: float,
+        expert_rate: float,
+        tolerance: float,
+        directory: Path | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         self.tolerance, self.directory = tolerance, directory
         self.rng = rng or random.Random()
         """Draws checks and checkers (a peer must not predict either)."""
         self.stages, self.experts = Counts(stage_rate), Counts(expert_rate)
         self.decode = Counts(stage_rate)
-        """The stages drawn, checked again on their decode steps by a replay of the session
-        (`seen`: the drawn hops whose route generated a decode step)."""
+        """The stages drawn, checked again on a step after the first chunk (commit and
+        reveal: swarm._Run.check_decode), and every hop's commitments compared (`unshown`)
+        (`seen`: the drawn hops whose route computed a step after its first chunk)."""
         self.unchecked: Counter[str] = Counter()
         """Unit name -> times it was drawn and nobody else could recompute it."""
         self.sessions: Counter[str] = Counter()
@@ -297,8 +316,17 @@ class SpotChecks:
         counts.unchecked += 1
         self.unchecked[unit] += 1
 
-    def caught(self, kind: str, peer: str, unit: str, checkers: Sequence[str],
-               x: np.ndarray, out: np.ndarray, ref: np.ndarray, diff: float) -> Evidence:
+    def caught(
+        self,
+        kind: str,
+        peer: str,
+        unit: str,
+        checkers: Sequence[str],
+        x: np.ndarray,
+        out: np.ndarray,
+        ref: np.ndarray,
+        diff: float,
+    ) -> Evidence:
         """Keep the evidence of `peer` caught: in memory for the status page, and as a JSON
         line (and the arrays) in `directory`."""
         {"stage": self.stages, "decode": self.decode, "experts": self.experts}[kind].caught += 1
@@ -309,16 +337,33 @@ class SpotChecks:
             caught = self.stages.caught + self.decode.caught + self.experts.caught
             name = f"{int(at * 1000)}-{caught}-{kind}-{peer[-12:]}.npz"  # unique within a ms
             np.savez_compressed(self.directory / name, input=x, output=out, reference=ref)
-        ev = Evidence(kind, peer, unit, tuple(checkers), sha256(x), sha256(out), sha256(ref),
-                      min(diff, MAX_DIVERGENCE), self.tolerance, "caught", self.sessions[peer],
-                      at, name)
+        ev = Evidence(
+            kind,
+            peer,
+            unit,
+            tuple(checkers),
+            sha256(x),
+            sha256(out),
+            sha256(ref),
+            min(diff, MAX_DIVERGENCE),
+            self.tolerance,
+            "caught",
+            self.sessions[peer],
+            at,
+            name,
+        )
         self.evidence.append(ev)
         if self.directory is not None:
             self._append(json.dumps(asdict(ev)) + "\n")
             self._prune()
-        log.warning("a peer failed a spot check: its work for the session is not paid",
-                    kind=kind, peer=peer, unit=unit, divergence=diff,
-                    tolerance=self.tolerance)
+        log.warning(
+            "a peer failed a spot check: its work for the session is not paid",
+            kind=kind,
+            peer=peer,
+            unit=unit,
+            divergence=diff,
+            tolerance=self.tolerance,
+        )
         return ev
 
     def _append(self, line: str) -> None:
@@ -343,9 +388,11 @@ class SpotChecks:
             f.unlink()
 
     def status(self) -> dict[str, Any]:
-        return {"stages": {**asdict(self.stages), "within_95": within(self.stages.rate, 0.95)},
-                "decode": asdict(self.decode),
-                "experts": {**asdict(self.experts),
-                            "within_95": within(self.experts.rate, 0.95)},
-                "tolerance": self.tolerance, "unchecked_units": dict(self.unchecked),
-                "evidence": [asdict(e) for e in self.evidence]}
+        return {
+            "stages": {**asdict(self.stages), "within_95": within(self.stages.rate, 0.95)},
+            "decode": asdict(self.decode),
+            "experts": {**asdict(self.experts), "within_95": within(self.experts.rate, 0.95)},
+            "tolerance": self.tolerance,
+            "unchecked_units": dict(self.unchecked),
+            "evidence": [asdict(e) for e in self.evidence],
+        }

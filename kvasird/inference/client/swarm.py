@@ -48,11 +48,12 @@ accused on gossip, and the generation is replayed on a route without it; the che
 work is counted like any hop's. A hop drawn that nobody else can recompute is counted
 as unchecked (the status page names it). The relayed chunk is a request per hop: a hop
 that hangs during it is found at the step timeout, not by the probe of a chain. A hop can
-tell that chunk, so a drawn hop of the generation's last route is checked on its decode
-steps too, when the generation has ended and before `work` is handed over: the history up
-to a generated position drawn at random is replayed with the hop replaced
-(`_Run.check_decode`), and the tokens compared, where a disagreement can name it (a
-route of this node and that hop; elsewhere its decode steps are counted unchecked).
+tell that chunk, so the rest is checked by commit and reveal (`_Run.check_decode`): every
+hop writes down each step it computes (server.ledger) and commits to the digests of its
+inputs and outputs when its session closes; the gateway compares each hop's outputs with
+the next hop's inputs, has a drawn hop show its rows up to a step drawn among the later
+ones, and recomputes that step from them on other holders of its part. A hop that cannot
+show its work is paid nothing for the generation.
 
 Failover: when a hop fails, times out or refuses, its peer is avoided for a while
 (failover.judge), sessions on the old route are closed, a new route is planned, and the
@@ -70,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import secrets
 import time
@@ -124,10 +126,11 @@ from kvasird.inference.client.spotcheck import (
     unit_name,
 )
 from kvasird.inference.errors import HopFailed, Refusal, Refused, Silent, Unreachable
-from kvasird.inference.protocol import STAGE_PROTOCOL
+from kvasird.inference.protocol import STAGE_PROTOCOL, tensors
 from kvasird.inference.protocol.delegation import Issuer, life_s
 from kvasird.inference.protocol.stage import (
     MAX_TOP,
+    STEP_DIGESTS,
     Close,
     Closed,
     Failure,
@@ -138,9 +141,13 @@ from kvasird.inference.protocol.stage import (
     Ping,
     Pong,
     Result,
+    Reveal,
+    Revealed,
+    Shown,
     Step,
     token_from_wire,
 )
+from kvasird.inference.protocol.tensors import DIGEST_BYTES, digest
 from kvasird.inference.steptrace import TRACE_EVERY, StepTrace, Traces
 from kvasird.inference.transport.channel import Channels
 from kvasird.logs import get_logger
@@ -159,6 +166,9 @@ MAX_EXPERTS_PER_ROW = 64
 """Most experts one row selects in any layer: caps the expert units a stage may report."""
 KEEP_WORK = 1024
 """Finished generations whose work is kept until the gateway asks for it."""
+CLOSE_S = 5.0
+"""How long the hops of a route that ended get to answer its close (with their
+commitment, without which they are not paid)."""
 REPLAN_EVERY_S = 0.25
 """How often a failed-over generation without a route looks at the coverage map again."""
 log = get_logger("kvasird.inference.client.swarm")
@@ -190,8 +200,9 @@ class Inbox:
         self.dropped = 0
 
     @contextlib.contextmanager
-    def expect(self, ticket: str, peers: Iterable[str]
-               ) -> Iterator[trio.MemoryReceiveChannel[Arrival]]:
+    def expect(
+        self, ticket: str, peers: Iterable[str]
+    ) -> Iterator[trio.MemoryReceiveChannel[Arrival]]:
         send, recv = trio.open_memory_channel[Arrival](1)
         self._waiting[ticket] = (frozenset(peers), send)
         try:
@@ -227,11 +238,23 @@ class Progress:
 class SwarmGenerator:
     """Generates across the peers that hold the model, from this node's coverage map."""
 
-    def __init__(self, me: str, info: Callable[[], ModelInfo | None], n_layer: Callable[[], int],
-                 holders: Callable[[], list[PeerHoldings]], channels: Channels,
-                 local: LocalHandler, latency: Latency, fitness: Fitness,
-                 config: InferenceConfig, inbox: Inbox, *, spot: SpotChecks | None = None,
-                 accuse: Accuse | None = None, issuer: Issuer | None = None) -> None:
+    def __init__(
+        self,
+        me: str,
+        info: Callable[[], ModelInfo | None],
+        n_layer: Callable[[], int],
+        holders: Callable[[], list[PeerHoldings]],
+        channels: Channels,
+        local: LocalHandler,
+        latency: Latency,
+        fitness: Fitness,
+        config: InferenceConfig,
+        inbox: Inbox,
+        *,
+        spot: SpotChecks | None = None,
+        accuse: Accuse | None = None,
+        issuer: Issuer | None = None,
+    ) -> None:
         self.me, self.info, self.n_layer, self.holders = me, info, n_layer, holders
         self.channels, self.local, self.inbox = channels, local, inbox
         self.latency, self.fitness, self.config = latency, fitness, config
@@ -249,8 +272,9 @@ class SwarmGenerator:
         """Prefill time per prompt token (EWMA of the prefills this node ran)."""
         self.reused = 0
         """Prompt positions that generations started from a kept prefix, since start."""
-        self.spot = spot or SpotChecks(config.spot_check_stages, config.spot_check,
-                                       config.spot_tolerance)
+        self.spot = spot or SpotChecks(
+            config.spot_check_stages, config.spot_check, config.spot_tolerance
+        )
         """Spot checks of the stages (the evidence of those caught, the units unchecked)."""
         self.accuse = accuse
         """Tells the network of a stage caught by a spot check (verdicts), when set."""
@@ -285,19 +309,27 @@ class SwarmGenerator:
         fit = self._fit()
         route = plan_route(self.n_layer(), fit, self.latency)
         if route is not None and prefix:
-            route = prefer(route, self.prefixes.recall(prefix), fit, self.latency, steps,
-                           self.prefill_ms)
+            route = prefer(
+                route, self.prefixes.recall(prefix), fit, self.latency, steps, self.prefill_ms
+            )
         if route is None and last_resort:
             fitness = self.fitness
             second_chance = [h for h in self.holders() if fitness.second_chance(h.peer)]
-            route = plan_route(self.n_layer(), second_chance, lambda p: self.latency(p) + (
-                0.0 if fitness.fit(p) else AVOIDED_MS))
+            route = plan_route(
+                self.n_layer(),
+                second_chance,
+                lambda p: self.latency(p) + (0.0 if fitness.fit(p) else AVOIDED_MS),
+            )
             if route is not None:
-                log.info("no route without peers that failed lately: trying one through them",
-                         avoided=[p for p in route.peers if not fitness.fit(p)])
+                log.info(
+                    "no route without peers that failed lately: trying one through them",
+                    avoided=[p for p in route.peers if not fitness.fit(p)],
+                )
         if route is None:
-            raise NoRoute(f"the online peers do not cover the model ({self.missing()}): see "
-                          "`kvasird coverage`, and retry when the market has filled the gaps")
+            raise NoRoute(
+                f"the online peers do not cover the model ({self.missing()}): see "
+                "`kvasird coverage`, and retry when the market has filled the gaps"
+            )
         return route
 
     def missing(self) -> str:
@@ -323,8 +355,11 @@ class SwarmGenerator:
                 if trio.current_time() >= give_up:
                     raise
                 if not waited:
-                    log.warning("no route to fail over to yet: waiting for coverage",
-                                why=str(exc), holders=len(self.holders()))
+                    log.warning(
+                        "no route to fail over to yet: waiting for coverage",
+                        why=str(exc),
+                        holders=len(self.holders()),
+                    )
                     waited = True
                 await trio.sleep(REPLAN_EVERY_S)
 
@@ -334,13 +369,18 @@ class SwarmGenerator:
         n_prompt = len(request.prompt)
         budget = min(s.max_tokens, info.context_length - n_prompt)
         if n_prompt == 0 or budget < 1:
-            raise Busy(f"the prompt of {n_prompt} tokens leaves no room in the context of "
-                       f"{info.context_length}: shorten it")
+            raise Busy(
+                f"the prompt of {n_prompt} tokens leaves no room in the context of "
+                f"{info.context_length}: shorten it"
+            )
         rid = request.request_id or secrets.token_hex(8)
         progress = self.active[rid] = Progress()
         # every route the generation takes draws from the same seeded stream
-        params = s.params if s.params.seed is not None else \
-            dataclasses.replace(s.params, seed=secrets.randbits(62))
+        params = (
+            s.params
+            if s.params.seed is not None
+            else dataclasses.replace(s.params, seed=secrets.randbits(62))
+        )
         run = _Run(self, info.model_id, n_prompt + budget, params, s.logprobs, progress)
         history, produced, reason = list(request.prompt), 0, "length"
         pending: _Pending | None = None
@@ -354,8 +394,9 @@ class SwarmGenerator:
                 history.append(event.token)
                 more = produced < budget
                 if more:  # the next step runs while the consumer handles this token
-                    pending = _Pending.start(self.nursery, run.step, history,
-                                             len(history) - 1, produced)
+                    pending = _Pending.start(
+                        self.nursery, run.step, history, len(history) - 1, produced
+                    )
                 yield event
                 progress.tokens = produced
                 if not more:
@@ -370,9 +411,8 @@ class SwarmGenerator:
                 if pending is not None:
                     with trio.move_on_after(2):
                         await pending.cancel()
-                with trio.move_on_after(2):
-                    await run.close()
-                await run.check_decode(n_prompt)
+                await run.close()
+                await run.check_decode()
                 if len(self._work) >= KEEP_WORK:  # never asked for: drop the oldest
                     del self._work[next(iter(self._work))]
                 self._work[rid] = run.work()
@@ -392,8 +432,9 @@ class _Pending:
         self.call: Callable[[], Awaitable[TokenEvent]] | None = None
 
     @classmethod
-    def start(cls, nursery: trio.Nursery | None,
-              fn: Callable[..., Awaitable[TokenEvent]], *args: Any) -> _Pending:
+    def start(
+        cls, nursery: trio.Nursery | None, fn: Callable[..., Awaitable[TokenEvent]], *args: Any
+    ) -> _Pending:
         p = cls()
         if nursery is None:
             p.call = lambda: fn(*args)
@@ -437,8 +478,15 @@ class _Pending:
 class _Run:
     """The route of one generation, rebuilt on failure."""
 
-    def __init__(self, gen: SwarmGenerator, model: str, max_tokens: int,
-                 sampling: SamplingParams, logprobs: int, progress: Progress) -> None:
+    def __init__(
+        self,
+        gen: SwarmGenerator,
+        model: str,
+        max_tokens: int,
+        sampling: SamplingParams,
+        logprobs: int,
+        progress: Progress,
+    ) -> None:
         self.gen, self.model, self.max_tokens = gen, model, max_tokens
         self.sampling, self.logprobs, self.progress = sampling, logprobs, progress
         self.route: Route | None = None
@@ -464,6 +512,21 @@ class _Run:
         self.drawn: tuple[tuple[Hop, ...], tuple[Hop, ...]] = ((), ())
         """The current route's hops, and those of them drawn for a spot check (checked on
         its first prompt chunk at once, on its decode steps once the generation ends)."""
+        self.done: list[tuple[int, int, bool, int]] = []
+        """The current route's steps that succeeded, in order: (start, end, singly, the
+        token it answered). Every hop computed each of them: its ledger's steps."""
+        self.relayed: dict[int, tuple[bytes, ...]] = {}
+        """Step index -> the digest of what this node sent each hop, for the current route's
+        steps relayed through it (what hop i answered is what hop i + 1 was sent)."""
+        self.commits: dict[int, bytes] = {}
+        """Hop index -> its commitment to its steps (Closed.steps), once its session closed."""
+        self.opened = (0, 0)
+        """(draws, prompt) the current route's sessions were opened with."""
+        self.began = 0
+        """Where the current route's prefill began (> 0: from a kept prefix)."""
+        self.unshown: set[str] = set()
+        """Peers of the last route that could not show their work (check_decode): paid
+        nothing for the generation."""
         self.claims: list[tuple[str, int, tuple[tuple[str, int], ...]]] = []
         """(stage, the expert units its layers could have dispatched, those its Close
         reported) of every session closed: counted by `work`, unless the stage is caught
@@ -474,15 +537,19 @@ class _Run:
         hop's own relayed timing where there is one, else the whole step's); none for a
         peer caught by a spot check."""
         p, units = self.progress, self.units.copy()
+        unpaid = self.caught | self.unshown
         for stage, room, experts in self.claims:
-            if stage in self.caught:  # its word is worth nothing
+            if stage in unpaid:  # its word is worth nothing
                 continue
             for peer, n in experts:
                 if n <= room and peer != stage:
                     units[peer] += n
                     room -= n
-        return tuple(HopWork(peer, n, p.hop_ms.get(peer, p.step_ms))
-                     for peer, n in units.items() if n > 0 and peer not in self.caught)
+        return tuple(
+            HopWork(peer, n, p.hop_ms.get(peer, p.step_ms))
+            for peer, n in units.items()
+            if n > 0 and peer not in unpaid
+        )
 
     def _count(self, n: int) -> None:
         """A step of n positions succeeded on the current route."""
@@ -520,40 +587,63 @@ class _Run:
         self.history, self.produced, self.drawn = history, produced, ((), ())
         # the pages before the prompt's last token: it is computed whatever a hop holds,
         # and a delta-net's state cannot go back to it from the page after
-        keys = page_keys(history[:prompt - 1]) if first and gen.config.prefix_cache else b""
+        keys = page_keys(history[: prompt - 1]) if first and gen.config.prefix_cache else b""
         try:
             # a route refused for capacity answers Busy at once; a failed one may wait
-            self.route = gen.plan(prefix=keys, steps=self.max_tokens - prompt) \
-                if first or self.busy else await gen.replan()
+            self.route = (
+                gen.plan(prefix=keys, steps=self.max_tokens - prompt)
+                if first or self.busy
+                else await gen.replan()
+            )
         except NoRoute:
             if self.busy:
-                raise Busy(f"every route is out of capacity right now ({self.busy}): "
-                           "retry shortly") from None
+                raise Busy(
+                    f"every route is out of capacity right now ({self.busy}): retry shortly"
+                ) from None
             if first:
                 raise
-            raise GenerationError(f"the route failed and no other peers cover the model now "
-                                  f"({gen.missing()}); the generation stopped") from None
+            raise GenerationError(
+                f"the route failed and no other peers cover the model now "
+                f"({gen.missing()}); the generation stopped"
+            ) from None
         self.sid = secrets.token_hex(8)
         self.progress.route = self.route.peers
         self.steps = 0
+        self.done, self.commits, self.relayed = [], {}, {}
+        self.opened = (max(produced - 1, 0), prompt)
         self.positions = Counter()
         cached = prompt
         for i, hop in enumerate(self.route.hops):
-            reply = await self._call(hop, Open(
-                f"{self.sid}.{i}", self.model, hop.first, hop.end, hop.embed, hop.head,
-                self.max_tokens, self.logprobs, self.route.hops[i - 1].peer if i else "",
-                self.sampling, max(produced - 1, 0), prompt,
-                hop_keys(keys, self.route, i) if keys else b"",
-                gen.issuer.issue(hop.peer, life_s(self.max_tokens)) if gen.issuer else b""))
+            reply = await self._call(
+                hop,
+                Open(
+                    f"{self.sid}.{i}",
+                    self.model,
+                    hop.first,
+                    hop.end,
+                    hop.embed,
+                    hop.head,
+                    self.max_tokens,
+                    self.logprobs,
+                    self.route.hops[i - 1].peer if i else "",
+                    self.sampling,
+                    max(produced - 1, 0),
+                    prompt,
+                    hop_keys(keys, self.route, i) if keys else b"",
+                    gen.issuer.issue(hop.peer, life_s(self.max_tokens)) if gen.issuer else b"",
+                ),
+            )
             cached = min(cached, _read(hop.peer, Opened.from_wire, reply).cached)
         begin = min(cached, prompt - 1) // PAGE * PAGE if keys else 0
+        self.began = begin
         gen.reused += begin
         if first:
             self.cached = begin
         began = time.perf_counter()
         for c in range(begin, prompt, PREFILL_CHUNK):
-            event = await self._forward(history, c, min(c + PREFILL_CHUNK, prompt),
-                                        audit=c == begin)
+            event = await self._forward(
+                history, c, min(c + PREFILL_CHUNK, prompt), audit=c == begin
+            )
         if prompt - begin >= PREFILL_CHUNK:  # long enough to say what a prefill costs
             ms = (time.perf_counter() - began) * 1000 / (prompt - begin)
             gen.prefill_ms = (1 - EWMA) * gen.prefill_ms + EWMA * ms
@@ -572,11 +662,22 @@ class _Run:
         """Replace the route after `exc` (failover.judge) and replay `history` on the new one."""
         while True:
             self.progress.failovers += 1
-            self.busy = judge(exc, self.progress.failovers, me=self.gen.me,
-                              max_failovers=self.gen.config.max_failovers,
-                              fitness=self.gen.fitness) or self.busy
-            log.warning("hop failed: rebuilding the route and replaying", peer=exc.peer,
-                        reason=exc.reason[:200], tokens=len(history))
+            self.busy = (
+                judge(
+                    exc,
+                    self.progress.failovers,
+                    me=self.gen.me,
+                    max_failovers=self.gen.config.max_failovers,
+                    fitness=self.gen.fitness,
+                )
+                or self.busy
+            )
+            log.warning(
+                "hop failed: rebuilding the route and replaying",
+                peer=exc.peer,
+                reason=exc.reason[:200],
+                tokens=len(history),
+            )
             with trio.CancelScope(shield=True), trio.move_on_after(2):
                 await self.close()
             try:
@@ -584,8 +685,9 @@ class _Run:
             except HopFailed as again:
                 exc = again
 
-    async def _forward(self, history: list[int], start: int, end: int,
-                       singly: bool = False, audit: bool = False) -> TokenEvent:
+    async def _forward(
+        self, history: list[int], start: int, end: int, singly: bool = False, audit: bool = False
+    ) -> TokenEvent:
         """One step along the route; `audit`: the route's first prompt chunk, relayed and
         spot-checked (`_audited`)."""
         assert self.route is not None
@@ -598,28 +700,46 @@ class _Run:
         else:
             event = await self._relay(ids, start, singly)
         self._count(len(ids))
+        self.done.append((start, end, singly, event.token))
         return event
 
-    async def _relay(self, ids: tuple[int, ...], start: int, singly: bool = False,
-                     trail: list[Seen] | None = None) -> TokenEvent:
+    async def _relay(
+        self,
+        ids: tuple[int, ...],
+        start: int,
+        singly: bool = False,
+        trail: list[Seen] | None = None,
+    ) -> TokenEvent:
         """One step relayed hop by hop through this node, each hop timed (and what each was
         given and answered kept in `trail`, when given)."""
         assert self.route is not None
-        out = await self._through(self.route.hops, self.sid, np.asarray(ids), "i32", ids,
-                                  start, singly, trail)
+        trail = [] if trail is None else trail
+        out = await self._through(
+            self.route.hops, self.sid, np.asarray(ids), "i32", ids, start, singly, trail
+        )
         if not isinstance(out, TokenEvent):
             raise HopFailed(self.route.hops[-1].peer, "the route ends before the head")
         self.answered = time.monotonic()
+        self.relayed[len(self.done)] = tuple(digest(seen.x, seen.dt) for seen in trail)
         return out
 
-    async def _through(self, hops: tuple[Hop, ...], sid: str, x: np.ndarray, dt: str,
-                       ids: tuple[int, ...], start: int, singly: bool = False,
-                       trail: list[Seen] | None = None) -> TokenEvent | np.ndarray:
+    async def _through(
+        self,
+        hops: tuple[Hop, ...],
+        sid: str,
+        x: np.ndarray,
+        dt: str,
+        ids: tuple[int, ...],
+        start: int,
+        singly: bool = False,
+        trail: list[Seen] | None = None,
+    ) -> TokenEvent | np.ndarray:
         """`x` through the sessions `sid`.i of `hops`, one request each: the head's token, or
         the last hop's rows when none samples."""
         for i, hop in enumerate(hops):
-            reply = await self._call(hop, Step(f"{sid}.{i}", start, x, dt,
-                                               ids if hop.head else None, singly=singly))
+            reply = await self._call(
+                hop, Step(f"{sid}.{i}", start, x, dt, ids if hop.head else None, singly=singly)
+            )
             if hop.head:
                 event = _read(hop.peer, _head_reply, reply)
                 if trail is not None:
@@ -656,13 +776,26 @@ class _Run:
 
     async def _check(self, seen: Seen, ids: tuple[int, ...]) -> None:
         """Recompute what hop `seen` did on other holders of its part and compare."""
-        await self._judge("stage", self.gen.spot.stages, seen.hop, unit_name(seen.hop),
-                          seen.x, seen.out, lambda pieces: self._recompute(pieces, seen, ids))
+        await self._judge(
+            "stage",
+            self.gen.spot.stages,
+            seen.hop,
+            unit_name(seen.hop),
+            seen.x,
+            seen.out,
+            lambda pieces: self._recompute(pieces, seen, ids),
+        )
 
-    async def _judge(self, kind: str, counts: Counts, hop: Hop, unit: str, x: np.ndarray,
-                     out: np.ndarray | TokenEvent,
-                     recompute: Callable[[tuple[Hop, ...]],
-                                         Awaitable[np.ndarray | TokenEvent]]) -> None:
+    async def _judge(
+        self,
+        kind: str,
+        counts: Counts,
+        hop: Hop,
+        unit: str,
+        x: np.ndarray,
+        out: np.ndarray | TokenEvent,
+        recompute: Callable[[tuple[Hop, ...]], Awaitable[np.ndarray | TokenEvent]],
+    ) -> None:
         """Compare `out`, what `hop` answered for `x`, with what other holders of its part
         give (`recompute` on the pieces `cover` picks). This node's own recomputation is
         authoritative; a peer's is one opinion, and when it disagrees a second one (other
@@ -681,14 +814,26 @@ class _Run:
                 refs.append((pieces, await recompute(pieces)))
             except HopFailed as exc:
                 counts.failed += 1
-                log.info("a spot check could not be finished: a hop of its checkers failed",
-                         kind=kind, peer=hop.peer, failed=exc.peer, reason=exc.reason[:200])
+                log.info(
+                    "a spot check could not be finished: a hop of its checkers failed",
+                    kind=kind,
+                    peer=hop.peer,
+                    failed=exc.peer,
+                    reason=exc.reason[:200],
+                )
                 return
             ok, diff = agrees(out, refs[-1][1], spot.tolerance, greedy)
             if spot.compared(counts, diff if ok else math.inf):
                 if len(refs) > 1 and len(refs[0][0]) == 1:  # the first checker erred
-                    await self._condemn(kind, refs[0][0][0].peer, unit, x, refs[0][1], out,
-                                        [hop.peer, *(p.peer for p in pieces)])
+                    await self._condemn(
+                        kind,
+                        refs[0][0][0].peer,
+                        unit,
+                        x,
+                        refs[0][1],
+                        out,
+                        [hop.peer, *(p.peer for p in pieces)],
+                    )
                 elif len(refs) > 1:
                     counts.unresolved += 1
                 return
@@ -697,17 +842,30 @@ class _Run:
         if not refs:
             spot.nobody(counts, unit)
         elif all(p.peer == me for p in refs[-1][0]) or (
-                len(refs) == 2 and agrees(refs[0][1], refs[1][1], spot.tolerance, greedy)[0]):
-            await self._condemn(kind, hop.peer, unit, x, out, refs[-1][1],
-                                [p.peer for c, _ in refs for p in c])
+            len(refs) == 2 and agrees(refs[0][1], refs[1][1], spot.tolerance, greedy)[0]
+        ):
+            await self._condemn(
+                kind, hop.peer, unit, x, out, refs[-1][1], [p.peer for c, _ in refs for p in c]
+            )
         else:
             counts.unresolved += 1
-            log.warning("a spot check disagreed with its checker and nobody else could decide",
-                        kind=kind, peer=hop.peer, checkers=[p.peer for c, _ in refs for p in c])
+            log.warning(
+                "a spot check disagreed with its checker and nobody else could decide",
+                kind=kind,
+                peer=hop.peer,
+                checkers=[p.peer for c, _ in refs for p in c],
+            )
 
-    async def _condemn(self, kind: str, peer: str, unit: str, x: np.ndarray,
-                       out: np.ndarray | TokenEvent, ref: np.ndarray | TokenEvent,
-                       checkers: list[str]) -> None:
+    async def _condemn(
+        self,
+        kind: str,
+        peer: str,
+        unit: str,
+        x: np.ndarray,
+        out: np.ndarray | TokenEvent,
+        ref: np.ndarray | TokenEvent,
+        checkers: list[str],
+    ) -> None:
         """`peer` answered `out` for `unit` given `x` where `checkers` computed `ref`: the
         evidence (of `kind`) is kept, nothing it did for this generation is paid, it is
         avoided for unfit_s, and the network hears of it."""
@@ -720,8 +878,9 @@ class _Run:
         if self.gen.accuse is not None:
             await self.gen.accuse(peer, reason)
 
-    async def _recompute(self, pieces: tuple[Hop, ...], seen: Seen, ids: tuple[int, ...]
-                         ) -> np.ndarray | TokenEvent:
+    async def _recompute(
+        self, pieces: tuple[Hop, ...], seen: Seen, ids: tuple[int, ...]
+    ) -> np.ndarray | TokenEvent:
         """What `pieces` compute from the input `seen.hop` had, in throwaway sessions (the
         same chunk from position 0, the head drawing as the route's head did); their work is
         counted to them like any hop's."""
@@ -730,10 +889,28 @@ class _Run:
         opened: list[int] = []
         try:
             for j, p in enumerate(pieces):
-                _read(p.peer, Opened.from_wire, await self._call(p, Open(
-                    f"{sid}.{j}", self.model, p.first, p.end, p.embed, p.head, n,
-                    MAX_TOP if p.head else 0, "", self.sampling, draws, prompt,
-                    delegation=gen.issuer.issue(p.peer, life_s(n)) if gen.issuer else b"")))
+                _read(
+                    p.peer,
+                    Opened.from_wire,
+                    await self._call(
+                        p,
+                        Open(
+                            f"{sid}.{j}",
+                            self.model,
+                            p.first,
+                            p.end,
+                            p.embed,
+                            p.head,
+                            n,
+                            MAX_TOP if p.head else 0,
+                            "",
+                            self.sampling,
+                            draws,
+                            prompt,
+                            delegation=gen.issuer.issue(p.peer, life_s(n)) if gen.issuer else b"",
+                        ),
+                    ),
+                )
                 opened.append(j)
             out = await self._through(pieces, sid, seen.x, seen.dt, ids, 0)
         finally:
@@ -745,95 +922,238 @@ class _Run:
             self.units[p.peer] += n * (p.end - p.first + p.head)
         return out
 
-    async def check_decode(self, prompt: int) -> None:
-        """The last route's hops drawn for a spot check, checked on its decode steps now that
-        the generation (of a `prompt` of that many tokens) has ended, before its work is
-        handed to settlement: a position is drawn among the tokens the route generated
-        after its first (a hop cannot tell which step is checked), and the history up to it
-        is replayed with the hop replaced (`_check_decode`). A route that generated no
-        decode step has nothing to check."""
+    async def check_decode(self) -> None:
+        """The last route's steps after its first prompt chunk (which a hop can tell: it is
+        relayed), checked once the generation has ended and its sessions closed, before its
+        work is handed to settlement: commit and reveal (server.ledger).
+
+        Every hop's commitment (Closed.steps) is compared with its neighbours' and with what
+        this node sent and received (`_match`). Each hop drawn at the first chunk is then
+        asked to show its steps up to one drawn among the later ones (a hop cannot tell
+        which: it committed to all of them before the draw was made known), the rows are
+        checked against its commitment, and the drawn step is recomputed from the inputs
+        it shows on other holders of its part (`_rebuild`) and compared under the
+        tolerance, as the first chunk is (`_judge`). What the replay of a whole route
+        could not do, this does on a route of any peers: the hop's inputs are bound by
+        the hop before it, so a disagreement names the hop checked. A route that started
+        from a kept prefix is not checked (no checker has the KV before it)."""
         hops, drawn = self.drawn
-        spot, first, me = self.gen.spot, self.produced + 1, self.gen.me
-        generated = len(self.history) - prompt
+        if not hops:
+            return
+        self._match(hops)
+        spot = self.gen.spot
         for hop in drawn:
-            if hop.peer in self.caught or generated <= first:
+            if hop.peer in self.caught or hop.peer in self.unshown or len(self.done) < 2:
                 continue
             spot.decode.seen += 1
-            if any(h.peer != me for h in hops if h is not hop):  # see _check_decode
-                spot.nobody(spot.decode, f"{unit_name(hop)} (decode steps, on a route of "
-                                         "several peers)")
+            if self.began:
+                spot.nobody(spot.decode, f"{unit_name(hop)} (decode steps, from a kept prefix)")
                 continue
-            await self._check_decode(hops, hop, prompt, spot.rng.randrange(first, generated))
+            await self._check_shown(hops, hop, spot.rng.randrange(1, len(self.done)))
 
-    async def _check_decode(self, hops: tuple[Hop, ...], hop: Hop, prompt: int, j: int) -> None:
-        """Replay the session up to its j-th generated token, teacher-forced, on `hops` with
-        `hop` replaced by other holders of its part, and compare the replay's token with
-        the generation's (`head_agrees`). The replay's other hops are the route's, all this
-        node's (check_decode replays no other route): the replay differs from the
-        generation only in `hop`, and a disagreement is resolved as the first-chunk check
-        resolves one (two opinions). On a route with other peers one of them could have
-        lied on the decode steps and computed the replay honestly (it can tell a replay: it
-        is relayed), so a disagreement would name no one: such a route's decode steps are
-        counted unchecked rather than paid for with a replay that sentences nobody."""
-        at = hops.index(hop)
-        history = self.history[:prompt + j]
+    def _match(self, hops: tuple[Hop, ...]) -> None:
+        """Every hop must have committed to each step of the route, its inputs the outputs
+        the hop before it committed to (the first hop's the token ids this node sent, the
+        head's outputs the tokens it returned here). A hop without a commitment, or whose
+        commitment contradicts this node's own knowledge or its own hop's, cannot show its
+        work and is paid nothing for the generation; of two other peers that contradict
+        each other, which lied about the rows between them is not known, and neither is
+        paid."""
+        d, n, me = DIGEST_BYTES, len(self.done), self.gen.me
 
-        async def replay(pieces: tuple[Hop, ...]) -> TokenEvent:
-            return await self._replay((*hops[:at], *pieces, *hops[at + 1:]), history, j, prompt)
+        def digest_of(i: int, step: int, out: int) -> bytes:
+            at = step * STEP_DIGESTS + out * d
+            return self.commits[i][at : at + d]
 
-        await self._judge("decode", self.gen.spot.decode, hop,
-                          f"{unit_name(hop)} (decode steps)", np.asarray(history, np.int32),
-                          TokenEvent(self.history[prompt + j]), replay)
+        bad: dict[str, str] = {}
+        for i, hop in enumerate(hops):
+            if len(self.commits.get(i, b"")) < n * STEP_DIGESTS:
+                bad[hop.peer] = "no commitment to every step it computed"
+        last = len(hops) - 1
+        for step, (a, b, _, token) in enumerate(self.done):
+            if hops[0].peer not in bad and digest_of(0, step, 0) != digest(
+                np.asarray(self.history[a:b], np.int32), "i32"
+            ):
+                bad[hops[0].peer] = f"committed to inputs this node did not send (step {step})"
+            if hops[last].peer not in bad and digest_of(last, step, 1) != digest(
+                np.array([token], np.int32), "i32"
+            ):
+                bad[hops[last].peer] = f"committed to a token it did not return (step {step})"
+            known = self.relayed.get(step)
+            for i in range(last):
+                p, q = hops[i].peer, hops[i + 1].peer
+                if known is not None:  # relayed: this node saw what went between them
+                    for peer, j, out in ((p, i, 1), (q, i + 1, 0)):
+                        if peer not in bad and digest_of(j, step, out) != known[i + 1]:
+                            bad[peer] = (
+                                f"committed to rows other than those it "
+                                f"{'sent' if out else 'was sent'} (step {step})"
+                            )
+                    continue
+                if p in bad or q in bad or digest_of(i, step, 1) == digest_of(i + 1, step, 0):
+                    continue
+                why = f"its commitment contradicts its neighbour's (step {step})"
+                for peer in [x for x in (p, q) if me not in (p, q) or x != me]:
+                    bad[peer] = why
+        for peer, why in bad.items():
+            if peer != me and peer not in self.unshown:
+                self._unshown(peer, why)
 
-    async def _replay(self, hops: tuple[Hop, ...], history: list[int], produced: int,
-                      prompt: int) -> TokenEvent:
-        """The head's token after `history` (a prompt of `prompt` tokens and `produced`
-        generated ones), recomputed on throwaway sessions of `hops` as a failover replays
-        it (`start`): the prompt in the same chunks, the generated tokens one position at
-        a time, the head drawing from the seeded stream where the route's head did. Each
-        step is relayed through this node; the work is counted to the hops like any."""
-        gen, sid, n = self.gen, secrets.token_hex(8), len(history)
+    def _unshown(self, peer: str, why: str) -> None:
+        """`peer` could not show its work for the generation: it is paid nothing for it."""
+        self.unshown.add(peer)
+        self.gen.spot.decode.unshown += 1
+        log.warning(
+            "a hop could not show its work: paid nothing for the generation",
+            peer=peer,
+            why=why[:200],
+        )
+
+    async def _check_shown(self, hops: tuple[Hop, ...], hop: Hop, j: int) -> None:
+        """Have `hop` show its steps up to the j-th of the route, and judge the j-th."""
+        k = hops.index(hop)
+        shown = await self._shown(hop, k, j)
+        if shown is None:
+            return
+        a, b, _, token = self.done[j]
+        unit = f"{unit_name(hop)} ({'decode steps' if b - a == 1 else 'prompt chunks'})"
+        out = TokenEvent(token) if hop.head else tensors.widen(shown[j].out, "shown.out")
+        x = np.concatenate([s.x for s in shown]).astype(
+            np.float32 if shown[0].dt != "i32" else np.int32
+        )
+        await self._judge(
+            "decode",
+            self.gen.spot.decode,
+            hop,
+            unit,
+            x,
+            out,
+            lambda pieces: self._rebuild(pieces, shown),
+        )
+
+    async def _shown(self, hop: Hop, k: int, j: int) -> tuple[Shown, ...] | None:
+        """Steps 0..j of hop k's session as it shows them, each the step the route computed
+        and with the digests it committed to; None (the hop unshown) otherwise."""
+        got: list[Shown] = []
+        try:
+            while len(got) <= j:
+                more = _read(
+                    hop.peer,
+                    Revealed.from_wire,
+                    await self._call(hop, Reveal(f"{self.sid}.{k}", len(got), j)),
+                ).steps
+                if not more:
+                    raise HopFailed(hop.peer, "showed no steps")
+                got += more
+        except HopFailed as exc:
+            self._unshown(hop.peer, f"did not show its steps: {exc.reason}")
+            return None
+        commit = self.commits[k]
+        for step, (shown, (a, b, singly, _)) in enumerate(
+            zip(got[: j + 1], self.done, strict=False)
+        ):
+            at = step * STEP_DIGESTS
+            if shown.start != a or len(shown.x) != b - a or shown.singly != singly:
+                why = f"showed step {step} other than the route computed it"
+            elif (
+                digest(shown.x, shown.dt) + digest(shown.out, shown.out_dt)
+                != commit[at : at + STEP_DIGESTS]
+            ):
+                why = f"showed rows of step {step} other than those it committed to"
+            else:
+                continue
+            self._unshown(hop.peer, why)
+            return None
+        return tuple(got[: j + 1])
+
+    async def _rebuild(
+        self, pieces: tuple[Hop, ...], shown: tuple[Shown, ...]
+    ) -> np.ndarray | TokenEvent:
+        """What `pieces` compute for the last of `shown` after the steps before it, given
+        the inputs the checked hop showed, in throwaway sessions: the prompt chunks as they
+        were, consecutive decode steps as one step computed a position at a time (as they
+        first were), the head drawing from the seeded stream where the route's head drew
+        for that step; the work is counted to the pieces like any hop's."""
+        plan: list[tuple[int, np.ndarray, str, bool]] = []
+        for s in shown:
+            if plan and len(s.x) == 1 and plan[-1][3] and plan[-1][0] + len(plan[-1][1]) == s.start:
+                start, x, dt, _ = plan[-1]
+                plan[-1] = (start, np.concatenate([x, s.x]), dt, True)
+            else:
+                plan.append((s.start, s.x, s.dt, len(s.x) == 1 or s.singly))
+        draws, prompt = self.opened
+        draws += len(shown) - len(plan)  # the route's head drew once a step
+        gen, sid = self.gen, secrets.token_hex(8)
+        end = max(start + len(x) for start, x, _, _ in plan)
         opened: list[int] = []
         try:
-            for i, p in enumerate(hops):
-                _read(p.peer, Opened.from_wire, await self._call(p, Open(
-                    f"{sid}.{i}", self.model, p.first, p.end, p.embed, p.head, n,
-                    MAX_TOP if p.head else 0, "", self.sampling, max(produced - 1, 0), prompt,
-                    delegation=gen.issuer.issue(p.peer, life_s(n)) if gen.issuer else b"")))
+            for i, p in enumerate(pieces):
+                _read(
+                    p.peer,
+                    Opened.from_wire,
+                    await self._call(
+                        p,
+                        Open(
+                            f"{sid}.{i}",
+                            self.model,
+                            p.first,
+                            p.end,
+                            p.embed,
+                            p.head,
+                            end,
+                            MAX_TOP if p.head else 0,
+                            "",
+                            self.sampling,
+                            draws,
+                            prompt,
+                            delegation=gen.issuer.issue(p.peer, life_s(end)) if gen.issuer else b"",
+                        ),
+                    ),
+                )
                 opened.append(i)
-            chunks = [(c, min(c + PREFILL_CHUNK, prompt), False)
-                      for c in range(0, prompt, PREFILL_CHUNK)]
-            for a, b, singly in [*chunks, *([(prompt, n, True)] if produced else [])]:
-                ids = tuple(history[a:b])
-                out = await self._through(hops, sid, np.asarray(ids), "i32", ids, a, singly)
+            for start, x, dt, singly in plan:
+                ids = tuple(self.history[start : start + len(x)])
+                out = await self._through(
+                    pieces, sid, tensors.widen(x, "shown.x"), dt, ids, start, singly
+                )
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 for i in opened:
                     with contextlib.suppress(HopFailed):
-                        await self._call(hops[i], Close(f"{sid}.{i}"))
-        if not isinstance(out, TokenEvent):
-            raise HopFailed(hops[-1].peer, "the replay's route ends before the head")
-        for p in hops:
+                        await self._call(pieces[i], Close(f"{sid}.{i}"))
+        n = sum(len(s.x) for s in shown)
+        for p in pieces:
             self.units[p.peer] += n * (p.end - p.first + p.head)
-        return out
+        return out if isinstance(out, TokenEvent) else out[-len(shown[-1].x) :]
 
-    async def _chain(self, ids: tuple[int, ...], start: int, singly: bool = False
-                     ) -> TokenEvent:
+    async def _chain(self, ids: tuple[int, ...], start: int, singly: bool = False) -> TokenEvent:
         """One step forwarded hop to hop; the head's result comes back to our Inbox."""
         assert self.route is not None
         hops, me = self.route.hops, self.gen.me
         ticket = secrets.token_hex(8)
         traced = len(ids) == 1 and self.steps % TRACE_EVERY == 0
-        msg = Step(f"{self.sid}.0", start, np.asarray(ids), "i32", ids, Forward(
-            ticket, tuple((h.peer, f"{self.sid}.{i}") for i, h in enumerate(hops) if i), me,
-            () if traced else None), singly).to_wire()
+        msg = Step(
+            f"{self.sid}.0",
+            start,
+            np.asarray(ids),
+            "i32",
+            ids,
+            Forward(
+                ticket,
+                tuple((h.peer, f"{self.sid}.{i}") for i, h in enumerate(hops) if i),
+                me,
+                () if traced else None,
+            ),
+            singly,
+        ).to_wire()
         began, sent = time.perf_counter(), time.monotonic()
         with self.gen.inbox.expect(ticket, {me, *self.route.peers}) as results:
             if hops[0].peer == me:
                 await self._local(msg)
             else:
-                await self.gen.channels.notify(hops[0].peer, STAGE_PROTOCOL, msg,
-                                               self.gen.config.step_timeout_s)
+                await self.gen.channels.notify(
+                    hops[0].peer, STAGE_PROTOCOL, msg, self.gen.config.step_timeout_s
+                )
             arrival = await self._await_result(results, start + len(ids))
         self.progress.step_ms = round((time.perf_counter() - began) * 1000, 2)
         result = arrival.result
@@ -841,13 +1161,13 @@ class _Run:
             raise await self._blame(arrival.sender, result)
         if traced:
             stamps = [list(h) for h in result.trace] if result.trace is not None else None
-            self.gen.traces.add(StepTrace.parse(self.route.peers, sent, arrival.at, stamps,
-                                                self.answered))
+            self.gen.traces.add(
+                StepTrace.parse(self.route.peers, sent, arrival.at, stamps, self.answered)
+            )
         self.answered = arrival.at
         return result.token
 
-    async def _await_result(self, results: trio.MemoryReceiveChannel[Arrival],
-                            end: int) -> Arrival:
+    async def _await_result(self, results: trio.MemoryReceiveChannel[Arrival], end: int) -> Arrival:
         """The chain's result; while it is late, check that every hop is alive and working."""
         assert self.route is not None
         hops = self.route.hops
@@ -866,8 +1186,10 @@ class _Run:
                 lagging = len(hops) - 1
             if hops[lagging].peer == self.gen.me and lagging > 0:
                 lagging -= 1  # we never got the step: the hop before us did not send it
-            raise HopFailed(hops[lagging].peer, f"no result within "
-                            f"{self.gen.config.step_timeout_s:g} s (position {end - 1})")
+            raise HopFailed(
+                hops[lagging].peer,
+                f"no result within {self.gen.config.step_timeout_s:g} s (position {end - 1})",
+            )
 
     async def _ping(self, i: int) -> Pong:
         """Hop i's session: the positions it computed, or HopFailed when the hop does not
@@ -918,7 +1240,9 @@ class _Run:
         assert self.route is not None
         if code == "broken":
             hops = self.route.hops
-            if not any(a.peer == accused and b.peer == reporter for a, b in zip(hops, hops[1:])):
+            if not any(
+                a.peer == accused and b.peer == reporter for a, b in itertools.pairwise(hops)
+            ):
                 return HopFailed(reporter, f"accused a peer that sent it nothing: {detail}")
             return self.gen.accusations.weigh(reporter, accused, detail)
         index = next((i for i, h in enumerate(self.route.hops) if h.peer == accused), None)
@@ -934,15 +1258,16 @@ class _Run:
         # sentence; a link that broke mid-step is the reporter's failure
         return Unreachable(reporter, why) if code == "unreachable" else HopFailed(reporter, why)
 
-    async def _call(self, hop: Hop, message: Open | Step | Close) -> dict[str, Any]:
+    async def _call(self, hop: Hop, message: Open | Step | Close | Reveal) -> dict[str, Any]:
         """A request to one hop; its reply as it came (a step's is timed)."""
         began = time.perf_counter()
         if hop.peer == self.gen.me:
             reply = await self._local(message.to_wire())
         else:
             timeout = self.gen.config.step_timeout_s
-            reply = await self.gen.channels.request(hop.peer, STAGE_PROTOCOL,
-                                                    message.to_wire(), timeout)
+            reply = await self.gen.channels.request(
+                hop.peer, STAGE_PROTOCOL, message.to_wire(), timeout
+            )
         ms = (time.perf_counter() - began) * 1000
         if isinstance(message, Step) and len(message.x) == 1:  # a decode step's time
             self.progress.hop_ms[hop.peer] = round(ms, 2)
@@ -965,14 +1290,22 @@ class _Run:
             return
         route, self.route = self.route, None
         keys = page_keys(self.history) if self.gen.config.prefix_cache else b""
-        for i, hop in enumerate(route.hops):
-            try:
-                with trio.move_on_after(1):
-                    reply = await self._call(hop, Close(f"{self.sid}.{i}",
-                                                        hop_keys(keys, route, i) if keys else b""))
-                    self._count_experts(hop, i, _read(hop.peer, Closed.from_wire, reply))
-            except HopFailed:
-                pass
+
+        async def close(i: int, hop: Hop) -> None:
+            with contextlib.suppress(HopFailed):
+                reply = await self._call(
+                    hop, Close(f"{self.sid}.{i}", hop_keys(keys, route, i) if keys else b"")
+                )
+                closed = _read(hop.peer, Closed.from_wire, reply)
+                self._count_experts(hop, i, closed)
+                self.commits[i] = closed.steps
+
+        # side by side: a hop's commitment is its pay (check_decode), so a busy hop gets
+        # CLOSE_S to answer, and a dead one costs that once, not once a hop
+        with trio.move_on_after(CLOSE_S):
+            async with trio.open_nursery() as nursery:
+                for i, hop in enumerate(route.hops):
+                    nursery.start_soon(close, i, hop)
         if keys:
             self.gen.prefixes.remember(keys, route)
 

@@ -22,8 +22,11 @@ defines for it and for its reply:
              tokens), singly? (true: compute the T positions one at a time, an exact
              replay of decode steps)}  -> Hidden {x: [T, n_embd]}  or, at the head,
              TokenEvent {token, logprob?, top?: [[token, logprob], ...]}
-    Close   {op: close, sid}                        -> Closed {experts?: {worker peer: units}}
+    Close   {op: close, sid}    -> Closed {experts?: {worker peer: units}, steps?: per step
+             the digests of its input and output (tensors.digest), 32 bytes a step}
     Ping    {op: ping, sid}                                  -> Pong {at: positions computed}
+    Reveal  {op: reveal, sid, first, last}  -> Revealed {steps: [{start, x, out, singly?}]}:
+             the session's steps as computed (owner only; kept a while after the close)
     ExpertRequest {op: experts, layer, first, rows: [m, n_embd], ids: i32 [m, n] counted
              from first, for: [[delegation, rows], ...]}       -> Outputs {out: [m, n, n_embd]}
 
@@ -47,8 +50,10 @@ from its owner and from the peer the owner named as the hop before it (``prev`` 
 A traced step also carries ``trace``: each hop's stamps so far (steptrace).
 """
 
-STAGE_PROTOCOL = "/kvasir/stage/1"
-EXPERT_PROTOCOL = "/kvasir/experts/1"
+from kvasird.wire.protocols import EXPERT_PROTOCOL, STAGE_PROTOCOL
+
+__all__ = ["EXPERT_PROTOCOL", "MAX_EXPERTS", "MAX_LAYERS", "STAGE_PROTOCOL"]
+
 MAX_LAYERS = 4096
 """Most layers a model on the wire may have (a node checks against its own model's)."""
 MAX_EXPERTS = 65536

@@ -77,8 +77,7 @@ class Issuer:
     """This node's delegations, signed with its node key (the gateway's side, and a stage's
     for itself)."""
 
-    def __init__(self, key: KeyPair, network: str,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, key: KeyPair, network: str, clock: Callable[[], float] = time.time) -> None:
         self.key, self.network, self.clock = key, network, clock
         self.peer_id = ID.from_pubkey(key.public_key).to_string()
         self._own: tuple[float, bytes] | None = None
@@ -116,16 +115,25 @@ class Verifier:
                 self._verified.pop(next(iter(self._verified)))
             self._verified[wire] = d
         if d.delegate != caller:
-            raise Refusal("unpaid", f"the delegation of gateway {d.gateway} names another "
-                                    f"stage ({d.delegate}), not the caller")
+            raise Refusal(
+                "unpaid",
+                f"the delegation of gateway {d.gateway} names another "
+                f"stage ({d.delegate}), not the caller",
+            )
         now = self.clock()
         if d.expires < now:
-            raise Refusal("unpaid", f"the delegation of gateway {d.gateway} expired "
-                                    f"{now - d.expires:.0f} s ago: the gateway must open the "
-                                    "session again")
+            raise Refusal(
+                "unpaid",
+                f"the delegation of gateway {d.gateway} expired "
+                f"{now - d.expires:.0f} s ago: the gateway must open the "
+                "session again",
+            )
         if d.expires > now + MAX_LIFE_S:
-            raise Refusal("unpaid", f"the delegation of gateway {d.gateway} claims to live "
-                                    f"longer than {MAX_LIFE_S:.0f} s")
+            raise Refusal(
+                "unpaid",
+                f"the delegation of gateway {d.gateway} claims to live "
+                f"longer than {MAX_LIFE_S:.0f} s",
+            )
         return d
 
     def _verify(self, wire: bytes) -> Delegation:
@@ -134,18 +142,29 @@ class Verifier:
             fields = unpack(body, MAX_BYTES) if len(wire) > SIGNATURE_BYTES else None
         except WireError:
             fields = None
-        if (type(fields) is not list or len(fields) != 4
-                or not all(type(f) is str and len(f) <= 128 for f in fields[:3])
-                or type(fields[3]) is not float):
-            raise Refusal("unpaid", "the delegation is malformed: expected a gateway's signed "
-                                    "[network, gateway, delegate, expires]")
+        if (
+            type(fields) is not list
+            or len(fields) != 4
+            or not all(type(f) is str and len(f) <= 128 for f in fields[:3])
+            or type(fields[3]) is not float
+        ):
+            raise Refusal(
+                "unpaid",
+                "the delegation is malformed: expected a gateway's signed "
+                "[network, gateway, delegate, expires]",
+            )
         d = Delegation(*fields)
         if d.network != self.network:
-            raise Refusal("unpaid", f"the delegation was signed for network {d.network!r:.40}, "
-                                    f"not {self.network!r}")
+            raise Refusal(
+                "unpaid",
+                f"the delegation was signed for network {d.network!r:.40}, not {self.network!r}",
+            )
         if not _signed_by(d.gateway, DOMAIN + body, signature):
-            raise Refusal("unpaid", f"the delegation is not signed by gateway {d.gateway}: "
-                                    "forged, or altered on the way")
+            raise Refusal(
+                "unpaid",
+                f"the delegation is not signed by gateway {d.gateway}: "
+                "forged, or altered on the way",
+            )
         return d
 
 

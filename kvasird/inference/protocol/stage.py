@@ -1,12 +1,13 @@
 """The stage protocol's messages ("/kvasir/stage/1"), each a frozen type with its wire form.
 
-``parse`` turns a decoded frame into one of Open, Step, Close, Ping, Result or Failure, or
+``parse`` turns a decoded frame into one of Open, Step, Close, Ping, Reveal, Result or
+Failure, or
 raises WireError naming the field; the stage server's handlers see nothing else. Bounds
 that depend on what a node serves (its layer count, n_embd, a session's room) are the
 handler's to check; everything a message can be checked for on its own is checked here.
 The replies the client reads are typed the same way: Hidden or a TokenEvent (a step),
-Pong (a ping), Closed (a close). The keys and values are those the package docstring
-draws, so nodes of either side of this change interoperate.
+Pong (a ping), Closed (a close), Revealed (a reveal). The keys and values are those the package
+docstring draws, so nodes of either side of this change interoperate.
 
 Sampling settings travel as one map, the wire form of compute's SamplingParams (the one
 sampling type from the gateway to the head's sampler):
@@ -44,6 +45,10 @@ MAX_TOKEN = (1 << 31) - 1
 MAX_STAMPS = 8
 """Numbers one hop's trace entry may hold (five are used)."""
 MAX_EXPERT_UNITS = 1 << 40
+MAX_STEPS = 1 << 16
+"""Most steps of a session a hop commits to (Closed.steps) or shows (Revealed)."""
+STEP_DIGESTS = 2 * tensors.DIGEST_BYTES
+"""Bytes of one step's commitment: the digests of its input and of its output."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +87,20 @@ class Open:
     with the session's expert requests; a hop that dispatches experts needs one."""
 
     def to_wire(self) -> dict[str, Any]:
-        out = {"op": "open", "sid": self.sid, "model": self.model, "first": self.first,
-               "end": self.end, "embed": self.embed, "head": self.head,
-               "max_tokens": self.max_tokens, "sampling": sampling_to_wire(self.sampling),
-               "logprobs": self.logprobs, "draws": self.draws, "prev": self.prev}
+        out = {
+            "op": "open",
+            "sid": self.sid,
+            "model": self.model,
+            "first": self.first,
+            "end": self.end,
+            "embed": self.embed,
+            "head": self.head,
+            "max_tokens": self.max_tokens,
+            "sampling": sampling_to_wire(self.sampling),
+            "logprobs": self.logprobs,
+            "draws": self.draws,
+            "prev": self.prev,
+        }
         if self.prefix:
             out["prefix"] = self.prefix
         if self.delegation:
@@ -96,20 +111,34 @@ class Open:
     def from_wire(d: dict[str, Any]) -> Open:
         first = schema.integer(d, "first", 0, MAX_LAYERS, "stage")
         head = _boolean(d, "head", "stage")
-        sampling = (sampling_from_wire(d.get("sampling"), "stage.sampling")
-                    if head or "sampling" in d else SamplingParams())
+        sampling = (
+            sampling_from_wire(d.get("sampling"), "stage.sampling")
+            if head or "sampling" in d
+            else SamplingParams()
+        )
         # a replay of a sampled stream must say how far it was drawn; greedy ones draw nothing
-        draws = (schema.integer(d, "draws", 0, MAX_POSITIONS, "stage")
-                 if "draws" in d or (head and sampling.temperature > 0) else 0)
+        draws = (
+            schema.integer(d, "draws", 0, MAX_POSITIONS, "stage")
+            if "draws" in d or (head and sampling.temperature > 0)
+            else 0
+        )
         max_tokens = schema.integer(d, "max_tokens", 1, MAX_POSITIONS, "stage")
-        return Open(schema.text(d, "sid", 64, "stage"), schema.text(d, "model", 64, "stage"),
-                    first, schema.integer(d, "end", first, MAX_LAYERS, "stage"),
-                    _boolean(d, "embed", "stage"), head, max_tokens,
-                    schema.integer(d, "logprobs", 0, MAX_TOP, "stage"),
-                    schema.text(d, "prev", 128, "stage") if "prev" in d else "",
-                    sampling, draws,
-                    schema.integer(d, "prompt", 0, MAX_POSITIONS, "stage") if "prompt" in d else 0,
-                    _keys(d, "prefix", max_tokens), _delegation(d))
+        return Open(
+            schema.text(d, "sid", 64, "stage"),
+            schema.text(d, "model", 64, "stage"),
+            first,
+            schema.integer(d, "end", first, MAX_LAYERS, "stage"),
+            _boolean(d, "embed", "stage"),
+            head,
+            max_tokens,
+            schema.integer(d, "logprobs", 0, MAX_TOP, "stage"),
+            schema.text(d, "prev", 128, "stage") if "prev" in d else "",
+            sampling,
+            draws,
+            schema.integer(d, "prompt", 0, MAX_POSITIONS, "stage") if "prompt" in d else 0,
+            _keys(d, "prefix", max_tokens),
+            _delegation(d),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +163,24 @@ class Forward:
         back = schema.mapping(d.get("back"), "stage.back")
         hops = schema.items(d, "next", MAX_ROUTE, "stage")
         for h in hops:  # a loop, not all(): this runs for every hop of every token
-            if (type(h) is not list or len(h) != 2 or type(h[0]) is not str
-                    or type(h[1]) is not str or len(h[0]) > 128 or len(h[1]) > 64):
+            if (
+                type(h) is not list
+                or len(h) != 2
+                or type(h[0]) is not str
+                or type(h[1]) is not str
+                or len(h[0]) > 128
+                or len(h[1]) > 64
+            ):
                 raise WireError("stage.next: expected [peer id, session id] pairs")
         trace = _trace(d["trace"], MAX_TRACE - 1) if "trace" in d else None
         rx = d.get("rx") if trace is not None else None
-        return Forward(schema.text(back, "ticket", 64, "stage.back"), tuple(map(tuple, hops)),
-                       schema.text(d, "owner", 128, "stage") if "owner" in d else None,
-                       trace, rx if isinstance(rx, float) else None)
+        return Forward(
+            schema.text(back, "ticket", 64, "stage.back"),
+            tuple(map(tuple, hops)),
+            schema.text(d, "owner", 128, "stage") if "owner" in d else None,
+            trace,
+            rx if isinstance(rx, float) else None,
+        )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -172,8 +211,12 @@ class Step:
     the wire; an older node computes them as one batch."""
 
     def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"op": "step", "sid": self.sid, "start": self.start,
-                               "x": tensors.encode(self.x, self.dt)}
+        out: dict[str, Any] = {
+            "op": "step",
+            "sid": self.sid,
+            "start": self.start,
+            "x": tensors.encode(self.x, self.dt),
+        }
         if self.ids is not None:
             out["ids"] = list(self.ids)
         if self.singly:
@@ -196,11 +239,15 @@ class Step:
     def from_wire(d: dict[str, Any]) -> Step:
         x, dt = _viewed(d.get("x"), "stage.x")
         ids = d.get("ids")
-        return Step(schema.text(d, "sid", 64, "stage"),
-                    schema.integer(d, "start", 0, MAX_POSITIONS, "stage"), x, dt,
-                    None if ids is None else _ids(ids, len(x)),
-                    Forward.from_wire(d) if "back" in d else None,
-                    "singly" in d and _boolean(d, "singly", "stage"))
+        return Step(
+            schema.text(d, "sid", 64, "stage"),
+            schema.integer(d, "start", 0, MAX_POSITIONS, "stage"),
+            x,
+            dt,
+            None if ids is None else _ids(ids, len(x)),
+            Forward.from_wire(d) if "back" in d else None,
+            "singly" in d and _boolean(d, "singly", "stage"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +283,28 @@ class Ping:
 
 
 @dataclass(frozen=True, slots=True)
+class Reveal:
+    """Show steps first..last of a session (open, or closed lately) as they were computed;
+    answered with Revealed. Only the session's owner may ask."""
+
+    sid: str
+    first: int
+    last: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "reveal", "sid": self.sid, "first": self.first, "last": self.last}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Reveal:
+        first = schema.integer(d, "first", 0, MAX_STEPS, "stage")
+        return Reveal(
+            schema.text(d, "sid", 64, "stage"),
+            first,
+            schema.integer(d, "last", first, MAX_STEPS, "stage"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Result:
     """The token a forwarded chain's last hop sampled, sent one-way to the owner."""
 
@@ -252,8 +321,11 @@ class Result:
 
     @staticmethod
     def from_wire(d: dict[str, Any]) -> Result:
-        return Result(schema.text(d, "ticket", 64, "stage"), token_from_wire(d, "stage"),
-                      _trace(d["trace"], MAX_TRACE) if "trace" in d else None)
+        return Result(
+            schema.text(d, "ticket", 64, "stage"),
+            token_from_wire(d, "stage"),
+            _trace(d["trace"], MAX_TRACE) if "trace" in d else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,17 +341,25 @@ class Failure:
     peer: str
 
     def to_wire(self) -> dict[str, Any]:
-        return {"op": "result", "ticket": self.ticket, "error": self.error[:500],
-                "code": self.code, "peer": self.peer}
+        return {
+            "op": "result",
+            "ticket": self.ticket,
+            "error": self.error[:500],
+            "code": self.code,
+            "peer": self.peer,
+        }
 
     @staticmethod
     def from_wire(d: dict[str, Any]) -> Failure:
-        return Failure(schema.text(d, "ticket", 64, "stage"), code_of(d.get("code")),
-                       schema.text(d, "error", 500, "stage"),
-                       schema.text(d, "peer", 128, "stage"))
+        return Failure(
+            schema.text(d, "ticket", 64, "stage"),
+            code_of(d.get("code")),
+            schema.text(d, "error", 500, "stage"),
+            schema.text(d, "peer", 128, "stage"),
+        )
 
 
-StageMessage = Open | Step | Close | Ping | Result | Failure
+StageMessage = Open | Step | Close | Ping | Reveal | Result | Failure
 
 
 def parse(msg: dict[str, Any]) -> StageMessage:
@@ -296,10 +376,15 @@ def parse(msg: dict[str, Any]) -> StageMessage:
 
 
 _PARSERS: dict[str, Callable[[dict[str, Any]], StageMessage]] = {
-    "open": Open.from_wire, "close": Close.from_wire, "ping": Ping.from_wire}
+    "open": Open.from_wire,
+    "close": Close.from_wire,
+    "ping": Ping.from_wire,
+    "reveal": Reveal.from_wire,
+}
 
 
 # --- replies ---------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Hidden:
@@ -332,8 +417,9 @@ class Opened:
 
     @staticmethod
     def from_wire(d: dict[str, Any]) -> Opened:
-        return Opened(schema.integer(d, "cached", 0, MAX_POSITIONS, "reply")
-                      if "cached" in d else 0)
+        return Opened(
+            schema.integer(d, "cached", 0, MAX_POSITIONS, "reply") if "cached" in d else 0
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,24 +439,97 @@ class Pong:
 
 @dataclass(frozen=True, slots=True)
 class Closed:
-    """A close's answer: the expert work done for the session on other peers."""
+    """A close's answer: the expert work done for the session on other peers, and the hop's
+    commitment to every step it computed for it."""
 
     experts: tuple[tuple[str, int], ...] = ()
     """(worker peer, units: the experts its rows selected), as the stage counted them."""
+    steps: bytes = b""
+    """Per step, in the order computed: the digest of the input it received and of the
+    output it sent (tensors.digest, 2 x DIGEST_BYTES). The owner compares each hop's
+    outputs with the next hop's inputs, and a drawn hop must later show rows (Reveal)
+    that have these digests: a hop is bound to what it computed before it learns what
+    is checked."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"experts": dict(self.experts)} if self.experts else {}
+        out: dict[str, Any] = {"experts": dict(self.experts)} if self.experts else {}
+        return {**out, "steps": self.steps} if self.steps else out
 
     @staticmethod
     def from_wire(d: dict[str, Any]) -> Closed:
+        steps = d.get("steps", b"")
+        if (
+            type(steps) is not bytes
+            or len(steps) % STEP_DIGESTS
+            or len(steps) > MAX_STEPS * STEP_DIGESTS
+        ):
+            raise WireError(
+                f"reply.steps: expected at most {MAX_STEPS} steps' digests, "
+                f"{STEP_DIGESTS} bytes each"
+            )
         if "experts" not in d:
-            return Closed()
+            return Closed(steps=steps)
         experts = schema.mapping(d["experts"], "reply.experts")
         if len(experts) > 4096 or not all(
-                isinstance(p, str) and len(p) <= 128 and type(n) is int
-                and 0 < n <= MAX_EXPERT_UNITS for p, n in experts.items()):
+            isinstance(p, str) and len(p) <= 128 and type(n) is int and 0 < n <= MAX_EXPERT_UNITS
+            for p, n in experts.items()
+        ):
             raise WireError("reply.experts: expected at most 4096 {peer id: units > 0}")
-        return Closed(tuple(experts.items()))
+        return Closed(tuple(experts.items()), steps)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Shown:
+    """One step of a session as its hop computed it, shown to the owner (Revealed)."""
+
+    start: int
+    """Position of its first row."""
+    x: np.ndarray
+    """What the hop received: token ids or hidden rows, as they travelled."""
+    dt: str
+    out: np.ndarray
+    """What it sent: hidden rows as they travelled, or at the head the token (i32 [1])."""
+    out_dt: str
+    singly: bool = False
+    """The step computed its positions one at a time (Step.singly)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        out = {
+            "start": self.start,
+            "x": tensors.encode(self.x, self.dt),
+            "out": tensors.encode(self.out, self.out_dt),
+        }
+        return {**out, "singly": True} if self.singly else out
+
+    @staticmethod
+    def from_wire(d: Any) -> Shown:
+        d = schema.mapping(d, "reply.shown")
+        x, dt = _viewed(d.get("x"), "reply.shown.x")
+        out, out_dt = _viewed(d.get("out"), "reply.shown.out")
+        return Shown(
+            schema.integer(d, "start", 0, MAX_POSITIONS, "reply.shown"),
+            x,
+            dt,
+            out,
+            out_dt,
+            "singly" in d and _boolean(d, "singly", "reply.shown"),
+        )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Revealed:
+    """A reveal's answer: steps first.. of the session, as many as fit in a frame."""
+
+    steps: tuple[Shown, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"steps": [s.to_wire() for s in self.steps]}
+
+    @staticmethod
+    def from_wire(d: dict[str, Any]) -> Revealed:
+        return Revealed(
+            tuple(Shown.from_wire(s) for s in schema.items(d, "steps", MAX_STEPS, "reply"))
+        )
 
 
 def token_to_wire(t: TokenEvent) -> dict[str, Any]:
@@ -385,16 +544,30 @@ def token_from_wire(d: dict[str, Any], what: str) -> TokenEvent:
     if "logprob" not in d:
         return TokenEvent(token)
     top = schema.items(d, "top", MAX_TOP, what) if "top" in d else ()
-    if not all(isinstance(t, list) and len(t) == 2 and type(t[0]) is int
-               and 0 <= t[0] <= MAX_TOKEN and type(t[1]) is float for t in top):
+    if not all(
+        isinstance(t, list)
+        and len(t) == 2
+        and type(t[0]) is int
+        and 0 <= t[0] <= MAX_TOKEN
+        and type(t[1]) is float
+        for t in top
+    ):
         raise WireError(f"{what}.top: expected [token id, logprob] pairs")
-    return TokenEvent(token, schema.number(d, "logprob", -sys.float_info.max, 1e-3, what),
-                      tuple((t[0], t[1]) for t in top))
+    return TokenEvent(
+        token,
+        schema.number(d, "logprob", -sys.float_info.max, 1e-3, what),
+        tuple((t[0], t[1]) for t in top),
+    )
 
 
 def sampling_to_wire(p: SamplingParams) -> dict[str, Any]:
-    out = {"temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-           "repetition_penalty": p.repetition_penalty, "seed": p.seed}
+    out = {
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "repetition_penalty": p.repetition_penalty,
+        "seed": p.seed,
+    }
     return {**out, "grammar": p.grammar} if p.grammar else out
 
 
@@ -409,8 +582,9 @@ def sampling_from_wire(value: Any, what: str) -> SamplingParams:
             top_k=schema.integer(d, "top_k", 0, 1 << 24, what),
             top_p=schema.number(d, "top_p", 0, 1, what),
             repetition_penalty=schema.number(d, "repetition_penalty", 1e-6, 1e6, what),
-            seed=seed, grammar=schema.text(d, "grammar", MAX_GRAMMAR_CHARS, what)
-            if "grammar" in d else "")
+            seed=seed,
+            grammar=schema.text(d, "grammar", MAX_GRAMMAR_CHARS, what) if "grammar" in d else "",
+        )
     except ComputeError as exc:  # a value the sampler refuses (top_p 0, a seed past 64 bits)
         raise WireError(f"{what}: {exc}") from None
 
@@ -428,8 +602,10 @@ def _keys(d: dict[str, Any], key: str, max_tokens: int) -> bytes:
         return b""
     v, most = d[key], max_tokens // PAGE
     if type(v) is not bytes or len(v) % KEY_BYTES or len(v) // KEY_BYTES > most:
-        raise WireError(f"stage.{key}: expected at most {most} page keys of {KEY_BYTES} bytes "
-                        "each, as one byte string")
+        raise WireError(
+            f"stage.{key}: expected at most {most} page keys of {KEY_BYTES} bytes "
+            "each, as one byte string"
+        )
     return v
 
 
@@ -466,8 +642,10 @@ def _delegation(d: dict[str, Any]) -> bytes:
         return b""
     v = d["delegation"]
     if type(v) is not bytes or not 0 < len(v) <= delegation.MAX_BYTES:
-        raise WireError(f"stage.delegation: expected a signed delegation of at most "
-                        f"{delegation.MAX_BYTES} bytes")
+        raise WireError(
+            f"stage.delegation: expected a signed delegation of at most "
+            f"{delegation.MAX_BYTES} bytes"
+        )
     return v
 
 
@@ -477,7 +655,9 @@ def _trace(value: Any, most: int) -> tuple[tuple[float, ...], ...] | None:
         raise WireError("stage.trace: expected a list of per-hop stamps")
     if len(value) > most:
         return None
-    if not all(isinstance(h, list) and len(h) <= MAX_STAMPS
-               and all(type(t) is float for t in h) for h in value):
+    if not all(
+        isinstance(h, list) and len(h) <= MAX_STAMPS and all(type(t) is float for t in h)
+        for h in value
+    ):
         raise WireError(f"stage.trace: expected lists of at most {MAX_STAMPS} floats")
     return tuple(tuple(h) for h in value)

@@ -16,6 +16,7 @@ costs a copy of its rows.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,9 +24,15 @@ import numpy as np
 
 from kvasird.errors import WireError
 
-DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"),
-                                    "i32": np.dtype("<i4")}
+DTYPES: dict[str, np.dtype[Any]] = {
+    "f32": np.dtype("<f4"),
+    "f16": np.dtype("<f2"),
+    "i32": np.dtype("<i4"),
+}
 MAX_ELEMENTS = 1 << 26
+DIGEST_BYTES = 16
+"""Bytes of an array's digest (`digest`): SHA-256 cut to 128 bits, still out of reach of
+anyone who would need a second array with a digest they committed to."""
 
 
 def encode(x: np.ndarray, dt: str) -> dict[str, Any]:
@@ -34,15 +41,26 @@ def encode(x: np.ndarray, dt: str) -> dict[str, Any]:
     return {"dt": dt, "shape": list(data.shape), "data": data.tobytes()}
 
 
-def decode(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | None], *,
-           finite: bool = True) -> np.ndarray:
+def digest(x: np.ndarray, dt: str) -> bytes:
+    """What a hop commits to for an array it received or sent (stage.Closed.steps): SHA-256
+    over the wire type, the shape and the bytes as `dt`, cut to DIGEST_BYTES. The sender,
+    which encodes the array, and the receiver, which views the frame, get the same digest
+    (f16 widened to f32 and rounded back is the same f16)."""
+    data = np.ascontiguousarray(x, DTYPES[dt])
+    h = hashlib.sha256(f"{dt}{list(data.shape)}".encode())
+    h.update(data.data.cast("B"))
+    return h.digest()[:DIGEST_BYTES]
+
+
+def decode(
+    value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | None], *, finite: bool = True
+) -> np.ndarray:
     """A validated array; `shape` gives the rank, with None for a free dimension (>= 1).
     With ``finite=False`` floats may hold NaN or infinity: the caller checks them."""
     return widen(view(value, what, kinds, shape), what, finite=finite)
 
 
-def view(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | None]
-         ) -> np.ndarray:
+def view(value: Any, what: str, kinds: Sequence[str], shape: Sequence[int | None]) -> np.ndarray:
     """The array as it travelled, validated as ``decode`` validates it but not converted: a
     read-only view of the frame's bytes (f16 stays f16), so a receiver can look at who
     sent it before it pays for a copy the size of the rows (``widen``)."""

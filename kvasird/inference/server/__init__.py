@@ -6,6 +6,8 @@
                steps computed and forwarded to the next hop, results to the owner
     experts    ExpertServer: "/kvasir/experts/1" rows of concurrent callers batched per layer
     batch      concurrent sessions' decode steps through a stage as one batch
+    ledger     every session's steps as computed: the commitment a close answers (digests of
+               each step's input and output) and the rows a reveal shows, kept a while
 
 The market's loader hands the units this node enrolled into to ``Served.build``:
 

@@ -1,7 +1,8 @@
 """StageServer: sessions on this node's stages, and the "/kvasir/stage/1" handler.
 
 open (a session on [first, end) with embed/head), step (token ids or hidden rows at
-positions start.. ─▶ hidden rows, or the sampled token at the last stage), close, ping.
+positions start.. ─▶ hidden rows, or the sampled token at the last stage), close (with
+the commitment to every step computed, server.ledger), ping, reveal (the steps' rows).
 Sessions are keyed by (caller, session id), bounded in number and KV room (admission
 refuses with "busy" and a reason), and closed when idle. A forwarded step computes and
 hands its output to the next hop itself, or its result to the session's owner; a failure
@@ -42,7 +43,6 @@ from kvasird.compute.steps import drive_async
 from kvasird.errors import KvasirError, WireError
 from kvasird.inference.api import TokenEvent
 from kvasird.inference.errors import Code, HopFailed, NoWorkers, Refusal, Unreachable
-from kvasird.inference.grammar import Constraint, GrammarError, vocabulary
 from kvasird.inference.protocol.stage import (
     Close,
     Closed,
@@ -53,16 +53,22 @@ from kvasird.inference.protocol.stage import (
     Opened,
     Pong,
     Result,
+    Reveal,
+    Revealed,
+    Shown,
     StageMessage,
     Step,
     parse,
     token_to_wire,
 )
+from kvasird.inference.protocol.tensors import DTYPES
 from kvasird.inference.server.batch import Batcher
 from kvasird.inference.server.engine import INLINE_TOKENS, Served, run_short
+from kvasird.inference.server.ledger import Ledgers
 from kvasird.inference.stepcontext import COMPANY, TALLY, Company, Tally
 from kvasird.inference.steptrace import collecting_waits, waiting
 from kvasird.logs import get_logger
+from kvasird.text.grammar import Constraint, GrammarError, vocabulary
 
 log = get_logger("kvasird.inference.server")
 
@@ -107,20 +113,20 @@ class ServedSession:
     def layers(self) -> int:
         """Layers a position costs on this hop, as receipts count them (the head as one)."""
         return sum(st.window[1] - st.window[0] for st in self.chain) + any(
-            st.head for st in self.chain)
+            st.head for st in self.chain
+        )
 
     def attach(self, keys: bytes) -> int:
         """Start every stage's session from the longest prefix of `keys` it kept: the
         positions the hop starts with (the least of its stages'; 0 at a head that kept no
         token ids to restore the history with)."""
         keys_ = split_keys(keys)
-        found = [s.attach(scope, keys_) for s, scope in zip(self.sessions, self.scopes,
-                                                            strict=True)]
-        cached = min(n for n, _ in found)
-        if self.sampler is not None and cached:
-            ids = found[-1][1]
-            if ids is None or len(ids) < cached:
-                cached = 0
+        found = [
+            s.attach(scope, keys_) for s, scope in zip(self.sessions, self.scopes, strict=True)
+        ]
+        cached, ids = min(n for n, _ in found), found[-1][1]
+        if self.sampler is not None and cached and (ids is None or len(ids) < cached):
+            cached = 0
         try:  # every stage from the same position (a window ring may not go back that far)
             for s in self.sessions:
                 s.truncate(min(cached, s.n_past))
@@ -128,17 +134,15 @@ class ServedSession:
             cached = 0
             for s in self.sessions:
                 s.truncate(0)
-        if cached and self.sampler is not None:
-            self.history = found[-1][1][:cached].tolist()
+        if cached and self.sampler is not None and ids is not None:
+            self.history = ids[:cached].tolist()
         self.at = cached
         return cached
 
     def close(self, keep: bytes = b"") -> None:
         keys = split_keys(keep) if keep else []
-        for s, scope in zip(self.sessions, self.scopes or [None] * len(self.sessions),
-                            strict=True):
+        for s, scope in zip(self.sessions, self.scopes or [None] * len(self.sessions), strict=True):
             s.close(scope, keys, self.history if self.sampler is not None else None)
-
 
 
 Admit = Callable[[str, int], Awaitable[None]]
@@ -164,12 +168,24 @@ async def _cannot_send(peer: str, msg: dict[str, Any]) -> None:
 class StageServer:
     """Sessions on this node's stages, and the stage protocol's request handler."""
 
-    def __init__(self, model_id: Callable[[], str], served: Callable[[], Served | None], *,
-                 max_sessions: int, idle_s: float, wire_dtype: str, me: str = "",
-                 send: Send = _cannot_send, deliver: Deliver | None = None,
-                 admit: Admit = admit_all, prefix: bool = True, batch_rows: int = 16,
-                 batch_window_s: float = 0.001, batch_min_s: float = 0.0,
-                 batch_pipelined: bool = True) -> None:
+    def __init__(
+        self,
+        model_id: Callable[[], str],
+        served: Callable[[], Served | None],
+        *,
+        max_sessions: int,
+        idle_s: float,
+        wire_dtype: str,
+        me: str = "",
+        send: Send = _cannot_send,
+        deliver: Deliver | None = None,
+        admit: Admit = admit_all,
+        prefix: bool = True,
+        batch_rows: int = 16,
+        batch_window_s: float = 0.001,
+        batch_min_s: float = 0.0,
+        batch_pipelined: bool = True,
+    ) -> None:
         self.model_id, self.served, self.admit = model_id, served, admit
         self.prefix = prefix
         """Keep closed sessions' prompts for reuse ([inference] prefix_cache)."""
@@ -186,6 +202,8 @@ class StageServer:
         self.batcher = Batcher(batch_rows, batch_window_s, batch_min_s, batch_pipelined)
         """Concurrent sessions' decode steps through one chain, computed as one graph per
         stage ([inference] batch_sessions)."""
+        self.ledgers = Ledgers()
+        """Every session's steps as computed: committed to at close, shown on Reveal."""
 
     async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
         """A message in its wire form (from a caller in this process): parsed, answered."""
@@ -198,9 +216,14 @@ class StageServer:
                 await self._forwarded(caller, m, m.forward)
                 return {}
             # the session first: a stranger's rows are never widened (tensors.widen)
-            out = await self._step(self._session((caller, m.sid)), m.widened())
-            return token_to_wire(out) if isinstance(out, TokenEvent) else \
-                Hidden(out, self.wire_dtype).to_wire()
+            key = (caller, m.sid)
+            out = await self._step(self._session(key), m.widened())
+            sent = self._record(key, m, out)
+            return (
+                token_to_wire(out)
+                if isinstance(out, TokenEvent)
+                else Hidden(sent, self.wire_dtype).to_wire()
+            )
         if isinstance(m, Open):
             await self.admit(caller, 0)
             return Opened(self._open(caller, m)).to_wire()
@@ -212,9 +235,23 @@ class StageServer:
         key = (caller, m.sid)
         if isinstance(m, Close):
             s = self.sessions.get(key)
+            steps = self.ledgers.close(key)
             self._end([key], m.keep if self.prefix else b"")
-            return Closed(tuple(s.tally.experts.items()) if s is not None else ()).to_wire()
+            return Closed(tuple(s.tally.experts.items()) if s is not None else (), steps).to_wire()
+        if isinstance(m, Reveal):
+            return Revealed(self.ledgers.show(key, m.first, m.last)).to_wire()
         return Pong(self._session(key).at).to_wire()
+
+    def _record(self, key: tuple[str, str], m: Step, out: np.ndarray | TokenEvent) -> np.ndarray:
+        """Write a computed step into its session's ledger, as received (`m`, its rows not
+        yet widened) and as it is sent: the output rows in the wire's type (returned, to be
+        sent as they are recorded), or the head's token."""
+        if isinstance(out, TokenEvent):
+            sent, dt = np.array([out.token], np.int32), "i32"
+        else:
+            sent, dt = np.ascontiguousarray(out, DTYPES[self.wire_dtype]), self.wire_dtype
+        self.ledgers.record(key, Shown(m.start, m.x, m.dt, sent, dt, m.singly))
+        return sent
 
     def inline(self, m: StageMessage) -> bool:
         """Whether a one-way message may be handled in its stream's reader task: a
@@ -252,24 +289,37 @@ class StageServer:
         try:
             s = self._session((owner, m.sid))
             if caller not in (owner, s.prev):
-                raise Refusal("bad", "only the session's owner and the hop before it on the "
-                                     "route may step it")
-            m = m.widened()
+                raise Refusal(
+                    "bad", "only the session's owner and the hop before it on the route may step it"
+                )
+            received, m = m, m.widened()
             if m.dt != "i32" and not np.isfinite(m.x).all():
                 culprit = caller
                 raise self._unusable_input(s, m, caller)
             out = await self._step(s, m)
+            sent = self._record((owner, m.sid), received, out)
             trace = _traced(f, s)
             if not isinstance(out, TokenEvent):
                 if not f.next_hops:
                     raise Refusal("bad", "the route ends before the head")
                 culprit, sid = f.next_hops[0]
-                await self.send(culprit, Step(sid, m.start, out, self.wire_dtype, m.ids, Forward(
-                    f.ticket, f.next_hops[1:], owner, trace), m.singly).to_wire())
+                await self.send(
+                    culprit,
+                    Step(
+                        sid,
+                        m.start,
+                        sent,
+                        self.wire_dtype,
+                        m.ids,
+                        Forward(f.ticket, f.next_hops[1:], owner, trace),
+                        m.singly,
+                    ).to_wire(),
+                )
             else:
                 if f.next_hops:
-                    raise Refusal("bad", "the route goes on after the head: the head hop "
-                                         "must be the last")
+                    raise Refusal(
+                        "bad", "the route goes on after the head: the head hop must be the last"
+                    )
                 culprit = owner
                 await self.send(owner, Result(f.ticket, out, trace).to_wire())
             self.forwarded += 1
@@ -289,8 +339,9 @@ class StageServer:
         if served is None:  # a node that just (re)started: a passing state, not a fault
             raise Refusal("busy", "this node is still loading the model: retry shortly")
         if m.end > served.hp.n_layer:
-            raise Refusal("bad", f"layers [{m.first}, {m.end}) reach past the model's "
-                                 f"{served.hp.n_layer}")
+            raise Refusal(
+                "bad", f"layers [{m.first}, {m.end}) reach past the model's {served.hp.n_layer}"
+            )
         chain = served.stages_for(m.first, m.end, m.embed, m.head)
         self.expire()
         key = (caller, m.sid)
@@ -299,11 +350,16 @@ class StageServer:
         need = -(-m.max_tokens // PAGE) * PAGE
         for stage in chain:
             if stage.kv.max_session_tokens < m.max_tokens or stage.kv.free_tokens < need:
-                raise Refusal("busy", f"KV cache has {stage.kv.free_tokens} free slots, "
-                                      f"the session needs {need}")
+                raise Refusal(
+                    "busy",
+                    f"KV cache has {stage.kv.free_tokens} free slots, the session needs {need}",
+                )
             if stage.kv.recurrent and not stage.kv.free_states:
-                raise Refusal("busy", f"all {stage.kv.spec.state_slots} recurrent-state slots "
-                                      "of this stage's delta-net layers are in use")
+                raise Refusal(
+                    "busy",
+                    f"all {stage.kv.spec.state_slots} recurrent-state slots "
+                    "of this stage's delta-net layers are in use",
+                )
         sampler = None
         if m.head:
             constraint = None
@@ -316,34 +372,46 @@ class StageServer:
             if m.sampling.temperature > 0:  # a replay continues the seeded stream where it was
                 sampler.skip(m.draws)
         self._end([key])
+        self.ledgers.begin(key)
         s = self.sessions[key] = ServedSession(
-            chain, [st.open_session() for st in chain], sampler, m.logprobs, m.max_tokens,
-            m.prev, tally=Tally(caller, m.delegation),
-            scopes=[(caller, st.window, st.embed, st.head) for st in chain])
+            chain,
+            [st.open_session() for st in chain],
+            sampler,
+            m.logprobs,
+            m.max_tokens,
+            m.prev,
+            tally=Tally(caller, m.delegation),
+            scopes=[(caller, st.window, st.embed, st.head) for st in chain],
+        )
         return s.attach(m.prefix) if self.prefix and m.prefix else 0
 
     async def _step(self, s: ServedSession, m: Step) -> np.ndarray | TokenEvent:
         """The hop's output rows, or at the head the sampled token."""
         x, first = m.x, s.chain[0]
         if first.embed != (m.dt == "i32") or not first.embed and x.shape[1] != first.hp.n_embd:
-            raise WireError("stage.x: expected " + ("token ids (i32 [T])" if first.embed else
-                                                    f"hidden rows [T, {first.hp.n_embd}]"))
+            raise WireError(
+                "stage.x: expected "
+                + ("token ids (i32 [T])" if first.embed else f"hidden rows [T, {first.hp.n_embd}]")
+            )
         if m.start + len(x) > s.max_tokens:
-            raise Refusal("bad", f"positions up to {m.start + len(x)} exceed the session's "
-                                 f"{s.max_tokens}")
+            raise Refusal(
+                "bad", f"positions up to {m.start + len(x)} exceed the session's {s.max_tokens}"
+            )
         if s.sampler is not None and m.ids is None:
             raise WireError("stage.ids: the head needs the token ids of the positions sent")
         await self.admit(s.tally.owner, len(x) * s.layers)  # metered before it computes
         if s.sampler is not None:
             assert m.ids is not None
-            del s.history[m.start:]
+            del s.history[m.start :]
             s.history += m.ids
         s.used = began = time.monotonic()
         try:
             with collecting_waits() as waited:
                 if m.singly:  # a replay of decode steps: each position as it first ran
-                    outs = [await _run_chain(s, x[i:i + 1], m.start + i, self.company)
-                            for i in range(len(x))]
+                    outs = [
+                        await _run_chain(s, x[i : i + 1], m.start + i, self.company)
+                        for i in range(len(x))
+                    ]
                     out = outs[-1] if s.sampler is not None else np.concatenate(outs)
                 elif self.batcher.takes(s.chain, m.start, len(x)):
                     out = await self.batcher.step(s, x, m.start, self._solo)
@@ -365,7 +433,7 @@ class StageServer:
         if not s.logprobs:
             return TokenEvent(token)
         lp = log_softmax(out[-1])
-        top = np.argsort(-lp, kind="stable")[:s.logprobs]
+        top = np.argsort(-lp, kind="stable")[: s.logprobs]
         return TokenEvent(token, float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
 
     async def _solo(self, s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
@@ -380,21 +448,35 @@ class StageServer:
             return
         what = "logits" if s.sampler is not None else "hidden states"
         layers, positions = _where(s, m)
-        log.warning("computed non-finite output: refusing to send it (are the model's slices "
-                    "corrupt?)", what=what, layers=layers, positions=positions)
-        raise Refusal("broken", f"this node computed NaN or infinite {what} at {layers}, "
-                                f"positions {positions}: its weights may be corrupt; route "
-                                "around it")
+        log.warning(
+            "computed non-finite output: refusing to send it (are the model's slices corrupt?)",
+            what=what,
+            layers=layers,
+            positions=positions,
+        )
+        raise Refusal(
+            "broken",
+            f"this node computed NaN or infinite {what} at {layers}, "
+            f"positions {positions}: its weights may be corrupt; route "
+            "around it",
+        )
 
     def _unusable_input(self, s: ServedSession, m: Step, sender: str) -> Refusal:
         """The refusal of forwarded rows that are not finite, which blames their sender: a
         peer that does not check its own output (a faulty build, or a hostile peer) would
         otherwise have this node taken for the broken one."""
         layers, positions = _where(s, m)
-        log.warning("received non-finite hidden states: refusing them and naming the sender",
-                    sender=sender, layers=layers, positions=positions)
-        return Refusal("broken", f"sent NaN or infinite hidden states for {layers}, positions "
-                                 f"{positions}: its weights may be corrupt; route around it")
+        log.warning(
+            "received non-finite hidden states: refusing them and naming the sender",
+            sender=sender,
+            layers=layers,
+            positions=positions,
+        )
+        return Refusal(
+            "broken",
+            f"sent NaN or infinite hidden states for {layers}, positions "
+            f"{positions}: its weights may be corrupt; route around it",
+        )
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -408,6 +490,7 @@ class StageServer:
         for key in keys:
             if (s := self.sessions.pop(key, None)) is not None:
                 s.close(keep)
+                self.ledgers.close(key)
         self._ended.set()
         self._ended = trio.Event()
 
@@ -417,8 +500,7 @@ class StageServer:
             await self._ended.wait()
 
 
-async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
-                     company: Company) -> np.ndarray:
+async def _run_chain(s: ServedSession, x: np.ndarray, start: int, company: Company) -> np.ndarray:
     """A step through the hop's stages: in place when short and nothing else computes on
     them, else in a worker thread. A short step on a stage that dispatches experts runs as
     steps (compute.steps) on the event loop, awaiting the remote experts of each MoE layer
@@ -439,8 +521,9 @@ async def _run_chain(s: ServedSession, x: np.ndarray, start: int,
         TALLY.reset(tally)
 
 
-async def _run_chain_steps(s: ServedSession, x: np.ndarray, start: int,
-                           company: Company) -> np.ndarray:
+async def _run_chain_steps(
+    s: ServedSession, x: np.ndarray, start: int, company: Company
+) -> np.ndarray:
     """A short step as steps on the event loop (see _run_chain)."""
     delay = STAGE_POLL_S[0]
     with contextlib.ExitStack() as waiting:
@@ -452,8 +535,10 @@ async def _run_chain_steps(s: ServedSession, x: np.ndarray, start: int,
                     token = COMPANY.set(company)
                     try:
                         for stage, session in zip(s.chain, s.sessions, strict=True):
-                            x = await drive_async(stage.forward_steps(session, x, start),
-                                                  functools.partial(_serve_async, stage))
+                            x = await drive_async(
+                                stage.forward_steps(session, x, start),
+                                functools.partial(_serve_async, stage),
+                            )
                     finally:
                         company.now -= 1
                         COMPANY.reset(token)
@@ -500,8 +585,10 @@ async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
 
 def _where(s: ServedSession, m: Step) -> tuple[str, str]:
     """The layers and positions of a step, as a refusal names them."""
-    return (f"layers [{s.chain[0].window[0]}, {s.chain[-1].window[1]})",
-            f"{m.start}..{m.start + len(m.x) - 1}")
+    return (
+        f"layers [{s.chain[0].window[0]}, {s.chain[-1].window[1]})",
+        f"{m.start}..{m.start + len(m.x) - 1}",
+    )
 
 
 def _why(exc: KvasirError) -> tuple[Code, str]:
@@ -526,5 +613,7 @@ def _traced(f: Forward, s: ServedSession) -> tuple[tuple[float, ...], ...] | Non
     if f.trace is None:
         return None
     began, ended, experts = s.last_step
-    return (*f.trace, (f.rx if f.rx is not None else began, began, ended, time.monotonic(),
-                       experts))
+    return (
+        *f.trace,
+        (f.rx if f.rx is not None else began, began, ended, time.monotonic(), experts),
+    )
