@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvasird.cli.init import init_home
 from kvasird.compute.errors import ComputeError
 from kvasird.compute.graph import Backend, use_device
 from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage
+from kvasird.daemon.init import init_home
 from kvasird.home import Home
 
 LOOPBACK_ONLY = {"p2p.listen": ["/ip4/127.0.0.1/tcp/0"], "p2p.mdns": False,

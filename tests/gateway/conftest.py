@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvasird.inference.tokenizer import Tokenizer
 from kvasird.localnet import LocalNet
 from kvasird.model.bundled import bundled_path
+from kvasird.text.tokenizer import Tokenizer
+from tests.support import eventually
 
 READY_S = 60.0
 
@@ -84,10 +84,8 @@ def serving(net: LocalNet) -> Daemon:
     net.up()
     node = net.nodes[0]
     url = node.status()["gateway"]
-    deadline = time.monotonic() + READY_S
-    while httpx.get(url + "/health").status_code != 200:
-        assert time.monotonic() < deadline, f"gateway not ready; log:\n{node.tail()}"
-        time.sleep(0.1)
+    eventually("the gateway is ready", lambda: httpx.get(url + "/health").status_code == 200,
+               timeout=READY_S, context=node.tail)
     model = httpx.get(url + "/v1/models").json()["data"][0]["model_id"]
     return Daemon(node, url, model, Tokenizer.from_gguf(bundled_path()))
 

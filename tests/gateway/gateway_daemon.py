@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvasird.inference.chat import ChatTemplate, Message
-from kvasird.inference.tokenizer import Tokenizer
 from kvasird.localnet import LocalNode
+from kvasird.text.chat import ChatTemplate, Message
+from kvasird.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage, generate
-from kvasird.inference.chat import ChatTemplate, Message
-from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.bundled import bundled_path
+from kvasird.text.chat import ChatTemplate, Message
+from kvasird.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import pytest
 from gateway_daemon import Daemon  # type: ignore[import-not-found]
 from greedy import Greedy, cut, greedy  # type: ignore[import-not-found]
 
-from kvasird.inference.chat import Message
 from kvasird.localnet.demo import SYSTEM
+from kvasird.text.chat import Message
 
 pytestmark = pytest.mark.slow
 

@@ -30,6 +30,7 @@ from prompt_toolkit.output import DummyOutput
 from kvasird.cli.chat import Chat, edited_lines, listed_models
 from kvasird.config import default_text, render
 from kvasird.daemon.banner import print_banner
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow  # a real daemon per module
 
@@ -47,10 +48,8 @@ def requests_served(daemon: Daemon) -> int:
 
 
 def wait_served(daemon: Daemon, count: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while requests_served(daemon) < count:
-        assert time.monotonic() < deadline, f"the gateway served fewer than {count} requests"
-        time.sleep(0.05)
+    eventually(f"the gateway served {count} requests",
+               lambda: requests_served(daemon) >= count, timeout=WAIT_S, every=0.05)
 
 
 # --- names the gateway lists and accepts ------------------------------------------------

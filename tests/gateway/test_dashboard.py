@@ -8,7 +8,6 @@ and both /health and the page have to say so.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from kvasird.gateway.dashboard import COLOURS
 from kvasird.localnet import LocalNet
 from kvasird.localnet.placement import pinned
 from kvasird.model.bundled import bundled_path
+from tests.support import eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     CHROMIUM is None, reason="headless Chromium is not installed (apt-get install -y chromium)")]
@@ -29,13 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 N_LAYER = 30
 PLACEMENT = [["head", "layers:0-15"], ["layers:15-30"]]
 READY_S = 120.0
-
-
-def wait(what: str, predicate: object, timeout: float = READY_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +44,9 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNet, 
         for node in net.nodes:
             node.wait_ready()
         url = net.nodes[0].status()["gateway"]
-        wait("the gateway routes through both nodes",
-             lambda: httpx.get(url + "/health").status_code == 200)
+        eventually("the gateway routes through both nodes",
+                   lambda: httpx.get(url + "/health").status_code == 200, timeout=READY_S,
+                   every=0.2)
         yield net, url
     finally:
         net.down()
@@ -125,7 +119,8 @@ def test_a_node_down_takes_the_route_and_health_says_which_layers(
         swarm: tuple[LocalNet, str]) -> None:
     net, url = swarm
     net.nodes[1].stop()
-    wait("the gateway notices", lambda: httpx.get(url + "/health").status_code == 503, 60)
+    eventually("the gateway notices", lambda: httpx.get(url + "/health").status_code == 503,
+               timeout=60, every=0.2)
     body = httpx.get(url + "/health").json()
     assert body["status"] == "no_route" and "layers 15-29" in body["reason"], body
     page = dom(url + "/")

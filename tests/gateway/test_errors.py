@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -12,6 +11,8 @@ import httpx
 import openai
 import pytest
 from gateway_daemon import Daemon  # type: ignore[import-not-found]
+
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -118,10 +119,8 @@ def test_generations_past_the_concurrency_limit_are_a_429(daemon: Daemon) -> Non
             assert r.status_code == 200
         err = openai_error(httpx.post(daemon.url + CHAT, json=body, timeout=30), 429)
         assert "max_concurrent" in str(err["message"])
-    deadline = time.monotonic() + 10
-    while httpx.get(daemon.url + "/status").json()["gateway"]["in_flight"]:
-        assert time.monotonic() < deadline, "closed streams still hold their slots"
-        time.sleep(0.05)
+    eventually("closed streams free their slots", lambda: not httpx.get(
+        daemon.url + "/status").json()["gateway"]["in_flight"], timeout=10, every=0.05)
 
 
 def test_the_daemon_still_answers_after_all_of_it(oa: openai.OpenAI, daemon: Daemon) -> None:

@@ -22,9 +22,10 @@ from gguf import GGUFValueType, GGUFWriter
 from kvasird.config import GatewayConfig
 from kvasird.gateway.service import Gateway
 from kvasird.inference.api import Finished, GenerationRequest, HopWork, ModelInfo, TokenEvent
-from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.manifest import Manifest
+from kvasird.text.tokenizer import Tokenizer
 from kvasird_dev.testmodels import bundled_tokenizer, save
+from tests.support import eventually_async
 
 MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>",
            "<|return|>"]
@@ -115,9 +116,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
                  model=lambda: manifest)
     async with trio.open_nursery() as nursery:
         url = await nursery.start(gw.run)
-        with trio.fail_after(30):
-            while not gw.ready:  # noqa: ASYNC110 - nothing to wait on
-                await trio.sleep(0.05)
+        await eventually_async("the gateway is ready", lambda: gw.ready, timeout=30)
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             yield Served(client, generator, Tokenizer.from_gguf(path))
         nursery.cancel_scope.cancel()

@@ -8,6 +8,7 @@ from kvasird.config import GatewayConfig
 from kvasird.gateway.service import Gateway
 from kvasird.model.bundled import bundled_path
 from kvasird.model.manifest import Manifest
+from tests.support import eventually_async
 
 
 async def test_a_model_read_that_fails_is_retried_not_the_end_of_the_node() -> None:
@@ -25,8 +26,7 @@ async def test_a_model_read_that_fails_is_retried_not_the_end_of_the_node() -> N
     async with trio.open_nursery() as nursery:
         url = await nursery.start(gateway.run)
         assert url.startswith("http://127.0.0.1:")
-        with trio.fail_after(30):
-            while not gateway._tokenizers:  # noqa: ASYNC110 - nothing to wait on
-                await trio.sleep(0.05)
+        await eventually_async("the gateway loads its tokenizer", lambda: gateway._tokenizers,
+                               timeout=30)
         nursery.cancel_scope.cancel()
     assert len(calls) == 3

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -11,8 +11,9 @@ import pytest
 from gateway_daemon import Daemon  # type: ignore[import-not-found]
 from greedy import Greedy, cut, greedy  # type: ignore[import-not-found]
 
-from kvasird.inference.chat import Message
 from kvasird.localnet.demo import SYSTEM
+from kvasird.text.chat import Message
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -143,9 +144,11 @@ def test_a_disconnected_client_frees_its_generation(daemon: Daemon) -> None:
         for line in r.iter_lines():
             if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
                 break
-    deadline = time.monotonic() + 10
-    while (status := httpx.get(daemon.url + "/status").json()["gateway"])["in_flight"]:
-        assert time.monotonic() < deadline, "the abandoned generation still runs"
-        time.sleep(0.05)
+
+    def settled() -> dict[str, Any] | None:
+        status = httpx.get(daemon.url + "/status").json()["gateway"]
+        return None if status["in_flight"] else status
+
+    status = eventually("the abandoned generation ends", settled, timeout=10, every=0.05)
     assert status["in_flight"] == 0
     assert status["requests_by_status"].get("499", 0) == before.get("499", 0) + 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,13 +19,14 @@ from kvasird.config.schema import InferenceConfig
 from kvasird.gateway import dashboard, status
 from kvasird.gateway.service import Gateway
 from kvasird.inference.api import ModelInfo
-from kvasird.inference.chat import Message
 from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
 from kvasird.inference.client.swarm import Inbox, SwarmGenerator
 from kvasird.localnet.demo import SYSTEM
 from kvasird.market.records import Holding
 from kvasird.model.bundled import bundled_path
 from kvasird.model.manifest import Manifest
+from kvasird.text.chat import Message
+from tests.support import eventually
 
 N_LAYER = 30
 
@@ -110,13 +110,11 @@ async def test_status_shows_the_route_a_request_would_take() -> None:
 
 def covered(daemon: Daemon) -> dict[str, object]:
     """The status once the node has enrolled in every unit of the model."""
-    deadline = time.monotonic() + 30
-    while True:
-        status = httpx.get(daemon.url + "/status").json()
-        if status["coverage"]["fully_covered"]:
-            return status  # type: ignore[no-any-return]
-        assert time.monotonic() < deadline, "the node never covered its model"
-        time.sleep(0.2)
+    def fully_covered() -> dict[str, object] | None:
+        got = httpx.get(daemon.url + "/status").json()
+        return got if got["coverage"]["fully_covered"] else None
+
+    return eventually("the node covers its model", fully_covered, timeout=30, every=0.2)
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ and CORS for the pages the operator allowed."""
 from __future__ import annotations
 
 import json
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,9 +14,10 @@ import openai
 import pytest
 from gateway_daemon import Daemon  # type: ignore[import-not-found]
 
-from kvasird.inference.chat import ChatTemplate, Message
 from kvasird.model.bundled import bundled_path
 from kvasird.model.names import slug
+from kvasird.text.chat import ChatTemplate, Message
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -134,10 +134,8 @@ def started_choices(daemon: Daemon, n: int) -> set[int]:
 def test_a_client_that_leaves_frees_every_choice(daemon: Daemon) -> None:
     for _ in range(2):
         assert started_choices(daemon, 4) == {0, 1, 2, 3}
-        deadline = time.monotonic() + 10
-        while httpx.get(daemon.url + "/status").json()["gateway"]["in_flight"]:
-            assert time.monotonic() < deadline, "the abandoned choices still run"
-            time.sleep(0.05)
+        eventually("the abandoned choices end", lambda: not httpx.get(
+            daemon.url + "/status").json()["gateway"]["in_flight"], timeout=10, every=0.05)
 
 
 @pytest.mark.parametrize("n", [0, 5])

@@ -6,7 +6,6 @@ every address, where it answers to any name (real daemons on the local chain, bo
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from kvasird.localnet import LocalNet, LocalNode
 from kvasird.model.bundled import bundled_path
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +38,9 @@ def paid_gateway(root: Path, **settings: Any) -> Iterator[tuple[LocalNode, str]]
         net.up()
         node = net.nodes[0]
         url = f"http://127.0.0.1:{urlsplit(node.status()['gateway']).port}"
-        deadline = time.monotonic() + READY_S
-        while httpx.get(url + "/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, f"gateway not ready:\n{node.tail()}"
-            time.sleep(0.2)
+        eventually("the gateway is ready",
+                   lambda: httpx.get(url + "/health", timeout=5).status_code == 200,
+                   timeout=READY_S, every=0.2, context=node.tail)
         yield node, url
     finally:
         net.down()

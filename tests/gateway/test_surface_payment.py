@@ -3,7 +3,6 @@ its quote (a real daemon on the local chain)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +14,7 @@ import trio
 from kvasird.localnet import LocalNet
 from kvasird.model.bundled import bundled_path
 from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +32,9 @@ def paid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNet, s
     try:
         net.up()
         url = net.nodes[0].status()["gateway"]
-        deadline = time.monotonic() + READY_S
-        while httpx.get(url + "/health", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, f"gateway not ready:\n{net.nodes[0].tail()}"
-            time.sleep(0.2)
+        eventually("the gateway is ready",
+                   lambda: httpx.get(url + "/health", timeout=5).status_code == 200,
+                   timeout=READY_S, every=0.2, context=net.nodes[0].tail)
         yield net, url
     finally:
         net.down()

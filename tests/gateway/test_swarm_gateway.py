@@ -7,15 +7,14 @@ the engine gives with the whole model in one stage.
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 from gateway_daemon import Daemon  # type: ignore[import-not-found]
 from greedy import greedy  # type: ignore[import-not-found]
 
-from kvasird.inference.chat import Message
 from kvasird.localnet.demo import SYSTEM
+from kvasird.text.chat import Message
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -28,15 +27,16 @@ BODY = {"messages": MESSAGES, "temperature": 0, "max_tokens": 16}
 
 
 def test_a_swarm_route_answers_like_the_local_engine(daemon: Daemon) -> None:
-    deadline = time.monotonic() + ROUTE_S
-    while True:
+    def routed() -> httpx.Response | None:
         r = httpx.post(daemon.url + "/v1/chat/completions", json={"model": daemon.model, **BODY},
                        timeout=60)
         if r.status_code != 503:
-            break
+            return r
         assert r.json()["error"]["code"] == "no_route"
-        assert time.monotonic() < deadline, "no route formed; log:\n" + daemon.node.tail()
-        time.sleep(0.5)
+        return None
+
+    r = eventually("a route forms", routed, timeout=ROUTE_S, every=0.5,
+                   context=lambda: "log:\n" + daemon.node.tail())
     assert r.status_code == 200, r.text
     answer = greedy([Message(**m) for m in MESSAGES], 16)
     assert r.json()["choices"][0]["message"]["content"] == answer.text

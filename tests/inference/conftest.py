@@ -1,4 +1,5 @@
-"""Fixtures of the in-process gateway tests: a small dense model and its undisturbed tokens."""
+"""Fixtures of the in-process inference tests: a small dense model and its undisturbed tokens,
+a small MoE model and a worker holding all its experts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvasird.compute.experts import ExpertShard
 from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.stage import Stage, generate
 from kvasird.inference.server.engine import Holdings, Served
@@ -15,6 +17,7 @@ from kvasird_dev.testmodels import make_model
 from .fakenet import no_experts
 
 N_LAYER = 4
+N_EXPERT = 8
 PROMPT = [3, 1, 4, 1, 5, 9]
 
 
@@ -44,3 +47,23 @@ def served(model: Path) -> Iterator[dict[str, Served]]:
     yield out
     for s in out.values():
         s.close()
+
+
+def no_remote(layer: int, first: int, end: int) -> ExpertShard:
+    """The expert dispatcher of a node holding every expert: never called."""
+    raise AssertionError("this node holds everything it computes")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("m") / "moe.gguf", n_layer=N_LAYER,
+                      n_expert=N_EXPERT, n_expert_used=2, dtype="f32")
+
+
+@pytest.fixture(scope="module")
+def worker(moe: Path) -> Iterator[Served]:
+    """A worker-only node holding every expert of every layer."""
+    every = Holdings(experts=tuple((lay, 0, N_EXPERT) for lay in range(N_LAYER)))
+    served = Served.build([moe], every, threads=1, kv_slots=256, remote=no_remote)
+    yield served
+    served.close()

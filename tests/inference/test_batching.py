@@ -29,7 +29,8 @@ from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.stage import StageServer
 from kvasird_dev.testmodels import make_model
 
-from .test_serving import _no_remote, call, open_msg
+from .conftest import no_remote
+from .test_serving import call, open_msg
 
 N_LAYER = 3
 
@@ -43,7 +44,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def node(llama: Path) -> Iterator[Served]:
     served = Served.build([llama], Holdings(head=True, windows=((0, N_LAYER),)), threads=1,
-                          kv_slots=64 * PAGE, remote=_no_remote)
+                          kv_slots=64 * PAGE, remote=no_remote)
     yield served
     served.close()
 
@@ -207,7 +208,7 @@ async def test_sessions_of_a_sliding_window_model_decode_in_batches(tmp_path: Pa
     path = make_model(tmp_path / "gemma3.gguf", arch="gemma3", n_layer=N_LAYER,
                       sliding_window=100, seed=6, dtype="q8_0")
     served = Served.build([path], Holdings(head=True, windows=((0, N_LAYER),)), threads=1,
-                          kv_slots=64 * PAGE, remote=_no_remote, window_sessions=6)
+                          kv_slots=64 * PAGE, remote=no_remote, window_sessions=6)
     alone = Stage.load(path, threads=1, kv=KVSpec(n_slots=64 * PAGE))
     try:
         assert served.windows[0, N_LAYER].kv.window_layers

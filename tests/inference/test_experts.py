@@ -20,10 +20,9 @@ from kvasird.inference.client.dispatch import ExpertDispatcher
 from kvasird.inference.client.hotcache import HotExperts, plan_cache, stack_rows
 from kvasird.inference.server.engine import Served
 
+from .conftest import N_EXPERT, N_LAYER
 from .fakenet import NETWORK
-from .test_serving import N_EXPERT, N_LAYER, expert_server, moe, worker  # noqa: F401 - fixtures
-
-__all__ = ["moe", "worker"]
+from .test_serving import expert_server
 
 
 def top_k(rng: np.random.Generator, n: int, k: int, p: np.ndarray | None = None) -> np.ndarray:
@@ -58,7 +57,7 @@ def test_under_skewed_routing_the_plan_takes_the_pairs_that_come_up_together() -
 
 
 async def test_calls_for_part_of_a_layer_send_narrower_rows_and_plan_the_same(
-        moe: Path) -> None:  # noqa: F811
+        moe: Path) -> None:
     """A stage holding half a layer's experts dispatches the other half: a row with one
     expert there comes padded ([e, e]) or alone ([e]), as compute.experts packs it."""
     parts = [np.array([[5, 6]]), np.array([[7]]), np.array([[5, 5], [6, 7]])]
@@ -88,7 +87,7 @@ def loader(moe: Path, backend: Backend, made: list[tuple[int, int]],
 
 
 async def test_the_cache_follows_the_routing_and_keeps_an_expert_while_it_computes(
-        moe: Path) -> None:  # noqa: F811
+        moe: Path) -> None:
     backend, made = Backend(1), []
     hot = HotExperts(loader(moe, backend, made), capacity=2, after=4)
     try:
@@ -111,7 +110,7 @@ async def test_the_cache_follows_the_routing_and_keeps_an_expert_while_it_comput
 
 
 async def test_an_expert_that_failed_to_load_is_tried_again_later(
-        moe: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        moe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     backend, made, fail = Backend(1), [], [True]
     real = loader(moe, backend, made)
 
@@ -137,7 +136,7 @@ async def test_an_expert_that_failed_to_load_is_tried_again_later(
 
 
 async def test_cached_experts_compute_while_the_remote_request_is_out(
-        moe: Path, worker: Served, tmp_path: Path) -> None:  # noqa: F811
+        moe: Path, worker: Served, tmp_path: Path) -> None:
     """A row needing a cached expert and a remote one: the request goes first and the
     cached expert computes meanwhile (in place, it would hold the loop: the request could
     not go out, and the round trip would come on top of the local compute)."""

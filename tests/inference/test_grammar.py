@@ -13,7 +13,10 @@ import trio
 
 from kvasird.compute.sampling import Sampler, SamplingParams
 from kvasird.inference.api import Finished, GenerationRequest, Sampling, TokenEvent
-from kvasird.inference.grammar import (
+from kvasird.inference.local import LocalGenerator
+from kvasird.inference.server.engine import Served
+from kvasird.model.bundled import bundled_path
+from kvasird.text.grammar import (
     JSON_OBJECT,
     Constraint,
     GrammarError,
@@ -21,10 +24,7 @@ from kvasird.inference.grammar import (
     for_json_schema,
     vocabulary,
 )
-from kvasird.inference.local import LocalGenerator
-from kvasird.inference.server.engine import Served
-from kvasird.inference.tokenizer import Tokenizer
-from kvasird.model.bundled import bundled_path
+from kvasird.text.tokenizer import Tokenizer
 
 from .conftest import PROMPT
 from .fakenet import FakeNet

@@ -20,8 +20,8 @@ from kvasird.inference.api import (
     UnknownModel,
 )
 from kvasird.inference.local import LocalGenerator
-from kvasird.inference.tokenizer import Tokenizer
 from kvasird.model.bundled import bundled_path
+from kvasird.text.tokenizer import Tokenizer
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 MODEL = "test-model-id"

@@ -318,10 +318,10 @@ def test_the_messages_are_the_bytes_the_untyped_code_sent() -> None:
 def test_each_api_builds_the_one_sampling_type_with_its_own_defaults() -> None:
     """OpenAI samples at temperature 1 unless told otherwise, the admin API greedily; the
     settings reach the head as they were asked for."""
+    from kvasird.admin.generate import parse_request
     from kvasird.config import GatewayConfig
     from kvasird.gateway.body import Fields
     from kvasird.gateway.openai import sampling
-    from kvasird.inference.service import parse_request
 
     assert sampling(Fields({}), 16, -1).params == SamplingParams(temperature=1.0)
     admin = parse_request(Fields({"prompt": [1, 2]}), GatewayConfig()).sampling

@@ -17,6 +17,7 @@ from kvasird.inference.client.routing import (
     uncovered,
 )
 from kvasird.market.records import CoverageRecord, Holding
+from tests.support import eventually_async
 
 L = 30
 
@@ -138,8 +139,8 @@ async def test_failures_in_a_row_double_the_sentence_and_working_again_forgives_
     for _ in range(5):
         fitness.failed("x", "timed out", first_s=15)
         began = trio.current_time()
-        while not fitness.fit("x"):
-            await trio.sleep(1)
+        await eventually_async("x serves its sentence", lambda: fitness.fit("x"), timeout=200,
+                               every=1)
         sentences.append(trio.current_time() - began)
     assert [round(s) for s in sentences] == [16, 31, 61, 101, 101]  # capped at unfit_s
     fitness.healthy("x")

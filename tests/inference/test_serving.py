@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,30 +28,10 @@ from kvasird.model.manifest import HEAD, Manifest, Unit
 from kvasird.model.slice import ExpertRange as SliceExperts
 from kvasird.model.slice import LayerWindow, gguf_pieces, write_slice
 from kvasird_dev.testmodels import make_model
+from tests.support import eventually_async
 
+from .conftest import N_EXPERT, N_LAYER, no_remote
 from .fakenet import NETWORK, FakeNet, hung, lying
-
-N_LAYER, N_EXPERT = 4, 8
-
-
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("m") / "moe.gguf", n_layer=N_LAYER,
-                      n_expert=N_EXPERT, n_expert_used=2, dtype="f32")
-
-
-@pytest.fixture(scope="module")
-def worker(moe: Path) -> Iterator[Served]:
-    """A worker-only node holding every expert of every layer."""
-    every = Holdings(experts=tuple((lay, 0, N_EXPERT) for lay in range(N_LAYER)))
-    served = Served.build([moe], every, threads=1, kv_slots=256, remote=_no_remote)
-    yield served
-    served.close()
-
-
-def _no_remote(layer: int, first: int, end: int) -> ExpertShard:
-    raise AssertionError("this node holds everything it computes")
-
 
 def direct(worker: Served):  # noqa: ANN201 - a RemoteHook
     def hook(layer: int, first: int, end: int) -> ExpertShard:
@@ -419,7 +399,7 @@ async def test_sessions_beyond_the_recurrent_state_slots_are_busy_until_one_clos
     sessions as it has state slots, and a closed session's slot serves the next."""
     hybrid = make_model(tmp_path / "qwen35.gguf", arch="qwen35", n_layer=2, dtype="f32")
     a = Served.build([hybrid], Holdings(head=True, windows=((0, 2),)), threads=1, kv_slots=128,
-                     remote=_no_remote, state_slots=1)
+                     remote=no_remote, state_slots=1)
     try:
         server = StageServer(lambda: "m", lambda: a, max_sessions=4, idle_s=60, wire_dtype="f32")
         await call(server, open_msg("one", 0, 2, True, True))
@@ -512,8 +492,8 @@ async def test_an_expert_worker_that_answers_again_is_forgiven_its_strikes(
         await dispatcher.compute(0, 0, N_EXPERT, rows, ids)
     assert fitness.strikes == {"w": 2} and not fitness.fit("w")
     del net.faults["w"]
-    while not fitness.fit("w"):
-        await trio.sleep(1)
+    await eventually_async("w serves its sentence (at most Fitness's 300 s)",
+                           lambda: fitness.fit("w"), timeout=301, every=1)
     out = await dispatcher.compute(0, 0, N_EXPERT, rows, ids)
     assert np.array_equal(out, worker.run_of(0, 0).worker(0, rows, ids))
     assert fitness.strikes == {}
@@ -550,7 +530,7 @@ def test_only_short_forwarded_steps_on_a_node_without_remote_experts_run_inline(
         moe: Path, worker: Served, held_elsewhere: Callable[[Any], Any]) -> None:
     own = Served.build([moe], Holdings(head=True, windows=((0, N_LAYER),),
                                        experts=tuple((lay, 0, N_EXPERT) for lay in range(N_LAYER))),
-                       threads=1, kv_slots=256, remote=_no_remote)
+                       threads=1, kv_slots=256, remote=no_remote)
     remote = Served.build([moe], Holdings(windows=((0, 2),)), threads=1, kv_slots=256,
                           remote=direct(worker))
     try:

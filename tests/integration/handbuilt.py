@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from kvasird.config import render
 from kvasird.home import Home
 from kvasird.localnet.launcher import LocalChainProcess, LocalNode, free_port
+from tests.support import STARTING, eventually
 
 NETWORK = "handbuilt"
 STAKE_KVR = 101_000
@@ -81,17 +79,7 @@ def wait_until(what: str, predicate: Callable[[], bool], timeout: float,
                tails: Callable[[], str] = lambda: "") -> None:
     """Poll until ``predicate`` holds (a refused connection or a missing field counts as
     not yet); past ``timeout`` fail, with ``tails()`` (the nodes' log ends) in the message."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if predicate():
-                return
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting until {what}\n"
-                                 f"{tails()}")
-        time.sleep(0.3)
+    eventually(what, predicate, timeout=timeout, every=0.3, not_yet=STARTING, context=tails)
 
 
 def hand_built(root: Path) -> HandBuilt:

@@ -42,7 +42,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,17 +354,6 @@ class NotifySocket:
         """Every ``KEY=value`` sent (a datagram may hold several, one a line)."""
         return [(at, line.split("=", 1)[1]) for at, message in list(self.messages)
                 for line in message.splitlines() if line.startswith(key + "=")]
-
-    def wait_for(self, key: str, timeout: float, also: Callable[[], bool] = lambda: True
-                 ) -> tuple[float, str]:
-        """The first ``KEY=value`` to arrive; fails after ``timeout`` or when ``also`` (the
-        sender is alive) turns false."""
-        deadline = time.monotonic() + timeout
-        while not (found := self.assignments(key)):
-            if time.monotonic() > deadline or not also():
-                raise AssertionError(f"no {key}= on {self.path}; got {self.messages}")
-            time.sleep(0.05)
-        return found[0]
 
     def close(self) -> None:
         self._open = False

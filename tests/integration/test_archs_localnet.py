@@ -22,7 +22,7 @@ from test_damaged_state import foreign_model  # type: ignore[import-not-found]
 
 from kvasird.compute.kv.keys import PAGE
 from kvasird.compute.stage import Stage
-from kvasird.inference.tokenizer import Tokenizer
+from kvasird.text.tokenizer import Tokenizer
 from kvasird_dev.testmodels import make_model
 
 pytestmark = pytest.mark.slow

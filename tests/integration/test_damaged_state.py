@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from kvasird.cli.init import init_home
+from kvasird.daemon.init import init_home
 from kvasird.db import connect, ensure_schema
 from kvasird.home import Home
 from kvasird_dev.testmodels import make_model, save

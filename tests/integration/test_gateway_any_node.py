@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from kvasird.model.manifest import Manifest
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.pricing import GENESIS_STAKE_MIN
 from kvasird.settlement.wallet import write_keypair
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -84,12 +84,9 @@ def health(node: LocalNode) -> tuple[int, dict[str, str]]:
 
 
 def wait_until(node: LocalNode, what: str, done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + SERVING_S
-    while not done():
-        assert node.alive(), f"the node died before {what}; its log:\n{node.tail()}"
-        assert time.monotonic() < deadline, f"{what}: still not after {SERVING_S:g} s; its " \
-                                            f"log:\n{node.tail()}"
-        time.sleep(0.3)
+    """Poll ``done`` while the node lives; the failure carries its log."""
+    eventually(what, done, timeout=SERVING_S, every=0.3, alive=node.alive,
+               context=lambda: f"its log:\n{node.tail()}")
 
 
 def held(node: LocalNode) -> list[str]:

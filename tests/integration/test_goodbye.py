@@ -25,6 +25,7 @@ from kvasird.config import MarketConfig, render
 from kvasird.home import Home
 from kvasird.localnet.launcher import LocalNode, free_port
 from kvasird.market.publish import record_ttl
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -110,15 +111,10 @@ def wait_until(what: str, predicate: Callable[[], Any], timeout: float,
                daemons: list[Daemon]) -> float:
     """Poll ``predicate`` until truthy; return the seconds it took, or fail with the logs."""
     start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        try:
-            if predicate():
-                return time.monotonic() - start
-        except (httpx.HTTPError, KeyError):
-            pass
-        time.sleep(0.1)
-    tails = "\n".join(f"--- {d.name} ---\n{d.node.tail(40)}" for d in daemons)
-    raise AssertionError(f"timed out after {timeout:g} s waiting until {what}\n{tails}")
+    eventually(what, predicate, timeout=timeout, not_yet=(httpx.HTTPError, KeyError),
+               context=lambda: "\n".join(f"--- {d.name} ---\n{d.node.tail(40)}"
+                                         for d in daemons))
+    return time.monotonic() - start
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from kvasird.localnet import LocalNet
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +24,8 @@ def test_down_stops_the_local_chain_too(tmp_path: Path) -> None:
                                str(tmp_path / "ln")], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         assert "and the local chain" in done.stdout
-        deadline = time.monotonic() + 15
-        while net.chain.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert net.chain.proc.poll() is not None, "the local chain still runs"
+        eventually("the local chain stops", lambda: net.chain.proc.poll() is not None,
+                   timeout=15)
 
 
 def test_a_local_chain_started_again_in_the_same_folder_reads_its_own_address(

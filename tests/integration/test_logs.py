@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from kvasird.config import render
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import die_with_parent
 from kvasird.model.bundled import bundled_path
+from tests.support import eventually, eventually_async
 
 pytestmark = pytest.mark.slow
 
@@ -66,13 +66,10 @@ class Daemon:
 
 
 def wait_for(what: str, predicate: Any, daemon: Daemon, timeout: float = READY_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert daemon.proc.poll() is None, f"daemon exited: {daemon.stderr.read_text()[-3000:]}"
-        if (value := predicate()) is not None:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} within {timeout:g} s: {daemon.stderr.read_text()[-3000:]}")
+    """The first truthy value of ``predicate`` while the daemon runs; a failure carries the
+    end of its stderr."""
+    return eventually(what, predicate, timeout=timeout, alive=lambda: daemon.proc.poll() is None,
+                      context=lambda: daemon.stderr.read_text()[-3000:])
 
 
 def get_or_none(url: str) -> httpx.Response | None:
@@ -312,9 +309,9 @@ async def test_the_access_event_has_what_the_app_noted_and_no_secret() -> None:
                                            content=PROMPT)
                 assert answer.status_code == 200
                 assert (await client.get(f"{url}/broken")).status_code == 500
-            with trio.fail_after(10):  # the 500 reaches the client before the error leaves
-                while len([e for e in logged if e["event"] == "request"]) < 2:
-                    await trio.sleep(0.01)
+            # the 500 reaches the client before the error leaves
+            await eventually_async("both requests are logged", lambda: len(
+                [e for e in logged if e["event"] == "request"]) >= 2, timeout=10, every=0.01)
         nursery.cancel_scope.cancel()
     requests = [e for e in logged if e["event"] == "request"]
     assert requests[0] == {"event": "request", "log_level": "info", "api": "gateway",

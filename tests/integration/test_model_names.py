@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -26,6 +25,7 @@ from kvasird.localnet.launcher import LocalNode, free_port
 from kvasird.model.bundled import bundled_path
 from kvasird.model.manifest import Manifest
 from kvasird_dev.testmodels import make_model
+from tests.support import STARTING, eventually
 
 pytestmark = pytest.mark.slow
 
@@ -116,19 +116,9 @@ def ready(node: LocalNode) -> bool:
 
 
 def wait_until(what: str, predicate: Callable[[], bool], nodes: list[LocalNode]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not _holds(predicate):
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- node {n.index}\n{n.tail(40)}" for n in nodes)
-            raise AssertionError(f"not within {WAIT_S:g} s: {what}\n{logs}")
-        time.sleep(0.5)
-
-
-def _holds(predicate: Callable[[], bool]) -> bool:
-    try:
-        return predicate()
-    except (httpx.HTTPError, KeyError, ValueError):
-        return False
+    """Poll ``predicate``; the failure carries the nodes' log ends."""
+    eventually(what, predicate, timeout=WAIT_S, every=0.5, not_yet=STARTING,
+               context=lambda: "\n".join(f"--- node {n.index}\n{n.tail(40)}" for n in nodes))
 
 
 def banner_model(node: LocalNode) -> str:

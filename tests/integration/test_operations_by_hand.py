@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from kvasird.config import load, render
 from kvasird.home import Home
 from kvasird.localnet.launcher import LocalNode, die_with_parent, free_port
 from kvasird_dev.testmodels import make_model
+from tests.support import STARTING, eventually
 
 pytestmark = pytest.mark.slow
 
@@ -73,16 +73,10 @@ def init(home: Path, *flags: str) -> str:
 
 def wait_until(what: str, predicate: Callable[[], Any], nodes: list[LocalNode],
                timeout: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if value := predicate():
-                return value
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(0.2)
-    logs = "\n".join(f"--- node {n.index}\n{n.tail(40)}" for n in nodes)
-    raise AssertionError(f"not within {timeout:g} s: {what}\n{logs}")
+    """The first truthy value of ``predicate``; the failure carries the nodes' log ends."""
+    return eventually(what, predicate, timeout=timeout, every=0.2, not_yet=STARTING,
+                      context=lambda: "\n".join(f"--- node {n.index}\n{n.tail(40)}"
+                                                for n in nodes))
 
 
 def logged(node: LocalNode) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from netns import LAN_IP, PUB_IP, Nat, NetnsUnavailable
 from kvasird.config import render
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import READY_TIMEOUT_S, LocalNetError, LocalNode, free_port
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -156,15 +157,12 @@ def ns_peers(nat: Nat, ns: str, node: LocalNode) -> list[dict[str, Any]]:
 
 
 def poll(what: str, predicate: Callable[[], bool], timeout: float) -> float:
+    """Poll ``predicate`` (a node that does not answer yet counts as not yet); the seconds it
+    took."""
     start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        try:
-            if predicate():
-                return time.monotonic() - start
-        except (LocalNetError, RuntimeError, ValueError, KeyError):
-            pass
-        time.sleep(0.5)
-    raise LocalNetError(f"timed out after {timeout:g} s waiting until {what}")
+    eventually(what, predicate, timeout=timeout, every=0.5,
+               not_yet=(LocalNetError, RuntimeError, ValueError, KeyError))
+    return time.monotonic() - start
 
 
 def tcp_reachable(nat: Nat, ns: str, ip: str, port: int) -> bool:

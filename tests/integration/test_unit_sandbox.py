@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from kvasird.config import load, render
 from kvasird.localnet import LocalNet
 from kvasird.localnet.launcher import LocalNode, die_with_parent
 from kvasird.model.bundled import bundled_path
+from tests.support import eventually
 
 pytestmark = [
     pytest.mark.slow,
@@ -53,6 +53,13 @@ SIGSYS_STATUS = -signal.SIGSYS
 SERVING = {"gateway.local": True, "compute.threads": 1, "market.enroll_delay_s": 0.0,
            "market.memory_budget_mb": 200, "market.target_replicas": 1}
 """With [market] model the bundled one: the whole model served here, on one thread."""
+
+
+def first_sent(notify: NotifySocket, key: str, alive: Callable[[], bool]) -> tuple[float, str]:
+    """The first ``KEY=value`` the daemon sent; fails once it is not ``alive``."""
+    return eventually(f"the daemon sends {key}=", lambda: notify.assignments(key),
+                      timeout=READY_S, every=0.05, alive=alive,
+                      context=lambda: f"on {notify.path}: {notify.messages}")[0]
 
 
 @dataclass
@@ -147,7 +154,7 @@ def test_the_daemon_starts_serves_and_stops_under_the_units_sandbox(
     proc_status = Path(f"/proc/{node.proc.pid}/status").read_text()
     assert "NoNewPrivs:\t1" in proc_status and "Seccomp:\t2" in proc_status  # filters in force
 
-    ready_at, _ = svc.notify.wait_for("READY", READY_S, node.alive)
+    ready_at, _ = first_sent(svc.notify, "READY", node.alive)
     gateway = node.status()["gateway"]
     assert httpx.get(f"{gateway}/health").status_code == 200  # READY=1 meant it can serve
     statuses = svc.notify.assignments("STATUS")
@@ -161,13 +168,13 @@ def test_the_daemon_starts_serves_and_stops_under_the_units_sandbox(
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] >= 1
 
-    pings = svc.notify.assignments("WATCHDOG")
-    deadline = time.monotonic() + 5 * WATCHDOG_USEC / 1e6
-    # a ping after READY too: the answer above can come back within one ping period of it
-    while not (len(pings) >= 3 and pings[-1][0] > ready_at) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    def fed() -> bool:
         pings = svc.notify.assignments("WATCHDOG")
-    assert len(pings) >= 3 and pings[-1][0] > ready_at  # fed at half the period, after READY too
+        return len(pings) >= 3 and pings[-1][0] > ready_at
+
+    # a ping after READY too: the answer above can come back within one ping period of it
+    eventually("the watchdog is fed at half the period, after READY too", fed,
+               timeout=5 * WATCHDOG_USEC / 1e6)
 
     assert node.stop() == 0, node.tail()
     assert [value for _, value in svc.notify.assignments("STOPPING")] == ["1"]
@@ -179,7 +186,7 @@ def test_a_node_with_no_model_to_serve_is_ready_once_started(
     svc = service()
     init_and_configure(svc)
     svc.start()
-    ready_at, _ = svc.notify.wait_for("READY", READY_S, svc.node.alive)
+    ready_at, _ = first_sent(svc.notify, "READY", svc.node.alive)
     assert svc.notify.assignments("STATUS")[0] == (
         ready_at, f"running without a gateway model, peer id {svc.node.status()['peer_id']}")
     assert svc.node.stop() == 0, svc.node.tail()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +31,7 @@ from kvasird.market.records import Capabilities
 from kvasird.market.service import GOODBYE_TIMEOUT_S, MarketService
 from kvasird.model.manifest import HEAD, Unit
 from kvasird.p2p import P2PNode
+from tests.support import eventually_async
 
 pytestmark = pytest.mark.slow  # real sockets
 MB = 1 << 20
@@ -58,13 +59,6 @@ async def market_node(tmp: Path, *bootstrap: str) -> AsyncIterator[MarketService
         await nursery.start(market.run)
         yield market
         nursery.cancel_scope.cancel()
-
-
-async def wait_for(predicate: Callable[[], bool], limit_s: float) -> None:
-    """Poll the markets' state (owned by their own tasks; nothing to wait on)."""
-    with trio.fail_after(limit_s):
-        while not predicate():  # noqa: ASYNC110
-            await trio.sleep(0.05)
 
 
 class Shards:
@@ -96,19 +90,21 @@ class Shards:
 async def test_records_fetched_before_the_model_was_known_are_mapped_once_it_is(
         tmp_path: Path) -> None:
     async with market_node(tmp_path) as holder:
-        await wait_for(lambda: holder.map is not None
-                       and bool(holder.map.entries.get(holder.p2p.peer_id)), 60)
+        await eventually_async("the holder maps itself", lambda: holder.map is not None
+                               and bool(holder.map.entries.get(holder.p2p.peer_id)), timeout=60)
         shards = Shards()
         joiner = MarketService(p2p_node(tmp_path, holder.p2p.addrs()[0]),
                                MarketConfig(model=MODEL.model_id, memory_budget_mb=0),
                                None, Capabilities(), shards=shards)  # type: ignore[arg-type]
         async with joiner.p2p.running(), trio.open_nursery() as nursery:
             await nursery.start(joiner.run)
-            await wait_for(lambda: holder.p2p.peer_id in joiner.announcers.get(
-                MODEL.model_id, ()), 30)
+            await eventually_async("the joiner has the holder's record", lambda:
+                                   holder.p2p.peer_id in joiner.announcers.get(MODEL.model_id, ()),
+                                   timeout=30)
             assert joiner.map is None  # the record came; the model is not known yet
             shards.resolvable.set()
-            await wait_for(lambda: joiner.map is not None, 10)
+            await eventually_async("the joiner has a map", lambda: joiner.map is not None,
+                                   timeout=10)
             entry = joiner.map.entries.get(holder.p2p.peer_id)
             assert entry is not None and entry.record.holdings
             assert holder.p2p.peer_id in joiner.signed  # handed on to nodes that sync
@@ -125,7 +121,8 @@ async def test_a_node_that_leaves_is_out_of_its_peers_map_before_its_connections
                 entry = stays.map.entries.get(leaves.p2p.peer_id) if stays.map else None
                 return entry is not None and bool(entry.record.holdings)
 
-            await wait_for(mapped, 60)
+            await eventually_async("the node that stays maps the one that leaves", mapped,
+                                   timeout=60)
             assert leaves.p2p.peer_id in stays.signed
             with trio.fail_after(GOODBYE_TIMEOUT_S + 1):
                 await leaves.leave()

@@ -84,7 +84,7 @@ def test_the_spare_replica_is_kept_not_given_up_as_surplus(model: MarketModel) -
 class Gossip:
     """A gossip service with no peers: publishing reaches no one, no one has a score."""
 
-    router = SimpleNamespace(peer_protocol={})
+    router = SimpleNamespace(peer_protocol={}, scorer=None)
 
     async def publish(self, topic: str, data: bytes) -> bool:
         return True

@@ -7,6 +7,7 @@ import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
+from trio.testing import MockClock
 
 from kvasird.p2p.gossip import Gossip
 
@@ -37,4 +38,4 @@ def test_a_banned_peer_that_goes_away_during_its_teardown_leaves_gossip_running(
         assert liar not in gossip.pubsub.peers
         assert "kvasir/test/coverage" not in gossip.pubsub.peer_topics
 
-    trio.run(main)
+    trio.run(main, clock=MockClock(autojump_threshold=0))  # the moment passes on its clock

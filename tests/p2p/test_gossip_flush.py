@@ -14,6 +14,7 @@ import trio
 from kvasird.config import P2PConfig
 from kvasird.identity.nodekey import create_node_key
 from kvasird.p2p import P2PNode
+from tests.support import eventually_async
 
 pytestmark = pytest.mark.slow  # real sockets
 
@@ -47,17 +48,15 @@ async def test_flush_returns_once_every_queued_message_is_written(tmp_path: Path
             await leaves.gossip.subscribe(TOPIC)
             topic = leaves.gossip.topic(TOPIC)
             mesh = leaves.gossip.router.mesh
-            with trio.fail_after(30):  # until it would send to the other node at all
-                while stays.host.get_id() not in mesh.get(topic, ()):  # noqa: ASYNC110
-                    await trio.sleep(0.05)
+            await eventually_async("it would send to the other node at all",
+                                   lambda: stays.host.get_id() in mesh.get(topic, ()), timeout=30)
             for i in range(MESSAGES):
                 await leaves.gossip.publish(TOPIC, b"goodbye %d" % i)
             assert leaves.gossip.pubsub.unsent() > 0  # queued, not sent
             assert await leaves.gossip.flush()
             assert leaves.gossip.pubsub.unsent() == 0
-            with trio.fail_after(10):
-                while len(got) < MESSAGES:  # noqa: ASYNC110
-                    await trio.sleep(0.05)
+            await eventually_async(f"the other node received all {MESSAGES} messages",
+                                   lambda: len(got) >= MESSAGES, timeout=10)
         assert got == {b"goodbye %d" % i for i in range(MESSAGES)}
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import itertools
 import sqlite3
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from kvasird.config import P2PConfig
 from kvasird.identity.nodekey import create_node_key
 from kvasird.localnet.launcher import free_port
 from kvasird.p2p import P2PNode
+from tests.support import eventually_async
 
 _serial = itertools.count()
 FAST = dict(heartbeat_interval_s=0.5, liveness_timeout_s=4.0, peer_exchange_interval_s=0.5,
@@ -39,34 +39,36 @@ def join(node: P2PNode, **extra: object) -> P2PConfig:
     return P2PConfig(**{**FAST, "bootstrap": (node.addrs()[0],), **extra})  # type: ignore[arg-type]
 
 
-async def wait_for(predicate: Callable[[], bool], limit_s: float) -> float:
-    """Poll a condition on the nodes' state (owned by their own tasks; nothing to wait on)."""
-    start = time.monotonic()
-    with trio.fail_after(limit_s):
-        while not predicate():  # noqa: ASYNC110
-            await trio.sleep(0.1)
-    return time.monotonic() - start
-
-
 async def test_private_node_reserves_on_a_relay_and_is_reached_through_it(tmp_path: Path) -> None:
+    # The nodes' state is owned by their own tasks, with nothing to wait on: the test polls it.
     async with nodes(tmp_path, [P2PConfig(**FAST)]) as (relay,):
         dead = f"/ip4/127.0.0.1/tcp/{free_port()}"
         configs = [join(relay), join(relay, announce=(dead,), peer_exchange=False, dht=False,
                                      relay_reservations=1)]
         async with nodes(tmp_path, configs) as (a, c):
-            await wait_for(lambda: list(c.relays.reservations) == [relay.peer_id], 40)
+            await eventually_async("C holds a reservation on R",
+                                   lambda: list(c.relays.reservations) == [relay.peer_id],
+                                   timeout=40, every=0.1)
             assert c.reachability.current.verdict == "private"
             assert relay.relays.serving
-            took = await wait_for(lambda: (a.peers.get(c.peer_id) or _NONE).rtt_ms is not None, 40)
+            start = trio.current_time()
+            await eventually_async("A heartbeats with C",
+                                   lambda: (a.peers.get(c.peer_id) or _NONE).rtt_ms is not None,
+                                   timeout=40, every=0.1)
+            took = trio.current_time() - start
             print(f"A reached C through R {took:.1f} s after the reservation")
             seen = a.peers.get(c.peer_id)
             assert seen is not None and any("/p2p-circuit/" in x for x in seen.addrs)
             # A node that learns C only from a record (its addresses) connects on demand.
             async with nodes(tmp_path, [join(relay, peer_exchange=False, dht=False)]) as (d,):
-                await wait_for(lambda: relay.peer_id in d.peers, 20)
+                await eventually_async("D is connected to R", lambda: relay.peer_id in d.peers,
+                                       timeout=20, every=0.1)
                 assert not d.dialer.connected(c.peer_id)
                 assert await d.connect(c.peer_id, c.addrs())
-                await wait_for(lambda: (d.peers.get(c.peer_id) or _NONE).rtt_ms is not None, 20)
+                await eventually_async(
+                    "D heartbeats with C",
+                    lambda: (d.peers.get(c.peer_id) or _NONE).rtt_ms is not None,
+                    timeout=20, every=0.1)
 
 
 class _NONE:

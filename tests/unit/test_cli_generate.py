@@ -14,9 +14,9 @@ import pytest
 
 from kvasird.cli import main
 from kvasird.config import render
-from kvasird.inference.tokenizer import Tokenizer
 from kvasird.localnet import LocalNet
 from kvasird.model.manifest import Manifest
+from kvasird.text.tokenizer import Tokenizer
 from kvasird_dev.cli import main as dev_main
 
 

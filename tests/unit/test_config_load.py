@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvasird.cli.init import init_home
 from kvasird.config import default_text, load, load_text, render
 from kvasird.config.load import END
+from kvasird.daemon.init import init_home
 from kvasird.errors import ConfigError
 from kvasird.home import Home
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvasird.cli.init import init_home
+from kvasird.daemon.init import init_home
 from kvasird.errors import HomeError
 from kvasird.home import Home
 
