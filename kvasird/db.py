@@ -18,9 +18,11 @@ from pathlib import Path
 
 from kvasird.errors import HomeError
 
-LOST = ("its known peers, which model units it holds (they are enrolled and fetched again; "
-        "blobs still on disk are reused), and its settlement state: receipts not yet "
-        "claimed, deposits, and which payments were already redeemed")
+LOST = (
+    "its known peers, which model units it holds (they are enrolled and fetched again; "
+    "blobs still on disk are reused), and its settlement state: receipts not yet "
+    "claimed, deposits, and which payments were already redeemed"
+)
 """What a node forgets when it starts on a new state.db."""
 
 
@@ -41,14 +43,16 @@ def connect(path: Path, *, create: bool = False) -> sqlite3.Connection:
     if problems != ["ok"]:
         conn.close()
         raise damaged(path, "; ".join(problems))
-    conn.isolation_level = ""  # back to implicit transactions: `with conn:` commits or rolls back
+    conn.isolation_level = "DEFERRED"  # implicit BEGIN again: `with conn:` commits or rolls back
     return conn
 
 
 def damaged(path: Path, why: str) -> HomeError:
     """The error for a state.db that cannot be used, saying what to do about it."""
-    return HomeError(f"{path} is damaged ({why}): restore it from a backup, or move it "
-                     f"aside to start with a new one; the node then forgets {LOST}")
+    return HomeError(
+        f"{path} is damaged ({why}): restore it from a backup, or move it "
+        f"aside to start with a new one; the node then forgets {LOST}"
+    )
 
 
 def ensure_schema(conn: sqlite3.Connection, statements: str) -> None:

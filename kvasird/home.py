@@ -1,11 +1,11 @@
 """The state directory (``--home``, ``$KVASIRD_HOME``, else ``~/.kvasird``).
 
-    <home>/kvasird.toml     configuration (from config/kvasird.toml at init)
-    <home>/node.key         Ed25519 node key, mode 0600; peer id = node id
-    <home>/state.db         SQLite: peers, and every subsystem's durable state
-    <home>/admin.json       where the running daemon's admin API listens (removed on exit)
-    <home>/kvasird.lock     flock held by the one daemon running on this home; holds its pid
-    <home>/shards/          model shard store (model subsystem)
+<home>/kvasird.toml     configuration (from config/kvasird.toml at init)
+<home>/node.key         Ed25519 node key, mode 0600; peer id = node id
+<home>/state.db         SQLite: peers, and every subsystem's durable state
+<home>/admin.json       where the running daemon's admin API listens (removed on exit)
+<home>/kvasird.lock     flock held by the one daemon running on this home; holds its pid
+<home>/shards/          model shard store (model subsystem)
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvasird.errors import HomeError
-
 
 SERVICE_HOME = Path("/var/lib/kvasird")
 """The state directory of the service that `kvasird service install` sets up."""
@@ -42,9 +41,11 @@ def find_home(command: str) -> Path:
     if os.access(SERVICE_HOME, os.R_OK | os.X_OK):
         return SERVICE_HOME if (SERVICE_HOME / "kvasird.toml").is_file() else own
     user = pwd.getpwuid(SERVICE_HOME.stat().st_uid).pw_name
-    raise HomeError(f"there is no kvasird home at {own}; the service's home {SERVICE_HOME} is "
-                    f"readable by its user only: run `sudo -u {user} KVASIRD_HOME={SERVICE_HOME} "
-                    f"kvasird {command}` (or pass --home)")
+    raise HomeError(
+        f"there is no kvasird home at {own}; the service's home {SERVICE_HOME} is "
+        f"readable by its user only: run `sudo -u {user} KVASIRD_HOME={SERVICE_HOME} "
+        f"kvasird {command}` (or pass --home)"
+    )
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,10 @@ class Home:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-                raise HomeError(f"another kvasird (pid {holder}) is running on {self.root}: "
-                                f"stop it first (`kvasird --home {self.root} status`)") from None
+                raise HomeError(
+                    f"another kvasird (pid {holder}) is running on {self.root}: "
+                    f"stop it first (`kvasird --home {self.root} status`)"
+                ) from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             yield
@@ -101,7 +104,9 @@ class Home:
 
     def require_initialised(self) -> None:
         if not self.node_key.exists() or not self.config.exists():
-            raise HomeError(f"{self.root} is not a kvasird home: run `kvasird --home {self.root} init`")
+            raise HomeError(
+                f"{self.root} is not a kvasird home: run `kvasird --home {self.root} init`"
+            )
 
     def write_admin_address(self, url: str, pid: int) -> None:
         """Publish where the admin API listens, atomically (CLI commands read it)."""

@@ -36,9 +36,17 @@ RELAY_HEADERS = (b"forwarded", b"x-forwarded-for", b"x-real-ip", b"x-forwarded-h
 value: anyone can write them, and their presence only ever takes a privilege away."""
 
 
-async def serve_asgi(app: ASGIApp, bind: str, *, what: str, section: str, config_path: str,
-                     allowed_hosts: tuple[str, ...], favours_this_machine: bool = True,
-                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_asgi(
+    app: ASGIApp,
+    bind: str,
+    *,
+    what: str,
+    section: str,
+    config_path: str,
+    allowed_hosts: tuple[str, ...],
+    favours_this_machine: bool = True,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Serve ``app`` on ``bind`` (host:port, port 0 = free); report the real URL when listening.
 
     Only requests addressed to a loopback name, the bind host or one of ``allowed_hosts``
@@ -49,13 +57,24 @@ async def serve_asgi(app: ASGIApp, bind: str, *, what: str, section: str, config
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("hypercorn.error")
     cfg.graceful_timeout = 2.0
-    guarded = AccessLog(HostGuard(app, bind, allowed_hosts, what=what,
-                                  hint=f"[{section}] allowed_hosts in {config_path}",
-                                  favours_this_machine=favours_this_machine), what=what)
+    guarded = AccessLog(
+        HostGuard(
+            app,
+            bind,
+            allowed_hosts,
+            what=what,
+            hint=f"[{section}] allowed_hosts in {config_path}",
+            favours_this_machine=favours_this_machine,
+        ),
+        what=what,
+    )
     started = _FirstBind(task_status)
     try:
-        await serve(guarded, cfg,  # type: ignore[arg-type] # starlette and hypercorn type ASGI apart
-                    task_status=started)
+        await serve(
+            guarded,  # type: ignore[arg-type] # starlette and hypercorn type ASGI apart
+            cfg,
+            task_status=started,
+        )
     except* OSError as group:  # hypercorn binds inside its nursery
         if started.listening:
             raise
@@ -63,8 +82,13 @@ async def serve_asgi(app: ASGIApp, bind: str, *, what: str, section: str, config
         while isinstance(exc, BaseExceptionGroup):
             exc = exc.exceptions[0]
         host, _, port = bind.rpartition(":")
-        raise listen_error(f"[{section}] listen", host.strip("[]"), int(port),
-                           typing.cast(OSError, exc), config_path) from None
+        raise listen_error(
+            f"[{section}] listen",
+            host.strip("[]"),
+            int(port),
+            typing.cast(OSError, exc),
+            config_path,
+        ) from None
 
 
 def note_access(scope: MutableMapping[str, Any], **fields: int | str) -> None:
@@ -110,10 +134,17 @@ class AccessLog:
             status = status or 500
             raise
         finally:
-            log.info("request", **{**notes, "api": self.what, "method": scope["method"],
-                                   "path": scope["path"][:MAX_LOGGED_PATH],
-                                   "status": status or 499,
-                                   "ms": round((time.perf_counter() - started) * 1000, 1)})
+            log.info(
+                "request",
+                **{
+                    **notes,
+                    "api": self.what,
+                    "method": scope["method"],
+                    "path": scope["path"][:MAX_LOGGED_PATH],
+                    "status": status or 499,
+                    "ms": round((time.perf_counter() - started) * 1000, 1),
+                },
+            )
 
 
 def is_loopback(host: str) -> bool:
@@ -181,8 +212,16 @@ class HostGuard:
     The admin API always favours this machine.
     """
 
-    def __init__(self, app: ASGIApp, bind: str, allowed_hosts: tuple[str, ...], *, what: str,
-                 hint: str, favours_this_machine: bool = True) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        bind: str,
+        allowed_hosts: tuple[str, ...],
+        *,
+        what: str,
+        hint: str,
+        favours_this_machine: bool = True,
+    ) -> None:
         """``hint`` says where to allow a name, e.g. "[gateway] allowed_hosts in PATH";
         ``favours_this_machine``: the app gives requests from this machine what it gives no
         one else (the admin API; a gateway whose requests from here need no quote)."""
@@ -211,17 +250,23 @@ class HostGuard:
     def _refusal(self, headers: dict[bytes, bytes]) -> JSONResponse | None:
         host = headers.get(b"host", b"").decode("latin-1")
         if not self.any_host and not self._ours(_hostname(host)):
-            return _refuse(421, f"the {self.what} does not answer to the name {host!r} in the "
-                           "Host header (a guard against DNS rebinding): to reach it by the "
-                           f"name {_hostname(host) or host!r}, add it to {self.hint}")
+            return _refuse(
+                421,
+                f"the {self.what} does not answer to the name {host!r} in the "
+                "Host header (a guard against DNS rebinding): to reach it by the "
+                f"name {_hostname(host) or host!r}, add it to {self.hint}",
+            )
         origin = headers.get(b"origin")
         if origin is not None:
             text = origin.decode("latin-1")
             scheme, sep, rest = text.partition("://")
             if not (sep and scheme and self._ours(_hostname(rest.partition("/")[0]))):
-                return _refuse(403, f"the {self.what} refuses requests from the web page at "
-                               f"{text!r} (a guard against cross-site requests): to allow pages "
-                               f"of that site, add its host name to {self.hint}")
+                return _refuse(
+                    403,
+                    f"the {self.what} refuses requests from the web page at "
+                    f"{text!r} (a guard against cross-site requests): to allow pages "
+                    f"of that site, add its host name to {self.hint}",
+                )
         return None
 
     def _ours(self, hostname: str) -> bool:
@@ -244,8 +289,9 @@ def _unbracketed(host: str) -> str:
 
 
 def _refuse(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}},
-                        status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error"}}, status_code=status
+    )
 
 
 class _FirstBind:

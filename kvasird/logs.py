@@ -18,8 +18,12 @@ from typing import Any
 
 import structlog
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-           "error": logging.ERROR}
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 # Dependencies are chatty at INFO; keep them at WARNING unless we run at debug.
 _QUIET = ("libp2p", "multiaddr", "httpx", "httpcore", "hypercorn", "trio_websocket", "asyncio")
 _DEBUG_ONLY = {
@@ -27,10 +31,12 @@ _DEBUG_ONLY = {
     # reachability probe ends (kvasird.p2p.reachability dials us back, proves our peer id
     # over Noise and hangs up without negotiating a muxer), so every node that joins one
     # saw this logged as an error at start, and nothing was wrong.
-    "libp2p.network.swarm": ("fail to upgrade mux for peer",
-                             # Our dialer reports a failed dial once, with its reason and
-                             # what to check (kvasird.p2p.dialer); the swarm logs every try.
-                             "failed to upgrade security for peer"),
+    "libp2p.network.swarm": (
+        "fail to upgrade mux for peer",
+        # Our dialer reports a failed dial once, with its reason and
+        # what to check (kvasird.p2p.dialer); the swarm logs every try.
+        "failed to upgrade security for peer",
+    ),
     # One line per TCP attempt, four per dial; the dialer's warning says it once.
     "libp2p.transport.tcp.tcp": ("Failed to open TCP stream",),
 }
@@ -52,8 +58,11 @@ def configure(level: str = "info", json: bool | None = None) -> None:
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer = (structlog.processors.JSONRenderer() if json
-                else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -61,11 +70,16 @@ def configure(level: str = "info", json: bool | None = None) -> None:
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.processors.format_exc_info, renderer],
-    ))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+        )
+    )
     if numeric > logging.DEBUG:
         handler.addFilter(_quiet_dependencies)
     root = logging.getLogger()

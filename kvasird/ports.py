@@ -45,19 +45,25 @@ def check_ports(config: Config, config_path: str = "kvasird.toml") -> None:
             except OSError as exc:
                 twin = next((b for b in bound if b.port == p.port), None)
                 if twin is not None and exc.errno == errno.EADDRINUSE:
-                    raise ConfigError(f"{twin.key} and {p.key} both use port {p.port}: set one "
-                                      f"of them to another port in {config_path}") from None
+                    raise ConfigError(
+                        f"{twin.key} and {p.key} both use port {p.port}: set one "
+                        f"of them to another port in {config_path}"
+                    ) from None
                 raise listen_error(p.key, p.host, p.port, exc, config_path) from None
             bound.append(p)
 
 
 def configured_ports(config: Config) -> list[Port]:
     """Every non-zero TCP port the config makes the node listen on, in start order."""
-    ports = [Port("[p2p] listen", host, port) for host, port in
-             (multiaddr_tcp(a) for a in config.p2p.listen) if port]
+    ports = [
+        Port("[p2p] listen", host, port)
+        for host, port in (multiaddr_tcp(a) for a in config.p2p.listen)
+        if port
+    ]
     if config.inference.lanes and config.inference.lane_port:
-        lane_host = next((host for host, _ in map(multiaddr_tcp, config.p2p.listen) if host),
-                         "0.0.0.0")
+        lane_host = next(
+            (host for host, _ in map(multiaddr_tcp, config.p2p.listen) if host), "0.0.0.0"
+        )
         ports.append(Port("[inference] lane_port", lane_host, config.inference.lane_port))
     listens = [("[admin] listen", config.admin.listen)]
     if config.gateway.enabled:
@@ -77,7 +83,8 @@ def bind_exclusively(host: str, port: int) -> socket.socket:
     It listens because two sockets with SO_REUSEADDR may bind one port while neither does.
     """
     family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -94,10 +101,14 @@ def bind_exclusively(host: str, port: int) -> socket.socket:
 def listen_error(key: str, host: str, port: int, exc: OSError, config_path: str) -> ConfigError:
     """The one-line error for a listen on ``host:port`` (set by ``key``) that failed."""
     if exc.errno == errno.EADDRINUSE:
-        return ConfigError(f"port {port} on {host} is in use (by another kvasird or another "
-                           f"program): set {key} in {config_path} to a free port")
-    return ConfigError(f"cannot listen on {host} port {port} ({exc.strerror or exc}): set "
-                       f"{key} in {config_path} to a free port on an address of this machine")
+        return ConfigError(
+            f"port {port} on {host} is in use (by another kvasird or another "
+            f"program): set {key} in {config_path} to a free port"
+        )
+    return ConfigError(
+        f"cannot listen on {host} port {port} ({exc.strerror or exc}): set "
+        f"{key} in {config_path} to a free port on an address of this machine"
+    )
 
 
 def multiaddr_tcp(addr: str) -> tuple[str, int]:

@@ -19,8 +19,10 @@ from kvasird.home import Home
 def get(home: Home, path: str, timeout: float = 5.0) -> Any:
     status, body = _call(home, "GET", path, timeout)
     if status != 200:
-        raise KvasirError(f"the daemon for {home.root} answered {status} to GET {path}: "
-                          f"{body[:300].decode('utf-8', 'replace')}")
+        raise KvasirError(
+            f"the daemon for {home.root} answered {status} to GET {path}: "
+            f"{body[:300].decode('utf-8', 'replace')}"
+        )
     return _json(home, path, body)
 
 
@@ -34,28 +36,38 @@ def _json(home: Home, path: str, body: bytes) -> Any:
     try:
         return json.loads(body)
     except ValueError:
-        raise KvasirError(f"the daemon for {home.root} answered {path} with something other "
-                          f"than JSON: {body[:300].decode('utf-8', 'replace')}") from None
+        raise KvasirError(
+            f"the daemon for {home.root} answered {path} with something other "
+            f"than JSON: {body[:300].decode('utf-8', 'replace')}"
+        ) from None
 
 
-def _call(home: Home, method: str, path: str, timeout: float,
-          body: Any = None) -> tuple[int, bytes]:
+def _call(
+    home: Home, method: str, path: str, timeout: float, body: Any = None
+) -> tuple[int, bytes]:
     url = home.admin_address()
     if url is None:
-        raise DaemonNotRunning(f"no daemon is running for {home.root}: start it with "
-                               f"`kvasird --home {home.root} run`")
+        raise DaemonNotRunning(
+            f"no daemon is running for {home.root}: start it with `kvasird --home {home.root} run`"
+        )
     where = urlsplit(url)
     conn = http.client.HTTPConnection(where.hostname or "127.0.0.1", where.port, timeout=timeout)
     try:
         if body is None:
             conn.request(method, where.path.rstrip("/") + path)
         else:
-            conn.request(method, where.path.rstrip("/") + path, json.dumps(body),
-                         {"Content-Type": "application/json"})
+            conn.request(
+                method,
+                where.path.rstrip("/") + path,
+                json.dumps(body),
+                {"Content-Type": "application/json"},
+            )
         resp = conn.getresponse()
         return resp.status, resp.read()
     except (OSError, http.client.HTTPException) as exc:
-        raise DaemonNotRunning(f"the daemon for {home.root} does not answer at {url} ({exc}); "
-                               "if it crashed, start it again with `kvasird run`") from None
+        raise DaemonNotRunning(
+            f"the daemon for {home.root} does not answer at {url} ({exc}); "
+            "if it crashed, start it again with `kvasird run`"
+        ) from None
     finally:
         conn.close()

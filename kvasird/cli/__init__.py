@@ -48,8 +48,9 @@ CREATES_HOME = frozenset({"init", "model add", "localchain"})
 """The commands that may create a missing home; every other one refuses to run on it, so
 a mistyped --home is reported instead of appearing as a new directory."""
 
-HOME_HELP = ("state directory (default: $KVASIRD_HOME, else ~/.kvasird, else the service's "
-             "/var/lib/kvasird)")
+HOME_HELP = (
+    "state directory (default: $KVASIRD_HOME, else ~/.kvasird, else the service's /var/lib/kvasird)"
+)
 BROKEN_PIPE_STATUS = 141
 """Exit status when stdout's reader went away: a shell's status for a process killed by
 SIGPIPE (128 + 13), which Python ignores and reports as BrokenPipeError instead."""
@@ -57,8 +58,9 @@ SIGPIPE (128 + 13), which Python ignores and reports as BrokenPipeError instead.
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser, with ``command``'s module registered in full and the others as stubs."""
-    parser = argparse.ArgumentParser(prog="kvasird", description="Kvasir node daemon",
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="kvasird", description="Kvasir node daemon", allow_abbrev=False
+    )
     parser.add_argument("--version", action="version", version=f"kvasird {__version__}")
     parser.add_argument("--home", type=Path, default=None, help=HOME_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -115,8 +117,10 @@ def home_of(args: argparse.Namespace, *, required: bool = True) -> Home:
         root = default_home() if creates or not required else find_home(command_path(args))
     root = root.expanduser().resolve()
     if required and not root.is_dir() and not creates:
-        raise HomeError(f"there is no kvasird home at {root} (a typo in --home or "
-                        f"$KVASIRD_HOME?): create one with `kvasird init --home {root}`")
+        raise HomeError(
+            f"there is no kvasird home at {root} (a typo in --home or "
+            f"$KVASIRD_HOME?): create one with `kvasird init --home {root}`"
+        )
     return Home(root)
 
 

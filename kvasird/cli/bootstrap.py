@@ -50,15 +50,19 @@ def _add(args: argparse.Namespace) -> int:
         if dial.get("connected"):
             print(f"connected to {dial['peer_id']}")
         else:
-            print(f"could not connect to {addr}: {dial.get('error')}; the daemon keeps "
-                  "trying, with backoff")
+            print(
+                f"could not connect to {addr}: {dial.get('error')}; the daemon keeps "
+                "trying, with backoff"
+            )
     return 0 if all(d.get("connected") for d in dials) else 1
 
 
 def _rm(args: argparse.Namespace) -> int:
     home = home_of(args)
     current = list(load(home.config).p2p.bootstrap)
-    keep = [a for a in current if a not in args.addrs and a.rsplit("/p2p/", 1)[-1] not in args.addrs]
+    keep = [
+        a for a in current if a not in args.addrs and a.rsplit("/p2p/", 1)[-1] not in args.addrs
+    ]
     if len(keep) == len(current):
         print("nothing removed: no bootstrap entry matches")
         return 1
@@ -70,5 +74,7 @@ def _save(home: Home, addrs: list[str]) -> None:
     text = render(home.config.read_text(), {"p2p.bootstrap": addrs})
     load_text(text, source=str(home.config))  # validate before writing
     home.config.write_text(text)
-    print(f"bootstrap list now has {len(addrs)} entr{'y' if len(addrs) == 1 else 'ies'} "
-          f"in {home.config}")
+    print(
+        f"bootstrap list now has {len(addrs)} entr{'y' if len(addrs) == 1 else 'ies'} "
+        f"in {home.config}"
+    )

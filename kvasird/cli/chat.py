@@ -42,8 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat with a model through a gateway (streaming)")
     p.add_argument("prompt", nargs="?", help="ask once and exit (default: interactive)")
     p.add_argument("--url", help="gateway URL (default: the running daemon's gateway)")
-    p.add_argument("--model", help="model name, id or id prefix (default: the gateway's first "
-                   "model)")
+    p.add_argument(
+        "--model", help="model name, id or id prefix (default: the gateway's first model)"
+    )
     p.add_argument("--system", help="system prompt")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--max-tokens", type=int, default=512)
@@ -59,8 +60,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.prompt is not None:
             chat.turn(args.prompt)
             return 0
-        say(f"chatting with {chat.model.name} at {url}; /help lists the commands, "
-            "Ctrl-D leaves")
+        say(f"chatting with {chat.model.name} at {url}; /help lists the commands, Ctrl-D leaves")
         chat.loop(_reader(args))
     return 0
 
@@ -79,8 +79,10 @@ class Model:
     def listed(cls, entry: dict[str, Any]) -> Model:
         """A /v1/models entry: ``id`` is the name (``model_id`` the content id) on gateways
         since names are ``family:tag``, the content id on older ones."""
-        return cls(str(entry.get("model_id") or entry["id"]),
-                   str(entry.get("name") or entry.get("label") or entry["id"]))
+        return cls(
+            str(entry.get("model_id") or entry["id"]),
+            str(entry.get("name") or entry.get("label") or entry["id"]),
+        )
 
     def answers_to(self, text: str) -> bool:
         """Whether ``text`` names this model: its name, id, an 8+ digit id prefix or the
@@ -100,8 +102,9 @@ class Chat:
         self.reset()
 
     def reset(self) -> None:
-        self.messages[:] = [{"role": "system", "content": self.args.system}] if self.args.system \
-            else []
+        self.messages[:] = (
+            [{"role": "system", "content": self.args.system}] if self.args.system else []
+        )
 
     def loop(self, read: Callable[[], str | None]) -> None:
         """Read lines until /quit or the end of input: commands act, the rest is sent. A
@@ -131,20 +134,27 @@ class Chat:
         elif name == "/model":
             self.switch(arg)
         else:
-            say(f"there is no command {name}: /help lists them (start a message with // to "
-                "send one that begins with /)")
+            say(
+                f"there is no command {name}: /help lists them (start a message with // to "
+                "send one that begins with /)"
+            )
         return True
 
     def switch(self, name: str) -> None:
         models = listed_models(self.http)
         if not name:
-            say(f"chatting with {self.model}; the gateway serves: "
-                + ", ".join(m.name for m in models))
+            say(
+                f"chatting with {self.model}; the gateway serves: "
+                + ", ".join(m.name for m in models)
+            )
             return
         found = next((m for m in models if m.answers_to(name)), None)
         if found is None:
-            say(f"the gateway serves no model {name!r}: it serves "
-                + ", ".join(m.name for m in models) + " (`/model NAME` switches)")
+            say(
+                f"the gateway serves no model {name!r}: it serves "
+                + ", ".join(m.name for m in models)
+                + " (`/model NAME` switches)"
+            )
             return
         self.model = found
         say(f"now chatting with {found}")
@@ -152,9 +162,14 @@ class Chat:
     def turn(self, text: str) -> None:
         """Send ``text`` with the conversation so far and print the reply as it streams."""
         self.messages.append({"role": "user", "content": text})
-        body = {"model": self.model.id, "messages": self.messages, "stream": True,
-                "temperature": self.args.temperature, "max_tokens": self.args.max_tokens,
-                "seed": self.args.seed}
+        body = {
+            "model": self.model.id,
+            "messages": self.messages,
+            "stream": True,
+            "temperature": self.args.temperature,
+            "max_tokens": self.args.max_tokens,
+            "seed": self.args.seed,
+        }
         reply = []
         try:
             for delta in _deltas(self.http, body):
@@ -171,10 +186,12 @@ class Chat:
         self.messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-COMMANDS = (("/help", "this list"),
-            ("/reset", "forget the conversation (the system prompt stays)"),
-            ("/model [NAME]", "show the model, or switch to NAME (a model the gateway serves)"),
-            ("/quit", "leave (also /exit or Ctrl-D)"))
+COMMANDS = (
+    ("/help", "this list"),
+    ("/reset", "forget the conversation (the system prompt stays)"),
+    ("/model [NAME]", "show the model, or switch to NAME (a model the gateway serves)"),
+    ("/quit", "leave (also /exit or Ctrl-D)"),
+)
 """Every command and its line in /help."""
 
 
@@ -197,6 +214,7 @@ def _reader(args: argparse.Namespace) -> Callable[[], str | None]:
 
 def edited_lines(session: PromptSession[str]) -> Callable[[], str | None]:
     """Lines read by ``session``: Ctrl-C drops the line being typed, Ctrl-D ends."""
+
     def read() -> str | None:
         while True:
             try:
@@ -205,6 +223,7 @@ def edited_lines(session: PromptSession[str]) -> Callable[[], str | None]:
                 continue
             except EOFError:
                 return None
+
     return read
 
 
@@ -228,8 +247,11 @@ def listed_models(http: httpx.Client) -> list[Model]:
 def pick(models: list[Model], name: str, url: str) -> Model:
     found = next((m for m in models if m.answers_to(name)), None)
     if found is None:
-        raise ChatError(f"the gateway at {url} serves no model {name!r}; it serves "
-                        + ", ".join(str(m) for m in models) + ": pass one of those to --model")
+        raise ChatError(
+            f"the gateway at {url} serves no model {name!r}; it serves "
+            + ", ".join(str(m) for m in models)
+            + ": pass one of those to --model"
+        )
     return found
 
 
@@ -237,8 +259,10 @@ def _deltas(http: httpx.Client, body: dict[str, Any]) -> Iterator[str]:
     try:
         yield from _stream(http, body)
     except httpx.HTTPError as exc:
-        raise ChatError(f"the gateway at {http.base_url} cannot be reached ({exc}): is the "
-                        "daemon still running?") from None
+        raise ChatError(
+            f"the gateway at {http.base_url} cannot be reached ({exc}): is the "
+            "daemon still running?"
+        ) from None
 
 
 def _stream(http: httpx.Client, body: dict[str, Any]) -> Iterator[str]:
@@ -260,8 +284,9 @@ def daemon_gateway(args: argparse.Namespace, flag: str = "--url") -> str:
     """The running daemon's gateway URL (chat's and pay's default)."""
     url = client.get(home_of(args), "/v0/status").get("gateway")
     if not url:
-        raise ChatError("the running daemon has no gateway: set [gateway] enabled = true, or "
-                        f"pass {flag}")
+        raise ChatError(
+            f"the running daemon has no gateway: set [gateway] enabled = true, or pass {flag}"
+        )
     return str(url)
 
 

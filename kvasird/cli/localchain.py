@@ -14,11 +14,13 @@ from kvasird.settlement.localchain.service import exposure, parse_listen
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "localchain", help="run a local Solana chain (LiteSVM) with a KVR mint and faucet",
+        "localchain",
+        help="run a local Solana chain (LiteSVM) with a KVR mint and faucet",
         description="Run a local Solana chain with a KVR mint and a faucet. Nodes need only "
         "its RPC URL ([settlement] rpc_url): it tells them its mint and genesis wallet. It "
         "listens on loopback unless --listen names another address; then anyone who reaches "
-        "it can mint test KVR and SOL from its faucet.")
+        "it can mint test KVR and SOL from its faucet.",
+    )
     p.add_argument(
         "--data",
         type=Path,
@@ -51,8 +53,10 @@ async def _serve(data: Path, listen: str) -> None:
         print(f"KVR mint        {info.mint}")
         print(f"genesis wallet  {info.genesis_wallet}")
         print(f"data            {info.data_dir}")
-        print("faucet          `kvasird wallet --rpc URL faucet` (KVR and SOL; "
-              "--stake: what a gateway needs)")
+        print(
+            "faucet          `kvasird wallet --rpc URL faucet` (KVR and SOL; "
+            "--stake: what a gateway needs)"
+        )
         warning = exposure(parse_listen(listen)[0])
         if warning is not None:
             print(f"warning         {warning}")

@@ -26,20 +26,29 @@ def _default_dir() -> Path:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("localnet", help="run a local network of daemons on 127.0.0.1")
     cmds = p.add_subparsers(dest="localnet_command", metavar="ACTION", required=True)
-    up = cmds.add_parser("up", help="start a local chain and N daemons that split a model, "
-                                    "then answer a paid prompt")
+    up = cmds.add_parser(
+        "up", help="start a local chain and N daemons that split a model, then answer a paid prompt"
+    )
     up.add_argument("--nodes", type=int, default=3, help="number of daemons (default 3)")
     up.add_argument("--dir", type=Path, default=None, help="where their homes live")
-    up.add_argument("--model", default="bundled:smollm2",
-                    help="bundled:smollm2 (default), a GGUF path, or none (peers only)")
-    up.add_argument("--prompt", default="What is the capital of France?",
-                    help="the question the demo pays for and asks")
+    up.add_argument(
+        "--model",
+        default="bundled:smollm2",
+        help="bundled:smollm2 (default), a GGUF path, or none (peers only)",
+    )
+    up.add_argument(
+        "--prompt",
+        default="What is the capital of France?",
+        help="the question the demo pays for and asks",
+    )
     mode = up.add_mutually_exclusive_group()
     mode.add_argument("--detach", action="store_true", help="leave them running; stop with `down`")
     mode.add_argument("--once", action="store_true", help="stop them again after the answer")
     up.set_defaults(func=_up)
-    for name, func, text in (("down", _down, "stop a detached local network"),
-                             ("status", _status, "peers of each local daemon")):
+    for name, func, text in (
+        ("down", _down, "stop a detached local network"),
+        ("status", _status, "peers of each local daemon"),
+    ):
         c = cmds.add_parser(name, help=text)
         c.add_argument("--dir", type=Path, default=None, help="where their homes live")
         c.set_defaults(func=func)
@@ -48,8 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _up(args: argparse.Namespace) -> int:
     root = (args.dir or _default_dir()).resolve()
     if (root / "localnet.json").exists():
-        raise LocalNetError(f"a local network already runs from {root}: "
-                            "stop it with `kvasird localnet down` first")
+        raise LocalNetError(
+            f"a local network already runs from {root}: stop it with `kvasird localnet down` first"
+        )
     if not 1 <= args.nodes <= 32:
         raise LocalNetError("--nodes must be between 1 and 32")
     model = None if args.model == "none" else ModelRef.parse(args.model).gguf()
@@ -59,14 +69,22 @@ def _up(args: argparse.Namespace) -> int:
         if model is not None:
             manifest = demo.serve_model(net, model)
             name = model_name({k: v for k, _, v in manifest.metadata}, model.name)
-            print(f"model {name} ({manifest.total_bytes / 2**20:.0f} MiB, id "
-                  f"{manifest.model_id[:16]}…) will be split among {args.nodes} daemons")
-        print(f"starting {'a local chain and ' if with_model else ''}{args.nodes} daemons "
-              f"under {root} ...", flush=True)
+            print(
+                f"model {name} ({manifest.total_bytes / 2**20:.0f} MiB, id "
+                f"{manifest.model_id[:16]}…) will be split among {args.nodes} daemons"
+            )
+        print(
+            f"starting {'a local chain and ' if with_model else ''}{args.nodes} daemons "
+            f"under {root} ...",
+            flush=True,
+        )
         began = time.monotonic()
         net.up()
-        took = net.wait_until("every daemon lists every other one as a peer",
-                              net.fully_connected, timeout=30 + 5 * args.nodes)
+        took = net.wait_until(
+            "every daemon lists every other one as a peer",
+            net.fully_connected,
+            timeout=30 + 5 * args.nodes,
+        )
         print(f"all {args.nodes} daemons joined in {took:.1f} s\n")
         _print_table(net)
         if with_model:
@@ -75,8 +93,10 @@ def _up(args: argparse.Namespace) -> int:
             _print_holdings(net)
             answer = demo.ask(net, gateway, args.prompt)
             print(f"\nQ: {args.prompt}\nA: {answer.text.strip()}")
-            print(f"   paid {answer.paid / 10**6:.6f} KVR on the local chain (transaction "
-                  f"{answer.signature[:16]}…), answered in {answer.seconds:.1f} s")
+            print(
+                f"   paid {answer.paid / 10**6:.6f} KVR on the local chain (transaction "
+                f"{answer.signature[:16]}…), answered in {answer.seconds:.1f} s"
+            )
             _print_earnings(demo.earnings(net))
             if args.once:
                 _print_claims(demo.claim_all(net))
@@ -101,30 +121,41 @@ def _up(args: argparse.Namespace) -> int:
 def _print_earnings(earned: list[demo.Earned]) -> None:
     print("\nwhat each node earned for it (the gateway's measured work; receipts it signed):")
     for e in earned:
-        extra = (f" + operator fee {format_kvr(e.operator)} + insurance pool "
-                 f"{format_kvr(e.insurance)} (gateway)") if e.index == 0 else ""
+        extra = (
+            (
+                f" + operator fee {format_kvr(e.operator)} + insurance pool "
+                f"{format_kvr(e.insurance)} (gateway)"
+            )
+            if e.index == 0
+            else ""
+        )
         print(f"  node{e.index}: {format_kvr(e.earned)} KVR{extra}")
 
 
 def _print_claims(claims: list[demo.Paid]) -> None:
     print("\nevery node claims; payouts on the local chain:")
     for c in claims:
-        how = (f"transaction {c.signature[:16]}…" if c.signature
-               else c.note)
-        print(f"  node{c.index}: +{format_kvr(c.amount)} KVR, wallet now "
-              f"{format_kvr(c.balance)} KVR ({how})")
+        how = f"transaction {c.signature[:16]}…" if c.signature else c.note
+        print(
+            f"  node{c.index}: +{format_kvr(c.amount)} KVR, wallet now "
+            f"{format_kvr(c.balance)} KVR ({how})"
+        )
 
 
 def _print_holdings(net: LocalNet) -> None:
     for node in net.nodes:
         held = node.get("/v0/coverage")["held"]
         layers = sorted(int(u.split(":")[1]) for u in held if u.startswith("layer:"))
-        span = ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a)
-                         for a, b in contiguous_runs(layers)) or "none"
+        span = (
+            ", ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in contiguous_runs(layers))
+            or "none"
+        )
         head = " + head" if "head" in held else ""
         experts = sum(u.startswith("expert:") for u in held)
-        print(f"  node{node.index}: layers {span}{head}"
-              + (f" + {experts} experts" if experts else ""))
+        print(
+            f"  node{node.index}: layers {span}{head}"
+            + (f" + {experts} experts" if experts else "")
+        )
 
 
 def _print_snippets(gateway: str, model: str) -> None:
@@ -199,8 +230,10 @@ def _status(args: argparse.Namespace) -> int:
     for n in state["nodes"]:
         try:
             status = client.get(Home(Path(n["home"])), "/v0/status")
-            print(f"node{n['index']} {status['peer_id']} peers={status['peers']} "
-                  f"uptime={status['uptime_s']:.0f}s")
+            print(
+                f"node{n['index']} {status['peer_id']} peers={status['peers']} "
+                f"uptime={status['uptime_s']:.0f}s"
+            )
         except KvasirError as exc:
             print(f"node{n['index']} {n['peer_id']} not answering: {exc}")
     return 0

@@ -24,12 +24,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=_list)
     add = cmds.add_parser("add", help="import a full GGUF (a path, or bundled:smollm2)")
     add.add_argument("source", help="path of a .gguf file, or bundled:smollm2")
-    add.add_argument("--name", default="", help="its name on the network, family:tag (default: "
-                     "from the GGUF's metadata and file name, e.g. smollm2:135m-instruct)")
+    add.add_argument(
+        "--name",
+        default="",
+        help="its name on the network, family:tag (default: "
+        "from the GGUF's metadata and file name, e.g. smollm2:135m-instruct)",
+    )
     add.set_defaults(func=_add)
     ins = cmds.add_parser("inspect", help="manifest summary of a held model or a GGUF file")
-    ins.add_argument("model", help=f"model name, id or id prefix ({MIN_PREFIX}+ hex digits), "
-                     "or path of a .gguf file")
+    ins.add_argument(
+        "model",
+        help=f"model name, id or id prefix ({MIN_PREFIX}+ hex digits), or path of a .gguf file",
+    )
     ins.add_argument("--units", action="store_true", help="list every unit with its size")
     ins.add_argument("--json", action="store_true", help="print JSON")
     ins.set_defaults(func=_inspect)
@@ -58,8 +64,10 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     print(f"{'name':32} {'model id':18} {'arch':10} {'held':>10} {'of':>10} {'units':>6}")
     for m in models:
-        print(f"{m.name[:32]:32} {m.model_id[:16]:18} {m.arch:10} {_mb(m.held_bytes):>10} "
-              f"{_mb(m.total_bytes):>10} {m.held_units:>6}")
+        print(
+            f"{m.name[:32]:32} {m.model_id[:16]:18} {m.arch:10} {_mb(m.held_bytes):>10} "
+            f"{_mb(m.total_bytes):>10} {m.held_units:>6}"
+        )
     return 0
 
 
@@ -71,6 +79,7 @@ def _add(args: argparse.Namespace) -> int:
     name = checked_name(args.name, "--name") if args.name else ""
     if ref.kind == "path":  # refused before it is hashed and copied, with what is supported
         from kvasird.compute.arch import check_file
+
         check_file(Path(ref.value).expanduser())
     with _store(args) as store, TerminalBar("hashing", 0) as bar:
         meters: dict[str, Meter] = {}
@@ -84,9 +93,11 @@ def _add(args: argparse.Namespace) -> int:
         manifest = store.add(ref, name, progress=progress)
         listed = store.name_of(manifest.model_id)
     print(f"added {listed} (id {manifest.model_id})")
-    print(f"  {manifest.arch}, {manifest.n_layer} layers, {manifest.n_expert} experts, "
-          f"{_mb(manifest.total_bytes)} in {len(manifest.unit_sizes)} units "
-          f"({time.perf_counter() - t:.1f} s)")
+    print(
+        f"  {manifest.arch}, {manifest.n_layer} layers, {manifest.n_expert} experts, "
+        f"{_mb(manifest.total_bytes)} in {len(manifest.unit_sizes)} units "
+        f"({time.perf_counter() - t:.1f} s)"
+    )
     return 0
 
 
@@ -107,12 +118,21 @@ def _inspect(args: argparse.Namespace) -> int:
     manifest, _, name = _manifest_of(args, args.model)
     sizes = manifest.unit_sizes
     if args.json:
-        print(json.dumps({
-            "model_id": manifest.model_id, "arch": manifest.arch, "name": name,
-            "n_layer": manifest.n_layer, "n_expert": manifest.n_expert,
-            "total_bytes": manifest.total_bytes, "tensors": len(manifest.tensors),
-            "units": {str(u): n for u, n in sizes.items()},
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model_id": manifest.model_id,
+                    "arch": manifest.arch,
+                    "name": name,
+                    "n_layer": manifest.n_layer,
+                    "n_expert": manifest.n_expert,
+                    "total_bytes": manifest.total_bytes,
+                    "tensors": len(manifest.tensors),
+                    "units": {str(u): n for u, n in sizes.items()},
+                },
+                indent=2,
+            )
+        )
         return 0
     kinds: dict[str, list[int]] = {}
     for u, n in sizes.items():
@@ -122,8 +142,11 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"arch       {manifest.arch}, {manifest.n_layer} layers, {manifest.n_expert} experts")
     print(f"tensors    {len(manifest.tensors)}, {_mb(manifest.total_bytes)}")
     for kind, ns in sorted(kinds.items()):
-        print(f"{kind:10} {len(ns)} units × {_mb(min(ns))}"
-              + (f"..{_mb(max(ns))}" if max(ns) != min(ns) else "") + f" = {_mb(sum(ns))}")
+        print(
+            f"{kind:10} {len(ns)} units × {_mb(min(ns))}"
+            + (f"..{_mb(max(ns))}" if max(ns) != min(ns) else "")
+            + f" = {_mb(sum(ns))}"
+        )
     if args.units:
         for u, n in sizes.items():
             print(f"  {str(u):16} {n:>14,}")

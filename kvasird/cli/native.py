@@ -22,7 +22,10 @@ def _info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))
         return 0
-    print(f"ggml runtime   ggml-python {info.ggml_python}, ggml {info.ggml_version} ({info.ggml_commit})")
+    print(
+        f"ggml runtime   ggml-python {info.ggml_python}, ggml {info.ggml_version} "
+        f"({info.ggml_commit})"
+    )
     print(f"backends       {', '.join(info.backends)}")
     for d in info.devices:
         print(f"device         {d.name} [{d.kind}] {d.description}")

@@ -29,6 +29,8 @@ def _run(args: argparse.Namespace) -> int:
     for p in peers:
         rtt = f"{p['rtt_ms']:.1f}ms" if p["rtt_ms"] is not None else "-"
         addr = p["addrs"][0] if p["addrs"] else "-"
-        print(f"{p['peer_id']:54} {now - p['connected_since']:>9.0f}s "
-              f"{now - p['last_seen']:>9.1f}s {rtt:>8}  {addr}")
+        print(
+            f"{p['peer_id']:54} {now - p['connected_since']:>9.0f}s "
+            f"{now - p['last_seen']:>9.1f}s {rtt:>8}  {addr}"
+        )
     return 0

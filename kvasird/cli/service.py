@@ -28,8 +28,10 @@ UNIT_TEMPLATE = Path(__file__).resolve().parents[2] / "systemd" / "kvasird.servi
 TEMPLATE_BIN = "/opt/kvasird/.venv/bin/kvasird"
 HOMES = ("/home", "/root", "/run/user")
 """What ProtectHome=yes (or tmpfs) hides from the service; read-only and no hide nothing."""
-INSTALL_ELSEWHERE = ("install kvasird under /opt with a python outside any home directory "
-                     "(e.g. /usr/bin/python3 -m venv /opt/kvasird/.venv)")
+INSTALL_ELSEWHERE = (
+    "install kvasird under /opt with a python outside any home directory "
+    "(e.g. /usr/bin/python3 -m venv /opt/kvasird/.venv)"
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,16 +41,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     inst.add_argument("--user", default="kvasird", help="system user to run as (default kvasird)")
     inst.add_argument("--unit-dir", type=Path, default=Path("/etc/systemd/system"))
     inst.add_argument("--dry-run", action="store_true", help="print the steps and the unit only")
-    inst.add_argument("--no-start", action="store_true", help="install and enable, but do not start")
-    inst.add_argument("--protect-home", choices=("yes", "read-only"), default="yes",
-                      help="ProtectHome= of the unit: read-only lets the service run a kvasird "
-                           "installed in a home directory (default yes: homes are hidden)")
+    inst.add_argument(
+        "--no-start", action="store_true", help="install and enable, but do not start"
+    )
+    inst.add_argument(
+        "--protect-home",
+        choices=("yes", "read-only"),
+        default="yes",
+        help="ProtectHome= of the unit: read-only lets the service run a kvasird "
+        "installed in a home directory (default yes: homes are hidden)",
+    )
     add_node_options(inst)
     inst.set_defaults(func=_install)
 
 
-def render_unit(user: str, binary: str, protect_home: str = "yes",
-                init_args: list[str] | None = None) -> str:
+def render_unit(
+    user: str, binary: str, protect_home: str = "yes", init_args: list[str] | None = None
+) -> str:
     """The repository's unit with this installation's binary, the chosen user and
     ProtectHome, and ``init_args`` for the `kvasird init` of its first start."""
     text = UNIT_TEMPLATE.read_text().replace(TEMPLATE_BIN, binary)
@@ -71,9 +80,12 @@ def installation() -> dict[str, Path]:
     """What the service runs of this installation: each must be visible in its sandbox."""
     import kvasird
 
-    return {"kvasird": Path(sys.prefix) / "bin" / "kvasird", "its python": Path(sys.executable),
-            "the python's standard library": Path(sys.base_prefix),
-            "the kvasird package": Path(kvasird.__file__).parent}
+    return {
+        "kvasird": Path(sys.prefix) / "bin" / "kvasird",
+        "its python": Path(sys.executable),
+        "the python's standard library": Path(sys.base_prefix),
+        "the kvasird package": Path(kvasird.__file__).parent,
+    }
 
 
 def unreachable_by_service(unit: str, paths: dict[str, Path]) -> str | None:
@@ -89,17 +101,27 @@ def unreachable_by_service(unit: str, paths: dict[str, Path]) -> str | None:
         top = next((h for h in hidden if real == h or real.startswith(h + "/")), None)
         if top is not None:
             also = "" if closed else ", or rerun with --protect-home read-only"
-            return (f"the service could not start: {what} ({shown}) is in {top}, which "
-                    f"ProtectHome={protect} hides from it; {INSTALL_ELSEWHERE}{also}")
+            return (
+                f"the service could not start: {what} ({shown}) is in {top}, which "
+                f"ProtectHome={protect} hides from it; {INSTALL_ELSEWHERE}{also}"
+            )
         if closed is not None:
-            return (f"the service could not start: {what} ({shown}) is in {closed}, which "
-                    f"user {user} may not enter; {INSTALL_ELSEWHERE}")
+            return (
+                f"the service could not start: {what} ({shown}) is in {closed}, which "
+                f"user {user} may not enter; {INSTALL_ELSEWHERE}"
+            )
     return None
 
 
 def _setting(unit: str, key: str, default: str) -> str:
-    return next((line.split("=", 1)[1].strip() for line in reversed(unit.splitlines())
-                 if line.startswith(f"{key}=")), default)
+    return next(
+        (
+            line.split("=", 1)[1].strip()
+            for line in reversed(unit.splitlines())
+            if line.startswith(f"{key}=")
+        ),
+        default,
+    )
 
 
 def _closed_directory(real: str) -> str | None:
@@ -122,8 +144,15 @@ def _install(args: argparse.Namespace) -> int:
     hidden = unreachable_by_service(unit, runs)
     target = args.unit_dir / "kvasird.service"
     steps = [
-        ["useradd", "--system", "--home-dir", "/var/lib/kvasird", "--shell", "/usr/sbin/nologin",
-         args.user],
+        [
+            "useradd",
+            "--system",
+            "--home-dir",
+            "/var/lib/kvasird",
+            "--shell",
+            "/usr/sbin/nologin",
+            args.user,
+        ],
         ["systemctl", "daemon-reload"],
         # --no-block: READY=1 waits until the gateway can serve, which a first download
         # may make long; `systemctl status kvasird` shows what it waits for meanwhile.
@@ -133,8 +162,10 @@ def _install(args: argparse.Namespace) -> int:
         print(f"# would write {target}:\n{unit}")
         for step in steps:
             print("# would run: " + " ".join(step))
-        print(f"# its state directory: {SERVICE_HOME} (commands run as root find it by "
-              "themselves, e.g. `sudo kvasird status`)")
+        print(
+            f"# its state directory: {SERVICE_HOME} (commands run as root find it by "
+            "themselves, e.g. `sudo kvasird status`)"
+        )
         if hidden is not None:
             print(f"# but it would refuse to install: {hidden}")
         return 0
@@ -149,7 +180,9 @@ def _install(args: argparse.Namespace) -> int:
     target.write_text(unit)
     for step in steps[1:]:
         subprocess.run(step, check=True)
-    print(f"installed {target}; follow it with: journalctl -u kvasird -f "
-          "(systemctl status kvasird says what it waits for); `sudo kvasird status` finds "
-          f"its home, {SERVICE_HOME}")
+    print(
+        f"installed {target}; follow it with: journalctl -u kvasird -f "
+        "(systemctl status kvasird says what it waits for); `sudo kvasird status` finds "
+        f"its home, {SERVICE_HOME}"
+    )
     return 0

@@ -30,12 +30,21 @@ def _run(args: argparse.Namespace) -> int:
 def lines(status: dict[str, Any]) -> list[tuple[str, str]]:
     """The status as labelled lines: who the node is, what it serves and holds, whether its
     gateway can answer, and what it earned."""
-    out = [("peer id", status["peer_id"]), ("network", status["network"]),
-           ("version", f"kvasird {status['version']} (protocol {status['protocol']})"),
-           ("uptime", f"{status['uptime_s']:.0f} s")]
+    out = [
+        ("peer id", status["peer_id"]),
+        ("network", status["network"]),
+        ("version", f"kvasird {status['version']} (protocol {status['protocol']})"),
+        ("uptime", f"{status['uptime_s']:.0f} s"),
+    ]
     model = status.get("model")
-    out.append(("model", f"{model['name']} ({model['id']})" if model else
-                "none (set [market] model, or `kvasird init --model`)"))
+    out.append(
+        (
+            "model",
+            f"{model['name']} ({model['id']})"
+            if model
+            else "none (set [market] model, or `kvasird init --model`)",
+        )
+    )
     if (role := status.get("role")) is not None:
         out.append(("role", _role(role)))
     out.append(("gateway", status.get("gateway") or "off"))
@@ -45,10 +54,15 @@ def lines(status: dict[str, Any]) -> list[tuple[str, str]]:
     if (earned := status.get("earnings")) is not None:
         from kvasird.settlement.token import format_kvr  # deferred: loads solders and spl
 
-        out.append(("earnings", f"{format_kvr(earned['pending'])} KVR pending "
-                                f"(`kvasird wallet claim`), {format_kvr(earned['received'])} "
-                                f"claimed, {format_kvr(earned['earned'])} earned from "
-                                f"{earned['gateways']} gateway(s)"))
+        out.append(
+            (
+                "earnings",
+                f"{format_kvr(earned['pending'])} KVR pending "
+                f"(`kvasird wallet claim`), {format_kvr(earned['received'])} "
+                f"claimed, {format_kvr(earned['earned'])} earned from "
+                f"{earned['gateways']} gateway(s)",
+            )
+        )
     else:
         out.append(("earnings", "settlement is off (serving for free)"))
     if reach := status.get("reachability") or {}:
@@ -62,5 +76,7 @@ def _role(role: dict[str, Any]) -> str:
     if not units:
         return f"holds no units ({role['state']}): a gateway and client only"
     shown = ", ".join(units[:6]) + (f" and {len(units) - 6} more" if len(units) > 6 else "")
-    return (f"holds {len(units)} unit{'s' if len(units) != 1 else ''} ({shown}), "
-            f"{role['held_bytes'] / 2**20:.1f} of {role['budget_bytes'] / 2**20:.1f} MiB")
+    return (
+        f"holds {len(units)} unit{'s' if len(units) != 1 else ''} ({shown}), "
+        f"{role['held_bytes'] / 2**20:.1f} of {role['budget_bytes'] / 2**20:.1f} MiB"
+    )

@@ -35,16 +35,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         "wallet", help="operator wallet: address, SOL/KVR balances, pending earnings"
     )
     p.add_argument(
-        "--keypair", type=Path, default=None,
+        "--keypair",
+        type=Path,
+        default=None,
         help="keypair file (default: [settlement] wallet, else <home>/wallet.json)",
     )
     p.add_argument("--address", default="", help="show this address instead of a keypair file's")
-    p.add_argument("--rpc", default="",
-                   help=f"Solana JSON-RPC URL (default: [settlement] rpc_url, else {LOCAL_RPC})")
-    p.add_argument("--mint", default="",
-                   help="KVR mint (default: [settlement] kvr_mint, else ask the local chain)")
-    p.add_argument("--json", action="store_true",
-                   help="print JSON (amounts in base units: lamports, KVR x 10^6)")
+    p.add_argument(
+        "--rpc",
+        default="",
+        help=f"Solana JSON-RPC URL (default: [settlement] rpc_url, else {LOCAL_RPC})",
+    )
+    p.add_argument(
+        "--mint",
+        default="",
+        help="KVR mint (default: [settlement] kvr_mint, else ask the local chain)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON (amounts in base units: lamports, KVR x 10^6)",
+    )
     p.set_defaults(func=_show)
     cmds = p.add_subparsers(dest="wallet_command", metavar="ACTION")
     new = cmds.add_parser("new", help="create a keypair file (Solana JSON format, mode 0600)")
@@ -53,20 +64,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     link.add_argument("peer_id", nargs="?", default="", help="peer id (default: this node's)")
     link.add_argument("--network", default="", help="network name (default: from kvasird.toml)")
     link.set_defaults(func=_link)
-    claim = cmds.add_parser("claim", help="claim earnings from every gateway that owes this "
-                            "node (the running daemon asks them; payouts checked on chain)")
+    claim = cmds.add_parser(
+        "claim",
+        help="claim earnings from every gateway that owes this "
+        "node (the running daemon asks them; payouts checked on chain)",
+    )
     claim.set_defaults(func=_claim)
     faucet = cmds.add_parser(
-        "faucet", help="get SOL and KVR from a local chain's faucet (refused on any other chain)",
+        "faucet",
+        help="get SOL and KVR from a local chain's faucet (refused on any other chain)",
         description="Mint test KVR and SOL on a kvasird local chain. A gateway needs the "
         "network's stake in its wallet (the peers check it on chain) and KVR above it for "
         "its operator's own requests: --stake mints both. On a real network KVR is bought "
-        "or earned, and there is no faucet.")
+        "or earned, and there is no faucet.",
+    )
     amount = faucet.add_mutually_exclusive_group()
     amount.add_argument("--kvr", type=float, default=None, help="KVR to mint (default 100)")
-    amount.add_argument("--stake", action="store_true",
-                        help=f"mint what a gateway needs: the network's stake parameter plus "
-                             f"{OWN_USE // 10**KVR_DECIMALS} KVR for its operator's own use")
+    amount.add_argument(
+        "--stake",
+        action="store_true",
+        help=f"mint what a gateway needs: the network's stake parameter plus "
+        f"{OWN_USE // 10**KVR_DECIMALS} KVR for its operator's own use",
+    )
     faucet.add_argument("--sol", type=float, default=1.0, help="SOL for fees (default 1)")
     faucet.set_defaults(func=_faucet)
 
@@ -115,10 +134,20 @@ def _show(args: argparse.Namespace) -> int:
     gateways = _receipts(_home(args))
     pending = sum(unpaid for _, _, unpaid in gateways)
     if args.json:
-        print(json.dumps({
-            "address": str(wallet.address), "lamports": sol, "kvr": kvr, "mint": str(mint),
-            "pending": pending, "gateways": [{"wallet": str(g), "peer_id": p, "unpaid": u}
-                                             for g, p, u in gateways]}))
+        print(
+            json.dumps(
+                {
+                    "address": str(wallet.address),
+                    "lamports": sol,
+                    "kvr": kvr,
+                    "mint": str(mint),
+                    "pending": pending,
+                    "gateways": [
+                        {"wallet": str(g), "peer_id": p, "unpaid": u} for g, p, u in gateways
+                    ],
+                }
+            )
+        )
         return 0
     print(f"address           {wallet.address}")
     print(f"SOL               {sol / _LAMPORTS_PER_SOL:.9f}")
@@ -137,11 +166,16 @@ async def _balances(rpc: str, mint: str, address: Pubkey) -> tuple[int, int, Pub
         try:
             mint_key = parse_address(mint) if mint else (await chain.local_chain_keys()).mint
         except ChainRefused:
-            raise WalletError(f"the chain at {rpc} does not name its KVR mint (only a kvasird "
-                              "local chain does): pass --mint, or set [settlement] kvr_mint "
-                              "in kvasird.toml") from None
-        return (await chain.lamports(address), await chain.token_balance(address, mint_key),
-                mint_key)
+            raise WalletError(
+                f"the chain at {rpc} does not name its KVR mint (only a kvasird "
+                "local chain does): pass --mint, or set [settlement] kvr_mint "
+                "in kvasird.toml"
+            ) from None
+        return (
+            await chain.lamports(address),
+            await chain.token_balance(address, mint_key),
+            mint_key,
+        )
 
 
 def _receipts(home: Home) -> list[tuple[Pubkey, str, int]]:
@@ -170,16 +204,20 @@ def _claim(args: argparse.Namespace) -> int:
         if c["error"]:
             print(f"gateway {c['gateway']}: claim failed: {c['error']}")
         else:
-            print(f"gateway {c['gateway']}: {format_kvr(c['amount'])} KVR paid, "
-                  f"transaction {c['signature']} (checked on chain)")
+            print(
+                f"gateway {c['gateway']}: {format_kvr(c['amount'])} KVR paid, "
+                f"transaction {c['signature']} (checked on chain)"
+            )
     return 1 if any(c["error"] for c in claims) else 0
 
 
 def _new(args: argparse.Namespace) -> int:
     path = keypair_path(args)
     if not path.parent.is_dir():
-        raise WalletError(f"cannot write {path}: {path.parent} does not exist "
-                          "(create it, or pass --keypair FILE in an existing directory)")
+        raise WalletError(
+            f"cannot write {path}: {path.parent} does not exist "
+            "(create it, or pass --keypair FILE in an existing directory)"
+        )
     keypair = Keypair()
     write_keypair(path, keypair)
     print(f"address  {keypair.pubkey()}")
@@ -228,20 +266,24 @@ async def _fund(args: argparse.Namespace, rpc: str, address: Pubkey, lamports: i
             raise WalletError(
                 f"{rpc} is not a kvasird local chain: it has no faucet. On a real network KVR "
                 "is bought or earned, and a gateway's wallet must hold the network's stake "
-                "(see docs/market.md, \"Stake\")"
+                '(see docs/market.md, "Stake")'
             ) from None
         if args.stake:
             stake = _params(args, keys.genesis_wallet).stake_min
             kvr = stake + OWN_USE
-            what = (f"the network's stake, {format_kvr(stake)} KVR, which the peers check "
-                    f"on chain before they serve this wallet's gateway, and "
-                    f"{format_kvr(OWN_USE)} KVR above it for the operator's own requests")
+            what = (
+                f"the network's stake, {format_kvr(stake)} KVR, which the peers check "
+                f"on chain before they serve this wallet's gateway, and "
+                f"{format_kvr(OWN_USE)} KVR above it for the operator's own requests"
+            )
         else:
             kvr = int((100.0 if args.kvr is None else args.kvr) * 10**KVR_DECIMALS)
             what = "test KVR"
         await chain.faucet(address, kvr=kvr, lamports=lamports)
-    print(f"funded {address}: {format_kvr(kvr)} KVR ({what}), "
-          f"{lamports / _LAMPORTS_PER_SOL:g} SOL for fees")
+    print(
+        f"funded {address}: {format_kvr(kvr)} KVR ({what}), "
+        f"{lamports / _LAMPORTS_PER_SOL:g} SOL for fees"
+    )
 
 
 def _params(args: argparse.Namespace, genesis: Pubkey) -> NetworkParams:

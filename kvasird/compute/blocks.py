@@ -50,8 +50,9 @@ def _as(ctx: object, t: Tensor, type_: int) -> Tensor:
     if int(t.contents.type) == type_:
         return t
     tc = t.contents  # (a VIEW op: ggml_view_tensor would leave t's op out of the graph)
-    view = ggml.ggml_view_4d(ctx, t, *(int(tc.ne[i]) for i in range(4)),
-                             *(int(tc.nb[i]) for i in range(1, 4)), 0)
+    view = ggml.ggml_view_4d(
+        ctx, t, *(int(tc.ne[i]) for i in range(4)), *(int(tc.nb[i]) for i in range(1, 4)), 0
+    )
     c, size = view.contents, ggml.ggml_type_size(type_)
     row = int(c.ne[0]) * int(c.nb[0])
     assert row % size == 0 and int(c.nb[1]) == row, "a view of whole contiguous rows"
@@ -63,8 +64,8 @@ def padded_rows(T: int) -> int:
     """The rows a repacked product (graph.REPACKED_TYPES on x86) computes T rows of x as,
     padding with zero rows where that costs less. ggml takes x's rows sixteen at a time,
     then four at a time, then the rest one by one, each pass reading all the weights.
-    Measured on the dense bench model (Q4_K_M, one thread, a decode step of T sessions,
-    ms): 1 row 105, 2: 137, 3: 165, 4: 110; 12: 264, 14: 312, 15: 335, 16: 243."""
+    So 3 rows cost more than 4, and 15 more than 16 (a decode step of T sessions on the
+    dense bench model: bench/bench_scale.py --only prefill times batched steps)."""
     if T < 2:
         return T
     if T % 16 >= 10:
@@ -75,8 +76,14 @@ def padded_rows(T: int) -> int:
 def _seqs(ctx: object, t: Tensor, first: int, n: int) -> Tensor:
     """Sequences [first, first + n) of a 4-D tensor (its fourth dimension)."""
     c = t.contents
-    return ggml.ggml_view_4d(ctx, t, *(int(c.ne[i]) for i in range(3)), n,
-                             *(int(c.nb[i]) for i in range(1, 4)), first * int(c.nb[3]))
+    return ggml.ggml_view_4d(
+        ctx,
+        t,
+        *(int(c.ne[i]) for i in range(3)),
+        n,
+        *(int(c.nb[i]) for i in range(1, 4)),
+        first * int(c.nb[3]),
+    )
 
 
 def l2_norm(ctx: object, x: Tensor, eps: float) -> Tensor:
@@ -111,8 +118,15 @@ class RouterOut:
 class Blocks:
     """Graph-building context for one forward graph over a stage's weights and KV pool."""
 
-    def __init__(self, b: Builder, w: Weights, kv: KVPool | None, n_tokens: int, n_kv: int,
-                 groups: Sequence[tuple[int, int]] | None = None) -> None:
+    def __init__(
+        self,
+        b: Builder,
+        w: Weights,
+        kv: KVPool | None,
+        n_tokens: int,
+        n_kv: int,
+        groups: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
         self.b, self.ctx, self.w, self.hp, self.kv = b, b.ctx, w, w.hparams, kv
         self.T, self.n_kv = n_tokens, n_kv
         self.groups = tuple(groups) if groups is not None else ((n_tokens, 1),)
@@ -122,8 +136,11 @@ class Blocks:
         and FFNs read the weights once for all of them."""
         assert sum(r * n for r, n in self.groups) == n_tokens, "the groups' rows are the graph's"
         self.seqs = sum(n for _, n in self.groups)
-        self.n_kv_swa = kv.window_span(max(r for r, _ in self.groups), n_kv) \
-            if kv is not None and kv.window_layers else n_kv
+        self.n_kv_swa = (
+            kv.window_span(max(r for r, _ in self.groups), n_kv)
+            if kv is not None and kv.window_layers
+            else n_kv
+        )
         """Slots each sequence's sliding-window layers gather: its ring's pages in the window
         pool, or its pages as the full layers do where the main pool keeps them."""
         self._shared: dict[str, Tensor] = {}
@@ -217,13 +234,20 @@ class Blocks:
         row computed in a pass differs from it in the last bits."""
         w, c = self.t(weight), x.contents
         T = int(c.ne[1])
-        P = padded_rows(T) if self.seqs > 1 and self.w.packed is not None \
-            and weight in self.w.packed.tensors and int(c.ne[2]) * int(c.ne[3]) == 1 else T
+        P = (
+            padded_rows(T)
+            if self.seqs > 1
+            and self.w.packed is not None
+            and weight in self.w.packed.tensors
+            and int(c.ne[2]) * int(c.ne[3]) == 1
+            else T
+        )
         if P == T:
             return ggml.ggml_mul_mat(self.ctx, w, x)
         out = ggml.ggml_mul_mat(self.ctx, w, ggml.ggml_pad(self.ctx, x, 0, P - T, 0, 0))
-        return ggml.ggml_view_2d(self.ctx, out, int(out.contents.ne[0]), T,
-                                 int(out.contents.nb[1]), 0)
+        return ggml.ggml_view_2d(
+            self.ctx, out, int(out.contents.ne[0]), T, int(out.contents.nb[1]), 0
+        )
 
     def linear(self, name: str, x: Tensor) -> Tensor:
         """name.weight · x, plus name.bias where the layer has one."""
@@ -242,8 +266,11 @@ class Blocks:
         logits = self.mm(out, self.norm(x, "output_norm.weight"))
         cap = self.hp.logit_softcap
         if cap:
-            logits = ggml.ggml_scale(self.ctx, ggml.ggml_tanh(
-                self.ctx, ggml.ggml_scale(self.ctx, logits, 1.0 / cap)), cap)
+            logits = ggml.ggml_scale(
+                self.ctx,
+                ggml.ggml_tanh(self.ctx, ggml.ggml_scale(self.ctx, logits, 1.0 / cap)),
+                cap,
+            )
         return logits
 
     def last_column(self, x: Tensor) -> Tensor:
@@ -255,8 +282,8 @@ class Blocks:
         """The residual stream x after `layer`'s token mixing (attention, delta-net): all
         its rows, or in the layer `keep` names only the rows the caller reads on. Every
         row's keys, values and states are written by then; the FFN and the head then skip
-        the rest, as llama.cpp's last layer does (its FFN was 5 % of a prefill's products
-        at Llama-3.2-1B widths, computed for rows nobody reads)."""
+        the rest, as llama.cpp's last layer does (its FFN computed for rows nobody reads:
+        what that costs a prefill at real widths, see bench/bench_scale.py --only prefill)."""
         if self.keep is None or layer != self.keep[0]:
             return x
         mode, self.kept = self.keep[1], True
@@ -267,11 +294,13 @@ class Blocks:
     def attention(self, layer: int, x: Tensor, rope_mode: int, qk_norm: bool) -> Tensor:
         """x + attn(norm(x))."""
         cur = self.norm(x, f"blk.{layer}.attn_norm.weight")
-        return self.mixed(layer, ggml.ggml_add(self.ctx, x, self.self_attention(
-            layer, cur, rope_mode, qk_norm)))
+        return self.mixed(
+            layer, ggml.ggml_add(self.ctx, x, self.self_attention(layer, cur, rope_mode, qk_norm))
+        )
 
-    def self_attention(self, layer: int, cur: Tensor, rope_mode: int, qk_norm: bool,
-                       scale_q: bool = False) -> Tensor:
+    def self_attention(
+        self, layer: int, cur: Tensor, rope_mode: int, qk_norm: bool, scale_q: bool = False
+    ) -> Tensor:
         """attn_output(attention over cur), no residual: GQA, RoPE with the layer's base,
         causal over the session's cached and new tokens, through the sliding window on the
         layers that have one. `scale_q` scales q before the product rather than the
@@ -298,14 +327,27 @@ class Blocks:
         their own), YaRN-corrected where the model scales with YaRN."""
         hp = self.hp
         swa = hp.is_swa(layer)
-        base, scale = (hp.rope_base_swa, hp.rope_scale_swa) if swa else \
-            (hp.rope_base, hp.rope_scale)
+        base, scale = (
+            (hp.rope_base_swa, hp.rope_scale_swa) if swa else (hp.rope_base, hp.rope_scale)
+        )
         yarn = (hp.yarn_ext, hp.yarn_attn, 32.0, 1.0)
         if mode == ROPE_IMROPE:
-            return ggml.ggml_rope_multi(self.ctx, x, self.pos_sections, None, hp.rot_dims,
-                                        rope_sections(hp), mode, hp.rope_ctx, base, scale, *yarn)
-        return ggml.ggml_rope_ext(self.ctx, x, self.pos, None, hp.head_dim, mode, hp.rope_ctx,
-                                  base, scale, *yarn)
+            return ggml.ggml_rope_multi(
+                self.ctx,
+                x,
+                self.pos_sections,
+                None,
+                hp.rot_dims,
+                rope_sections(hp),
+                mode,
+                hp.rope_ctx,
+                base,
+                scale,
+                *yarn,
+            )
+        return ggml.ggml_rope_ext(
+            self.ctx, x, self.pos, None, hp.head_dim, mode, hp.rope_ctx, base, scale, *yarn
+        )
 
     def gated_attention(self, layer: int, cur: Tensor) -> Tensor:
         """attn_output(attention(cur) * sigmoid(gate)), no residual: Qwen3.5's full attention.
@@ -315,16 +357,21 @@ class Blocks:
         """
         hp, ctx, p = self.hp, self.ctx, f"blk.{layer}."
         d, T = hp.head_dim, self.T
-        qg = self.mm(p + "attn_q.weight", cur)                        # [2 d n_head, T]
+        qg = self.mm(p + "attn_q.weight", cur)  # [2 d n_head, T]
         size = ggml.ggml_element_size(qg)
-        q, gate = (ggml.ggml_view_3d(ctx, qg, d, hp.n_head, T, 2 * d * size,
-                                     2 * d * hp.n_head * size, at * d * size) for at in (0, 1))
+        q, gate = (
+            ggml.ggml_view_3d(
+                ctx, qg, d, hp.n_head, T, 2 * d * size, 2 * d * hp.n_head * size, at * d * size
+            )
+            for at in (0, 1)
+        )
         gate = ggml.ggml_cont_2d(ctx, gate, d * hp.n_head, T)
         k = ggml.ggml_reshape_3d(ctx, self.mm(p + "attn_k.weight", cur), d, hp.n_head_kv, T)
         q = self.rope(self.norm(q, p + "attn_q_norm.weight"), ROPE_IMROPE, layer)
         k = self.rope(self.norm(k, p + "attn_k_norm.weight"), ROPE_IMROPE, layer)
-        out = self.attend(layer, q, k, self.mm(p + "attn_v.weight", cur), 1.0 / math.sqrt(d),
-                          self.mask)
+        out = self.attend(
+            layer, q, k, self.mm(p + "attn_v.weight", cur), 1.0 / math.sqrt(d), self.mask
+        )
         gated = ggml.ggml_mul(ctx, out, ggml.ggml_sigmoid(ctx, gate))
         return self.mm(p + "attn_output.weight", gated)
 
@@ -341,26 +388,42 @@ class Blocks:
         hp, ctx, p, T, pool = self.hp, self.ctx, f"blk.{layer}.", self.T, self.kv
         assert pool is not None
         states = pool.states
-        d, hk, hv, C, width = hp.ssm_head_dim, hp.ssm_k_heads, hp.ssm_v_heads, \
-            hp.conv_channels, hp.ssm_conv
-        qkv = self.mm(p + "attn_qkv.weight", cur)                       # [C, T]
+        d, hk, hv, C, width = (
+            hp.ssm_head_dim,
+            hp.ssm_k_heads,
+            hp.ssm_v_heads,
+            hp.conv_channels,
+            hp.ssm_conv,
+        )
+        qkv = self.mm(p + "attn_qkv.weight", cur)  # [C, T]
         z = ggml.ggml_reshape_4d(ctx, self.mm(p + "attn_gate.weight", cur), d, hv, T, 1)
-        beta = ggml.ggml_sigmoid(ctx, ggml.ggml_reshape_4d(
-            ctx, self.mm(p + "ssm_beta.weight", cur), 1, hv, T, 1))
+        beta = ggml.ggml_sigmoid(
+            ctx, ggml.ggml_reshape_4d(ctx, self.mm(p + "ssm_beta.weight", cur), 1, hv, T, 1)
+        )
         alpha = ggml.ggml_add(ctx, self.mm(p + "ssm_alpha.weight", cur), self.t(p + "ssm_dt.bias"))
         g = ggml.ggml_mul(ctx, ggml.ggml_softplus(ctx, alpha), self.t(p + "ssm_a"))
         g = ggml.ggml_reshape_4d(ctx, g, 1, hv, T, 1)
 
         held = ggml.ggml_get_rows(ctx, states.conv[layer], self.state_slot)
         held = ggml.ggml_reshape_3d(ctx, held, width - 1, C, 1)
-        conv_in = ggml.ggml_concat(ctx, held, ggml.ggml_transpose(
-            ctx, ggml.ggml_reshape_3d(ctx, qkv, C, T, 1)), 0)           # [width-1+T, C, 1]
+        conv_in = ggml.ggml_concat(
+            ctx, held, ggml.ggml_transpose(ctx, ggml.ggml_reshape_3d(ctx, qkv, C, T, 1)), 0
+        )  # [width-1+T, C, 1]
         c = conv_in.contents
-        tail = ggml.ggml_cont(ctx, ggml.ggml_view_3d(ctx, conv_in, width - 1, C, 1, int(c.nb[1]),
-                                                     int(c.nb[2]), T * int(c.nb[0])))
-        self.b.effects.append(ggml.ggml_set_rows(
-            ctx, states.conv[layer], ggml.ggml_reshape_2d(ctx, tail, (width - 1) * C, 1),
-            self.state_row))
+        tail = ggml.ggml_cont(
+            ctx,
+            ggml.ggml_view_3d(
+                ctx, conv_in, width - 1, C, 1, int(c.nb[1]), int(c.nb[2]), T * int(c.nb[0])
+            ),
+        )
+        self.b.effects.append(
+            ggml.ggml_set_rows(
+                ctx,
+                states.conv[layer],
+                ggml.ggml_reshape_2d(ctx, tail, (width - 1) * C, 1),
+                self.state_row,
+            )
+        )
         conv = ggml.ggml_ssm_conv(ctx, conv_in, self.t(p + "ssm_conv1d.weight"))  # [C, T, 1]
         conv = ggml.ggml_silu(ctx, conv)
         f = ggml.ggml_element_size(conv)
@@ -370,19 +433,31 @@ class Blocks:
 
         q, k, v = heads(hk, 0), heads(hk, d * hk), heads(hv, 2 * d * hk)
         q, k = l2_norm(ctx, q, hp.rms_eps), l2_norm(ctx, k, hp.rms_eps)
-        s0 = ggml.ggml_reshape_4d(ctx, ggml.ggml_get_rows(ctx, states.delta[layer],
-                                                          self.state_slot), d, d, hv, 1)
+        s0 = ggml.ggml_reshape_4d(
+            ctx, ggml.ggml_get_rows(ctx, states.delta[layer], self.state_slot), d, d, hv, 1
+        )
         res = ggml.ggml_gated_delta_net(ctx, q, k, v, g, beta, s0, 1)  # [d hv, T + d]: o, S
         o = ggml.ggml_view_4d(ctx, res, d, hv, T, 1, d * f, d * hv * f, d * hv * T * f, 0)
-        self.b.effects.append(ggml.ggml_set_rows(
-            ctx, states.delta[layer], ggml.ggml_view_2d(ctx, res, hp.delta_state, 1,
-                                                        hp.delta_state * f, d * hv * T * f),
-            self.state_row))
+        self.b.effects.append(
+            ggml.ggml_set_rows(
+                ctx,
+                states.delta[layer],
+                ggml.ggml_view_2d(ctx, res, hp.delta_state, 1, hp.delta_state * f, d * hv * T * f),
+                self.state_row,
+            )
+        )
         out = ggml.ggml_mul(ctx, self.norm(o, p + "ssm_norm.weight"), ggml.ggml_silu(ctx, z))
         return self.mm(p + "ssm_out.weight", ggml.ggml_reshape_2d(ctx, out, d * hv, T))
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float,
-               mask: Callable[[int], Tensor]) -> Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float,
+        mask: Callable[[int], Tensor],
+    ) -> Tensor:
         """Write k, v to the pool, gather the sessions' pages, softmax(scale·qK^T + mask) V
         (a sliding-window layer in the window pool: its ring's pages, `mask` over them;
         `mask(group)` is a group's).
@@ -391,7 +466,7 @@ class Blocks:
         cache q and the attention weights are rounded to F16 inside the matmuls exactly as
         llama.cpp rounds them. V is stored transposed per page (kv/pool.py), so the gathered
         V^T is a copy of whole 64-slot rows rather than an element-wise transpose, which
-        cost 40 % of a decode step on the bundled model.
+        cost a large share of a decode step (see bench/bench_compute.py).
 
         With several sequences each attends over its own pages alone (the products of a
         group's sequences are batched over the fourth dimension), so the cost grows with
@@ -400,48 +475,65 @@ class Blocks:
         """
         hp, ctx, T, pool = self.hp, self.ctx, self.T, self.kv
         assert pool is not None
-        slots, v_slots, kv_pages, n_kv = \
-            (self.swa_slots, self.swa_v_slots, self.swa_pages, self.n_kv_swa) \
-            if layer in pool.window_layers else (self.slots, self.v_slots, self.kv_pages, self.n_kv)
+        slots, v_slots, kv_pages, n_kv = (
+            (self.swa_slots, self.swa_v_slots, self.swa_pages, self.n_kv_swa)
+            if layer in pool.window_layers
+            else (self.slots, self.v_slots, self.kv_pages, self.n_kv)
+        )
         dtype = int(pool.k[layer].contents.type)
         # set_rows returns a view of the cache: reading through it orders the gather after it
-        k_all = ggml.ggml_set_rows(ctx, pool.k[layer], ggml.ggml_reshape_2d(ctx, k, hp.kv_dim, T),
-                                   slots)
-        v_all = ggml.ggml_set_rows(ctx, pool.v_flat(ctx, layer),
-                                   ggml.ggml_reshape_2d(ctx, v, 1, hp.kv_dim * T), v_slots)
+        k_all = ggml.ggml_set_rows(
+            ctx, pool.k[layer], ggml.ggml_reshape_2d(ctx, k, hp.kv_dim, T), slots
+        )
+        v_all = ggml.ggml_set_rows(
+            ctx, pool.v_flat(ctx, layer), ggml.ggml_reshape_2d(ctx, v, 1, hp.kv_dim * T), v_slots
+        )
         S, d = self.seqs, hp.head_dim
         pages, held = n_kv // PAGE, pool.pages(layer)
         # Gathered as bytes: a 16-bit cache's values two to an I32 (get_rows would widen
         # them to F32, and a cast narrow them back: three passes over the session's KV per
-        # layer instead of one; a 2k-token prefill spent 2.5 % of its time there).
+        # layer instead of one; see bench/bench_scale.py --only prefill).
         pair = ggml.ggml_type_size(dtype) == 2
         word = I32 if pair else dtype
-        per = 2 if pair else 1                                      # values per word
-        kk = ggml.ggml_get_rows(ctx, _as(ctx, ggml.ggml_reshape_2d(
-            ctx, k_all, hp.kv_dim * PAGE, held), word), kv_pages)   # [kv_dim PAGE, pages S]
-        vv = ggml.ggml_get_rows(ctx, _as(ctx, ggml.ggml_reshape_2d(
-            ctx, v_all, hp.kv_dim * PAGE, held), word), kv_pages)
-        vv = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, vv, PAGE // per, hp.kv_dim, pages,
-                                                         S), 0, 2, 1, 3)
-        vt = ggml.ggml_cpy(ctx, vv, ggml.ggml_new_tensor_4d(ctx, word, PAGE // per, pages,
-                                                            hp.kv_dim, S))
-        kk, vt = _as(ctx, kk, dtype), _as(ctx, vt, dtype)           # [PAGE, pages, kv_dim, S]
+        per = 2 if pair else 1  # values per word
+        kk = ggml.ggml_get_rows(
+            ctx, _as(ctx, ggml.ggml_reshape_2d(ctx, k_all, hp.kv_dim * PAGE, held), word), kv_pages
+        )  # [kv_dim PAGE, pages S]
+        vv = ggml.ggml_get_rows(
+            ctx, _as(ctx, ggml.ggml_reshape_2d(ctx, v_all, hp.kv_dim * PAGE, held), word), kv_pages
+        )
+        vv = ggml.ggml_permute(
+            ctx, ggml.ggml_reshape_4d(ctx, vv, PAGE // per, hp.kv_dim, pages, S), 0, 2, 1, 3
+        )
+        vt = ggml.ggml_cpy(
+            ctx, vv, ggml.ggml_new_tensor_4d(ctx, word, PAGE // per, pages, hp.kv_dim, S)
+        )
+        kk, vt = _as(ctx, kk, dtype), _as(ctx, vt, dtype)  # [PAGE, pages, kv_dim, S]
         vt = ggml.ggml_reshape_4d(ctx, vt, n_kv, d, hp.n_head_kv, S)  # V^T per KV head
         kk = ggml.ggml_reshape_4d(ctx, kk, d, hp.n_head_kv, n_kv, S)
         sinks = f"blk.{layer}.attn_sinks.weight"
         outs, row, seq = [], 0, 0
         for g, (R, n) in enumerate(self.groups):
             kk_g, vt_g = (_seqs(ctx, t, seq, n) for t in (kk, vt))
-            q_g = ggml.ggml_view_3d(ctx, q, d, hp.n_head, R * n, int(q.contents.nb[1]),
-                                    int(q.contents.nb[2]), row * int(q.contents.nb[2]))
-            qq = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, q_g, d, hp.n_head, R, n),
-                                   0, 2, 1, 3)                      # [d, R, h, n]
+            q_g = ggml.ggml_view_3d(
+                ctx,
+                q,
+                d,
+                hp.n_head,
+                R * n,
+                int(q.contents.nb[1]),
+                int(q.contents.nb[2]),
+                row * int(q.contents.nb[2]),
+            )
+            qq = ggml.ggml_permute(
+                ctx, ggml.ggml_reshape_4d(ctx, q_g, d, hp.n_head, R, n), 0, 2, 1, 3
+            )  # [d, R, h, n]
             kq = ggml.ggml_mul_mat(ctx, ggml.ggml_permute(ctx, kk_g, 0, 2, 1, 3), qq)
             kq = ggml.ggml_soft_max_ext(ctx, kq, mask(g), scale, 0.0)  # [n_kv, R, h, n]
             if self.w.has(sinks):  # a learned per-head logit in each softmax, its weight dropped
                 ggml.ggml_soft_max_add_sinks(kq, self.t(sinks))
-            kqv = ggml.ggml_mul_mat(ctx, vt_g, kq)                  # [d, R, h, n]
-            merged = ggml.ggml_permute(ctx, kqv, 0, 2, 1, 3)        # [d, h, R, n]
+            kqv = ggml.ggml_mul_mat(ctx, vt_g, kq)  # [d, R, h, n]
+            merged = ggml.ggml_permute(ctx, kqv, 0, 2, 1, 3)  # [d, h, R, n]
             outs.append(ggml.ggml_cont_2d(ctx, merged, d * hp.n_head, R * n))
             row, seq = row + R * n, seq + n
         out = outs[0]
@@ -464,28 +556,41 @@ class Blocks:
 
     def shared_expert(self, layer: int, cur: Tensor) -> Tensor:
         """The shared expert's SwiGLU FFN scaled by sigmoid(ffn_gate_inp_shexp · cur)."""
-        gate = self.mm(f"blk.{layer}.ffn_gate_inp_shexp.weight", cur)          # [1, T]
-        return ggml.ggml_mul(self.ctx, self.ffn(layer, cur, SWIGLU, "_shexp"),
-                             ggml.ggml_sigmoid(self.ctx, gate))
+        gate = self.mm(f"blk.{layer}.ffn_gate_inp_shexp.weight", cur)  # [1, T]
+        return ggml.ggml_mul(
+            self.ctx, self.ffn(layer, cur, SWIGLU, "_shexp"), ggml.ggml_sigmoid(self.ctx, gate)
+        )
 
-    def router(self, layer: int, x: Tensor, normalise: bool, norm: str = "ffn_norm.weight",
-               shared: bool = False, softmax_after: bool = False) -> RouterOut:
+    def router(
+        self,
+        layer: int,
+        x: Tensor,
+        normalise: bool,
+        norm: str = "ffn_norm.weight",
+        shared: bool = False,
+        softmax_after: bool = False,
+    ) -> RouterOut:
         """Router authority: softmax over all experts, top-k, optionally renormalise the k
         (`softmax_after`: top-k of the logits, then softmax over the k); the FFN input is
         x normed by `norm`; with `shared`, the shared expert runs here too."""
         hp, ctx, p, T = self.hp, self.ctx, f"blk.{layer}.", int(x.contents.ne[1])
         cur = self.norm(x, p + norm)
-        logits = self.linear(p + "ffn_gate_inp", cur)                            # [n_exp, T]
+        logits = self.linear(p + "ffn_gate_inp", cur)  # [n_exp, T]
         probs = logits if softmax_after else ggml.ggml_soft_max(ctx, logits)
-        ids = ggml.ggml_argsort_top_k(ctx, probs, hp.n_expert_used)               # [k, T]
+        ids = ggml.ggml_argsort_top_k(ctx, probs, hp.n_expert_used)  # [k, T]
         w = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, hp.n_expert, T), ids)
         w = ggml.ggml_reshape_2d(ctx, w, hp.n_expert_used, T)
         if softmax_after:
             w = ggml.ggml_soft_max(ctx, w)
         if normalise:
             w = ggml.ggml_div(ctx, w, ggml.ggml_sum_rows(ctx, w))
-        return RouterOut(resid=x, cur=cur, ids=ids, weights=w,
-                         shared=self.shared_expert(layer, cur) if shared else None)
+        return RouterOut(
+            resid=x,
+            cur=cur,
+            ids=ids,
+            weights=w,
+            shared=self.shared_expert(layer, cur) if shared else None,
+        )
 
     def experts(self, layer: int, cur: Tensor, ids: Tensor) -> Tensor:
         """Per (token, slot) expert FFN outputs [n_embd, k, T] for local ids [k, T]: each
@@ -502,8 +607,11 @@ class Blocks:
 
         gate, up = project("gate", x3), project("up", x3)
         limit = self.hp.swiglu_limit
-        act = ggml.ggml_swiglu_oai(ctx, gate, up, SWIGLU_ALPHA, limit) if limit else \
-            ggml.ggml_swiglu_split(ctx, gate, up)
+        act = (
+            ggml.ggml_swiglu_oai(ctx, gate, up, SWIGLU_ALPHA, limit)
+            if limit
+            else ggml.ggml_swiglu_split(ctx, gate, up)
+        )
         return project("down", act)
 
     def combine(self, r: RouterOut, outs: Tensor) -> Tensor:

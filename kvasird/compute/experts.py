@@ -89,25 +89,32 @@ class ExpertWorker:
             out = graph.run({"cur": x, "ids": ids})["out"]
         return out.reshape(size, n_used, self.hp.n_embd)[:n]
 
-    def validate(self, layer: int, cur: np.ndarray, sel: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
+    def validate(
+        self, layer: int, cur: np.ndarray, sel: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Everything ggml would assert on or segfault over, checked here first."""
         r = self.held(layer)
         cur, sel = np.asarray(cur), np.asarray(sel)
         if cur.ndim != 2 or cur.shape[1] != self.hp.n_embd or cur.dtype.kind != "f":
-            raise InputError(f"rows must be float [n_tokens, {self.hp.n_embd}], got "
-                             f"{cur.dtype} {list(cur.shape)}")
+            raise InputError(
+                f"rows must be float [n_tokens, {self.hp.n_embd}], got "
+                f"{cur.dtype} {list(cur.shape)}"
+            )
         if sel.ndim != 2 or sel.shape[0] != cur.shape[0] or sel.dtype.kind not in "iu":
-            raise InputError(f"expert ids must be integer [{cur.shape[0]}, n_used], got "
-                             f"{sel.dtype} {list(sel.shape)}")
+            raise InputError(
+                f"expert ids must be integer [{cur.shape[0]}, n_used], got "
+                f"{sel.dtype} {list(sel.shape)}"
+            )
         if not 1 <= cur.shape[0] <= MAX_BATCH:
             raise InputError(f"a batch holds 1..{MAX_BATCH} rows, got {cur.shape[0]}")
         if not 1 <= sel.shape[1] <= self.hp.n_expert_used:
             raise InputError(f"n_used must be 1..{self.hp.n_expert_used}, got {sel.shape[1]}")
         if sel.min() < 0 or sel.max() >= r.count:
             bad = int(sel.max() if sel.max() >= r.count else sel.min())
-            raise InputError(f"local expert id {bad} is outside 0..{r.count - 1} "
-                             f"(this worker holds experts [{r.first}, {r.end}) of layer {layer})")
+            raise InputError(
+                f"local expert id {bad} is outside 0..{r.count - 1} "
+                f"(this worker holds experts [{r.first}, {r.end}) of layer {layer})"
+            )
         return np.ascontiguousarray(cur, np.float32), sel.astype(np.int32)
 
     def _build(self, layer: int, size: int, n_used: int):
@@ -116,34 +123,41 @@ class ExpertWorker:
             ids = b.input("ids", I32, n_used, size)
             blocks = Blocks(b, self.weights, None, size, 0)
             return {"out": blocks.experts(layer, cur, ids)}
+
         return build
 
     def close(self) -> None:
         self.graphs.close()
 
 
-def check_shards(layer: int, shards: Sequence[ExpertShard], n_expert: int
-                 ) -> tuple[ExpertShard, ...]:
+def check_shards(
+    layer: int, shards: Sequence[ExpertShard], n_expert: int
+) -> tuple[ExpertShard, ...]:
     """Shards sorted by range; they must not overlap and must stay within the layer's experts."""
     ordered = tuple(sorted(shards, key=lambda s: s.first))
     end = 0
     for s in ordered:
         if not 0 <= s.first < s.end <= n_expert or s.first < end:
-            raise ComputeError(f"expert shards of layer {layer} overlap or leave 0..{n_expert}: "
-                               f"{[(x.first, x.end) for x in ordered]}")
+            raise ComputeError(
+                f"expert shards of layer {layer} overlap or leave 0..{n_expert}: "
+                f"{[(x.first, x.end) for x in ordered]}"
+            )
         end = s.end
     return ordered
 
 
-def dispatch(layer: int, cur: np.ndarray, ids: np.ndarray,
-             shards: Sequence[ExpertShard]) -> np.ndarray:
+def dispatch(
+    layer: int, cur: np.ndarray, ids: np.ndarray, shards: Sequence[ExpertShard]
+) -> np.ndarray:
     """Expert outputs [T, k, n_embd] for global `ids` [T, k], each range from its shard."""
-    return drive(dispatch_steps(layer, cur, ids, shards),
-                 lambda need: need[0].call(layer, need[1], need[2]))
+    return drive(
+        dispatch_steps(layer, cur, ids, shards), lambda need: need[0].call(layer, need[1], need[2])
+    )
 
 
-def dispatch_steps(layer: int, cur: np.ndarray, ids: np.ndarray, shards: Sequence[ExpertShard]
-                   ) -> Steps[np.ndarray]:
+def dispatch_steps(
+    layer: int, cur: np.ndarray, ids: np.ndarray, shards: Sequence[ExpertShard]
+) -> Steps[np.ndarray]:
     """dispatch as steps (compute.steps): yields (shard, rows, shard-local ids) for each
     shard with work, is sent that shard's outputs, returns the assembled [T, k, n_embd].
     Where shards overlap, an id goes to the first that holds it (a stage's cached experts
@@ -161,8 +175,10 @@ def dispatch_steps(layer: int, cur: np.ndarray, ids: np.ndarray, shards: Sequenc
         out = np.asarray((yield s, cur[rows], sel), np.float32)
         want = (rows.size, sel.shape[1], cur.shape[1])
         if out.shape != want:
-            raise ComputeError(f"expert shard [{s.first}, {s.end}) of layer {layer} returned shape "
-                               f"{list(out.shape)}, expected {list(want)}")
+            raise ComputeError(
+                f"expert shard [{s.first}, {s.end}) of layer {layer} returned shape "
+                f"{list(out.shape)}, expected {list(want)}"
+            )
         r, j = np.nonzero(inside[rows])
         y[rows[r], j] = out[r, slot[r, j]]
         done[rows[r], j] = True
@@ -172,8 +188,9 @@ def dispatch_steps(layer: int, cur: np.ndarray, ids: np.ndarray, shards: Sequenc
     return y
 
 
-def _dispatch_one_row(layer: int, cur: np.ndarray, ids: np.ndarray,
-                      shards: Sequence[ExpertShard]) -> Steps[np.ndarray]:
+def _dispatch_one_row(
+    layer: int, cur: np.ndarray, ids: np.ndarray, shards: Sequence[ExpertShard]
+) -> Steps[np.ndarray]:
     """dispatch_steps for a decode step's single row, in plain Python: the same requests
     (each shard's ids in slot order), without the ~15 numpy calls per shard that the
     general path spends on a row (a stage with remote experts runs this up to three times
@@ -188,8 +205,10 @@ def _dispatch_one_row(layer: int, cur: np.ndarray, ids: np.ndarray,
         sel = np.array([[row[j] - s.first for j in cols]], np.int32)
         out = np.asarray((yield s, cur, sel), np.float32)
         if out.shape != (1, len(cols), cur.shape[1]):
-            raise ComputeError(f"expert shard [{s.first}, {s.end}) of layer {layer} returned shape "
-                               f"{list(out.shape)}, expected {[1, len(cols), cur.shape[1]]}")
+            raise ComputeError(
+                f"expert shard [{s.first}, {s.end}) of layer {layer} returned shape "
+                f"{list(out.shape)}, expected {[1, len(cols), cur.shape[1]]}"
+            )
         for slot, j in enumerate(cols):
             y[0, j] = out[0, slot]
             done[j] = True
@@ -215,4 +234,3 @@ def combine(resid: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray
     for j in range(1, y.shape[1]):
         total = total + y[:, j] * weights[:, j, None]
     return resid + total
-

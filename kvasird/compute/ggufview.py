@@ -48,11 +48,13 @@ class GGUFFile:
         except GGUFFormatError as exc:
             raise WeightsError(f"{self.path} is not a readable GGUF file: {exc}") from None
         self.metadata = {key: _plain(value) for key, _, value in header.metadata}
-        self._arrays = {key: value for key, vtype, value in header.metadata
-                        if vtype == GGUFValueType.ARRAY}
+        self._arrays = {
+            key: value for key, vtype, value in header.metadata if vtype == GGUFValueType.ARRAY
+        }
         self.tensors = {
             t.name: TensorInfo(t.name, t.ggml_type, t.ne, header.data_offset + t.offset, t.length)
-            for t in header.tensors}
+            for t in header.tensors
+        }
         self._map: np.memmap | None = None
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -84,7 +86,7 @@ class GGUFFile:
         t = self.info(name)
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        return self._map[t.offset:t.offset + t.nbytes]
+        return self._map[t.offset : t.offset + t.nbytes]
 
 
 def _plain(value: Any) -> Any:

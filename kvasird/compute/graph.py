@@ -71,12 +71,16 @@ def use_device(name: str) -> None:
 def _find_device(name: str) -> Any:
     dev = ggml.ggml_backend_dev_by_name(name.encode())
     if not dev:
-        names = [ggml.ggml_backend_dev_name(ggml.ggml_backend_dev_get(i)).decode()
-                 for i in range(ggml.ggml_backend_dev_count())]
-        raise ComputeError(f"no ggml device named {name!r}: this build of ggml-python has "
-                           f"{', '.join(names) or 'none'} (`kvasird native info` lists them): "
-                           "build it for that device (KVASIR_GGML_BACKEND=cuda, vulkan, hip "
-                           "or metal native/setup) or set [compute] device to one of those")
+        names = [
+            ggml.ggml_backend_dev_name(ggml.ggml_backend_dev_get(i)).decode()
+            for i in range(ggml.ggml_backend_dev_count())
+        ]
+        raise ComputeError(
+            f"no ggml device named {name!r}: this build of ggml-python has "
+            f"{', '.join(names) or 'none'} (`kvasird native info` lists them): "
+            "build it for that device (KVASIR_GGML_BACKEND=cuda, vulkan, hip "
+            "or metal native/setup) or set [compute] device to one of those"
+        )
     return dev
 
 
@@ -92,8 +96,10 @@ class Backend:
         if name and name.upper() != "CPU":
             self.handle = ggml.ggml_backend_dev_init(_find_device(name), None)
             if not self.handle:
-                raise ComputeError(f"ggml could not start device {name!r}: is its driver "
-                                   "loaded (`kvasird native info`)?")
+                raise ComputeError(
+                    f"ggml could not start device {name!r}: is its driver "
+                    "loaded (`kvasird native info`)?"
+                )
         else:
             self.handle = ggml.ggml_backend_cpu_init()
             if not self.handle:
@@ -160,23 +166,33 @@ def repackable(name: str, type_: int, ne: tuple[int, ...]) -> bool:
     repacked MUL_MAT_ID gives a batch of 17 other rows on an 8-expert range than on the
     whole stack (0.15.3 and 0.25.3: ``test_a_range_of_4_bit_experts_computes_as_the_whole_layer``),
     and a range of experts must compute what the whole layer does."""
-    return (type_ in REPACKED_TYPES and len(ne) == 2 and ne[1] % 8 == 0
-            and name != "token_embd.weight" and repack_buffer_type() is not None)
+    return (
+        type_ in REPACKED_TYPES
+        and len(ne) == 2
+        and ne[1] % 8 == 0
+        and name != "token_embd.weight"
+        and repack_buffer_type() is not None
+    )
 
 
 class TensorArena:
     """A ggml context of tensors that live in one backend buffer (weights, a KV pool)."""
 
     def __init__(self, n_tensors: int) -> None:
-        params = ggml.ggml_init_params(mem_size=ggml.ggml_tensor_overhead() * (n_tensors + 8),
-                                       mem_buffer=None, no_alloc=True)
+        params = ggml.ggml_init_params(
+            mem_size=ggml.ggml_tensor_overhead() * (n_tensors + 8), mem_buffer=None, no_alloc=True
+        )
         self.ctx = ggml.ggml_init(params)
         self.buffer: Any = None
         self.tensors: dict[str, Tensor] = {}
 
     def new(self, name: str, type_: int, ne: tuple[int, ...]) -> Tensor:
-        makers = {1: ggml.ggml_new_tensor_1d, 2: ggml.ggml_new_tensor_2d,
-                  3: ggml.ggml_new_tensor_3d, 4: ggml.ggml_new_tensor_4d}
+        makers = {
+            1: ggml.ggml_new_tensor_1d,
+            2: ggml.ggml_new_tensor_2d,
+            3: ggml.ggml_new_tensor_3d,
+            4: ggml.ggml_new_tensor_4d,
+        }
         t = makers[len(ne)](self.ctx, type_, *ne)
         ggml.ggml_set_name(t, name.encode()[:63])
         self.tensors[name] = t
@@ -184,14 +200,18 @@ class TensorArena:
 
     def allocate(self, backend: Backend, buffer_type: Any = None) -> None:
         """Allocate every tensor, in the backend's buffer type or ``buffer_type``."""
-        self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend.handle) \
-            if buffer_type is None else \
-            ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buffer_type)
+        self.buffer = (
+            ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend.handle)
+            if buffer_type is None
+            else ggml.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buffer_type)
+        )
         if not self.buffer:
             raise ComputeError("ggml could not allocate the backend buffer (out of memory?)")
         if ggml.ggml_backend_buffer_is_host(self.buffer):
-            _huge_pages(int(ggml.ggml_backend_buffer_get_base(self.buffer) or 0),
-                        int(ggml.ggml_backend_buffer_get_size(self.buffer)))
+            _huge_pages(
+                int(ggml.ggml_backend_buffer_get_base(self.buffer) or 0),
+                int(ggml.ggml_backend_buffer_get_size(self.buffer)),
+            )
         ggml.ggml_backend_buffer_clear(self.buffer, 0)
 
     @property
@@ -215,10 +235,10 @@ def _huge_pages(base: int, size: int) -> None:
     """Ask Linux to back [base, base + size) with transparent huge pages, before first touch.
 
     Weights are read whole on every token, 4 KiB pages at a time through the TLB. With
-    several stages (processes) taking turns on a core their TLB entries evict each other:
-    measured on the bundled model split over 3 processes, a token took 7.0 ms with huge
-    pages against 7.7 ms without (one process alone: no difference). A no-op where THP is
-    off or not Linux.
+    several stages (processes) taking turns on a core their TLB entries evict each other,
+    which huge pages make cheaper (the bundled model split over 3 processes: see
+    bench/bench_swarm.py's 3-stage ring; one process alone: no difference). A no-op where
+    THP is off or not Linux.
     """
     start, end = -(-base // _HUGE) * _HUGE, (base + size) // _HUGE * _HUGE
     if end <= start or not sys.platform.startswith("linux"):
@@ -247,8 +267,12 @@ class Builder:
         state): computed with the graph, never read back."""
 
     def input(self, name: str, type_: int, *ne: int) -> Tensor:
-        makers = {1: ggml.ggml_new_tensor_1d, 2: ggml.ggml_new_tensor_2d,
-                  3: ggml.ggml_new_tensor_3d, 4: ggml.ggml_new_tensor_4d}
+        makers = {
+            1: ggml.ggml_new_tensor_1d,
+            2: ggml.ggml_new_tensor_2d,
+            3: ggml.ggml_new_tensor_3d,
+            4: ggml.ggml_new_tensor_4d,
+        }
         t = makers[len(ne)](self.ctx, type_, *ne)
         ggml.ggml_set_name(t, name.encode())
         ggml.ggml_set_input(t)
@@ -265,8 +289,9 @@ class Graph:
     def __init__(self, backend: Backend, build: BuildFn, max_nodes: int = 16384) -> None:
         overhead = ggml.ggml_tensor_overhead() * max_nodes * 2
         overhead += ggml.ggml_graph_overhead_custom(max_nodes, False)
-        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=overhead, mem_buffer=None,
-                                                        no_alloc=True))
+        self.ctx = ggml.ggml_init(
+            ggml.ggml_init_params(mem_size=overhead, mem_buffer=None, no_alloc=True)
+        )
         self.backend = backend
         builder = Builder(self.ctx)
         try:
@@ -358,7 +383,7 @@ class GraphCache:
         self._graphs[key] = graph
         if len(self._graphs) > self.capacity:  # the least recently used that nobody uses
             idle = [k for k, g in self._graphs.items() if not g.users and k != key]
-            for k in idle[:len(self._graphs) - self.capacity]:
+            for k in idle[: len(self._graphs) - self.capacity]:
                 self._graphs.pop(k).close()
         return graph
 
@@ -378,5 +403,18 @@ def ne_of(t: Tensor) -> tuple[int, ...]:
     return tuple(int(c.ne[d]) for d in range(ggml.ggml_n_dims(t)))
 
 
-__all__ = ["Backend", "Builder", "Graph", "GraphCache", "TensorArena", "ggml", "ne_of",
-           "read", "set_bytes", "F32", "F16", "I32", "I64"]
+__all__ = [
+    "Backend",
+    "Builder",
+    "Graph",
+    "GraphCache",
+    "TensorArena",
+    "ggml",
+    "ne_of",
+    "read",
+    "set_bytes",
+    "F32",
+    "F16",
+    "I32",
+    "I64",
+]

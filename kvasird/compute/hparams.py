@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 
@@ -19,8 +20,8 @@ class HParams:
 
     arch: str
     """llama.cpp architecture name ("llama", "qwen3", "qwen3moe", "gemma3", "qwen35",
-    "qwen35moe", "gpt-oss"); "llama" with experts is Mixtral's layout (compute.arch.for_hparams tells
-    them apart)."""
+    "qwen35moe", "gpt-oss"); "llama" with experts is Mixtral's layout
+    (compute.arch.for_hparams tells them apart)."""
     n_layer: int
     """Transformer blocks in the whole model (not only those held), without the draft
     (multi-token prediction) blocks some files append."""
@@ -140,9 +141,11 @@ class HParams:
         n_head = int(f.require(k + "attention.head_count"))
         n_head_kv = int(f.get(k + "attention.head_count_kv", n_head))
         if n_embd < 1 or n_head < 1 or n_head_kv < 1:
-            raise WeightsError(f"{f.path}: embedding_length {n_embd}, head_count {n_head} and "
-                               f"head_count_kv {n_head_kv} must be positive: the file is "
-                               "damaged or was converted wrongly")
+            raise WeightsError(
+                f"{f.path}: embedding_length {n_embd}, head_count {n_head} and "
+                f"head_count_kv {n_head_kv} must be positive: the file is "
+                "damaged or was converted wrongly"
+            )
         # the trunk: multi-token-prediction blocks after it are llama.cpp's draft head, not layers
         n_layer = int(f.require(k + "block_count")) - int(f.get(k + "nextn_predict_layers", 0))
         n_ff = int(f.get(k + "feed_forward_length", 0))
@@ -161,8 +164,9 @@ class HParams:
             n_ff=n_ff,
             n_expert=n_expert,
             n_expert_used=int(f.get(k + "expert_used_count", 0)),
-            n_ff_exp=n_ff if arch == "llama" and n_expert else
-            int(f.get(k + "expert_feed_forward_length", 0)),
+            n_ff_exp=n_ff
+            if arch == "llama" and n_expert
+            else int(f.get(k + "expert_feed_forward_length", 0)),
             rope_base=float(f.get(k + "rope.freq_base", 10000.0)),
             rms_eps=float(f.require(k + "attention.layer_norm_rms_epsilon")),
             n_ctx_train=int(f.get(k + "context_length", DEFAULT_CONTEXT)),
@@ -178,17 +182,24 @@ class HParams:
         value_len = int(f.get(k + "attention.value_length", hp.head_dim))
         n_rot = hp.rot_dims
         if n_rot != hp.head_dim and (arch not in _HYBRID or n_rot > hp.head_dim or n_rot % 2):
-            raise WeightsError(f"{f.path}: RoPE over {n_rot} of {hp.head_dim} head dimensions "
-                               "(partial rotary) is not supported")
+            raise WeightsError(
+                f"{f.path}: RoPE over {n_rot} of {hp.head_dim} head dimensions "
+                "(partial rotary) is not supported"
+            )
         if hp.rope_sections and not 0 < sum(hp.rope_sections) <= hp.head_dim:
-            raise WeightsError(f"{f.path}: RoPE sections {list(hp.rope_sections)} do not fit a "
-                               f"head of {hp.head_dim}")  # ggml would abort on them
+            raise WeightsError(
+                f"{f.path}: RoPE sections {list(hp.rope_sections)} do not fit a "
+                f"head of {hp.head_dim}"
+            )  # ggml would abort on them
         if value_len != hp.head_dim or hp.n_head % hp.n_head_kv:
-            raise WeightsError(f"{f.path}: unsupported head layout (value_length {value_len}, "
-                               f"heads {hp.n_head}/{hp.n_head_kv})")
+            raise WeightsError(
+                f"{f.path}: unsupported head layout (value_length {value_len}, "
+                f"heads {hp.n_head}/{hp.n_head_kv})"
+            )
         if hp.is_moe and not 0 < hp.n_expert_used <= hp.n_expert:
-            raise WeightsError(f"{f.path}: expert_used_count {hp.n_expert_used} is not in "
-                               f"1..{hp.n_expert}")
+            raise WeightsError(
+                f"{f.path}: expert_used_count {hp.n_expert_used} is not in 1..{hp.n_expert}"
+            )
         return hp
 
 
@@ -197,7 +208,19 @@ _HYBRID = ("qwen35", "qwen35moe")
 whose attention rotates part of each head with multi-section RoPE."""
 
 
-def _delta_net(f: GGUFFile, arch: str, n_layer: int) -> dict[str, object]:
+class _DeltaNet(TypedDict, total=False):
+    """The hybrid's fields of HParams (none for another architecture)."""
+
+    rope_sections: tuple[int, ...]
+    recurrent_layers: tuple[bool, ...]
+    ssm_conv: int
+    ssm_head_dim: int
+    ssm_k_heads: int
+    ssm_v_heads: int
+    n_ff_shexp: int
+
+
+def _delta_net(f: GGUFFile, arch: str, n_layer: int) -> _DeltaNet:
     """The hybrid's hparams as llama.cpp reads them: every full_attention_interval-th layer
     (the last of each interval) attends, the others are delta-nets, unless the file lists
     them (attention.recurrent_layers)."""
@@ -213,17 +236,27 @@ def _delta_net(f: GGUFFile, arch: str, n_layer: int) -> dict[str, object]:
     sections = f.numbers(k + "rope.dimension_sections")
     if sections is None:
         raise WeightsError(f"{f.path} lacks metadata key {k + 'rope.dimension_sections'!r}")
-    d_state, d_inner, k_heads, v_heads = (int(f.require(k + "ssm." + key)) for key in (
-        "state_size", "inner_size", "group_count", "time_step_rank"))
+    d_state, d_inner, k_heads, v_heads = (
+        int(f.require(k + "ssm." + key))
+        for key in ("state_size", "inner_size", "group_count", "time_step_rank")
+    )
     if d_inner != d_state * v_heads or not k_heads or v_heads % k_heads:
-        raise WeightsError(f"{f.path}: unsupported delta-net layout (inner size {d_inner}, state "
-                           f"size {d_state}, value heads {v_heads}, key heads {k_heads})")
+        raise WeightsError(
+            f"{f.path}: unsupported delta-net layout (inner size {d_inner}, state "
+            f"size {d_state}, value heads {v_heads}, key heads {k_heads})"
+        )
     n_ff = int(f.get(k + "feed_forward_length", 0))
-    return {"rope_sections": tuple(int(x) for x in (tuple(sections) + (0, 0, 0, 0))[:4]),
-            "recurrent_layers": layers, "ssm_conv": int(f.require(k + "ssm.conv_kernel")),
-            "ssm_head_dim": d_state, "ssm_k_heads": k_heads, "ssm_v_heads": v_heads,
-            "n_ff_shexp": int(f.get(k + "expert_shared_feed_forward_length", n_ff))
-            if arch == "qwen35moe" else 0}
+    return {
+        "rope_sections": tuple(int(x) for x in (tuple(sections) + (0, 0, 0, 0))[:4]),
+        "recurrent_layers": layers,
+        "ssm_conv": int(f.require(k + "ssm.conv_kernel")),
+        "ssm_head_dim": d_state,
+        "ssm_k_heads": k_heads,
+        "ssm_v_heads": v_heads,
+        "n_ff_shexp": int(f.get(k + "expert_shared_feed_forward_length", n_ff))
+        if arch == "qwen35moe"
+        else 0,
+    }
 
 
 _SWA_PATTERN = {"gemma3": 6, "gpt-oss": 2}
@@ -231,7 +264,15 @@ _SWA_PATTERN = {"gemma3": 6, "gpt-oss": 2}
 every n-th layer (the last of each n) attends globally, the others through the window."""
 
 
-def _windows(f: GGUFFile, arch: str, n_layer: int) -> dict[str, object]:
+class _Windows(TypedDict, total=False):
+    """The sliding-window fields of HParams (none where no layer slides)."""
+
+    n_swa: int
+    swa_layers: tuple[bool, ...]
+    rope_base_swa: float
+
+
+def _windows(f: GGUFFile, arch: str, n_layer: int) -> _Windows:
     """Sliding-window hparams as llama.cpp reads them (load_swa_pattern)."""
     k = f"{arch}."
     n_swa = int(f.get(k + "attention.sliding_window", 0) or 0)
@@ -239,24 +280,40 @@ def _windows(f: GGUFFile, arch: str, n_layer: int) -> dict[str, object]:
         return {}
     n = f.get(k + "attention.sliding_window_pattern", _SWA_PATTERN[arch])
     if isinstance(n, ArrayLen):
-        raise WeightsError(f"{f.path}: a per-layer sliding_window_pattern array is not "
-                           "supported (only llama.cpp's every-n-th-layer-global pattern)")
+        raise WeightsError(
+            f"{f.path}: a per-layer sliding_window_pattern array is not "
+            "supported (only llama.cpp's every-n-th-layer-global pattern)"
+        )
     layers = tuple(n == 0 or i % n < n - 1 for i in range(n_layer))
     # gpt-oss's windowed layers rotate as the others unless the file says
     base = float(f.get(k + "rope.freq_base", 10000.0)) if arch == "gpt-oss" else 10000.0
-    return {"n_swa": n_swa, "swa_layers": layers,
-            "rope_base_swa": float(f.get(k + "rope.freq_base_swa", base))}
+    return {
+        "n_swa": n_swa,
+        "swa_layers": layers,
+        "rope_base_swa": float(f.get(k + "rope.freq_base_swa", base)),
+    }
 
 
-def _rope_scaling(f: GGUFFile, arch: str) -> dict[str, object]:
+class _RopeScaling(TypedDict):
+    """The RoPE-scaling fields of HParams."""
+
+    rope_scale: float
+    rope_scale_swa: float
+    yarn_ext: float
+    yarn_attn: float
+    n_ctx_orig: int
+
+
+def _rope_scaling(f: GGUFFile, arch: str) -> _RopeScaling:
     """RoPE scaling as llama.cpp sets it up for a context: the frequency scale from
     rope.scaling.factor, and with YaRN the extrapolation mix and the magnitude factor,
     computed in float32 as llama.cpp computes them (its YaRN factor cancels ggml's)."""
     k = f"{arch}."
     kind = str(f.get(k + "rope.scaling.type", "linear"))
     if kind not in ("none", "linear", "yarn"):
-        raise WeightsError(f"{f.path}: RoPE scaling {kind!r} is not supported "
-                           "(only none, linear and yarn)")
+        raise WeightsError(
+            f"{f.path}: RoPE scaling {kind!r} is not supported (only none, linear and yarn)"
+        )
     factor = float(f.get(k + "rope.scaling.factor", 0.0) or 0.0)
     scale = 1.0 if kind == "none" or factor == 0.0 else float(np.float32(1) / np.float32(factor))
     attn = np.float32(1)
@@ -265,9 +322,13 @@ def _rope_scaling(f: GGUFFile, arch: str) -> dict[str, object]:
         mscale = np.float32(0.1) * ln + np.float32(1) if scale < 1.0 else np.float32(1)
         attn = np.float32(mscale * (np.float32(1) / (np.float32(1) + np.float32(0.1) * ln)))
     attn = np.float32(attn * np.float32(f.get(k + "rope.scaling.attn_factor", 1.0)))
-    return {"rope_scale": scale, "rope_scale_swa": scale if arch == "gpt-oss" else 1.0,
-            "yarn_ext": 1.0 if kind == "yarn" else 0.0, "yarn_attn": float(attn),
-            "n_ctx_orig": int(f.get(k + "rope.scaling.original_context_length", 0))}
+    return {
+        "rope_scale": scale,
+        "rope_scale_swa": scale if arch == "gpt-oss" else 1.0,
+        "yarn_ext": 1.0 if kind == "yarn" else 0.0,
+        "yarn_attn": float(attn),
+        "n_ctx_orig": int(f.get(k + "rope.scaling.original_context_length", 0)),
+    }
 
 
 def _attn_scale(arch: str, n_embd: int, n_head: int, n_layer: int) -> float:

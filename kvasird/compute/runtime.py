@@ -72,16 +72,19 @@ def probe(threads: int = 0) -> RuntimeInfo:
     try:
         import ggml
     except (ImportError, OSError) as exc:
-        raise NativeError(f"the ggml runtime is not installed or does not load ({exc}): "
-                          "run native/setup") from None
+        raise NativeError(
+            f"the ggml runtime is not installed or does not load ({exc}): run native/setup"
+        ) from None
     devices = []
     for i in range(ggml.ggml_backend_dev_count()):
         dev = ggml.ggml_backend_dev_get(i)
-        devices.append(Device(
-            name=ggml.ggml_backend_dev_name(dev).decode(),
-            description=ggml.ggml_backend_dev_description(dev).decode(),
-            kind=_DEV_KINDS.get(int(ggml.ggml_backend_dev_type(dev)), "other"),
-        ))
+        devices.append(
+            Device(
+                name=ggml.ggml_backend_dev_name(dev).decode(),
+                description=ggml.ggml_backend_dev_description(dev).decode(),
+                kind=_DEV_KINDS.get(int(ggml.ggml_backend_dev_type(dev)), "other"),
+            )
+        )
     backends = tuple(
         ggml.ggml_backend_reg_name(ggml.ggml_backend_reg_get(i)).decode()
         for i in range(ggml.ggml_backend_reg_count())

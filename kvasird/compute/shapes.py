@@ -79,8 +79,12 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _FUSED = re.compile(r"^blk\.\d+\.ffn_gate_up_exps\.weight$")
 
 
-def check_tensors(hp: HParams, tensors: Mapping[str, TensorInfo], source: str | Path,
-                  held: tuple[int, int, int] | None = None) -> None:
+def check_tensors(
+    hp: HParams,
+    tensors: Mapping[str, TensorInfo],
+    source: str | Path,
+    held: tuple[int, int, int] | None = None,
+) -> None:
     """Refuse tensors whose shapes `hp` does not imply. `held` is (layer, e0, e1) of a
     slice recording experts [e0, e1) of one layer: its expert tensors hold e1 - e0. Other
     files' expert tensors may hold any count: a whole layer's or the range a caller asks
@@ -95,10 +99,12 @@ def check_model(f: GGUFFile, hp: HParams, arch: Architecture) -> None:
 
     fused = next((n for n in f.tensors if _FUSED.match(n)), None)
     if fused is not None:
-        raise WeightsError(f"{f.path}: {fused} holds a layer's gate and up experts in one "
-                           "tensor, a layout kvasird does not load yet: use a file with "
-                           "ffn_gate_exps and ffn_up_exps apart (convert the model again with "
-                           "llama.cpp's convert_hf_to_gguf.py, writing them unfused)")
+        raise WeightsError(
+            f"{f.path}: {fused} holds a layer's gate and up experts in one "
+            "tensor, a layout kvasird does not load yet: use a file with "
+            "ffn_gate_exps and ffn_up_exps apart (convert the model again with "
+            "llama.cpp's convert_hf_to_gguf.py, writing them unfused)"
+        )
     problems = _layout(f, hp)
     if not problems:
         tied = "output.weight" not in f.tensors
@@ -112,25 +118,35 @@ def _layout(f: GGUFFile, hp: HParams) -> list[str]:
     if hp.n_layer < 1:
         return [f"block_count less nextn_predict_layers leaves {hp.n_layer} layers"]
     if hp.recurrent_layers and len(hp.recurrent_layers) < hp.n_layer:
-        return [f"attention.recurrent_layers lists {len(hp.recurrent_layers)} layers, "
-                f"not {hp.n_layer}"]
+        return [
+            f"attention.recurrent_layers lists {len(hp.recurrent_layers)} layers, not {hp.n_layer}"
+        ]
     blocks = int(f.get(f"{hp.arch}.block_count", hp.n_layer))
-    beyond = sorted({int(m.group(1)) for m in map(_BLOCK.match, f.tensors)
-                     if m and int(m.group(1)) >= blocks})
+    beyond = sorted(
+        {int(m.group(1)) for m in map(_BLOCK.match, f.tensors) if m and int(m.group(1)) >= blocks}
+    )
     if beyond:
-        return [f"blk.{beyond[0]}: a block past block_count {blocks} (draft layers are "
-                f"counted in block_count and in nextn_predict_layers)"]
+        return [
+            f"blk.{beyond[0]}: a block past block_count {blocks} (draft layers are "
+            f"counted in block_count and in nextn_predict_layers)"
+        ]
     return []
 
 
-def _mismatches(hp: HParams, tensors: Mapping[str, TensorInfo],
-                held: tuple[int, int, int] | None, experts: int | None) -> list[str]:
+def _mismatches(
+    hp: HParams,
+    tensors: Mapping[str, TensorInfo],
+    held: tuple[int, int, int] | None,
+    experts: int | None,
+) -> list[str]:
     """Each tensor not of its rule's shape; `experts`: what expert tensors hold, outside
     the layer of `held` (None: any count, the same in each of a layer's expert tensors)."""
     sizes = _sizes(hp)
     counts = {} if held is None else {held[0]: held[2] - held[1]}
-    rules = {**_RULES, **({"attn_q.weight": ("n_embd", "2*n_head*head_dim")}
-                          if hp.arch in _GATED_QUERY else {})}
+    rules = {
+        **_RULES,
+        **({"attn_q.weight": ("n_embd", "2*n_head*head_dim")} if hp.arch in _GATED_QUERY else {}),
+    }
     out = []
     for name, info in tensors.items():
         m = _BLOCK.match(name)
@@ -144,8 +160,7 @@ def _mismatches(hp: HParams, tensors: Mapping[str, TensorInfo],
             counts.setdefault(layer, info.ne[-1] if experts is None else experts)
         want = tuple(counts[layer] if d == "experts" else sizes[d] for d in dims)
         if not _same(want, info.ne):
-            out.append(f"{name} is {list(info.ne)}, expected {_show(want)} "
-                       f"= [{', '.join(dims)}]")
+            out.append(f"{name} is {list(info.ne)}, expected {_show(want)} = [{', '.join(dims)}]")
     return out
 
 
@@ -161,12 +176,21 @@ def _sizes(hp: HParams) -> dict[str, int | None]:
     the tokenizer does not know n_vocab)."""
     d, v = hp.ssm_head_dim, hp.ssm_v_heads
     return {
-        "n_embd": hp.n_embd, "n_vocab": hp.n_vocab or None, "head_dim": hp.head_dim,
-        "n_head": hp.n_head, "n_head*head_dim": hp.n_head * hp.head_dim,
-        "2*n_head*head_dim": 2 * hp.n_head * hp.head_dim, "n_head_kv*head_dim": hp.kv_dim,
-        "n_ff": hp.n_ff, "n_expert": hp.n_expert, "n_ff_exp": hp.n_ff_exp,
-        "n_ff_shexp": hp.n_ff_shexp, "ssm_channels": hp.conv_channels,
-        "ssm_head_dim*ssm_v_heads": d * v, "ssm_conv": hp.ssm_conv, "ssm_v_heads": v,
+        "n_embd": hp.n_embd,
+        "n_vocab": hp.n_vocab or None,
+        "head_dim": hp.head_dim,
+        "n_head": hp.n_head,
+        "n_head*head_dim": hp.n_head * hp.head_dim,
+        "2*n_head*head_dim": 2 * hp.n_head * hp.head_dim,
+        "n_head_kv*head_dim": hp.kv_dim,
+        "n_ff": hp.n_ff,
+        "n_expert": hp.n_expert,
+        "n_ff_exp": hp.n_ff_exp,
+        "n_ff_shexp": hp.n_ff_shexp,
+        "ssm_channels": hp.conv_channels,
+        "ssm_head_dim*ssm_v_heads": d * v,
+        "ssm_conv": hp.ssm_conv,
+        "ssm_v_heads": v,
         "ssm_head_dim": d,
     }
 
@@ -174,8 +198,9 @@ def _sizes(hp: HParams) -> dict[str, int | None]:
 def _same(want: tuple[int | None, ...], got: Iterable[int]) -> bool:
     have = _trim(tuple(got))
     want = _trim(want)
-    return len(have) == len(want) and all(w is None or w == g
-                                          for w, g in zip(want, have, strict=True))
+    return len(have) == len(want) and all(
+        w is None or w == g for w, g in zip(want, have, strict=True)
+    )
 
 
 def _trim(ne: tuple[int | None, ...]) -> tuple[int | None, ...]:
@@ -195,4 +220,6 @@ def _refuse(source: str | Path, problems: list[str]) -> None:
     raise WeightsError(
         f"{source} does not match its own metadata: convert it again with a current "
         "llama.cpp, or fetch it again if it is damaged:\n  "
-        + "\n  ".join(problems[:SHOWN]) + (f"\n  (and {more} more)" if more > 0 else ""))
+        + "\n  ".join(problems[:SHOWN])
+        + (f"\n  (and {more} more)" if more > 0 else "")
+    )

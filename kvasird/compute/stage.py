@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import math
 import threading
@@ -50,9 +51,9 @@ KV_BUCKET = PAGE
 """Attention gathers the session's KV rounded up to this many slots (masked), so a
 decode graph is rebuilt only every KV_BUCKET tokens. A page: the slots past a session's
 positions cost attention work (masked to zero weight, so the logits are bitwise the same
-for any bucket), and a graph builds in milliseconds. Measured at Llama-3.2-1B widths on
-one thread, two paired rounds: a 2k-token prefill 57.1 -> 60.6 tok/s going from 256-slot
-buckets to 64, a 512-token one 71.1 -> 72.1."""
+for any bucket), and a graph builds in milliseconds. At real widths a long prefill runs
+faster with 64-slot buckets than with 256-slot ones (see bench/bench_scale.py --only
+prefill)."""
 assert KV_BUCKET % PAGE == 0, "attention gathers whole KV pages"
 
 MAX_CHUNK = 512
@@ -70,9 +71,9 @@ PREFILL_PIECE positions, and between pieces a forward waiting for the stage (a d
 goes first, so a long prompt holds a stage for a piece at a time, not for a whole prefill
 message. A run's pieces are the same however it was cut into calls (a prefix reused from a
 page boundary, a replay after a failover), so each piece's rows are those of the cold run,
-whatever kernel a row count selects. Measured at Llama-3.2-1B widths on one CPU thread:
-a 1k-token prefill in 64-row pieces runs as fast as in 256-row graphs (39.6-45.5 against
-39.2-41.0 tok/s) with the same logits bit for bit."""
+whatever kernel a row count selects. At real widths a prefill in 64-row pieces runs as
+fast as in 256-row graphs (see bench/bench_scale.py --only prefill), with the same logits
+bit for bit."""
 
 
 @dataclass(frozen=True)
@@ -94,18 +95,27 @@ class Segment:
 class Stage:
     """Weights, KV pool and cached graphs for one window; `forward` runs tokens through it."""
 
-    def __init__(self, weights: Weights, backend: Backend, window: tuple[int, int], *,
-                 embed: bool, head: bool, kv: KVSpec = KVSpec(),
-                 experts: Mapping[int, Sequence[ExpertShard]] | None = None,
-                 graph_capacity: int = 16) -> None:
+    def __init__(
+        self,
+        weights: Weights,
+        backend: Backend,
+        window: tuple[int, int],
+        *,
+        embed: bool,
+        head: bool,
+        kv: KVSpec = KVSpec(),
+        experts: Mapping[int, Sequence[ExpertShard]] | None = None,
+        graph_capacity: int = 16,
+    ) -> None:
         hp = weights.hparams
         a, b = _check_window(window, hp)
         self.weights, self.hp, self.backend = weights, hp, backend
         self.arch = archs.for_hparams(hp)
         self.window, self.embed, self.head = (a, b), embed, head
         self.n_vocab = ne_of(weights.get("token_embd.weight"))[1] if embed else hp.n_vocab
-        self.shards = {int(k): check_shards(int(k), v, hp.n_expert)
-                       for k, v in (experts or {}).items()}
+        self.shards = {
+            int(k): check_shards(int(k), v, hp.n_expert) for k, v in (experts or {}).items()
+        }
         self.segments = self._plan()
         self.kv = KVPool(backend, hp, range(a, b), kv, chunk=MAX_CHUNK)
         self.graphs = GraphCache(backend, graph_capacity)
@@ -129,11 +139,19 @@ class Stage:
         self._owns_backend = False
 
     @classmethod
-    def load(cls, sources: Source | Sequence[Source], window: tuple[int, int] | None = None, *,
-             embed: bool | None = None, head: bool | None = None,
-             experts: Mapping[int, Sequence[ExpertShard]] | None = None,
-             expert_ranges: Mapping[int, tuple[int, int]] | None = None,
-             kv: KVSpec = KVSpec(), threads: int = 0, backend: Backend | None = None) -> Stage:
+    def load(
+        cls,
+        sources: Source | Sequence[Source],
+        window: tuple[int, int] | None = None,
+        *,
+        embed: bool | None = None,
+        head: bool | None = None,
+        experts: Mapping[int, Sequence[ExpertShard]] | None = None,
+        expert_ranges: Mapping[int, tuple[int, int]] | None = None,
+        kv: KVSpec = KVSpec(),
+        threads: int = 0,
+        backend: Backend | None = None,
+    ) -> Stage:
         """Load what a window needs from a GGUF, or from several (a node's slices).
 
         embed/head default to "the window touches that end of the model". A MoE layer
@@ -149,8 +167,15 @@ class Stage:
         head = b == hp.n_layer if head is None else head
         ranged = {**slice_expert_ranges(files), **(expert_ranges or {})}
         tied = not any("output.weight" in f.tensors for f in files)
-        names = tensor_names(archs.for_hparams(hp), hp, (a, b), embed=embed, head=head,
-                             tied=tied, skip_experts=set(experts or ()) - set(ranged))
+        names = tensor_names(
+            archs.for_hparams(hp),
+            hp,
+            (a, b),
+            embed=embed,
+            head=head,
+            tied=tied,
+            skip_experts=set(experts or ()) - set(ranged),
+        )
         own = backend is None
         backend = backend or Backend(compute_threads(threads))
         try:
@@ -210,8 +235,9 @@ class Stage:
         """Whether a forward sends rows to expert shards (which may be remote calls)."""
         return any(seg.router is not None for seg in self.segments)
 
-    def forward(self, session: Session, inputs: np.ndarray, start: int | None = None,
-                logits: str = "last") -> np.ndarray:
+    def forward(
+        self, session: Session, inputs: np.ndarray, start: int | None = None, logits: str = "last"
+    ) -> np.ndarray:
         """Run tokens (or hidden rows) at positions start.. through the window.
 
         Returns logits [n, n_vocab] when the stage holds the head (n = 1 for "last",
@@ -277,8 +303,9 @@ class Stage:
         _, layer, cur, ids = need
         return dispatch(layer, cur, ids, self.shards[layer])
 
-    def forward_steps(self, session: Session, inputs: np.ndarray, start: int | None = None,
-                      logits: str = "last") -> Steps[np.ndarray]:
+    def forward_steps(
+        self, session: Session, inputs: np.ndarray, start: int | None = None, logits: str = "last"
+    ) -> Steps[np.ndarray]:
         """forward as steps (compute.steps): yields ("run", graph, feed) -> outputs,
         ("experts", layer, rows, global ids) -> expert outputs [T, k, n_embd], and ("pause",)
         -> None between the pieces of a run longer than a piece (PREFILL_PIECE), where a
@@ -288,8 +315,10 @@ class Stage:
             raise InputError(f"logits must be 'last' or 'all', got {logits!r}")
         x = self._check_inputs(inputs)
         if session.pool is not self.kv:
-            raise InputError("this session belongs to another stage (or is closed): open one "
-                             "with this stage's open_session()")
+            raise InputError(
+                "this session belongs to another stage (or is closed): open one "
+                "with this stage's open_session()"
+            )
         start = session.n_past if start is None else int(start)
         session.reserve(start, len(x))
         outs, c = [], 0
@@ -313,8 +342,9 @@ class Stage:
         row) or a short prompt (up to PREFILL_PIECE rows): runs of any lengths mix."""
         return self._locked(self.forward_batch_steps(runs))
 
-    def forward_batch_steps(self, runs: Sequence[tuple[Session, np.ndarray, int]]
-                            ) -> Steps[list[np.ndarray]]:
+    def forward_batch_steps(
+        self, runs: Sequence[tuple[Session, np.ndarray, int]]
+    ) -> Steps[list[np.ndarray]]:
         """forward_batch as steps (see forward_steps). A run that fails its checks raises
         RunRefused (with its index) before anything computes.
 
@@ -327,18 +357,24 @@ class Stage:
         if len({id(s) for s, _, _ in runs}) != len(runs):
             raise InputError("a batch runs each session once")
         if len(runs) > 1 and not self.batches:
-            raise InputError("this stage's recurrent states take one session per graph: "
-                             "step its sessions one by one")
+            raise InputError(
+                "this stage's recurrent states take one session per graph: "
+                "step its sessions one by one"
+            )
         checked = []
         for i, (session, x, start) in enumerate(runs):
             try:  # every check before anything computes: a bad run is its own alone
                 x = self._check_inputs(x)
                 if len(x) > PREFILL_PIECE:
-                    raise InputError(f"a batch takes runs of at most {PREFILL_PIECE} tokens "
-                                     f"(or hidden rows), got {len(x)}: send a longer one alone")
+                    raise InputError(
+                        f"a batch takes runs of at most {PREFILL_PIECE} tokens "
+                        f"(or hidden rows), got {len(x)}: send a longer one alone"
+                    )
                 if session.pool is not self.kv:
-                    raise InputError("this session belongs to another stage (or is closed): "
-                                     "open one with this stage's open_session()")
+                    raise InputError(
+                        "this session belongs to another stage (or is closed): "
+                        "open one with this stage's open_session()"
+                    )
                 start = session.n_past if start is None else int(start)
                 session.reserve(start, len(x))
             except (InputError, KVCacheFull) as exc:
@@ -347,18 +383,19 @@ class Stage:
         # runs of one length attend together: the graph takes them grouped, shortest first
         order = sorted(range(len(checked)), key=lambda i: len(checked[i][1]))
         grouped = [(checked[i][0], checked[i][2], len(checked[i][1])) for i in order]
-        out = yield from self._chunk(grouped, np.concatenate([checked[i][1] for i in order]),
-                                     "lasts" if self.head else "all")
+        out = yield from self._chunk(
+            grouped, np.concatenate([checked[i][1] for i in order]), "lasts" if self.head else "all"
+        )
         for session, start, rows in grouped:
             session.advance(start + rows)
         outs: list[np.ndarray] = [np.empty(0)] * len(checked)
         at = 0
         for i, (_, _, rows) in zip(order, grouped, strict=True):
             if self.head:  # its last row's logits, as forward gives them
-                outs[i] = out[at:at + 1]
+                outs[i] = out[at : at + 1]
                 at += 1
             else:
-                outs[i] = out[at:at + rows]
+                outs[i] = out[at : at + rows]
                 at += rows
         return outs
 
@@ -369,8 +406,9 @@ class Stage:
         sliding-window ring, are the graph's inputs)."""
         return not self.kv.recurrent
 
-    def _chunk(self, runs: Sequence[tuple[Session, int, int]], x: np.ndarray, mode: str
-               ) -> Steps[np.ndarray]:
+    def _chunk(
+        self, runs: Sequence[tuple[Session, int, int]], x: np.ndarray, mode: str
+    ) -> Steps[np.ndarray]:
         """Rows x of runs (session, start, rows), one after the other, as one graph per
         segment (several sessions only where `batches`; runs of one length consecutive:
         each such group attends as one batched product). `mode` at the head: "last" (the
@@ -381,19 +419,28 @@ class Stage:
         held = np.arange(n_kv_b)
         qs = [np.arange(start, start + rows)[:, None] for _, start, rows in runs]
         slots = np.concatenate([s.slots(start, start + rows) for s, start, rows in runs])
-        shared = {"pos": np.concatenate(qs).reshape(T).astype(np.int32), "slots": slots,
-                  "v_slots": self.kv.v_index(slots),
-                  "kv_pages": np.concatenate([s.page_list(n_kv_b // PAGE) for s, _, _ in runs])}
+        shared = {
+            "pos": np.concatenate(qs).reshape(T).astype(np.int32),
+            "slots": slots,
+            "v_slots": self.kv.v_index(slots),
+            "kv_pages": np.concatenate([s.page_list(n_kv_b // PAGE) for s, _, _ in runs]),
+        }
         masks = [_causal_mask(held, np.stack(q)) for q in _split(qs, groups)]
         if self.kv.window_layers:  # each session's ring, the same number of pages for all
             n_pages = self.kv.window_span(max(r for r, _ in groups), n_kv_b) // PAGE
             chunks = [s.window_chunk(start, start + rows, n_pages) for s, start, rows in runs]
             w_slots = np.concatenate([c[0] for c in chunks])
-            shared |= {"swa_slots": w_slots, "swa_v_slots": self.kv.v_index(w_slots),
-                       "swa_pages": np.concatenate([c[1] for c in chunks])}
-            swa = [np.stack([_causal_mask(c[2], q, self.hp.n_swa) for c, q in zip(cs, q_g,
-                                                                                   strict=True)])
-                   for cs, q_g in zip(_split(chunks, groups), _split(qs, groups), strict=True)]
+            shared |= {
+                "swa_slots": w_slots,
+                "swa_v_slots": self.kv.v_index(w_slots),
+                "swa_pages": np.concatenate([c[1] for c in chunks]),
+            }
+            swa = [
+                np.stack(
+                    [_causal_mask(c[2], q, self.hp.n_swa) for c, q in zip(cs, q_g, strict=True)]
+                )
+                for cs, q_g in zip(_split(chunks, groups), _split(qs, groups), strict=True)
+            ]
         elif self.hp.n_swa:
             swa = [_causal_mask(held, np.stack(q), self.hp.n_swa) for q in _split(qs, groups)]
         else:
@@ -405,16 +452,17 @@ class Stage:
         if mode == "lasts":
             shared["last_rows"] = (np.cumsum([rows for _, _, rows in runs]) - 1).astype(np.int32)
         if self.hp.rope_sections:
-            shared["pos_sections"] = np.concatenate([np.tile(shared["pos"], 3),
-                                                     np.zeros(T, np.int32)])
+            shared["pos_sections"] = np.concatenate(
+                [np.tile(shared["pos"], 3), np.zeros(T, np.int32)]
+            )
         session = runs[0][0]
         if session.state is not None:
             shared["state_slot"] = np.array([session.state], np.int32)
             shared["state_row"] = np.array([session.state], np.int64)
         for i, seg in enumerate(self.segments):
             key = (self.window, i, n_kv_b, mode, groups)  # parts of a window share its cache
-            with self.graphs.using(key, lambda seg=seg: self._build(seg, n_kv_b, mode, groups)) \
-                    as graph:
+            build = functools.partial(self._build, seg, n_kv_b, mode, groups)
+            with self.graphs.using(key, build) as graph:
                 feed = {name: shared[name] for name in graph.inputs if name in shared}
                 feed["x"] = x
                 out = yield "run", graph, feed
@@ -427,8 +475,11 @@ class Stage:
             y = yield "experts", layer, cur, ids
             resid, w = out["resid"].reshape(T, E), out["weights"].reshape(T, k)
             # a shared expert joins the routed sum before the residual, as in the graph
-            x = combine(resid, y, w) if "shared" not in out else \
-                resid + combine(out["shared"].reshape(T, E), y, w)
+            x = (
+                combine(resid, y, w)
+                if "shared" not in out
+                else resid + combine(out["shared"].reshape(T, E), y, w)
+            )
         return x
 
     def _build(self, seg: Segment, n_kv: int, mode: str, groups: tuple[tuple[int, int], ...]):
@@ -442,8 +493,9 @@ class Stage:
                 # last row's output, unread: every row's KV is written all the same)
                 blocks.keep = (seg.end - 1, "lasts" if mode == "lasts" else "last")
             if seg.embed:
-                x = blocks.embed(b.input("x", I32, T),
-                                 math.sqrt(hp.n_embd) if arch.scaled_embedding else None)
+                x = blocks.embed(
+                    b.input("x", I32, T), math.sqrt(hp.n_embd) if arch.scaled_embedding else None
+                )
             else:
                 x = b.input("x", F32, hp.n_embd, T)
             for layer in range(seg.first, seg.end):
@@ -451,13 +503,23 @@ class Stage:
             if seg.router is not None:
                 assert arch.dense is not None
                 r = arch.dense(blocks, seg.router, x)
-                outs = {"resid": r.resid, "cur": r.cur, "ids": ggml.ggml_cont(b.ctx, r.ids),
-                        "weights": ggml.ggml_cont(b.ctx, r.weights)}
+                outs = {
+                    "resid": r.resid,
+                    "cur": r.cur,
+                    "ids": ggml.ggml_cont(b.ctx, r.ids),
+                    "weights": ggml.ggml_cont(b.ctx, r.weights),
+                }
                 return outs if r.shared is None else {**outs, "shared": r.shared}
             if seg.head and mode != "skip":
-                x = blocks.head(x if blocks.kept or mode == "all" else
-                                blocks.last_column(x) if mode == "last" else blocks.last_rows(x))
+                x = blocks.head(
+                    x
+                    if blocks.kept or mode == "all"
+                    else blocks.last_column(x)
+                    if mode == "last"
+                    else blocks.last_rows(x)
+                )
             return {"out": x}
+
         return build
 
     def _plan(self) -> tuple[Segment, ...]:
@@ -476,23 +538,31 @@ class Stage:
             return True
         held = self.weights.experts.get(layer)
         if held is None or held.count != self.hp.n_expert:
-            raise WeightsError(f"layer {layer}'s experts are neither all loaded here nor "
-                               "dispatched: pass expert shards for it")
+            raise WeightsError(
+                f"layer {layer}'s experts are neither all loaded here nor "
+                "dispatched: pass expert shards for it"
+            )
         return False
 
     def _check_inputs(self, inputs: np.ndarray) -> np.ndarray:
         x = np.asarray(inputs)
         if self.embed:
             if x.ndim != 1 or x.dtype.kind not in "iu" or len(x) == 0:
-                raise InputError(f"this stage starts at the embedding: send a non-empty 1-D array "
-                                 f"of token ids, got {x.dtype} {list(x.shape)}")
+                raise InputError(
+                    f"this stage starts at the embedding: send a non-empty 1-D array "
+                    f"of token ids, got {x.dtype} {list(x.shape)}"
+                )
             if x.min() < 0 or x.max() >= self.n_vocab:
-                raise InputError(f"token id {int(x.max() if x.max() >= self.n_vocab else x.min())} "
-                                 f"is outside the vocabulary 0..{self.n_vocab - 1}")
+                raise InputError(
+                    f"token id {int(x.max() if x.max() >= self.n_vocab else x.min())} "
+                    f"is outside the vocabulary 0..{self.n_vocab - 1}"
+                )
             return x.astype(np.int32)
         if x.ndim != 2 or x.shape[1] != self.hp.n_embd or x.dtype.kind != "f" or len(x) == 0:
-            raise InputError(f"this stage takes hidden states float [n_tokens, {self.hp.n_embd}], "
-                             f"got {x.dtype} {list(x.shape)}")
+            raise InputError(
+                f"this stage takes hidden states float [n_tokens, {self.hp.n_embd}], "
+                f"got {x.dtype} {list(x.shape)}"
+            )
         return np.ascontiguousarray(x, np.float32)
 
     def close(self) -> None:
@@ -510,7 +580,8 @@ def held_now(holders: Sequence[Stage | ExpertWorker | Backend]) -> Iterator[bool
 
     Yields True when every one was free: the caller holds them and may compute on its
     own thread without blocking it behind another (an event loop computing a short step
-    in place, which spares a thread hand-off: ~0.1 ms per hop, more on a busy machine).
+    in place, which spares a thread hand-off per hop: see bench/bench_swarm.py's per-hop
+    breakdown).
     Yields False, holding nothing, when any is busy.
     """
     with locks_now(lock for h in holders for lock in h.locks) as held:
@@ -543,7 +614,7 @@ def _split(items: Sequence[Any], groups: Sequence[tuple[int, int]]) -> list[Sequ
     """Per group, its runs' items."""
     out, at = [], 0
     for _, n in groups:
-        out.append(items[at:at + n])
+        out.append(items[at : at + n])
         at += n
     return out
 
@@ -565,8 +636,16 @@ def _check_window(window: tuple[int, int], hp: HParams) -> tuple[int, int]:
     return a, b
 
 
-def tensor_names(arch: archs.Architecture, hp: HParams, window: tuple[int, int], *, embed: bool,
-                 head: bool, tied: bool, skip_experts: Iterable[int] = ()) -> list[str]:
+def tensor_names(
+    arch: archs.Architecture,
+    hp: HParams,
+    window: tuple[int, int],
+    *,
+    embed: bool,
+    head: bool,
+    tied: bool,
+    skip_experts: Iterable[int] = (),
+) -> list[str]:
     """Names of every tensor a window needs (the head's output is token_embd when tied)."""
     skip = set(skip_experts)
     names = []
@@ -582,8 +661,13 @@ def tensor_names(arch: archs.Architecture, hp: HParams, window: tuple[int, int],
     return list(dict.fromkeys(names))
 
 
-def generate(stage: Stage, prompt: Sequence[int], n_new: int, sampler: Sampler | None = None,
-             stop: Iterable[int] = ()) -> list[int]:
+def generate(
+    stage: Stage,
+    prompt: Sequence[int],
+    n_new: int,
+    sampler: Sampler | None = None,
+    stop: Iterable[int] = (),
+) -> list[int]:
     """Prompt in, up to n_new sampled tokens out, on a stage holding the whole model."""
     if not (stage.embed and stage.head):
         raise InputError("generate needs a stage holding the embedding and the head")

@@ -72,8 +72,9 @@ class Weights:
     """The matrices held repacked for the CPU's kernels (graph.repack_buffer_type)."""
 
     def has(self, name: str) -> bool:
-        return name in self.arena.tensors or (self.packed is not None
-                                              and name in self.packed.tensors)
+        return name in self.arena.tensors or (
+            self.packed is not None and name in self.packed.tensors
+        )
 
     def get(self, name: str) -> Tensor:
         if self.packed is not None and name in self.packed.tensors:
@@ -119,9 +120,12 @@ def _slice_experts(f: GGUFFile) -> tuple[int, int, int] | None:
     return None
 
 
-def load_weights(sources: Source | Sequence[Source], backend: Backend,
-                 names: Iterable[str] | None = None,
-                 experts: Mapping[int, tuple[int, int]] | None = None) -> Weights:
+def load_weights(
+    sources: Source | Sequence[Source],
+    backend: Backend,
+    names: Iterable[str] | None = None,
+    experts: Mapping[int, tuple[int, int]] | None = None,
+) -> Weights:
     """Load `names` (default: every tensor) from the first source holding each.
 
     `experts` maps layer -> [e0, e1) held; ranges recorded in slice files are added.
@@ -132,12 +136,12 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
     ranges = {int(layer): ExpertRange(*map(int, r)) for layer, r in given.items()}
     where: dict[str, tuple[GGUFFile, int | None]] = {}
     for f in files:
-        held = _slice_experts(f)
+        sliced = _slice_experts(f)
         for n in f.tensors:
             if n in where:
                 continue
-            if n.endswith(_STACKED) and held is not None:
-                layer, e0, e1 = held
+            if n.endswith(_STACKED) and sliced is not None:
+                layer, e0, e1 = sliced
                 r = ranges.get(layer)
                 if r is not None and not e0 <= r.first < r.end <= e1:
                     continue  # another range of the layer's experts: another slice's
@@ -149,14 +153,17 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
     wanted += [n for n in biases if n in where and n not in wanted]
     missing = [n for n in wanted if n not in where]
     if missing:
-        raise WeightsError(f"{', '.join(str(f.path) for f in files)} hold no tensor {missing[0]!r}"
-                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                           + _range_hint(missing[0], ranges))
+        raise WeightsError(
+            f"{', '.join(str(f.path) for f in files)} hold no tensor {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + _range_hint(missing[0], ranges)
+        )
     for f in files:
         check_tensors(hp, f.tensors, f.path, _slice_experts(f))
     plan = [_plan(*where[name], hp, name, ranges) for name in wanted]
-    packs = {name for name, type_, ne, _, _ in plan
-             if backend.cpu and repackable(name, type_, ne)}  # the CPU's kernels' layout
+    packs = {
+        name for name, type_, ne, _, _ in plan if backend.cpu and repackable(name, type_, ne)
+    }  # the CPU's kernels' layout
     arena, packed = TensorArena(len(plan) - len(packs)), TensorArena(len(packs))
     try:
         for name, type_, ne, _, _ in plan:
@@ -169,7 +176,7 @@ def load_weights(sources: Source | Sequence[Source], backend: Backend,
                 raise WeightsError(f"ggml did not take {unpacked[0]} for repacking")  # our rule
         for name, _, _, start, size in plan:  # repacking: one whole tensor a call
             t = (packed if name in packs else arena).tensors[name]
-            set_bytes(t, where[name][0].data(name)[start:start + size])
+            set_bytes(t, where[name][0].data(name)[start : start + size])
     except BaseException:
         arena.close()
         packed.close()
@@ -189,8 +196,9 @@ def _range_hint(name: str, ranges: Mapping[int, ExpertRange]) -> str:
     return f" for experts [{r.first}, {r.end})" if r is not None else ""
 
 
-def _plan(f: GGUFFile, file_first: int | None, hp: HParams, name: str,
-          ranges: Mapping[int, ExpertRange]):
+def _plan(
+    f: GGUFFile, file_first: int | None, hp: HParams, name: str, ranges: Mapping[int, ExpertRange]
+):
     """(name, type, ne, byte start, byte size) of what to copy for one tensor; a recorded
     slice's experts are global ids from ``file_first`` on, another file's are the whole
     layer's or, fewer, the requested range's."""
@@ -204,13 +212,21 @@ def _plan(f: GGUFFile, file_first: int | None, hp: HParams, name: str,
         file_first = 0 if r is None or n_file == hp.n_expert else r.first
     r = r or ExpertRange(file_first, file_first + n_file)
     if not 0 <= r.first < r.end <= hp.n_expert:
-        raise WeightsError(f"expert range [{r.first}, {r.end}) of layer {layer} is outside "
-                           f"0..{hp.n_expert}")
+        raise WeightsError(
+            f"expert range [{r.first}, {r.end}) of layer {layer} is outside 0..{hp.n_expert}"
+        )
     if not file_first <= r.first < r.end <= file_first + n_file:
-        raise WeightsError(f"{f.path}: {name} holds experts [{file_first}, "
-                           f"{file_first + n_file}), not the requested [{r.first}, {r.end})")
+        raise WeightsError(
+            f"{f.path}: {name} holds experts [{file_first}, "
+            f"{file_first + n_file}), not the requested [{r.first}, {r.end})"
+        )
     if n_file == r.count:
         return name, info.type, info.ne, 0, info.nbytes
     slab = info.nbytes // n_file
-    return (name, info.type, (*info.ne[:-1], r.count), (r.first - file_first) * slab,
-            r.count * slab)
+    return (
+        name,
+        info.type,
+        (*info.ne[:-1], r.count),
+        (r.first - file_first) * slab,
+        r.count * slab,
+    )

@@ -5,6 +5,7 @@
 
     schema   the typed sections and what each value may be (field metadata)
     load     merge over the defaults, validate, render the commented file
+    pins     [market] hold's pins as written (head, layers:A-B, experts:L:A-B)
 
 The commented default file is the single source of the defaults: ``load`` merges the
 operator's file over it, so a key missing from the operator's file takes the default.

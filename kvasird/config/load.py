@@ -23,6 +23,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from kvasird.config.pins import parse_pin
 from kvasird.config.schema import Config, sections
 from kvasird.errors import ConfigError
 
@@ -40,8 +41,10 @@ def default_text() -> str:
     for path in (_REPO_DEFAULT, _INSTALLED_DEFAULT):
         if path.is_file():
             return path.read_text()
-    raise ConfigError(f"the default kvasird.toml is missing (looked in {_REPO_DEFAULT} and "
-                      f"{_INSTALLED_DEFAULT}): reinstall kvasird")
+    raise ConfigError(
+        f"the default kvasird.toml is missing (looked in {_REPO_DEFAULT} and "
+        f"{_INSTALLED_DEFAULT}): reinstall kvasird"
+    )
 
 
 def load(path: Path) -> Config:
@@ -57,8 +60,11 @@ def load(path: Path) -> Config:
 
 def load_text(text: str, source: str = "kvasird.toml") -> Config:
     head = text.strip()
-    cut = _last_line(text) != END if text.startswith(HEADER) else \
-        bool(head) and HEADER.startswith(head)
+    cut = (
+        _last_line(text) != END
+        if text.startswith(HEADER)
+        else bool(head) and HEADER.startswith(head)
+    )
     last = f"line {text.count(chr(10)) + (not text.endswith(chr(10)))}"
     try:
         data = tomllib.loads(text)
@@ -66,16 +72,20 @@ def load_text(text: str, source: str = "kvasird.toml") -> Config:
         error = str(exc).replace("at end of document", f"at the end, {last}")
         if cut:
             raise _cut_short(source, f"it ends in invalid TOML: {error}") from None
-        raise ConfigError(f"{source} is not valid TOML ({error}): fix the file or re-create it "
-                          "with `kvasird init` in an empty directory") from None
+        raise ConfigError(
+            f"{source} is not valid TOML ({error}): fix the file or re-create it "
+            "with `kvasird init` in an empty directory"
+        ) from None
     if cut:
         raise _cut_short(source, f"it ends at {last}, {_last_line(text)[:40]!r}")
     defaults = tomllib.loads(default_text())
     known = sections()
     for name in data:
         if name not in known:
-            raise ConfigError(f"{source}: unknown section [{name}]; known sections are "
-                              + ", ".join(f"[{s}]" for s in known))
+            raise ConfigError(
+                f"{source}: unknown section [{name}]; known sections are "
+                + ", ".join(f"[{s}]" for s in known)
+            )
     built = {}
     for name, cls in known.items():
         merged = {**defaults.get(name, {}), **_table(data.get(name, {}), source, name)}
@@ -89,9 +99,11 @@ def _last_line(text: str) -> str:
 
 
 def _cut_short(source: str, why: str) -> ConfigError:
-    return ConfigError(f"{source} was cut short ({why}): restore it from a backup, or complete "
-                       f"it from {_REPO_DEFAULT if _REPO_DEFAULT.is_file() else _INSTALLED_DEFAULT}"
-                       f" (what `kvasird init` wrote it from), ending with the line {END!r}")
+    return ConfigError(
+        f"{source} was cut short ({why}): restore it from a backup, or complete "
+        f"it from {_REPO_DEFAULT if _REPO_DEFAULT.is_file() else _INSTALLED_DEFAULT}"
+        f" (what `kvasird init` wrote it from), ending with the line {END!r}"
+    )
 
 
 def _table(value: Any, source: str, name: str) -> dict[str, Any]:
@@ -110,8 +122,9 @@ def _section(cls: type, values: dict[str, Any], source: str, section: str) -> An
     hints = typing.get_type_hints(cls)
     for key in values:
         if key not in fields and f"{section}.{key}" not in RETIRED:
-            raise ConfigError(f"{source}: unknown key {section}.{key}; known keys are "
-                              + ", ".join(fields))
+            raise ConfigError(
+                f"{source}: unknown key {section}.{key}; known keys are " + ", ".join(fields)
+            )
     out = {}
     for key, f in fields.items():
         where = f"{source}: {section}.{key}"
@@ -140,8 +153,9 @@ def _check(value: Any, hint: Any, meta: dict[str, Any], where: str) -> Any:
     if hint in (int, float):
         ok = isinstance(value, int) if hint is int else isinstance(value, int | float)
         if not ok or isinstance(value, bool):
-            raise ConfigError(f"{where} must be {'an integer' if hint is int else 'a number'}, "
-                              f"got {value!r}")
+            raise ConfigError(
+                f"{where} must be {'an integer' if hint is int else 'a number'}, got {value!r}"
+            )
         lo, hi = meta.get("range", (float("-inf"), float("inf")))
         if not lo <= value <= hi:
             raise ConfigError(f"{where} = {value} is out of range: allowed {lo}..{hi}")
@@ -153,8 +167,10 @@ def _check(value: Any, hint: Any, meta: dict[str, Any], where: str) -> Any:
 
 def _check_str(value: str, meta: dict[str, Any], where: str) -> str:
     if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(f"{where} = {value!r} is not allowed: use one of "
-                          + ", ".join(repr(c) for c in meta["choices"]))
+        raise ConfigError(
+            f"{where} = {value!r} is not allowed: use one of "
+            + ", ".join(repr(c) for c in meta["choices"])
+        )
     if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
         raise ConfigError(f"{where} = {value!r} must match {meta['pattern']}")
     if meta.get("multiaddr"):
@@ -162,10 +178,8 @@ def _check_str(value: str, meta: dict[str, Any], where: str) -> str:
     if meta.get("loopback"):
         _check_loopback(value, where)
     if meta.get("holdings"):
-        from kvasird.market.pinning import parse_hold  # deferred: the market imports numpy
-
         try:
-            parse_hold(value)
+            parse_pin(value)
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     return value
@@ -180,11 +194,14 @@ def check_multiaddr(value: str, needs_peer_id: bool, where: str) -> None:
         addr = multiaddr.Multiaddr(value)
     except Exception as exc:  # noqa: BLE001 - the library raises a zoo of types
         example = EXAMPLE_JOIN if needs_peer_id else EXAMPLE_JOIN.split("/p2p/")[0]
-        raise ConfigError(f"{where}: {value!r} is not a multiaddr ({exc}); "
-                          f"example: {example}") from None
+        raise ConfigError(
+            f"{where}: {value!r} is not a multiaddr ({exc}); example: {example}"
+        ) from None
     if needs_peer_id and "p2p" not in [p.name for p in addr.protocols()]:
-        raise ConfigError(f"{where}: {value!r} lacks /p2p/<peer id>; copy the full join "
-                          "address from the other node's banner or `kvasird id`")
+        raise ConfigError(
+            f"{where}: {value!r} lacks /p2p/<peer id>; copy the full join "
+            "address from the other node's banner or `kvasird id`"
+        )
 
 
 EXAMPLE_JOIN = "/ip4/192.0.2.10/tcp/4001/p2p/12D3KooWQLhaHqTr65RWq9gCquhwQJUYkp96yFHBwsjiZjHt2Gqn"
@@ -198,8 +215,10 @@ def _check_loopback(value: str, where: str) -> None:
     except ValueError:
         ok = False
     if not ok:
-        raise ConfigError(f"{where} = {value!r} must be a loopback host:port such as "
-                          "127.0.0.1:5101 (the admin API is never exposed)")
+        raise ConfigError(
+            f"{where} = {value!r} must be a loopback host:port such as "
+            "127.0.0.1:5101 (the admin API is never exposed)"
+        )
 
 
 def render(text: str, values: dict[str, Any]) -> str:
@@ -217,7 +236,9 @@ def render(text: str, values: dict[str, Any]) -> str:
         stripped = line.strip()
         if stripped.startswith("[") and stripped.endswith("]"):
             section = stripped[1:-1]
-        elif (m := re.match(r"([A-Za-z0-9_]+)\s*=", stripped)) and f"{section}.{m.group(1)}" in todo:
+        elif (
+            m := re.match(r"([A-Za-z0-9_]+)\s*=", stripped)
+        ) and f"{section}.{m.group(1)}" in todo:
             lines[i] = f"{m.group(1)} = {_toml(todo.pop(f'{section}.{m.group(1)}'))}\n"
         if stripped and not stripped.startswith("#"):
             section_end[section] = i + 1
@@ -231,8 +252,9 @@ def render(text: str, values: dict[str, Any]) -> str:
             new.setdefault(name, []).insert(0, entry)
     tail = _tail(lines)
     for name, entries in reversed(list(new.items())):
-        lines[tail:tail] = [f"\n[{name}]\n", *entries] if tail == len(lines) else \
-            [f"[{name}]\n", *entries, "\n"]
+        lines[tail:tail] = (
+            [f"\n[{name}]\n", *entries] if tail == len(lines) else [f"[{name}]\n", *entries, "\n"]
+        )
     return "".join(lines)
 
 

@@ -26,12 +26,16 @@ def _check_port(key: str, host_port: str) -> None:
     """Refuse a host:port whose port is past MAX_PORT (its pattern lets five digits by)."""
     port = host_port.rpartition(":")[2]
     if port.isdigit() and int(port) > MAX_PORT:
-        raise ConfigError(f"{key} = {host_port!r} has port {port}, which is out of range: "
-                          f"allowed 0..{MAX_PORT} (0 = any free port)")
+        raise ConfigError(
+            f"{key} = {host_port!r} has port {port}, which is out of range: "
+            f"allowed 0..{MAX_PORT} (0 = any free port)"
+        )
 
 
-_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)"
-                     r"(:[0-9]{1,5})?")
+_ORIGIN = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.-]*://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+)"
+    r"(:[0-9]{1,5})?"
+)
 """An origin as a browser sends it: scheme, host and port, no path."""
 
 
@@ -42,13 +46,17 @@ def _check_origin(origin: str, hosts: tuple[str, ...]) -> None:
         return
     match = _ORIGIN.fullmatch(origin)
     if match is None:
-        raise ConfigError(f"gateway.cors_origins has {origin!r}, which is not an origin: write "
-                          "scheme://host[:port] with no path, e.g. \"http://localhost:5173\", "
-                          "or \"*\" for any")
+        raise ConfigError(
+            f"gateway.cors_origins has {origin!r}, which is not an origin: write "
+            'scheme://host[:port] with no path, e.g. "http://localhost:5173", '
+            'or "*" for any'
+        )
     host = match.group(1).strip("[]").lower()
     if not _is_local(host) and host not in {h.strip("[]").lower() for h in hosts}:
-        raise ConfigError(f"gateway.cors_origins has {origin!r}, but the gateway refuses pages "
-                          f"of {host!r}: add {host!r} to gateway.allowed_hosts too")
+        raise ConfigError(
+            f"gateway.cors_origins has {origin!r}, but the gateway refuses pages "
+            f"of {host!r}: add {host!r} to gateway.allowed_hosts too"
+        )
 
 
 def _is_local(host: str) -> bool:
@@ -60,8 +68,10 @@ def _is_local(host: str) -> bool:
         return False
 
 
-_HOST_NAME = {"pattern": r"[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*"
-                        r"|\[?[0-9a-fA-F.]*:[0-9a-fA-F.]*:[0-9a-fA-F:.]*\]?"}
+_HOST_NAME = {
+    "pattern": r"[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*"
+    r"|\[?[0-9a-fA-F.]*:[0-9a-fA-F.]*:[0-9a-fA-F:.]*\]?"
+}
 """A bare host name or IP address (IPv6 in brackets or not): no scheme, no port."""
 
 
@@ -75,7 +85,9 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class P2PConfig:
-    listen: tuple[str, ...] = field(default=("/ip4/0.0.0.0/tcp/4001",), metadata={"multiaddr": True})
+    listen: tuple[str, ...] = field(
+        default=("/ip4/0.0.0.0/tcp/4001",), metadata={"multiaddr": True}
+    )
     """Multiaddrs to listen on."""
     announce: tuple[str, ...] = field(default=(), metadata={"multiaddr": True})
     """Addresses announced instead of the listen addresses."""
@@ -220,7 +232,8 @@ class InferenceConfig:
     first plan after this many)."""
     lanes: bool = True
     """Offer and use lanes: direct TCP connections (keyed over libp2p, ChaCha20-Poly1305)
-    for stage and expert traffic, ~0.4 ms faster per hop than libp2p streams. Peers that
+    for stage and expert traffic, faster per hop than libp2p streams (bench/bench_link.py
+    measures both). Peers that
     cannot reach each other directly stay on libp2p."""
     lane_port: int = field(default=0, metadata=_range(0, 65535))
     """TCP port for lanes, on the host of the first TCP listen address (0 = any free
@@ -231,8 +244,10 @@ class InferenceConfig:
 class GatewayConfig:
     enabled: bool = True
     """Serve the OpenAI/Anthropic-compatible HTTP gateway and the status page."""
-    listen: str = field(default="127.0.0.1:8080",
-                        metadata={"pattern": r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}"})
+    listen: str = field(
+        default="127.0.0.1:8080",
+        metadata={"pattern": r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):[0-9]{1,5}"},
+    )
     """host:port of the gateway; port 0 picks a free port. Loopback unless you mean to expose it."""
     allowed_hosts: tuple[str, ...] = field(default=(), metadata=_HOST_NAME)
     """Names the gateway answers to (Host header; also the host of a web page's Origin)
@@ -288,7 +303,9 @@ class SettlementSection:
     genesis_wallet: str = ""
     """The network's genesis wallet (signer of governance); "" = the one the chain names,
     like ``kvr_mint``."""
-    commitment: str = field(default="finalized", metadata=_choice("processed", "confirmed", "finalized"))
+    commitment: str = field(
+        default="finalized", metadata=_choice("processed", "confirmed", "finalized")
+    )
     """Commitment required before crediting."""
     quote_ttl_s: float = field(default=300.0, metadata=_range(5, 86400))
     """How long a quote can be paid."""

@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from kvasird.model.ref import ModelRef
 
 
-def print_banner(status: dict[str, Any], admin_url: str, config_path: str,
-                 risks: Sequence[str] = ()) -> None:
+def print_banner(
+    status: dict[str, Any], admin_url: str, config_path: str, risks: Sequence[str] = ()
+) -> None:
     """On a terminal (or with text logs) as text; with JSON logs as one "banner" event.
     ``risks`` (risky settings, kvasird.daemon.risks) come last, a line each; "ready" follows
     once the node serves (print_ready)."""
@@ -33,15 +34,25 @@ def print_banner(status: dict[str, Any], admin_url: str, config_path: str,
         f"config       {config_path}",
         *try_it,
         "join this node from another one with:",
-        f"    kvasird init --network {status['network']} --bootstrap {join}" if join else
-        "    (no dialable address: set [p2p] listen or announce)",
+        f"    kvasird init --network {status['network']} --bootstrap {join}"
+        if join
+        else "    (no dialable address: set [p2p] listen or announce)",
         *(f"warning      {risk}" for risk in risks),
     ]
-    logs.banner("\n".join(lines), version=status["version"], peer_id=status["peer_id"],
-                network=status["network"], listen_addrs=status["listen_addrs"],
-                admin=admin_url, gateway=status.get("gateway"), config=config_path,
-                join=join, model=try_it[0].split(None, 1)[1] if try_it else None,
-                ask=try_it[-1].strip() if try_it else None, warnings=list(risks))
+    logs.banner(
+        "\n".join(lines),
+        version=status["version"],
+        peer_id=status["peer_id"],
+        network=status["network"],
+        listen_addrs=status["listen_addrs"],
+        admin=admin_url,
+        gateway=status.get("gateway"),
+        config=config_path,
+        join=join,
+        model=try_it[0].split(None, 1)[1] if try_it else None,
+        ask=try_it[-1].strip() if try_it else None,
+        warnings=list(risks),
+    )
 
 
 def print_waiting(status: str) -> None:
@@ -51,8 +62,9 @@ def print_waiting(status: str) -> None:
 
 def print_ready(peer_id: str, admin_url: str, serving: str) -> None:
     """The node serves: its gateway answers requests, or it has no model to serve."""
-    logs.announce(f"ready        {serving}", "ready", peer_id=peer_id, admin=admin_url,
-                  serving=serving)
+    logs.announce(
+        f"ready        {serving}", "ready", peer_id=peer_id, admin=admin_url, serving=serving
+    )
 
 
 def _try_it(gateway: str, config_path: str) -> list[str]:
@@ -61,10 +73,12 @@ def _try_it(gateway: str, config_path: str) -> list[str]:
     if name is None:
         return []
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
-    return [f"model        {name}",
-            "ask it from this machine with:",
-            f"    curl -s {gateway}/v1/chat/completions -H 'content-type: application/json' "
-            f"-d '{body}'"]
+    return [
+        f"model        {name}",
+        "ask it from this machine with:",
+        f"    curl -s {gateway}/v1/chat/completions -H 'content-type: application/json' "
+        f"-d '{body}'",
+    ]
 
 
 def _model_name(config_path: str) -> str | None:

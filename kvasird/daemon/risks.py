@@ -24,13 +24,19 @@ def risky_settings(config: Config, config_path: str) -> list[str]:
             "reaches beyond this machine: every client that a proxy or tunnel on this machine "
             "relays without a Forwarded or X-Forwarded-For header is served at your expense "
             "(without a quote; the gateway pays the peers for it from your wallet)"
-            + (", and clients that name the gateway by anything but a loopback address get "
-               "421 until [gateway] allowed_hosts lists that name" if closed else "")
-            + f"; set free_local = false in {config_path}")
+            + (
+                ", and clients that name the gateway by anything but a loopback address get "
+                "421 until [gateway] allowed_hosts lists that name"
+                if closed
+                else ""
+            )
+            + f"; set free_local = false in {config_path}"
+        )
     if not settlement.wallet:
         risks.append(
             f"the gateway on {gateway.listen!r} takes payments but [settlement] wallet names "
             "no keypair file: it can neither refund a request that fails nor pay the peers "
             f"that serve it; set wallet in {config_path} to the keypair file of its address "
-            "(`kvasird wallet new` makes one)")
+            "(`kvasird wallet new` makes one)"
+        )
     return risks

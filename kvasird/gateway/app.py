@@ -28,8 +28,12 @@ log = get_logger("kvasird.gateway")
 Handler = Callable[[Gateway, Request], Awaitable[Any]]
 
 
-QUOTED = {"messages": openai.chat_completions, "prompt": openai.completions,
-          "input": responses.create, "anthropic": anthropic.messages}
+QUOTED = {
+    "messages": openai.chat_completions,
+    "prompt": openai.completions,
+    "input": responses.create,
+    "anthropic": anthropic.messages,
+}
 """A quote's body that is a request: the key that tells its API -> that API's parser."""
 
 PAID = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
@@ -40,6 +44,7 @@ def build_app(gw: Gateway) -> Starlette:
     def bind(handler: Handler) -> Callable[[Request], Awaitable[Any]]:
         async def endpoint(request: Request) -> Any:
             return await handler(gw, request)
+
         return endpoint
 
     async def health(_: Request) -> JSONResponse:
@@ -55,8 +60,11 @@ def build_app(gw: Gateway) -> Starlette:
         tokenizer and template (an Anthropic body with ?api=anthropic)."""
         f = await read_json(request, gw.config.max_body_bytes)
         client = request.client.host if request.client else "an unknown address"
-        parse = QUOTED.get("anthropic" if request.query_params.get("api") == "anthropic"
-                           else next((k for k in QUOTED if f.has(k)), ""))
+        parse = QUOTED.get(
+            "anthropic"
+            if request.query_params.get("api") == "anthropic"
+            else next((k for k in QUOTED if f.has(k)), "")
+        )
         if parse is not None:
             job = (await parse(gw, request)).job
             n, max_tokens, prompt = job.n, job.request.sampling.max_tokens, len(job.request.prompt)
@@ -79,26 +87,33 @@ def build_app(gw: Gateway) -> Starlette:
         return _render(request, exc)
 
     async def status_page(_: Request) -> HTMLResponse:
-        return HTMLResponse(dashboard.page(status.snapshot(gw)),
-                            headers={"Cache-Control": "no-store"})
+        return HTMLResponse(
+            dashboard.page(status.snapshot(gw)), headers={"Cache-Control": "no-store"}
+        )
 
-    return Starlette(routes=[
-        Route("/v1/chat/completions", bind(openai.chat_completions), methods=["POST"]),
-        Route("/v1/completions", bind(openai.completions), methods=["POST"]),
-        Route("/v1/models", bind(openai.models), methods=["GET"]),
-        Route("/v1/models/{model:path}", bind(openai.model), methods=["GET"]),
-        Route("/v1/responses", bind(responses.create), methods=["POST"]),
-        Route("/v1/responses/{response_id}", bind(responses.retrieve), methods=["GET"]),
-        Route("/v1/messages", bind(anthropic.messages), methods=["POST"]),
-        Route("/v1/messages/count_tokens", bind(anthropic.count_tokens), methods=["POST"]),
-        Route("/v1/kvasir/quote", quote, methods=["POST"]),
-        Route("/v1/kvasir/balance/{wallet}", balance, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/status", status_json, methods=["GET"]),
-        Route("/", status_page, methods=["GET"]),
-    ], middleware=_cors(gw.config.cors_origins),
-       exception_handlers={ApiError: api_error, HTTPException: _http_error,
-                           Exception: _unexpected})
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", bind(openai.chat_completions), methods=["POST"]),
+            Route("/v1/completions", bind(openai.completions), methods=["POST"]),
+            Route("/v1/models", bind(openai.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", bind(openai.model), methods=["GET"]),
+            Route("/v1/responses", bind(responses.create), methods=["POST"]),
+            Route("/v1/responses/{response_id}", bind(responses.retrieve), methods=["GET"]),
+            Route("/v1/messages", bind(anthropic.messages), methods=["POST"]),
+            Route("/v1/messages/count_tokens", bind(anthropic.count_tokens), methods=["POST"]),
+            Route("/v1/kvasir/quote", quote, methods=["POST"]),
+            Route("/v1/kvasir/balance/{wallet}", balance, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/status", status_json, methods=["GET"]),
+            Route("/", status_page, methods=["GET"]),
+        ],
+        middleware=_cors(gw.config.cors_origins),
+        exception_handlers={
+            ApiError: api_error,
+            HTTPException: _http_error,
+            Exception: _unexpected,
+        },
+    )
 
 
 def _cors(origins: tuple[str, ...]) -> list[Middleware]:
@@ -106,14 +121,22 @@ def _cors(origins: tuple[str, ...]) -> list[Middleware]:
     other pages from reading answers). No credentials: the API takes keys in headers."""
     if not origins:
         return []
-    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
-                       allow_headers=["*"], max_age=600)]
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            max_age=600,
+        )
+    ]
 
 
 def _render(request: Request, err: ApiError) -> JSONResponse:
     anthropic_shape = request.url.path.startswith("/v1/messages")
-    return JSONResponse(err.anthropic() if anthropic_shape else err.openai(),
-                        status_code=err.status)
+    return JSONResponse(
+        err.anthropic() if anthropic_shape else err.openai(), status_code=err.status
+    )
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -128,5 +151,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("gateway handler failed", path=request.url.path, error=repr(exc))
-    return _render(request, ApiError("the gateway failed on this request (a bug; see the node's "
-                                     "log); the request may be retried"))
+    return _render(
+        request,
+        ApiError(
+            "the gateway failed on this request (a bug; see the node's "
+            "log); the request may be retried"
+        ),
+    )

@@ -55,16 +55,20 @@ async def _read_json(request: Request, limit: int) -> Fields:
     try:
         text = bytes(body).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise BadRequest(f"the request body is not valid UTF-8 (bad byte at offset {exc.start})") \
-            from None
+        raise BadRequest(
+            f"the request body is not valid UTF-8 (bad byte at offset {exc.start})"
+        ) from None
     if _depth(text) > MAX_DEPTH:
-        raise BadRequest(f"the request body is nested deeper than {MAX_DEPTH} levels of arrays "
-                         "and objects: flatten it")
+        raise BadRequest(
+            f"the request body is nested deeper than {MAX_DEPTH} levels of arrays "
+            "and objects: flatten it"
+        )
     try:
         value = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} "
-                         f"column {exc.colno}") from None
+        raise BadRequest(
+            f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
     if not isinstance(value, dict):
         raise BadRequest("the request body must be a JSON object")
     return Fields(value)
@@ -73,11 +77,14 @@ async def _read_json(request: Request, limit: int) -> Fields:
 def _require_json_type(content_type: str) -> None:
     """application/json or application/<anything>+json, with any parameters."""
     media = content_type.partition(";")[0].strip().lower()
-    if media != "application/json" and not (media.startswith("application/")
-                                            and media.endswith("+json")):
+    if media != "application/json" and not (
+        media.startswith("application/") and media.endswith("+json")
+    ):
         got = f"got {content_type!r}" if content_type else "got none"
-        raise UnsupportedMediaType("the request body must be JSON sent with the header "
-                                   f"Content-Type: application/json ({got}): set that header")
+        raise UnsupportedMediaType(
+            "the request body must be JSON sent with the header "
+            f"Content-Type: application/json ({got}): set that header"
+        )
 
 
 def _depth(text: str) -> int:
@@ -91,8 +98,10 @@ def _depth(text: str) -> int:
 
 
 def _too_large(n: int, limit: int) -> str:
-    return (f"the request body of {n} bytes exceeds this node's limit of {limit} bytes "
-            "([gateway] max_body_bytes)")
+    return (
+        f"the request body of {n} bytes exceeds this node's limit of {limit} bytes "
+        "([gateway] max_body_bytes)"
+    )
 
 
 def _no_constant(name: str) -> None:
@@ -115,13 +124,15 @@ class Fields:
     def string(self, name: str, default: Any = _MISSING) -> Any:
         return text(self._get(name, default, str, "a string"), self.where(name))
 
-    def integer(self, name: str, default: Any = _MISSING, lo: float = -math.inf,
-            hi: float = math.inf) -> Any:
+    def integer(
+        self, name: str, default: Any = _MISSING, lo: float = -math.inf, hi: float = math.inf
+    ) -> Any:
         value = self._get(name, default, int, "an integer")
         return _in_range(value, lo, hi, self.where(name))
 
-    def number(self, name: str, default: Any = _MISSING, lo: float = -math.inf,
-               hi: float = math.inf) -> Any:
+    def number(
+        self, name: str, default: Any = _MISSING, lo: float = -math.inf, hi: float = math.inf
+    ) -> Any:
         value = self._get(name, default, (int, float), "a number")
         return _in_range(float(value) if value is not None else None, lo, hi, self.where(name))
 
@@ -142,8 +153,9 @@ class Fields:
                 raise BadRequest(f"`{self.where(name)}` is required", self.where(name))
             return default
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            raise BadRequest(f"`{self.where(name)}` must be {what}, got {_json_type(value)}",
-                             self.where(name))
+            raise BadRequest(
+                f"`{self.where(name)}` must be {what}, got {_json_type(value)}", self.where(name)
+            )
         return value
 
 
@@ -164,15 +176,23 @@ def text(value: Any, where: str) -> Any:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise BadRequest(f"`{where}` contains a lone UTF-16 surrogate (\\ud800-\\udfff): "
-                             "send valid Unicode text", where) from None
+            raise BadRequest(
+                f"`{where}` contains a lone UTF-16 surrogate (\\ud800-\\udfff): "
+                "send valid Unicode text",
+                where,
+            ) from None
     return value
 
 
 def _in_range(value: Any, lo: float, hi: float, where: str) -> Any:
     if value is not None and not lo <= value <= hi:
-        bounds = (f"between {_n(lo)} and {_n(hi)}" if math.isfinite(lo) and math.isfinite(hi)
-                  else f">= {_n(lo)}" if math.isfinite(lo) else f"<= {_n(hi)}")
+        bounds = (
+            f"between {_n(lo)} and {_n(hi)}"
+            if math.isfinite(lo) and math.isfinite(hi)
+            else f">= {_n(lo)}"
+            if math.isfinite(lo)
+            else f"<= {_n(hi)}"
+        )
         raise BadRequest(f"`{where}` must be {bounds}, got {_n(value)}", where)
     return value
 
@@ -182,5 +202,11 @@ def _n(x: float) -> str:
 
 
 def _json_type(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)

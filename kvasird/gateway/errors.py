@@ -36,8 +36,14 @@ class ApiError(KvasirError):
         """A machine-readable reason (OpenAI's ``code``), e.g. "context_length_exceeded"."""
 
     def openai(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": self.openai_type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.openai_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def anthropic(self) -> dict[str, object]:
         return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
@@ -96,6 +102,7 @@ def from_generation(exc: KvasirError) -> ApiError:
     if isinstance(exc, NoRoute):
         return Unavailable(str(exc), code="no_route")
     if isinstance(exc, NotServed):
-        return Unavailable(f"the network refuses to serve this gateway: {exc}",
-                           code="gateway_not_served")
+        return Unavailable(
+            f"the network refuses to serve this gateway: {exc}", code="gateway_not_served"
+        )
     return ApiError(f"the generation failed: {exc} (the request itself was fine; retry)")

@@ -59,18 +59,30 @@ class Renderer(Protocol):
 
 def sse(data: Any, event: str | None = None) -> bytes:
     """One server-sent event; ``data`` is JSON-encoded unless already text."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
-                                                             separators=(",", ":"))
+    payload = (
+        data
+        if isinstance(data, str)
+        else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    )
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {payload}\n\n".encode()
 
 
-async def send_json(send: Send, status: int, body: dict[str, Any],
-                    headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_json(
+    send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     data = json.dumps(body, ensure_ascii=False).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(data)).encode()), *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -107,11 +119,14 @@ class GenerationResponse:
                 nursery.cancel_scope.cancel()
             if charge is not None and not self.settled:  # served (or left by the client)
                 self.settled = True
-                payment.record_work(self.gateway, charge, self.job, self.produced,
-                                    time.monotonic() - self.began)
+                payment.record_work(
+                    self.gateway, charge, self.job, self.produced, time.monotonic() - self.began
+                )
             if nursery.cancel_scope.cancelled_caught and not slot.finished:
-                log.info("client disconnected: generation cancelled",
-                         request_id=self.job.request.request_id)
+                log.info(
+                    "client disconnected: generation cancelled",
+                    request_id=self.job.request.request_id,
+                )
         note_access(scope, prompt_tokens=self.prompt_tokens, completion_tokens=self.produced)
 
     async def _run(self, send: Send, slot: Slot) -> None:
@@ -120,8 +135,9 @@ class GenerationResponse:
         async with trio.open_nursery() as nursery:
             async with out:
                 for i, request in enumerate(job.requests()):
-                    nursery.start_soon(produce, job.generator, job.tokenizer, request, job.stops,
-                                       i, out.clone())
+                    nursery.start_soon(
+                        produce, job.generator, job.tokenizer, request, job.stops, i, out.clone()
+                    )
             items = _Choices(received, job.n)
             try:
                 first = await items.next()
@@ -138,8 +154,9 @@ class GenerationResponse:
                 await self._whole(first, items, send, slot)
             nursery.cancel_scope.cancel()
 
-    async def _whole(self, first: Piece | Done | None, items: _Choices, send: Send,
-                     slot: Slot) -> None:
+    async def _whole(
+        self, first: Piece | Done | None, items: _Choices, send: Send, slot: Slot
+    ) -> None:
         texts: list[list[str]] = [[] for _ in range(self.job.n)]
         tokens: list[list[TokenEvent]] = [[] for _ in range(self.job.n)]
         item: Piece | Done | None = first
@@ -159,16 +176,34 @@ class GenerationResponse:
         slot.finish(200, sum(d.completion_tokens for d in dones))
         self.gateway.refusal = None
         self.prompt_tokens = dones[0].prompt_tokens
-        await send_json(send, 200, self.renderer.body(
-            [Choice("".join(t), tuple(e), d) for t, e, d in zip(texts, tokens, dones,
-                                                                 strict=True)]), self._paid())
+        await send_json(
+            send,
+            200,
+            self.renderer.body(
+                [
+                    Choice("".join(t), tuple(e), d)
+                    for t, e, d in zip(texts, tokens, dones, strict=True)
+                ]
+            ),
+            self._paid(),
+        )
 
-    async def _stream(self, first: Piece | Done | None, items: _Choices, send: Send,
-                      slot: Slot) -> None:
+    async def _stream(
+        self, first: Piece | Done | None, items: _Choices, send: Send, slot: Slot
+    ) -> None:
         r = self.renderer
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"), *self._paid()]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                    *self._paid(),
+                ],
+            }
+        )
         out = EventWriter(send)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(out.keep_alive, r.ping, self.gateway.config.ping_s)
@@ -192,7 +227,6 @@ class GenerationResponse:
             nursery.cancel_scope.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-
     async def _failed(self, err: ApiError) -> ApiError:
         """A paid request that failed: settle what was served and refund the rest on chain
         before the client hears of it, so that its error can name the refund."""
@@ -201,8 +235,13 @@ class GenerationResponse:
         if self.charge is not None and not self.settled:
             self.settled = True
             with trio.CancelScope(shield=True):  # money moves whole, even if the client left
-                err.message += await payment.refund(self.gateway, self.charge, self.job,
-                                                    self.produced, time.monotonic() - self.began)
+                err.message += await payment.refund(
+                    self.gateway,
+                    self.charge,
+                    self.job,
+                    self.produced,
+                    time.monotonic() - self.began,
+                )
         return err
 
     def _paid(self) -> list[tuple[bytes, bytes]]:
@@ -212,8 +251,9 @@ class GenerationResponse:
 class _Choices:
     """The merged pieces of a request's choices, until each choice has ended."""
 
-    def __init__(self, received: trio.MemoryReceiveChannel[Piece | Done | KvasirError],
-                 n: int) -> None:
+    def __init__(
+        self, received: trio.MemoryReceiveChannel[Piece | Done | KvasirError], n: int
+    ) -> None:
         self._received = received
         self._done: dict[int, Done] = {}
         self._n = n
@@ -246,8 +286,9 @@ class EventWriter:
         if not chunks:
             return
         async with self._lock:
-            await self._send({"type": "http.response.body", "body": b"".join(chunks),
-                              "more_body": True})
+            await self._send(
+                {"type": "http.response.body", "body": b"".join(chunks), "more_body": True}
+            )
             self.last = trio.current_time()
 
     async def keep_alive(self, ping: bytes, every_s: float) -> None:

@@ -53,8 +53,11 @@ class GatewayStats:
     def admit(self, limit: int) -> Slot:
         if self.in_flight >= limit:
             self.by_status[429] += 1
-            raise TooManyRequests(f"{limit} generations are in flight, the gateway's limit "
-                                  "([gateway] max_concurrent): retry shortly", code="concurrency")
+            raise TooManyRequests(
+                f"{limit} generations are in flight, the gateway's limit "
+                "([gateway] max_concurrent): retry shortly",
+                code="concurrency",
+            )
         return Slot(self)
 
     def snapshot(self) -> dict[str, Any]:
@@ -87,9 +90,13 @@ class GatewayStats:
                 tokens[i] += s.tokens * share
             if 0 <= (i := _bucket(t0, start)) < SERIES_LEN:
                 firsts[i].append(s.ttft_s)
-        return [{"tokens_per_s": round(n / SERIES_S, 2),
-                 "ttft_ms": round(median(f) * 1000) if f else None}
-                for n, f in zip(tokens, firsts, strict=True)]
+        return [
+            {
+                "tokens_per_s": round(n / SERIES_S, 2),
+                "ttft_ms": round(median(f) * 1000) if f else None,
+            }
+            for n, f in zip(tokens, firsts, strict=True)
+        ]
 
     def saw_routes(self, routes: list[tuple[str, ...]], now: float | None = None) -> None:
         """Generations were running on ``routes`` just now; only the newest ROUTES are kept."""
@@ -102,8 +109,10 @@ class GatewayStats:
 
     def recent_routes(self, now: float | None = None) -> list[dict[str, Any]]:
         now = time.monotonic() if now is None else now
-        return [{"peers": list(r), "seen_s_ago": round(now - t, 1)}
-                for r, t in sorted(self.routes.items(), key=lambda rt: -rt[1])]
+        return [
+            {"peers": list(r), "seen_s_ago": round(now - t, 1)}
+            for r, t in sorted(self.routes.items(), key=lambda rt: -rt[1])
+        ]
 
 
 def _bucket(t: float, start: float) -> int:

@@ -23,10 +23,17 @@ class StopMatcher:
             i, stop = min(hits)
             self._held = ""
             return buf[:i], stop
-        keep = max((n for s in self.stops for n in range(min(len(s) - 1, len(buf)), 0, -1)
-                    if buf.endswith(s[:n])), default=0)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], None
+        keep = max(
+            (
+                n
+                for s in self.stops
+                for n in range(min(len(s) - 1, len(buf)), 0, -1)
+                if buf.endswith(s[:n])
+            ),
+            default=0,
+        )
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], None
 
     def flush(self) -> str:
         """What was held back, once the generation ended without a stop sequence."""

@@ -35,8 +35,10 @@ def create_node_key(path: Path) -> NodeKey:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise HomeError(f"{path} already exists: refusing to replace a node key "
-                        "(it is this node's identity); use another --home for a new node") from None
+        raise HomeError(
+            f"{path} already exists: refusing to replace a node key "
+            "(it is this node's identity); use another --home for a new node"
+        ) from None
     with os.fdopen(fd, "wb") as f:
         f.write(seed)
     return _from_seed(seed)
@@ -49,11 +51,14 @@ def load_node_key(path: Path) -> NodeKey:
     except FileNotFoundError:
         raise HomeError(f"{path} is missing: run `kvasird init`") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise HomeError(f"{path} is readable by others (mode {oct(mode & 0o777)}): "
-                        f"run `chmod 600 {path}`")
+        raise HomeError(
+            f"{path} is readable by others (mode {oct(mode & 0o777)}): run `chmod 600 {path}`"
+        )
     if len(seed) != _SEED_BYTES:
-        raise HomeError(f"{path} is not a kvasird node key ({len(seed)} bytes, expected "
-                        f"{_SEED_BYTES}): restore it from a backup or init a new home")
+        raise HomeError(
+            f"{path} is not a kvasird node key ({len(seed)} bytes, expected "
+            f"{_SEED_BYTES}): restore it from a backup or init a new home"
+        )
     return _from_seed(seed)
 
 

@@ -32,8 +32,7 @@ class Tally:
     """Worker peer -> units (the experts its rows selected) it computed for this session."""
 
 
-TALLY: contextvars.ContextVar[Tally | None] = contextvars.ContextVar("kvasird_tally",
-                                                                    default=None)
+TALLY: contextvars.ContextVar[Tally | None] = contextvars.ContextVar("kvasird_tally", default=None)
 """The session a step computes for, read by the expert dispatcher (a step's expert calls
 run in its own context, on the loop or through a worker thread)."""
 
@@ -47,6 +46,6 @@ class Company:
         self.now = 0
 
 
-COMPANY: contextvars.ContextVar[Company | None] = contextvars.ContextVar("kvasird_company",
-                                                                          default=None)
-
+COMPANY: contextvars.ContextVar[Company | None] = contextvars.ContextVar(
+    "kvasird_company", default=None
+)

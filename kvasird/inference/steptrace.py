@@ -40,7 +40,8 @@ TRACES_KEPT = 256
 
 
 EXPERT_WAIT: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
-    "expert_wait", default=None)
+    "expert_wait", default=None
+)
 """Where the step a stage computes adds up its waits for remote experts (seconds)."""
 
 
@@ -86,8 +87,9 @@ class StepTrace:
         return self.total_ms - sum(sum(h[:3]) for h in self.hops)
 
     @classmethod
-    def parse(cls, route: tuple[str, ...], sent: float, got: float, stamps: Any,
-              previous: float = 0.0) -> StepTrace | None:
+    def parse(
+        cls, route: tuple[str, ...], sent: float, got: float, stamps: Any, previous: float = 0.0
+    ) -> StepTrace | None:
         """From the hops' stamps; None when they are not one well-formed stamp per hop."""
         if not isinstance(stamps, list) or len(stamps) != len(route):
             return None
@@ -96,8 +98,12 @@ class StepTrace:
             if not isinstance(s, list) or len(s) != 5 or not all(isinstance(t, float) for t in s):
                 return None
             received, began, ended, handed_on, waited = s
-            hop = ((began - received) * 1000, (ended - began) * 1000,
-                   (handed_on - ended) * 1000, waited * 1000)
+            hop = (
+                (began - received) * 1000,
+                (ended - began) * 1000,
+                (handed_on - ended) * 1000,
+                waited * 1000,
+            )
             if min(hop) < 0 or hop[3] > hop[1]:
                 return None
             hops.append(hop)
@@ -126,12 +132,20 @@ class Traces:
             return round(statistics.median(values), 3)
 
         gaps = [t.gateway_ms for t in same if t.gateway_ms is not None]
-        return {"steps": len(same), "route": list(route),
-                "total_ms": med([t.total_ms for t in same]),
-                "wire_ms": med([t.wire_ms for t in same]),
-                "gateway_ms": med(gaps) if gaps else None,
-                "hops": [{"peer": peer,
-                          **{f"{name}_ms": med([t.hops[i][k] for t in same])
-                             for k, name in enumerate(("queue", "compute", "after",
-                                                       "experts"))}}
-                         for i, peer in enumerate(route)]}
+        return {
+            "steps": len(same),
+            "route": list(route),
+            "total_ms": med([t.total_ms for t in same]),
+            "wire_ms": med([t.wire_ms for t in same]),
+            "gateway_ms": med(gaps) if gaps else None,
+            "hops": [
+                {
+                    "peer": peer,
+                    **{
+                        f"{name}_ms": med([t.hops[i][k] for t in same])
+                        for k, name in enumerate(("queue", "compute", "after", "experts"))
+                    },
+                }
+                for i, peer in enumerate(route)
+            ],
+        }

@@ -1,11 +1,11 @@
 """The demo on a local network: a model split among the nodes by the market, and a paid prompt.
 
-    serve_model   node 0 imports the model and seeds it; every node enrolls into a share of it
-                  (the market decides who holds what); the shares are downloaded from node 0
-    ask           a consumer wallet funded by the local faucet gets a quote, pays it on the
-                  local chain, and asks the gateway through the official OpenAI client
-    earnings      what each node earned for it, once the gateway's receipts have arrived
-    claim_all     every node claims; the payouts land on the local chain
+serve_model   node 0 imports the model and seeds it; every node enrolls into a share of it
+              (the market decides who holds what); the shares are downloaded from node 0
+ask           a consumer wallet funded by the local faucet gets a quote, pays it on the
+              local chain, and asks the gateway through the official OpenAI client
+earnings      what each node earned for it, once the gateway's receipts have arrived
+claim_all     every node claims; the payouts land on the local chain
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import trio
@@ -24,6 +25,9 @@ from kvasird.model.manifest import Manifest
 from kvasird.settlement.chain import ChainClient
 from kvasird.settlement.consumer import PAYMENT_HEADER, funded_wallet, get_quote, pay_quote
 from kvasird.settlement.token import KVR_DECIMALS
+
+if TYPE_CHECKING:
+    from openai.types.chat.completion_create_params import CompletionCreateParamsNonStreaming
 
 SYSTEM = "Always answer in one short English sentence."
 """With it the bundled model's greedy answer to the default question is "The capital of
@@ -44,9 +48,16 @@ def serve_model(net: LocalNet, path: Path) -> Manifest:
     # largest unit (the head, with a large vocabulary) must fit one node's budget.
     largest = max(manifest.unit_sizes.values())
     budget_mb = int(max(manifest.total_bytes * 1.35 / n, largest * 1.05) / 2**20) + 1
-    net.settings.update({"market.memory_budget_mb": budget_mb, "market.target_replicas": 1,
-                         "market.heartbeat_s": 1.0, "market.rebalance_s": 2.0,
-                         "market.enroll_delay_s": 1.0, "compute.threads": 1})
+    net.settings.update(
+        {
+            "market.memory_budget_mb": budget_mb,
+            "market.target_replicas": 1,
+            "market.heartbeat_s": 1.0,
+            "market.rebalance_s": 2.0,
+            "market.enroll_delay_s": 1.0,
+            "compute.threads": 1,
+        }
+    )
     for node in net.nodes:
         node.settings["market.model"] = str(path) if node.index == 0 else manifest.model_id
     return manifest
@@ -55,12 +66,17 @@ def serve_model(net: LocalNet, path: Path) -> Manifest:
 def wait_served(net: LocalNet, timeout: float = 240.0) -> str:
     """Wait until the market covers the model and node 0's gateway answers; its URL."""
     first = net.nodes[0]
-    net.wait_until("every unit of the model is online on some node",
-                   lambda: first.get("/v0/coverage")["routable"], timeout=timeout)
+    net.wait_until(
+        "every unit of the model is online on some node",
+        lambda: first.get("/v0/coverage")["routable"],
+        timeout=timeout,
+    )
     url = first.status()["gateway"]
-    net.wait_until("the gateway on node 0 is ready",
-                   lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
-                   timeout=timeout)
+    net.wait_until(
+        "the gateway on node 0 is ready",
+        lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200,
+        timeout=timeout,
+    )
     return url
 
 
@@ -87,14 +103,23 @@ def ask(net: LocalNet, gateway: str, question: str, max_tokens: int = 24) -> Ans
     consumer = trio.run(funded_wallet, rpc, 100 * 10**KVR_DECIMALS)
     client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="paid-per-request", max_retries=0)
     model = client.models.list().data[0].id
-    request = {"model": model, "max_tokens": max_tokens, "temperature": 0, "messages": [
-        {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+    request: CompletionCreateParamsNonStreaming = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+    }
     quote = get_quote(gateway, request=request)
     header = trio.run(pay_quote, rpc, consumer, quote)
     began = time.monotonic()
     reply = client.chat.completions.create(**request, extra_headers={PAYMENT_HEADER: header})
-    return Answer(reply.choices[0].message.content or "", int(quote["amount"]),
-                  header.split(":", 1)[1], time.monotonic() - began, model)
+    return Answer(
+        reply.choices[0].message.content or "",
+        int(quote["amount"]),
+        header.split(":", 1)[1],
+        time.monotonic() - began,
+        model,
+    )
 
 
 @dataclass(frozen=True)
@@ -118,20 +143,29 @@ def earnings(net: LocalNet, timeout: float = 30.0) -> list[Earned]:
         return {r["peer_id"]: r["earned"] for r in gateway.get("/v0/wallet")["owed_to_peers"]}
 
     def delivered() -> bool:
-        return all(held_from(ids[p], gateway) == amount
-                   for p, amount in owed().items() if p in ids and p != gateway.peer_id)
+        return all(
+            held_from(ids[p], gateway) == amount
+            for p, amount in owed().items()
+            if p in ids and p != gateway.peer_id
+        )
 
     net.wait_until("every node holds its receipt from the gateway", delivered, timeout)
     due, pools = owed(), gateway.get("/v0/wallet")["pools"]
-    return [Earned(n.index, due.get(n.peer_id, 0),
-                   *((pools["operator"], pools["insurance"]) if n is gateway else (0, 0)))
-            for n in net.nodes]
+    return [
+        Earned(
+            n.index,
+            due.get(n.peer_id, 0),
+            *((pools["operator"], pools["insurance"]) if n is gateway else (0, 0)),
+        )
+        for n in net.nodes
+    ]
 
 
 def held_from(node: LocalNode, gateway: LocalNode) -> int:
     """What ``node``'s receipts from ``gateway`` add up to."""
-    return sum(g["earned"] for g in node.get("/v0/wallet")["gateways"]
-               if g["peer_id"] == gateway.peer_id)
+    return sum(
+        g["earned"] for g in node.get("/v0/wallet")["gateways"] if g["peer_id"] == gateway.peer_id
+    )
 
 
 @dataclass(frozen=True)
@@ -161,9 +195,15 @@ def claim_all(net: LocalNet) -> list[Paid]:
         failed = [c["error"] for c in claims if c["error"]]
         if failed:
             raise LocalNetError(f"node{node.index}'s claim failed: {failed[0]}")
-        out.append(Paid(node.index, sum(c["amount"] for c in claims),
-                        kvr_balance(net, node.wallet()), ", ".join(c["signature"] for c in claims),
-                        "" if claims else "its own share stays in its vault"))
+        out.append(
+            Paid(
+                node.index,
+                sum(c["amount"] for c in claims),
+                kvr_balance(net, node.wallet()),
+                ", ".join(c["signature"] for c in claims),
+                "" if claims else "its own share stays in its vault",
+            )
+        )
     return out
 
 
@@ -176,4 +216,5 @@ def kvr_balance(net: LocalNet, owner: Pubkey) -> int:
     async def read() -> int:
         async with ChainClient(info["RPC URL"], "confirmed") as chain:
             return await chain.token_balance(owner, Pubkey.from_string(info["KVR mint"]))
+
     return trio.run(read)

@@ -19,7 +19,16 @@ def pinned(model: Path, pins: list[str], **extra: Any) -> dict[str, Any]:
     mm = MarketModel.from_manifest(Manifest.from_gguf(model))
     held = {u for p in pins for u in parse_hold(p)}
     budget = math.ceil(sum(mm.size(u) for u in held) / 2**20) if held else 0
-    return {"market.model": str(model), "market.hold": pins, "market.memory_budget_mb": budget,
-            "market.heartbeat_s": 0.5, "market.rebalance_s": 2.0, "market.enroll_delay_s": 0.0,
-            "market.target_replicas": 1, "compute.threads": 1, "inference.kv_slots": 1024,
-            "inference.step_timeout_s": 10.0, **extra}
+    return {
+        "market.model": str(model),
+        "market.hold": pins,
+        "market.memory_budget_mb": budget,
+        "market.heartbeat_s": 0.5,
+        "market.rebalance_s": 2.0,
+        "market.enroll_delay_s": 0.0,
+        "market.target_replicas": 1,
+        "compute.threads": 1,
+        "inference.kv_slots": 1024,
+        "inference.step_timeout_s": 10.0,
+        **extra,
+    }

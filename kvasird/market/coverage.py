@@ -1,7 +1,8 @@
 """CoverageMap: who holds which unit of a model, in which state, until when. Pure.
 
 Replica counts are kept incrementally in arrays (one per unit kind), so a map of
-10,000 peers over a 49 x 256-expert model updates in microseconds per record.
+10,000 peers over a 49 x 256-expert model updates cheaply per record (bench/sim_market.py
+reports the time to apply one).
 """
 
 from __future__ import annotations
@@ -26,16 +27,18 @@ class Counts:
 
     @classmethod
     def zeros(cls, model: MarketModel) -> Counts:
-        return cls(np.zeros(model.n_layer, dtype=np.int32),
-                   np.zeros((model.n_layer, model.n_expert), dtype=np.int32))
+        return cls(
+            np.zeros(model.n_layer, dtype=np.int32),
+            np.zeros((model.n_layer, model.n_expert), dtype=np.int32),
+        )
 
     def add(self, h: Holding, sign: int) -> None:
         if h.kind == "H":
             self.head += sign
         elif h.kind == "L":
-            self.layer[h.lo:h.hi] += sign
+            self.layer[h.lo : h.hi] += sign
         else:
-            self.expert[h.start, h.lo:h.hi] += sign
+            self.expert[h.start, h.lo : h.hi] += sign
 
     def of(self, unit: Unit) -> int:
         if unit.kind == "head":
@@ -68,11 +71,16 @@ class CoverageMap:
         """Refuse holdings outside this model or beyond the node's own budget."""
         total = 0
         for h in record.holdings:
-            last = Unit("layer", h.hi - 1) if h.kind == "L" else (
-                Unit("expert", h.start, h.hi - 1) if h.kind == "E" else Unit("head"))
+            last = (
+                Unit("layer", h.hi - 1)
+                if h.kind == "L"
+                else (Unit("expert", h.start, h.hi - 1) if h.kind == "E" else Unit("head"))
+            )
             if not self.model.contains(last):
-                raise WireError(f"holding {h.to_wire()} is outside model {record.model[:12]} "
-                                f"({self.model.n_layer} layers x {self.model.n_expert} experts)")
+                raise WireError(
+                    f"holding {h.to_wire()} is outside model {record.model[:12]} "
+                    f"({self.model.n_layer} layers x {self.model.n_expert} experts)"
+                )
             total += self._bytes(h)
         if total > record.budget:
             raise WireError(f"claims {total} bytes of holdings with a budget of {record.budget}")
@@ -81,8 +89,8 @@ class CoverageMap:
         if h.kind == "H":
             return self.model.head_bytes
         if h.kind == "L":
-            return int(self.model.layer_bytes[h.lo:h.hi].sum())
-        return int(self.model.expert_bytes[h.start, h.lo:h.hi].sum())
+            return int(self.model.layer_bytes[h.lo : h.hi].sum())
+        return int(self.model.expert_bytes[h.start, h.lo : h.hi].sum())
 
     def apply(self, record: CoverageRecord, now: float) -> bool:
         """Merge a record (newer sequence wins); return whether it changed the map."""

@@ -30,8 +30,9 @@ HOT_RATIO = 1.25
 """Selections relative to the layer's mean above which an expert counts as hot."""
 SPARE_ROOM = 4
 """The spare replica is held only where the market's budget left over by the targets is
-at least this many spare replicas' bytes: the budgets are an estimate (13 % off at
-10,000 nodes), fragmented over nodes, and some of them hold other models."""
+at least this many spare replicas' bytes: the budgets are an estimate (how far off at
+10,000 nodes: bench/sim_market.py), fragmented over nodes, and some of them hold other
+models."""
 
 
 @dataclass
@@ -80,8 +81,11 @@ class Demand:
 
 def wanted_bytes(model: MarketModel, targets: Targets) -> int:
     """Bytes of all the replicas ``targets`` ask for."""
-    return (targets.head * model.head_bytes + int((targets.layer * model.layer_bytes).sum())
-            + int((targets.expert * model.expert_bytes).sum()))
+    return (
+        targets.head * model.head_bytes
+        + int((targets.layer * model.layer_bytes).sum())
+        + int((targets.expert * model.expert_bytes).sum())
+    )
 
 
 def with_spare(targets: Targets, model: MarketModel, market_budget: int) -> Targets:
@@ -96,8 +100,10 @@ def with_spare(targets: Targets, model: MarketModel, market_budget: int) -> Targ
 
 def scarcity(counts: Counts, targets: Targets) -> tuple[np.ndarray, np.ndarray, float]:
     """(layer, expert, head) scarcity in [0, 1]: the missing fraction of each target."""
+
     def s(c: np.ndarray, t: np.ndarray) -> np.ndarray:
         return np.clip(t - c, 0, None) / np.maximum(t, 1)
+
     head = max(0, targets.head - counts.head) / max(targets.head, 1)
     return s(counts.layer, targets.layer), s(counts.expert, targets.expert), head
 
@@ -108,16 +114,30 @@ def segments(model: MarketModel, counts: Counts, targets: Targets) -> list[dict[
     ``{"unit": "experts", "layer": 0, "experts": [128, 192], "replicas": 1, "target": 2,
     "scarcity": 0.5}``; layers merge into ``{"unit": "layers", "layers": [a, b], ...}``.
     """
-    out: list[dict[str, Any]] = [{
-        "unit": "head", "replicas": counts.head, "target": targets.head,
-        "scarcity": round(max(0, targets.head - counts.head) / max(targets.head, 1), 4)}]
+    out: list[dict[str, Any]] = [
+        {
+            "unit": "head",
+            "replicas": counts.head,
+            "target": targets.head,
+            "scarcity": round(max(0, targets.head - counts.head) / max(targets.head, 1), 4),
+        }
+    ]
     for a, b, r, t in _runs(counts.layer, targets.layer):
-        out.append({"unit": "layers", "layers": [a, b], "replicas": r, "target": t,
-                    "scarcity": _s(r, t)})
+        out.append(
+            {"unit": "layers", "layers": [a, b], "replicas": r, "target": t, "scarcity": _s(r, t)}
+        )
     for layer in range(model.n_layer if model.n_expert else 0):
         for a, b, r, t in _runs(counts.expert[layer], targets.expert[layer]):
-            out.append({"unit": "experts", "layer": layer, "experts": [a, b], "replicas": r,
-                        "target": t, "scarcity": _s(r, t)})
+            out.append(
+                {
+                    "unit": "experts",
+                    "layer": layer,
+                    "experts": [a, b],
+                    "replicas": r,
+                    "target": t,
+                    "scarcity": _s(r, t),
+                }
+            )
     return out
 
 
@@ -136,5 +156,8 @@ def _runs(c: np.ndarray, t: np.ndarray) -> list[tuple[int, int, int, int]]:
 
 
 def fully_covered(counts: Counts, targets: Targets) -> bool:
-    return (counts.head >= targets.head and bool((counts.layer >= targets.layer).all())
-            and bool((counts.expert >= targets.expert).all()))
+    return (
+        counts.head >= targets.head
+        and bool((counts.layer >= targets.layer).all())
+        and bool((counts.expert >= targets.expert).all())
+    )

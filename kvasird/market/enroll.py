@@ -8,8 +8,8 @@ Hysteresis: a node gives a unit up only to make room for a scarcer one, only whe
 unit has more holders than its target, and only if it is one of the designated surplus
 holders (the same deterministic choice on every node), so a unit is never left uncovered.
 Runs are found with numpy over the whole model and made into Units only as far as the
-budget reaches: a 122B MoE has 12,544 experts, and a Python loop over them cost each
-decision 30 to 70 ms.
+budget reaches: a 122B MoE has 12,544 experts, and a Python loop over them made every
+decision slow (bench/sim_market.py reports decide ms).
 """
 
 from __future__ import annotations
@@ -38,10 +38,19 @@ class Plan:
     """Units to give up (announced as draining, then removed)."""
 
 
-def decide(model: MarketModel, counts: Counts, targets: Targets, me: str, budget: int,
-           held: set[Unit], pinned: set[Unit], holders: Callable[[Unit], list[str]],
-           rng: np.random.Generator, peers: int = 1,
-           stored: Set[Unit] = frozenset()) -> Plan:
+def decide(
+    model: MarketModel,
+    counts: Counts,
+    targets: Targets,
+    me: str,
+    budget: int,
+    held: set[Unit],
+    pinned: set[Unit],
+    holders: Callable[[Unit], list[str]],
+    rng: np.random.Generator,
+    peers: int = 1,
+    stored: Set[Unit] = frozenset(),
+) -> Plan:
     """``counts`` include our own holdings; ``holders(unit)`` lists the active holders.
 
     ``stored`` are units whose bytes are on our disk already (a restarted node's previous
@@ -127,27 +136,45 @@ class _Run(NamedTuple):
 
     def units(self, model: MarketModel) -> Iterator[tuple[Unit, int]]:
         """(unit, bytes) in the order to take them."""
-        sizes = (model.expert_bytes[self.layer, self.start:self.end].tolist()
-                 if self.kind == "expert" else model.layer_bytes[self.start:self.end].tolist()
-                 if self.kind == "layer" else [model.head_bytes])
+        sizes = (
+            model.expert_bytes[self.layer, self.start : self.end].tolist()
+            if self.kind == "expert"
+            else model.layer_bytes[self.start : self.end].tolist()
+            if self.kind == "layer"
+            else [model.head_bytes]
+        )
         for j in chain(range(self.first, len(sizes)), range(self.first)):
             yield self.unit(self.start + j), sizes[j]
 
 
-def _scarce_runs(model: MarketModel, counts: Counts, targets: Targets, held: set[Unit],
-                 rng: np.random.Generator, stored: Set[Unit] = frozenset()) -> list[_Run]:
+def _scarce_runs(
+    model: MarketModel,
+    counts: Counts,
+    targets: Targets,
+    held: set[Unit],
+    rng: np.random.Generator,
+    stored: Set[Unit] = frozenset(),
+) -> list[_Run]:
     """Runs of scarce units we don't hold, scarcest first, each rotated to a random start
     (to its first stored unit when it has one)."""
     s_layer, s_expert, s_head = scarcity(counts, targets)
     mine, disk = _Mask(model, held), _Mask(model, stored)
     # per kind as rows: (scarcity, ours, bytes, on our disk)
-    grids = ((np.array([[s_head]]), np.array([[mine.head]]), np.array([[model.head_bytes]]),
-              np.array([[disk.head]])),
-             (s_layer[None], mine.layer[None], model.layer_bytes[None], disk.layer[None]),
-             (s_expert, mine.expert, model.expert_bytes, disk.expert))
+    grids = (
+        (
+            np.array([[s_head]]),
+            np.array([[mine.head]]),
+            np.array([[model.head_bytes]]),
+            np.array([[disk.head]]),
+        ),
+        (s_layer[None], mine.layer[None], model.layer_bytes[None], disk.layer[None]),
+        (s_expert, mine.expert, model.expert_bytes, disk.expert),
+    )
     found = [_group(s, ~ours, size, on) for s, ours, size, on in grids]
     kind = np.concatenate([np.full(len(f[0]), k) for k, f in enumerate(found)])
-    row, start, end, level, largest, smallest, on_disk = (np.concatenate(c) for c in zip(*found))
+    row, start, end, level, largest, smallest, on_disk = (
+        np.concatenate(c) for c in zip(*found, strict=True)
+    )
     # Equally scarce: the largest unit first (first-fit decreasing). A node that filled its
     # budget with small layers first could leave no room anywhere for the head (30 of 42
     # MiB per node in the 3-node demo), and nodes only give up surplus: it stayed uncovered.
@@ -156,7 +183,10 @@ def _scarce_runs(model: MarketModel, counts: Counts, targets: Targets, held: set
     firsts = rng.integers(0, (end - start)[order]).tolist()
     out = []
     for k, r, a, b, least, disk_bytes, first in zip(
-            *(c[order].tolist() for c in (kind, row, start, end, smallest, on_disk)), firsts):
+        *(c[order].tolist() for c in (kind, row, start, end, smallest, on_disk)),
+        firsts,
+        strict=True,
+    ):
         if disk_bytes:  # enter at a stored segment's start (cyclically: a run taken at 23
             st = grids[k][3][r, a:b]  # wrapped to 0-2)
             entries = np.flatnonzero(st & ~np.roll(st, 1))
@@ -181,8 +211,9 @@ class _Mask:
                 self.expert[u.layer, u.expert] = True
 
 
-def _group(s: np.ndarray, free: np.ndarray, size: np.ndarray, stored: np.ndarray
-           ) -> tuple[np.ndarray, ...]:
+def _group(
+    s: np.ndarray, free: np.ndarray, size: np.ndarray, stored: np.ndarray
+) -> tuple[np.ndarray, ...]:
     """Contiguous runs of equal positive scarcity among the ``free`` units, along each row
     of ``s``: (row, start, end, scarcity, largest and smallest unit's bytes, bytes stored),
     one entry per run."""
@@ -202,12 +233,25 @@ def _group(s: np.ndarray, free: np.ndarray, size: np.ndarray, stored: np.ndarray
     def over_runs(f: np.ufunc, values: np.ndarray) -> np.ndarray:
         return f.reduceat(np.append(values.ravel(), 0), bounds)[::2]
 
-    return (rows, starts, ends, s[rows, starts], over_runs(np.maximum, size),
-            over_runs(np.minimum, size), over_runs(np.add, size * stored))
+    return (
+        rows,
+        starts,
+        ends,
+        s[rows, starts],
+        over_runs(np.maximum, size),
+        over_runs(np.minimum, size),
+        over_runs(np.add, size * stored),
+    )
 
 
-def _surplus(model: MarketModel, counts: Counts, targets: Targets, me: str, held: set[Unit],
-             holders: Callable[[Unit], list[str]]) -> list[Unit]:
+def _surplus(
+    model: MarketModel,
+    counts: Counts,
+    targets: Targets,
+    me: str,
+    held: set[Unit],
+    holders: Callable[[Unit], list[str]],
+) -> list[Unit]:
     """Units we hold beyond their target where we are a designated surplus holder.
 
     Ordered so that ``pop()`` yields the most over-covered first.
@@ -217,7 +261,7 @@ def _surplus(model: MarketModel, counts: Counts, targets: Targets, me: str, held
         have, want = counts.of(u), _target(targets, u)
         if have <= want:
             continue
-        ranked = sorted(holders(u), key=lambda p, u=u: _rank(u, p))
+        ranked = sorted(holders(u), key=lambda p: _rank(u, p))
         if me in ranked[want:]:
             out.append((have / max(want, 1), u))
     out.sort()

@@ -32,8 +32,9 @@ class _Bucket:
 
 
 class RecordGate:
-    def __init__(self, max_skew_s: float = MAX_SKEW_S, burst: float = RATE_BURST,
-                 per_s: float = RATE_PER_S) -> None:
+    def __init__(
+        self, max_skew_s: float = MAX_SKEW_S, burst: float = RATE_BURST, per_s: float = RATE_PER_S
+    ) -> None:
         self._skew = max_skew_s
         self._burst = burst
         self._rate = per_s
@@ -42,8 +43,16 @@ class RecordGate:
         self.rejected: dict[str, int] = defaultdict(int)
         """Records refused per signer (schema, model bounds, or these checks)."""
 
-    def check(self, topic: str, signer: str, peer: str, seq: int, ts: float, now: float,
-              max_age_s: float = 0.0) -> None:
+    def check(
+        self,
+        topic: str,
+        signer: str,
+        peer: str,
+        seq: int,
+        ts: float,
+        now: float,
+        max_age_s: float = 0.0,
+    ) -> None:
         """Raise WireError unless the record may be used (the caller counts the refusal).
 
         ``max_age_s``: a record may be this old (one fetched from a peer's map, stamped at

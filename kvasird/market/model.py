@@ -40,11 +40,24 @@ class MarketModel:
         return cls(manifest.model_id, n_layer, n_expert, layer, experts, head)
 
     @classmethod
-    def uniform(cls, model_id: str, n_layer: int, n_expert: int, layer_bytes: int,
-                expert_bytes: int, head_bytes: int) -> MarketModel:
+    def uniform(
+        cls,
+        model_id: str,
+        n_layer: int,
+        n_expert: int,
+        layer_bytes: int,
+        expert_bytes: int,
+        head_bytes: int,
+    ) -> MarketModel:
         """A synthetic model (the simulator's 122B MoE, tests)."""
-        return cls(model_id, n_layer, n_expert, np.full(n_layer, layer_bytes, dtype=np.int64),
-                   np.full((n_layer, n_expert), expert_bytes, dtype=np.int64), head_bytes)
+        return cls(
+            model_id,
+            n_layer,
+            n_expert,
+            np.full(n_layer, layer_bytes, dtype=np.int64),
+            np.full((n_layer, n_expert), expert_bytes, dtype=np.int64),
+            head_bytes,
+        )
 
     def size(self, unit: Unit) -> int:
         if unit.kind == "layer":

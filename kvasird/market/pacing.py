@@ -14,9 +14,9 @@ bytes are missing, and never fewer than one node (a deficit smaller than one nod
 take is filled within a heartbeat or so, not starved). ``take`` is what one node may add
 in a round (``take_bytes``): what it downloads in TAKE_S at its own measured rate
 (``Bandwidth``), at least its largest unit and at most its budget. A fixed take (512 MB
-once) was 20 s at the median rate and over a minute in the slow tail, and the slow
-node's units were the last back after churn; sized by the rate, every node's take is
-back within about TAKE_S, and the fast ones take more of the deficit. Missing bytes and
+once) kept the slow tail downloading long after the median node (bench/sim_market.py), and
+the slow node's units were the last back after churn; sized by the rate, every node's take
+is back within about TAKE_S, and the fast ones take more of the deficit. Missing bytes and
 participants are in every node's map. With a large deficit (a model just announced) p
 is 1; and below HERD_MIN participants it is 1 too: there the few nodes deciding within
 one propagation window (N x 0.5 s / 15 s < 2) make no herd, and the market behaves as it
@@ -65,8 +65,11 @@ class Bandwidth:
 
 
 def _largest_unit(model: MarketModel) -> int:
-    return max(model.head_bytes, int(model.layer_bytes.max(initial=0)),
-               int(model.expert_bytes.max(initial=0)))
+    return max(
+        model.head_bytes,
+        int(model.layer_bytes.max(initial=0)),
+        int(model.expert_bytes.max(initial=0)),
+    )
 
 
 def take_bytes(model: MarketModel, budget: int, rate: float) -> int:
@@ -87,9 +90,17 @@ def round_budget(model: MarketModel, budget: int, held_bytes: int, rate: float) 
     return min(budget, held_bytes + take_bytes(model, budget, rate))
 
 
-def joins_round(model: MarketModel, counts: Counts, targets: Targets, participants: int,
-                budget: int, rate: float, rebalance_s: float, heartbeat_s: float,
-                rng: np.random.Generator) -> bool:
+def joins_round(
+    model: MarketModel,
+    counts: Counts,
+    targets: Targets,
+    participants: int,
+    budget: int,
+    rate: float,
+    rebalance_s: float,
+    heartbeat_s: float,
+    rng: np.random.Generator,
+) -> bool:
     """Whether this node decides in this round (see the module docstring)."""
     need = missing_bytes(model, counts, targets)
     take = take_bytes(model, budget, rate)  # added, or swapped in for surplus

@@ -1,7 +1,7 @@
 """When a node publishes its coverage record, and how a dead holder leaves the maps. Pure.
 
 Every node once published its whole record every heartbeat (records lived 3 heartbeats):
-at 1,000 nodes that was 60 MB of gossip per node and minute, growing with the network.
+gossip per node and minute grew with the network (bench/sim_market.py measures it).
 Now a record goes out
 
 - **on change**: anything in it but its sequence number and time (holdings and their
@@ -76,8 +76,9 @@ PRESENCE_K = 64
 
 def keepalive_s(heartbeat_s: float, participants: int = 1 << 30) -> float:
     """Seconds between keep-alives of an unchanged record, in a market of ``participants``."""
-    beats = min(KEEPALIVE_HEARTBEATS,
-                max(MIN_KEEPALIVE_HEARTBEATS, participants // PEERS_PER_HEARTBEAT))
+    beats = min(
+        KEEPALIVE_HEARTBEATS, max(MIN_KEEPALIVE_HEARTBEATS, participants // PEERS_PER_HEARTBEAT)
+    )
     return heartbeat_s * beats
 
 
@@ -185,8 +186,10 @@ def _content(record: CoverageRecord) -> CoverageRecord:
     """What peers act on: no sequence number, time or TTL (which follows the market's size),
     and loading told as joining (both count as a replica, neither is routed to), so a
     download's start is one record."""
-    holdings = tuple(dataclasses.replace(h, state="joining") if h.state == "loading" else h
-                     for h in record.holdings)
+    holdings = tuple(
+        dataclasses.replace(h, state="joining") if h.state == "loading" else h
+        for h in record.holdings
+    )
     return dataclasses.replace(record, seq=0, ts=0.0, ttl=0.0, holdings=holdings)
 
 

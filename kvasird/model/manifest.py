@@ -119,8 +119,10 @@ class Piece:
         """(offset, length, sha256) of each chunk: the granularity of verification."""
         if not self.chunks:
             return [(0, self.length, self.sha256)]
-        return [(i * chunk_size, min(chunk_size, self.length - i * chunk_size), h)
-                for i, h in enumerate(self.chunks)]
+        return [
+            (i * chunk_size, min(chunk_size, self.length - i * chunk_size), h)
+            for i, h in enumerate(self.chunks)
+        ]
 
 
 @dataclass(frozen=True)
@@ -162,8 +164,10 @@ class TensorEntry:
             unit = Unit("layer", self.layer) if self.layer >= 0 else HEAD
             return [Piece(self.name, -1, 0, self.length, self.sha256, self.chunks, unit)]
         n = self.slab_length
-        return [Piece(self.name, e, e * n, n, sha, chunks, Unit("expert", self.layer, e))
-                for e, (sha, chunks) in enumerate(self.slabs)]
+        return [
+            Piece(self.name, e, e * n, n, sha, chunks, Unit("expert", self.layer, e))
+            for e, (sha, chunks) in enumerate(self.slabs)
+        ]
 
 
 @dataclass(frozen=True)
@@ -186,8 +190,7 @@ class Manifest:
         return hashlib.sha256(self.raw).hexdigest()
 
     @classmethod
-    def from_gguf(cls, path: Path,
-                  progress: Callable[[int, int], None] | None = None) -> Manifest:
+    def from_gguf(cls, path: Path, progress: Callable[[int, int], None] | None = None) -> Manifest:
         """Hash a GGUF file into its manifest (about 1 s per GB on one core);
         ``progress(done, total)`` is called after each tensor with the bytes hashed."""
         header = read_header(path)
@@ -196,8 +199,11 @@ class Manifest:
             view = memoryview(mm)
             try:
                 for t in header.tensors:
-                    entries.append(_hash_tensor(view, header.data_offset, t.name, t.ggml_type,
-                                                t.ne, t.offset, t.length))
+                    entries.append(
+                        _hash_tensor(
+                            view, header.data_offset, t.name, t.ggml_type, t.ne, t.offset, t.length
+                        )
+                    )
                     done += t.length
                     if progress is not None:
                         progress(done, total)
@@ -206,8 +212,13 @@ class Manifest:
         return cls.build(header.metadata, entries, header.alignment)
 
     @classmethod
-    def build(cls, metadata: Iterable[tuple[str, int, Any]], tensors: Iterable[TensorEntry],
-              alignment: int, chunk_size: int = CHUNK_SIZE) -> Manifest:
+    def build(
+        cls,
+        metadata: Iterable[tuple[str, int, Any]],
+        tensors: Iterable[TensorEntry],
+        alignment: int,
+        chunk_size: int = CHUNK_SIZE,
+    ) -> Manifest:
         metadata, tensors = tuple(metadata), tuple(tensors)
         doc = {
             "alignment": alignment,
@@ -223,12 +234,21 @@ class Manifest:
     def from_bytes(cls, raw: bytes | bytearray, model_id: str | None = None) -> Manifest:
         """Decode and validate manifest bytes, e.g. from a peer; checks them against model_id."""
         if model_id is not None and hashlib.sha256(raw).hexdigest() != model_id:
-            raise ManifestError(f"manifest bytes do not hash to model id {model_id[:16]}…: "
-                                "the peer sent a different model; it is not used")
+            raise ManifestError(
+                f"manifest bytes do not hash to model id {model_id[:16]}…: "
+                "the peer sent a different model; it is not used"
+            )
         try:
             return _decode(raw)
-        except (KeyError, TypeError, ValueError, GGUFFormatError, msgpack.ExtraData,
-                msgpack.FormatError, msgpack.StackError) as exc:
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            GGUFFormatError,
+            msgpack.ExtraData,
+            msgpack.FormatError,
+            msgpack.StackError,
+        ) as exc:
             raise ManifestError(f"malformed manifest: {exc}") from None
 
     def meta(self, key: str, default: Any = None) -> Any:
@@ -281,8 +301,9 @@ class Manifest:
         try:
             return self._by_key[(tensor, expert)]
         except KeyError:
-            raise ManifestError(f"model {self.model_id[:16]} has no piece {expert} "
-                                f"of tensor {tensor!r}") from None
+            raise ManifestError(
+                f"model {self.model_id[:16]} has no piece {expert} of tensor {tensor!r}"
+            ) from None
 
     def pieces(self, units: Iterable[Unit] | None = None) -> list[Piece]:
         """The pieces of the given units (all pieces when None), in file order."""
@@ -304,13 +325,20 @@ class Manifest:
         return sum(p.length for p in self.all_pieces)
 
 
-def _hash_tensor(view: memoryview, base: int, name: str, ggml_type: int, ne: tuple[int, ...],
-                 offset: int, length: int) -> TensorEntry:
-    data = view[base + offset:base + offset + length]
+def _hash_tensor(
+    view: memoryview,
+    base: int,
+    name: str,
+    ggml_type: int,
+    ne: tuple[int, ...],
+    offset: int,
+    length: int,
+) -> TensorEntry:
+    data = view[base + offset : base + offset + length]
     sha = hashlib.sha256(data).digest()
     if _EXPERT.match(name) and len(ne) in (2, 3):
         n = length // ne[-1]
-        slabs = tuple(_hash_piece(data[e * n:(e + 1) * n]) for e in range(ne[-1]))
+        slabs = tuple(_hash_piece(data[e * n : (e + 1) * n]) for e in range(ne[-1]))
         return TensorEntry(name, ggml_type, ne, offset, length, sha, (), slabs)
     chunks = _chunk_hashes(data) if length > CHUNK_SIZE else ()
     return TensorEntry(name, ggml_type, ne, offset, length, sha, chunks, ())
@@ -321,8 +349,9 @@ def _hash_piece(data: memoryview) -> tuple[bytes, tuple[bytes, ...]]:
 
 
 def _chunk_hashes(data: memoryview) -> tuple[bytes, ...]:
-    return tuple(hashlib.sha256(data[i:i + CHUNK_SIZE]).digest()
-                 for i in range(0, len(data), CHUNK_SIZE))
+    return tuple(
+        hashlib.sha256(data[i : i + CHUNK_SIZE]).digest() for i in range(0, len(data), CHUNK_SIZE)
+    )
 
 
 def _plain(value: Any) -> Any:
@@ -347,8 +376,15 @@ def _tensor_doc(t: TensorEntry) -> dict[str, Any]:
 
 
 def _decode(raw: bytes | bytearray) -> Manifest:
-    doc = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=len(raw),
-                          max_str_len=len(raw), max_array_len=len(raw), max_map_len=64)
+    doc = msgpack.unpackb(
+        raw,
+        raw=False,
+        strict_map_key=True,
+        max_bin_len=len(raw),
+        max_str_len=len(raw),
+        max_array_len=len(raw),
+        max_map_len=64,
+    )
     if doc["format"] != FORMAT:
         raise ValueError(f"manifest format {doc['format']} is not {FORMAT}: upgrade kvasird")
     chunk_size, alignment = int(doc["chunk_size"]), int(doc["alignment"])
@@ -374,8 +410,9 @@ def _decode_tensor(d: dict[str, Any], chunk_size: int) -> TensorEntry:
     if slabs and (not _EXPERT.match(name) or len(ne) not in (2, 3) or len(slabs) != ne[-1]):
         raise ValueError(f"tensor {name}: slab hashes do not match its expert count")
     chunks = _chunks(d["chunks"], 0 if slabs else length, chunk_size)
-    return TensorEntry(name, ggml_type, ne, int(d["offset"]), length, _digest(d["sha256"]),
-                       chunks, slabs)
+    return TensorEntry(
+        name, ggml_type, ne, int(d["offset"]), length, _digest(d["sha256"]), chunks, slabs
+    )
 
 
 def _chunks(hashes: list[Any], length: int, chunk_size: int) -> tuple[bytes, ...]:

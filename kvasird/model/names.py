@@ -34,8 +34,10 @@ NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}(?::[a-z0-9][a-z0-9._-]{0,63})?")
 MIN_PREFIX = 8
 """Hex digits an id prefix needs to name a model (fewer would match too much by chance)."""
 _HEX = re.compile(r"[0-9a-f]+")
-NAME_FORM = ("a model name is lower-case letters, digits, '.', '-' and '_', a family and "
-             "optionally ':' and a tag, 64 characters each (e.g. smollm2:135m-instruct)")
+NAME_FORM = (
+    "a model name is lower-case letters, digits, '.', '-' and '_', a family and "
+    "optionally ':' and a tag, 64 characters each (e.g. smollm2:135m-instruct)"
+)
 
 
 def model_name(metadata: Mapping[str, Any], file_name: str = "") -> str:
@@ -45,7 +47,7 @@ def model_name(metadata: Mapping[str, Any], file_name: str = "") -> str:
     family = slug(_text(metadata, "general.basename"))
     if not family or not words.startswith(family):
         return _part(words) or "model"
-    tag = _part(words[len(family):])
+    tag = _part(words[len(family) :])
     return f"{_part(family)}:{tag}" if tag else _part(family)
 
 
@@ -67,8 +69,9 @@ def named_by(text: str, model_id: str, name: str) -> bool:
     folded = text.strip().lower()
     if not folded:
         return False
-    if folded in (model_id, name) or (len(folded) >= MIN_PREFIX and _HEX.fullmatch(folded)
-                                      and model_id.startswith(folded)):
+    if folded in (model_id, name) or (
+        len(folded) >= MIN_PREFIX and _HEX.fullmatch(folded) and model_id.startswith(folded)
+    ):
         return True
     return bool(name) and slug(folded) == slug(name)
 
@@ -91,8 +94,16 @@ def human_name(metadata: Mapping[str, Any], file_name: str = "") -> str:
     if basename and words and _agrees(words, basename, size):
         return " ".join(words)
     if basename:
-        return " ".join(w for w in (basename, size, _text(metadata, "general.finetune"),
-                                    _text(metadata, "general.version")) if w)
+        return " ".join(
+            w
+            for w in (
+                basename,
+                size,
+                _text(metadata, "general.finetune"),
+                _text(metadata, "general.version"),
+            )
+            if w
+        )
     return _text(metadata, "general.name") or " ".join(words) or "unnamed model"
 
 
@@ -120,8 +131,9 @@ def _file_words(file_name: str) -> list[str]:
     if dot and _ENCODING.fullmatch(last):
         stem = head
     words = [w for w in re.split(r"[-\s]+", stem) if w]
-    while len(words) > 1 and (_ENCODING.fullmatch(words[-1])
-                              or words[-1].lower() in ("lora", "vocab")):
+    while len(words) > 1 and (
+        _ENCODING.fullmatch(words[-1]) or words[-1].lower() in ("lora", "vocab")
+    ):
         words.pop()
     return words
 

@@ -117,21 +117,33 @@ class TerminalBar:
 
         # two downloads at once (an enrollment and a hot expert) nest: both bars are shown
         self._progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-            TextColumn("{task.fields[speed]}"), TextColumn("eta {task.fields[eta]}"),
-            console=Console(stderr=True), transient=False, redirect_stderr=True)
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TextColumn("{task.fields[speed]}"),
+            TextColumn("eta {task.fields[eta]}"),
+            console=Console(stderr=True),
+            transient=False,
+            redirect_stderr=True,
+        )
         self._progress.start()
-        self._task = self._progress.add_task(self.description, total=self.total,
-                                             speed="-- MB/s", eta=format_eta(None))
+        self._task = self._progress.add_task(
+            self.description, total=self.total, speed="-- MB/s", eta=format_eta(None)
+        )
         self._route_logs(sys.stderr)
         return self
 
     def show(self, meter: Meter, description: str | None = None) -> None:
         if self._progress is None:
             return
-        self._progress.update(self._task, completed=meter.done, total=meter.total,
-                              speed=f"{mb_s(meter.rate):.1f} MB/s", eta=format_eta(meter.eta_s),
-                              **({"description": description} if description else {}))
+        self._progress.update(
+            self._task,
+            completed=meter.done,
+            total=meter.total,
+            speed=f"{mb_s(meter.rate):.1f} MB/s",
+            eta=format_eta(meter.eta_s),
+            **({"description": description} if description else {}),
+        )
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is None:
@@ -147,4 +159,3 @@ class TerminalBar:
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and handler.stream is sys.__stderr__:
                 self._streams.append((handler, handler.setStream(proxy)))
-

@@ -33,9 +33,11 @@ BUNDLED: dict[str, Callable[[], Path]] = {"smollm2": bundled.bundled_path}
 
 _MODEL_ID = re.compile(r"[0-9a-fA-F]{64}")
 _KNOWN = ", ".join(BUNDLED_PREFIX + name for name in BUNDLED)
-FORMS = ("name a model by its name (e.g. smollm2:135m-instruct, as `kvasird model list` "
-         "prints it), its model id (64 hex digits) or an unambiguous prefix of the id "
-         f"({MIN_PREFIX}+ hex digits), the path of its GGUF file, or bundled:NAME ({_KNOWN})")
+FORMS = (
+    "name a model by its name (e.g. smollm2:135m-instruct, as `kvasird model list` "
+    "prints it), its model id (64 hex digits) or an unambiguous prefix of the id "
+    f"({MIN_PREFIX}+ hex digits), the path of its GGUF file, or bundled:NAME ({_KNOWN})"
+)
 """What every ModelRefError ends with: the forms accepted."""
 
 
@@ -85,9 +87,11 @@ class ModelRef:
         if self.kind == "bundled":
             return BUNDLED[self.value]()
         said = f"model id {self.value[:16]}…" if self.kind == "id" else repr(self.value)
-        raise ModelRefError(f"{said} names a model that peers serve, but this needs its GGUF "
-                            f"file: give the file's path or bundled:NAME ({_KNOWN}); a node "
-                            "gets a model from its peers with [market] model = its name or id")
+        raise ModelRefError(
+            f"{said} names a model that peers serve, but this needs its GGUF "
+            f"file: give the file's path or bundled:NAME ({_KNOWN}); a node "
+            "gets a model from its peers with [market] model = its name or id"
+        )
 
     @property
     def from_peers(self) -> bool:

@@ -97,8 +97,9 @@ def parse_spec(text: str) -> SliceSpec:
             return ExpertRange(layer, e0, e1)
     except ValueError:
         pass
-    raise SliceError(f"bad slice {text!r}: write layers=A:B, layers=A:B,no-experts, "
-                     "experts=L:E0:E1 or head")
+    raise SliceError(
+        f"bad slice {text!r}: write layers=A:B, layers=A:B,no-experts, experts=L:E0:E1 or head"
+    )
 
 
 def units_of(manifest: Manifest, spec: SliceSpec) -> list[Unit]:
@@ -110,8 +111,11 @@ def units_of(manifest: Manifest, spec: SliceSpec) -> list[Unit]:
         return [Unit("expert", spec.layer, e) for e in range(spec.start, spec.stop)]
     units = [Unit("layer", i) for i in range(spec.start, spec.stop)]
     if spec.experts:
-        units += [Unit("expert", i, e) for i in range(spec.start, spec.stop)
-                  for e in range(_experts_in(manifest, i))]
+        units += [
+            Unit("expert", i, e)
+            for i in range(spec.start, spec.stop)
+            for e in range(_experts_in(manifest, i))
+        ]
     return units
 
 
@@ -140,8 +144,13 @@ def write_slice(manifest: Manifest, spec: SliceSpec, path: Path, read_piece: Pie
     for t, pieces in tensors:
         ne = (*t.ne[:-1], len(pieces)) if t.is_expert else t.ne
         nbytes = sum(p.length for p in pieces)
-        writer.add_tensor_info(t.name, _byte_shape(t.ggml_type, ne), np.dtype(np.uint8), nbytes,
-                               raw_dtype=GGMLQuantizationType(t.ggml_type))
+        writer.add_tensor_info(
+            t.name,
+            _byte_shape(t.ggml_type, ne),
+            np.dtype(np.uint8),
+            nbytes,
+            raw_dtype=GGMLQuantizationType(t.ggml_type),
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -174,7 +183,7 @@ def read_slice(path: Path) -> SliceFile:
         raise SliceError(f"{path} is a GGUF but not a kvasir slice (no {KEY_MODEL_ID})") from None
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         base = header.data_offset
-        tensors = {t.name: mm[base + t.offset:base + t.offset + t.length] for t in header.tensors}
+        tensors = {t.name: mm[base + t.offset : base + t.offset + t.length] for t in header.tensors}
     return SliceFile(model_id, spec, tensors)
 
 
@@ -182,17 +191,19 @@ def verify_slice(path: Path, manifest: Manifest) -> SliceFile:
     """Read a slice and check every piece of it against the manifest."""
     got = read_slice(path)
     if got.model_id != manifest.model_id:
-        raise SliceError(f"{path} belongs to model {got.model_id[:16]}, "
-                         f"not {manifest.model_id[:16]}")
+        raise SliceError(
+            f"{path} belongs to model {got.model_id[:16]}, not {manifest.model_id[:16]}"
+        )
     expected = slice_tensors(manifest, got.spec)
     if sorted(got.tensors) != sorted(t.name for t, _ in expected):
         raise SliceError(f"{path} does not hold the tensors of {got.spec}: delete it and re-slice")
     for t, pieces in expected:
         data, pos = memoryview(got.tensors[t.name]), 0
         for p in pieces:
-            if hashlib.sha256(data[pos:pos + p.length]).digest() != p.sha256:
-                raise SliceError(f"{path}: {t.name} piece {p.expert} is corrupt: "
-                                 "delete it and re-slice")
+            if hashlib.sha256(data[pos : pos + p.length]).digest() != p.sha256:
+                raise SliceError(
+                    f"{path}: {t.name} piece {p.expert} is corrupt: delete it and re-slice"
+                )
             pos += p.length
         if pos != len(data):
             raise SliceError(f"{path}: {t.name} has {len(data)} bytes, expected {pos}")
@@ -208,7 +219,7 @@ def gguf_pieces(path: Path, manifest: Manifest) -> Iterator[PieceReader]:
 
         def read(p: Piece) -> memoryview:
             start = header.data_offset + manifest.tensor(p.tensor).offset + p.start
-            return view[start:start + p.length]
+            return view[start : start + p.length]
 
         try:
             yield read

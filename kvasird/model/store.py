@@ -132,8 +132,9 @@ class ShardStore:
 
     # models
 
-    def add_manifest(self, manifest: Manifest, name: str = "", source: str = "peer",
-                     default: str = "") -> None:
+    def add_manifest(
+        self, manifest: Manifest, name: str = "", source: str = "peer", default: str = ""
+    ) -> None:
         """Know ``manifest``'s model, listed as ``name`` (it replaces the name it had), or,
         for a model new here, ``default`` or the name of its metadata (``model_name``).
         A name from before names were ``family:tag`` ("SmolLM2 135M Instruct") is
@@ -147,8 +148,15 @@ class ShardStore:
         with self._db:
             self._db.execute(
                 "INSERT OR IGNORE INTO shard_models VALUES (?, ?, ?, ?, ?, ?)",
-                (manifest.model_id, shown, manifest.arch, manifest.total_bytes, source,
-                 time.time()))
+                (
+                    manifest.model_id,
+                    shown,
+                    manifest.arch,
+                    manifest.total_bytes,
+                    source,
+                    time.time(),
+                ),
+            )
         if old is None or name or not NAME.fullmatch(old):
             self._list_as(manifest.model_id, shown)
 
@@ -162,16 +170,18 @@ class ShardStore:
         """The model's name is ``name`` now; the names it had still find it (``resolve``):
         a node configured by a name starts again after the network renamed its model."""
         with self._db:
-            self._db.execute("UPDATE shard_models SET name = ? WHERE model_id = ?",
-                             (name, model_id))
+            self._db.execute(
+                "UPDATE shard_models SET name = ? WHERE model_id = ?", (name, model_id)
+            )
             self._db.execute("INSERT OR IGNORE INTO shard_names VALUES (?, ?)", (model_id, name))
 
     def name_claim(self, model_id: str) -> tuple[str, bool]:
         """The name this node announces for a model, and whether it chose it (imported the
         file, or named it with `kvasird model add --name`) rather than adopted it from
         peers; ("", False) for a model it does not know."""
-        row = self._db.execute("SELECT name, source FROM shard_models WHERE model_id = ?",
-                               (model_id,)).fetchone()
+        row = self._db.execute(
+            "SELECT name, source FROM shard_models WHERE model_id = ?", (model_id,)
+        ).fetchone()
         if row is None or not NAME.fullmatch(row[0]):
             return "", False
         return row[0], row[1] != "peer"
@@ -181,8 +191,10 @@ class ShardStore:
             try:
                 raw = self._manifest_path(model_id).read_bytes()
             except FileNotFoundError:
-                raise StoreError(f"no model {model_id[:16]} in {self.root}: see `kvasird model "
-                                 "list`, or add it with `kvasird model add`") from None
+                raise StoreError(
+                    f"no model {model_id[:16]} in {self.root}: see `kvasird model "
+                    "list`, or add it with `kvasird model add`"
+                ) from None
             self._manifests[model_id] = Manifest.from_bytes(raw, model_id)
         return self._manifests[model_id]
 
@@ -199,11 +211,9 @@ class ShardStore:
         ids = self._named(ref, "shard_models") or self._named(ref, "shard_names")
         if len(ids) > 1:
             listed = ", ".join(f"{mid} ({self.name_of(mid)})" for mid in ids)
-            raise AmbiguousName(f"{ref!r} names several models here: {listed}: give the "
-                                "model id")
+            raise AmbiguousName(f"{ref!r} names several models here: {listed}: give the model id")
         if not ids:
-            raise StoreError(f"no model here is named {ref!r}: see `kvasird model list`; "
-                             f"{FORMS}")
+            raise StoreError(f"no model here is named {ref!r}: see `kvasird model list`; {FORMS}")
         return ids[0]
 
     def _named(self, ref: str, table: str) -> list[str]:
@@ -214,31 +224,45 @@ class ShardStore:
     def name_of(self, model_id: str) -> str | None:
         """The name a model is listed under (`kvasird model add --name`, else its human
         name), or None if the store does not know it."""
-        row = self._db.execute("SELECT name FROM shard_models WHERE model_id = ?",
-                               (model_id,)).fetchone()
+        row = self._db.execute(
+            "SELECT name FROM shard_models WHERE model_id = ?", (model_id,)
+        ).fetchone()
         return row[0] if row and row[0] else None
 
     def models(self) -> list[ModelRecord]:
         out = []
-        rows = self._db.execute("SELECT model_id, name, arch, total_bytes, source "
-                                "FROM shard_models ORDER BY added_at").fetchall()
+        rows = self._db.execute(
+            "SELECT model_id, name, arch, total_bytes, source FROM shard_models ORDER BY added_at"
+        ).fetchall()
         for mid, name, arch, total, source in rows:
             held = self.held_units(mid)
             sizes = self.manifest(mid).unit_sizes
-            out.append(ModelRecord(mid, name, arch, total, sum(sizes.get(u, 0) for u in held),
-                                   len(held), source))
+            out.append(
+                ModelRecord(
+                    mid, name, arch, total, sum(sizes.get(u, 0) for u in held), len(held), source
+                )
+            )
         return out
 
-    def import_gguf(self, path: Path, name: str = "", source: str = "",
-                    progress: ImportProgress | None = None) -> Manifest:
+    def import_gguf(
+        self, path: Path, name: str = "", source: str = "", progress: ImportProgress | None = None
+    ) -> Manifest:
         """Import a full GGUF: every unit of the model becomes held here (a stored piece
         that no longer matches is replaced). ``progress(phase, done, total)`` follows
         the hashing of the file, then the storing of its pieces."""
-        manifest = Manifest.from_gguf(path, progress=None if progress is None else (
-            lambda done, total: progress("hashing", done, total)))
+        manifest = Manifest.from_gguf(
+            path,
+            progress=None
+            if progress is None
+            else (lambda done, total: progress("hashing", done, total)),
+        )
         # a daemon importing its [market] model again keeps the name the owner gave it
-        self.add_manifest(manifest, name, source or str(path), default=model_name(
-            {k: v for k, _, v in manifest.metadata}, path.name))
+        self.add_manifest(
+            manifest,
+            name,
+            source or str(path),
+            default=model_name({k: v for k, _, v in manifest.metadata}, path.name),
+        )
         units = list(manifest.unit_sizes)
         self.begin(manifest.model_id, units)
         done, total = 0, manifest.total_bytes
@@ -252,8 +276,9 @@ class ShardStore:
         self.mark_held(manifest.model_id, units)
         return manifest
 
-    def add(self, ref: ModelRef, name: str = "",
-            progress: ImportProgress | None = None) -> Manifest:
+    def add(
+        self, ref: ModelRef, name: str = "", progress: ImportProgress | None = None
+    ) -> Manifest:
         """`kvasird model add`: import the GGUF of a path or bundled:NAME (not of an id)."""
         return self.import_gguf(ref.gguf(), name, source=str(ref), progress=progress)
 
@@ -288,8 +313,9 @@ class ShardStore:
         units = list(units)
         with self._db:
             for u in units:
-                self._db.execute("INSERT OR IGNORE INTO shard_units VALUES (?, ?, 'pending')",
-                                 (model_id, str(u)))
+                self._db.execute(
+                    "INSERT OR IGNORE INTO shard_units VALUES (?, ?, 'pending')", (model_id, str(u))
+                )
             refs = [(model_id, str(p.unit), p.sha256) for p in manifest.pieces(units)]
             self._db.executemany("INSERT OR IGNORE INTO shard_refs VALUES (?, ?, ?)", refs)
 
@@ -297,27 +323,36 @@ class ShardStore:
         units = list(units)
         missing = [p for p in self.manifest(model_id).pieces(units) if not self.has_piece(p)]
         if missing:
-            raise StoreError(f"cannot hold {len(units)} units of {model_id[:16]}: "
-                             f"{len(missing)} pieces are missing (first: {missing[0].tensor})")
+            raise StoreError(
+                f"cannot hold {len(units)} units of {model_id[:16]}: "
+                f"{len(missing)} pieces are missing (first: {missing[0].tensor})"
+            )
         with self._db:
             self._db.executemany(
                 "UPDATE shard_units SET state = 'held' WHERE model_id = ? AND unit = ?",
-                [(model_id, str(u)) for u in units])
+                [(model_id, str(u)) for u in units],
+            )
 
     def drop(self, model_id: str, units: Iterable[Unit]) -> int:
         """Stop holding units; deletes pieces no other unit refers to. Returns bytes freed."""
         keys = [(model_id, str(u)) for u in units]
         with self._db:
-            shas = {r[0] for k in keys for r in self._db.execute(
-                "SELECT sha256 FROM shard_refs WHERE model_id = ? AND unit = ?", k)}
+            shas = {
+                r[0]
+                for k in keys
+                for r in self._db.execute(
+                    "SELECT sha256 FROM shard_refs WHERE model_id = ? AND unit = ?", k
+                )
+            }
             self._db.executemany("DELETE FROM shard_refs WHERE model_id = ? AND unit = ?", keys)
             self._db.executemany("DELETE FROM shard_units WHERE model_id = ? AND unit = ?", keys)
         return self._delete_unreferenced(shas)
 
     def gc(self) -> int:
         """Delete every blob and partial file no unit refers to; returns bytes freed."""
-        found = {bytes.fromhex(p.name) for p in (self.root / "blobs").glob("*/*")
-                 if len(p.name) == 64}
+        found = {
+            bytes.fromhex(p.name) for p in (self.root / "blobs").glob("*/*") if len(p.name) == 64
+        }
         found |= {bytes.fromhex(p.name[:64]) for p in (self.root / "partial").glob("*.part")}
         return self._delete_unreferenced(found)
 
@@ -341,13 +376,16 @@ class ShardStore:
     def put_piece(self, piece: Piece, data: bytes | memoryview) -> None:
         """Store a whole piece after checking its hash."""
         if len(data) != piece.length or hashlib.sha256(data).digest() != piece.sha256:
-            raise CorruptPiece(f"bytes for {piece.tensor} piece {piece.expert} do not match "
-                               "the manifest; they were not stored")
+            raise CorruptPiece(
+                f"bytes for {piece.tensor} piece {piece.expert} do not match "
+                "the manifest; they were not stored"
+            )
         _write_atomic(self._blob(piece.sha256), data)
         self._remember(self._blob(piece.sha256), piece.sha256.hex())
 
-    def accept_chunk(self, piece: Piece, offset: int, data: bytes | memoryview,
-                     expected: bytes) -> bool:
+    def accept_chunk(
+        self, piece: Piece, offset: int, data: bytes | memoryview, expected: bytes
+    ) -> bool:
         """Check one downloaded chunk against its hash and keep it; False if it is wrong.
 
         A single-chunk piece goes straight to its blob; chunks of a longer piece are
@@ -371,8 +409,10 @@ class ShardStore:
         part = self._partial(piece.sha256)
         if _file_sha256(part) != piece.sha256:
             part.unlink(missing_ok=True)
-            raise CorruptPiece(f"{piece.tensor} piece {piece.expert} did not verify as a whole; "
-                               "its partial file was deleted, download it again")
+            raise CorruptPiece(
+                f"{piece.tensor} piece {piece.expert} did not verify as a whole; "
+                "its partial file was deleted, download it again"
+            )
         self._blob(piece.sha256).parent.mkdir(exist_ok=True)
         part.replace(self._blob(piece.sha256))
         self._remember(self._blob(piece.sha256), piece.sha256.hex())
@@ -395,17 +435,21 @@ class ShardStore:
         try:
             data = self._blob(piece.sha256).read_bytes()
         except FileNotFoundError:
-            raise StoreError(f"{piece.tensor} piece {piece.expert} is not in the store: "
-                             "download its unit first") from None
+            raise StoreError(
+                f"{piece.tensor} piece {piece.expert} is not in the store: download its unit first"
+            ) from None
         if hashlib.sha256(data).digest() != piece.sha256:
             self._corrupt(piece)
-            raise CorruptPiece(f"stored {piece.tensor} piece {piece.expert} is corrupt and was "
-                               f"deleted: download its unit again ({piece.unit} is no longer "
-                               "held)")
+            raise CorruptPiece(
+                f"stored {piece.tensor} piece {piece.expert} is corrupt and was "
+                f"deleted: download its unit again ({piece.unit} is no longer "
+                "held)"
+            )
         return data
 
-    def read_range(self, model_id: str, tensor: str, expert: int, offset: int,
-                   length: int) -> bytes | None:
+    def read_range(
+        self, model_id: str, tensor: str, expert: int, offset: int, length: int
+    ) -> bytes | None:
         """Bytes of a piece for a peer; None if we do not have it. A blob is verified
         before it is served (once per file version), so bit rot on disk is not passed on
         (and peers do not take us for a liar): a corrupt one is not had."""
@@ -426,8 +470,10 @@ class ShardStore:
         held = set(self.held_units(model_id))
         missing = [u for u in units_of(manifest, spec) if u not in held]
         if missing:
-            raise StoreError(f"{spec} of {model_id[:16]} is not held here (missing {missing[0]}): "
-                             "add the model or download the slice first")
+            raise StoreError(
+                f"{spec} of {model_id[:16]} is not held here (missing {missing[0]}): "
+                "add the model or download the slice first"
+            )
         # A file of its own per writer: the loader and the gateway may assemble the same
         # slice at once (a shared ".tmp" was renamed away under the other, which then
         # failed and took its daemon down). Both write the same verified bytes.
@@ -456,8 +502,12 @@ class ShardStore:
         if self._verified(path, _slice_content(model_id, spec), intact):
             return True
         if path.exists():
-            log.warning("stored slice is corrupt: deleted, assembling it again from the "
-                        "verified pieces", model=model_id[:16], slice=str(spec), path=str(path))
+            log.warning(
+                "stored slice is corrupt: deleted, assembling it again from the verified pieces",
+                model=model_id[:16],
+                slice=str(spec),
+                path=str(path),
+            )
             self._forget(path)
             path.unlink(missing_ok=True)
         return False
@@ -471,8 +521,9 @@ class ShardStore:
             st = path.stat()
         except FileNotFoundError:
             return False
-        row = self._db.execute("SELECT content, size, mtime_ns, inode FROM shard_verified "
-                               "WHERE path = ?", (str(path),)).fetchone()
+        row = self._db.execute(
+            "SELECT content, size, mtime_ns, inode FROM shard_verified WHERE path = ?", (str(path),)
+        ).fetchone()
         if row == (content, st.st_size, st.st_mtime_ns, st.st_ino):
             return True
         if not check():
@@ -484,8 +535,10 @@ class ShardStore:
         """Record that this version of the file holds ``content`` (written or checked)."""
         st = path.stat() if st is None else st
         with self._lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO shard_verified VALUES (?, ?, ?, ?, ?)",
-                             (str(path), content, st.st_size, st.st_mtime_ns, st.st_ino))
+            self._db.execute(
+                "INSERT OR REPLACE INTO shard_verified VALUES (?, ?, ?, ?, ?)",
+                (str(path), content, st.st_size, st.st_mtime_ns, st.st_ino),
+            )
 
     def _forget(self, path: Path) -> None:
         with self._lock, self._db:
@@ -500,13 +553,21 @@ class ShardStore:
             rows = self._db.execute(
                 "SELECT u.model_id, u.unit FROM shard_units u JOIN shard_refs r "
                 "ON r.model_id = u.model_id AND r.unit = u.unit "
-                "WHERE r.sha256 = ? AND u.state = 'held'", (piece.sha256,)).fetchall()
-            self._db.executemany("UPDATE shard_units SET state = 'pending' "
-                                 "WHERE model_id = ? AND unit = ?", rows)
+                "WHERE r.sha256 = ? AND u.state = 'held'",
+                (piece.sha256,),
+            ).fetchall()
+            self._db.executemany(
+                "UPDATE shard_units SET state = 'pending' WHERE model_id = ? AND unit = ?", rows
+            )
         units = sorted(Unit.parse(u) for _, u in rows)
-        log.warning("stored shard piece is corrupt: deleted; its units are no longer held "
-                    "and are downloaded again", tensor=piece.tensor, expert=piece.expert,
-                    units=[str(u) for u in units], path=str(path))
+        log.warning(
+            "stored shard piece is corrupt: deleted; its units are no longer held "
+            "and are downloaded again",
+            tensor=piece.tensor,
+            expert=piece.expert,
+            units=[str(u) for u in units],
+            path=str(path),
+        )
         return units
 
     def _try_manifest(self, model_id: str) -> Manifest | None:
@@ -516,15 +577,18 @@ class ShardStore:
             return None
 
     def _units(self, model_id: str, state: str | None) -> list[str]:
-        rows = self._db.execute("SELECT unit FROM shard_units WHERE model_id = ? "
-                                "AND (? IS NULL OR state = ?)", (model_id, state, state))
+        rows = self._db.execute(
+            "SELECT unit FROM shard_units WHERE model_id = ? AND (? IS NULL OR state = ?)",
+            (model_id, state, state),
+        )
         return [r[0] for r in rows]
 
     def _delete_unreferenced(self, shas: set[bytes]) -> int:
         freed = 0
         for sha in shas:
-            if self._db.execute("SELECT 1 FROM shard_refs WHERE sha256 = ? LIMIT 1",
-                                (sha,)).fetchone():
+            if self._db.execute(
+                "SELECT 1 FROM shard_refs WHERE sha256 = ? LIMIT 1", (sha,)
+            ).fetchone():
                 continue
             for path in (self._blob(sha), self._partial(sha)):
                 with contextlib.suppress(FileNotFoundError):

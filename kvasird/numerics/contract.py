@@ -59,13 +59,27 @@ class Tolerances:
     """Fraction of positions whose argmax agrees."""
 
 
-EXACT = Tolerances(op_rel_linf=1e-5, rope_rel_linf=1e-3, matmul_cosine=0.999999,
-                   rounded_matmul_rel_l2=1e-5, drift_cosine=0.99999, logits_cosine=0.99999,
-                   logits_kl=1e-6, top1=0.99)
+EXACT = Tolerances(
+    op_rel_linf=1e-5,
+    rope_rel_linf=1e-3,
+    matmul_cosine=0.999999,
+    rounded_matmul_rel_l2=1e-5,
+    drift_cosine=0.99999,
+    logits_cosine=0.99999,
+    logits_kl=1e-6,
+    top1=0.99,
+)
 """All-F32 weights: float32 rounding only (measured rel-L2 ~1e-7 on generated models)."""
-QUANTIZED = Tolerances(op_rel_linf=1e-5, rope_rel_linf=1e-3, matmul_cosine=0.9995,
-                       rounded_matmul_rel_l2=1e-5, drift_cosine=0.995, logits_cosine=0.999,
-                       logits_kl=0.05, top1=0.85)
+QUANTIZED = Tolerances(
+    op_rel_linf=1e-5,
+    rope_rel_linf=1e-3,
+    matmul_cosine=0.9995,
+    rounded_matmul_rel_l2=1e-5,
+    drift_cosine=0.995,
+    logits_cosine=0.999,
+    logits_kl=0.05,
+    top1=0.85,
+)
 """F16 or quantized weights: the activation rounding of every matmul compounds over depth.
 Measured on the bundled Q4_1 model (30 layers, random-token prompts, F16 KV): logits
 cosine 0.9997, KL 0.011-0.014, top-1 0.92; the bounds leave about 3x room."""
@@ -144,8 +158,9 @@ def verify(path: str | Path, threads: int = 0, plan: VerifyPlan = VerifyPlan()) 
     path = Path(path)
     f = GGUFFile(path)
     threads = compute_threads(threads)
-    types = sorted({GGMLQuantizationType(t.type).name for t in f.tensors.values()
-                    if len(t.ne) >= 2})
+    types = sorted(
+        {GGMLQuantizationType(t.type).name for t in f.tensors.values() if len(t.ne) >= 2}
+    )
     tol = EXACT if set(types) == {"F32"} else QUANTIZED
     oracle = Oracle(path, kv_f16=plan.kv_dtype == "f16")  # the KV type is a declared precision
     kv = KVSpec(n_slots=max(256, plan.prompt_len + plan.greedy_tokens + 64), dtype=plan.kv_dtype)
@@ -163,28 +178,49 @@ def verify(path: str | Path, threads: int = 0, plan: VerifyPlan = VerifyPlan()) 
             want.append(oracle.logits(p))
         logits = compare(np.concatenate(got), np.concatenate(want))
         divergence = tuple(
-            first_divergence(generate(stage, p, plan.greedy_tokens),
-                             oracle.generate(p, plan.greedy_tokens)[0])
-            for p in prompts[: plan.greedy_prompts])
+            first_divergence(
+                generate(stage, p.tolist(), plan.greedy_tokens),
+                oracle.generate(p, plan.greedy_tokens)[0],
+            )
+            for p in prompts[: plan.greedy_prompts]
+        )
     finally:
         stage.close()
-    checks = [Check(f"op {d.op} rel_linf", d.delta.rel_linf,
-                    tol.rope_rel_linf if d.op.startswith("rope") else tol.op_rel_linf, "max")
-              for d in ops if not d.op.startswith("matmul")]
-    checks += [Check(f"op {d.op} cosine", d.delta.cosine, tol.matmul_cosine, "min")
-               for d in ops if d.op.startswith("matmul") and not d.op.endswith("rounded")]
-    checks += [Check(f"op {d.op} rel_l2", d.delta.rel_l2, tol.rounded_matmul_rel_l2, "max")
-               for d in ops if d.op.endswith("rounded")]
-    checks += [Check("last layer hidden cosine", drift[-1].cosine, tol.drift_cosine, "min"),
-               Check("logits cosine", logits.cosine, tol.logits_cosine, "min"),
-               Check("logits KL", logits.kl, tol.logits_kl, "max"),
-               Check("top-1 agreement", logits.top1, tol.top1, "min")]
+    checks = [
+        Check(
+            f"op {d.op} rel_linf",
+            d.delta.rel_linf,
+            tol.rope_rel_linf if d.op.startswith("rope") else tol.op_rel_linf,
+            "max",
+        )
+        for d in ops
+        if not d.op.startswith("matmul")
+    ]
+    checks += [
+        Check(f"op {d.op} cosine", d.delta.cosine, tol.matmul_cosine, "min")
+        for d in ops
+        if d.op.startswith("matmul") and not d.op.endswith("rounded")
+    ]
+    checks += [
+        Check(f"op {d.op} rel_l2", d.delta.rel_l2, tol.rounded_matmul_rel_l2, "max")
+        for d in ops
+        if d.op.endswith("rounded")
+    ]
+    checks += [
+        Check("last layer hidden cosine", drift[-1].cosine, tol.drift_cosine, "min"),
+        Check("logits cosine", logits.cosine, tol.logits_cosine, "min"),
+        Check("logits KL", logits.kl, tol.logits_kl, "max"),
+        Check("top-1 agreement", logits.top1, tol.top1, "min"),
+    ]
     return Verdict(
         backend=backend.name,
         precision=f"f32 accumulate; weights {'+'.join(types)}; kv {plan.kv_dtype}",
         passed=all(c.ok for c in checks),
         model=f"{path.name} ({archs.for_hparams(oracle.hp).label}, {oracle.hp.n_layer} layers)",
-        checks=tuple(checks), ops=tuple(ops), drift=tuple(drift), logits=logits,
+        checks=tuple(checks),
+        ops=tuple(ops),
+        drift=tuple(drift),
+        logits=logits,
         greedy_divergence=divergence,
     )
 

@@ -57,8 +57,7 @@ FEATURES: dict[str, Features] = {
     "llama": Features(),
     "qwen3": Features(rope_neox=True, qk_norm=True),
     "qwen3moe": Features(rope_neox=True, qk_norm=True),
-    "gemma3": Features(rope_neox=True, qk_norm=True, post_norms=True, geglu=True,
-                       embed_scale=True),
+    "gemma3": Features(rope_neox=True, qk_norm=True, post_norms=True, geglu=True, embed_scale=True),
     "qwen35": Features(rope_neox=True, qk_norm=True, hybrid=True),
     "qwen35moe": Features(rope_neox=True, qk_norm=True, hybrid=True),
     "gpt-oss": Features(rope_neox=True, oai_experts=True),
@@ -70,8 +69,9 @@ graphs. Whether a layer has experts is read from the file, and so are the number
 
 def features_of(hp: HParams) -> Features:
     if hp.arch not in FEATURES:
-        raise WeightsError(f"the oracle has no architecture {hp.arch!r} "
-                           f"(it knows {', '.join(FEATURES)})")
+        raise WeightsError(
+            f"the oracle has no architecture {hp.arch!r} (it knows {', '.join(FEATURES)})"
+        )
     return dataclasses.replace(FEATURES[hp.arch], experts=hp.n_expert > 0)
 
 
@@ -147,7 +147,7 @@ class Oracle:
             qtype = GGMLQuantizationType(info.type)
             shape = tuple(reversed(info.ne))
             if qtype == GGMLQuantizationType.F32:
-                arr = raw.view(np.float32).reshape(shape)
+                arr: np.ndarray = raw.view(np.float32).reshape(shape)
             elif qtype == GGMLQuantizationType.F16:
                 arr = raw.view(np.float16).reshape(shape)
             else:
@@ -168,8 +168,11 @@ class Oracle:
         """x [T, heads, d]: halves rotated (NEOX) or adjacent pairs, as the features say,
         with the layer's base (sliding-window layers may have their own)."""
         hp = self.hp
-        base, scale = (hp.rope_base_swa, hp.rope_scale_swa) if hp.is_swa(layer) else \
-            (hp.rope_base, hp.rope_scale)
+        base, scale = (
+            (hp.rope_base_swa, hp.rope_scale_swa)
+            if hp.is_swa(layer)
+            else (hp.rope_base, hp.rope_scale)
+        )
         n = hp.rot_dims
         yarn = Yarn(scale, hp.yarn_ext, hp.yarn_attn, hp.rope_ctx)
         turned = rope(x[..., :n], positions, base, neox=self.features.rope_neox, yarn=yarn)
@@ -182,7 +185,7 @@ class Oracle:
             return x + self.delta_net(layer, h, start, cache)
         if self.features.hybrid:  # each head's query, then its output gate
             qg = self.mm(h, p + "attn_q.weight").reshape(T, hp.n_head, 2 * hp.head_dim)
-            q, gate = qg[..., :hp.head_dim], qg[..., hp.head_dim:].reshape(T, -1)
+            q, gate = qg[..., : hp.head_dim], qg[..., hp.head_dim :].reshape(T, -1)
         else:
             q = self.linear(h, p + "attn_q").reshape(T, hp.n_head, hp.head_dim)
         k = self.linear(h, p + "attn_k").reshape(T, hp.n_head_kv, hp.head_dim)
@@ -198,9 +201,9 @@ class Oracle:
         vs = np.concatenate([cache.v.get(layer, v[:0])[:start], v])
         cache.k[layer], cache.v[layer] = ks, vs
         group = hp.n_head // hp.n_head_kv
-        kh = np.repeat(ks, group, axis=1)                         # [S, H, d]
+        kh = np.repeat(ks, group, axis=1)  # [S, H, d]
         vh = np.repeat(vs, group, axis=1)
-        scores = np.einsum("thd,shd->hts", q, kh) * (hp.attn_scale or hp.head_dim ** -0.5)
+        scores = np.einsum("thd,shd->hts", q, kh) * (hp.attn_scale or hp.head_dim**-0.5)
         back = pos[:, None] - np.arange(len(ks))[None, :]
         allowed = (back >= 0) & ((back < hp.n_swa) if hp.is_swa(layer) else True)
         scores = np.where(allowed[None], scores, -np.inf)
@@ -213,8 +216,9 @@ class Oracle:
         out = np.einsum("hts,shd->thd", probs, vh).reshape(T, hp.n_head * hp.head_dim)
         if self.features.hybrid:
             out = out * sigmoid(gate)
-        return x + self.post_norm(self.linear(out, p + "attn_output"),
-                                  p + "post_attention_norm.weight")
+        return x + self.post_norm(
+            self.linear(out, p + "attn_output"), p + "post_attention_norm.weight"
+        )
 
     def delta_net(self, layer: int, h: np.ndarray, start: int, cache: OracleCache) -> np.ndarray:
         """A gated delta-net over normed rows h [T, n_embd], token by token from the cached
@@ -225,16 +229,17 @@ class Oracle:
         d, hk, hv, width = hp.ssm_head_dim, hp.ssm_k_heads, hp.ssm_v_heads, hp.ssm_conv
         fresh = start == 0 or layer not in cache.conv
         held = np.zeros((width - 1, hp.conv_channels)) if fresh else cache.conv[layer]
-        seq = np.concatenate([held, self.mm(h, p + "attn_qkv.weight")])   # [width-1+T, C]
+        seq = np.concatenate([held, self.mm(h, p + "attn_qkv.weight")])  # [width-1+T, C]
         cache.conv[layer] = seq[T:]
         conv = causal_conv(seq, self.w(p + "ssm_conv1d.weight"))
         conv = conv * sigmoid(conv)
-        q = l2_norm(conv[:, :d * hk].reshape(T, hk, d), hp.rms_eps)
-        k = l2_norm(conv[:, d * hk:2 * d * hk].reshape(T, hk, d), hp.rms_eps)
-        v = conv[:, 2 * d * hk:].reshape(T, hv, d)
+        q = l2_norm(conv[:, : d * hk].reshape(T, hk, d), hp.rms_eps)
+        k = l2_norm(conv[:, d * hk : 2 * d * hk].reshape(T, hk, d), hp.rms_eps)
+        v = conv[:, 2 * d * hk :].reshape(T, hv, d)
         beta = sigmoid(self.mm(h, p + "ssm_beta.weight"))
-        g = softplus(self.mm(h, p + "ssm_alpha.weight") + self.w(p + "ssm_dt.bias")) \
-            * self.w(p + "ssm_a")
+        g = softplus(self.mm(h, p + "ssm_alpha.weight") + self.w(p + "ssm_dt.bias")) * self.w(
+            p + "ssm_a"
+        )
         state = np.zeros((hv, d, d)) if fresh else cache.delta[layer]
         out, cache.delta[layer] = delta_rule(q, k, v, g, beta, state)
         z = self.mm(h, p + "attn_gate.weight").reshape(T, hv, d)
@@ -252,8 +257,11 @@ class Oracle:
     @property
     def ffn_norm(self) -> str:
         """The FFN input's norm (the hybrids norm it with post_attention_norm)."""
-        return "post_attention_norm.weight" if self.features.hybrid or \
-            self.features.oai_experts else "ffn_norm.weight"
+        return (
+            "post_attention_norm.weight"
+            if self.features.hybrid or self.features.oai_experts
+            else "ffn_norm.weight"
+        )
 
     def dense_ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         p = f"blk.{layer}."
@@ -279,15 +287,18 @@ class Oracle:
     def experts(self, layer: int, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """[T, k, n_embd]: expert ids[t, j]'s FFN applied to rows[t] (ids are global)."""
         p = f"blk.{layer}."
-        gate, up, down = (self.w(p + n) for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight",
-                                                   "ffn_down_exps.weight"))
+        gate, up, down = (
+            self.w(p + n)
+            for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+        )
         xq = self.act(rows, p + "ffn_gate_exps.weight")
         g = np.einsum("tkfe,te->tkf", gate[ids], xq) + self.expert_bias(p + "ffn_gate_exps", ids)
         u = np.einsum("tkfe,te->tkf", up[ids], xq) + self.expert_bias(p + "ffn_up_exps", ids)
         act = swiglu_oai(g, u, self.hp.swiglu_limit) if self.features.oai_experts else swiglu(g, u)
         par = self.act(act, p + "ffn_down_exps.weight")
-        return np.einsum("tkef,tkf->tke", down[ids], par) + \
-            self.expert_bias(p + "ffn_down_exps", ids)
+        return np.einsum("tkef,tkf->tke", down[ids], par) + self.expert_bias(
+            p + "ffn_down_exps", ids
+        )
 
     def expert_bias(self, name: str, ids: np.ndarray) -> np.ndarray | float:
         """Each routed expert's bias [T, k, n] for name.bias (0 where the file has none)."""
@@ -364,12 +375,14 @@ def causal_conv(seq: np.ndarray, kernel: np.ndarray) -> np.ndarray:
     """Depthwise convolution of seq [width - 1 + T, C] (the held inputs, then T new ones)
     with kernel [C, width], column width - 1 weighing the current input: [T, C]."""
     width = kernel.shape[1]
-    return np.stack([(seq[t:t + width] * kernel.T).sum(axis=0)
-                     for t in range(len(seq) - width + 1)])
+    return np.stack(
+        [(seq[t : t + width] * kernel.T).sum(axis=0) for t in range(len(seq) - width + 1)]
+    )
 
 
-def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-               state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def delta_rule(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, state: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """The gated delta rule token by token: q, k [T, n_k, d], v [T, n_v, d], g and beta
     [T, n_v], state [n_v, d_k, d_v]; value head j reads key head j mod n_k. Per token and
     head S <- e^g S; S <- S + k (beta (v - S^T k))^T; o = S^T q / sqrt(d).
@@ -378,7 +391,7 @@ def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta:
     tile = np.arange(hv) % k.shape[1]
     out = np.empty((T, hv, d))
     for t in range(T):
-        kt, qt = k[t, tile], q[t, tile]                                   # [hv, d]
+        kt, qt = k[t, tile], q[t, tile]  # [hv, d]
         state = state * np.exp(g[t])[:, None, None]
         err = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", state, kt))
         state = state + kt[:, :, None] * err[:, None, :]
@@ -455,8 +468,9 @@ class Yarn:
         return interp * (1 - mix) + theta * mix, self.attn * (1 + 0.1 * np.log(1 / self.scale))
 
 
-def rope(x: np.ndarray, positions: np.ndarray, base: float, neox: bool,
-         yarn: Yarn = Yarn()) -> np.ndarray:
+def rope(
+    x: np.ndarray, positions: np.ndarray, base: float, neox: bool, yarn: Yarn = Yarn()
+) -> np.ndarray:
     """Rotate x [T, heads, d] by position: halves paired (neox) or adjacent pairs (normal),
     frequencies scaled as `yarn` says."""
     d = x.shape[-1]
@@ -464,7 +478,7 @@ def rope(x: np.ndarray, positions: np.ndarray, base: float, neox: bool,
     ang, mag = yarn.angles(np.asarray(positions, np.float64)[:, None] * inv[None, :], d, base)
     cos, sin = mag * np.cos(ang)[:, None, :], mag * np.sin(ang)[:, None, :]
     if neox:
-        a, b = x[..., : d // 2], x[..., d // 2:]
+        a, b = x[..., : d // 2], x[..., d // 2 :]
         return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
     a, b = x[..., 0::2], x[..., 1::2]
     out = np.empty(np.broadcast_shapes(x.shape), np.float64)
@@ -474,8 +488,7 @@ def rope(x: np.ndarray, positions: np.ndarray, base: float, neox: bool,
 
 
 _MIN_TYPES = {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_1}
-_Q8_0_FAMILY = {GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                                                  "MXFP4")}
+_Q8_0_FAMILY = {GGMLQuantizationType[n] for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")}
 _Q8_K_FAMILY = {GGMLQuantizationType[n] for n in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")}
 
 

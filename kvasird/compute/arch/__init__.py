@@ -27,8 +27,7 @@ from kvasird.compute.graph import Tensor
 from kvasird.compute.hparams import HParams
 from kvasird.compute.shapes import check_model
 
-_MODULES = ("llama", "llama_moe", "qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe",
-            "gpt_oss")
+_MODULES = ("llama", "llama_moe", "qwen3", "qwen3moe", "gemma3", "qwen35", "qwen35moe", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,16 @@ class Architecture:
         return f"{self.name} with experts" if self.is_moe and dense_too else self.name
 
 
-def routed_layer(dense: Callable[[Blocks, int, Tensor], RouterOut]
-                 ) -> Callable[[Blocks, int, Tensor], Tensor]:
+def routed_layer(
+    dense: Callable[[Blocks, int, Tensor], RouterOut],
+) -> Callable[[Blocks, int, Tensor], Tensor]:
     """A MoE architecture's whole layer: its dense part, then every routed expert held
     locally, combined into the residual."""
+
     def layer(b: Blocks, layer: int, x: Tensor) -> Tensor:
         r = dense(b, layer, x)
         return b.combine(r, b.experts(layer, r.cur, r.ids))
+
     return layer
 
 
@@ -103,8 +105,9 @@ def get(name: str, n_expert: int | None = None) -> Architecture:
     what = repr(name)
     if named:
         what += f" with {n_expert} experts" if n_expert else " without experts"
-    raise WeightsError(f"architecture {what} is not supported "
-                       f"(supported: {', '.join(supported())})")
+    raise WeightsError(
+        f"architecture {what} is not supported (supported: {', '.join(supported())})"
+    )
 
 
 def for_hparams(hp: HParams) -> Architecture:

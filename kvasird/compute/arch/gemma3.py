@@ -15,8 +15,9 @@ from kvasird.compute.graph import Tensor, ggml
 
 def _layer(b: Blocks, layer: int, x: Tensor) -> Tensor:
     p = f"blk.{layer}."
-    attn = b.self_attention(layer, b.norm(x, p + "attn_norm.weight"), ROPE_NEOX, qk_norm=True,
-                            scale_q=True)
+    attn = b.self_attention(
+        layer, b.norm(x, p + "attn_norm.weight"), ROPE_NEOX, qk_norm=True, scale_q=True
+    )
     x = b.mixed(layer, ggml.ggml_add(b.ctx, b.norm(attn, p + "post_attention_norm.weight"), x))
     ffn = b.ffn(layer, b.norm(x, p + "ffn_norm.weight"), GEGLU)
     return ggml.ggml_add(b.ctx, b.norm(ffn, p + "post_ffw_norm.weight"), x)
@@ -24,10 +25,21 @@ def _layer(b: Blocks, layer: int, x: Tensor) -> Tensor:
 
 ARCH = Architecture(
     name="gemma3",
-    dense_tensors=("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                   "attn_q_norm.weight", "attn_k_norm.weight", "attn_output.weight",
-                   "post_attention_norm.weight", "ffn_norm.weight", "ffn_gate.weight",
-                   "ffn_up.weight", "ffn_down.weight", "post_ffw_norm.weight"),
+    dense_tensors=(
+        "attn_norm.weight",
+        "attn_q.weight",
+        "attn_k.weight",
+        "attn_v.weight",
+        "attn_q_norm.weight",
+        "attn_k_norm.weight",
+        "attn_output.weight",
+        "post_attention_norm.weight",
+        "ffn_norm.weight",
+        "ffn_gate.weight",
+        "ffn_up.weight",
+        "ffn_down.weight",
+        "post_ffw_norm.weight",
+    ),
     expert_tensors=(),
     layer=_layer,
     scaled_embedding=True,

@@ -18,21 +18,40 @@ from kvasird.compute.graph import Tensor, ggml
 
 
 def _dense(b: Blocks, layer: int, x: Tensor) -> RouterOut:
-    attn = b.self_attention(layer, b.norm(x, f"blk.{layer}.attn_norm.weight"), ROPE_NEOX,
-                            qk_norm=False)
+    attn = b.self_attention(
+        layer, b.norm(x, f"blk.{layer}.attn_norm.weight"), ROPE_NEOX, qk_norm=False
+    )
     x = b.mixed(layer, ggml.ggml_add(b.ctx, attn, x))
-    return b.router(layer, x, normalise=False, norm="post_attention_norm.weight",
-                    softmax_after=True)
+    return b.router(
+        layer, x, normalise=False, norm="post_attention_norm.weight", softmax_after=True
+    )
 
 
 ARCH = Architecture(
     name="gpt-oss",
-    dense_tensors=("attn_norm.weight", "attn_q.weight", "attn_q.bias", "attn_k.weight",
-                   "attn_k.bias", "attn_v.weight", "attn_v.bias", "attn_output.weight",
-                   "attn_output.bias", "attn_sinks.weight", "post_attention_norm.weight",
-                   "ffn_gate_inp.weight", "ffn_gate_inp.bias"),
-    expert_tensors=("ffn_gate_exps.weight", "ffn_gate_exps.bias", "ffn_up_exps.weight",
-                    "ffn_up_exps.bias", "ffn_down_exps.weight", "ffn_down_exps.bias"),
+    dense_tensors=(
+        "attn_norm.weight",
+        "attn_q.weight",
+        "attn_q.bias",
+        "attn_k.weight",
+        "attn_k.bias",
+        "attn_v.weight",
+        "attn_v.bias",
+        "attn_output.weight",
+        "attn_output.bias",
+        "attn_sinks.weight",
+        "post_attention_norm.weight",
+        "ffn_gate_inp.weight",
+        "ffn_gate_inp.bias",
+    ),
+    expert_tensors=(
+        "ffn_gate_exps.weight",
+        "ffn_gate_exps.bias",
+        "ffn_up_exps.weight",
+        "ffn_up_exps.bias",
+        "ffn_down_exps.weight",
+        "ffn_down_exps.bias",
+    ),
     layer=routed_layer(_dense),
     dense=_dense,
 )

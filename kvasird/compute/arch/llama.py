@@ -14,9 +14,17 @@ def _layer(b: Blocks, layer: int, x: Tensor) -> Tensor:
 
 ARCH = Architecture(
     name="llama",
-    dense_tensors=("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                   "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
-                   "ffn_down.weight"),
+    dense_tensors=(
+        "attn_norm.weight",
+        "attn_q.weight",
+        "attn_k.weight",
+        "attn_v.weight",
+        "attn_output.weight",
+        "ffn_norm.weight",
+        "ffn_gate.weight",
+        "ffn_up.weight",
+        "ffn_down.weight",
+    ),
     expert_tensors=(),
     layer=_layer,
 )

@@ -20,8 +20,15 @@ def _dense(b: Blocks, layer: int, x: Tensor) -> RouterOut:
 
 ARCH = Architecture(
     name="llama",
-    dense_tensors=("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                   "attn_output.weight", "ffn_norm.weight", "ffn_gate_inp.weight"),
+    dense_tensors=(
+        "attn_norm.weight",
+        "attn_q.weight",
+        "attn_k.weight",
+        "attn_v.weight",
+        "attn_output.weight",
+        "ffn_norm.weight",
+        "ffn_gate_inp.weight",
+    ),
     expert_tensors=("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"),
     layer=routed_layer(_dense),
     dense=_dense,

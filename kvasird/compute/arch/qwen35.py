@@ -13,11 +13,26 @@ from kvasird.compute.arch import Architecture
 from kvasird.compute.blocks import SWIGLU, Blocks
 from kvasird.compute.graph import Tensor, ggml
 
-ATTENTION = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q_norm.weight",
-             "attn_k_norm.weight", "attn_output.weight")
+ATTENTION = (
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_q_norm.weight",
+    "attn_k_norm.weight",
+    "attn_output.weight",
+)
 """A full-attention layer's own tensors (attn_q holds each head's query and gate)."""
-DELTA_NET = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a",
-             "ssm_beta.weight", "ssm_alpha.weight", "ssm_norm.weight", "ssm_out.weight")
+DELTA_NET = (
+    "attn_qkv.weight",
+    "attn_gate.weight",
+    "ssm_conv1d.weight",
+    "ssm_dt.bias",
+    "ssm_a",
+    "ssm_beta.weight",
+    "ssm_alpha.weight",
+    "ssm_norm.weight",
+    "ssm_out.weight",
+)
 """A delta-net layer's own tensors."""
 
 
@@ -36,8 +51,13 @@ def _layer(b: Blocks, layer: int, x: Tensor) -> Tensor:
 
 ARCH = Architecture(
     name="qwen35",
-    dense_tensors=("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight",
-                   "ffn_up.weight", "ffn_down.weight"),
+    dense_tensors=(
+        "attn_norm.weight",
+        "post_attention_norm.weight",
+        "ffn_gate.weight",
+        "ffn_up.weight",
+        "ffn_down.weight",
+    ),
     expert_tensors=(),
     layer=_layer,
     attention_tensors=ATTENTION,

@@ -15,15 +15,22 @@ from kvasird.compute.graph import Tensor
 
 
 def _dense(b: Blocks, layer: int, x: Tensor) -> RouterOut:
-    return b.router(layer, mixer(b, layer, x), normalise=True,
-                    norm="post_attention_norm.weight", shared=True)
+    return b.router(
+        layer, mixer(b, layer, x), normalise=True, norm="post_attention_norm.weight", shared=True
+    )
 
 
 ARCH = Architecture(
     name="qwen35moe",
-    dense_tensors=("attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp.weight",
-                   "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
-                   "ffn_down_shexp.weight"),
+    dense_tensors=(
+        "attn_norm.weight",
+        "post_attention_norm.weight",
+        "ffn_gate_inp.weight",
+        "ffn_gate_inp_shexp.weight",
+        "ffn_gate_shexp.weight",
+        "ffn_up_shexp.weight",
+        "ffn_down_shexp.weight",
+    ),
     expert_tensors=("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"),
     layer=routed_layer(_dense),
     dense=_dense,

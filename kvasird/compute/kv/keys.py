@@ -34,8 +34,9 @@ def page_keys(tokens: Sequence[int]) -> bytes:
     ids = np.asarray(tokens, dtype="<i4")
     out, key = bytearray(), b""
     for i in range(len(ids) // PAGE):
-        key = hashlib.blake2b(key + ids[i * PAGE:(i + 1) * PAGE].tobytes(),
-                              digest_size=KEY_BYTES).digest()
+        key = hashlib.blake2b(
+            key + ids[i * PAGE : (i + 1) * PAGE].tobytes(), digest_size=KEY_BYTES
+        ).digest()
         out += key
     return bytes(out)
 
@@ -44,4 +45,4 @@ def split_keys(keys: bytes) -> list[bytes]:
     """page_keys' output as a list of keys (a length not a multiple of KEY_BYTES: InputError)."""
     if len(keys) % KEY_BYTES:
         raise InputError(f"page keys come in {KEY_BYTES}-byte units, got {len(keys)} bytes")
-    return [keys[i:i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]
+    return [keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)]

@@ -63,8 +63,9 @@ class KVPool:
     """K and V tensors for `layers`, their delta-net states (`states`), and the free lists
     of pages."""
 
-    def __init__(self, backend: Backend, hp: HParams, layers: range, spec: KVSpec, *,
-                 chunk: int) -> None:
+    def __init__(
+        self, backend: Backend, hp: HParams, layers: range, spec: KVSpec, *, chunk: int
+    ) -> None:
         """`chunk` is the most positions one graph computes: a ring holds it and its window."""
         if spec.dtype not in KV_TYPES:
             raise InputError(f"kv dtype {spec.dtype!r} is not one of {', '.join(KV_TYPES)}")
@@ -77,8 +78,10 @@ class KVPool:
         self.spec = spec
         self.n_swa = hp.n_swa
         self.window_layers = frozenset(
-            () if spec.swa_full else
-            (layer for layer in layers if hp.is_swa(layer) and not hp.is_recurrent(layer)))
+            ()
+            if spec.swa_full
+            else (layer for layer in layers if hp.is_swa(layer) and not hp.is_recurrent(layer))
+        )
         """Sliding-window layers whose KV lives in the window pool."""
         self.ring = ring_pages(hp.n_swa, chunk) if self.window_layers else 0
         """Window-pool pages of a whole ring."""
@@ -168,8 +171,10 @@ class KVPool:
         if not self._free and self.prefix is not None:
             self.prefix.evict()
         if not self._free:
-            raise KVCacheFull(f"the KV pool is full ({self.n_slots} slots): close idle sessions "
-                              "or raise the pool size")
+            raise KVCacheFull(
+                f"the KV pool is full ({self.n_slots} slots): close idle sessions "
+                "or raise the pool size"
+            )
         page = self._free.pop()
         self._refs[page] = 1
         return page
@@ -208,8 +213,10 @@ class KVPool:
         if not self.states.free and self.states.marked:  # a live session's mark gives way
             next(iter(self.states.marked.values()))._drop_mark()
         if not self.states.free:
-            raise KVCacheFull(f"all {self.spec.state_slots} recurrent-state slots are in use: "
-                              "close idle sessions or raise the number of state slots")
+            raise KVCacheFull(
+                f"all {self.spec.state_slots} recurrent-state slots are in use: "
+                "close idle sessions or raise the number of state slots"
+            )
         return self.states.free.pop()
 
     def close(self) -> None:
@@ -243,25 +250,33 @@ class Session:
         """Make room for positions [start, start + n_tokens), dropping cached positions >= start."""
         pool = self._live()
         if not 0 <= start <= self.n_past:
-            raise InputError(f"position {start} is past the cached context ({self.n_past} tokens): "
-                             "send the missing tokens first")
+            raise InputError(
+                f"position {start} is past the cached context ({self.n_past} tokens): "
+                "send the missing tokens first"
+            )
         if pool.recurrent and 0 < start < self.n_past:
-            raise InputError(f"a recurrent state cannot go back to position {start} "
-                             f"(it holds {self.n_past}): replay the history from position 0")
+            raise InputError(
+                f"a recurrent state cannot go back to position {start} "
+                f"(it holds {self.n_past}): replay the history from position 0"
+            )
         self._check_window(start)
         end = start + n_tokens
         if end > pool.max_session_tokens:
             raise KVCacheFull(f"{end} tokens exceed the session limit of {pool.max_session_tokens}")
         need = -(-end // PAGE) - len(self.pages) + self._shared_from(start)
         if need > len(pool._free) and need > pool.free_pages:  # counting kept pages: rarely
-            raise KVCacheFull(f"the KV pool has {pool.free_pages * PAGE} free slots, this "
-                              f"request needs {need * PAGE} more: close idle sessions or raise "
-                              "the pool size")
+            raise KVCacheFull(
+                f"the KV pool has {pool.free_pages * PAGE} free slots, this "
+                f"request needs {need * PAGE} more: close idle sessions or raise "
+                "the pool size"
+            )
         need_ring = max(0, min(-(-end // PAGE), pool.ring) - len(self.ring))
         if need_ring > pool.free_window_pages:
-            raise KVCacheFull(f"the sliding-window pool has {pool.free_window_pages * PAGE} free "
-                              f"slots, this request needs {need_ring * PAGE} more: close idle "
-                              "sessions or raise the number of window sessions")
+            raise KVCacheFull(
+                f"the sliding-window pool has {pool.free_window_pages * PAGE} free "
+                f"slots, this request needs {need_ring * PAGE} more: close idle "
+                "sessions or raise the number of window sessions"
+            )
         if start == 0:
             self.ring_top, self.ring_from = -1, 0
             if self.mark is not None:  # a history from scratch: the old one's copy is stale
@@ -311,7 +326,7 @@ class Session:
     def _shared_from(self, start: int) -> int:
         """Pages from the one holding `start` on that other holders share."""
         pool = self._live()
-        return sum(pool._refs[p] > 1 for p in self.pages[start // PAGE:])
+        return sum(pool._refs[p] > 1 for p in self.pages[start // PAGE :])
 
     def _unshare(self, start: int) -> None:
         """Give the session pages of its own from position `start` on: a shared page there
@@ -338,8 +353,9 @@ class Session:
         pos = np.arange(start, end, dtype=np.int64)
         return np.asarray(self.pages, dtype=np.int64)[pos // PAGE] * PAGE + pos % PAGE
 
-    def window_chunk(self, start: int, end: int, n_pages: int
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def window_chunk(
+        self, start: int, end: int, n_pages: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What the window layers of a graph computing positions [start, end) write and read:
         the window-pool slots those positions go to; the ring pages holding the queries'
         windows in position order, padded to `n_pages` with the first; and the position each
@@ -382,8 +398,10 @@ class Session:
         if not 0 <= n <= self.n_past:
             raise InputError(f"cannot truncate to {n}: the session holds {self.n_past} positions")
         if self.pool is not None and self.pool.recurrent and 0 < n < self.n_past:
-            raise InputError(f"a recurrent state cannot be truncated to {n} of {self.n_past} "
-                             "positions: replay the history from position 0")
+            raise InputError(
+                f"a recurrent state cannot be truncated to {n} of {self.n_past} "
+                "positions: replay the history from position 0"
+            )
         self._check_window(n)
         self.n_past = n
 
@@ -398,12 +416,15 @@ class Session:
             return
         if pool.window_from(start) < self._ring_low():
             kept = self._ring_low() * PAGE
-            raise InputError(f"the sliding-window layers no longer hold the positions before "
-                             f"{start} (their ring keeps positions from {kept}): replay the "
-                             "history from position 0")
+            raise InputError(
+                f"the sliding-window layers no longer hold the positions before "
+                f"{start} (their ring keeps positions from {kept}): replay the "
+                "history from position 0"
+            )
 
-    def close(self, scope: Hashable = None, keep: Sequence[bytes] = (),
-              ids: Sequence[int] | None = None) -> None:
+    def close(
+        self, scope: Hashable = None, keep: Sequence[bytes] = (), ids: Sequence[int] | None = None
+    ) -> None:
         """Free the session; its first len(keep) full pages go to the prefix cache under
         `keep` (keys of its tokens, page_keys) for `scope`, with their token ids if given."""
         if self.pool is not None:

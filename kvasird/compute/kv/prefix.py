@@ -75,8 +75,9 @@ class PrefixCache:
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
-        self._pages: OrderedDict[tuple[Hashable, bytes], tuple[int, np.ndarray | None]] = \
+        self._pages: OrderedDict[tuple[Hashable, bytes], tuple[int, np.ndarray | None]] = (
             OrderedDict()
+        )
         self._rings: OrderedDict[_KeptRing, None] = OrderedDict()
         """Kept rings, least recently used first."""
         self._ends: dict[tuple[Hashable, bytes], tuple[_KeptRing, int]] = {}
@@ -101,8 +102,9 @@ class PrefixCache:
         refs = self.pool._refs
         return sum(refs[page] == 1 for page, _ in self._pages.values())
 
-    def lookup(self, scope: Hashable, keys: Sequence[bytes]
-               ) -> tuple[list[int], np.ndarray | None, _KeptRing | None, int | None]:
+    def lookup(
+        self, scope: Hashable, keys: Sequence[bytes]
+    ) -> tuple[list[int], np.ndarray | None, _KeptRing | None, int | None]:
         """The pages of the longest run of `keys` held for `scope` (with window layers: the
         longest whose window a kept ring holds; with delta-net layers: the longest that
         ends at a kept state), each with a reference taken for the caller, their token ids
@@ -128,7 +130,7 @@ class PrefixCache:
             if found:
                 self.states.move_to_end((scope, keys[len(found) - 1]))
                 state = self.states[scope, keys[len(found) - 1]]
-        for key in reversed(keys[:len(found)]):  # the chain's head becomes the freshest
+        for key in reversed(keys[: len(found)]):  # the chain's head becomes the freshest
             self._pages.move_to_end((scope, key))
         pages = [page for page, _ in found]
         for page in pages:
@@ -154,8 +156,15 @@ class PrefixCache:
             _, slot = self.states.popitem(last=False)
             self.pool.states.free.append(slot)
 
-    def store(self, scope: Hashable, keys: Sequence[bytes], pages: Sequence[int],
-              ids: Sequence[int] | None, low: int = 0, window: Sequence[int] = ()) -> None:
+    def store(
+        self,
+        scope: Hashable,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        ids: Sequence[int] | None,
+        low: int = 0,
+        window: Sequence[int] = (),
+    ) -> None:
         """Keep `pages` (the caller's references, handed over) under `keys`, and with window
         layers the ring pages `window` (handed over, holding window pages low, low + 1, ...),
         filed under every key whose window they hold. A key already held keeps its page
@@ -165,8 +174,11 @@ class PrefixCache:
             key, page = (scope, keys[i]), pages[i]
             held = self._pages.get(key)
             if held is None:
-                page_ids = None if ids is None or len(ids) < (i + 1) * PAGE else \
-                    np.asarray(ids[i * PAGE:(i + 1) * PAGE], np.int32)
+                page_ids = (
+                    None
+                    if ids is None or len(ids) < (i + 1) * PAGE
+                    else np.asarray(ids[i * PAGE : (i + 1) * PAGE], np.int32)
+                )
                 self._pages[key] = (page, page_ids)
             else:
                 self.pool._release(page)

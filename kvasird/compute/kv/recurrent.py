@@ -29,8 +29,9 @@ if TYPE_CHECKING:
 class StateSlots:
     """The delta-net layers' states, `n_slots` rows each, and which rows are free."""
 
-    def __init__(self, arena: TensorArena, hp: HParams, layers: Iterable[int],
-                 n_slots: int) -> None:
+    def __init__(
+        self, arena: TensorArena, hp: HParams, layers: Iterable[int], n_slots: int
+    ) -> None:
         """Adds the states of the delta-net layers among `layers` to `arena`."""
         self.conv: dict[int, Tensor] = {}
         """Delta-net layers' convolution states, [conv_state, n_slots] float32."""
@@ -39,8 +40,9 @@ class StateSlots:
         for layer in layers:
             if hp.is_recurrent(layer):
                 self.conv[layer] = arena.new(f"cache_conv.{layer}", F32, (hp.conv_state, n_slots))
-                self.delta[layer] = arena.new(f"cache_delta.{layer}", F32,
-                                              (hp.delta_state, n_slots))
+                self.delta[layer] = arena.new(
+                    f"cache_delta.{layer}", F32, (hp.delta_state, n_slots)
+                )
         self.free = list(range(n_slots - 1, -1, -1)) if self.conv else []
         """Slots nobody holds, the next one to take last."""
         self.marked: dict[int, Session] = {}

@@ -47,8 +47,9 @@ def first_page(n_swa: int, start: int) -> int:
     return max(0, start - n_swa + 1) // PAGE
 
 
-def ring_chunk(ring: Sequence[int], size: int, n_swa: int, start: int, end: int,
-               n_pages: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def ring_chunk(
+    ring: Sequence[int], size: int, n_swa: int, start: int, end: int, n_pages: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What the window layers of a graph computing positions [start, end) write and read
     through `ring` (window-pool pages of a ring of `size`): the window-pool slots those
     positions go to; the ring pages holding the queries' windows in position order, padded
@@ -59,7 +60,7 @@ def ring_chunk(ring: Sequence[int], size: int, n_swa: int, start: int, end: int,
     slots = pages_of[(pos // PAGE) % size] * PAGE + pos % PAGE
     held = np.arange(first_page(n_swa, start), (end - 1) // PAGE + 1)
     pages = np.full(n_pages, pages_of[held[0] % size], np.int32)
-    pages[:len(held)] = pages_of[held % size]
+    pages[: len(held)] = pages_of[held % size]
     positions = np.full(n_pages * PAGE, np.iinfo(np.int64).max, np.int64)
-    positions[:len(held) * PAGE] = (held[:, None] * PAGE + np.arange(PAGE)).ravel()
+    positions[: len(held) * PAGE] = (held[:, None] * PAGE + np.arange(PAGE)).ravel()
     return slots, pages, positions

@@ -35,11 +35,14 @@ PREFILL_MS_PER_TOKEN = 1.0
 
 def hop_keys(keys: bytes, route: Route, i: int) -> bytes:
     """Token page keys as hop i of `route` files them: scoped by hops 0..i."""
-    seed = hashlib.blake2b(repr([(h.peer, h.first, h.end, h.embed, h.head)
-                                 for h in route.hops[:i + 1]]).encode(),
-                           digest_size=KEY_BYTES).digest()
-    return b"".join(hashlib.blake2b(seed + keys[j:j + KEY_BYTES], digest_size=KEY_BYTES).digest()
-                    for j in range(0, len(keys), KEY_BYTES))
+    seed = hashlib.blake2b(
+        repr([(h.peer, h.first, h.end, h.embed, h.head) for h in route.hops[: i + 1]]).encode(),
+        digest_size=KEY_BYTES,
+    ).digest()
+    return b"".join(
+        hashlib.blake2b(seed + keys[j : j + KEY_BYTES], digest_size=KEY_BYTES).digest()
+        for j in range(0, len(keys), KEY_BYTES)
+    )
 
 
 class PrefixRoutes:
@@ -55,7 +58,7 @@ class PrefixRoutes:
     def remember(self, keys: bytes, route: Route) -> None:
         """`route` computed the pages `keys` name (page_keys of a finished session)."""
         for j in range(len(keys) - KEY_BYTES, -1, -KEY_BYTES):  # the first page freshest
-            key = keys[j:j + KEY_BYTES]
+            key = keys[j : j + KEY_BYTES]
             self._routes[key] = route
             self._routes.move_to_end(key)
         while len(self._routes) > self.capacity:
@@ -64,7 +67,7 @@ class PrefixRoutes:
     def recall(self, keys: bytes) -> tuple[int, Route] | None:
         """(prompt positions, route) of the longest run of `keys` a remembered route holds."""
         for j in range(len(keys) - KEY_BYTES, -1, -KEY_BYTES):
-            route = self._routes.get(keys[j:j + KEY_BYTES])
+            route = self._routes.get(keys[j : j + KEY_BYTES])
             if route is not None:
                 return (j // KEY_BYTES + 1) * PAGE, route
         return None
@@ -82,14 +85,24 @@ def offered(route: Route, holders: Sequence[PeerHoldings]) -> bool:
     return True
 
 
-def route_cost(route: Route, cost: Callable[[str], float], per_layer_ms: float = 0.1,
-               per_hop_ms: float = PER_HOP_MS) -> float:
+def route_cost(
+    route: Route,
+    cost: Callable[[str], float],
+    per_layer_ms: float = 0.1,
+    per_hop_ms: float = PER_HOP_MS,
+) -> float:
     """A route's expected decode step (ms), as plan_route weighs its edges."""
     return sum(cost(h.peer) + per_layer_ms * (h.end - h.first) + per_hop_ms for h in route.hops)
 
 
-def prefer(best: Route, recalled: tuple[int, Route] | None, holders: Sequence[PeerHoldings],
-           cost: Callable[[str], float], steps: int, prefill_ms_per_token: float) -> Route:
+def prefer(
+    best: Route,
+    recalled: tuple[int, Route] | None,
+    holders: Sequence[PeerHoldings],
+    cost: Callable[[str], float],
+    steps: int,
+    prefill_ms_per_token: float,
+) -> Route:
     """The route to take: the one holding the prompt's prefix when it is still offered and
     its decode steps, `steps` of them, cost less extra time than the prefill it spares;
     else `best`."""

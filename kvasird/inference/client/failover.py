@@ -69,31 +69,40 @@ class Accusations:
     def weigh(self, accuser: str, accused: str, detail: str) -> HopFailed:
         """The failure to act on after `accuser` said `accused` sent it unusable rows."""
         if accused == self.me:
-            return Lied(accuser, f"accused this node, which checks its own output, of "
-                                 f"sending NaN or infinite hidden states: {detail}")
+            return Lied(
+                accuser,
+                f"accused this node, which checks its own output, of "
+                f"sending NaN or infinite hidden states: {detail}",
+            )
         if accuser != self.me:
             now = trio.current_time()
-            self._heard = {a: kept for a, heard in self._heard.items()
-                           if (kept := [h for h in heard if now - h[0] < self.within_s])}
+            self._heard = {
+                a: kept
+                for a, heard in self._heard.items()
+                if (kept := [h for h in heard if now - h[0] < self.within_s])
+            }
             heard = self._heard.setdefault(accuser, [])
             heard.append((now, accused))
             if len(named := {peer for _, peer in heard}) > 1:
-                return Lied(accuser, f"accused {len(named)} different peers of sending it "
-                                     f"NaN or infinite hidden states within "
-                                     f"{self.within_s:g} s: {detail}")
+                return Lied(
+                    accuser,
+                    f"accused {len(named)} different peers of sending it "
+                    f"NaN or infinite hidden states within "
+                    f"{self.within_s:g} s: {detail}",
+                )
         return Refused(accused, "broken", f"{detail} (said the hop after it, {accuser[:16]})")
 
 
-def judge(exc: HopFailed, attempt: int, *, max_failovers: int, me: str,
-          fitness: Fitness) -> str:
+def judge(exc: HopFailed, attempt: int, *, max_failovers: int, me: str, fitness: Fitness) -> str:
     """Sentence the peer `exc` names for failover number `attempt` (1, 2, …), or raise the
     error that ends the generation. Returns the capacity refusal's reason ("" if none)."""
-    busy = isinstance(exc, Refused) and exc.code == "busy"
+    busy = exc.detail if isinstance(exc, Refused) and exc.code == "busy" else None
     if attempt > max_failovers:
-        if busy:
-            raise Busy(f"the route is out of capacity ({exc.detail}): retry shortly") from exc
-        raise GenerationError(f"gave up after {max_failovers} route rebuilds; last failure: "
-                              f"{exc}") from exc
+        if busy is not None:
+            raise Busy(f"the route is out of capacity ({busy}): retry shortly") from exc
+        raise GenerationError(
+            f"gave up after {max_failovers} route rebuilds; last failure: {exc}"
+        ) from exc
     if isinstance(exc, Refused) and exc.code == "unpaid":
         raise NotServed(exc.detail) from exc
     if exc.peer == me:
@@ -101,9 +110,9 @@ def judge(exc: HopFailed, attempt: int, *, max_failovers: int, me: str,
     if isinstance(exc, Lied):
         fitness.mark(exc.peer, exc.reason)
         return ""
-    if busy:
+    if busy is not None:
         fitness.mark(exc.peer, exc.reason, BUSY_BACKOFF_S, lied=False)
-        return exc.detail
+        return busy
     if exc.peer:
         fitness.failed(exc.peer, exc.reason, sentence(exc))
     return ""

@@ -26,7 +26,6 @@ HOT_RETRY_S = 60.0
 log = get_logger("kvasird.inference.client.hotcache")
 
 
-
 class HotExperts:
     """Experts this stage computes itself to spare round trips: the hot-expert cache.
 
@@ -43,8 +42,13 @@ class HotExperts:
     one no longer planned is dropped when its room is needed and nothing computes on it.
     """
 
-    def __init__(self, load: Callable[[int, int], Awaitable[ExpertWorker]] | None,
-                 capacity: int, after: int, window: int = 256) -> None:
+    def __init__(
+        self,
+        load: Callable[[int, int], Awaitable[ExpertWorker]] | None,
+        capacity: int,
+        after: int,
+        window: int = 256,
+    ) -> None:
         self.load, self.capacity, self.after, self.window = load, capacity, after, window
         self.workers: dict[tuple[int, int], ExpertWorker] = {}
         self.planned: list[tuple[int, int]] = []
@@ -70,18 +74,28 @@ class HotExperts:
         kept.append(gids)
         self._kept[layer] += len(gids)
         if self._kept[layer] > 2 * self.window:
-            self._rows[layer] = [stack_rows(kept)[-self.window:]]
+            self._rows[layer] = [stack_rows(kept)[-self.window :]]
             self._kept[layer] = self.window
         self._since += len(gids)
         if self._since >= self.after * len(self._rows):  # `after` rows per layer seen
             self._since = 0
             # ~0.1 s for 200 picks over 48 layers of top-8 selections: not on the loop
             self.planned = await trio.to_thread.run_sync(
-                plan_cache, {lay: stack_rows(r)[-self.window:]
-                             for lay, r in self._rows.items()}, self.capacity)
+                plan_cache,
+                {lay: stack_rows(r)[-self.window :] for lay, r in self._rows.items()},
+                self.capacity,
+            )
         now = time.monotonic()
-        want = next((k for k in self.planned if k not in self.workers and k not in self._loading
-                     and now - self._failed.get(k, -math.inf) >= HOT_RETRY_S), None)
+        want = next(
+            (
+                k
+                for k in self.planned
+                if k not in self.workers
+                and k not in self._loading
+                and now - self._failed.get(k, -math.inf) >= HOT_RETRY_S
+            ),
+            None,
+        )
         if want is None:
             return
         if len(self.workers) + len(self._loading) >= self.capacity:
@@ -132,9 +146,14 @@ def stack_rows(parts: list[np.ndarray]) -> np.ndarray:
     sends fewer ids per row (compute.experts pads a row with its first id), so narrower
     parts are padded the same way (a repeated id changes no plan: it is one expert)."""
     width = max(p.shape[1] for p in parts)
-    return np.concatenate([p if p.shape[1] == width else
-                           np.concatenate([p, np.repeat(p[:, :1], width - p.shape[1], 1)], 1)
-                           for p in parts])
+    return np.concatenate(
+        [
+            p
+            if p.shape[1] == width
+            else np.concatenate([p, np.repeat(p[:, :1], width - p.shape[1], 1)], 1)
+            for p in parts
+        ]
+    )
 
 
 def plan_cache(rows: dict[int, np.ndarray], capacity: int) -> list[tuple[int, int]]:
@@ -143,8 +162,7 @@ def plan_cache(rows: dict[int, np.ndarray], capacity: int) -> list[tuple[int, in
     if capacity <= 0 or not any(r.size for r in rows.values()):
         return []
     width = 1 + max(int(r.max()) for r in rows.values() if r.size)
-    keys = stack_rows([lay * width + r.reshape(len(r), -1) for lay, r in rows.items()
-                       if r.size])
+    keys = stack_rows([lay * width + r.reshape(len(r), -1) for lay, r in rows.items() if r.size])
     picked = np.zeros(width * (1 + max(rows)), bool)
     plan: list[tuple[int, int]] = []
     while len(plan) < capacity:
@@ -152,11 +170,12 @@ def plan_cache(rows: dict[int, np.ndarray], capacity: int) -> list[tuple[int, in
         short = missing.sum(axis=1)
         if not short.any():
             break
-        credit = np.bincount(keys[missing], weights=np.repeat(1.0 / np.maximum(short, 1),
-                                                               short), minlength=picked.size)
+        credit = np.bincount(
+            keys[missing],
+            weights=np.repeat(1.0 / np.maximum(short, 1), short),
+            minlength=picked.size,
+        )
         best = int(credit.argmax())
         picked[best] = True
         plan.append((best // width, best % width))
     return plan
-
-

@@ -34,8 +34,8 @@ DEFAULT_LATENCY_MS = 25.0
 EWMA = 0.3
 PER_HOP_MS = 0.3
 """What a hop costs besides its peer's latency and layers: receiving, decoding and handing
-on a step, and a graph run of its own (0.2-0.3 ms per hop in the traced steps of the
-bundled model's ring, steptrace). It makes the planner take fewer hops when all else is
+on a step, and a graph run of its own (traced per hop, steptrace: see the per-hop
+breakdown of bench/bench_swarm.py). It makes the planner take fewer hops when all else is
 equal, e.g. ending at a last stage that holds the head rather than going back to ours."""
 
 
@@ -53,13 +53,15 @@ class PeerHoldings:
     """(layer, e0, e1) expert ranges it serves as a worker."""
 
     @classmethod
-    def of_record(cls, record: CoverageRecord,
-                  proven: Container[Unit] | None = None) -> PeerHoldings:
+    def of_record(
+        cls, record: CoverageRecord, proven: Container[Unit] | None = None
+    ) -> PeerHoldings:
         """Its online holdings; only the units in ``proven`` when given (market.proofs)."""
         online = [h for h in record.holdings if h.state == "online"]
         if proven is not None:
-            online = [Holding(h.kind, h.start, a, b, h.state) for h in online
-                      for a, b in _runs(h, proven)]
+            online = [
+                Holding(h.kind, h.start, a, b, h.state) for h in online for a, b in _runs(h, proven)
+            ]
         windows = _merge([(h.lo, h.hi) for h in online if h.kind == "L"])
         experts = tuple((h.start, h.lo, h.hi) for h in online if h.kind == "E")
         return cls(record.peer, any(h.kind == "H" for h in online), windows, experts)
@@ -115,8 +117,13 @@ class Route:
         return tuple(h.peer for h in self.hops)
 
 
-def plan_route(n_layer: int, holders: Sequence[PeerHoldings], cost: Callable[[str], float],
-               per_layer_ms: float = 0.1, per_hop_ms: float = PER_HOP_MS) -> Route | None:
+def plan_route(
+    n_layer: int,
+    holders: Sequence[PeerHoldings],
+    cost: Callable[[str], float],
+    per_layer_ms: float = 0.1,
+    per_hop_ms: float = PER_HOP_MS,
+) -> Route | None:
     """The cheapest route over `holders`, or None when they do not cover the model."""
     start, end = -1, n_layer + 1
     edges: dict[int, list[tuple[float, int, Hop]]] = {}
@@ -180,11 +187,16 @@ def uncovered(n_layer: int, holders: Iterable[PeerHoldings]) -> list[str]:
     return gaps
 
 
-def expert_holders(holders: Iterable[PeerHoldings], layer: int, lo: int, hi: int
-                   ) -> list[tuple[str, int, int]]:
+def expert_holders(
+    holders: Iterable[PeerHoldings], layer: int, lo: int, hi: int
+) -> list[tuple[str, int, int]]:
     """(peer, e0, e1) of every advertised range of `layer` overlapping [lo, hi)."""
-    return [(h.peer, e0, e1) for h in holders for lay, e0, e1 in h.experts
-            if lay == layer and e0 < hi and lo < e1]
+    return [
+        (h.peer, e0, e1)
+        for h in holders
+        for lay, e0, e1 in h.experts
+        if lay == layer and e0 < hi and lo < e1
+    ]
 
 
 AVOIDED_MS = 60_000.0
@@ -192,8 +204,9 @@ AVOIDED_MS = 60_000.0
 such routes exist: enough that every one over fit peers is cheaper."""
 
 
-def cover_experts(ranges: Sequence[tuple[str, int, int]], lo: int, hi: int,
-                  cost: Callable[[str], float]) -> list[tuple[str, int, int, int, int]] | None:
+def cover_experts(
+    ranges: Sequence[tuple[str, int, int]], lo: int, hi: int, cost: Callable[[str], float]
+) -> list[tuple[str, int, int, int, int]] | None:
     """Pieces (peer, piece_lo, piece_hi, peer_e0, peer_e1) covering [lo, hi), cheapest first.
 
     Greedy left to right: at each expert, the cheapest holder covering it takes as much
@@ -230,8 +243,9 @@ class Fitness:
         self.strikes: dict[str, int] = {}
         """Peer -> failures at work in a row (cleared by ``healthy``)."""
 
-    def mark(self, peer: str, reason: str, for_s: float | None = None, *,
-             lied: bool = True) -> None:
+    def mark(
+        self, peer: str, reason: str, for_s: float | None = None, *, lied: bool = True
+    ) -> None:
         """`peer` is avoided for_s (default unfit_s): for a lie (kept across its restarts)
         or, with ``lied=False``, for a passing state such as being busy."""
         self._sentence(peer, reason, self.unfit_s if for_s is None else for_s)

@@ -19,8 +19,8 @@ while the batch goes on without it; a batch that fails as a whole runs its steps
 one, so the good ones are not lost.
 
 Prompts join because a prompt's few rows cost nearly what a decode step's one does alone
-(the weights are read for them either way): at Llama-3.2-1B widths on one thread, 5 rows
-computed in 158 ms against one row's 87 ms. Sixteen new sessions' prompts computed one by
+(the weights are read for them either way; bench/bench_scale.py --only prefill times a
+batch of rows against one at real widths). Sixteen new sessions' prompts computed one by
 one held up everyone's decode for sixteen such graphs; batched, they are a graph or two. A
 prompt longer than a prefill piece, or crossing a piece's end, runs alone in its pieces
 (Stage.forward), letting the batches of decode steps go between them.
@@ -136,10 +136,10 @@ class _Queue:
         """Whether gathering a batch pays on this chain: its steps compute long enough (at
         least `min_step_s` alone) that reading the weights once for several sessions saves
         more than the wait, the thread hand-off and the pipelining it gives up (the
-        sessions of one batch move through a ring's hops together). Measured: a 3-stage
-        ring of the bundled 135M model (2 ms a hop) lost over half its aggregate tokens/s
-        with 4 and 16 sessions when its hops batched everyone; one daemon of a 1B model
-        (28 ms a step) gained 1.5x with 16."""
+        sessions of one batch move through a ring's hops together). A 3-stage ring of the
+        bundled model, whose hops are short, lost aggregate tokens/s when its hops batched
+        everyone; one daemon of a 1B model, whose steps are long, gained (concurrent
+        sessions in bench/bench_swarm.py and bench/bench_scale.py's sessions16)."""
         return self.known() and self.fastest >= min_step_s
 
     def stepping(self, now: float) -> int:
@@ -163,14 +163,14 @@ class _Queue:
 class Batcher:
     """The decode-step queues of one stage server's chains."""
 
-    def __init__(self, max_rows: int, window_s: float, min_step_s: float = 0.0,
-                 pipelined: bool = True) -> None:
+    def __init__(
+        self, max_rows: int, window_s: float, min_step_s: float = 0.0, pipelined: bool = True
+    ) -> None:
         self.max_rows, self.window_s, self.min_step_s = max_rows, window_s, min_step_s
         self.pipelined = pipelined
         """Whether a batch takes only a share of the sessions of a deep ring (_Queue.cap)."""
         self._queues: dict[tuple[int, ...], _Queue] = {}
-        self.stats = {"batches": 0, "rows": 0, "largest": 0, "prompts": 0, "refused": 0,
-                      "split": 0}
+        self.stats = {"batches": 0, "rows": 0, "largest": 0, "prompts": 0, "refused": 0, "split": 0}
         """Batches of several sessions computed, their steps, the most steps in one, the
         prompts (steps of several rows) among them, steps a batch refused (they ran alone,
         the batch went on), and batches that failed as a whole and ran one by one."""
@@ -180,8 +180,7 @@ class Batcher:
         step is worth a task of its own (StageServer.inline), so that the steps behind it
         in its stream can join its batch."""
         now = time.monotonic()
-        return any(q.pays(self.min_step_s) and q.stepping(now) > 1
-                   for q in self._queues.values())
+        return any(q.pays(self.min_step_s) and q.stepping(now) > 1 for q in self._queues.values())
 
     def takes(self, chain: list[Stage], start: int, rows: int) -> bool:
         """Whether a step of `rows` rows at `start` on `chain` batches: every stage can (no
@@ -222,7 +221,7 @@ class Batcher:
         batch = [me]
         try:
             if not queue.pays(self.min_step_s):  # not known to pay (yet): alone, the
-                queue.waiting.remove(me)         # steps arriving meanwhile queue behind it
+                queue.waiting.remove(me)  # steps arriving meanwhile queue behind it
                 return await self._alone(queue, s, x, start, solo)
             # the steps queued count whenever they came (behind a first prompt, say)
             stepping = max(queue.stepping(time.monotonic()), len(queue.waiting))
@@ -245,8 +244,9 @@ class Batcher:
             queue.hand_on()
         return await solo(s, x, start)
 
-    async def _alone(self, queue: _Queue, s: ServedSession, x: np.ndarray, start: int,
-                     solo: Solo) -> np.ndarray:
+    async def _alone(
+        self, queue: _Queue, s: ServedSession, x: np.ndarray, start: int, solo: Solo
+    ) -> np.ndarray:
         began = time.monotonic()
         try:
             return await solo(s, x, start)
@@ -280,13 +280,15 @@ class Batcher:
                 continue
             except Exception as exc:  # noqa: BLE001 - each step then answers for itself
                 self.stats["split"] += 1
-                log.debug("a batch of decode steps failed; running them one by one",
-                          steps=len(batch), error=repr(exc)[:200])
+                log.debug(
+                    "a batch of decode steps failed; running them one by one",
+                    steps=len(batch),
+                    error=repr(exc)[:200],
+                )
                 return alone + batch
             now = time.monotonic()
             took = now - began
-            queue.compute_s += AWAY_WEIGHT * (took - queue.compute_s) if queue.compute_s \
-                else took
+            queue.compute_s += AWAY_WEIGHT * (took - queue.compute_s) if queue.compute_s else took
             for w, out in zip(batch, outs, strict=True):
                 w.out = out
                 w.tell("done")
@@ -305,7 +307,9 @@ def _take(waiting: list[_Waiter], cap: int) -> list[_Waiter]:
     """The next batch, out of the queue: up to `cap` steps in their order, the prompts
     among them up to PROMPT_ROWS rows in all (the first step always: it leads); the
     prompts passed over lead or join the next."""
-    batch, rest, prompt_rows = [], [], 0
+    batch: list[_Waiter] = []
+    rest: list[_Waiter] = []
+    prompt_rows = 0
     for w in waiting:
         rows = len(w.x) if len(w.x) > 1 else 0
         if len(batch) < cap and (not batch or prompt_rows + rows <= PROMPT_ROWS):
@@ -323,6 +327,7 @@ def _forward_batch(batch: list[_Waiter]) -> list[np.ndarray]:
     chain = batch[0].s.chain
     for i, stage in enumerate(chain):
         runs: list[tuple[Session, np.ndarray, int]] = [
-            (w.s.sessions[i], x, w.start) for w, x in zip(batch, xs, strict=True)]
+            (w.s.sessions[i], x, w.start) for w, x in zip(batch, xs, strict=True)
+        ]
         xs = stage.forward_batch(runs)
     return xs
