@@ -5,6 +5,9 @@ A test that waits on state it cannot be told about (another process's HTTP API, 
 log, the state of tasks it does not own) polls it; nothing else should. ``eventually``
 blocks (tests that drive daemons); ``eventually_async`` sleeps on trio's clock, so under a
 ``MockClock`` its bound and its pauses are virtual time.
+
+Code that takes an injected clock (``clock: Callable[[], float]``) is driven by ``Clock``
+instead: a test moves it by hand, and nothing waits.
 """
 
 from __future__ import annotations
@@ -94,3 +97,13 @@ async def eventually_async(what: str, probe: Callable[[], T], *, timeout: float,
         if trio.current_time() > deadline:
             raise wait.failure(f"timed out after {timeout:g} s")
         await trio.sleep(every)
+
+
+class Clock:
+    """A clock a test moves by hand (``clock.now += 61``), for an injected ``clock``."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

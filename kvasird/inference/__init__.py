@@ -34,4 +34,14 @@ call):
         last hop [layers ..L, head]: logits ─▶ sample ─token─▶ gateway's Inbox ─▶ TokenEvent
     inside a hop, a MoE layer whose experts live elsewhere: router (here) ─rows, local ids─▶
         workers ("/kvasir/experts/1") ─outputs─▶ combine with the router weights (here)
+
+Clocks. What decides by time takes it from a clock a test can drive: the classes whose
+windows are not trio timeouts take `clock: Callable[[], float]` (time.monotonic unless
+given: the hot-expert cache's retry wait, the expert server's and the dispatcher's
+admission windows, the stage server's idle expiry, kept ledgers and which sessions count
+as stepping for batching, the unfit verdicts' window); deadlines and sentences inside
+trio (routing's unfit sentences, failover, a step's timeout, lanes, channels) read
+trio.current_time(), which a MockClock drives. Measurements only read time.monotonic or
+time.perf_counter directly: how long a step computes or queues, latencies, trace stamps,
+load reports' windows. Records on gossip and evidence files carry unix time (time.time).
 """

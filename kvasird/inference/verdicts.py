@@ -7,12 +7,15 @@ the network.
 One accusation is not proof (an accuser may lie too), so a node avoids a peer on
 gossip alone only once `quorum` distinct peers accused it within `window_s`; its own
 spot checks mark a worker at once. Messages pass the same gate as market records
-(signer = claimed peer, clock skew, increasing sequence, rate) before they count.
+(signer = claimed peer, clock skew, increasing sequence, rate) before they count: their
+stamps are unix time, which peers share; the window is counted on an injected monotonic
+clock (a test's own), so a clock step neither sentences nor pardons anyone.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,13 +77,19 @@ class Verdicts:
     """Publishes our accusations; counts others' and sentences on a quorum."""
 
     def __init__(
-        self, gossip: Gossip, me: str, fitness: Fitness, quorum: int, window_s: float
+        self,
+        gossip: Gossip,
+        me: str,
+        fitness: Fitness,
+        quorum: int,
+        window_s: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.gossip, self.me, self.fitness = gossip, me, fitness
-        self.quorum, self.window_s = quorum, window_s
+        self.quorum, self.window_s, self.clock = quorum, window_s, clock
         self.gate = RecordGate()
         self.accusers: dict[str, dict[str, float]] = {}
-        """Accused peer -> accuser -> when (monotonic)."""
+        """Accused peer -> accuser -> when (on `clock`)."""
         self._seq = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -116,7 +125,7 @@ class Verdicts:
     def apply(self, verdict: Verdict) -> None:
         if verdict.accused == self.me:
             return
-        now = time.monotonic()
+        now = self.clock()
         accusers = self.accusers.setdefault(verdict.accused, {})
         accusers[verdict.peer] = now
         for who in [w for w, t in accusers.items() if now - t > self.window_s]:

@@ -18,6 +18,12 @@
 
 Data flow: connections -> liveness (hello validated) -> peer table -> exchange/DHT/status;
 reachability verdict -> relay service on/off, reservations, DHT server/client mode.
+
+Clocks. Heartbeats, silence, dial and circuit backoffs run on trio's clock
+(trio.current_time()), which a MockClock drives. The peer table and relay reservations
+take `clock: Callable[[], float]` (time.time unless given): their times are unix time,
+persisted in state.db or stated by the relay, and a test moves the clock by hand. Stamps
+only (a reachability check's time, gossip message ids after a restart) read time.time.
 """
 
 from kvasird.p2p.node import P2PNode

@@ -2,7 +2,8 @@
 
 Written only by the liveness service (the single writer); everyone else reads snapshots.
 Known peers' addresses are persisted in state.db so a restarted node can find its
-way back without its bootstrap list.
+way back without its bootstrap list. Times are unix time (they outlive the process), read
+from the table's clock, so a test can age a peer past KNOWN_PEER_MAX_AGE_S.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvasird.db import ensure_schema
@@ -51,8 +53,8 @@ class PeerInfo:
 
 
 class PeerTable:
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self._db = db
+    def __init__(self, db: sqlite3.Connection, clock: Callable[[], float] = time.time) -> None:
+        self._db, self._clock = db, clock
         self._peers: dict[str, PeerInfo] = {}
         ensure_schema(db, _SCHEMA)
 
@@ -69,7 +71,7 @@ class PeerTable:
         return len(self._peers)
 
     def connected(self, peer_id: str) -> None:
-        now = time.time()
+        now = self._clock()
         if peer_id not in self._peers:
             self._peers[peer_id] = PeerInfo(peer_id, (), now, now, None, "")
 
@@ -78,21 +80,21 @@ class PeerTable:
         p = self._peers.get(peer_id)
         if p is None:
             return
-        self._peers[peer_id] = replace(p, addrs=addrs, version=version, last_seen=time.time())
+        self._peers[peer_id] = replace(p, addrs=addrs, version=version, last_seen=self._clock())
         if addrs:
             with self._db:
                 self._db.execute(
                     "INSERT INTO peers(peer_id, addrs, last_seen) VALUES (?, ?, ?) "
                     "ON CONFLICT(peer_id) DO UPDATE SET addrs=excluded.addrs, "
                     "last_seen=excluded.last_seen",
-                    (peer_id, json.dumps(list(addrs)), time.time()),
+                    (peer_id, json.dumps(list(addrs)), self._clock()),
                 )
 
     def seen(self, peer_id: str, rtt_ms: float | None = None) -> None:
         p = self._peers.get(peer_id)
         if p is not None:
             self._peers[peer_id] = replace(
-                p, last_seen=time.time(), rtt_ms=p.rtt_ms if rtt_ms is None else rtt_ms
+                p, last_seen=self._clock(), rtt_ms=p.rtt_ms if rtt_ms is None else rtt_ms
             )
 
     def dropped(self, peer_id: str) -> PeerInfo | None:
@@ -108,6 +110,6 @@ class PeerTable:
         """Persisted peers seen within a week, most recent first (for re-dialing at start)."""
         rows = self._db.execute(
             "SELECT peer_id, addrs FROM peers WHERE last_seen > ? ORDER BY last_seen DESC",
-            (time.time() - KNOWN_PEER_MAX_AGE_S,),
+            (self._clock() - KNOWN_PEER_MAX_AGE_S,),
         ).fetchall()
         return [(pid, tuple(json.loads(addrs))) for pid, addrs in rows]

@@ -86,9 +86,13 @@ class Relays:
         wanted: int,
         psk: str | None,
         on_addrs_changed: Callable[[], None],
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._host = host
         self._peers = peers
+        self._clock = clock
+        """Unix time, as the relays' reservations state their expiry: when to renew, and
+        when a relay that refused us may be asked again."""
         self._mode = mode
         self._wanted_when_private = wanted
         self._wanted = 0
@@ -146,7 +150,7 @@ class Relays:
         return out
 
     async def _maintain(self) -> None:
-        now = time.time()
+        now = self._clock()
         before = set(self.reservations)
         for relay, res in list(self.reservations.items()):
             if relay not in self._peers or res.expires < now or not self._wanted:
@@ -188,7 +192,7 @@ class Relays:
         except Exception as exc:  # noqa: BLE001 - not a relay, full, or gone: try another later
             log.debug("relay reservation failed", relay=relay, error=repr(exc)[:200])
             self.reservations.pop(relay, None)
-            self._refused[relay] = time.time() + REFUSED_BACKOFF_S
+            self._refused[relay] = self._clock() + REFUSED_BACKOFF_S
             return
         self.reservations[relay] = Reservation(relay, float(resp.reservation.expire))
 

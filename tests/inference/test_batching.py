@@ -29,6 +29,8 @@ from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.stage import StageServer
 from kvasird_dev.testmodels import make_model
 
+from tests.support import Clock
+
 from .conftest import no_remote
 from .test_serving import call, open_msg
 
@@ -238,9 +240,11 @@ async def test_a_bad_step_is_refused_alone_and_its_batch_goes_on(
         node: Served, full: Stage) -> None:
     """One session sends a position past its context: that step alone is refused (it runs
     alone and gets its own answer) and the others still compute as one batch, so one
-    session cannot make every session it shares a batch with compute alone."""
+    session cannot make every session it shares a batch with compute alone. The sessions
+    count as stepping until a while after their last step, on the server's clock."""
+    clock = Clock()
     server = StageServer(lambda: "m", lambda: node, max_sessions=8, idle_s=60,
-                         wire_dtype="f32", batch_window_s=0.05)
+                         wire_dtype="f32", batch_window_s=0.05, clock=clock)
     for i in range(3):
         await call(server, open_msg(f"s{i}", 0, N_LAYER, True, True))
         await call(server, step_msg(f"s{i}", 0, prompt(i)[:3]))
@@ -265,6 +269,9 @@ async def test_a_bad_step_is_refused_alone_and_its_batch_goes_on(
         assert replies[i]["token"] == int(np.argmax(logits[-1]))
     stats = server.batcher.stats
     assert stats["refused"] >= 1 and stats["split"] == 0 and stats["largest"] == 2, stats
+    assert server.batcher.company()
+    clock.now += 60  # they stopped stepping
+    assert not server.batcher.company()
 
 
 async def test_a_session_cancelled_in_the_queue_holds_no_one_up(

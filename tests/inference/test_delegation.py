@@ -9,21 +9,13 @@ from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol import delegation
 from kvasird.inference.protocol.delegation import Delegation, Issuer, Verifier, life_s
 from kvasird.wire import pack
-
-
-class Clock:
-    """Wall time a test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import Clock
 
 
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    """Wall time a test moves by hand."""
+    return Clock(1_800_000_000.0)
 
 
 def issuer(clock: Clock, network: str = "testnet") -> Issuer:

@@ -9,16 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import trio
 
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
-from kvasird.inference.client import hotcache
 from kvasird.inference.client.dispatch import ExpertDispatcher
-from kvasird.inference.client.hotcache import HotExperts, plan_cache, stack_rows
+from kvasird.inference.client.hotcache import HOT_RETRY_S, HotExperts, plan_cache, stack_rows
 from kvasird.inference.server.engine import Served
+from tests.support import Clock
 
 from .conftest import N_EXPERT, N_LAYER
 from .fakenet import NETWORK
@@ -109,9 +108,9 @@ async def test_the_cache_follows_the_routing_and_keeps_an_expert_while_it_comput
     assert not hot.workers
 
 
-async def test_an_expert_that_failed_to_load_is_tried_again_later(
-        moe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    backend, made, fail = Backend(1), [], [True]
+async def test_an_expert_that_failed_to_load_is_tried_again_after_the_retry_wait(
+        moe: Path) -> None:
+    backend, made, fail, clock = Backend(1), [], [True], Clock()
     real = loader(moe, backend, made)
 
     async def flaky(layer: int, expert: int) -> ExpertWorker:
@@ -120,14 +119,16 @@ async def test_an_expert_that_failed_to_load_is_tried_again_later(
             raise OSError("no holder answered")
         return await real(layer, expert)
 
-    monkeypatch.setattr(hotcache, "HOT_RETRY_S", 0.05)
-    hot = HotExperts(flaky, capacity=1, after=1)
+    hot = HotExperts(flaky, capacity=1, after=1, clock=clock)
     try:
         await hot.observe(0, np.array([[3, 3]]))
         await hot.observe(0, np.array([[3, 3]]))
         assert made == [(0, 3)] and not hot.workers  # failed once, not again at once
         fail[0] = False
-        await trio.sleep(0.06)
+        clock.now += HOT_RETRY_S - 1
+        await hot.observe(0, np.array([[3, 3]]))
+        assert made == [(0, 3)] and not hot.workers  # nor within the wait
+        clock.now += 1
         await hot.observe(0, np.array([[3, 3]]))
         assert made == [(0, 3), (0, 3)] and set(hot.workers) == {(0, 3)}
     finally:

@@ -11,14 +11,7 @@ from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol.stage import STEP_DIGESTS, Closed, Revealed, Shown
 from kvasird.inference.protocol.tensors import digest, encode, view
 from kvasird.inference.server.ledger import Ledgers
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import Clock
 
 
 def step(start: int, n: int = 1, width: int = 8) -> Shown:

@@ -28,7 +28,7 @@ from kvasird.model.manifest import HEAD, Manifest, Unit
 from kvasird.model.slice import ExpertRange as SliceExperts
 from kvasird.model.slice import LayerWindow, gguf_pieces, write_slice
 from kvasird_dev.testmodels import make_model
-from tests.support import eventually_async
+from tests.support import Clock, eventually_async
 
 from .conftest import N_EXPERT, N_LAYER, no_remote
 from .fakenet import NETWORK, FakeNet, hung, lying
@@ -364,7 +364,9 @@ async def test_admission_refuses_with_a_reason_and_unknown_sessions_are_gone(
     a = Served.build([moe], Holdings(head=True, windows=((0, 4),)), threads=1, kv_slots=128,
                      remote=direct(worker))
     try:
-        server = StageServer(lambda: "m", lambda: a, max_sessions=1, idle_s=60, wire_dtype="f32")
+        clock = Clock()
+        server = StageServer(lambda: "m", lambda: a, max_sessions=1, idle_s=60, wire_dtype="f32",
+                             clock=clock)
         with pytest.raises(Refusal) as exc:
             await call(server, open_msg("big", 0, 4, True, True, max_tokens=1000))
         assert exc.value.code == "busy" and "KV" in exc.value.detail
@@ -379,7 +381,10 @@ async def test_admission_refuses_with_a_reason_and_unknown_sessions_are_gone(
         with pytest.raises(Refusal) as exc:
             await call(server, open_msg("x", 0, 5, True, False))
         assert exc.value.code == "bad" and "[0, 5)" in exc.value.detail
-        server.idle_s = 0.0
+        clock.now += 60
+        server.expire()
+        assert list(server.sessions) == [("gateway", "one")]  # idle for idle_s: not yet gone
+        clock.now += 1
         server.expire()
         assert server.sessions == {}
         await call(server, open_msg("two", 0, 4, True, True))

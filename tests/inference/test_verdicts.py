@@ -7,11 +7,13 @@ import pytest
 from kvasird.errors import WireError
 from kvasird.inference.client.routing import Fitness
 from kvasird.inference.verdicts import Verdict, Verdicts
+from tests.support import Clock
 
 
-def verdicts(quorum: int) -> tuple[Verdicts, Fitness]:
+def verdicts(quorum: int, clock: Clock | None = None) -> tuple[Verdicts, Fitness]:
     fitness = Fitness(unfit_s=60)
-    return Verdicts(None, "me", fitness, quorum, window_s=60), fitness  # type: ignore[arg-type]
+    return Verdicts(None, "me", fitness, quorum, window_s=60,  # type: ignore[arg-type]
+                    clock=clock or Clock()), fitness
 
 
 async def test_one_accuser_is_not_enough_when_the_quorum_is_two() -> None:
@@ -20,6 +22,18 @@ async def test_one_accuser_is_not_enough_when_the_quorum_is_two() -> None:
     v.apply(Verdict("a", 2, 0.0, "liar", "again"))
     assert fitness.fit("liar")
     v.apply(Verdict("b", 1, 0.0, "liar", "spot check failed on layer 1"))
+    assert not fitness.fit("liar")
+
+
+async def test_an_accusation_older_than_the_window_does_not_count_toward_the_quorum() -> None:
+    clock = Clock()
+    v, fitness = verdicts(2, clock)
+    v.apply(Verdict("a", 1, 0.0, "liar", "spot check failed on layer 3"))
+    clock.now += 61
+    v.apply(Verdict("b", 1, 0.0, "liar", "spot check failed on layer 1"))
+    assert fitness.fit("liar") and set(v.accusers["liar"]) == {"b"}
+    clock.now += 59
+    v.apply(Verdict("a", 2, 0.0, "liar", "again"))
     assert not fitness.fit("liar")
 
 

@@ -5,6 +5,8 @@ is admitted (real libp2p hosts)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,14 @@ from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
 from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol import EXPERT_PROTOCOL, tensors
 from kvasird.inference.protocol.delegation import Issuer, Verifier
-from kvasird.inference.protocol.experts import selections
+from kvasird.inference.protocol.experts import ADMITTED_S, selections
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.experts import ExpertServer
 from kvasird.inference.server.stage import StageServer
 from kvasird.inference.stepcontext import COMPANY, TALLY, Company, Tally
 from kvasird.inference.transport.channel import Channels, serve
 from kvasird.wire.rpc import SMALL_FRAME, Intake
+from tests.support import Clock
 
 from .conftest import N_EXPERT, N_LAYER
 from .fakenet import NETWORK
@@ -51,9 +54,10 @@ class Admissions:
             raise Refusal("unpaid", f"{gateway} is not staked")
 
 
-def server(worker: Served, admit: Admissions) -> ExpertServer:
+def server(worker: Served, admit: Admissions,
+           clock: Callable[[], float] = time.monotonic) -> ExpertServer:
     return ExpertServer(lambda: worker, window_s=0, wire_dtype="f32",
-                        delegations=Verifier(NETWORK), admit=admit)
+                        delegations=Verifier(NETWORK), admit=admit, clock=clock)
 
 
 def request(rows: np.ndarray, ids: np.ndarray, groups: Any) -> dict[str, Any]:
@@ -130,6 +134,18 @@ async def test_each_gateway_is_admitted_once_for_the_units_of_its_own_rows(
     assert refusing.rows == 0 and not refusing.admitted(STAGE.peer_id)
 
 
+async def test_a_caller_stays_admitted_for_admitted_s_after_its_last_admitted_request(
+        worker: Served) -> None:
+    clock = Clock()
+    experts = server(worker, Admissions(), clock)
+    await experts.handle(STAGE.peer_id, request(rows_of(worker, 1), np.array([[1, 2]]),
+                                                [[GW1.issue(STAGE.peer_id, 60), 1]]))
+    clock.now += ADMITTED_S - 1
+    assert experts.admitted(STAGE.peer_id)
+    clock.now += 1
+    assert not experts.admitted(STAGE.peer_id)
+
+
 async def test_a_stage_works_for_a_sessions_owner_and_the_hop_before_it_only(
         moe: Path, worker: Served) -> None:
     served = Served.build([moe], Holdings(windows=((0, 2),)), threads=1, kv_slots=4 * PAGE,
@@ -152,10 +168,11 @@ async def test_rows_of_several_gateways_go_grouped_and_a_large_first_request_goe
     """Over real libp2p hosts, the worker behind an Intake of its own: three sessions of two
     gateways coalesce into one message, each gateway admitted for its sessions' units and
     each session given its own outputs; a request too large for a caller the worker has not
-    admitted goes as its first row, then the rest, and the next large one as one."""
-    admit = Admissions()
+    admitted goes as its first row, then the rest, and the next large one as one, until the
+    worker has not answered for half of ADMITTED_S."""
+    admit, clock = Admissions(), Clock()
     async with pair(tmp_path) as (a, b), trio.open_nursery() as nursery:
-        experts = server(worker, admit)
+        experts = server(worker, admit, clock)
         intake = Intake(experts.admitted)
         b.set_stream_handler(EXPERT_PROTOCOL,
                              lambda s: serve(s, experts.handle, 10, intake=intake))
@@ -168,7 +185,7 @@ async def test_rows_of_several_gateways_go_grouped_and_a_large_first_request_goe
         dispatcher = ExpertDispatcher(
             me, lambda: holders, channels, Latency(me.peer_id, lambda p: 1.0), Fitness(60),
             lambda layer, expert: None, timeout_s=10, wire_dtype="f32", spot_check=0,
-            tolerance=0.01, hot=HotExperts(None, 0, 0), window_s=0.5)
+            tolerance=0.01, hot=HotExperts(None, 0, 0), window_s=0.5, clock=clock)
         big = SMALL_FRAME // 2 // (4 * worker.hp.n_embd) + 8  # over what the dispatcher risks
         rows = rows_of(worker, big)
         gids = np.random.default_rng(0).integers(0, N_EXPERT, (big, 2))
@@ -206,6 +223,10 @@ async def test_rows_of_several_gateways_go_grouped_and_a_large_first_request_goe
         assert admit.asked == [
             (GW1.peer_id, sessions[0].experts[peer] + sessions[2].experts[peer]),
             (GW2.peer_id, sessions[1].experts[peer])]
+
+        clock.now += ADMITTED_S / 2 + 1  # quiet for long enough: small frames first again
+        out = await dispatcher.remote(peer, 0, 1, rows, gids)
+        assert np.array_equal(out, want) and dispatcher.stats["calls"] == 6
         nursery.cancel_scope.cancel()
 
 

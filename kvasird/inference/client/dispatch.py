@@ -100,10 +100,11 @@ class ExpertDispatcher:
         accuse: Callable[[str, str], Awaitable[None]] | None = None,
         window_s: float = 0.0,
         spot: SpotChecks | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.issuer, self.me = issuer, issuer.peer_id
         self.holders, self.channels, self.local = holders, channels, local
-        self.accuse = accuse
+        self.accuse, self.clock = accuse, clock
         self.hot = hot or HotExperts(None, 0, 0)
         self.latency, self.fitness = latency, fitness
         self.timeout_s, self.wire_dtype = timeout_s, wire_dtype
@@ -115,8 +116,8 @@ class ExpertDispatcher:
         """Longest the rows of one session wait for other interleaved sessions' (remote)."""
         self._outgoing: dict[tuple[str, int, int, int], _Outgoing] = {}
         self._admitted: dict[str, float] = {}
-        """Worker -> when it last answered us (time.monotonic): within ADMITTED_S / 2 it
-        still takes our large frames."""
+        """Worker -> when it last answered us (on `clock`): within ADMITTED_S / 2 it still
+        takes our large frames."""
         self.selected: Counter[tuple[int, int]] = Counter()
         """(layer, expert) -> times selected since the last load report."""
         self.stats = Counter[str]()
@@ -480,7 +481,7 @@ class ExpertDispatcher:
         if (
             len(rows) > 1
             and rows.size * itemsize + gids.size * 4 > SMALL_FRAME // 2
-            and time.monotonic() - self._admitted.get(peer, -math.inf) > ADMITTED_S / 2
+            and self.clock() - self._admitted.get(peer, -math.inf) > ADMITTED_S / 2
         ):
             rest = [(groups[0][0], groups[0][1] - 1)] if groups[0][1] > 1 else []
             head = await self._request(peer, e0, layer, rows[:1], gids[:1], [(groups[0][0], 1)])
@@ -493,7 +494,7 @@ class ExpertDispatcher:
         except HopFailed:
             self._admitted.pop(peer, None)  # it may have restarted: small frames first again
             raise
-        self._admitted[peer] = time.monotonic()
+        self._admitted[peer] = self.clock()
         self.latency.observe(peer, (time.perf_counter() - began) * 1000)
         self.stats["calls"] += 1
         self.stats["rows"] += len(rows)

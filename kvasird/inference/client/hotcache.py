@@ -48,8 +48,11 @@ class HotExperts:
         capacity: int,
         after: int,
         window: int = 256,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.load, self.capacity, self.after, self.window = load, capacity, after, window
+        self.clock = clock
+        """Times the HOT_RETRY_S wait of an expert whose load failed (a test's own clock)."""
         self.workers: dict[tuple[int, int], ExpertWorker] = {}
         self.planned: list[tuple[int, int]] = []
         """What the last plan wants cached, best first."""
@@ -85,7 +88,7 @@ class HotExperts:
                 {lay: stack_rows(r)[-self.window :] for lay, r in self._rows.items()},
                 self.capacity,
             )
-        now = time.monotonic()
+        now = self.clock()
         want = next(
             (
                 k
@@ -115,7 +118,7 @@ class HotExperts:
             self.workers[key] = await self.load(*key)
             log.info("hot expert cached", layer=key[0], expert=key[1])
         except Exception as exc:  # noqa: BLE001 - no holder answered, no bytes: keep dispatching
-            self._failed[key] = time.monotonic()
+            self._failed[key] = self.clock()
             log.info("hot expert not cached", layer=key[0], expert=key[1], error=repr(exc))
         finally:
             self._loading.discard(key)

@@ -164,10 +164,17 @@ class Batcher:
     """The decode-step queues of one stage server's chains."""
 
     def __init__(
-        self, max_rows: int, window_s: float, min_step_s: float = 0.0, pipelined: bool = True
+        self,
+        max_rows: int,
+        window_s: float,
+        min_step_s: float = 0.0,
+        pipelined: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_rows, self.window_s, self.min_step_s = max_rows, window_s, min_step_s
-        self.pipelined = pipelined
+        self.pipelined, self.clock = pipelined, clock
+        """When steps arrive and are answered (which sessions count as stepping here); how
+        long a step computes is measured on time.monotonic whatever the clock."""
         """Whether a batch takes only a share of the sessions of a deep ring (_Queue.cap)."""
         self._queues: dict[tuple[int, ...], _Queue] = {}
         self.stats = {"batches": 0, "rows": 0, "largest": 0, "prompts": 0, "refused": 0, "split": 0}
@@ -179,7 +186,7 @@ class Batcher:
         """Whether several sessions step on a chain where batching pays: then a forwarded
         step is worth a task of its own (StageServer.inline), so that the steps behind it
         in its stream can join its batch."""
-        now = time.monotonic()
+        now = self.clock()
         return any(q.pays(self.min_step_s) and q.stepping(now) > 1 for q in self._queues.values())
 
     def takes(self, chain: list[Stage], start: int, rows: int) -> bool:
@@ -196,7 +203,7 @@ class Batcher:
         on the same chain that queue with it."""
         key = tuple(id(st) for st in s.chain)
         queue = self._queues.setdefault(key, _Queue())
-        queue.arrive(s, time.monotonic())
+        queue.arrive(s, self.clock())
         if not queue.busy and queue.known() and not queue.pays(self.min_step_s):
             return await self._alone(queue, s, x, start, solo)  # as it ran before batching
         me = _Waiter(s, x, start)
@@ -224,7 +231,7 @@ class Batcher:
                 queue.waiting.remove(me)  # steps arriving meanwhile queue behind it
                 return await self._alone(queue, s, x, start, solo)
             # the steps queued count whenever they came (behind a first prompt, say)
-            stepping = max(queue.stepping(time.monotonic()), len(queue.waiting))
+            stepping = max(queue.stepping(self.clock()), len(queue.waiting))
             cap = queue.cap(self.max_rows, stepping) if self.pipelined else self.max_rows
             want = min(stepping, cap)
             await self._gather(queue, want)
@@ -286,8 +293,7 @@ class Batcher:
                     error=repr(exc)[:200],
                 )
                 return alone + batch
-            now = time.monotonic()
-            took = now - began
+            took, now = time.monotonic() - began, self.clock()
             queue.compute_s += AWAY_WEIGHT * (took - queue.compute_s) if queue.compute_s else took
             for w, out in zip(batch, outs, strict=True):
                 w.out = out

@@ -52,11 +52,12 @@ class ExpertServer:
         wire_dtype: str,
         delegations: Verifier,
         admit: Admit = admit_all,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.served, self.window_s, self.wire_dtype = served, window_s, wire_dtype
-        self.delegations, self.admit = delegations, admit
+        self.delegations, self.admit, self.clock = delegations, admit, clock
         self._admitted: dict[str, float] = {}
-        """Caller -> when a request of its was last admitted (time.monotonic)."""
+        """Caller -> when a request of its was last admitted (on `clock`)."""
         self._queues: dict[tuple[int, int], list[_Job]] = {}
         self._last: dict[tuple[int, int], int] = {}
         self.rows = 0
@@ -90,7 +91,7 @@ class ExpertServer:
         """Whether `caller` had a request admitted here lately (ADMITTED_S): the transport
         lets it send frames of any size (rpc.Intake)."""
         at = self._admitted.get(caller)
-        return at is not None and time.monotonic() - at < ADMITTED_S
+        return at is not None and self.clock() - at < ADMITTED_S
 
     async def _admit(self, caller: str, m: ExpertRequest) -> None:
         """Check every delegation the request carries, then have each gateway admitted for
@@ -110,7 +111,7 @@ class ExpertServer:
             at += rows
         for gateway, n in units.items():
             await self.admit(gateway, n)
-        now = time.monotonic()
+        now = self.clock()
         if len(self._admitted) > 1024:  # forget callers gone quiet
             self._admitted = {p: t for p, t in self._admitted.items() if now - t < ADMITTED_S}
         self._admitted[caller] = now

@@ -98,8 +98,9 @@ class ServedSession:
     """Positions computed so far (what a ping reports)."""
     history: list[int] = field(default_factory=list)
     """Token ids seen so far (the head's repetition penalty needs them)."""
-    used: float = field(default_factory=time.monotonic)
-    """Last use, for idle expiry."""
+    used: float = 0.0
+    """Last use on the server's clock (set when opened and on every step), for idle
+    expiry."""
     last_step: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """When the last step's compute began and ended (time.monotonic), and how long of it
     went to waiting for remote experts (s)."""
@@ -185,8 +186,12 @@ class StageServer:
         batch_window_s: float = 0.001,
         batch_min_s: float = 0.0,
         batch_pipelined: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model_id, self.served, self.admit = model_id, served, admit
+        self.clock = clock
+        """Idle expiry, which sessions count as stepping for batching, and how long closed
+        sessions' ledgers are kept (a test's own clock)."""
         self.prefix = prefix
         """Keep closed sessions' prompts for reuse ([inference] prefix_cache)."""
         self.max_sessions, self.idle_s, self.wire_dtype = max_sessions, idle_s, wire_dtype
@@ -199,10 +204,10 @@ class StageServer:
         """Steps whose output this node forwarded to the next hop or returned to its owner."""
         self.company = Company()
         """Decode steps interleaved on this node's stages now (for the expert dispatcher)."""
-        self.batcher = Batcher(batch_rows, batch_window_s, batch_min_s, batch_pipelined)
+        self.batcher = Batcher(batch_rows, batch_window_s, batch_min_s, batch_pipelined, clock)
         """Concurrent sessions' decode steps through one chain, computed as one graph per
         stage ([inference] batch_sessions)."""
-        self.ledgers = Ledgers()
+        self.ledgers = Ledgers(clock=clock)
         """Every session's steps as computed: committed to at close, shown on Reveal."""
 
     async def handle(self, caller: str, msg: dict[str, Any]) -> dict[str, Any]:
@@ -258,7 +263,8 @@ class StageServer:
         forwarded decode step on a node that dispatches no experts, while nothing else
         computes here, so that it computes in place (holding the event loop anyway) and
         hands its output on; a result for this node. Saves a task start and a pass through
-        the scheduler per hop (the ring's queue per hop 0.21-0.23 -> 0.09-0.13 ms)."""
+        the scheduler per hop (the ring's queue per hop about halves: bench/bench_swarm.py
+        prints it)."""
         if isinstance(m, Result | Failure):
             return True
         if not isinstance(m, Step) or m.forward is None:
@@ -382,6 +388,7 @@ class StageServer:
             m.prev,
             tally=Tally(caller, m.delegation),
             scopes=[(caller, st.window, st.embed, st.head) for st in chain],
+            used=self.clock(),
         )
         return s.attach(m.prefix) if self.prefix and m.prefix else 0
 
@@ -404,7 +411,7 @@ class StageServer:
             assert m.ids is not None
             del s.history[m.start :]
             s.history += m.ids
-        s.used = began = time.monotonic()
+        s.used, began = self.clock(), time.monotonic()
         try:
             with collecting_waits() as waited:
                 if m.singly:  # a replay of decode steps: each position as it first ran
@@ -422,8 +429,8 @@ class StageServer:
         except ComputeError as exc:
             raise Refusal("bad", str(exc)) from None
         finally:
-            s.used = time.monotonic()
-            s.last_step = (began, s.used, waited[0])
+            s.used = self.clock()
+            s.last_step = (began, time.monotonic(), waited[0])
         self._check_finite(s, m, out)
         self.tokens += len(x)
         s.at = m.start + len(x)
@@ -442,8 +449,8 @@ class StageServer:
     def _check_finite(self, s: ServedSession, m: Step, out: np.ndarray) -> None:
         """Refuse a step whose output is not finite: this node's fault (a corrupt slice
         computes NaN), said before the output reaches the next hop, which would refuse it
-        and be blamed in our place. The check costs ~7 us a hidden row and ~25 us the
-        logits of a 49k vocabulary, against ~56 ms a decode step of the bundled model."""
+        and be blamed in our place. The check is one pass over the rows (or the logits),
+        a few thousandths of a decode step's compute."""
         if np.isfinite(out).all():
             return
         what = "logits" if s.sampler is not None else "hidden states"
@@ -479,7 +486,7 @@ class StageServer:
         )
 
     def expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._end([k for k, s in self.sessions.items() if now - s.used > self.idle_s])
 
     def close_all(self) -> None:
