@@ -132,7 +132,8 @@ class Admission:
         """Return if this node serves ``gateway`` now; NotAdmitted with the reason otherwise.
 
         ``fresh_s``: a pass that recent stands. An expert worker asks for every request,
-        several a token, and the full check reads the ledger (16 us measured)."""
+        several a token, and the full check reads the ledger (bench/bench_metering.py
+        times it)."""
         params = self.params()
         if gateway == self.me or params.free:
             return

@@ -3,8 +3,8 @@
 The engine is llguidance (the Rust library llama.cpp builds for JSON schemas, also used by
 vLLM and SGLang), through its Python wheel: it compiles JSON schemas, Lark and regular
 expressions into one grammar form, and computes the mask of allowed tokens for the next
-position in a fraction of a millisecond (0.27 ms median, 0.48 ms max, on the bundled
-model's 49k vocabulary, against ~56 ms a decode step), with no tokenizer of its own to
+position in a small fraction of a decode step (bench/bench_grammar.py measures it on the
+bundled model's 49k vocabulary), with no tokenizer of its own to
 agree with: it is given ours, token by token.
 
     gateway   response_format (json_object | json_schema) ─► grammar text (``for_json_schema``),

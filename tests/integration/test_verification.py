@@ -50,15 +50,22 @@ def start(localnet: Callable[..., LocalNet], model: Path, placement: list[list[s
         node.spawn()
     for node in net.nodes:
         node.wait_ready()
-    net.wait_until("the gateway sees every node's holdings online",
+    net.wait_until("the gateway sees every node's holdings online and proven",
                    lambda: online(net.nodes[0], len(placement)), ROUTED_S)
     return net
 
 
 def online(node: LocalNode, n: int) -> bool:
+    """Every node's holdings online, and every other node's claim proven to `node` (a
+    holder is routed to, and asked to check, only once proven): a check drawn before the
+    third holder of a part is proven has one checker, and its disagreement is undecided."""
     holders = node.get("/v0/coverage").get("holders") or {}
     return len(holders) == n and all(
-        h["holdings"] and all(x[-1] == "online" for x in h["holdings"]) for h in holders.values())
+        h["holdings"]
+        and all(x[-1] == "online" for x in h["holdings"])
+        and (peer == node.peer_id or h["proven_units"])
+        for peer, h in holders.items()
+    )
 
 
 def generate(node: LocalNode, prompt: list[int], n: int = 4) -> list[int]:

@@ -447,11 +447,11 @@ class _Pending:
             with self.scope:
                 # One turn of the loop first: the consumer's write of the token just yielded
                 # goes out before a step computed in place holds the loop. Without it a
-                # one-node stream delivered its tokens in pairs (intervals p10 0.05 ms, p90
-                # 15.5 ms; with it 7.6 / 8.4 ms), at no measured cost in tokens/s. Sending a
-                # ring's next step before the write saved 0.1-0.2 ms of the gateway's time
-                # between steps but no tokens/s (A/B, 3 rounds): the write then competes
-                # with the remote hops for the same cores.
+                # one-node stream delivered its tokens in pairs (every other interval near
+                # zero), at no measured cost in tokens/s. Sending a ring's next step before
+                # the write saved some of the gateway's time between steps but no tokens/s
+                # (bench/bench_swarm.py, A/B): the write then competes with the remote hops
+                # for the same cores.
                 await trio.lowlevel.checkpoint()
                 self.value = await fn(*args)
         except Exception as exc:  # noqa: BLE001 - handed to the generator, which raises it

@@ -8,7 +8,8 @@ is dropped: every channel and lane to it is reset, and the next request opens a 
     Channels.notify(peer, proto, msg)  ──▶                  with inference's hooks)
 
 Once a libp2p channel is open, Channels asks the peer for a lane (lane.py: a direct TCP
-connection keyed over the channel, ~0.44 ms faster per round trip) in the background and
+connection keyed over the channel, faster per round trip: bench/bench_link.py) in the
+background and
 moves the peer's requests onto it when it is up; the libp2p channel stays the fallback.
 serve() is rpc.serve with inference's two hooks: a LaneAsk answered with a ticket for a
 lane to the protocol, and a traced step stamped with when it arrived (steptrace).

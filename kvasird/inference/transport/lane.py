@@ -1,9 +1,9 @@
 """Lanes: a direct TCP connection for one peer's stage or expert traffic, keyed over libp2p.
 
-py-libp2p costs ~0.44 ms of Python per request round trip (yamux, Noise and stream
-plumbing; measured across two processes on loopback: 0.52 ms per round trip of 2.3 KB
-frames on a libp2p stream against 0.08 ms for the same frames on a TCP socket sealed with
-ChaCha20-Poly1305). A generation pays it on every hop of every token, so once a caller
+py-libp2p costs several times more Python per request round trip than a TCP socket sealed
+with ChaCha20-Poly1305 (yamux, Noise and stream plumbing; bench/bench_link.py measures
+both, across two processes on loopback). A generation pays it on every hop of every
+token, so once a caller
 has a libp2p channel to a peer it asks for a lane and moves the hot path onto it:
 
     caller (Channels)                                 server (LaneServer)
@@ -123,9 +123,9 @@ class SealedStream:
     Every record goes out whole or the lane ends: a record cut short would make every later
     one unreadable. On a socket (POSIX), a write the kernel takes at once and a read of
     bytes already there go straight to the file descriptor without a pass through trio's
-    scheduler; a step's record is a few KB, so that is nearly every one of them (one ring
-    link between processes measured 0.60 -> 0.46 ms with cold caches, 0.13 -> 0.09 ms
-    warm: bench/bench_link.py). After a few records in a row that did not wait the stream
+    scheduler; a step's record is a few KB, so that is nearly every one of them (a ring
+    link between processes gets faster by about a quarter: bench/bench_link.py). After a
+    few records in a row that did not wait the stream
     lets other tasks run, so a busy lane cannot starve its process.
     """
 
