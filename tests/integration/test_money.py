@@ -60,15 +60,22 @@ def paid_net(localnet: Callable[..., LocalNet], model: Path, placement: list[lis
         node.stake = (stakes or {}).get(node.index)
     net.up()
     holders = sum(1 for pins in placement if pins)
-    net.wait_until("the gateway sees every holder online",
+    net.wait_until("the gateway sees every holder online and proven",
                    lambda: online_holders(net.nodes[0]) == holders, READY_S)
     return net
 
 
 def online_holders(node: LocalNode) -> int:
+    """Holders online whose claims `node` has proven (it routes to, and dispatches experts
+    to, proven holders only: a first request before that is refused "busy")."""
     holders = node.get("/v0/coverage").get("holders") or {}
-    return sum(1 for h in holders.values()
-               if h["holdings"] and all(x[-1] == "online" for x in h["holdings"]))
+    return sum(
+        1
+        for peer, h in holders.items()
+        if h["holdings"]
+        and all(x[-1] == "online" for x in h["holdings"])
+        and (peer == node.peer_id or h["proven_units"])
+    )
 
 
 def gateway_of(net: LocalNet, node: LocalNode) -> tuple[str, openai.OpenAI]:
