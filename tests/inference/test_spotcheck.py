@@ -172,10 +172,11 @@ async def test_a_thousand_honest_sessions_checked_every_time_flag_nobody(
 
 
 @pytest.mark.slow
-async def test_a_thousand_honest_sessions_replayed_on_their_decode_steps_flag_nobody(
+async def test_a_thousand_honest_sessions_checked_on_their_later_steps_flag_nobody(
         tails: dict[str, Served], reference: list[int]) -> None:
     """A route of the gateway and one peer, every session drawn (rate 1), greedy and seeded
-    sampling alike: every decode replay gives the generation's token."""
+    sampling alike: every later step recomputed from the rows the peer shows gives the
+    generation's token."""
     net, fitness = FakeNet(tails), Fitness(DEFAULTS.unfit_s)
     spot = SpotChecks(1.0, 0.0, DEFAULTS.spot_tolerance)
     gen = tail_generator(net, spot, fitness, InferenceConfig(spot_check_stages=1.0))
@@ -439,11 +440,11 @@ async def test_a_hop_whose_commitment_contradicts_what_it_sent_is_paid_nothing(
     assert "b" not in work and {"gw", "c"} <= work
 
 
-async def test_after_a_failover_the_last_routes_own_tokens_are_replayed_and_pass(
+async def test_after_a_failover_the_last_routes_own_steps_are_checked_and_pass(
         tails: dict[str, Served], reference: list[int]) -> None:
     """d stops answering at the fourth generated token; the generation goes on on a replica,
-    whose decode steps (the tokens it generated after the failover's replay) are checked by
-    a replay on the third, flagging nobody."""
+    whose later steps (the failover's replay and the tokens it generated after it) are
+    checked on the third from the rows it shows, flagging nobody."""
     net, fitness = FakeNet(tails), Fitness(DEFAULTS.unfit_s)
     net.faults["d"] = hung(lambda m: m.get("op") == "step" and m["start"] == len(PROMPT) + 2)
     spot = SpotChecks(1.0, 0.0, DEFAULTS.spot_tolerance)
