@@ -102,6 +102,30 @@ async def test_a_forwarded_route_generates_the_tokens_of_the_whole_model(
     assert all(s.sessions == {} for s in net.servers.values())
 
 
+async def test_every_hops_session_opens_at_once(
+        served: dict[str, Served], reference: list[int]) -> None:
+    """The opens of a route's sessions overlap (one round trip before the prefill, not one
+    a hop): b's and c's opens both arrive before either is answered."""
+    net = FakeNet({k: v for k, v in served.items() if k != "b2"})
+    seen: list[tuple[str, str]] = []
+
+    def slow_open(peer: str) -> Any:
+        def fault(handle: Any) -> Any:
+            async def slow(caller: str, msg: dict[str, Any]) -> dict[str, Any]:
+                if msg.get("op") != "open":
+                    return await handle(caller, msg)
+                seen.append(("in", peer))
+                await trio.sleep(0.2)
+                seen.append(("out", peer))
+                return await handle(caller, msg)
+            return slow
+        return fault
+
+    net.faults["b"], net.faults["c"] = slow_open("b"), slow_open("c")
+    assert await run(generator(net, Fitness(300)), 3) == reference[:3]
+    assert [kind for kind, _ in seen[:2]] == ["in", "in"], seen
+
+
 async def test_windows_that_overlap_chain_and_generate_the_tokens_of_the_whole_model(
         model: Path, served: dict[str, Served], reference: list[int]) -> None:
     """d holds layers 2-3, overlapping b's 1-2: with c gone the route enters d's window at

@@ -1,7 +1,7 @@
 """SwarmGenerator: the Generator that runs a request along a route of peers.
 
     plan route (routing.plan_route over online holders, our latencies, fit peers only)
-      ─▶ open a session on every hop ─▶ prefill the prompt ─▶ decode token by token
+      ─▶ open every hop's session at once ─▶ prefill the prompt ─▶ decode token by token
       each step: gateway ─x─▶ hop 1 ─h─▶ hop 2 ─h─▶ … ─▶ last hop samples ─token─▶ gateway
 
 Boundaries go stage to stage: the gateway sends a step to the first hop with the rest
@@ -612,28 +612,42 @@ class _Run:
         self.done, self.commits, self.relayed = [], {}, {}
         self.opened = (max(produced - 1, 0), prompt)
         self.positions = Counter()
-        cached = prompt
-        for i, hop in enumerate(self.route.hops):
-            reply = await self._call(
-                hop,
-                Open(
-                    f"{self.sid}.{i}",
-                    self.model,
-                    hop.first,
-                    hop.end,
-                    hop.embed,
-                    hop.head,
-                    self.max_tokens,
-                    self.logprobs,
-                    self.route.hops[i - 1].peer if i else "",
-                    self.sampling,
-                    max(produced - 1, 0),
-                    prompt,
-                    hop_keys(keys, self.route, i) if keys else b"",
-                    gen.issuer.issue(hop.peer, life_s(self.max_tokens)) if gen.issuer else b"",
-                ),
-            )
-            cached = min(cached, _read(hop.peer, Opened.from_wire, reply).cached)
+        route = self.route
+        starts: dict[int, int] = {}  # hop index -> the positions it starts with (kept)
+        failed: list[tuple[int, HopFailed]] = []
+
+        async def open_hop(i: int, hop: Hop) -> None:
+            try:
+                reply = await self._call(
+                    hop,
+                    Open(
+                        f"{self.sid}.{i}",
+                        self.model,
+                        hop.first,
+                        hop.end,
+                        hop.embed,
+                        hop.head,
+                        self.max_tokens,
+                        self.logprobs,
+                        route.hops[i - 1].peer if i else "",
+                        self.sampling,
+                        max(produced - 1, 0),
+                        prompt,
+                        hop_keys(keys, route, i) if keys else b"",
+                        gen.issuer.issue(hop.peer, life_s(self.max_tokens)) if gen.issuer else b"",
+                    ),
+                )
+                starts[i] = _read(hop.peer, Opened.from_wire, reply).cached
+            except HopFailed as exc:
+                failed.append((i, exc))
+
+        # every hop's session at once: one round trip before the prefill, not one a hop
+        async with trio.open_nursery() as nursery:
+            for i, hop in enumerate(route.hops):
+                nursery.start_soon(open_hop, i, hop)
+        if failed:  # the first failed hop on the route; the failover closes the others
+            raise min(failed, key=lambda f: f[0])[1]
+        cached = min([prompt, *starts.values()])
         begin = min(cached, prompt - 1) // PAGE * PAGE if keys else 0
         self.began = begin
         gen.reused += begin
