@@ -1285,7 +1285,10 @@ class _Run:
         ms = (time.perf_counter() - began) * 1000
         if isinstance(message, Step) and len(message.x) == 1:  # a decode step's time
             self.progress.hop_ms[hop.peer] = round(ms, 2)
-            if hop.peer != self.gen.me:
+            # the route's own steps only: a spot check's recomputation would make its
+            # checkers look slower than the peers never measured (heartbeat round trips),
+            # and routing would keep to the ones it checks
+            if hop.peer != self.gen.me and message.sid.startswith(f"{self.sid}."):
                 self.gen.latency.observe(hop.peer, ms)
         return reply
 
