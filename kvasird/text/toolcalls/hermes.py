@@ -246,6 +246,15 @@ class CallStream:
                 return k
         return 0
 
+    def _whole(self, call: ToolCall, out: list[Event]) -> None:
+        """A call read whole at once: opened, its arguments, closed."""
+        out += [
+            CallOpened(self._calls, call.id, call.name),
+            Args(self._calls, call.arguments),
+            CallClosed(self._calls, call),
+        ]
+        self._calls += 1
+
     def _say(self, text: str, out: list[Event]) -> None:
         body = text.rstrip()
         if body:
@@ -283,12 +292,7 @@ class CallStream:
             out.append(CallClosed(self._open.index, ToolCall(self._open.id, self._open.name, raw)))
             self._calls += 1
         elif call is not None:
-            out += [
-                CallOpened(self._calls, call.id, call.name),
-                Args(self._calls, call.arguments),
-                CallClosed(self._calls, call),
-            ]
-            self._calls += 1
+            self._whole(call, out)
         else:
             self._say(self._START + whole + self._END, out)
         return self._next(rest)

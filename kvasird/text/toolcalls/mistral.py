@@ -153,12 +153,7 @@ class MistralStream(CallStream):
             return False
         call = self.fmt._call(body[at:end], self.tools)
         if call is not None:
-            out += [
-                CallOpened(self._calls, call.id, call.name),
-                Args(self._calls, call.arguments),
-                CallClosed(self._calls, call),
-            ]
-            self._calls += 1
+            self._whole(call, out)
         else:
             self._say(body[at:end], out)
         self._at = end

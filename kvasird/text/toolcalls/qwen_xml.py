@@ -220,12 +220,7 @@ class XMLCallStream(CallStream):
         elif self._state == "other":
             call = self.fmt._call(whole.strip(), self.tools)
             if call is not None:
-                out += [
-                    CallOpened(self._calls, call.id, call.name),
-                    Args(self._calls, call.arguments),
-                    CallClosed(self._calls, call),
-                ]
-                self._calls += 1
+                self._whole(call, out)
             else:
                 self._say(self._START + whole + self._END, out)
         return self._next(body[j + len(self._END) :])
