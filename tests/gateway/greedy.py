@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvasird.compute.kv.pool import KVSpec
+from kvasird.compute.sampling import Sampler, SamplingParams
 from kvasird.compute.stage import Stage, generate
 from kvasird.model.bundled import bundled_path
 from kvasird.text.chat import ChatTemplate, Message
@@ -29,8 +30,11 @@ class Greedy:
     """It ended with an end-of-generation token rather than at max_tokens."""
 
 
-def greedy(messages: Sequence[Message], max_tokens: int) -> Greedy:
-    """The bundled model's greedy answer to ``messages`` rendered as the gateway renders them.
+def greedy(
+    messages: Sequence[Message], max_tokens: int, params: SamplingParams | None = None
+) -> Greedy:
+    """The bundled model's greedy answer to ``messages`` rendered as the gateway renders them
+    (``params``: a logit bias, penalties).
 
     The KV cache is F16 like the daemon's; its size does not change the numbers (attention
     always gathers whole buckets of slots)."""
@@ -39,7 +43,7 @@ def greedy(messages: Sequence[Message], max_tokens: int) -> Greedy:
     stops = tok.special.end_of_generation
     stage = Stage.load(bundled_path(), threads=1, kv=KVSpec(n_slots=1024))
     try:
-        out = generate(stage, prompt, max_tokens, stop=stops)
+        out = generate(stage, prompt, max_tokens, Sampler(params or SamplingParams()), stop=stops)
     finally:
         stage.close()
     kept = [t for t in out if t not in stops]
