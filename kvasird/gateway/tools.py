@@ -7,7 +7,12 @@ request    OpenAI     tools [{type: "function", function: {name, description, pa
                       tool_choice {type: "auto" | "any" | "tool" (name) | "none",
                                    disable_parallel_tool_use}
            -> ToolUse: the tools the prompt offers, and the grammar that forces a call
-              ("" under "auto": the model may answer in text, its calls are parsed out)
+              ("" under "auto": the model may answer in text, its calls are parsed out).
+              A forced reply is one call, unless the client asked for parallel calls in
+              so many words (``parallel_tool_calls: true``, ``disable_parallel_tool_use:
+              false``), and then at most MAX_PARALLEL_CALLS: the grammar then allows only
+              the end, so the reply ends as its calls (finish reason "tool_calls", stop
+              reason "tool_use"), never at the token limit with another call opened
 messages   OpenAI assistant ``tool_calls`` and role "tool"; Anthropic ``tool_use`` and
            ``tool_result`` blocks -> chat Messages the template renders back
 reply      the model's text parsed by its family's format (kvasird.text.toolcalls) ->
@@ -87,7 +92,7 @@ def openai_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
         fn = t.obj("function")
         tools.append(parse_tool(fn, "name", "description", "parameters"))
     choice = f.value.get("tool_choice", "auto")
-    parallel = f.boolean("parallel_tool_calls", True)
+    parallel = asks_parallel(f)
     if choice in ("none", "auto", "required"):
         return choose(tools, template, choice, None, parallel, "tool_choice")
     c = f.obj("tool_choice")
@@ -105,7 +110,7 @@ def anthropic_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
     modes = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
     if kind not in modes:
         raise BadRequest(f"`{c.where('type')}` must be one of {', '.join(modes)}", c.where("type"))
-    parallel = not c.boolean("disable_parallel_tool_use", False)
+    parallel = not c.boolean("disable_parallel_tool_use", True)  # allowed only when said
     return choose(
         tools,
         template,
@@ -114,6 +119,14 @@ def anthropic_tool_use(f: Fields, template: ChatTemplate) -> ToolUse:
         parallel,
         "tool_choice",
     )
+
+
+def asks_parallel(f: Fields) -> bool:
+    """Whether an OpenAI request asked for parallel calls itself. OpenAI's default (absent)
+    allows them, but a client that forces a call and leaves it out means one call: agents
+    do (openai-agents sends no ``parallel_tool_calls`` unless told), and a small model
+    allowed more keeps opening calls until the token limit."""
+    return f.boolean("parallel_tool_calls", False)
 
 
 def tool_items(f: Fields, name: str) -> list[Fields]:

@@ -21,6 +21,12 @@ agree with: it is given ours, token by token.
 When the grammar is complete, only the end-of-generation tokens are allowed: the model's
 EOS ends the reply, with finish reason "stop". A reply cut by max_tokens is cut mid-way,
 as with OpenAI's API.
+
+Every JSON document a grammar allows has a bounded length where its schema bounds its
+strings and arrays: the whitespace between tokens is bounded (``JSON_OPTIONS``), and so are
+numbers (``bounded``). Left to llguidance's defaults, a number may take any count of digits,
+and a small model sampling a fraction writes digits until max_tokens
+(``2.2222226384560329784...``), which is what kept strict schemas from validating.
 """
 
 from __future__ import annotations
@@ -46,9 +52,15 @@ def for_json_schema(schema: Any, what: str = "schema") -> str:
     if not isinstance(schema, dict):
         raise GrammarError(f"{what} must be a JSON Schema object")
     try:
-        return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
+        return _grammar(bounded(schema))
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"{what} is not a JSON Schema this server can follow: {exc}") from None
+
+
+def json_part(schema: dict[str, Any]) -> str:
+    """``schema`` as a ``%json`` part of a Lark grammar (a tool's arguments), held to the
+    same whitespace and numbers as a whole document."""
+    return f"%json {json.dumps({**bounded(schema), 'x-guidance': JSON_OPTIONS})}"
 
 
 JSON_OPTIONS: Any = {"whitespace_pattern": r"( |\n[ \t]{0,20})?"}
@@ -56,8 +68,67 @@ JSON_OPTIONS: Any = {"whitespace_pattern": r"( |\n[ \t]{0,20})?"}
 rule for its JSON-schema grammars): room for pretty-printing, and an end. Any whitespace
 (llguidance's default) let a model pad a document until max_tokens."""
 
-JSON_OBJECT = {"type": "object"}
-"""OpenAI's ``json_object``: any JSON object."""
+_VALUE = {"$ref": "#/$defs/value"}
+JSON_OBJECT = {
+    "type": "object",
+    "additionalProperties": _VALUE,
+    "$defs": {
+        "value": {
+            "type": ["null", "boolean", "number", "string", "array", "object"],
+            "items": _VALUE,
+            "additionalProperties": _VALUE,
+        }
+    },
+}
+"""OpenAI's ``json_object``: any JSON object. Its values are spelled out (rather than
+``{"type": "object"}``) so that ``bounded`` finds their numbers."""
+
+SAFE_INTEGER = 2**53 - 1
+"""The largest magnitude a number may have where its schema sets no bound: every integer up
+to it is exact in a double (JavaScript's ``Number.MAX_SAFE_INTEGER``), so any client reads
+the number as written; at most 16 digits before the point."""
+
+DECIMALS = 10
+"""The most digits a number may have after its point where its schema sets no
+``multipleOf``: the finest step llguidance's ``multipleOf`` holds exactly (a finer one
+is refused as having too many digits)."""
+
+_DATA = frozenset({"const", "enum", "default", "examples"})
+"""Schema keywords whose values are JSON data, not schemas: their numbers are left alone."""
+
+
+def bounded(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with every number it allows bounded in length: ``SAFE_INTEGER`` where it
+    sets no minimum or maximum, ``DECIMALS`` where it sets no ``multipleOf``. Each document
+    the bounded schema allows is one the schema allows. Where the bounds leave nothing to
+    write (a schema whose own range lies beyond them), ``schema`` is kept as it is."""
+    tight = _bound(schema)
+    if tight == schema:
+        return schema
+    error = LLMatcher.validate_grammar(_grammar(tight))
+    return schema if error and not error.startswith("WARNING") else tight
+
+
+def _bound(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_bound(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA else _bound(v) for k, v in node.items()}
+    kinds = out.get("type")
+    types = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+    if types & {"number", "integer"}:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    if "number" in types and "multipleOf" not in out:
+        out["multipleOf"] = 10.0**-DECIMALS
+    return out
+
+
+def _grammar(schema: dict[str, Any]) -> str:
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
 
 
 def check(grammar: str, what: str = "grammar") -> None:

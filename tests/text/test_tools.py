@@ -14,7 +14,7 @@ from kvasird.model.bundled import bundled_path
 from kvasird.text.chat import ChatTemplate, Message
 from kvasird.text.grammar import Constraint, GrammarError, vocabulary
 from kvasird.text.tokenizer import Tokenizer
-from kvasird.text.toolcalls.calls import Tool, ToolCall
+from kvasird.text.toolcalls.calls import MAX_PARALLEL_CALLS, Tool, ToolCall
 from kvasird.text.toolcalls.events import (
     Args,
     Broken,
@@ -153,21 +153,24 @@ def test_llama3_output_is_parsed_with_or_without_the_python_tag() -> None:
     assert f.parse("It is noon.", TOOLS) == ("It is noon.", [])
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["one", "parallel"])
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_a_tool_grammar_only_lets_a_model_write_valid_calls(tok: Tokenizer, harmony_tok: Tokenizer,
-                                                            name: str) -> None:
+def test_a_tool_grammar_only_lets_a_model_write_valid_calls_and_then_end(
+        tok: Tokenizer, harmony_tok: Tokenizer, name: str, parallel: bool) -> None:
     """Random logits under the grammar: every output parses into calls of offered tools whose
-    arguments validate against their schemas."""
+    arguments validate against their schemas, and it ends: after one call, or with parallel
+    calls asked for (in a format that has them), after at most MAX_PARALLEL_CALLS."""
     f = FORMATS[name]
     tok = harmony_tok if name == "harmony" else tok
-    grammar = f.grammar(TOOLS)
+    grammar = f.grammar(TOOLS, parallel)
     schemas = {t.name: t.parameters for t in TOOLS}
-    for seed in range(6):
+    most = MAX_PARALLEL_CALLS if parallel and f.parallel else 1
+    for seed in range(6 if most == 1 else 2):
         rng = np.random.default_rng(seed)
         sampler = Sampler(SamplingParams(temperature=1.0, seed=seed),
                           Constraint(vocabulary(tok), grammar))
         out: list[int] = []
-        for _ in range(400):
+        for _ in range(400 * most):
             token = sampler(rng.normal(size=tok.n_vocab).astype(np.float32), out)
             if token in tok.special.end_of_generation:
                 break
@@ -175,9 +178,30 @@ def test_a_tool_grammar_only_lets_a_model_write_valid_calls(tok: Tokenizer, harm
         else:
             raise AssertionError(f"no end: {tok.decode(out)!r}")
         content, calls = f.parse(tok.decode(out), TOOLS)
-        assert calls and content == "", tok.decode(out)
+        assert 1 <= len(calls) <= most and content == "", tok.decode(out)
         for c in calls:
             jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one", "parallel"])
+def test_once_its_last_call_is_written_a_forced_reply_may_only_end(
+        tok: Tokenizer, parallel: bool) -> None:
+    """A forced reply is one call, or MAX_PARALLEL_CALLS when parallel calls were asked for:
+    then the grammar allows the end of generation and nothing else, so the reply ends as
+    its calls instead of opening another until the token limit."""
+    f = FORMATS["hermes"]
+    call = ToolCall("call_1", "get_time", '{"zone": "utc"}')
+    written = f.separator.join([f.call_text(call)] * (MAX_PARALLEL_CALLS if parallel else 1))
+    c = Constraint(vocabulary(tok), f.grammar([TIME], parallel))
+    for t in tok.encode(written):
+        c.consume(t)
+    assert c.complete
+    allowed = c.allowed(tok.encode(written))
+    assert set(np.flatnonzero(allowed)) == set(tok.special.end_of_generation)
+    if parallel:  # and before the last, another call may follow
+        fewer = Constraint(vocabulary(tok), f.grammar([TIME], parallel))
+        two = tok.encode(f.separator.join([f.call_text(call)] * 2))
+        assert fewer.allowed(two)[tok.encode(f.separator + f.start)[0]]
 
 
 def test_a_call_of_one_named_tool_is_all_its_grammar_allows(tok: Tokenizer) -> None:

@@ -12,6 +12,12 @@ from typing import Any
 MAX_TOOLS = 128
 """The most tools a request may offer."""
 
+MAX_PARALLEL_CALLS = 8
+"""The most calls a forced reply may hold when the client asked for parallel calls. A bound,
+so that a model repeating itself ends with its calls rather than at the token limit with a
+call cut off; eight covers the fan-out an agent asks for in one turn (a few cities, a few
+files) at some 20 to 40 tokens a call."""
+
 
 @dataclass(frozen=True)
 class Tool:

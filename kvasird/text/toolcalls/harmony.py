@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from kvasird.text.grammar import JSON_OPTIONS
+from kvasird.text.grammar import json_part
 from kvasird.text.toolcalls.calls import Tool, ToolCall, is_object, new_call_id
 from kvasird.text.toolcalls.events import (
     Args,
@@ -42,6 +42,7 @@ class Harmony(Format):
         }
     )
     framed = True
+    reasons = True
 
     def system_text(self, tools: Sequence[Tool]) -> str:
         listing = "\n\n".join(_typescript(t) for t in tools)
@@ -70,10 +71,9 @@ class Harmony(Format):
         return f'<|channel|> "commentary to=functions." ({tools})'
 
     def _tool_rule(self, tool: Tool) -> str:
-        schema = {**(tool.parameters or {"type": "object"}), "x-guidance": JSON_OPTIONS}
         return (
             f'{json.dumps(tool.name + " ")} <|constrain|> "json" <|message|> '
-            f"%json {json.dumps(schema)}"
+            f"{json_part(tool.parameters or {'type': 'object'})}"
         )
 
     def stream(self, tools: Sequence[Tool]) -> Reader:

@@ -15,8 +15,14 @@ from typing import Any
 
 from llguidance import LLMatcher
 
-from kvasird.text.grammar import JSON_OPTIONS, check
-from kvasird.text.toolcalls.calls import Tool, ToolCall, new_call_id, parse_arguments
+from kvasird.text.grammar import check, json_part
+from kvasird.text.toolcalls.calls import (
+    MAX_PARALLEL_CALLS,
+    Tool,
+    ToolCall,
+    new_call_id,
+    parse_arguments,
+)
 from kvasird.text.toolcalls.events import (
     Args,
     Broken,
@@ -48,6 +54,10 @@ class Format:
     framed = False
     """Every reply is written in the format's frame (harmony's channels), so it is read
     by the format even when no tools are offered."""
+    reasons = False
+    """The model reasons before it answers, on a channel of its own that is read as
+    Thought (harmony's analysis channel), with an effort its template takes as
+    ``reasoning_effort``."""
 
     def system_text(self, tools: Sequence[Tool]) -> str:
         """The tools described for a template that does not read ``tools`` itself."""
@@ -69,11 +79,15 @@ class Format:
         """A tool's result, ``name`` the tool's ("" when unknown)."""
         return f"<tool_response>\n{content}\n</tool_response>"
 
-    def grammar(self, tools: Sequence[Tool], parallel: bool = True) -> str:
-        """Output that is one call (or, with ``parallel``, several) of ``tools``, each with
-        arguments that validate against that tool's schema."""
+    def grammar(self, tools: Sequence[Tool], parallel: bool = False) -> str:
+        """Output that is one call of ``tools`` (with ``parallel``, where the format allows
+        several, up to MAX_PARALLEL_CALLS), each with arguments that validate against that
+        tool's schema. Once the last call it allows is written the grammar is complete:
+        only the end of generation may follow, so the reply ends as its calls."""
         one = " | ".join(f"c{i}" for i in range(len(tools)))
-        more = f" ({_literal(self.separator)} call)*" if parallel and self.parallel else ""
+        more = ""
+        if parallel and self.parallel:
+            more = f" ({_literal(self.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}"
         rules = [
             f"start: {_literal(self.opening)} call{more} {_literal(self.closing)}",
             f"call: {self._call_rule(one)}",
@@ -93,12 +107,11 @@ class Format:
         return []
 
     def _tool_rule(self, tool: Tool) -> str:
-        return f"%json {json.dumps(self._schema(tool))}"
+        return json_part(self._schema(tool))
 
     def _schema(self, tool: Tool) -> dict[str, Any]:
         return {
             "type": "object",
-            "x-guidance": JSON_OPTIONS,
             "properties": {
                 "name": {"const": tool.name},
                 self.arguments_key: tool.parameters or {"type": "object"},

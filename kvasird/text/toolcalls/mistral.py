@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from kvasird.text.grammar import JSON_OPTIONS
+from kvasird.text.grammar import json_part
 from kvasird.text.toolcalls.calls import Tool, ToolCall, is_object, new_call_id, parse_arguments
 from kvasird.text.toolcalls.events import Args, Broken, CallClosed, CallOpened, Event, Reader
 from kvasird.text.toolcalls.hermes import CallStream, Format
@@ -53,8 +53,8 @@ class Mistral(Format):
     def _tool_rule(self, tool: Tool) -> str:
         if self.listed:
             return super()._tool_rule(tool)
-        schema = {**(tool.parameters or {"type": "object"}), "x-guidance": JSON_OPTIONS}
-        return f'{json.dumps(tool.name)} "[ARGS]" %json {json.dumps(schema)}'
+        schema = json_part(tool.parameters or {"type": "object"})
+        return f'{json.dumps(tool.name)} "[ARGS]" {schema}'
 
     def stream(self, tools: Sequence[Tool]) -> Reader:
         return MistralStream(self, tools)

@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from kvasird.text.grammar import JSON_OPTIONS
+from kvasird.text.grammar import json_part
 from kvasird.text.toolcalls.calls import Tool, ToolCall, new_call_id, parse_arguments
 from kvasird.text.toolcalls.events import Args, Broken, CallClosed, CallOpened, Event, Reader
 from kvasird.text.toolcalls.hermes import CallStream, Format
@@ -60,8 +60,7 @@ class QwenXML(Format):
             value = (
                 _text_terminal(schema)
                 if _is_text(schema)
-                else f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})} "
-                + json.dumps("\n</parameter>")
+                else f"{json_part(schema)} " + json.dumps("\n</parameter>")
             )
             param = " ".join([json.dumps(f"<parameter={key}>\n"), value, json.dumps("\n")])
             parts.append(param if key in required else f"({param})?")
