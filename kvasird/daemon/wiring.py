@@ -75,6 +75,7 @@ def node_view(node: Node) -> NodeView:
         shards=node.shards.view,
         earnings=partial(earnings.summary, node),
         checks=node.inference.spot.status,
+        serving=lambda: node.inference.status()["serving"],
     )
 
 

@@ -3,13 +3,19 @@
 Every generation holds a Slot from admission to its last byte; the number of slots is
 the concurrency limit (HTTP 429 past it), and a finished slot adds its numbers to the
 recent window the status page reports, and to the per-interval series its charts draw.
+The same numbers, counted once here, are what /metrics exports (gateway.metrics): the
+totals since start, the HTTP requests by route and status, and histograms of the time to
+first token and of the gaps between tokens.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass
+from itertools import accumulate
 from statistics import median
 from typing import Any
 
@@ -23,6 +29,12 @@ SERIES_LEN = 60
 """Intervals kept (five minutes)."""
 ROUTES = 8
 """Routes remembered for the status page."""
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Upper bounds (seconds) of the time-to-first-token histogram: a local model answers in
+tens of milliseconds, a route of peers across the internet in seconds."""
+GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Upper bounds (seconds) of the histogram of gaps between tokens: one ring circuit a
+token, from a few milliseconds on loopback to seconds behind a lost packet."""
 
 
 @dataclass(frozen=True)
@@ -39,11 +51,42 @@ class Served:
     """When it finished (time.monotonic)."""
 
 
+class Histogram:
+    """Observations counted into buckets of fixed upper bounds, as Prometheus keeps them:
+    a scrape reads counts that only grow, and rates and quantiles are computed there."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        """Observations per bucket (not cumulative); the last is above every bound."""
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations at or below it), ending with (inf, all of them)."""
+        return list(zip((*self.bounds, math.inf), accumulate(self.counts), strict=True))
+
+
 class GatewayStats:
     def __init__(self) -> None:
         self.in_flight = 0
+        self.waiting = 0
+        """Generations admitted that have no token yet (waiting for a route, the KV cache,
+        their prefill)."""
         self.by_status: Counter[int] = Counter()
+        self.requests: Counter[tuple[str, str, int]] = Counter()
+        """HTTP requests answered, by route (its path template), method and status."""
         self.tokens = 0
+        self.prompt_tokens = 0
+        """Prompt tokens of the generations that finished (once per request: its choices
+        share the prompt)."""
+        self.ttft = Histogram(TTFT_BUCKETS)
+        """Seconds from admission to a request's first token."""
+        self.gaps = Histogram(GAP_BUCKETS)
+        """Seconds between one choice's tokens as the gateway hands them on."""
         self.recent: deque[Served] = deque(maxlen=RECENT)
         self.history: deque[Served] = deque(maxlen=4096)
         """What finished in the last SERIES_LEN intervals (older entries are dropped)."""
@@ -59,6 +102,10 @@ class GatewayStats:
                 code="concurrency",
             )
         return Slot(self)
+
+    def answered(self, route: str, method: str, status: int) -> None:
+        """An HTTP request was answered (gateway.metrics.CountRequests counts them)."""
+        self.requests[route, method, status] += 1
 
     def snapshot(self) -> dict[str, Any]:
         recent = list(self.recent)
@@ -126,20 +173,39 @@ class Slot:
         self._stats = stats
         self._t0 = time.monotonic()
         self._first: float | None = None
+        self._last: dict[int, float] = {}
+        """When each choice last handed on tokens."""
         self.finished = False
         self.completion_tokens = 0
         """Tokens generated, once finished with status 200."""
         stats.in_flight += 1
+        stats.waiting += 1
 
     def first_token(self) -> None:
         self._first = time.monotonic()
+        self._stats.waiting -= 1
+        self._stats.ttft.observe(self._first - self._t0)
 
-    def finish(self, status: int, tokens: int = 0) -> None:
+    def tokens(self, choice: int, n: int) -> None:
+        """Choice ``choice`` hands on ``n`` more tokens. Its first ones start its clock (the
+        time to them is the time to first token); later ones each count an equal share of
+        the gap since its previous ones (text held back for a stop sequence or a split
+        character leaves as one piece of several tokens)."""
+        if n < 1:
+            return
+        now = time.monotonic()
+        last = self._last.get(choice)
+        self._last[choice] = now
+        if last is not None:
+            self._stats.gaps.observe((now - last) / n, n)
+
+    def finish(self, status: int, tokens: int = 0, prompt_tokens: int = 0) -> None:
         self.finished = True
         self.completion_tokens = tokens
         stats = self._stats
         stats.by_status[status] += 1
         stats.tokens += tokens
+        stats.prompt_tokens += prompt_tokens
         if status == 200 and self._first is not None:
             now = time.monotonic()
             served = Served(self._first - self._t0, tokens, now - self._first, now)
@@ -151,5 +217,7 @@ class Slot:
 
     def __exit__(self, *exc: object) -> None:
         self._stats.in_flight -= 1
+        if self._first is None:
+            self._stats.waiting -= 1
         if not self.finished:
             self._stats.by_status[499] += 1

@@ -60,6 +60,10 @@ class NodeView:
     """Earnings, receipts and what is owed (``{"enabled": False}`` with settlement off)."""
     checks: Callable[[], dict[str, Any]]
     """What this node's spot checks saw."""
+    serving: Callable[[], dict[str, Any]] = dict
+    """What this node serves as a stage of routes: ``sessions`` (the generations whose KV
+    cache it holds) and its other counters ({} from a view that shows none: /metrics then
+    reports no sessions)."""
 
 
 def health(gw: Gateway) -> tuple[int, dict[str, str]]:

@@ -224,7 +224,7 @@ def preflight(url: str, origin: str) -> httpx.Response:
 
 def test_an_allowed_page_gets_preflight_and_cors_headers(daemon: Daemon) -> None:
     r = preflight(daemon.url, UI)
-    assert r.status_code == 200
+    assert r.status_code == 204
     assert r.headers["access-control-allow-origin"] == UI
     assert "POST" in r.headers["access-control-allow-methods"]
     assert "content-type" in r.headers["access-control-allow-headers"].lower()
