@@ -25,6 +25,10 @@ verified is verified then, so that it outlives its quote); the error says so (``
 One cut short after its first token is refunded on chain, from the insurance pool, for the
 part that was not served; the client's error names the refund transaction.
 
+x402 (x402.py) is the same quote paid by the standard HTTP 402 client: an unpaid request's
+402 also carries x402 requirements (a quote for it), and a PAYMENT-SIGNATURE pays that quote
+by a transfer this gateway co-signs and submits itself; from there the rules above hold.
+
 The operator's own requests (from this machine, [settlement] free_local) need no quote, but
 they are not free for the peers: each is a quote the vault pays itself (``operator_quote``),
 settled and receipted like any other, so the peers are paid for it from the operator's
@@ -37,12 +41,13 @@ prepaid balances); else 402 says how to top up. The response says who paid
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from solders.signature import Signature
 
 from kvasird.errors import KvasirError
+from kvasird.gateway import x402
 from kvasird.gateway.errors import BadRequest, PaymentRequired, TooManyRequests
 from kvasird.http import operator_request
 from kvasird.logs import get_logger
@@ -101,13 +106,17 @@ class Charge:
     """What that quote pays for, at its prices."""
     operator: bool
     """The operator's own request, paid by the vault itself."""
+    settled: bytes = b""
+    """x402's PAYMENT-RESPONSE value, when an x402 payment paid it (see x402.py)."""
 
     def headers(self) -> list[tuple[bytes, bytes]]:
-        """Response headers that say who pays and the most it may cost."""
+        """Response headers that say who pays and the most it may cost (and, for an x402
+        payment, its settlement)."""
         who = f"operator {self.proof.payer}" if self.operator else "payment"
         return [
             (b"x-kvasir-paid-by", who.encode()),
             (b"x-kvasir-max-cost", str(self.coverage.amount).encode()),
+            *([(x402.RESPONSE, self.settled)] if self.settled else []),
         ]
 
 
@@ -117,7 +126,7 @@ def settlement_of(gw: Gateway) -> Settlement | None:
 
 def _asks(job: Job) -> tuple[int, int]:
     """(prompt tokens, output tokens) a request may use: every choice computes the prompt."""
-    return job.n * len(job.request.prompt), job.n * job.request.sampling.max_tokens
+    return job.prompt_positions, job.n * job.request.sampling.max_tokens
 
 
 async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> Charge | None:
@@ -126,11 +135,18 @@ async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> Charge | None:
     s = settlement_of(gw)
     if s is None:
         return None
-    header = dict(scope.get("headers") or []).get(HEADER)
+    headers = dict(scope.get("headers") or [])
+    header, offer = headers.get(HEADER), headers.get(x402.SIGNATURE)
+    if header is None and offer is not None:
+        try:
+            return await _x402_charge(s, job, offer)
+        except PaymentRequired as err:
+            raise await x402.offered(s, scope, *_asks(job), err) from None
     if header is None:
         if gw.free_local and operator_request(scope):
             return await _operator_charge(gw, s, job)
-        raise PaymentRequired(f"this gateway takes KVR payments: {HOW}")
+        unpaid = PaymentRequired(f"this gateway takes KVR payments: {HOW}")
+        raise await x402.offered(s, scope, *_asks(job), unpaid)
     request_id, owner, signature = _parsed(header)
     try:
         if owner is None:
@@ -141,6 +157,22 @@ async def charge(gw: Gateway, scope: dict[str, Any], job: Job) -> Charge | None:
             proof = await s.payments.pay_quote_from_deposit(owner, request_id)
     except KvasirError as exc:
         raise PaymentRequired(f"payment not accepted: {exc}") from None
+    return _covered(s, job, proof)
+
+
+async def _x402_charge(s: Settlement, job: Job, offer: bytes) -> Charge:
+    """An x402 PAYMENT-SIGNATURE: its payment verified, submitted and settled here, then
+    held to the same rules as an X-Kvasir-Payment."""
+    try:
+        proof, settled = await x402.pay(s, offer)
+    except KvasirError as exc:
+        raise PaymentRequired(f"payment not accepted: {exc}") from None
+    return replace(_covered(s, job, proof), settled=settled)
+
+
+def _covered(s: Settlement, job: Job, proof: PaymentProof) -> Charge:
+    """The charge of a paid quote, if it covers what ``job`` may use and no request spent
+    it yet (it is redeemed now); else 402."""
     coverage = s.payments.coverage(proof.key)
     assert coverage is not None
     prompt, output = _asks(job)
@@ -353,7 +385,7 @@ def _measured(settling: Settling, job: Job, tokens: int, seconds: float) -> list
     done = [w for r in job.requests() for w in job.generator.work(r.request_id)]
     if done:
         return [MeasuredWork(w.peer, w.units, w.ms_per_token) for w in done]
-    positions = job.n * len(job.request.prompt) + tokens
+    positions = job.prompt_positions + tokens
     return [
         MeasuredWork(
             settling.me,

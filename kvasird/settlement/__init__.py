@@ -14,6 +14,8 @@ balance has exactly one writer.
     locks.py        per-key locks around each money operation
     verify.py       what a transaction proves: vault delta, mint, memo binding, sender binding
     payments.py     quotes → payment verification (one-shot signatures), prepaid deposits
+    x402.py         x402's "exact" scheme on Solana: the transaction a payer signs, checked
+                    before the gateway co-signs it as fee payer; a client for the x402 package
     redemptions.py  which paid quotes have served a request at this gateway (each serves one)
     pricing.py      NetworkParams and the utilization-driven PriceController
     governance.py   network parameters change only by genesis-signed, versioned messages

@@ -115,6 +115,7 @@ class ChainClient:
         self._rpc = AsyncClient(url, commitment=self._commitment, timeout=timeout_s)
         self._http = httpx.AsyncClient(timeout=timeout_s)
         self._ids = itertools.count(1)
+        self._genesis = ""
 
     async def __aenter__(self) -> ChainClient:
         return self
@@ -142,6 +143,12 @@ class ChainClient:
             "isBlockhashValid", [str(blockhash), {"commitment": str(self._commitment)}]
         )
         return bool(reply["value"])  # type: ignore[index]
+
+    async def genesis_hash(self) -> str:
+        """The cluster's genesis hash (asked once: it names the cluster for good)."""
+        if not self._genesis:
+            self._genesis = str((await self._call(self._rpc.get_genesis_hash())).value)
+        return self._genesis
 
     async def lamports(self, key: Pubkey) -> int:
         return int((await self._call(self._rpc.get_balance(key))).value)

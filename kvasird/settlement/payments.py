@@ -21,7 +21,7 @@ import secrets
 import sqlite3
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,8 +275,38 @@ class Payments:
         c = self.coverage(request_id)
         return c.max_tokens if c is not None else 0
 
-    async def settle_quote(self, request_id: str, signature: Signature) -> PaymentProof:
-        """Prove that ``signature`` paid quote ``request_id``; idempotent for a paid quote."""
+    def quote_of(self, reference: str) -> Quote | None:
+        """The quote whose public payment reference is ``reference`` (None: unknown)."""
+        row = self._ledger.one(
+            "SELECT request_id, memo, amount, max_tokens, price, prompt_tokens, input_price, "
+            "expires_at FROM settlement_quotes WHERE memo = ?",
+            reference,
+        )
+        if row is None:
+            return None
+        request_id, memo, amount, max_tokens, price, prompt_tokens, input_price, expires = row
+        return Quote(
+            request_id,
+            memo,
+            amount,
+            max_tokens,
+            price,
+            prompt_tokens,
+            input_price,
+            self.vault,
+            self.mint,
+            expires,
+        )
+
+    async def settle_quote(
+        self,
+        request_id: str,
+        signature: Signature,
+        submit: Callable[[], Awaitable[None]] | None = None,
+    ) -> PaymentProof:
+        """Prove that ``signature`` paid quote ``request_id``; idempotent for a paid quote.
+        ``submit`` lands the transaction first, under the quote's lock, while the quote is
+        open and unexpired (x402: the gateway submits the payment itself, once)."""
         async with self._locks.hold(f"quote:{request_id}"):
             row = self._ledger.one(
                 "SELECT memo, amount, expires_at, state, signature, payer "
@@ -290,6 +320,8 @@ class Payments:
                 return PaymentProof(request_id, paid_sig or "", amount, payer or "")
             if self._clock() > expires_at:
                 raise QuoteError(f"quote {memo} expired: ask for a new quote")
+            if submit is not None:
+                await submit()
             tx = await self._chain.transaction(signature)
             check_payment(
                 tx,
