@@ -147,7 +147,7 @@ def parse_request(body: Fields, caps: GatewayConfig) -> GenerationRequest:
     """The admin API's generate body: token ids in (the CLI tokenizes); no prompt longer and
     no max_tokens larger than the gateway would take."""
     prompt = _token_ids(body, "prompt", None)
-    if len(prompt) > caps.max_prompt_tokens:
+    if 0 < caps.max_prompt_tokens < len(prompt):
         raise BadRequest(
             f"the prompt is {len(prompt)} tokens, over this node's limit "
             f"([gateway] max_prompt_tokens): {caps.max_prompt_tokens}",

@@ -5,9 +5,14 @@
     body        reading a body within the size limit; typed fields, errors naming the field
     openai      /v1/chat/completions, /v1/completions, /v1/models[/{id}]: parsing, rendering
     anthropic   /v1/messages, /v1/messages/count_tokens: parsing and rendering
+    embeddings  /v1/embeddings: the route's final-norm hidden states, pooled and normalized
     responses   OpenAI's Responses API: POST /v1/responses, GET /v1/responses/{id}
     tools       tools in the two APIs: what a request offers and forces, the calls in a reply
     payment     pay per inference: quote, payment on chain, receipts; the operator's own use
+    x402        pay per HTTP call with x402 (402 with PAYMENT-REQUIRED, PAYMENT-SIGNATURE in,
+                PAYMENT-RESPONSE out): a quote paid by a transaction the gateway co-signs
+    ops         llama-server's /tokenize, /detokenize, /apply-template and /props
+    metrics     /metrics: Prometheus text of requests, tokens, latencies, peers, earnings
     generation  a Generator's token events -> text pieces (whole characters, stop sequences);
                 the generations of a request's n choices
     stops       text-level stop sequences with held-back partial matches

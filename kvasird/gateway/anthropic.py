@@ -29,9 +29,18 @@ from kvasird.gateway.tools import (
 )
 from kvasird.inference.api import Sampling, SamplingParams
 from kvasird.text.chat import Message
-from kvasird.text.toolcalls.events import Args, Broken, CallClosed, CallOpened, Event, Said
+from kvasird.text.toolcalls.events import (
+    Args,
+    Broken,
+    CallClosed,
+    CallOpened,
+    Event,
+    Said,
+    Thought,
+)
 
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence"}
+THINKING_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 
 
 async def messages(gw: Gateway, request: Request) -> GenerationResponse:
@@ -39,26 +48,29 @@ async def messages(gw: Gateway, request: Request) -> GenerationResponse:
     name = f.string("model")
     info, tok, template = gw.resolve(name)
     use = anthropic_tool_use(f, template)
+    reasoning = gw.reasoning(template, thinking_effort(f.obj("thinking")), "thinking")
     prompt = gw.check_prompt(
-        info, gw.chat_prompt(template, tok, conversation(f), "messages", use.tools), "messages"
+        info,
+        gw.chat_prompt(template, tok, conversation(f), "messages", use.tools, reasoning),
+        "messages",
     )
-    if f.obj("thinking").string("type", "disabled") != "disabled":
-        raise BadRequest("extended thinking is not supported by this gateway", "thinking")
     params = SamplingParams(
         temperature=f.number("temperature", 1.0, 0, 1),
         top_p=top_p(f),
         top_k=f.integer("top_k", 0, 0, 1 << 20),
         grammar=use.grammar,
     )
-    sampling = Sampling(params, gw.max_tokens(f.integer("max_tokens"), "max_tokens"))
+    limit = gw.output_limit(info, prompt, f.integer("max_tokens"), "max_tokens")
     job = gw.job(
         info,
         tok,
         name,
         prompt,
-        sampling,
+        Sampling(params, limit.granted),
         stops=stops(f, "stop_sequences"),
         stream=f.boolean("stream", False),
+        limit=limit,
+        reasoning=reasoning,
     )
     return GenerationResponse(gw, job, MessagesRenderer(job, use))
 
@@ -72,8 +84,32 @@ async def count_tokens(gw: Gateway, request: Request) -> JSONResponse:
     return JSONResponse({"input_tokens": len(prompt)})
 
 
+THINKING_BUDGETS = ((4096, "low"), (16384, "medium"))
+"""A thinking budget up to each of these (tokens) asks for this reasoning effort; larger
+ones for "high"."""
+
+
+def thinking_effort(thinking: Fields) -> str | None:
+    """The reasoning effort Anthropic's ``thinking`` asks for (None: no thinking): enabled
+    with a budget (the effort that budget buys), or adaptive (the model's own measure)."""
+    kind = thinking.string("type", "disabled")
+    if kind == "disabled":
+        return None
+    if kind == "adaptive":
+        return "medium"
+    if kind != "enabled":
+        raise BadRequest(
+            f'`{thinking.where("type")}` must be "enabled", "adaptive" or "disabled", got {kind!r}',
+            thinking.where("type"),
+        )
+    budget = thinking.integer("budget_tokens", THINKING_BUDGETS[0][0], 1)
+    return next((effort for most, effort in THINKING_BUDGETS if budget <= most), "high")
+
+
 def conversation(f: Fields) -> list[Message]:
-    """The system prompt (a string or text blocks) and the alternating messages."""
+    """The system prompt (a string or text blocks) and the alternating messages. Thinking
+    blocks a client sends back are dropped: chat templates leave past reasoning out (as
+    harmony's does), so their signatures need no check."""
     out = []
     if f.has("system"):
         out.append(Message("system", content_text(f.value["system"], "system")))
@@ -89,6 +125,10 @@ def conversation(f: Fields) -> list[Message]:
                 m.where("role"),
             )
         content = m.value.get("content")
+        if isinstance(content, list):
+            content = [
+                b for b in content if not (isinstance(b, dict) and b.get("type") in THINKING_BLOCKS)
+            ]
         if isinstance(content, list) and any(
             isinstance(b, dict) and b.get("type") in ("tool_use", "tool_result") for b in content
         ):
@@ -104,8 +144,13 @@ class MessagesRenderer:
     """Messages. With tools, the reply is parsed into text blocks and tool_use blocks; a
     stream sends text as soon as it cannot be the start of a call, and each call as a
     tool_use block as it is written, its input as input_json_delta events of partial JSON.
-    The model's reasoning (harmony's analysis channel) is left out: a thinking block would
-    need a signature this gateway cannot make, and a client sends thinking blocks back."""
+    A stream opens each block at its first content, so no block is empty (a reply with no
+    content at all is one empty text block, as the whole body is).
+
+    With ``thinking`` asked of a model that reasons, its reasoning (harmony's analysis
+    channel) comes first as a thinking block (streamed as thinking_delta events). Its
+    signature is empty: thinking blocks sent back are dropped unread (``conversation``), so
+    there is nothing for a signature to protect. Without ``thinking`` it is left out."""
 
     ping = sse({"type": "ping"}, "ping")
 
@@ -114,9 +159,9 @@ class MessagesRenderer:
         self.id = f"msg_{job.request.request_id}"
         self.use = use or ToolUse()
         self._reader = self.use.reader() if self.use.reads else None
-        self._block = 0
-        """The index of the stream's last content block."""
-        self._open: str | None = "text"
+        self._block = -1
+        """The index of the stream's last content block (-1: none yet)."""
+        self._open: str | None = None
         """Its type while it is open (None once stopped)."""
         self._called = False
 
@@ -152,6 +197,7 @@ class MessagesRenderer:
             "input_tokens": len(self.job.request.prompt) - cached,
             "cache_read_input_tokens": cached,
             "output_tokens": output_tokens,
+            **(self.job.limit.usage() if self.job.limit else {}),
         }
 
     @staticmethod
@@ -162,9 +208,14 @@ class MessagesRenderer:
         (only,) = choices  # Anthropic's API has no `n`
         reply = self.use.read(only.text)
         calls = list(reply.calls)
+        thought = (
+            [{"type": "thinking", "thinking": reply.reasoning, "signature": ""}]
+            if reply.reasoning and self.job.reasoning.shown
+            else []
+        )
         blocks = [{"type": "text", "text": reply.text}] if reply.text or not calls else []
         return self.message(
-            blocks + anthropic_tool_blocks(calls),
+            thought + blocks + anthropic_tool_blocks(calls),
             only.done,
             only.done.completion_tokens,
             bool(calls),
@@ -172,16 +223,7 @@ class MessagesRenderer:
 
     def stream_start(self) -> list[bytes]:
         return [
-            sse({"type": "message_start", "message": self.message([], None, 0)}, "message_start"),
-            sse(
-                {
-                    "type": "content_block_start",
-                    "index": 0,
-                    "content_block": {"type": "text", "text": ""},
-                },
-                "content_block_start",
-            ),
-            self.ping,
+            sse({"type": "message_start", "message": self.message([], None, 0)}, "message_start")
         ]
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
@@ -192,10 +234,14 @@ class MessagesRenderer:
     def _blocks(self, events: list[Event]) -> list[bytes]:
         out = []
         for e in events:
-            if isinstance(e, Said):
+            if isinstance(e, Said) and e.text:
                 if self._open != "text":
                     out += self._start({"type": "text", "text": ""})
                 out.append(self._delta({"type": "text_delta", "text": e.text}))
+            elif isinstance(e, Thought) and e.text and self.job.reasoning.shown:
+                if self._open != "thinking":
+                    out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
             elif isinstance(e, CallOpened):
                 self._called = True
                 out += self._start(
@@ -208,6 +254,7 @@ class MessagesRenderer:
         return out
 
     def _start(self, block: dict[str, Any]) -> list[bytes]:
+        """Open a content block; the first is followed by a ping, as Anthropic's are."""
         out = self._stop()
         self._block, self._open = self._block + 1, block["type"]
         return [
@@ -216,6 +263,7 @@ class MessagesRenderer:
                 {"type": "content_block_start", "index": self._block, "content_block": block},
                 "content_block_start",
             ),
+            *([self.ping] if self._block == 0 else []),
         ]
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
@@ -227,12 +275,22 @@ class MessagesRenderer:
     def _stop(self) -> list[bytes]:
         if self._open is None:
             return []
+        sign = (
+            [self._delta({"type": "signature_delta", "signature": ""})]
+            if self._open == "thinking"
+            else []
+        )
         self._open = None
-        return [sse({"type": "content_block_stop", "index": self._block}, "content_block_stop")]
+        return [
+            *sign,
+            sse({"type": "content_block_stop", "index": self._block}, "content_block_stop"),
+        ]
 
     def stream_end(self, dones: list[Done]) -> list[bytes]:
         (done,) = dones
         out = self._blocks(self._reader.end()) if self._reader is not None else []
+        if self._block < 0:  # nothing was said: one empty text block, as in the whole body
+            out += self._start({"type": "text", "text": ""})
         return (
             out
             + self._stop()

@@ -26,15 +26,20 @@ _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _STEPS = bytes.maketrans(b"[]{}", b"\x01\xff\x01\xff")
 """Openers to +1, closers to -1 (as signed bytes)."""
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""An escape of a UTF-16 surrogate: only a body with one may hold a lone one."""
 
 
 async def read_json(request: Request, limit: int) -> Fields:
-    """The body as a JSON object; 415 unless it is declared JSON, 413 past ``limit`` bytes,
-    400 when it is not UTF-8 JSON or nested deeper than MAX_DEPTH.
+    """The body as a JSON object; 413 past ``limit`` bytes; 400 (a malformed body, saying what
+    to fix) when it is not UTF-8, not JSON, holds NaN or Infinity or a lone surrogate, or is
+    nested deeper than MAX_DEPTH; 415 when it is declared another type than JSON.
 
-    The Content-Type is required so that a web page cannot post JSON as text/plain, the one
-    type a browser sends across sites without asking the server first. Read once per request
-    (a quote reads the body it quotes for, then hands the request to that API's parser)."""
+    A body declared as nothing, or as a form (what ``curl -d`` declares), is read as JSON, as
+    llama-server and the OpenAI API read it. What keeps a web page from posting to a gateway
+    is the Origin check (kvasird.http.HostGuard), not the type: a page's POST carries its
+    Origin whatever type it declares. Read once per request (a quote reads the body it
+    quotes for, then hands the request to that API's parser)."""
     read: Fields | None = getattr(request.state, "kvasird_json", None)
     if read is not None:
         return read
@@ -69,22 +74,46 @@ async def _read_json(request: Request, limit: int) -> Fields:
         raise BadRequest(
             f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
+    if _SURROGATE_ESCAPE.search(text):
+        _unicode(value, "")
     if not isinstance(value, dict):
         raise BadRequest("the request body must be a JSON object")
     return Fields(value)
 
 
+READ_AS_JSON = frozenset({"", "application/x-www-form-urlencoded"})
+"""Declared media types a body is read as JSON under besides JSON's own: none, and the form
+type ``curl -d`` declares by itself."""
+
+
 def _require_json_type(content_type: str) -> None:
-    """application/json or application/<anything>+json, with any parameters."""
+    """application/json or application/<anything>+json, with any parameters, or READ_AS_JSON."""
     media = content_type.partition(";")[0].strip().lower()
-    if media != "application/json" and not (
-        media.startswith("application/") and media.endswith("+json")
+    if (
+        media not in READ_AS_JSON
+        and media != "application/json"
+        and not (media.startswith("application/") and media.endswith("+json"))
     ):
-        got = f"got {content_type!r}" if content_type else "got none"
         raise UnsupportedMediaType(
-            "the request body must be JSON sent with the header "
-            f"Content-Type: application/json ({got}): set that header"
+            "the request body must be JSON, sent with the header Content-Type: "
+            f"application/json (got {content_type!r}): set that header"
         )
+
+
+def _unicode(value: Any, where: str) -> None:
+    """400 naming the first string of ``value`` (at ``where``) that holds half a UTF-16
+    surrogate pair: JSON lets ``\\ud800`` be written alone, but no text can hold it, so no
+    tokenizer can read it (``text``). Checked for the whole body, fields no handler reads
+    as text included."""
+    if isinstance(value, str):
+        text(value, where or "the request body")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            text(key, f"a key of {where}" if where else "a key of the request body")
+            _unicode(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _unicode(item, f"{where}[{i}]")
 
 
 def _depth(text: str) -> int:
@@ -105,7 +134,10 @@ def _too_large(n: int, limit: int) -> str:
 
 
 def _no_constant(name: str) -> None:
-    raise BadRequest(f"the request body contains {name}, which is not a JSON number")
+    raise BadRequest(
+        f"the request body is not valid JSON: it contains {name}, which JSON has no "
+        "number for: send a finite number, or null"
+    )
 
 
 class Fields:

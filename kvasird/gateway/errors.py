@@ -2,12 +2,13 @@
 
     KvasirError
     └── ApiError                 rendered in the calling API's own error JSON
-        ├── BadRequest           400: a field is missing, of the wrong type or out of range
+        ├── BadRequest           400: a field is missing, of the wrong type or out of range,
+        │                        or the body is malformed (not UTF-8 JSON, NaN, a lone surrogate)
         ├── NotFound             404: unknown model or path
         ├── PaymentRequired      402: settlement is on and the request carries no valid payment
         ├── Forbidden            403: the caller may not use this (admin generations: local only)
         ├── BodyTooLarge         413: the body exceeds [gateway] max_body_bytes
-        ├── UnsupportedMediaType 415: the body is not sent as Content-Type: application/json
+        ├── UnsupportedMediaType 415: the body is declared another type than JSON
         ├── TooManyRequests      429: [gateway] max_concurrent reached, or no capacity
         └── Unavailable          503: no route serves the model (yet)
 
@@ -34,6 +35,8 @@ class ApiError(KvasirError):
         """The request field at fault (OpenAI's ``param``), when one is."""
         self.code = code
         """A machine-readable reason (OpenAI's ``code``), e.g. "context_length_exceeded"."""
+        self.headers: list[tuple[bytes, bytes]] = []
+        """Response headers the error is sent with (a 402's x402 PAYMENT-REQUIRED)."""
 
     def openai(self) -> dict[str, object]:
         return {

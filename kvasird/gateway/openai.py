@@ -6,11 +6,17 @@ first chat delta carrying the role, a last chunk with ``finish_reason``, then (w
 ``data: [DONE]`` always last, after an error too. Keep-alives are SSE comments. With
 ``n`` choices every chunk carries its choice's ``index``, each choice gets its own
 first and last chunk, and the usage counts the prompt once and the tokens of every choice.
+A legacy completion may send several prompts: each gets ``n`` choices, prompt i's choices
+numbered from i × n, and the usage counts each prompt once.
+
+The model list answers an Anthropic client (one that sends ``anthropic-version``) in
+Anthropic's shape, so both SDKs' ``models.list()`` read it.
 """
 
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from starlette.requests import Request
@@ -53,72 +59,103 @@ async def chat_completions(gw: Gateway, request: Request) -> GenerationResponse:
     name = f.string("model")
     info, tok, template = gw.resolve(name)
     use = openai_tool_use(f, template)
+    reasoning = gw.reasoning(template, f.string("reasoning_effort", None), "reasoning_effort")
     prompt = gw.check_prompt(
-        info, gw.chat_prompt(template, tok, messages(f), "messages", use.tools), "messages"
+        info,
+        gw.chat_prompt(template, tok, messages(f), "messages", use.tools, reasoning),
+        "messages",
     )
     logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", 0, 0, 20)
     if top and not logprobs:
         raise BadRequest("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     field = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
-    max_tokens = gw.max_tokens(f.integer(field, None), field)
+    limit = gw.output_limit(info, prompt, f.integer(field, None), field)
     job = gw.job(
         info,
         tok,
         name,
         prompt,
-        sampling(f, max_tokens, top if logprobs else -1, use.grammar),
+        sampling(f, limit.granted, top if logprobs else -1, use.grammar, tok),
         stops=stops(f),
         stream=f.boolean("stream", False),
         include_usage=f.obj("stream_options").boolean("include_usage", False),
         top_logprobs=top if logprobs else -1,
         ignore_eos=f.boolean("ignore_eos", False),
         n=gw.choices(f.integer("n", 1)),
+        limit=limit,
+        reasoning=reasoning,
     )
     return GenerationResponse(gw, job, ChatRenderer(job, use))
 
 
 async def completions(gw: Gateway, request: Request) -> GenerationResponse:
+    """A legacy completion of one prompt or several (each answered by ``n`` choices, numbered
+    as OpenAI numbers them); with ``echo`` each choice's text starts with its prompt."""
     f = await read_json(request, gw.config.max_body_bytes)
     name = f.string("model")
     info, tok, _ = gw.resolve(name)
-    prompt = gw.check_prompt(info, prompt_tokens(f, tok, gw.config.parse_special), "prompt")
-    if f.boolean("echo", False):
-        raise BadRequest("`echo` is not supported by this gateway", "echo")
+    given = completion_prompts(f, tok, gw.config.parse_special)
+    prompts = [gw.check_prompt(info, ids, "prompt") for ids, _ in given]
     if f.has("suffix"):
         raise BadRequest("`suffix` is not supported by this gateway", "suffix")
     f.integer("best_of", 1, 1, 1)
     asked = f.integer("logprobs", None, 0, 20)
     top = -1 if asked is None else asked
-    max_tokens = gw.max_tokens(f.integer("max_tokens", 16), "max_tokens")
+    echo = f.boolean("echo", False)
+    if echo and asked is not None:
+        raise BadRequest(
+            "`echo` with `logprobs` would need the prompt's log probabilities, which this "
+            "gateway does not compute: drop one of them",
+            "echo",
+        )
+    longest = max(prompts, key=len)
+    limit = gw.output_limit(info, longest, f.integer("max_tokens", 16), "max_tokens")
     job = gw.job(
         info,
         tok,
         name,
-        prompt,
-        sampling(f, max_tokens, top),
+        prompts[0],
+        sampling(f, limit.granted, top, tok=tok),
         stops=stops(f),
         stream=f.boolean("stream", False),
         include_usage=f.obj("stream_options").boolean("include_usage", False),
         top_logprobs=top,
         ignore_eos=f.boolean("ignore_eos", False),
-        n=gw.choices(f.integer("n", 1)),
+        n=gw.choices(f.integer("n", 1), len(prompts)),
+        prompts=tuple(tuple(p) for p in prompts) if len(prompts) > 1 else (),
+        limit=limit,
     )
-    return GenerationResponse(gw, job, CompletionRenderer(job))
+    echoed = tuple(text_ for _, text_ in given) if echo else ()
+    return GenerationResponse(gw, job, CompletionRenderer(job, echoed))
 
 
-async def models(gw: Gateway, _: Request) -> JSONResponse:
+async def models(gw: Gateway, request: Request) -> JSONResponse:
+    """The models served, as a list in the calling API's shape: Anthropic's for a client that
+    sends ``anthropic-version`` (its SDK always does), else OpenAI's."""
+    if _anthropic_client(request):
+        data = [anthropic_model(m, gw.created) for m in gw.models()]
+        return JSONResponse(
+            {
+                "data": data,
+                "has_more": False,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+            }
+        )
     return JSONResponse(
         {"object": "list", "data": [model_object(m, gw.created) for m in gw.models()]}
     )
 
 
 async def model(gw: Gateway, request: Request) -> JSONResponse:
-    """One model object, found by any name a request may give it (``model_object``)."""
+    """One model object, found by any name a request may give it (``model_object``), in the
+    calling API's shape."""
     name = request.path_params["model"]
+    shape = anthropic_model if _anthropic_client(request) else model_object
     for m in gw.models():
         if m.answers_to(name):
-            return JSONResponse(model_object(m, gw.created))
+            return JSONResponse(shape(m, gw.created))
     known = ", ".join(f"{m.label} (id {m.model_id})" for m in gw.models()) or "none"
     raise NotFound(
         f"model {name!r} is not served by this gateway; models: {known} (name one "
@@ -147,6 +184,16 @@ def model_object(m: ModelInfo, created: int) -> dict[str, Any]:
         "label": m.label,
         "context_length": m.context_length,
     }
+
+
+def anthropic_model(m: ModelInfo, created: int) -> dict[str, Any]:
+    """Anthropic's model object: the same ``id`` as OpenAI's (the network's name)."""
+    when = datetime.fromtimestamp(created, UTC).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "id": m.label, "display_name": m.label, "created_at": when}
+
+
+def _anthropic_client(request: Request) -> bool:
+    return "anthropic-version" in request.headers
 
 
 def messages(f: Fields) -> list[Message]:
@@ -201,48 +248,78 @@ def content_text(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -
     return "".join(parts)
 
 
-def prompt_tokens(f: Fields, tok: Tokenizer, special: bool) -> list[int]:
-    """A completion prompt: a string, one-string array, token ids, or one array of ids.
-    With ``special`` (``[gateway] parse_special``) a string's control-token markers become
-    those tokens, as llama-server reads them."""
-    raw = f.value.get("prompt")
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
-        raw = raw[0]
-    if isinstance(raw, str):
-        return tok.encode(text(raw, "prompt"), special=special)
-    if isinstance(raw, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-        bad = [t for t in raw if not 0 <= t < tok.n_vocab]
-        if bad:
-            raise BadRequest(
-                f"`prompt` holds token id {bad[0]}, outside the vocabulary 0..{tok.n_vocab - 1}",
-                "prompt",
-            )
-        return list(raw)
-    raise BadRequest(
-        "`prompt` must be a string or an array of token ids (one prompt; for "
-        "several answers to it, ask for `n` choices)",
-        "prompt",
-    )
+MAX_PROMPTS = 128
+"""Prompts one legacy completion request may send (each is at least one generation, so
+``[gateway] max_n`` bounds them first where it is lower)."""
 
 
-def sampling(f: Fields, max_tokens: int, top_logprobs: int, tool_grammar: str = "") -> Sampling:
-    """The sampling settings of a request; ``tool_grammar`` forces tool calls (tools)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if f.number(name, 0.0, -2, 2) != 0:
-            raise BadRequest(f"`{name}` is not supported (only 0); use `repetition_penalty`", name)
-    for name in ("functions", "logit_bias"):
-        if f.value.get(name):
-            raise BadRequest(
-                f"`{name}` is not supported by this gateway"
-                + (": use `tools`" if name == "functions" else ""),
-                name,
-            )
+def completion_prompts(
+    f: Fields, tok: Tokenizer, special: bool, field: str = "prompt", most: int = MAX_PROMPTS
+) -> list[tuple[list[int], str]]:
+    """A legacy completion's prompts (or an embedding request's inputs: `field`), each as
+    token ids and as text (what ``echo`` repeats): a string, an array of strings, an array
+    of token ids, or an array of such arrays. With ``special`` (``[gateway] parse_special``)
+    a string's control-token markers become those tokens, as llama-server reads them."""
+    raw = f.value.get(field)
+    if raw is None:
+        raise BadRequest(f"`{field}` is required", field)
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and _ids(raw)):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest(
+            f"`{field}` must be a string, an array of strings, an array of token ids or an "
+            "array of such arrays",
+            field,
+        )
+    if len(raw) > most:
+        raise BadRequest(f"`{field}` holds {len(raw)} items, more than {most}", field)
+    out = []
+    for i, one in enumerate(raw):
+        where = f"{field}[{i}]" if len(raw) > 1 else field
+        if isinstance(one, str):
+            out.append((tok.encode(text(one, where), special=special), one))
+        elif isinstance(one, list) and _ids(one):
+            bad = [t for t in one if not 0 <= t < tok.n_vocab]
+            if bad:
+                raise BadRequest(
+                    f"`{where}` holds token id {bad[0]}, outside the vocabulary "
+                    f"0..{tok.n_vocab - 1}",
+                    where,
+                )
+            out.append((list(one), tok.decode(one)))
+        else:
+            raise BadRequest(f"`{where}` must be a string or an array of token ids", where)
+    return out
+
+
+def _ids(values: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
+
+
+def sampling(
+    f: Fields,
+    max_tokens: int,
+    top_logprobs: int,
+    tool_grammar: str = "",
+    tok: Tokenizer | None = None,
+) -> Sampling:
+    """The sampling settings of a request; ``tool_grammar`` forces tool calls (tools);
+    ``logit_bias`` ids are checked against ``tok``'s vocabulary (None: no model at hand, as
+    for the defaults /props shows, and no token may be biased). Besides OpenAI's settings,
+    llama-server's ``top_k``, ``repetition_penalty`` and ``repeat_last_n`` (how many of the
+    last tokens the penalties count)."""
+    if f.value.get("functions"):
+        raise BadRequest("`functions` is not supported by this gateway: use `tools`", "functions")
     seed = f.integer("seed", None)
     params = SamplingParams(
         temperature=f.number("temperature", 1.0, 0, 2),
         top_p=top_p(f),
         top_k=f.integer("top_k", 0, 0, 1 << 20),
         repetition_penalty=f.number("repetition_penalty", 1.0, 0.01, 10),
+        frequency_penalty=f.number("frequency_penalty", 0.0, -2, 2),
+        presence_penalty=f.number("presence_penalty", 0.0, -2, 2),
+        penalty_last_n=f.integer("repeat_last_n", SamplingParams.penalty_last_n, 0, (1 << 31) - 1),
+        logit_bias=logit_bias(f.obj("logit_bias"), tok.n_vocab if tok is not None else 0),
         seed=None if seed is None else seed % (1 << 64),
         grammar=tool_grammar or response_format(f.obj("response_format")),
     )
@@ -253,6 +330,24 @@ def sampling(f: Fields, max_tokens: int, top_logprobs: int, tool_grammar: str = 
             "response_format",
         )
     return Sampling(params, max_tokens, max(top_logprobs, 1) if top_logprobs >= 0 else 0)
+
+
+def logit_bias(f: Fields, n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids (as decimal strings) to values in -100..100, each
+    added to its token's logit before sampling."""
+    pairs = {}
+    for key in f.value:
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
+        if not 0 <= token < n_vocab:
+            raise BadRequest(
+                f"`{f.path}` keys must be token ids of this model, 0..{n_vocab - 1}, "
+                f"as decimal strings; got {key!r:.40}",
+                f.path,
+            )
+        if token in pairs:
+            raise BadRequest(f"`{f.path}` names token {token} twice", f.path)
+        pairs[token] = float(f.number(key, lo=-100, hi=100))
+    return tuple(sorted(pairs.items()))
 
 
 def response_format(f: Fields) -> str:
@@ -323,15 +418,21 @@ class _OpenAIRenderer:
         return [sse(err.openai()), DONE]
 
     def usage(self, dones: list[Done]) -> dict[str, Any]:
-        """The prompt once (every choice continues the same one), the tokens of all choices;
-        the prompt tokens the first choice's route started from kept KV (OpenAI's cached
-        tokens)."""
-        prompt, completion = dones[0].prompt_tokens, sum(d.completion_tokens for d in dones)
+        """Each prompt once (its choices all continue it), the tokens of all choices; the
+        prompt tokens each prompt's first choice's route started from kept KV (OpenAI's
+        cached tokens); and, when the output limit was clamped, what was asked and granted
+        (``OutputLimit.usage``)."""
+        firsts = dones[:: self.job.per_prompt]
+        prompt, completion = (
+            sum(d.prompt_tokens for d in firsts),
+            sum(d.completion_tokens for d in dones),
+        )
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": dones[0].cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in firsts)},
+            **(self.job.limit.usage() if self.job.limit else {}),
         }
 
     def body(self, choices: list[Choice]) -> dict[str, Any]:
@@ -511,18 +612,38 @@ class ChatRenderer(_OpenAIRenderer):
 
 
 class CompletionRenderer(_OpenAIRenderer):
+    """Legacy completions; with ``echo``, each choice's text begins with its prompt (a stream
+    sends it in a first chunk of each choice)."""
+
     prefix, kind = "cmpl", "text_completion"
+
+    def __init__(self, job: Job, echo: tuple[str, ...] = ()) -> None:
+        super().__init__(job)
+        self.echo = echo
+        """Each prompt's text, when the request asked for ``echo``."""
+
+    def echoed(self, index: int) -> str:
+        """What choice ``index``'s text begins with: its prompt, when echoed."""
+        return self.echo[index // self.job.per_prompt] if self.echo else ""
 
     def choice(self, c: Choice) -> dict[str, Any]:
         return {
             "index": c.done.index,
-            "text": c.text,
+            "text": self.echoed(c.done.index) + c.text,
             "logprobs": self.logprobs(list(c.tokens)),
             "finish_reason": FINISH[c.done.reason],
         }
 
     def stream_start(self) -> list[bytes]:
-        return []
+        return [
+            sse(
+                self.envelope(
+                    [{"index": i, "text": self.echoed(i), "logprobs": None, "finish_reason": None}]
+                )
+            )
+            for i in range(self.job.n)
+            if self.echo
+        ]
 
     def stream_piece(self, piece: Piece) -> list[bytes]:
         if not piece.text and self.job.top_logprobs < 0:

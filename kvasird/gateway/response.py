@@ -109,7 +109,7 @@ class GenerationResponse:
             try:
                 charge = await payment.charge(self.gateway, scope, self.job)
             except ApiError as err:
-                await send_json(send, err.status, self.renderer.error(err))
+                await send_json(send, err.status, self.renderer.error(err), err.headers)
                 slot.finish(err.status)
                 return
             self.charge, self.began = charge, time.monotonic()
@@ -166,6 +166,7 @@ class GenerationResponse:
                     texts[item.index].append(item.text)
                     tokens[item.index].extend(item.tokens)
                     self.produced += len(item.tokens)
+                    slot.tokens(item.index, len(item.tokens))
                 item = await items.next()
         except KvasirError as exc:
             err = await self._failed(from_generation(exc))
@@ -173,7 +174,7 @@ class GenerationResponse:
             slot.finish(err.status)
             return
         dones = items.dones()
-        slot.finish(200, sum(d.completion_tokens for d in dones))
+        slot.finish(200, sum(d.completion_tokens for d in dones), dones[0].prompt_tokens)
         self.gateway.refusal = None
         self.prompt_tokens = dones[0].prompt_tokens
         await send_json(
@@ -214,9 +215,10 @@ class GenerationResponse:
                     if isinstance(item, Piece):
                         await out.write(r.stream_piece(item))
                         self.produced += len(item.tokens)
+                        slot.tokens(item.index, len(item.tokens))
                     item = await items.next()
                 dones = items.dones()
-                slot.finish(200, sum(d.completion_tokens for d in dones))
+                slot.finish(200, sum(d.completion_tokens for d in dones), dones[0].prompt_tokens)
                 self.gateway.refusal = None
                 self.prompt_tokens = dones[0].prompt_tokens
                 await out.write(r.stream_end(dones))
@@ -245,7 +247,8 @@ class GenerationResponse:
         return err
 
     def _paid(self) -> list[tuple[bytes, bytes]]:
-        return self.charge.headers() if self.charge is not None else []
+        """The headers of a reply: who paid, and what the gateway made of the request."""
+        return [*self.job.headers(), *(self.charge.headers() if self.charge is not None else [])]
 
 
 class _Choices:

@@ -1,26 +1,30 @@
-"""OpenAI's Responses API: POST /v1/responses, GET /v1/responses/{id}.
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
 
 request   model, instructions, input (a string, or items: messages with input_text /
           output_text parts, function_call and function_call_output items), tools
           (flat: {type: "function", name, description, parameters}), tool_choice,
           parallel_tool_calls, text.format (text | json_object | json_schema),
-          temperature, top_p, max_output_tokens, stream, previous_response_id, store
+          temperature, top_p, max_output_tokens (clamped to what the context leaves),
+          reasoning.effort, stream, previous_response_id, store; reasoning items sent
+          back in ``input`` are dropped (templates leave past reasoning out)
 prompt    the previous response's conversation (when named), then the instructions as
           the system message (instructions are not carried over, as OpenAI documents),
           then the input, through the model's chat template with the tools
-reply     a response object: output items (a message with output_text, function_call
-          items for the calls the model made), usage, status "completed" or
-          "incomplete" (max_output_tokens)
+reply     a response object: output items (a reasoning item with the model's
+          reasoning when reasoning.effort was asked of a model that reasons, a message
+          with output_text, function_call items for the calls the model made), usage,
+          status "completed" or "incomplete" (max_output_tokens)
 stream    response.created, response.in_progress, then per output item
           output_item.added, (content_part.added, output_text.delta..., output_text.done,
-          content_part.done | function_call_arguments.delta, .done), output_item.done,
+          content_part.done | function_call_arguments.delta, .done | reasoning_text.delta,
+          .done), output_item.done,
           then response.completed; every event numbered (sequence_number). With tools,
           text is sent as soon as it cannot be the start of a call, and each call as it
           is written (its arguments as partial JSON); a call cut off by the token limit
           ends "incomplete".
 store     responses kept STORE_S (at most STORE_MAX, the oldest dropped first) in this
           gateway's memory, for previous_response_id and GET: a chain of turns without
-          resending them, within a bounded time
+          resending them, within a bounded time; DELETE forgets one at once
 """
 
 from __future__ import annotations
@@ -40,11 +44,19 @@ from kvasird.gateway.generation import Choice, Done, Piece
 from kvasird.gateway.openai import content_text, response_format, top_p
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
-from kvasird.gateway.tools import ToolUse, choose, parse_tool, tool_items
+from kvasird.gateway.tools import ToolUse, asks_parallel, choose, parse_tool, tool_items
 from kvasird.inference.api import Sampling, SamplingParams
 from kvasird.text.chat import Message
 from kvasird.text.toolcalls.calls import ToolCall
-from kvasird.text.toolcalls.events import Args, Broken, CallClosed, CallOpened, Event, Said
+from kvasird.text.toolcalls.events import (
+    Args,
+    Broken,
+    CallClosed,
+    CallOpened,
+    Event,
+    Said,
+    Thought,
+)
 
 STORE_S = 3600.0
 STORE_MAX = 256
@@ -75,6 +87,10 @@ class Store:
             )
         return hit[1], hit[2]
 
+    def delete(self, rid: str, where: str) -> None:
+        self.get(rid, where)
+        del self._items[rid]
+
 
 _stores: WeakKeyDictionary[Gateway, Store] = WeakKeyDictionary()
 
@@ -96,8 +112,13 @@ async def create(gw: Gateway, request: Request) -> GenerationResponse:
         raise BadRequest("`input` is empty: there is nothing to answer", "input")
     system = [Message("system", f.string("instructions"))] if f.has("instructions") else []
     use = tool_use(f, template)
+    reasoning = gw.reasoning(
+        template, f.obj("reasoning").string("effort", None), "reasoning.effort"
+    )
     prompt = gw.check_prompt(
-        info, gw.chat_prompt(template, tok, [*system, *conversation], "input", use.tools), "input"
+        info,
+        gw.chat_prompt(template, tok, [*system, *conversation], "input", use.tools, reasoning),
+        "input",
     )
     fmt = f.obj("text").obj("format")
     grammar = use.grammar or response_format(_as_response_format(fmt))
@@ -110,16 +131,24 @@ async def create(gw: Gateway, request: Request) -> GenerationResponse:
     params = SamplingParams(
         temperature=f.number("temperature", 1.0, 0, 2), top_p=top_p(f), grammar=grammar
     )
-    max_tokens = gw.max_tokens(f.integer("max_output_tokens", None), "max_output_tokens")
+    limit = gw.output_limit(info, prompt, f.integer("max_output_tokens", None), "max_output_tokens")
     job = gw.job(
-        info, tok, name, prompt, Sampling(params, max_tokens), stream=f.boolean("stream", False)
+        info,
+        tok,
+        name,
+        prompt,
+        Sampling(params, limit.granted),
+        stream=f.boolean("stream", False),
+        limit=limit,
+        reasoning=reasoning,
     )
     echo = {
         "instructions": f.value.get("instructions"),
         "previous_response_id": previous,
         "temperature": params.temperature,
         "top_p": params.top_p,
-        "max_output_tokens": max_tokens,
+        "max_output_tokens": limit.granted,
+        "reasoning": f.obj("reasoning").value or None,
         "tools": f.value.get("tools") or [],
         "tool_choice": f.value.get("tool_choice", "auto"),
         "parallel_tool_calls": f.boolean("parallel_tool_calls", True),
@@ -134,6 +163,14 @@ async def create(gw: Gateway, request: Request) -> GenerationResponse:
 
 async def retrieve(gw: Gateway, request: Request) -> JSONResponse:
     return JSONResponse(store_of(gw).get(request.path_params["response_id"], "response_id")[1])
+
+
+async def delete(gw: Gateway, request: Request) -> JSONResponse:
+    """Forget a stored response, answered as OpenAI's deleted object (404 when it is not
+    stored here)."""
+    rid = request.path_params["response_id"]
+    store_of(gw).delete(rid, "response_id")
+    return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 
 def _as_response_format(fmt: Fields) -> Fields:
@@ -185,6 +222,8 @@ def input_items(f: Fields) -> list[Message]:
                 out.append(Message("assistant", last.content, (*last.tool_calls, call)))
             else:
                 out.append(Message("assistant", "", (call,)))
+        elif kind == "reasoning":
+            continue
         elif kind == "function_call_output":
             output = item.value.get("output")
             out.append(
@@ -197,7 +236,7 @@ def input_items(f: Fields) -> list[Message]:
         else:
             raise BadRequest(
                 f"`{item.where('type')}` is {kind!r}: this gateway takes message, "
-                "function_call and function_call_output items",
+                "function_call, function_call_output and reasoning items",
                 item.where("type"),
             )
     return out
@@ -216,7 +255,7 @@ def tool_use(f: Fields, template: Any) -> ToolUse:
             )
         tools.append(parse_tool(t, "name", "description", "parameters"))
     choice = f.value.get("tool_choice", "auto")
-    parallel = f.boolean("parallel_tool_calls", True)
+    parallel = asks_parallel(f)
     if choice in ("none", "auto", "required"):
         return choose(tools, template, choice, None, parallel, "tool_choice")
     return choose(
@@ -264,6 +303,7 @@ class ResponsesRenderer:
                     "cache_write_tokens": 0,
                 },
                 "output_tokens_details": {"reasoning_tokens": 0},
+                **(self.job.limit.usage() if self.job.limit else {}),
             }
         )
         return {
@@ -296,7 +336,11 @@ class ResponsesRenderer:
             if i["type"] == "function_call" and i["status"] == "completed"
         )
         status = "incomplete" if done.reason == "length" else "completed"
-        body = self.response(status, self._items, done)
+        # a call the token limit cut off (its arguments no JSON) is streamed, never returned
+        output = [
+            i for i in self._items if i["type"] != "function_call" or i["status"] == "completed"
+        ]
+        body = self.response(status, output, done)
         if self.store is not None:
             self.store.put(self.id, [*self.conversation, Message("assistant", said, calls)], body)
         return body
@@ -350,6 +394,31 @@ class ResponsesRenderer:
                             logprobs=[],
                         )
                     )
+            elif isinstance(e, Thought) and e.text and self.job.reasoning.shown:
+                if self._open is None or self._open["type"] != "reasoning":
+                    out += self._close("completed")
+                    self._open = {
+                        "type": "reasoning",
+                        "id": f"rs_{self.job.request.request_id}_{len(self._items)}",
+                        "summary": [],
+                        "content": [{"type": "reasoning_text", "text": ""}],
+                        "status": "in_progress",
+                    }
+                    self._items.append(self._open)
+                    i += 1
+                    out.append(
+                        self._event("response.output_item.added", output_index=i, item=self._open)
+                    )
+                self._open["content"][0]["text"] += e.text
+                out.append(
+                    self._event(
+                        "response.reasoning_text.delta",
+                        item_id=self._open["id"],
+                        output_index=i,
+                        content_index=0,
+                        delta=e.text,
+                    )
+                )
             elif isinstance(e, CallOpened):
                 out += self._close("completed")
                 self._open = {
@@ -402,6 +471,16 @@ class ResponsesRenderer:
                     content_index=0,
                     part=part,
                 ),
+            ]
+        elif item["type"] == "reasoning":
+            out = [
+                self._event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=i,
+                    content_index=0,
+                    text=item["content"][0]["text"],
+                )
             ]
         else:
             out = [

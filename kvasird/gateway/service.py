@@ -6,10 +6,18 @@ GenerationResponse for the resulting Job. The Gateway holds the Generator (a loc
 engine or a swarm route: only the contract in kvasird.inference.api is used), the
 tokenizer of each model (read from the model's manifest: a node that holds no part of the
 model is a gateway too), the limits, and the counters the status page shows.
+
+Limits are llama-server's: a prompt may fill the model's context but for one token (or
+``[gateway] max_prompt_tokens``, when set smaller), and an output limit above what the
+context leaves after the prompt is clamped to it, not refused (OutputLimit says how it was
+reported). Reasoning asked for (OpenAI's ``reasoning_effort``, Anthropic's ``thinking``)
+sets the effort of a model that reasons (its format's ``reasons``: harmony) and is ignored,
+said in the ``x-kvasir-reasoning`` header, by one that does not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +49,76 @@ if TYPE_CHECKING:
 log = get_logger("kvasird.gateway")
 
 
+EFFORTS = {
+    "none": "low",
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+}
+"""A reasoning effort as the APIs name it -> the level harmony's template takes (it cannot
+reason less than low, nor more than high)."""
+REASONING_IGNORED = "ignored (this model has no reasoning mode)"
+
+
+@dataclass(frozen=True)
+class OutputLimit:
+    """How many tokens a request may generate, and whether that is less than it asked for.
+
+    A clamp is reported twice: in the usage (``requested_max_tokens`` and
+    ``clamped_max_tokens``, integers the official SDKs keep as extra usage fields, whatever
+    the field the request named) and in the ``x-kvasir-max-tokens`` response header, which
+    a stream carries before its first token too."""
+
+    field: str
+    """The request's field that sets it: max_tokens, max_completion_tokens, max_output_tokens."""
+    asked: int | None
+    """What the request asked for (None: nothing, so ``[gateway] max_tokens``)."""
+    granted: int
+    """What it may generate: what it asked for within what the context leaves after the
+    prompt. A paid request is priced for this."""
+    context: int
+    """The model's context (prompt and output), in tokens."""
+
+    @property
+    def clamped(self) -> bool:
+        return self.asked is not None and self.granted < self.asked
+
+    def usage(self) -> dict[str, int]:
+        """The usage fields that report a clamp (none when the request got what it asked)."""
+        if not self.clamped:
+            return {}
+        assert self.asked is not None
+        return {"requested_max_tokens": self.asked, "clamped_max_tokens": self.granted}
+
+    def header(self) -> str:
+        """The ``x-kvasir-max-tokens`` header of a clamped request ("" when none)."""
+        if not self.clamped:
+            return ""
+        return (
+            f"{self.granted} (`{self.field}` {self.asked} clamped to what the model's "
+            f"context of {self.context} tokens leaves after the prompt)"
+        )
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """What a request asked of the model's reasoning, and what this gateway made of it."""
+
+    options: dict[str, str]
+    """Chat template variables that set it (harmony's ``reasoning_effort``); none when the
+    request asked nothing or the model does not reason."""
+    shown: bool
+    """The reply carries the model's reasoning: Anthropic thinking blocks, the Responses
+    API's reasoning item (OpenAI chat's ``reasoning_content`` is always sent)."""
+    header: str
+    """The ``x-kvasir-reasoning`` response header ("" when the request asked nothing)."""
+
+
+NO_REASONING = Reasoning({}, False, "")
+
+
 @dataclass(frozen=True)
 class Job:
     """A checked request, ready to generate."""
@@ -62,11 +140,45 @@ class Job:
     top_logprobs: int = -1
     """Alternatives reported per token; -1 = no logprobs at all."""
     n: int = 1
-    """Choices asked for: each is a generation of its own (``requests``)."""
+    """Choices of the whole request: each is a generation of its own (``requests``)."""
+    prompts: tuple[tuple[int, ...], ...] = ()
+    """The prompts of a request that sends several (legacy completions), each answered by
+    ``n // len(prompts)`` choices in turn; none: the one prompt of ``request``."""
+    limit: OutputLimit | None = None
+    """The output limit, as asked and as granted (None: set by the gateway, not asked)."""
+    reasoning: Reasoning = NO_REASONING
+    """What the request asked of the model's reasoning."""
+
+    @property
+    def per_prompt(self) -> int:
+        """Choices per prompt (OpenAI's ``n``)."""
+        return self.n // max(len(self.prompts), 1)
 
     def requests(self) -> tuple[GenerationRequest, ...]:
-        """What the Generator gets for each choice (``request`` is choice 0's)."""
-        return tuple(for_choice(self.request, i) for i in range(self.n))
+        """What the Generator gets for each choice (``request`` is choice 0's); choice i
+        continues prompt i // per_prompt, as OpenAI numbers the choices of several prompts."""
+        if not self.prompts:
+            return tuple(for_choice(self.request, i) for i in range(self.n))
+        return tuple(
+            for_choice(
+                dataclasses.replace(self.request, prompt=self.prompts[i // self.per_prompt]), i
+            )
+            for i in range(self.n)
+        )
+
+    @property
+    def prompt_positions(self) -> int:
+        """Prompt tokens all choices compute together (each computes its prompt)."""
+        return sum(len(r.prompt) for r in self.requests())
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Response headers that say what the gateway made of the request's limits and
+        reasoning (none when it did as asked)."""
+        out = [
+            (b"x-kvasir-max-tokens", self.limit.header() if self.limit else ""),
+            (b"x-kvasir-reasoning", self.reasoning.header),
+        ]
+        return [(name, value.encode()) for name, value in out if value]
 
 
 HealthStatus = Literal["ok", "starting", "no_model", "no_route", "not_served"]
@@ -155,6 +267,10 @@ class Gateway:
         """When the peers last refused to serve this gateway, and why (cleared once a
         request is served)."""
         self._tokenizers: dict[str, tuple[Tokenizer, ChatTemplate]] = {}
+        self._pooling = 0
+        """The model's pooling type (GGUF ``{arch}.pooling_type``; 0: none said)."""
+        self._width = 0
+        """The model's hidden width (``{arch}.embedding_length``): its embeddings' size."""
         self._loaded = model is None
         self._waiting = waiting or (lambda: "waiting for the model's manifest")
         self._loading = ""
@@ -249,6 +365,9 @@ class Gateway:
                         manifest.metadata,
                         f"model {manifest.model_id[:16]}",
                     )
+                    meta = manifest.meta
+                    self._pooling = int(meta(f"{manifest.arch}.pooling_type", 0) or 0)
+                    self._width = int(meta(f"{manifest.arch}.embedding_length", 0) or 0)
                     return manifest.model_id, tok
             except (KvasirError, OSError, ValueError) as exc:
                 log.warning(
@@ -301,23 +420,43 @@ class Gateway:
         messages: Sequence[Message],
         field: str,
         tools: Sequence[Tool] = (),
+        reasoning: Reasoning = NO_REASONING,
     ) -> list[int]:
-        """Token ids of the messages (and tools offered) through the model's chat template
-        (no limits applied)."""
-        try:
-            text = template.render(messages, tools)
-        except ChatTemplateError as exc:
-            raise BadRequest(str(exc), field) from None
+        """Token ids of the messages (and tools offered) through the model's chat template,
+        with the reasoning effort asked for (no limits applied)."""
+        text = self.chat_text(template, messages, field, tools, reasoning)
         return tokenizer.encode(text, special=True)
 
+    def chat_text(
+        self,
+        template: ChatTemplate,
+        messages: Sequence[Message],
+        field: str,
+        tools: Sequence[Tool] = (),
+        reasoning: Reasoning = NO_REASONING,
+    ) -> str:
+        """The text chat_prompt encodes (what /apply-template shows)."""
+        try:
+            return template.render(messages, tools, reasoning.options)
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc), field) from None
+
     def check_prompt(self, info: ModelInfo, prompt: list[int], field: str) -> list[int]:
-        """The prompt, if it is not empty and leaves room for at least one token."""
+        """The prompt, if it is not empty and leaves room in the model's context for at
+        least one token (and is within ``[gateway] max_prompt_tokens`` when that is set)."""
         if not prompt:
             raise BadRequest(f"`{field}` is empty: there is nothing to continue", field)
-        limit = self.config.max_prompt_tokens
-        what = "this gateway's limit ([gateway] max_prompt_tokens)"
-        if info.context_length - 1 < limit:
-            limit, what = info.context_length - 1, "what the model's context leaves room for"
+        limit = info.context_length - 1
+        what = (
+            f"what the model's context of {info.context_length} tokens leaves room for "
+            "(one token of it for the reply): shorten the prompt"
+        )
+        if 0 < self.config.max_prompt_tokens < limit:
+            limit = self.config.max_prompt_tokens
+            what = (
+                "this gateway's limit ([gateway] max_prompt_tokens): shorten the prompt, or "
+                "ask the gateway's operator to raise the limit"
+            )
         if len(prompt) > limit:
             raise BadRequest(
                 f"the prompt is {len(prompt)} tokens, over {what}: {limit}",
@@ -326,32 +465,60 @@ class Gateway:
             )
         return prompt
 
-    def max_tokens(self, requested: int | None, field: str) -> int:
-        cap = self.config.max_tokens
-        if requested is None:
-            return cap
-        if requested < 1:
-            raise BadRequest(f"`{field}` must be at least 1, got {requested}", field)
-        if requested > cap:
-            raise BadRequest(
-                f"`{field}` = {requested} exceeds this gateway's limit of {cap} "
-                "([gateway] max_tokens)",
-                field,
-            )
-        return requested
+    def output_limit(
+        self, info: ModelInfo, prompt: Sequence[int], asked: int | None, field: str
+    ) -> OutputLimit:
+        """How many tokens a request with this (checked) prompt may generate: what it asked
+        for, or ``[gateway] max_tokens`` when it asked nothing, within what the model's
+        context leaves after the prompt (a clamp, as llama-server does, never a refusal)."""
+        if asked is not None and asked < 1:
+            raise BadRequest(f"`{field}` must be at least 1, got {asked}", field)
+        room = info.context_length - len(prompt)
+        wanted = self.config.max_tokens if asked is None else asked
+        return OutputLimit(field, asked, max(min(wanted, room), 1), info.context_length)
 
-    def choices(self, requested: int) -> int:
-        """OpenAI's ``n``, within [gateway] max_n."""
+    def pooling_type(self) -> int:
+        """How the model's GGUF says to pool its hidden states into an embedding (llama.cpp's
+        numbering: 1 mean, 2 cls, 3 last; 0: it says nothing)."""
+        return self._pooling
+
+    def embedding_width(self) -> int:
+        """The size of the model's embeddings (0 until its manifest is read)."""
+        return self._width
+
+    def context(self) -> int:
+        """The longest context of the models served (``[gateway] max_tokens`` while none is):
+        the most output a quote need cover."""
+        return max((m.context_length for m in self.models()), default=self.config.max_tokens)
+
+    def reasoning(self, template: ChatTemplate, effort: str | None, field: str) -> Reasoning:
+        """What a request's reasoning ``effort`` (None: it asked nothing) does on this
+        model: sets the effort of a model that reasons, is ignored by one that does not."""
+        if effort is None:
+            return NO_REASONING
+        if effort not in EFFORTS:
+            raise BadRequest(
+                f"`{field}` must be one of {', '.join(EFFORTS)}, got {effort!r}", field
+            )
+        if not template.tool_format.reasons:
+            return Reasoning({}, False, REASONING_IGNORED)
+        level = EFFORTS[effort]
+        return Reasoning({"reasoning_effort": level}, True, f"on (effort {level})")
+
+    def choices(self, requested: int, prompts: int = 1) -> int:
+        """OpenAI's ``n`` for each of ``prompts`` prompts: the choices of the whole
+        request, within [gateway] max_n."""
         cap = self.config.max_n
         if requested < 1:
             raise BadRequest(f"`n` must be at least 1, got {requested}", "n")
-        if requested > cap:
+        if requested * prompts > cap:
+            asked = f"{prompts} prompts × n = {requested}" if prompts > 1 else f"`n` = {requested}"
             raise BadRequest(
-                f"`n` = {requested} exceeds this gateway's limit of {cap} choices "
-                "([gateway] max_n)",
+                f"{asked} exceeds this gateway's limit of {cap} choices "
+                "([gateway] max_n): each choice is a generation of its own",
                 "n",
             )
-        return requested
+        return requested * prompts
 
     def job(
         self,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -95,9 +95,16 @@ class ChatTemplate:
         """How this model writes tool calls (kvasird.text.toolcalls.registry.format_of)."""
         return format_of(self.source)
 
-    def render(self, messages: Sequence[Message], tools: Sequence[Tool] = ()) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Tool] = (),
+        options: Mapping[str, str] | None = None,
+    ) -> str:
         """The prompt for ``messages``, ending where the assistant's reply begins. ``tools``
-        go to a template that reads them, else into the system message (tools module)."""
+        go to a template that reads them, else into the system message (tools module);
+        ``options`` are variables a template may read (gpt-oss's ``reasoning_effort``), which
+        the others ignore."""
         prefill = ""
         if messages and messages[-1].role == "assistant" and not messages[-1].tool_calls:
             prefill, messages = messages[-1].content, messages[:-1]
@@ -112,7 +119,9 @@ class ChatTemplate:
                     plain[0] = {**plain[0], "content": plain[0]["content"] + "\n\n" + text}
                 else:
                     plain.insert(0, {"role": "system", "content": text})
-        extra = {"tools": [t.openai() for t in tools]} if tools and native else {}
+        extra: dict[str, Any] = {**(options or {})}
+        if tools and native:
+            extra["tools"] = [t.openai() for t in tools]
         try:
             text = self._template.render(
                 messages=plain,

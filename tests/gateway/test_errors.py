@@ -63,7 +63,7 @@ def test_a_huge_body_is_a_413(daemon: Daemon) -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("max_tokens", "ten"), ("max_tokens", -5), ("max_tokens", 0), ("max_tokens", 65),
+    ("max_tokens", "ten"), ("max_tokens", -5), ("max_tokens", 0),
     ("temperature", "hot"), ("temperature", 3), ("top_p", 0), ("n", 99), ("stop", 7),
     ("messages", "hello"), ("stream", "yes"), ("seed", 1.5)])
 def test_a_wrong_field_is_a_400_naming_it(oa: openai.OpenAI, daemon: Daemon, field: str,

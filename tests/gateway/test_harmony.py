@@ -30,6 +30,8 @@ from tests.support import eventually_async
 MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>",
            "<|return|>"]
 TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: "
+    "{{ reasoning_effort }}<|end|>{% endif %}"
     "{% if tools %}<|start|>developer<|message|># Tools\n{% for t in tools %}"
     "{{ t.function.name }}\n{% endfor %}<|end|>{% endif %}"
     "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
@@ -51,6 +53,8 @@ class Scripted:
     def __init__(self, info: ModelInfo) -> None:
         self.info = info
         self.script: list[int] = []
+        self.prompts: list[tuple[int, ...]] = []
+        """The prompts it was asked to continue."""
 
     def models(self) -> list[ModelInfo]:
         return [self.info]
@@ -58,6 +62,7 @@ class Scripted:
     async def generate(self, request: GenerationRequest
                        ) -> AsyncIterator[TokenEvent | Finished]:
         produced, reason = 0, "stop"
+        self.prompts.append(request.prompt)
         for token in self.script:
             if token in request.stop_tokens:
                 break
