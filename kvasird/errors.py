@@ -38,7 +38,8 @@ KvasirError                      errors               anything kvasird raises on
 │   │   └── CorruptPiece         model.store          stored bytes fail their hash (deleted)
 │   ├── TransferError            model.transfer       a download did not finish (it resumes)
 │   ├── TokenizerError           text.tokenizer       the GGUF's tokenizer is missing or unknown
-│   └── ChatTemplateError        text.chat            the chat template refuses these messages
+│   ├── ChatTemplateError        text.chat            the chat template refuses these messages
+│   └── SpeculationError         inference.client.speculate  a draft model of another vocabulary
 ├── GenerationError              inference.api        a generation did not start or was cut short
 │   ├── NoRoute                  inference.api        no live peers cover the model now (503)
 │   ├── Busy                     inference.api        the route has no capacity left (429)
@@ -53,7 +54,7 @@ KvasirError                      errors               anything kvasird raises on
 │   ├── PaymentRequired          gateway.errors       402: settlement is on and no valid payment
 │   ├── Forbidden                gateway.errors       403: the caller may not use this
 │   ├── BodyTooLarge             gateway.errors       413: the body exceeds [gateway] max_body_bytes
-│   ├── UnsupportedMediaType     gateway.errors       415: the body is not application/json
+│   ├── UnsupportedMediaType     gateway.errors       415: the body is declared as not JSON
 │   ├── TooManyRequests          gateway.errors       429: max_concurrent reached, or no capacity
 │   └── Unavailable              gateway.errors       503: no route serves the model (yet)
 ├── SettlementError              settlement.errors    settlement refuses; no money moved

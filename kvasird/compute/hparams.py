@@ -181,7 +181,7 @@ class HParams:
         )
         value_len = int(f.get(k + "attention.value_length", hp.head_dim))
         n_rot = hp.rot_dims
-        if n_rot != hp.head_dim and (arch not in _HYBRID or n_rot > hp.head_dim or n_rot % 2):
+        if n_rot != hp.head_dim and (arch not in HYBRID or n_rot > hp.head_dim or n_rot % 2):
             raise WeightsError(
                 f"{f.path}: RoPE over {n_rot} of {hp.head_dim} head dimensions "
                 "(partial rotary) is not supported"
@@ -203,7 +203,7 @@ class HParams:
         return hp
 
 
-_HYBRID = ("qwen35", "qwen35moe")
+HYBRID = ("qwen35", "qwen35moe")
 """Architectures of gated delta-net layers beside full-attention ones (llama.cpp's Qwen3.5),
 whose attention rotates part of each head with multi-section RoPE."""
 
@@ -224,7 +224,7 @@ def _delta_net(f: GGUFFile, arch: str, n_layer: int) -> _DeltaNet:
     """The hybrid's hparams as llama.cpp reads them: every full_attention_interval-th layer
     (the last of each interval) attends, the others are delta-nets, unless the file lists
     them (attention.recurrent_layers)."""
-    if arch not in _HYBRID:
+    if arch not in HYBRID:
         return {}
     k = f"{arch}."
     listed = f.numbers(k + "attention.recurrent_layers")

@@ -241,7 +241,9 @@ class Stage:
         """Run tokens (or hidden rows) at positions start.. through the window.
 
         Returns logits [n, n_vocab] when the stage holds the head (n = 1 for "last",
-        all tokens for "all"), else hidden states [T, n_embd] float32.
+        all tokens for "all"; "embd": no logits, every token's hidden state after the final
+        norm [T, n_embd], what llama.cpp pools into embeddings), else hidden states
+        [T, n_embd] float32.
         """
         return self._locked(self.forward_steps(session, inputs, start, logits))
 
@@ -311,8 +313,8 @@ class Stage:
         -> None between the pieces of a run longer than a piece (PREFILL_PIECE), where a
         caller may let other forwards in. The caller holds `own_lock` while it runs them
         (`forward` does)."""
-        if logits not in ("last", "all"):
-            raise InputError(f"logits must be 'last' or 'all', got {logits!r}")
+        if logits not in ("last", "all", "embd"):
+            raise InputError(f"logits must be 'last', 'all' or 'embd', got {logits!r}")
         x = self._check_inputs(inputs)
         if session.pool is not self.kv:
             raise InputError(
@@ -325,7 +327,7 @@ class Stage:
         while c < len(x):
             end = min(len(x), (start + c) // PREFILL_PIECE * PREFILL_PIECE + PREFILL_PIECE - start)
             last = end == len(x)
-            mode = logits if last or logits == "all" or not self.head else "skip"
+            mode = logits if last or logits != "last" or not self.head else "skip"
             out = yield from self._chunk([(session, start + c, end - c)], x[c:end], mode)
             session.advance(start + end)
             if mode != "skip":
@@ -412,7 +414,8 @@ class Stage:
         """Rows x of runs (session, start, rows), one after the other, as one graph per
         segment (several sessions only where `batches`; runs of one length consecutive:
         each such group attends as one batched product). `mode` at the head: "last" (the
-        last row's logits), "all", "lasts" (each run's last row's) or "skip" (none)."""
+        last row's logits), "all", "lasts" (each run's last row's), "embd" (every row's
+        final norm, no logits) or "skip" (none)."""
         T = len(x)
         groups = _groups([rows for _, _, rows in runs])
         n_kv_b = max(-(-(start + rows) // KV_BUCKET) for _, start, rows in runs) * KV_BUCKET
@@ -488,7 +491,12 @@ class Stage:
 
         def build(b: Builder) -> dict:
             blocks = Blocks(b, self.weights, self.kv, T, n_kv, groups)
-            if seg.head and seg.router is None and seg.end > seg.first and mode != "all":
+            if (
+                seg.head
+                and seg.router is None
+                and seg.end > seg.first
+                and mode not in ("all", "embd")
+            ):
                 # the last layer's FFN and the head only for the rows read on ("skip": the
                 # last row's output, unread: every row's KV is written all the same)
                 blocks.keep = (seg.end - 1, "lasts" if mode == "lasts" else "last")
@@ -510,7 +518,9 @@ class Stage:
                     "weights": ggml.ggml_cont(b.ctx, r.weights),
                 }
                 return outs if r.shared is None else {**outs, "shared": r.shared}
-            if seg.head and mode != "skip":
+            if seg.head and mode == "embd":
+                x = blocks.norm(x, "output_norm.weight")
+            elif seg.head and mode != "skip":
                 x = blocks.head(
                     x
                     if blocks.kept or mode == "all"

@@ -238,6 +238,25 @@ class InferenceConfig:
     lane_port: int = field(default=0, metadata=_range(0, 65535))
     """TCP port for lanes, on the host of the first TCP listen address (0 = any free
     port; set one and open it in the firewall so that peers behind it can use lanes)."""
+    speculate: str = field(default="auto", metadata=_choice("auto", "off", "lookup", "draft"))
+    """Speculative decoding as a gateway on a route of peers (inference.client.speculate):
+    the gateway guesses the next tokens and the route checks them in one pass, so a token
+    costs less than one circuit of the ring. "lookup": guesses from the context (prompt
+    lookup: what followed the last few tokens where they occurred before); "draft": from
+    ``draft_model``, run here; "auto": the draft model when one is set, else lookup, each
+    only where the route's circuit is long enough for it to pay; "off": never."""
+    draft_model: str = ""
+    """A small GGUF with the served model's vocabulary that drafts for it (``speculate``
+    "draft" or "auto"); "" = none. Checked against the served model's vocabulary at load."""
+    speculate_exact: bool = True
+    """Check guesses with every position computed alone, as a decode step computes it:
+    greedy output is then token for token the output without speculation. False: all
+    positions as one batch, a cheaper check (9 rows: about half the compute on a CPU),
+    whose rows differ from single steps by float rounding (a greedy answer may take the
+    other side of a near tie)."""
+    draft_k: int = field(default=0, metadata=_range(0, 32))
+    """Tokens guessed per step; 0 = chosen per generation from the measured acceptance
+    and the route's circuit and compute times."""
 
 
 @dataclass(frozen=True)
@@ -258,10 +277,20 @@ class GatewayConfig:
     """KV cache slots of the local model, shared by all concurrent requests."""
     max_body_bytes: int = field(default=1 << 20, metadata=_range(1024, 1 << 30))
     """Largest request body accepted (HTTP 413 above)."""
-    max_prompt_tokens: int = field(default=4096, metadata=_range(1, 1 << 22))
-    """Longest prompt accepted, after the chat template (HTTP 400 above)."""
+    embeddings_pooling: str = field(default="mean", metadata=_choice("mean", "last", "cls"))
+    """How /v1/embeddings pools a text's hidden states into one vector when the model's
+    GGUF does not say (llama.cpp's --pooling): "mean" of every position, "last" position
+    (what causal models trained for embeddings use), "cls" (the first)."""
+    max_prompt_tokens: int = field(default=0, metadata=_range(0, 1 << 22))
+    """Longest prompt accepted, after the chat template (HTTP 400 above, naming this key);
+    0 = what the model's context holds but for one token of reply (llama-server's limit).
+    Set it to keep prompts shorter than the context."""
     max_tokens: int = field(default=1024, metadata=_range(1, 1 << 22))
-    """Largest max_tokens a request may ask for; also the default when it asks for none."""
+    """The output limit of a request that sets none (max_tokens, max_completion_tokens,
+    max_output_tokens). A request may ask for more or less; whatever it asks is clamped to
+    what the model's context leaves after its prompt, never refused, and the clamp is
+    reported (usage and the x-kvasir-max-tokens header). A paid request is priced for the
+    limit it got."""
     max_concurrent: int = field(default=16, metadata=_range(1, 4096))
     """Generations in flight at once; more get HTTP 429."""
     ping_s: float = field(default=10.0, metadata=_range(0.01, 300))
@@ -279,6 +308,10 @@ class GatewayConfig:
     """Web page origins (``scheme://host[:port]``, or "*" for any) whose scripts may read
     the gateway's answers (CORS); none by default. The host of a page must also pass the
     Host guard: loopback, the host of ``listen``, or one of ``allowed_hosts``."""
+    metrics: str = field(default="local", metadata=_choice("local", "any", "off"))
+    """Who may read /metrics (Prometheus): "local" this machine's requests only (a scraper
+    on the same machine, relayed by no proxy), "any" every client that reaches the
+    gateway, "off" nobody."""
 
     def __post_init__(self) -> None:
         _check_port("gateway.listen", self.listen)

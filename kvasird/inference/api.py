@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from kvasird.compute.sampling import SamplingParams
 from kvasird.errors import KvasirError
 from kvasird.model.names import named_by
@@ -64,6 +66,27 @@ class GenerationRequest:
     """Token ids that end the generation (EOS, end-of-turn); not emitted."""
     request_id: str = ""
     """Caller's id for logs and receipts."""
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    model: str
+    """Model id (hex) or its name."""
+    inputs: tuple[tuple[int, ...], ...]
+    """Token ids of each input (embedded separately)."""
+    request_id: str = ""
+    """Caller's id for logs and receipts."""
+
+
+def check_embedding_input(ids: tuple[int, ...], context: int) -> None:
+    """An input an embedding can be computed for: at least one token, within the context."""
+    if not ids:
+        raise Busy("an input to embed is empty: send at least one token of text")
+    if len(ids) > context:
+        raise Busy(
+            f"an input of {len(ids)} tokens exceeds the model's context of {context}: "
+            "split it into shorter pieces"
+        )
 
 
 @dataclass(frozen=True)
@@ -133,4 +156,10 @@ class Generator(Protocol):
     def work(self, request_id: str) -> tuple[HopWork, ...]:
         """Who did the work of a finished generation, and how much (asked once, after its
         stream closed; empty when unknown)."""
+        ...
+
+    async def embed(self, request: EmbeddingRequest) -> list[np.ndarray]:
+        """Per input, every position's hidden state after the model's final norm (float32
+        [T, n_embd]): what llama.cpp pools into an embedding. Raises as ``generate`` does
+        before it starts; the work is reported by ``work(request.request_id)``."""
         ...

@@ -23,12 +23,14 @@ from kvasird.compute.sampling import Sampler, log_softmax
 from kvasird.compute.stage import Stage
 from kvasird.inference.api import (
     Busy,
+    EmbeddingRequest,
     Finished,
     GenerationRequest,
     HopWork,
     ModelInfo,
     TokenEvent,
     UnknownModel,
+    check_embedding_input,
 )
 from kvasird.text.grammar import Constraint, vocabulary
 from kvasird.text.tokenizer import Tokenizer
@@ -142,6 +144,31 @@ class LocalGenerator:
                     async with self._lock:
                         session.close()
         yield Finished(reason, n_prompt, produced)  # resources already freed: no close needed
+
+    async def embed(self, request: EmbeddingRequest) -> list[np.ndarray]:
+        """Each input's final-norm rows, one session each, in the prefill's chunks."""
+        self.resolve(request.model)
+        out: list[np.ndarray] = []
+        for ids in request.inputs:
+            check_embedding_input(ids, self.info.context_length)
+            session = await self._step(self.stage.open_session)
+            try:
+                rows = [
+                    await self._step(
+                        self.stage.forward,
+                        session,
+                        np.asarray(ids[c : c + PREFILL_CHUNK], np.int64),
+                        c,
+                        "embd",
+                    )
+                    for c in range(0, len(ids), PREFILL_CHUNK)
+                ]
+            finally:
+                with trio.CancelScope(shield=True):
+                    async with self._lock:
+                        session.close()
+            out.append(np.concatenate(rows))
+        return out
 
     async def _step(self, fn, *args):  # noqa: ANN001, ANN202 - a thin pass-through
         async with self._lock:

@@ -25,16 +25,18 @@ from libp2p.custom_types import TProtocol
 from kvasird import PROTOCOL_VERSION
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
-from kvasird.compute.hparams import DEFAULT_CONTEXT
+from kvasird.compute.hparams import DEFAULT_CONTEXT, HYBRID
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
 from kvasird.config import Config
+from kvasird.errors import KvasirError
 from kvasird.inference.api import ModelInfo
 from kvasird.inference.client.dispatch import ExpertDispatcher
 from kvasird.inference.client.hotcache import HotExperts
 from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
+from kvasird.inference.client.speculate import MAX_K, DraftModel
 from kvasird.inference.client.spotcheck import SpotChecks
-from kvasird.inference.client.swarm import Inbox, SwarmGenerator
+from kvasird.inference.client.swarm import FAST_START_RTT_MS, Inbox, SwarmGenerator
 from kvasird.inference.errors import Refusal
 from kvasird.inference.protocol import EXPERT_PROTOCOL, STAGE_PROTOCOL, experts, stage
 from kvasird.inference.protocol.delegation import Issuer, Verifier
@@ -52,6 +54,7 @@ from kvasird.p2p import P2PNode
 from kvasird.settlement.admission import Admission, NotAdmitted
 from kvasird.settlement.rewards import MeasuredWork
 from kvasird.settlement.wallet import WalletLink
+from kvasird.text.tokenizer import Tokenizer
 from kvasird.wire.rpc import MAX_FRAME, Handler, Intake
 
 ADMITTED_S = 1.0
@@ -60,6 +63,8 @@ this long (a session's stages checked them at open anyway); the meter counts eve
 RETIRE_GRACE_S = 2.0
 """A replaced engine is freed this long after its last session ended."""
 REPORT_HEARTBEATS = 3
+DRAFT_WAIT_S = 0.5
+"""How often the draft model's loader looks for the served model's manifest."""
 log = get_logger("kvasird.inference")
 
 
@@ -81,7 +86,7 @@ class InferenceService:
         """Each peer's proven holdings as last read from its record (kept while the record
         is the same object and no proof changed: holders() runs for every remote MoE
         layer of every token)."""
-        self.channels = Channels(p2p.host, lanes=c.lanes, connect=p2p.connect)
+        self.channels = Channels(p2p.host, lanes=c.lanes, connect=p2p.connect, twin=self._far)
         self.lanes = (
             LaneServer(_lane_host(config.p2p.listen), c.lane_port, MAX_FRAME, p2p.config_path)
             if c.lanes
@@ -113,6 +118,7 @@ class InferenceService:
             batch_window_s=c.batch_window_ms / 1000,
             batch_min_s=c.batch_min_ms / 1000,
             batch_pipelined=c.batch_pipelined,
+            delegations=Verifier(p2p.network),
         )
         self.issuer = Issuer(p2p.key.keypair, p2p.network)
         """Signs this node's delegations: to each hop it opens a session on, and its own."""
@@ -152,6 +158,7 @@ class InferenceService:
             issuer=self.issuer,
             spot=self.spot,
             accuse=self.verdicts.accuse,
+            speculable=self._speculable,
         )
         self._extra: list[tuple[str, Handler]] = []
         self.own_use: OwnUse | None = None
@@ -237,6 +244,11 @@ class InferenceService:
             await self.channels.notify(
                 peer, STAGE_PROTOCOL, msg, self.config.inference.step_timeout_s
             )
+
+    def _far(self, peer: str) -> bool:
+        """Whether `peer` is far enough for small stage messages to go on two paths."""
+        rtt = self._rtt(peer)
+        return rtt is not None and rtt >= FAST_START_RTT_MS
 
     def _rtt(self, peer: str) -> float | None:
         info = self.p2p.peers.get(peer)
@@ -391,15 +403,52 @@ class InferenceService:
                 if self.lanes is not None:
                     await nursery.start(self.lanes.run)
                 nursery.start_soon(self._housekeeping)
+                c = self.config.inference
+                if c.draft_model and c.speculate in ("draft", "auto"):
+                    nursery.start_soon(self._load_draft, c.draft_model)
                 task_status.started()
         finally:
             self.stages.close_all()
             self.dispatcher.hot.close()
             if self._hot_backend is not None:
                 self._hot_backend.close()
+            if self.generator.draft is not None:
+                self.generator.draft.close()
             if self.served is not None:
                 self.served.close()
                 self.served = None
+
+    def _speculable(self) -> str:
+        """Why generations of the model cannot be speculated on ("" when they can)."""
+        manifest = self.market.manifest()
+        if manifest is None:
+            return "the model's manifest is not here yet"
+        if manifest.arch in HYBRID:
+            return f"{manifest.arch} has recurrent states, which cannot go back past a guess"
+        return ""
+
+    async def _load_draft(self, path: str) -> None:
+        """Load [inference] draft_model once the served model's manifest is here (its
+        vocabulary is checked against the manifest's; the manifest arrives through the
+        market, which has no event to wait on); without it, "auto" speculates by prompt
+        lookup and "draft" not at all."""
+        while True:
+            if (manifest := self.market.manifest()) is not None:
+                break
+            await trio.sleep(DRAFT_WAIT_S)
+        try:
+            tokens = Tokenizer.from_metadata(manifest.metadata, path).tokens
+            self.generator.draft = await trio.to_thread.run_sync(
+                functools.partial(DraftModel, path, tokens, self.config.compute.threads)
+            )
+        except KvasirError as exc:
+            log.error(
+                "the draft model cannot draft for the served model: speculating without it",
+                path=path,
+                error=str(exc),
+            )
+            return
+        log.info("draft model loaded for speculative decoding", path=path)
 
     async def _housekeeping(self) -> None:
         period = self.config.market.heartbeat_s * REPORT_HEARTBEATS
@@ -452,10 +501,13 @@ class InferenceService:
                     "failovers": p.failovers,
                     "hop_ms": p.hop_ms,
                     "step_ms": p.step_ms,
+                    "guessed": p.guessed,
+                    "accepted": p.accepted,
                 }
                 for rid, p in self.generator.active.items()
             },
             "breakdown": self.generator.traces.summary(),
+            "speculation": self._speculation_status(),
             "prefix": self._prefix_status(),
             "dispatch": dict(self.dispatcher.stats),
             "unfit": self.fitness.snapshot(),
@@ -466,6 +518,27 @@ class InferenceService:
                 "refused": self.lanes.refused if self.lanes else 0,
                 "open_to": sorted({p for p, _ in self.channels.lanes_up()}),
                 "libp2p_to": sorted({p for p, _ in self.channels.on_libp2p()}),
+            },
+        }
+
+    def _speculation_status(self) -> dict[str, Any]:
+        """Speculative decoding as a gateway: the mode, why it is off if it is, what it
+        guessed and the head accepted since start, and what it measured per source."""
+        gen, c = self.generator, self.config.inference
+        return {
+            "mode": c.speculate,
+            "draft_model": str(gen.draft.path) if gen.draft is not None else None,
+            "off_because": gen.speculable(),
+            **{k: gen.speculation[k] for k in ("steps", "guessed", "accepted")},
+            "sources": {
+                name: {
+                    "accept_rate": round(e.accept_rate(), 3),
+                    "step_ms": round(e.t1 * 1000, 2) if e.t1 is not None else None,
+                    "row_ms": round(e.t_row * 1000, 2) if e.t_row is not None else None,
+                    "guess_ms": round(e.t_guess * 1000, 2),
+                    "k": e.best_k(MAX_K),
+                }
+                for name, e in gen.estimates.items()
             },
         }
 

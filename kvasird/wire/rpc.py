@@ -152,6 +152,11 @@ def _whole(stream: Any) -> bool:
     return getattr(stream, "whole_records", False)
 
 
+def notification(msg: dict[str, Any]) -> bytes:
+    """A one-way message as the frame Channel.notify writes (for Channel.notify_frame)."""
+    return frame({**msg, "id": 0}, MAX_FRAME)
+
+
 class _Failures:
     """Every way a send or wait can fail, as the HopFailed that routes around the peer
     (a plain class: this wraps every frame sent, and contextlib's generators cost more)."""
@@ -268,8 +273,18 @@ class Channel:
         with _Failures(self.peer, f"could not send {msg.get('op')!r} within {wait_s:g} s"):
             await self._write_frame({**msg, "id": 0}, wait_s)
 
+    async def notify_frame(self, data: bytes, wait_s: float) -> None:
+        """Send a one-way message already framed (`notification`): the same bytes may go
+        on several channels."""
+        if self.closed:
+            raise HopFailed(self.peer, "the stream broke")
+        with _Failures(self.peer, f"could not send a message within {wait_s:g} s"):
+            await self._write_data(data, wait_s)
+
     async def _write_frame(self, value: dict[str, Any], wait_s: float) -> None:
-        data = frame(value, MAX_FRAME)
+        await self._write_data(frame(value, MAX_FRAME), wait_s)
+
+    async def _write_data(self, data: bytes, wait_s: float) -> None:
         if _whole(self.stream):  # one frame is one record, sent whole (or ends) within wait_s
             await self.stream.write(data, wait_s)  # type: ignore[call-arg]
             return

@@ -14,7 +14,7 @@ from kvasird.compute.stage import Stage, generate
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird_dev.testmodels import make_model
 
-from .fakenet import no_experts
+from .fakenet import FakeNet, no_experts
 
 N_LAYER = 4
 N_EXPERT = 8
@@ -67,3 +67,13 @@ def worker(moe: Path) -> Iterator[Served]:
     served = Served.build([moe], every, threads=1, kv_slots=256, remote=no_remote)
     yield served
     served.close()
+
+
+@pytest.fixture
+def net(served: dict[str, Served]) -> Iterator[FakeNet]:
+    """Every peer of `served` on one in-process network, gw the gateway; their sessions
+    freed after the test."""
+    net = FakeNet(dict(served))
+    yield net
+    for server in net.servers.values():
+        server.close_all()

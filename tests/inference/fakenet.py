@@ -72,7 +72,8 @@ class FakeNet:
         kinds = servers or {}  # peer -> its stage server's class (a liar's)
         self.servers = {n: kinds.get(n, StageServer)(
             lambda: "m", lambda s=s: s, max_sessions=max_sessions, idle_s=60, wire_dtype="f32",
-            me=n, send=self._sender(n), deliver=self.inbox.deliver if n == me else None)
+            me=n, send=self._sender(n), deliver=self.inbox.deliver if n == me else None,
+            delegations=Verifier(NETWORK))
             for n, s in served.items()}
         self.experts = {n: ExpertServer(lambda s=s: s, window_s=0, wire_dtype="f32",
                                         delegations=Verifier(NETWORK))

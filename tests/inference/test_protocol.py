@@ -206,7 +206,7 @@ def test_the_typed_messages_carry_the_values_the_wire_held() -> None:
     assert isinstance(r, Step) and r.forward is None and r.ids is None
     assert r.x.shape == (2, 8) and r.dt == "f32"
     assert stage.parse(result_wire()) == Result(
-        "t1", TokenEvent(17, -0.25, ((17, -0.25), (3, -1.5))), ((1.0, 2.0, 3.0, 4.0, 0.5),))
+        "t1", (TokenEvent(17, -0.25, ((17, -0.25), (3, -1.5))),), ((1.0, 2.0, 3.0, 4.0, 0.5),))
     assert stage.parse(failure_wire()) == Failure("t1", "gone", "no such session", "peerB")
     assert stage.parse({"op": "close", "sid": "s"}) == Close("s")
     assert stage.parse({"op": "ping", "sid": "s"}) == Ping("s")
@@ -231,7 +231,7 @@ def test_optional_fields_take_their_meaning_when_left_out() -> None:
     assert stage.parse(open_wire()).delegation == b"" and \
         "delegation" not in stage.parse(open_wire()).to_wire()
     # a token without logprobs, a seed left to the node
-    assert stage.parse({"op": "result", "ticket": "t", "token": 2}) == Result("t", TokenEvent(2))
+    assert stage.parse({"op": "result", "ticket": "t", "token": 2}) == Result("t", (TokenEvent(2),))
     assert stage.sampling_from_wire({**SAMPLING, "seed": None}, "s").seed is None
 
 
@@ -303,7 +303,7 @@ def test_the_messages_are_the_bytes_the_untyped_code_sent() -> None:
     head = TokenEvent(4, -0.1, ((4, -0.1), (2, -2.5)))
     assert pack(stage.token_to_wire(head)) == pack(
         {"token": 4, "logprob": -0.1, "top": [[4, -0.1], [2, -2.5]]})
-    assert pack(Result("t", head).to_wire()) == pack(
+    assert pack(Result("t", (head,)).to_wire()) == pack(
         {"op": "result", "ticket": "t", "token": 4, "logprob": -0.1,
          "top": [[4, -0.1], [2, -2.5]]})
     assert pack(Failure("t", "unreachable", "x" * 600, "p3").to_wire()) == pack(

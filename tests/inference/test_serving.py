@@ -294,9 +294,9 @@ async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(
                                                                  route, f"t{n}"))
                 reply = (await results.receive()).result
             assert isinstance(reply, Result), reply
-            got.append(reply.token.token)
+            got.append(reply.tokens[-1].token)
             start = len(history)
-            history.append(reply.token.token)
+            history.append(reply.tokens[-1].token)
         assert got == generate(full, [1, 2, 3], 6)
         # each step: gw -> b (hidden rows), b -> gw (the head's hop), gw -> gw (the result)
         assert net.sent[:3] == [("gw", "b", "step"), ("b", "gw", "step"), ("gw", "gw", "result")]
@@ -312,7 +312,7 @@ async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(
                 reply = (await results.receive()).result
             assert isinstance(reply, Result), reply
             start = len(history)
-            history.append(reply.token.token)
+            history.append(reply.tokens[-1].token)
             if n == 0:
                 assert reply.trace is not None
                 assert len(reply.trace) == 3 and all(len(hop) == 5 for hop in reply.trace)
@@ -347,9 +347,9 @@ async def test_a_forwarded_chain_passes_boundaries_stage_to_stage(
         pong = await net.servers["gw"].handle("gw", {"op": "ping", "sid": "s0"})
         assert pong == {"at": start + 1}
         # results for no one waiting, or from a peer off the route, are dropped
-        net.inbox.deliver("b", Result("gone", TokenEvent(1)))
+        net.inbox.deliver("b", Result("gone", (TokenEvent(1),)))
         with net.inbox.expect("t", {"gw"}) as results:
-            net.inbox.deliver("b", Result("t", TokenEvent(1)))
+            net.inbox.deliver("b", Result("t", (TokenEvent(1),)))
             with pytest.raises(trio.WouldBlock):
                 results.receive_nowait()
         assert net.inbox.dropped == 2
@@ -547,7 +547,7 @@ def test_only_short_forwarded_steps_on_a_node_without_remote_experts_run_inline(
         plain = StageServer(lambda: "m", lambda: own, max_sessions=4, idle_s=60,
                             wire_dtype="f32")
         assert plain.inline(step(1, **forwarded))
-        assert plain.inline(Result("t", TokenEvent(3)))
+        assert plain.inline(Result("t", (TokenEvent(3),)))
         assert not plain.inline(step(64, **forwarded))  # a prefill goes to a thread
         assert not plain.inline(step(1))  # a request (the gateway waits for its answer)
         assert not plain.inline(parse(open_msg("s", 0, N_LAYER, True, True)))

@@ -38,11 +38,12 @@ from .fakenet import FakeNet, hung, no_experts
 
 
 def generator(net: FakeNet, fitness: Fitness) -> SwarmGenerator:
-    """The gateway's generator over `net`'s coverage map (b is nearer than its replica b2)."""
+    """The gateway's generator over `net`'s coverage map (b is nearer than its replica b2),
+    one position a step (speculation, which steps several, is test_speculate's)."""
     return SwarmGenerator(net.me, lambda: ModelInfo("m", "test", 256), lambda: N_LAYER,
                           net.holders, net, net.servers[net.me].handle,  # type: ignore[arg-type]
                           Latency(net.me, lambda p: {"b": 1.0, "b2": 5.0}.get(p, 1.0)),
-                          fitness, InferenceConfig(), net.inbox)
+                          fitness, InferenceConfig(speculate="off"), net.inbox)
 
 
 async def run(gen: SwarmGenerator, n: int, on_token: Any = None) -> list[int]:

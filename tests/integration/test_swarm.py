@@ -144,6 +144,22 @@ def test_ring_without_lanes_through_windows_that_overlap_generates_the_same_toke
     assert set(view["libp2p_to"]) == {net.nodes[1].peer_id, net.nodes[2].peer_id}
 
 
+def test_a_ring_speculating_with_a_draft_model_generates_the_same_tokens(
+        localnet: Callable[..., LocalNet], bundled: Path, reference: list[list[int]]) -> None:
+    """The gateway drafts with a model of the served one's vocabulary (here the bundled
+    model itself, so nearly every guess is accepted) and the ring checks the guesses in
+    one pass: the tokens are those of one daemon decoding without guesses."""
+    net = start(localnet, bundled, [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"]],
+                **{"inference.speculate": "draft", "inference.draft_model": str(bundled),
+                   "inference.draft_k": 4})
+    gateway = net.nodes[0]
+    net.wait_until("the gateway loaded its draft model", lambda: gateway.get(
+        "/v0/inference")["speculation"]["draft_model"] is not None, ROUTED_S)
+    assert [generate(gateway, p) for p in PROMPTS] == reference
+    spent = gateway.get("/v0/inference")["speculation"]
+    assert spent["steps"] > 0 and spent["accepted"] >= 0.8 * spent["guessed"] > 0, spent
+
+
 STEP_TIMEOUT_S = 30.0
 
 

@@ -94,6 +94,10 @@ def divergence(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(out.astype(np.float64) - ref).max(initial=0.0)) / scale
 
 
+Output = np.ndarray | tuple[TokenEvent, ...]
+"""What a hop answers a step: hidden rows, or at the head the tokens it drew."""
+
+
 @dataclass(frozen=True)
 class Seen:
     """One hop of a relayed step, as the gateway saw it."""
@@ -104,31 +108,46 @@ class Seen:
     """What it was given: token ids (i32) or hidden rows."""
     dt: str
     """The wire type of `x`."""
-    out: np.ndarray | TokenEvent
-    """What it answered: hidden rows, or the head's token."""
+    out: Output
+    """What it answered: hidden rows, or the head's tokens."""
 
 
-def agrees(
-    out: np.ndarray | TokenEvent, ref: np.ndarray | TokenEvent, tolerance: float, greedy: bool
-) -> tuple[bool, float]:
+def agrees(out: Output, ref: Output, tolerance: float, greedy: bool) -> tuple[bool, float]:
     """Whether a checked output is within tolerance of the reference, and how far off it is
-    (a head's token: 0 when it agrees, else 1)."""
-    if isinstance(out, TokenEvent) or isinstance(ref, TokenEvent):
+    (a head's tokens: 0 when they agree, else 1). Heads' tokens are compared where they
+    first differ: a speculative step's draws stop at the first one that is not the next
+    guess, so two heads given the same guesses draw as many tokens unless a draw differs."""
+    if isinstance(out, tuple) or isinstance(ref, tuple):
         ok = (
-            isinstance(out, TokenEvent)
-            and isinstance(ref, TokenEvent)
-            and head_agrees(out, ref, tolerance, greedy)
+            isinstance(out, tuple)
+            and isinstance(ref, tuple)
+            and _heads_agree(out, ref, tolerance, greedy)
         )
         return ok, 0.0 if ok else 1.0
     diff = divergence(out, ref)
     return diff <= tolerance, diff
 
 
-def as_array(out: np.ndarray | TokenEvent) -> np.ndarray:
-    """An output as evidence: the rows, or the head's token and the logprobs it reported."""
-    if isinstance(out, TokenEvent):
+def _heads_agree(
+    out: tuple[TokenEvent, ...], ref: tuple[TokenEvent, ...], tolerance: float, greedy: bool
+) -> bool:
+    for a, b in zip(out, ref, strict=False):
+        if a.token != b.token:
+            return head_agrees(a, b, tolerance, greedy)
+    return len(out) == len(ref)
+
+
+def as_array(out: Output) -> np.ndarray:
+    """An output as evidence: the rows, or each of the head's tokens with the logprobs it
+    reported (a row [token, logprob] and its top alternatives' rows, per token)."""
+    if isinstance(out, tuple):
         return np.array(
-            [[out.token, out.logprob if out.logprob is not None else np.nan], *out.top], np.float64
+            [
+                row
+                for t in out
+                for row in ([t.token, t.logprob if t.logprob is not None else np.nan], *t.top)
+            ],
+            np.float64,
         )
     return out
 

@@ -89,6 +89,7 @@ from kvasird.config import InferenceConfig
 from kvasird.errors import WireError
 from kvasird.inference.api import (
     Busy,
+    EmbeddingRequest,
     Finished,
     GenerationError,
     GenerationRequest,
@@ -97,6 +98,7 @@ from kvasird.inference.api import (
     NoRoute,
     TokenEvent,
     UnknownModel,
+    check_embedding_input,
 )
 from kvasird.inference.client.affinity import (
     PREFILL_MS_PER_TOKEN,
@@ -116,8 +118,10 @@ from kvasird.inference.client.routing import (
     plan_route,
     uncovered,
 )
+from kvasird.inference.client.speculate import PRIOR_ACCEPT, DraftModel, Estimates, Speculator
 from kvasird.inference.client.spotcheck import (
     Counts,
+    Output,
     Seen,
     SpotChecks,
     agrees,
@@ -145,7 +149,7 @@ from kvasird.inference.protocol.stage import (
     Revealed,
     Shown,
     Step,
-    token_from_wire,
+    tokens_from_wire,
 )
 from kvasird.inference.protocol.tensors import DIGEST_BYTES, digest
 from kvasird.inference.steptrace import TRACE_EVERY, StepTrace, Traces
@@ -169,12 +173,40 @@ KEEP_WORK = 1024
 CLOSE_S = 5.0
 """How long the hops of a route that ended get to answer its close (with their
 commitment, without which they are not paid)."""
+FAST_START_RTT_MS = 15.0
+"""A route with a remote hop at least this far (heartbeat round trip) opens its hops'
+sessions with the first prompt chunk, which travels hop to hop (Step.open): the first token
+then costs one circuit of the ring after the prefill, not a round trip to open and two per
+hop to relay the chunk. Its spot checks of that chunk come after the generation, by commit
+and reveal, as the later steps' do. Nearer routes (a LAN, loopback) keep the relayed,
+checked-before-going-on first chunk: a round trip there costs less than a millisecond."""
 REPLAN_EVERY_S = 0.25
 """How often a failed-over generation without a route looks at the coverage map again."""
 log = get_logger("kvasird.inference.client.swarm")
 
 LocalHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 Accuse = Callable[[str, str], Awaitable[None]]
+
+
+Drawn = tuple[TokenEvent, ...]
+"""The tokens a head drew for one step: one, or a speculative step's several."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """A step of the current route that succeeded (every hop computed it)."""
+
+    start: int
+    ids: tuple[int, ...]
+    """The token ids sent (a speculative step's guesses included)."""
+    singly: bool
+    verify: bool
+    tokens: tuple[int, ...]
+    """The tokens the head drew."""
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
 
 
 @dataclass(frozen=True)
@@ -233,6 +265,10 @@ class Progress:
     """Last relayed step time per hop peer (ms), the local one included."""
     step_ms: float = 0.0
     """Last step time along the whole route (ms)."""
+    guessed: int = 0
+    """Tokens guessed by speculation so far (client.speculate)."""
+    accepted: int = 0
+    """Of those, accepted by the head."""
 
 
 class SwarmGenerator:
@@ -254,6 +290,8 @@ class SwarmGenerator:
         spot: SpotChecks | None = None,
         accuse: Accuse | None = None,
         issuer: Issuer | None = None,
+        draft: DraftModel | None = None,
+        speculable: Callable[[], str] = lambda: "",
     ) -> None:
         self.me, self.info, self.n_layer, self.holders = me, info, n_layer, holders
         self.channels, self.local, self.inbox = channels, local, inbox
@@ -281,6 +319,14 @@ class SwarmGenerator:
         self.issuer = issuer
         """Signs each hop's delegation at open (protocol.delegation); without one the opens
         carry none, and hops that send expert rows to other peers cannot step."""
+        self.draft = draft
+        """The draft model speculation guesses with ([inference] draft_model), if any."""
+        self.speculable = speculable
+        """Why the model cannot be speculated on ("" when it can: see speculate)."""
+        self.estimates: dict[str, Estimates] = {}
+        """What speculation measured, per source (routes from one node are mostly one)."""
+        self.speculation = Counter[str]()
+        """Since start: "steps" speculated, tokens "guessed" and "accepted"."""
 
     def models(self) -> list[ModelInfo]:
         info = self.info()
@@ -382,28 +428,32 @@ class SwarmGenerator:
             else dataclasses.replace(s.params, seed=secrets.randbits(62))
         )
         run = _Run(self, info.model_id, n_prompt + budget, params, s.logprobs, progress)
+        run.spec = self._speculator()
         history, produced, reason = list(request.prompt), 0, "length"
         pending: _Pending | None = None
         try:
-            event = await run.begin(history)
-            while True:
-                if event.token in request.stop_tokens:
-                    reason = "stop"
-                    break
-                produced += 1
-                history.append(event.token)
-                more = produced < budget
-                if more:  # the next step runs while the consumer handles this token
-                    pending = _Pending.start(
-                        self.nursery, run.step, history, len(history) - 1, produced
-                    )
-                yield event
-                progress.tokens = produced
-                if not more:
-                    break
-                assert pending is not None
-                event = await pending.result()
-                pending = None
+            events, ended = await run.begin(history), False
+            while not ended:
+                for i, event in enumerate(events):  # a speculative step draws several
+                    if event.token in request.stop_tokens:
+                        reason, ended = "stop", True
+                        break
+                    produced += 1
+                    history.append(event.token)
+                    ended = produced >= budget
+                    if not ended and i == len(events) - 1:
+                        # the next step runs while the consumer handles this token
+                        pending = _Pending.start(
+                            self.nursery, run.step, history, len(history) - 1, produced
+                        )
+                    yield event
+                    progress.tokens = produced
+                    if ended:
+                        break
+                if not ended:
+                    assert pending is not None
+                    events = await pending.result()
+                    pending = None
             yield Finished(reason, n_prompt, produced, run.cached)
         finally:
             self.active.pop(rid, None)
@@ -411,11 +461,55 @@ class SwarmGenerator:
                 if pending is not None:
                     with trio.move_on_after(2):
                         await pending.cancel()
+                if run.spec is not None:
+                    run.spec.close()
                 await run.close()
                 await run.check_decode()
                 if len(self._work) >= KEEP_WORK:  # never asked for: drop the oldest
                     del self._work[next(iter(self._work))]
                 self._work[rid] = run.work()
+
+    async def embed(self, request: EmbeddingRequest) -> list[np.ndarray]:
+        """Each input through a route in embedding sessions (Open.embeddings): its chunks
+        relayed hop by hop, the head answering every position's final-norm row. A hop that
+        fails is replaced and the input computed again on the new route. The work of all
+        inputs is reported as one request's."""
+        info = self.resolve(request.model)
+        rid = request.request_id or secrets.token_hex(8)
+        progress = self.active[rid] = Progress()
+        out: list[np.ndarray] = []
+        units: Counter[str] = Counter()
+        try:
+            for ids in request.inputs:
+                check_embedding_input(ids, info.context_length)
+                run = _Run(self, info.model_id, len(ids), SamplingParams(), 0, progress)
+                try:
+                    out.append(await run.embed(ids))
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await run.close()
+                    units += run.units
+        finally:
+            self.active.pop(rid, None)
+            if len(self._work) >= KEEP_WORK:
+                del self._work[next(iter(self._work))]
+            self._work[rid] = tuple(
+                HopWork(peer, n, progress.hop_ms.get(peer, progress.step_ms))
+                for peer, n in units.items()
+            )
+        return out
+
+    def _speculator(self) -> Speculator | None:
+        """This generation's speculation ([inference] speculate), or None."""
+        mode = self.config.speculate
+        if mode == "off" or self.speculable():
+            return None
+        draft = self.draft if mode in ("draft", "auto") else None
+        if mode == "draft" and draft is None:
+            return None
+        source = "draft" if draft is not None else "lookup"
+        estimates = self.estimates.setdefault(source, Estimates(prior=PRIOR_ACCEPT[source]))
+        return Speculator(source, estimates, draft, self.config.draft_k)
 
 
 class _Pending:
@@ -427,13 +521,13 @@ class _Pending:
     def __init__(self) -> None:
         self.scope = trio.CancelScope()
         self.done = trio.Event()
-        self.value: TokenEvent | None = None
+        self.value: Drawn | None = None
         self.error: Exception | None = None
-        self.call: Callable[[], Awaitable[TokenEvent]] | None = None
+        self.call: Callable[[], Awaitable[Drawn]] | None = None
 
     @classmethod
     def start(
-        cls, nursery: trio.Nursery | None, fn: Callable[..., Awaitable[TokenEvent]], *args: Any
+        cls, nursery: trio.Nursery | None, fn: Callable[..., Awaitable[Drawn]], *args: Any
     ) -> _Pending:
         p = cls()
         if nursery is None:
@@ -442,7 +536,7 @@ class _Pending:
             nursery.start_soon(p._run, fn, args)
         return p
 
-    async def _run(self, fn: Callable[..., Awaitable[TokenEvent]], args: tuple) -> None:
+    async def _run(self, fn: Callable[..., Awaitable[Drawn]], args: tuple) -> None:
         try:
             with self.scope:
                 # One turn of the loop first: the consumer's write of the token just yielded
@@ -459,7 +553,7 @@ class _Pending:
         finally:
             self.done.set()
 
-    async def result(self) -> TokenEvent:
+    async def result(self) -> Drawn:
         if self.call is not None:
             return await self.call()
         await self.done.wait()
@@ -512,9 +606,17 @@ class _Run:
         self.drawn: tuple[tuple[Hop, ...], tuple[Hop, ...]] = ((), ())
         """The current route's hops, and those of them drawn for a spot check (checked on
         its first prompt chunk at once, on its decode steps once the generation ends)."""
-        self.done: list[tuple[int, int, bool, int]] = []
-        """The current route's steps that succeeded, in order: (start, end, singly, the
-        token it answered). Every hop computed each of them: its ledger's steps."""
+        self.done: list[Done] = []
+        """The current route's steps that succeeded, in order. Every hop computed each of
+        them: its ledger's steps."""
+        self.spec: Speculator | None = None
+        """This generation's speculation, when on (client.speculate)."""
+        self.riding: dict[int, Open] = {}
+        """Hop index -> its Open, for the hops whose sessions open with the route's first
+        step (FAST_START_RTT_MS); emptied once that step's result is in."""
+        self.unaudited = False
+        """The current route's first prompt chunk was forwarded, not relayed: the hops
+        drawn for a spot check have it checked after the generation (check_decode)."""
         self.relayed: dict[int, tuple[bytes, ...]] = {}
         """Step index -> the digest of what this node sent each hop, for the current route's
         steps relayed through it (what hop i answered is what hop i + 1 was sent)."""
@@ -567,14 +669,14 @@ class _Run:
         room = self.positions[i] * (hop.end - hop.first) * MAX_EXPERTS_PER_ROW
         self.claims.append((hop.peer, room, tuple(closed.experts)))
 
-    async def begin(self, history: list[int]) -> TokenEvent:
+    async def begin(self, history: list[int]) -> Drawn:
         """Open the first route and prefill the prompt (failing over like a step)."""
         try:
             return await self.start(history, 0, first=True)
         except HopFailed as exc:
             return await self._failover(exc, history, 0)
 
-    async def start(self, history: list[int], produced: int, first: bool = False) -> TokenEvent:
+    async def start(self, history: list[int], produced: int, first: bool = False) -> Drawn:
         """Plan a route, open its sessions and prefill `history`; return the head's token.
 
         On a first route the hops may hold the prompt's start (prefix reuse): the prefill
@@ -607,46 +709,54 @@ class _Run:
                 f"({gen.missing()}); the generation stopped"
             ) from None
         self.sid = secrets.token_hex(8)
+        self.riding, self.unaudited = {}, False
         self.progress.route = self.route.peers
         self.steps = 0
         self.done, self.commits, self.relayed = [], {}, {}
         self.opened = (max(produced - 1, 0), prompt)
         self.positions = Counter()
         route = self.route
-        starts: dict[int, int] = {}  # hop index -> the positions it starts with (kept)
-        failed: list[tuple[int, HopFailed]] = []
+        fast = self._fast(route, keys)
+        if fast:
+            keys = b""
 
-        async def open_hop(i: int, hop: Hop) -> None:
-            try:
-                reply = await self._call(
-                    hop,
-                    Open(
-                        f"{self.sid}.{i}",
-                        self.model,
-                        hop.first,
-                        hop.end,
-                        hop.embed,
-                        hop.head,
-                        self.max_tokens,
-                        self.logprobs,
-                        route.hops[i - 1].peer if i else "",
-                        self.sampling,
-                        max(produced - 1, 0),
-                        prompt,
-                        hop_keys(keys, route, i) if keys else b"",
-                        gen.issuer.issue(hop.peer, life_s(self.max_tokens)) if gen.issuer else b"",
-                    ),
+        def opening(i: int, hop: Hop) -> Open:
+            return Open(
+                f"{self.sid}.{i}",
+                self.model,
+                hop.first,
+                hop.end,
+                hop.embed,
+                hop.head,
+                self.max_tokens,
+                self.logprobs,
+                route.hops[i - 1].peer if i else "",
+                self.sampling,
+                max(produced - 1, 0),
+                prompt,
+                hop_keys(keys, route, i) if keys else b"",
+                gen.issuer.issue(hop.peer, life_s(self.max_tokens)) if gen.issuer else b"",
+            )
+
+        if fast:  # this node's own session now (no round trip); the others with the chunk
+            if route.hops[0].peer == gen.me:
+                _read(
+                    gen.me,
+                    Opened.from_wire,
+                    await self._call(route.hops[0], opening(0, route.hops[0])),
                 )
-                starts[i] = _read(hop.peer, Opened.from_wire, reply).cached
-            except HopFailed as exc:
-                failed.append((i, exc))
-
-        # every hop's session at once: one round trip before the prefill, not one a hop
-        async with trio.open_nursery() as nursery:
-            for i, hop in enumerate(route.hops):
-                nursery.start_soon(open_hop, i, hop)
-        if failed:  # the first failed hop on the route; the failover closes the others
-            raise min(failed, key=lambda f: f[0])[1]
+            self.riding = {
+                i: opening(i, hop) for i, hop in enumerate(route.hops) if i or hop.peer != gen.me
+            }
+            spot = gen.spot
+            self.drawn = (
+                route.hops,
+                tuple(h for h in route.hops if h.peer != gen.me and spot.draw(spot.stages, h.peer)),
+            )
+            self.unaudited = True
+            starts: dict[int, int] = {}
+        else:
+            starts = await self._open_route(opening)
         cached = min([prompt, *starts.values()])
         begin = min(cached, prompt - 1) // PAGE * PAGE if keys else 0
         self.began = begin
@@ -656,7 +766,7 @@ class _Run:
         began = time.perf_counter()
         for c in range(begin, prompt, PREFILL_CHUNK):
             event = await self._forward(
-                history, c, min(c + PREFILL_CHUNK, prompt), audit=c == begin
+                history, c, min(c + PREFILL_CHUNK, prompt), audit=c == begin and not fast
             )
         if prompt - begin >= PREFILL_CHUNK:  # long enough to say what a prefill costs
             ms = (time.perf_counter() - began) * 1000 / (prompt - begin)
@@ -665,14 +775,114 @@ class _Run:
             event = await self._forward(history, prompt, len(history), singly=True)
         return event
 
-    async def step(self, history: list[int], start: int, produced: int) -> TokenEvent:
-        """The next token after `history`, failing over to a new route when a hop fails."""
+    async def embed(self, ids: tuple[int, ...]) -> np.ndarray:
+        """`ids`' final-norm rows through a route of embedding sessions, failing over."""
+        failovers = 0
+        while True:
+            try:
+                return await self._embed_once(ids)
+            except HopFailed as exc:
+                failovers += 1
+                self.busy = (
+                    judge(
+                        exc,
+                        failovers,
+                        me=self.gen.me,
+                        max_failovers=self.gen.config.max_failovers,
+                        fitness=self.gen.fitness,
+                    )
+                    or self.busy
+                )
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    await self.close()
+
+    async def _embed_once(self, ids: tuple[int, ...]) -> np.ndarray:
+        gen = self.gen
+        self.route = route = gen.plan() if not self.busy else await gen.replan()
+        self.sid, self.steps = secrets.token_hex(8), 0
+        self.progress.route = route.peers
+
+        await self._open_route(
+            lambda i, hop: Open(
+                f"{self.sid}.{i}",
+                self.model,
+                hop.first,
+                hop.end,
+                hop.embed,
+                hop.head,
+                len(ids),
+                0,
+                route.hops[i - 1].peer if i else "",
+                delegation=gen.issuer.issue(hop.peer, life_s(len(ids))) if gen.issuer else b"",
+                embeddings=True,
+            )
+        )
+        rows = []
+        for c in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[c : c + PREFILL_CHUNK]
+            out = await self._through(
+                route.hops, self.sid, np.asarray(chunk, np.int32), "i32", chunk, c, rows=True
+            )
+            if isinstance(out, tuple):
+                raise HopFailed(route.hops[-1].peer, "answered tokens to an embedding session")
+            rows.append(tensors.widen(out, "embedding"))
+            self._count(len(chunk))
+        return np.concatenate(rows)
+
+    def _fast(self, route: Route, keys: bytes) -> bool:
+        """Whether `route` opens its sessions with the first prompt chunk (FAST_START_RTT_MS):
+        a remote hop far enough, delegations to send with the opens, and no kept prefix
+        the route would start from (whose length only the open's answer tells)."""
+        gen = self.gen
+        if gen.issuer is None or (keys and gen.prefixes.recall(keys) is not None):
+            return False
+        far = [gen.latency.rtt(p) for p in route.peers if p != gen.me]
+        return any(rtt is not None and rtt >= FAST_START_RTT_MS for rtt in far)
+
+    async def _open_route(self, opening: Callable[[int, Hop], Open]) -> dict[int, int]:
+        """Every hop's session on the current route at once (one round trip before the
+        first step, not one a hop): hop index -> the positions it starts with (kept). The
+        first failed hop on the route is raised; the failover closes the others."""
+        assert self.route is not None
+        starts: dict[int, int] = {}
+        failed: list[tuple[int, HopFailed]] = []
+
+        async def open_hop(i: int, hop: Hop) -> None:
+            try:
+                reply = await self._call(hop, opening(i, hop))
+                starts[i] = _read(hop.peer, Opened.from_wire, reply).cached
+            except HopFailed as exc:
+                failed.append((i, exc))
+
+        async with trio.open_nursery() as nursery:
+            for i, hop in enumerate(self.route.hops):
+                nursery.start_soon(open_hop, i, hop)
+        if failed:
+            raise min(failed, key=lambda f: f[0])[1]
+        return starts
+
+    async def step(self, history: list[int], start: int, produced: int) -> Drawn:
+        """The next token after `history` (with speculation, maybe several), failing over
+        to a new route when a hop fails (the replay starts from `history`: guesses that were
+        in flight are dropped)."""
+        spec, guesses = self.spec, tuple[int, ...]()
+        if spec is not None:
+            guesses = await spec.guess(history, self.max_tokens - len(history))
+        began = time.perf_counter()
         try:
-            return await self._forward(history, start, len(history))
+            drawn = await self._forward(history, start, len(history), guesses=guesses)
         except HopFailed as exc:
             return await self._failover(exc, history, produced)
+        if spec is not None:
+            if self.steps % RELAY_EVERY != 1:  # a relayed step's time is not a chain's
+                spec.learn(len(guesses), len(drawn), time.perf_counter() - began)
+            if guesses:
+                gen, p = self.gen, self.progress
+                gen.speculation.update(steps=1, guessed=len(guesses), accepted=len(drawn) - 1)
+                p.guessed, p.accepted = p.guessed + len(guesses), p.accepted + len(drawn) - 1
+        return drawn
 
-    async def _failover(self, exc: HopFailed, history: list[int], produced: int) -> TokenEvent:
+    async def _failover(self, exc: HopFailed, history: list[int], produced: int) -> Drawn:
         """Replace the route after `exc` (failover.judge) and replay `history` on the new one."""
         while True:
             self.progress.failovers += 1
@@ -700,38 +910,48 @@ class _Run:
                 exc = again
 
     async def _forward(
-        self, history: list[int], start: int, end: int, singly: bool = False, audit: bool = False
-    ) -> TokenEvent:
+        self,
+        history: list[int],
+        start: int,
+        end: int,
+        singly: bool = False,
+        audit: bool = False,
+        guesses: tuple[int, ...] = (),
+    ) -> Drawn:
         """One step along the route; `audit`: the route's first prompt chunk, relayed and
-        spot-checked (`_audited`)."""
+        spot-checked (`_audited`); `guesses`: a speculative step (Step.verify)."""
         assert self.route is not None
-        ids = tuple(history[start:end])
+        ids, verify = tuple(history[start:end]) + guesses, bool(guesses)
+        singly = singly or verify and self.gen.config.speculate_exact
         self.steps += 1
         if audit:
-            event = await self._audited(ids, start)
-        elif len(self.route.hops) > 1 and (len(ids) > 1 or self.steps % RELAY_EVERY != 1):
-            event = await self._chain(ids, start, singly)
+            drawn = await self._audited(ids, start)
+        elif len(self.route.hops) > 1 and (
+            len(ids) > 1 and not verify or self.steps % RELAY_EVERY != 1
+        ):
+            drawn = await self._chain(ids, start, singly, verify)
         else:
-            event = await self._relay(ids, start, singly)
+            drawn = await self._relay(ids, start, singly, verify)
         self._count(len(ids))
-        self.done.append((start, end, singly, event.token))
-        return event
+        self.done.append(Done(start, ids, singly, verify, tuple(t.token for t in drawn)))
+        return drawn
 
     async def _relay(
         self,
         ids: tuple[int, ...],
         start: int,
         singly: bool = False,
+        verify: bool = False,
         trail: list[Seen] | None = None,
-    ) -> TokenEvent:
+    ) -> Drawn:
         """One step relayed hop by hop through this node, each hop timed (and what each was
         given and answered kept in `trail`, when given)."""
         assert self.route is not None
         trail = [] if trail is None else trail
         out = await self._through(
-            self.route.hops, self.sid, np.asarray(ids), "i32", ids, start, singly, trail
+            self.route.hops, self.sid, np.asarray(ids), "i32", ids, start, singly, verify, trail
         )
-        if not isinstance(out, TokenEvent):
+        if not isinstance(out, tuple):
             raise HopFailed(self.route.hops[-1].peer, "the route ends before the head")
         self.answered = time.monotonic()
         self.relayed[len(self.done)] = tuple(digest(seen.x, seen.dt) for seen in trail)
@@ -746,26 +966,37 @@ class _Run:
         ids: tuple[int, ...],
         start: int,
         singly: bool = False,
+        verify: bool = False,
         trail: list[Seen] | None = None,
-    ) -> TokenEvent | np.ndarray:
-        """`x` through the sessions `sid`.i of `hops`, one request each: the head's token, or
-        the last hop's rows when none samples."""
+        rows: bool = False,
+    ) -> Output:
+        """`x` through the sessions `sid`.i of `hops`, one request each: the head's tokens,
+        or the last hop's rows when none samples (`rows`: an embedding session's head)."""
         for i, hop in enumerate(hops):
             reply = await self._call(
-                hop, Step(f"{sid}.{i}", start, x, dt, ids if hop.head else None, singly=singly)
+                hop,
+                Step(
+                    f"{sid}.{i}",
+                    start,
+                    x,
+                    dt,
+                    ids if hop.head else None,
+                    singly=singly,
+                    verify=verify,
+                ),
             )
-            if hop.head:
-                event = _read(hop.peer, _head_reply, reply)
+            if hop.head and not rows:
+                drawn = _read(hop.peer, _head_reply, reply)
                 if trail is not None:
-                    trail.append(Seen(hop, x, dt, event))
-                return event
+                    trail.append(Seen(hop, x, dt, drawn))
+                return drawn
             hidden = _read(hop.peer, Hidden.from_wire, reply)
             if trail is not None:
                 trail.append(Seen(hop, x, dt, hidden.x))
             x, dt = hidden.x, hidden.dt
         return x
 
-    async def _audited(self, ids: tuple[int, ...], start: int) -> TokenEvent:
+    async def _audited(self, ids: tuple[int, ...], start: int) -> Drawn:
         """The route's first prompt chunk, relayed hop by hop whether or not it is checked
         (a hop cannot tell the sessions drawn for a check), each hop drawn for a spot check
         with probability ``spot_check_stages``. The checks run at once, side by side, before
@@ -807,8 +1038,8 @@ class _Run:
         hop: Hop,
         unit: str,
         x: np.ndarray,
-        out: np.ndarray | TokenEvent,
-        recompute: Callable[[tuple[Hop, ...]], Awaitable[np.ndarray | TokenEvent]],
+        out: Output,
+        recompute: Callable[[tuple[Hop, ...]], Awaitable[Output]],
     ) -> None:
         """Compare `out`, what `hop` answered for `x`, with what other holders of its part
         give (`recompute` on the pieces `cover` picks). This node's own recomputation is
@@ -818,7 +1049,7 @@ class _Run:
         contradicted by the second, nobody when the three disagree or there is no second."""
         spot, me = self.gen.spot, self.gen.me
         greedy = self.sampling.temperature <= 0
-        refs: list[tuple[tuple[Hop, ...], np.ndarray | TokenEvent]] = []
+        refs: list[tuple[tuple[Hop, ...], Output]] = []
         while len(refs) < 2:
             exclude = {hop.peer, *(p.peer for c, _ in refs for p in c if p.peer != me)}
             pieces = cover(hop, self.gen._fit(), exclude, me, spot.rng)
@@ -876,8 +1107,8 @@ class _Run:
         peer: str,
         unit: str,
         x: np.ndarray,
-        out: np.ndarray | TokenEvent,
-        ref: np.ndarray | TokenEvent,
+        out: Output,
+        ref: Output,
         checkers: list[str],
     ) -> None:
         """`peer` answered `out` for `unit` given `x` where `checkers` computed `ref`: the
@@ -892,9 +1123,7 @@ class _Run:
         if self.gen.accuse is not None:
             await self.gen.accuse(peer, reason)
 
-    async def _recompute(
-        self, pieces: tuple[Hop, ...], seen: Seen, ids: tuple[int, ...]
-    ) -> np.ndarray | TokenEvent:
+    async def _recompute(self, pieces: tuple[Hop, ...], seen: Seen, ids: tuple[int, ...]) -> Output:
         """What `pieces` compute from the input `seen.hop` had, in throwaway sessions (the
         same chunk from position 0, the head drawing as the route's head did); their work is
         counted to them like any hop's."""
@@ -950,13 +1179,17 @@ class _Run:
         tolerance, as the first chunk is (`_judge`). What the replay of a whole route
         could not do, this does on a route of any peers: the hop's inputs are bound by
         the hop before it, so a disagreement names the hop checked. A route that started
-        from a kept prefix is not checked (no checker has the KV before it)."""
+        from a kept prefix is not checked (no checker has the KV before it). On a route
+        whose first chunk was forwarded (FAST_START_RTT_MS), each drawn hop's first chunk is
+        checked here too, as the stage check it would have had."""
         hops, drawn = self.drawn
         if not hops:
             return
         self._match(hops)
         spot = self.gen.spot
         for hop in drawn:
+            if self.unaudited and self.done and hop.peer not in self.unshown:
+                await self._check_shown(hops, hop, 0, "stage", spot.stages)
             if hop.peer in self.caught or hop.peer in self.unshown or len(self.done) < 2:
                 continue
             spot.decode.seen += 1
@@ -984,15 +1217,15 @@ class _Run:
             if len(self.commits.get(i, b"")) < n * STEP_DIGESTS:
                 bad[hop.peer] = "no commitment to every step it computed"
         last = len(hops) - 1
-        for step, (a, b, _, token) in enumerate(self.done):
+        for step, done in enumerate(self.done):
             if hops[0].peer not in bad and digest_of(0, step, 0) != digest(
-                np.asarray(self.history[a:b], np.int32), "i32"
+                np.asarray(done.ids, np.int32), "i32"
             ):
                 bad[hops[0].peer] = f"committed to inputs this node did not send (step {step})"
             if hops[last].peer not in bad and digest_of(last, step, 1) != digest(
-                np.array([token], np.int32), "i32"
+                np.array(done.tokens, np.int32), "i32"
             ):
-                bad[hops[last].peer] = f"committed to a token it did not return (step {step})"
+                bad[hops[last].peer] = f"committed to tokens it did not return (step {step})"
             known = self.relayed.get(step)
             for i in range(last):
                 p, q = hops[i].peer, hops[i + 1].peer
@@ -1023,21 +1256,34 @@ class _Run:
             why=why[:200],
         )
 
-    async def _check_shown(self, hops: tuple[Hop, ...], hop: Hop, j: int) -> None:
-        """Have `hop` show its steps up to the j-th of the route, and judge the j-th."""
+    async def _check_shown(
+        self,
+        hops: tuple[Hop, ...],
+        hop: Hop,
+        j: int,
+        kind: str = "decode",
+        counts: Counts | None = None,
+    ) -> None:
+        """Have `hop` show its steps up to the j-th of the route, and judge the j-th (a
+        check of `kind`, counted in `counts`: the decode checks' unless given)."""
         k = hops.index(hop)
         shown = await self._shown(hop, k, j)
         if shown is None:
             return
-        a, b, _, token = self.done[j]
-        unit = f"{unit_name(hop)} ({'decode steps' if b - a == 1 else 'prompt chunks'})"
-        out = TokenEvent(token) if hop.head else tensors.widen(shown[j].out, "shown.out")
+        done = self.done[j]
+        what = "decode steps" if len(done.ids) == 1 or done.verify else "prompt chunks"
+        unit = f"{unit_name(hop)} ({what})"
+        out: Output = (
+            tuple(TokenEvent(t) for t in done.tokens)
+            if hop.head
+            else tensors.widen(shown[j].out, "shown.out")
+        )
         x = np.concatenate([s.x for s in shown]).astype(
             np.float32 if shown[0].dt != "i32" else np.int32
         )
         await self._judge(
-            "decode",
-            self.gen.spot.decode,
+            kind,
+            counts if counts is not None else self.gen.spot.decode,
             hop,
             unit,
             x,
@@ -1063,11 +1309,13 @@ class _Run:
             self._unshown(hop.peer, f"did not show its steps: {exc.reason}")
             return None
         commit = self.commits[k]
-        for step, (shown, (a, b, singly, _)) in enumerate(
-            zip(got[: j + 1], self.done, strict=False)
-        ):
+        for step, (shown, done) in enumerate(zip(got[: j + 1], self.done, strict=False)):
             at = step * STEP_DIGESTS
-            if shown.start != a or len(shown.x) != b - a or shown.singly != singly:
+            if (
+                shown.start != done.start
+                or len(shown.x) != len(done.ids)
+                or (shown.singly, shown.verify) != (done.singly, done.verify)
+            ):
                 why = f"showed step {step} other than the route computed it"
             elif (
                 digest(shown.x, shown.dt) + digest(shown.out, shown.out_dt)
@@ -1080,25 +1328,32 @@ class _Run:
             return None
         return tuple(got[: j + 1])
 
-    async def _rebuild(
-        self, pieces: tuple[Hop, ...], shown: tuple[Shown, ...]
-    ) -> np.ndarray | TokenEvent:
+    async def _rebuild(self, pieces: tuple[Hop, ...], shown: tuple[Shown, ...]) -> Output:
         """What `pieces` compute for the last of `shown` after the steps before it, given
         the inputs the checked hop showed, in throwaway sessions: the prompt chunks as they
         were, consecutive decode steps as one step computed a position at a time (as they
-        first were), the head drawing from the seeded stream where the route's head drew
-        for that step; the work is counted to the pieces like any hop's."""
-        plan: list[tuple[int, np.ndarray, str, bool]] = []
+        first were), speculative steps as they were (positions past a rejected guess are
+        dropped when the next step starts before them), the head drawing from the seeded
+        stream where the route's head drew for that step; the work is counted to the
+        pieces like any hop's."""
+        plan: list[tuple[int, np.ndarray, str, bool, bool]] = []
         for s in shown:
-            if plan and len(s.x) == 1 and plan[-1][3] and plan[-1][0] + len(plan[-1][1]) == s.start:
-                start, x, dt, _ = plan[-1]
-                plan[-1] = (start, np.concatenate([x, s.x]), dt, True)
+            last = plan[-1] if plan else None
+            if (
+                last is not None
+                and len(s.x) == 1
+                and last[3]
+                and not last[4]
+                and not s.verify
+                and last[0] + len(last[1]) == s.start
+            ):
+                plan[-1] = (last[0], np.concatenate([last[1], s.x]), last[2], True, False)
             else:
-                plan.append((s.start, s.x, s.dt, len(s.x) == 1 or s.singly))
+                plan.append((s.start, s.x, s.dt, len(s.x) == 1 or s.singly, s.verify))
         draws, prompt = self.opened
-        draws += len(shown) - len(plan)  # the route's head drew once a step
+        draws += len(shown) - len(plan)  # a merged step draws once, where the route drew a step
         gen, sid = self.gen, secrets.token_hex(8)
-        end = max(start + len(x) for start, x, _, _ in plan)
+        end = max(start + len(x) for start, x, *_ in plan)
         opened: list[int] = []
         try:
             for i, p in enumerate(pieces):
@@ -1125,10 +1380,9 @@ class _Run:
                     ),
                 )
                 opened.append(i)
-            for start, x, dt, singly in plan:
-                ids = tuple(self.history[start : start + len(x)])
+            for (start, x, dt, singly, verify), ids in zip(plan, self._plan_ids(plan), strict=True):
                 out = await self._through(
-                    pieces, sid, tensors.widen(x, "shown.x"), dt, ids, start, singly
+                    pieces, sid, tensors.widen(x, "shown.x"), dt, ids, start, singly, verify
                 )
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
@@ -1138,12 +1392,23 @@ class _Run:
         n = sum(len(s.x) for s in shown)
         for p in pieces:
             self.units[p.peer] += n * (p.end - p.first + p.head)
-        return out if isinstance(out, TokenEvent) else out[-len(shown[-1].x) :]
+        return out if isinstance(out, tuple) else out[-len(shown[-1].x) :]
 
-    async def _chain(self, ids: tuple[int, ...], start: int, singly: bool = False) -> TokenEvent:
+    def _plan_ids(
+        self, plan: list[tuple[int, np.ndarray, str, bool, bool]]
+    ) -> Iterator[tuple[int, ...]]:
+        """The token ids of each step of a rebuild's plan, as the route's steps sent them
+        (a speculative step's guesses are not in the history)."""
+        sent = {(d.start, len(d.ids)): d.ids for d in self.done}
+        for start, x, *_ in plan:
+            yield sent.get((start, len(x)), tuple(self.history[start : start + len(x)]))
+
+    async def _chain(
+        self, ids: tuple[int, ...], start: int, singly: bool = False, verify: bool = False
+    ) -> Drawn:
         """One step forwarded hop to hop; the head's result comes back to our Inbox."""
         assert self.route is not None
-        hops, me = self.route.hops, self.gen.me
+        hops, me, riding = self.route.hops, self.gen.me, self.riding
         ticket = secrets.token_hex(8)
         traced = len(ids) == 1 and self.steps % TRACE_EVERY == 0
         msg = Step(
@@ -1157,8 +1422,11 @@ class _Run:
                 tuple((h.peer, f"{self.sid}.{i}") for i, h in enumerate(hops) if i),
                 me,
                 () if traced else None,
+                opens=tuple(riding[i] for i in range(1, len(hops))) if riding else (),
             ),
             singly,
+            verify,
+            riding.get(0),
         ).to_wire()
         began, sent = time.perf_counter(), time.monotonic()
         with self.gen.inbox.expect(ticket, {me, *self.route.peers}) as results:
@@ -1170,6 +1438,7 @@ class _Run:
                 )
             arrival = await self._await_result(results, start + len(ids))
         self.progress.step_ms = round((time.perf_counter() - began) * 1000, 2)
+        self.riding = {}
         result = arrival.result
         if isinstance(result, Failure):
             raise await self._blame(arrival.sender, result)
@@ -1179,7 +1448,7 @@ class _Run:
                 StepTrace.parse(self.route.peers, sent, arrival.at, stamps, self.answered)
             )
         self.answered = arrival.at
-        return result.token
+        return result.tokens
 
     async def _await_result(self, results: trio.MemoryReceiveChannel[Arrival], end: int) -> Arrival:
         """The chain's result; while it is late, check that every hop is alive and working."""
@@ -1231,6 +1500,10 @@ class _Run:
         for i, hop in enumerate(self.route.hops):
             try:
                 at = (await self._ping(i)).at
+            except Refused as exc:
+                if exc.code != "gone" or i not in self.riding:
+                    return i, f"stopped answering during a step ({exc.reason})"
+                at = -1  # its session opens with the step, which has not reached it
             except HopFailed as exc:
                 if hop.peer != self.gen.me:
                     return i, f"stopped answering during a step ({exc.reason})"
@@ -1299,6 +1572,8 @@ class _Run:
             return await self.gen.local(self.gen.me, msg)
         except Refusal as exc:
             raise Refused(self.gen.me, exc.code, exc.detail) from None
+        except WireError as exc:  # as a peer's transport answers a frame it cannot read
+            raise Refused(self.gen.me, "bad", str(exc)) from None
 
     async def close(self) -> None:
         """Close the route's sessions; with prefix reuse on, each hop keeps the full pages
@@ -1338,5 +1613,5 @@ def _read(peer: str, read: Callable[[dict[str, Any]], T], reply: dict[str, Any])
         raise HopFailed(peer, f"a malformed answer: {exc}") from None
 
 
-def _head_reply(reply: dict[str, Any]) -> TokenEvent:
-    return token_from_wire(reply, "reply")
+def _head_reply(reply: dict[str, Any]) -> Drawn:
+    return tokens_from_wire(reply, "reply")

@@ -12,7 +12,10 @@ docstring draws, so nodes of either side of this change interoperate.
 Sampling settings travel as one map, the wire form of compute's SamplingParams (the one
 sampling type from the gateway to the head's sampler):
 
-    {temperature, top_k, top_p, repetition_penalty, seed}
+    {temperature, top_k, top_p, repetition_penalty, seed, frequency_penalty?,
+     presence_penalty?, penalty_last_n?, logit_bias?: [[token, value], ...], grammar?}
+
+(a key marked ? is sent only where it differs from the default).
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ import numpy as np
 
 from kvasird.compute.errors import ComputeError
 from kvasird.compute.kv.keys import KEY_BYTES, PAGE
-from kvasird.compute.sampling import MAX_GRAMMAR_CHARS, SamplingParams
+from kvasird.compute.sampling import (
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_PENALTY_LAST_N,
+    PENALTY_LAST_N,
+    SamplingParams,
+)
 from kvasird.errors import WireError
 from kvasird.inference.api import TokenEvent
 from kvasird.inference.errors import Code, code_of
@@ -45,6 +55,8 @@ MAX_TOKEN = (1 << 31) - 1
 MAX_STAMPS = 8
 """Numbers one hop's trace entry may hold (five are used)."""
 MAX_EXPERT_UNITS = 1 << 40
+MAX_DRAFT = 64
+"""Most tokens one speculative step may guess."""
 MAX_STEPS = 1 << 16
 """Most steps of a session a hop commits to (Closed.steps) or shows (Revealed)."""
 STEP_DIGESTS = 2 * tensors.DIGEST_BYTES
@@ -85,6 +97,10 @@ class Open:
     delegation: bytes = b""
     """The caller's signed delegation to this hop (protocol.delegation), which the hop sends
     with the session's expert requests; a hop that dispatches experts needs one."""
+    embeddings: bool = False
+    """An embedding session: the head samples nothing and answers each step with every
+    position's hidden state after the final norm (Hidden), which the caller pools.
+    Optional on the wire."""
 
     def to_wire(self) -> dict[str, Any]:
         out = {
@@ -105,6 +121,8 @@ class Open:
             out["prefix"] = self.prefix
         if self.delegation:
             out["delegation"] = self.delegation
+        if self.embeddings:
+            out["embeddings"] = True
         return {**out, "prompt": self.prompt} if self.prompt else out
 
     @staticmethod
@@ -138,6 +156,7 @@ class Open:
             schema.integer(d, "prompt", 0, MAX_POSITIONS, "stage") if "prompt" in d else 0,
             _keys(d, "prefix", max_tokens),
             _delegation(d),
+            "embeddings" in d and _boolean(d, "embeddings", "stage"),
         )
 
 
@@ -157,6 +176,9 @@ class Forward:
     rx: float | None = None
     """When this node read the frame (time.monotonic), stamped by channel.serve for a
     traced step; not a wire field."""
+    opens: tuple[Open, ...] = ()
+    """The Opens of the hops ahead (the first ones of ``next_hops``) whose sessions open
+    with this step (Step.open): each hop hands the next its own and the rest."""
 
     @staticmethod
     def from_wire(d: dict[str, Any]) -> Forward:
@@ -174,12 +196,14 @@ class Forward:
                 raise WireError("stage.next: expected [peer id, session id] pairs")
         trace = _trace(d["trace"], MAX_TRACE - 1) if "trace" in d else None
         rx = d.get("rx") if trace is not None else None
+        opens = schema.items(d, "opens", len(hops), "stage") if "opens" in d else ()
         return Forward(
             schema.text(back, "ticket", 64, "stage.back"),
             tuple(map(tuple, hops)),
             schema.text(d, "owner", 128, "stage") if "owner" in d else None,
             trace,
             rx if isinstance(rx, float) else None,
+            tuple(Open.from_wire(schema.mapping(o, "stage.opens")) for o in opens),
         )
 
 
@@ -209,6 +233,21 @@ class Step:
     exact replay after a failover sends for the generated tokens (a batch of T rounds
     differently from T steps of one). The head samples once, after the last. Optional on
     the wire; an older node computes them as one batch."""
+    verify: bool = False
+    """A speculative step (kvasird.inference.client.speculate): ids[1:] are tokens guessed
+    to follow ids[0]. With ``singly`` every hop computes the positions one at a time (each
+    row holds the bits a decode step of it would: greedy output is the undrafted output
+    token for token), else as one batch (rows equal to float rounding); the head draws
+    after each position, from its seeded stream as a decode step would, and stops at the
+    first draw that differs from the next guess (or after the last position). It answers
+    every token drawn, in order: the guesses accepted, then its own. The next step starts
+    after the last token drawn, and every hop forgets the positions past it (KV
+    truncation). Optional on the wire."""
+    open: Open | None = None
+    """The Open of the session this step is for, when it opens with the step: the hop
+    opens it first (the owner's delegation to this hop must come with it), so a route
+    whose links are long spends no round trip on opening before its first prompt chunk.
+    Optional on the wire."""
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -221,11 +260,17 @@ class Step:
             out["ids"] = list(self.ids)
         if self.singly:
             out["singly"] = True
+        if self.verify:
+            out["verify"] = True
+        if self.open is not None:
+            out["open"] = self.open.to_wire()
         if (f := self.forward) is not None:
             if f.owner is not None:
                 out["owner"] = f.owner
             out["back"] = {"ticket": f.ticket}
             out["next"] = [list(h) for h in f.next_hops]
+            if f.opens:
+                out["opens"] = [o.to_wire() for o in f.opens]
             if f.trace is not None:
                 out["trace"] = [list(h) for h in f.trace]
         return out
@@ -239,6 +284,8 @@ class Step:
     def from_wire(d: dict[str, Any]) -> Step:
         x, dt = _viewed(d.get("x"), "stage.x")
         ids = d.get("ids")
+        if "verify" in d and len(x) > MAX_DRAFT + 1:
+            raise WireError(f"stage.x: a speculative step guesses at most {MAX_DRAFT} tokens")
         return Step(
             schema.text(d, "sid", 64, "stage"),
             schema.integer(d, "start", 0, MAX_POSITIONS, "stage"),
@@ -247,6 +294,8 @@ class Step:
             None if ids is None else _ids(ids, len(x)),
             Forward.from_wire(d) if "back" in d else None,
             "singly" in d and _boolean(d, "singly", "stage"),
+            "verify" in d and _boolean(d, "verify", "stage"),
+            Open.from_wire(schema.mapping(d["open"], "stage.open")) if "open" in d else None,
         )
 
 
@@ -306,15 +355,16 @@ class Reveal:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """The token a forwarded chain's last hop sampled, sent one-way to the owner."""
+    """The tokens a forwarded chain's last hop drew (one, or a speculative step's
+    several), sent one-way to the owner."""
 
     ticket: str
-    token: TokenEvent
+    tokens: tuple[TokenEvent, ...]
     trace: tuple[tuple[float, ...], ...] | None = None
     """Every hop's stamps, when the step was traced."""
 
     def to_wire(self) -> dict[str, Any]:
-        out = {"op": "result", "ticket": self.ticket, **token_to_wire(self.token)}
+        out = {"op": "result", "ticket": self.ticket, **tokens_to_wire(self.tokens)}
         if self.trace is not None:
             out["trace"] = [list(h) for h in self.trace]
         return out
@@ -323,7 +373,7 @@ class Result:
     def from_wire(d: dict[str, Any]) -> Result:
         return Result(
             schema.text(d, "ticket", 64, "stage"),
-            token_from_wire(d, "stage"),
+            tokens_from_wire(d, "stage"),
             _trace(d["trace"], MAX_TRACE) if "trace" in d else None,
         )
 
@@ -488,10 +538,12 @@ class Shown:
     """What the hop received: token ids or hidden rows, as they travelled."""
     dt: str
     out: np.ndarray
-    """What it sent: hidden rows as they travelled, or at the head the token (i32 [1])."""
+    """What it sent: hidden rows as they travelled, or at the head the tokens drawn (i32)."""
     out_dt: str
     singly: bool = False
     """The step computed its positions one at a time (Step.singly)."""
+    verify: bool = False
+    """The step was speculative (Step.verify)."""
 
     def to_wire(self) -> dict[str, Any]:
         out = {
@@ -499,7 +551,11 @@ class Shown:
             "x": tensors.encode(self.x, self.dt),
             "out": tensors.encode(self.out, self.out_dt),
         }
-        return {**out, "singly": True} if self.singly else out
+        if self.singly:
+            out["singly"] = True
+        if self.verify:
+            out["verify"] = True
+        return out
 
     @staticmethod
     def from_wire(d: Any) -> Shown:
@@ -513,6 +569,7 @@ class Shown:
             out,
             out_dt,
             "singly" in d and _boolean(d, "singly", "reply.shown"),
+            "verify" in d and _boolean(d, "verify", "reply.shown"),
         )
 
 
@@ -530,6 +587,23 @@ class Revealed:
         return Revealed(
             tuple(Shown.from_wire(s) for s in schema.items(d, "steps", MAX_STEPS, "reply"))
         )
+
+
+def tokens_to_wire(tokens: tuple[TokenEvent, ...]) -> dict[str, Any]:
+    """The tokens a head drew for one step: the last as token_to_wire's map, those before
+    it (a speculative step's accepted guesses) under "before"."""
+    out = token_to_wire(tokens[-1])
+    if len(tokens) > 1:
+        out["before"] = [token_to_wire(t) for t in tokens[:-1]]
+    return out
+
+
+def tokens_from_wire(d: dict[str, Any], what: str) -> tuple[TokenEvent, ...]:
+    before = schema.items(d, "before", MAX_DRAFT, what) if "before" in d else ()
+    return (
+        *(token_from_wire(schema.mapping(t, f"{what}.before"), f"{what}.before") for t in before),
+        token_from_wire(d, what),
+    )
 
 
 def token_to_wire(t: TokenEvent) -> dict[str, Any]:
@@ -560,15 +634,32 @@ def token_from_wire(d: dict[str, Any], what: str) -> TokenEvent:
     )
 
 
+_OPTIONAL_SAMPLING = (
+    "frequency_penalty",
+    "presence_penalty",
+    "penalty_last_n",
+    "logit_bias",
+    "grammar",
+)
+"""Keys a sampling map holds only where they differ from the default: a map without them
+(as nodes sent before these settings existed) means the defaults."""
+_DEFAULT_SAMPLING = SamplingParams()
+
+
 def sampling_to_wire(p: SamplingParams) -> dict[str, Any]:
-    out = {
+    out: dict[str, Any] = {
         "temperature": p.temperature,
         "top_k": p.top_k,
         "top_p": p.top_p,
         "repetition_penalty": p.repetition_penalty,
         "seed": p.seed,
     }
-    return {**out, "grammar": p.grammar} if p.grammar else out
+    for key in _OPTIONAL_SAMPLING:
+        value = getattr(p, key)
+        if value != getattr(_DEFAULT_SAMPLING, key):
+            # pairs as lists, as a decoded frame holds them: a route to this node skips the codec
+            out[key] = [list(pair) for pair in value] if key == "logit_bias" else value
+    return out
 
 
 def sampling_from_wire(value: Any, what: str) -> SamplingParams:
@@ -582,11 +673,41 @@ def sampling_from_wire(value: Any, what: str) -> SamplingParams:
             top_k=schema.integer(d, "top_k", 0, 1 << 24, what),
             top_p=schema.number(d, "top_p", 0, 1, what),
             repetition_penalty=schema.number(d, "repetition_penalty", 1e-6, 1e6, what),
+            frequency_penalty=_penalty(d, "frequency_penalty", what),
+            presence_penalty=_penalty(d, "presence_penalty", what),
+            penalty_last_n=(
+                schema.integer(d, "penalty_last_n", 0, MAX_PENALTY_LAST_N, what)
+                if "penalty_last_n" in d
+                else PENALTY_LAST_N
+            ),
+            logit_bias=_logit_bias(d, what),
             seed=seed,
             grammar=schema.text(d, "grammar", MAX_GRAMMAR_CHARS, what) if "grammar" in d else "",
         )
     except ComputeError as exc:  # a value the sampler refuses (top_p 0, a seed past 64 bits)
         raise WireError(f"{what}: {exc}") from None
+
+
+def _penalty(d: dict[str, Any], key: str, what: str) -> float:
+    return schema.number(d, key, -MAX_PENALTY, MAX_PENALTY, what) if key in d else 0.0
+
+
+def _logit_bias(d: dict[str, Any], what: str) -> tuple[tuple[int, float], ...]:
+    """[[token id, value], ...]; the values' range and repeated ids are SamplingParams's
+    to refuse."""
+    if "logit_bias" not in d:
+        return ()
+    pairs = schema.items(d, "logit_bias", MAX_LOGIT_BIAS, what)
+    if not all(
+        isinstance(pair, list)
+        and len(pair) == 2
+        and type(pair[0]) is int
+        and 0 <= pair[0] <= MAX_TOKEN
+        and type(pair[1]) in (int, float)
+        for pair in pairs
+    ):
+        raise WireError(f"{what}.logit_bias: expected [token id, value] pairs")
+    return tuple((pair[0], float(pair[1])) for pair in pairs)
 
 
 def _boolean(d: dict[str, Any], key: str, what: str) -> bool:

@@ -183,11 +183,12 @@ class Batcher:
         the batch went on), and batches that failed as a whole and ran one by one."""
 
     def company(self) -> bool:
-        """Whether several sessions step on a chain where batching pays: then a forwarded
-        step is worth a task of its own (StageServer.inline), so that the steps behind it
-        in its stream can join its batch."""
+        """Whether several sessions step on a chain: then a forwarded step is worth a task
+        of its own (StageServer.inline), so that the steps behind it in its stream can
+        queue and join a batch (on a chain where gathering does not pay, those that queued
+        while a step computed still go together)."""
         now = self.clock()
-        return any(q.pays(self.min_step_s) and q.stepping(now) > 1 for q in self._queues.values())
+        return any(q.stepping(now) > 1 for q in self._queues.values())
 
     def takes(self, chain: list[Stage], start: int, rows: int) -> bool:
         """Whether a step of `rows` rows at `start` on `chain` batches: every stage can (no
@@ -227,17 +228,23 @@ class Batcher:
         queue.busy = True
         batch = [me]
         try:
-            if not queue.pays(self.min_step_s):  # not known to pay (yet): alone, the
-                queue.waiting.remove(me)  # steps arriving meanwhile queue behind it
+            if not queue.pays(self.min_step_s) and len(queue.waiting) == 1:
+                # gathering does not pay here (yet): alone, the steps arriving meanwhile
+                # queue behind it; those that queued while the last step computed go as
+                # one batch, for free (nobody waits for them)
+                queue.waiting.remove(me)
                 return await self._alone(queue, s, x, start, solo)
-            # the steps queued count whenever they came (behind a first prompt, say)
-            stepping = max(queue.stepping(self.clock()), len(queue.waiting))
-            cap = queue.cap(self.max_rows, stepping) if self.pipelined else self.max_rows
-            want = min(stepping, cap)
-            await self._gather(queue, want)
-            batch = _take(queue.waiting, cap)
-            if want <= 1 and len(batch) == 1:
-                return await self._alone(queue, s, x, start, solo)
+            if queue.pays(self.min_step_s):
+                # the steps queued count whenever they came (behind a first prompt, say)
+                stepping = max(queue.stepping(self.clock()), len(queue.waiting))
+                cap = queue.cap(self.max_rows, stepping) if self.pipelined else self.max_rows
+                want = min(stepping, cap)
+                await self._gather(queue, want)
+                batch = _take(queue.waiting, cap)
+                if want <= 1 and len(batch) == 1:
+                    return await self._alone(queue, s, x, start, solo)
+            else:
+                batch = _take(queue.waiting, self.max_rows)
             # in a worker thread even if alone now, so that the others' steps queue
             if me not in await self._compute(queue, list(batch)):
                 assert me.out is not None

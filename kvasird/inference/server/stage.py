@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from kvasird.compute.steps import drive_async
 from kvasird.errors import KvasirError, WireError
 from kvasird.inference.api import TokenEvent
 from kvasird.inference.errors import Code, HopFailed, NoWorkers, Refusal, Unreachable
+from kvasird.inference.protocol.delegation import Verifier
 from kvasird.inference.protocol.stage import (
     Close,
     Closed,
@@ -59,7 +61,7 @@ from kvasird.inference.protocol.stage import (
     StageMessage,
     Step,
     parse,
-    token_to_wire,
+    tokens_to_wire,
 )
 from kvasird.inference.protocol.tensors import DTYPES
 from kvasird.inference.server.batch import Batcher
@@ -72,6 +74,8 @@ from kvasird.text.grammar import Constraint, GrammarError, vocabulary
 
 log = get_logger("kvasird.inference.server")
 
+KEEP_TICKETS = 4096
+"""Forwarded steps remembered, to drop the second copy of each (sent on two paths)."""
 STAGE_POLL_S = (0.0005, 0.008)
 """A decode step waiting for a stage a prefill holds looks again after the first delay,
 doubling up to the second (a long prefill must not cost its waiters' CPU in wake-ups)."""
@@ -109,6 +113,9 @@ class ServedSession:
     scopes: list[Hashable] = field(default_factory=list)
     """Per stage, what its prefix cache files this session's pages under: the owner and
     the part it computes (a cached page serves only its owner's sessions on that part)."""
+    out: str = "last"
+    """What the head stage answers a step with (Stage.forward's `logits`): "last" (the
+    logits the sampler draws from), "embd" (an embedding session: every row's final norm)."""
 
     @property
     def layers(self) -> int:
@@ -187,8 +194,12 @@ class StageServer:
         batch_min_s: float = 0.0,
         batch_pipelined: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        delegations: Verifier | None = None,
     ) -> None:
         self.model_id, self.served, self.admit = model_id, served, admit
+        self.delegations = delegations
+        """Checks the owner's delegation of a session that opens with its first step (none:
+        such opens are refused)."""
         self.clock = clock
         """Idle expiry, which sessions count as stepping for batching, and how long closed
         sessions' ledgers are kept (a test's own clock)."""
@@ -202,6 +213,10 @@ class StageServer:
         """Token positions computed since the last load report."""
         self.forwarded = 0
         """Steps whose output this node forwarded to the next hop or returned to its owner."""
+        self._tickets: OrderedDict[tuple[str, str, str], None] = OrderedDict()
+        """The latest forwarded steps' (owner, session, ticket): a second copy is dropped."""
+        self.twins = 0
+        """Second copies of forwarded steps dropped, since start."""
         self.company = Company()
         """Decode steps interleaved on this node's stages now (for the expert dispatcher)."""
         self.batcher = Batcher(batch_rows, batch_window_s, batch_min_s, batch_pipelined, clock)
@@ -225,8 +240,8 @@ class StageServer:
             out = await self._step(self._session(key), m.widened())
             sent = self._record(key, m, out)
             return (
-                token_to_wire(out)
-                if isinstance(out, TokenEvent)
+                tokens_to_wire(out)
+                if isinstance(out, tuple)
                 else Hidden(sent, self.wire_dtype).to_wire()
             )
         if isinstance(m, Open):
@@ -247,15 +262,17 @@ class StageServer:
             return Revealed(self.ledgers.show(key, m.first, m.last)).to_wire()
         return Pong(self._session(key).at).to_wire()
 
-    def _record(self, key: tuple[str, str], m: Step, out: np.ndarray | TokenEvent) -> np.ndarray:
+    def _record(
+        self, key: tuple[str, str], m: Step, out: np.ndarray | tuple[TokenEvent, ...]
+    ) -> np.ndarray:
         """Write a computed step into its session's ledger, as received (`m`, its rows not
         yet widened) and as it is sent: the output rows in the wire's type (returned, to be
-        sent as they are recorded), or the head's token."""
-        if isinstance(out, TokenEvent):
-            sent, dt = np.array([out.token], np.int32), "i32"
+        sent as they are recorded), or the head's tokens."""
+        if isinstance(out, tuple):
+            sent, dt = np.array([t.token for t in out], np.int32), "i32"
         else:
             sent, dt = np.ascontiguousarray(out, DTYPES[self.wire_dtype]), self.wire_dtype
-        self.ledgers.record(key, Shown(m.start, m.x, m.dt, sent, dt, m.singly))
+        self.ledgers.record(key, Shown(m.start, m.x, m.dt, sent, dt, m.singly, m.verify))
         return sent
 
     def inline(self, m: StageMessage) -> bool:
@@ -291,8 +308,12 @@ class StageServer:
     async def _forwarded(self, caller: str, m: Step, f: Forward) -> None:
         """A step of a forwarded chain: compute, then pass the output on (or back home)."""
         owner = f.owner if f.owner is not None else caller
+        if not self._first_copy(owner, m.sid, f.ticket):
+            return  # the same step by the other path (channel.Channels.twin): computed once
         culprit = self.me
         try:
+            if m.open is not None and (owner, m.sid) not in self.sessions:
+                await self._open_with_step(caller, owner, m)
             s = self._session((owner, m.sid))
             if caller not in (owner, s.prev):
                 raise Refusal(
@@ -305,7 +326,7 @@ class StageServer:
             out = await self._step(s, m)
             sent = self._record((owner, m.sid), received, out)
             trace = _traced(f, s)
-            if not isinstance(out, TokenEvent):
+            if not isinstance(out, tuple):
                 if not f.next_hops:
                     raise Refusal("bad", "the route ends before the head")
                 culprit, sid = f.next_hops[0]
@@ -317,8 +338,10 @@ class StageServer:
                         sent,
                         self.wire_dtype,
                         m.ids,
-                        Forward(f.ticket, f.next_hops[1:], owner, trace),
+                        Forward(f.ticket, f.next_hops[1:], owner, trace, opens=f.opens[1:]),
                         m.singly,
+                        m.verify,
+                        f.opens[0] if f.opens else None,
                     ).to_wire(),
                 )
             else:
@@ -336,6 +359,39 @@ class StageServer:
                 return
             with contextlib.suppress(HopFailed):
                 await self.send(owner, failure.to_wire())
+
+    def _first_copy(self, owner: str, sid: str, ticket: str) -> bool:
+        """Whether this forwarded step is new here (a far peer sends small ones twice)."""
+        key = (owner, sid, ticket)
+        if key in self._tickets:
+            self.twins += 1
+            return False
+        self._tickets[key] = None
+        if len(self._tickets) > KEEP_TICKETS:
+            self._tickets.popitem(last=False)
+        return True
+
+    async def _open_with_step(self, caller: str, owner: str, m: Step) -> None:
+        """Open the session a forwarded step opens with (Step.open), in its owner's name:
+        only with the owner's delegation to this node, and only from the hop its Open
+        names as the one before (or the owner), so no peer opens sessions here in another
+        gateway's name (and on its account) without that gateway's word."""
+        assert m.open is not None
+        if m.open.sid != m.sid or caller not in (owner, m.open.prev):
+            raise Refusal(
+                "bad", "a session opening with a step must be that step's, from its owner"
+            )
+        if self.delegations is None:
+            raise Refusal("bad", "this node opens no session with a step: open it first")
+        try:
+            if self.delegations.check(m.open.delegation, self.me).gateway != owner:
+                raise Refusal(
+                    "bad", "the delegation of a session opening with a step is not its owner's"
+                )
+        except WireError as exc:
+            raise Refusal("bad", f"the session's delegation does not hold: {exc}") from None
+        await self.admit(owner, 0)
+        self._open(owner, m.open)
 
     def _open(self, caller: str, m: Open) -> int:
         """Open the session; the positions it starts with (a kept prefix of its prompt)."""
@@ -367,7 +423,7 @@ class StageServer:
                     "of this stage's delta-net layers are in use",
                 )
         sampler = None
-        if m.head:
+        if m.head and not m.embeddings:
             constraint = None
             if m.sampling.grammar:
                 try:
@@ -389,11 +445,13 @@ class StageServer:
             tally=Tally(caller, m.delegation),
             scopes=[(caller, st.window, st.embed, st.head) for st in chain],
             used=self.clock(),
+            out="embd" if m.embeddings else "last",
         )
         return s.attach(m.prefix) if self.prefix and m.prefix else 0
 
-    async def _step(self, s: ServedSession, m: Step) -> np.ndarray | TokenEvent:
-        """The hop's output rows, or at the head the sampled token."""
+    async def _step(self, s: ServedSession, m: Step) -> np.ndarray | tuple[TokenEvent, ...]:
+        """The hop's output rows, or at the head the tokens drawn (one; a speculative
+        step's accepted guesses and the head's own token after them)."""
         x, first = m.x, s.chain[0]
         if first.embed != (m.dt == "i32") or not first.embed and x.shape[1] != first.hp.n_embd:
             raise WireError(
@@ -414,13 +472,15 @@ class StageServer:
         s.used, began = self.clock(), time.monotonic()
         try:
             with collecting_waits() as waited:
-                if m.singly:  # a replay of decode steps: each position as it first ran
+                if m.verify and s.sampler is not None:
+                    return await self._verify(s, m)
+                if m.singly:  # as the decode steps they were, or would be
                     outs = [
                         await _run_chain(s, x[i : i + 1], m.start + i, self.company)
                         for i in range(len(x))
                     ]
                     out = outs[-1] if s.sampler is not None else np.concatenate(outs)
-                elif self.batcher.takes(s.chain, m.start, len(x)):
+                elif s.out == "last" and self.batcher.takes(s.chain, m.start, len(x)):
                     out = await self.batcher.step(s, x, m.start, self._solo)
                 else:
                     out = await _run_chain(s, x, m.start, self.company)
@@ -436,12 +496,38 @@ class StageServer:
         s.at = m.start + len(x)
         if s.sampler is None:
             return out
-        token = s.sampler(out[-1], s.history)
-        if not s.logprobs:
-            return TokenEvent(token)
-        lp = log_softmax(out[-1])
-        top = np.argsort(-lp, kind="stable")[: s.logprobs]
-        return TokenEvent(token, float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
+        return (_draw(s, out[-1], s.history),)
+
+    async def _verify(self, s: ServedSession, m: Step) -> tuple[TokenEvent, ...]:
+        """A speculative step at the head (Step.verify): a token drawn after each position,
+        until a draw differs from the next guess. Computed singly, each position alone and
+        those after the first miss not at all; else all as one batch (logits of every
+        row). The next step starts from the last token drawn."""
+        assert m.ids is not None
+        drawn: list[TokenEvent] = []
+        if not m.singly:
+            s.out = "all"
+            try:
+                logits = await _run_chain(s, m.x, m.start, self.company)
+            finally:
+                s.out = "last"
+            self._check_finite(s, m, logits)
+            self.tokens += len(m.x)
+            s.at = m.start + len(m.x)
+            for i, row in enumerate(logits):
+                drawn.append(_draw(s, row, s.history[: m.start + i + 1]))
+                if i + 1 == len(m.x) or drawn[-1].token != m.ids[i + 1]:
+                    break
+            return tuple(drawn)
+        for i in range(len(m.x)):
+            out = await _run_chain(s, m.x[i : i + 1], m.start + i, self.company)
+            self._check_finite(s, m, out)
+            self.tokens += 1
+            s.at = m.start + i + 1
+            drawn.append(_draw(s, out[-1], s.history[: s.at]))
+            if i + 1 == len(m.x) or drawn[-1].token != m.ids[i + 1]:
+                return tuple(drawn)
+        raise AssertionError("unreachable: the last position returns")
 
     async def _solo(self, s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
         return await _run_chain(s, x, start, self.company)
@@ -543,7 +629,7 @@ async def _run_chain_steps(
                     try:
                         for stage, session in zip(s.chain, s.sessions, strict=True):
                             x = await drive_async(
-                                stage.forward_steps(session, x, start),
+                                stage.forward_steps(session, x, start, s.out),
                                 functools.partial(_serve_async, stage),
                             )
                     finally:
@@ -565,7 +651,7 @@ async def _run_chain_steps(
 
 def _run_chain_now(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
     for stage, session in zip(s.chain, s.sessions, strict=True):
-        x = stage.forward(session, x, start)
+        x = stage.forward(session, x, start, s.out)
     return x
 
 
@@ -588,6 +674,18 @@ async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
         return await run_short(holders, True, shard.call, layer, rows, sel)
 
     return await drive_async(dispatch_steps(layer, cur, ids, stage.shards[layer]), shard_outputs)
+
+
+def _draw(s: ServedSession, logits: np.ndarray, history: list[int]) -> TokenEvent:
+    """The head's token after `history` from one position's logits (with its logprobs,
+    when the session asked for them)."""
+    assert s.sampler is not None
+    token = s.sampler(logits, history)
+    if not s.logprobs:
+        return TokenEvent(token)
+    lp = log_softmax(logits)
+    top = np.argsort(-lp, kind="stable")[: s.logprobs]
+    return TokenEvent(token, float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
 
 
 def _where(s: ServedSession, m: Step) -> tuple[str, str]:

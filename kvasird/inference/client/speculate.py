@@ -1,0 +1,259 @@
+"""Speculative decoding on a route of peers: guess the next tokens here, check them in one
+pass of the ring.
+
+A token of a ring waits for one whole circuit: on links 20 ms apart a 3-hop ring makes at
+most 1 / (60 ms + compute) tokens a second, whatever the hardware. So the gateway guesses
+k tokens and sends them with the last one as one step (Step.verify):
+
+    _Run.step ─▶ Speculator.guess(history) ─▶ k guesses (Lookup, or a DraftModel here)
+        ─▶ [last, g1..gk] along the route: every hop computes the k+1 positions, the head
+           draws after each and stops at the first draw that is not the next guess
+        ─▶ the tokens drawn (the guesses accepted, then the head's own) ─▶ Speculator.learn
+
+Exact by construction, two ways:
+- The head draws each token from its seeded stream exactly as a decode step would, and a
+  guess counts only where it equals that draw ("draw and compare"). For a guess that is
+  one token (a lookup, a greedy draft) this accepts it with probability p(guess) and
+  otherwise gives a token drawn from p without it: the target distribution, as the
+  accept/reject rule of speculative sampling gives it for such a draft, and moreover the
+  very tokens a run without speculation draws under the same seed. A failover replay
+  skips one draw per token produced, as before.
+- The hops compute the positions one at a time (as Step.singly does for a replay), so
+  each row holds the bits a decode step of it would. Measured on the bundled model: k
+  rows as one batch differ from k steps of one by up to 0.5 in the logits for k >= 3
+  (two rows were equal), which flips a greedy argmax at a near tie: greedy output would be
+  the same "to numerics", not token for token. Computing singly costs compute that a
+  batch would share (9 rows: 110 ms singly, 53 ms as one batch, on this 2-core machine),
+  and spares what speculation is for: the circuit. ``[inference] speculate_exact = false``
+  checks the rows as one batch instead: cheaper, equal to float rounding.
+Rows past the first rejection are forgotten by every hop when the next step starts before
+them (the KV pool's reserve drops positions >= start). Recurrent states (delta-net
+layers) cannot go back, so models with them are not speculated on.
+
+How many to guess (``draft_k`` = 0): from what this node measured on the route, per
+source. A step of 1 + k rows takes t1 + k * t_row (t1: a plain step's circuit and compute;
+t_row: each further row's compute at every hop), plus k * t_guess to guess them; with a
+chance a that each guess is accepted, it yields (1 - a^(k+1)) / (1 - a) tokens. k is the
+one that yields the most tokens a second, 0 where none pays: on loopback a ring's step is
+mostly compute, t_row is near t1, and speculation turns itself off. Every PROBE_EVERY-th
+step is a plain one (t1 stays measured); the first speculative ones guess PROBE_K.
+
+Sources: Lookup (prompt lookup: what followed the last few tokens where they occurred
+before in the context; no model, strong where answers quote their prompt: editing, code,
+agents' tool results) and DraftModel (a small GGUF with the served model's vocabulary,
+run on this node, checked against the served model's tokens at load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from kvasird.errors import ModelError
+from kvasird.logs import get_logger
+from kvasird.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the engine (ggml) loads only where a draft model does
+    from kvasird.compute.kv.pool import Session
+    from kvasird.compute.stage import Stage
+
+log = get_logger("kvasird.inference.client.speculate")
+
+MAX_K = 16
+"""Most tokens guessed per step (adaptive)."""
+PROBE_K = 4
+"""Guesses per step until the cost of a further row has been measured."""
+PROBE_EVERY = 16
+"""One decode step in this many is a plain one, so a plain step's time stays measured."""
+EWMA = 0.2
+NGRAM = (4, 3, 2)
+"""Lengths of the context's tail that prompt lookup looks for, longest first."""
+PRIOR_ACCEPT = {"lookup": 0.5, "draft": 0.7}
+
+
+class SpeculationError(ModelError):
+    """A draft model that cannot draft for the served model."""
+
+
+@dataclass
+class Estimates:
+    """What speculation on routes from this node has measured, per source."""
+
+    accepted: float = 0.0
+    """Guesses accepted (decayed)."""
+    examined: float = 0.0
+    """Guesses the head compared with its draw (decayed): accepted / examined is the
+    chance of a guess being accepted, the maximum-likelihood one for guesses that stop at
+    the first miss."""
+    t1: float | None = None
+    """Seconds of a plain step (EWMA)."""
+    t_row: float | None = None
+    """Seconds each further row of a speculative step adds (EWMA)."""
+    t_guess: float = 0.0
+    """Seconds to guess one token here (EWMA)."""
+    prior: float = 0.5
+
+    def accept_rate(self) -> float:
+        return (self.accepted + 2 * self.prior) / (self.examined + 2)
+
+    def best_k(self, room: int) -> int:
+        """The number of guesses that yields the most tokens a second (0: none pays)."""
+        if self.t1 is None:
+            return 0
+        if self.t_row is None:
+            return min(PROBE_K, room)
+        a = min(self.accept_rate(), 0.999)
+        best, rate = 0, 1 / self.t1
+        for k in range(1, min(MAX_K, room) + 1):
+            r = (1 - a ** (k + 1)) / (1 - a) / (self.t1 + k * (self.t_row + self.t_guess))
+            if r > rate * 1.02:  # a guess must pay a little more than noise
+                best, rate = k, r
+        return best
+
+    def learn(self, guessed: int, drawn: int, seconds: float) -> None:
+        """A step with `guessed` guesses drew `drawn` tokens in `seconds`."""
+        if guessed == 0:
+            self.t1 = seconds if self.t1 is None else (1 - EWMA) * self.t1 + EWMA * seconds
+            return
+        accepted = drawn - 1
+        keep = 1 - EWMA / 4
+        self.accepted = self.accepted * keep + accepted
+        self.examined = self.examined * keep + accepted + (accepted < guessed)
+        if self.t1 is not None:
+            row = max(seconds - self.t1, 0.0) / guessed
+            self.t_row = row if self.t_row is None else (1 - EWMA) * self.t_row + EWMA * row
+
+
+def lookup(history: Sequence[int], k: int) -> list[int]:
+    """Prompt lookup: the k tokens that followed the latest earlier occurrence of the
+    context's last NGRAM tokens (the longest that occurs), or none."""
+    arr = np.asarray(history, np.int64)
+    n_all = len(arr)
+    for n in NGRAM:
+        if n_all <= n or k <= 0:
+            continue
+        tail = arr[-n:]
+        starts = np.flatnonzero(arr[: n_all - n] == tail[0])
+        for s in starts[::-1]:  # the latest occurrence first
+            if s + n < n_all and np.array_equal(arr[s : s + n], tail):
+                return [int(t) for t in arr[s + n : s + n + k]]
+    return []
+
+
+class DraftModel:
+    """A small model with the served model's vocabulary, whole on this node, that drafts.
+
+    One stage of the whole GGUF, shared by the generations of this node; each has its own
+    session (DraftSession), which keeps its KV in step with the generation's history."""
+
+    def __init__(self, path: str, target_tokens: Sequence[str] | None, threads: int = 0) -> None:
+        from kvasird.compute.kv.pool import KVSpec
+        from kvasird.compute.stage import Stage
+
+        self.path = Path(path).expanduser()
+        if target_tokens is not None:
+            check_vocabulary(self.path, target_tokens)
+        self.stage = Stage.load(self.path, threads=threads, kv=KVSpec(n_slots=8192, dtype="f16"))
+
+    def open(self) -> DraftSession:
+        return DraftSession(self.stage)
+
+    def close(self) -> None:
+        self.stage.close()
+
+
+def check_vocabulary(path: Path, target: Sequence[str]) -> None:
+    """Refuse a draft model whose tokens are not the served model's (its guesses would be
+    other tokens' ids): the same strings for every id the served model has."""
+    tokens = Tokenizer.from_gguf(path).tokens
+    if len(tokens) < len(target) or any(a != b for a, b in zip(tokens, target, strict=False)):
+        raise SpeculationError(
+            f"{path}: its vocabulary ({len(tokens)} tokens) is not the served model's "
+            f"({len(target)}): set [inference] draft_model to a model of the same tokenizer, "
+            'or speculate = "lookup"'
+        )
+
+
+@dataclass
+class DraftSession:
+    """One generation's drafts: the draft model's KV holds `held`, a prefix of the history."""
+
+    stage: Stage
+    held: list[int] = field(default_factory=list)
+    session: Session | None = None
+
+    def guess(self, history: Sequence[int], k: int) -> list[int]:
+        """k tokens the draft model draws greedily after `history` (blocking: run it in a
+        worker thread)."""
+        if self.session is None:
+            self.session = self.stage.open_session()
+        same = 0
+        for a, b in zip(self.held, history, strict=False):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(history) - 1)  # the last token is fed to get the first guess
+        ids = np.asarray(history[same:], np.int32)
+        logits = self.stage.forward(self.session, ids, same)
+        self.held = list(history)
+        out: list[int] = []
+        while True:
+            token = int(np.argmax(logits[-1]))
+            out.append(token)
+            if len(out) == k:
+                return out
+            logits = self.stage.forward(self.session, np.array([token], np.int32), len(self.held))
+            self.held.append(token)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+
+class Speculator:
+    """One generation's speculation: the source, and the estimates it learns into."""
+
+    def __init__(
+        self, source: str, estimates: Estimates, draft: DraftModel | None, fixed_k: int
+    ) -> None:
+        self.source, self.estimates, self.fixed_k = source, estimates, fixed_k
+        self.session = draft.open() if draft is not None else None
+        self.steps = 0
+        self.guessed = 0
+        self.accepted = 0
+
+    async def guess(self, history: Sequence[int], room: int) -> tuple[int, ...]:
+        """The guesses for the next step (none: a plain step), at most `room`."""
+        self.steps += 1
+        est = self.estimates
+        if self.fixed_k:
+            k = self.fixed_k
+        elif est.t1 is None or self.steps % PROBE_EVERY == 1:
+            k = 0  # a plain step, timed
+        else:
+            k = est.best_k(room)
+        k = min(k, room)
+        if k <= 0:
+            return ()
+        if self.session is None:
+            return tuple(lookup(history, k))
+        began = trio.current_time()
+        out = await trio.to_thread.run_sync(self.session.guess, list(history), k)
+        per = (trio.current_time() - began) / k
+        est.t_guess = (1 - EWMA) * est.t_guess + EWMA * per if est.t_guess else per
+        return tuple(out)
+
+    def learn(self, guessed: int, drawn: int, seconds: float) -> None:
+        self.guessed += guessed
+        self.accepted += max(drawn - 1, 0) if guessed else 0
+        self.estimates.learn(guessed, drawn, seconds)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()

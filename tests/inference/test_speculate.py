@@ -1,0 +1,182 @@
+"""Speculative decoding through a route (client.speculate), in process: the tokens are those
+of decoding without it, token for token, greedy and seeded, through a failover too; the
+guesses come from the context (lookup) or a draft model; k follows what pays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvasird.compute.kv.pool import KVSpec
+from kvasird.compute.sampling import SamplingParams
+from kvasird.compute.stage import Stage, generate
+from kvasird.config import InferenceConfig
+from kvasird.inference.api import GenerationRequest, ModelInfo, Sampling, TokenEvent
+from kvasird.inference.client.routing import Fitness, Latency
+from kvasird.inference.client.speculate import (
+    DraftModel,
+    Estimates,
+    SpeculationError,
+    check_vocabulary,
+    lookup,
+)
+from kvasird.inference.client.swarm import SwarmGenerator
+from kvasird.model.bundled import bundled_path
+from kvasird.text.tokenizer import Tokenizer
+
+from .conftest import N_LAYER, PROMPT
+from .fakenet import FakeNet
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def long_reference(model: Path) -> list[int]:
+    """N greedy tokens of PROMPT on one stage holding the whole model."""
+    full = Stage.load(model, threads=1, kv=KVSpec(n_slots=256, dtype="f32"))
+    try:
+        return generate(full, PROMPT, N)
+    finally:
+        full.close()
+
+
+
+def generator(net: FakeNet, **config: Any) -> SwarmGenerator:
+    return SwarmGenerator(
+        net.me,
+        lambda: ModelInfo("m", "test", 256),
+        lambda: N_LAYER,
+        net.holders,
+        net,
+        net.servers[net.me].handle,  # type: ignore[arg-type]
+        Latency(net.me, lambda p: {"b": 1.0, "b2": 5.0}.get(p, 1.0)),
+        Fitness(300),
+        InferenceConfig(**config),
+        net.inbox,
+    )
+
+
+async def tokens(
+    gen: SwarmGenerator, params: SamplingParams, n: int = N, on_token: Any = None
+) -> list[int]:
+    net: FakeNet = gen.channels  # type: ignore[assignment]
+    out: list[int] = []
+    async with net.running() as nursery:
+        gen.nursery = nursery
+        async for event in gen.generate(GenerationRequest("m", tuple(PROMPT), Sampling(params, n))):
+            if isinstance(event, TokenEvent):
+                out.append(event.token)
+                if on_token is not None:
+                    on_token(len(out))
+    return out
+
+
+GREEDY = SamplingParams(temperature=0)
+
+
+async def test_greedy_tokens_with_lookup_guesses_are_those_without(
+    net: FakeNet, long_reference: list[int]
+) -> None:
+    gen = generator(net, speculate="lookup", draft_k=4)
+    assert await tokens(gen, GREEDY) == long_reference
+    spent = gen.speculation
+    assert spent["steps"] > 0 and spent["accepted"] > 0, spent
+    assert spent["accepted"] < spent["guessed"]  # some guesses were wrong, and rolled back
+    assert all(s.sessions == {} for s in net.servers.values())
+
+
+async def test_guesses_checked_as_one_batch_give_the_same_greedy_tokens_here(
+        net: FakeNet, long_reference: list[int]) -> None:
+    """speculate_exact false: every hop computes a check's rows as one batch, which rounds
+    differently from single steps; on this model no argmax is near a tie, so the tokens
+    are the same (on another, a near tie may go the other way)."""
+    gen = generator(net, speculate="lookup", draft_k=4, speculate_exact=False)
+    assert await tokens(gen, GREEDY) == long_reference
+    assert gen.speculation["accepted"] > 0
+
+
+async def test_seeded_sampling_draws_the_same_tokens_with_and_without_speculation(
+    net: FakeNet,
+) -> None:
+    params = SamplingParams(temperature=0.9, top_k=8, seed=11)
+    plain = await tokens(generator(net, speculate="off"), params)
+    gen = generator(net, speculate="lookup", draft_k=3)
+    assert await tokens(gen, params) == plain
+    assert gen.speculation["steps"] > 0
+
+
+async def test_a_draft_model_drafting_for_itself_is_accepted_and_exact(
+    net: FakeNet, model: Path, long_reference: list[int]
+) -> None:
+    gen = generator(net, speculate="draft", draft_k=4)
+    gen.draft = DraftModel(str(model), None, threads=1)
+    try:
+        assert await tokens(gen, GREEDY) == long_reference
+    finally:
+        gen.draft.close()
+    spent = gen.speculation
+    assert spent["accepted"] >= 0.9 * spent["guessed"] > 0, spent
+
+
+async def test_a_failover_in_the_middle_of_speculation_continues_the_same_tokens(
+    net: FakeNet, long_reference: list[int]
+) -> None:
+    gen = generator(net, speculate="lookup", draft_k=4)
+
+    def kill_b(k: int) -> None:
+        if k == 12:
+            net.down.add("b")
+
+    assert await tokens(gen, GREEDY, on_token=kill_b) == long_reference
+    assert gen.speculation["steps"] > 0
+
+
+async def test_speculation_off_sends_one_position_a_step(
+    net: FakeNet, long_reference: list[int]
+) -> None:
+    gen = generator(net, speculate="off")
+    assert await tokens(gen, GREEDY) == long_reference
+    assert gen.speculation["steps"] == 0
+
+
+def test_lookup_guesses_what_followed_the_latest_occurrence_of_the_tail() -> None:
+    history = [7, 1, 2, 3, 4, 5, 9, 1, 2, 3, 8, 8, 1, 2, 3]
+    assert lookup(history, 2) == [8, 8]  # the latest earlier "1 2 3" was followed by 8 8
+    assert lookup(history, 10) == [8, 8, 1, 2, 3]
+    assert lookup([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert lookup([5, 6, 5, 6, 5], 4) == [6, 5]  # the tail "5 6 5" at 0 was followed by 6 5
+
+
+def test_k_is_zero_where_a_row_costs_as_much_as_a_step_and_grows_with_the_circuit() -> None:
+    loopback = Estimates(accepted=60, examined=100, t1=0.030, t_row=0.028)
+    assert loopback.best_k(16) == 0
+    wan = Estimates(accepted=60, examined=100, t1=0.090, t_row=0.010)
+    assert wan.best_k(16) >= 2
+    assert wan.best_k(1) <= 1  # never past the room left
+    sure = Estimates(accepted=990, examined=1000, t1=0.090, t_row=0.010)
+    assert sure.best_k(16) > wan.best_k(16)
+    assert Estimates().best_k(16) == 0  # nothing measured: a plain step first
+
+
+def test_estimates_learn_acceptance_and_the_cost_of_a_row() -> None:
+    e = Estimates(prior=0.5)
+    e.learn(0, 1, 0.1)
+    assert e.t1 == pytest.approx(0.1)
+    e.learn(4, 5, 0.14)  # all four accepted: a row cost 10 ms
+    assert e.t_row == pytest.approx(0.01)
+    e.learn(4, 1, 0.14)  # the first guess rejected
+    assert e.accepted == pytest.approx(4 * (1 - 0.05)) and e.examined == pytest.approx(
+        4 * (1 - 0.05) + 1
+    )
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_with_what_to_do() -> None:
+    served = list(Tokenizer.from_gguf(bundled_path()).tokens)
+    check_vocabulary(bundled_path(), served)
+    served[100] = "something else"
+    with pytest.raises(SpeculationError, match="draft_model"):
+        check_vocabulary(bundled_path(), served)
+    with pytest.raises(SpeculationError, match="draft_model"):
+        check_vocabulary(bundled_path(), [*served, "one more"])
