@@ -22,11 +22,11 @@ from kvasird.inference.client.routing import Fitness, Latency
 from kvasird.inference.client.spotcheck import SpotChecks
 from kvasird.inference.client.swarm import FAST_START_RTT_MS, SwarmGenerator
 from kvasird.inference.errors import HopFailed, Refusal
-from kvasird.inference.transport.channel import Channels
 from kvasird.inference.protocol.delegation import Issuer
 from kvasird.inference.protocol.stage import Forward, Open, Step
 from kvasird.inference.server.engine import Holdings, Served
 from kvasird.inference.server.stage import StageServer
+from kvasird.inference.transport.channel import Channels
 
 from .conftest import N_LAYER, PROMPT
 from .fakenet import NETWORK, FakeNet, no_experts
@@ -96,6 +96,33 @@ async def test_a_near_route_opens_first_and_relays_its_first_chunk(
     seen = opens_seen(net)
     assert await tokens(generator(net, 1.0)) == reference
     assert sorted(seen) == [("b", "request"), ("c", "request")]
+
+
+@pytest.fixture(scope="module")
+def whole(model: Path) -> Iterator[Served]:
+    """A peer serving the whole model: one hop is a gateway's whole route."""
+    out = Served.build([model], Holdings(head=True, windows=((0, N_LAYER),)), threads=1,
+                       kv_slots=256, remote=no_experts)
+    yield out
+    out.close()
+
+
+async def test_a_far_route_of_one_hop_opens_its_session_with_the_first_chunk(
+        served: dict[str, Served], whole: Served, reference: list[int]) -> None:
+    """A gateway holding nothing routes through one peer: the chunk carries the open (a
+    relayed step would reach a session that does not exist yet), every request in a row."""
+    net = FakeNet({GW.peer_id: served["gw"], "b": whole}, me=GW.peer_id)
+    net.unlisted.add(GW.peer_id)  # the gateway holds nothing of the model
+    seen = opens_seen(net)
+    try:
+        gen = generator(net, 2 * FAST_START_RTT_MS)
+        for _ in range(3):
+            assert await tokens(gen) == reference
+        assert seen == [("b", "with a step")] * 3
+        assert gen.fitness.snapshot() == {}
+    finally:
+        for server in net.servers.values():
+            server.close_all()
 
 
 async def test_a_hop_the_first_chunk_has_not_reached_yet_is_not_taken_for_a_dead_one(

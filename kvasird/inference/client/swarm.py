@@ -926,9 +926,11 @@ class _Run:
         self.steps += 1
         if audit:
             drawn = await self._audited(ids, start)
-        elif len(self.route.hops) > 1 and (
-            len(ids) > 1 and not verify or self.steps % RELAY_EVERY != 1
-        ):
+        elif (
+            self.riding
+            or len(self.route.hops) > 1
+            and (len(ids) > 1 and not verify or self.steps % RELAY_EVERY != 1)
+        ):  # a step carrying its route's opens goes by chain, even through one hop
             drawn = await self._chain(ids, start, singly, verify)
         else:
             drawn = await self._relay(ids, start, singly, verify)
