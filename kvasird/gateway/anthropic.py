@@ -48,7 +48,7 @@ async def messages(gw: Gateway, request: Request) -> GenerationResponse:
     name = f.string("model")
     info, tok, template = gw.resolve(name)
     use = anthropic_tool_use(f, template)
-    reasoning = gw.reasoning(template, thinking_effort(f.obj("thinking")), "thinking")
+    reasoning = gw.reasoning(template, thinking_effort(f.obj("thinking")), "thinking", off=True)
     prompt = gw.check_prompt(
         info,
         gw.chat_prompt(template, tok, conversation(f), "messages", use.tools, reasoning),

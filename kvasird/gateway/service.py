@@ -11,8 +11,10 @@ Limits are llama-server's: a prompt may fill the model's context but for one tok
 ``[gateway] max_prompt_tokens``, when set smaller), and an output limit above what the
 context leaves after the prompt is clamped to it, not refused (OutputLimit says how it was
 reported). Reasoning asked for (OpenAI's ``reasoning_effort``, Anthropic's ``thinking``)
-sets the effort of a model that reasons (its format's ``reasons``: harmony) and is ignored,
-said in the ``x-kvasir-reasoning`` header, by one that does not.
+sets the effort of a model that reasons (its format's ``reasons``: harmony), switches the
+think-tag mode of a template that has one (``thinks``: Qwen3's ``enable_thinking``; effort
+"none" turns it off, and so does an Anthropic request without ``thinking``), and is
+ignored, said in the ``x-kvasir-reasoning`` header, by a model with neither.
 """
 
 from __future__ import annotations
@@ -106,9 +108,10 @@ class OutputLimit:
 class Reasoning:
     """What a request asked of the model's reasoning, and what this gateway made of it."""
 
-    options: dict[str, str]
-    """Chat template variables that set it (harmony's ``reasoning_effort``); none when the
-    request asked nothing or the model does not reason."""
+    options: dict[str, str | bool]
+    """Chat template variables that set it (harmony's ``reasoning_effort``, think-tag
+    templates' ``enable_thinking``); none when the request asked nothing of a model whose
+    default stands, or the model does not reason."""
     shown: bool
     """The reply carries the model's reasoning: Anthropic thinking blocks, the Responses
     API's reasoning item (OpenAI chat's ``reasoning_content`` is always sent)."""
@@ -491,16 +494,28 @@ class Gateway:
         the most output a quote need cover."""
         return max((m.context_length for m in self.models()), default=self.config.max_tokens)
 
-    def reasoning(self, template: ChatTemplate, effort: str | None, field: str) -> Reasoning:
+    def reasoning(
+        self, template: ChatTemplate, effort: str | None, field: str, off: bool = False
+    ) -> Reasoning:
         """What a request's reasoning ``effort`` (None: it asked nothing) does on this
-        model: sets the effort of a model that reasons, is ignored by one that does not."""
+        model: sets the effort of a model that reasons on a channel (harmony), switches the
+        think-tag mode of one that has it ("none" turns it off; so does asking nothing,
+        with ``off``: Anthropic's API thinks only when asked), is ignored by the others."""
+        fmt = template.tool_format
         if effort is None:
-            return NO_REASONING
+            return (
+                Reasoning({"enable_thinking": False}, False, "")
+                if off and fmt.thinks
+                else NO_REASONING
+            )
         if effort not in EFFORTS:
             raise BadRequest(
                 f"`{field}` must be one of {', '.join(EFFORTS)}, got {effort!r}", field
             )
-        if not template.tool_format.reasons:
+        if fmt.thinks:
+            on = effort != "none"
+            return Reasoning({"enable_thinking": on}, on, "on" if on else "off")
+        if not fmt.reasons:
             return Reasoning({}, False, REASONING_IGNORED)
         level = EFFORTS[effort]
         return Reasoning({"reasoning_effort": level}, True, f"on (effort {level})")

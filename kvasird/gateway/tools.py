@@ -19,9 +19,10 @@ reply      the model's text parsed by its family's format (kvasird.text.toolcall
            OpenAI ``message.tool_calls`` / Anthropic ``tool_use`` blocks, with finish
            reason "tool_calls" / stop reason "tool_use"; streamed as it is generated
            (``ToolUse.reader``): a call's name as soon as it is written, its arguments
-           as partial JSON. A format that frames every reply (harmony) reads it with
-           tools or without: its reasoning is OpenAI's ``reasoning_content``, left out
-           of Anthropic's and the Responses API's replies
+           as partial JSON. A format that frames every reply (harmony), or a model that
+           thinks in tags (Qwen3), reads it with tools or without: its reasoning is
+           OpenAI's ``reasoning_content``, and Anthropic's thinking blocks and the
+           Responses API's reasoning item when reasoning was asked for
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ class ToolUse:
 
     @property
     def reads(self) -> bool:
-        """Whether replies go through the format: tools are offered, or it frames every
-        reply (harmony's channels)."""
-        return self.format is not None and (bool(self.tools) or self.format.framed)
+        """Whether replies go through the format: tools are offered, it frames every reply
+        (harmony's channels), or a reply may open with a think block."""
+        return self.format is not None and (
+            bool(self.tools) or self.format.framed or self.format.thinks
+        )
 
     def read(self, text: str) -> Reply:
         """The reply's text outside calls, its complete calls and its reasoning."""
@@ -68,7 +71,7 @@ class ToolUse:
     def reader(self) -> Reader:
         """Reads one reply as it streams (kvasird.text.toolcalls.hermes.Format.stream)."""
         assert self.format is not None and self.reads
-        return self.format.stream(self.tools)
+        return self.format.reader(self.tools)
 
 
 def finish_with_calls(reason: str, called: bool) -> bool:

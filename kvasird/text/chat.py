@@ -99,7 +99,7 @@ class ChatTemplate:
         self,
         messages: Sequence[Message],
         tools: Sequence[Tool] = (),
-        options: Mapping[str, str] | None = None,
+        options: Mapping[str, str | bool] | None = None,
     ) -> str:
         """The prompt for ``messages``, ending where the assistant's reply begins. ``tools``
         go to a template that reads them, else into the system message (tools module);

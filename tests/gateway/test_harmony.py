@@ -9,6 +9,7 @@ an engine does: token by token, stopping at the request's stop tokens without ha
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -78,17 +79,34 @@ class Scripted:
         return ()
 
 
-def harmony_model(path: Path) -> Path:
-    writer = GGUFWriter(str(path), "gpt-oss")
+def template_model(path: Path, arch: str, template: str, markers: list[str]) -> Path:
+    """A GGUF of the bundled vocabulary (``markers`` added as control tokens) and
+    ``template`` as its chat template, for the architecture ``arch``."""
+    writer = GGUFWriter(str(path), arch)
     for key, (kind, sub, value) in bundled_tokenizer().items():
         if key == "tokenizer.ggml.tokens":
-            value = value + MARKERS
+            value = value + markers
         elif key == "tokenizer.ggml.token_type":
-            value = value + [3] * len(MARKERS)
+            value = value + [3] * len(markers)
         elif key == "tokenizer.chat_template":
-            value = TEMPLATE
+            value = template
         writer.add_key_value(key, value, GGUFValueType(kind), GGUFValueType(sub) if sub else None)
     return save(writer, path)
+
+
+@contextlib.asynccontextmanager
+async def scripted_gateway(path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Scripted]]:
+    """A gateway on loopback serving the model at ``path``, whose replies a Scripted writes."""
+    manifest = Manifest.from_gguf(path)
+    generator = Scripted(ModelInfo(manifest.model_id, f"{path.stem} test", 4096))
+    gw = Gateway(GatewayConfig(listen="127.0.0.1:0"), generator=generator,
+                 model=lambda: manifest)
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(gw.run)
+        await eventually_async("the gateway is ready", lambda: gw.ready, timeout=30)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            yield client, generator
+        nursery.cancel_scope.cancel()
 
 
 class Served:
@@ -113,18 +131,9 @@ class Served:
 
 @pytest.fixture
 async def served(tmp_path: Path) -> AsyncIterator[Served]:
-    path = harmony_model(tmp_path / "harmony.gguf")
-    manifest = Manifest.from_gguf(path)
-    info = ModelInfo(manifest.model_id, "harmony test", 4096)
-    generator = Scripted(info)
-    gw = Gateway(GatewayConfig(listen="127.0.0.1:0"), generator=generator,
-                 model=lambda: manifest)
-    async with trio.open_nursery() as nursery:
-        url = await nursery.start(gw.run)
-        await eventually_async("the gateway is ready", lambda: gw.ready, timeout=30)
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            yield Served(client, generator, Tokenizer.from_gguf(path))
-        nursery.cancel_scope.cancel()
+    path = template_model(tmp_path / "harmony.gguf", "gpt-oss", TEMPLATE, MARKERS)
+    async with scripted_gateway(path) as (client, generator):
+        yield Served(client, generator, Tokenizer.from_gguf(path))
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "Now, in a zone",

@@ -10,7 +10,10 @@ One module per family's format, behind a registry (vLLM's tool parsers are laid 
     harmony     Harmony, gpt-oss's channels (HarmonyStream)
     qwen_xml    QwenXML, Qwen's XML calls (XMLCallStream)
     mistral     Mistral, its [TOOL_CALLS] calls, one by one or listed (MistralStream)
-    registry    FORMATS by name; ``format_of``: the format a chat template points to
+    think       ThinkStream: a think block (<think>...</think>) at a reply's start is
+                Thought, before the family's own reader reads the rest
+    registry    FORMATS by name; ``format_of``: the format a chat template points to (its
+                THINKING twin where the template has a think-tag reasoning mode)
 
 
     Tool        a function a caller offers: name, description, JSON-schema parameters
@@ -42,11 +45,13 @@ One module per family's format, behind a registry (vLLM's tool parsers are laid 
                 schemas (``Format.grammar``, an llguidance Lark grammar with %json parts)
     parse       ``Format.parse(text)`` -> the text outside calls and the calls, for "auto"
                 (the model may call or answer) and the constrained choices alike
-    stream      ``Format.stream(tools)`` reads a reply as it is generated and hands on
+    stream      ``Format.reader(tools)`` (the family's ``stream``, behind ThinkStream where
+                the model thinks in tags) reads a reply as it is generated and hands on
                 events: Said (text that can no longer be the start of a call), CallOpened (a
                 call's name, as soon as it is written), Args (its arguments' JSON text as it
                 comes), CallClosed (the call whole; its arguments are exactly the Args joined)
-                and Thought (reasoning, never content: harmony's analysis channel).
+                and Thought (reasoning, never content: harmony's analysis channel, a think
+                block).
                 ``read`` (and ``parse``) is a stream fed the whole text, so a streamed reply
                 and a whole one hold the same text and calls. A call cut off by the token
                 limit is never CallClosed: a stream has sent its start, a whole reply leaves

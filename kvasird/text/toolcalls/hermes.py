@@ -8,6 +8,7 @@ one block per call (Qwen 2.5/3, Hermes, SmolLM3; the default).
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from kvasird.text.toolcalls.events import (
     Said,
     Thought,
 )
+from kvasird.text.toolcalls.think import ThinkStream
 
 
 class Format:
@@ -58,6 +60,15 @@ class Format:
     """The model reasons before it answers, on a channel of its own that is read as
     Thought (harmony's analysis channel), with an effort its template takes as
     ``reasoning_effort``."""
+    thinks = False
+    """A reply may open with reasoning between think tags (kvasird.text.toolcalls.think),
+    read as Thought; the template switches the mode with ``enable_thinking``."""
+
+    def thinking(self) -> Format:
+        """This format for a template with a think-tag reasoning mode."""
+        fmt = copy.copy(self)
+        fmt.thinks = True
+        return fmt
 
     def system_text(self, tools: Sequence[Tool]) -> str:
         """The tools described for a template that does not read ``tools`` itself."""
@@ -121,8 +132,14 @@ class Format:
         }
 
     def stream(self, tools: Sequence[Tool]) -> Reader:
-        """A reader of one reply, fed as it is generated."""
+        """A reader of one reply's text and calls, fed as it is generated."""
         return CallStream(self, tools)
+
+    def reader(self, tools: Sequence[Tool]) -> Reader:
+        """A reader of one reply, fed as it is generated: ``stream``'s, behind a think-block
+        reader where the model thinks in tags."""
+        stream = self.stream(tools)
+        return ThinkStream(stream) if self.thinks else stream
 
     def parse(self, text: str, tools: Sequence[Tool]) -> tuple[str, list[ToolCall]]:
         """The text outside calls, and the complete calls of known tools (in order). A block
@@ -132,7 +149,7 @@ class Format:
 
     def read(self, text: str, tools: Sequence[Tool]) -> Reply:
         """A whole reply: ``parse``'s text and calls, and its reasoning."""
-        reader = self.stream(tools)
+        reader = self.reader(tools)
         events = [*reader.feed(text), *reader.end()]
         calls = tuple(e.call for e in events if isinstance(e, CallClosed))
         said = "".join(e.text for e in events if isinstance(e, Said | Broken))

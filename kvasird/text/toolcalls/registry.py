@@ -7,6 +7,7 @@ from kvasird.text.toolcalls.hermes import Format
 from kvasird.text.toolcalls.llama3 import Llama3
 from kvasird.text.toolcalls.mistral import Mistral
 from kvasird.text.toolcalls.qwen_xml import QwenXML
+from kvasird.text.toolcalls.think import thinks
 
 FORMATS: dict[str, Format] = {
     "hermes": Format(),
@@ -16,24 +17,32 @@ FORMATS: dict[str, Format] = {
     "mistral": Mistral(listed=False),
     "mistral_list": Mistral(listed=True),
 }
+THINKING = {name: f if f.reasons else f.thinking() for name, f in FORMATS.items()}
+"""Each format for a template with a think-tag reasoning mode (harmony reasons on a
+channel of its own)."""
 
 
 def format_of(template: str | None) -> Format:
-    """The tool format a chat template's text points to (Hermes unless it is another's)."""
-    source = template or ""
+    """The tool format a chat template's text points to (Hermes unless it is another's),
+    reading a think block first where the template has a think-tag reasoning mode."""
+    family = _family(template or "")
+    return THINKING[family] if thinks(template) else FORMATS[family]
+
+
+def _family(source: str) -> str:
     if "<|start|>" in source and "<|channel|>" in source:
-        return FORMATS["harmony"]
+        return "harmony"
     if "<function=" in source and "<parameter=" in source:
-        return FORMATS["qwen_xml"]
+        return "qwen_xml"
     if "[TOOL_CALLS]" in source:
-        return FORMATS["mistral" if "[ARGS]" in source else "mistral_list"]
+        return "mistral" if "[ARGS]" in source else "mistral_list"
     if (
         "<|python_tag|>" in source
         or "<|eom_id|>" in source
         or ("<|start_header_id|>" in source and "ipython" in source)
     ):
-        return FORMATS["llama3"]  # 3.2 has neither tag, but its tool role is "ipython"
-    return FORMATS["hermes"]
+        return "llama3"  # 3.2 has neither tag, but its tool role is "ipython"
+    return "hermes"
 
 
 def reads_tools(template: str | None) -> bool:
