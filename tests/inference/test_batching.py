@@ -407,6 +407,7 @@ async def test_steps_shorter_than_the_batching_minimum_are_not_held_for_company(
     assert all(got[i] == generate(full, prompt(i), 4) for i in range(4))
     queue = next(iter(server.batcher._queues.values()))
     assert not queue.pays(server.batcher.min_step_s) and queue.compute_s < 0.05
+    assert server.batcher.stats["batches"] > 0  # the steps that queued behind a step
 
 
 def test_a_deep_ring_batches_a_share_of_its_sessions_unless_told_to_batch_all() -> None:

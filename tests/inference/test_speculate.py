@@ -19,6 +19,7 @@ from kvasird.inference.client.speculate import (
     DraftModel,
     Estimates,
     SpeculationError,
+    Speculator,
     check_vocabulary,
     lookup,
 )
@@ -180,3 +181,15 @@ def test_a_draft_model_of_another_vocabulary_is_refused_with_what_to_do() -> Non
         check_vocabulary(bundled_path(), served)
     with pytest.raises(SpeculationError, match="draft_model"):
         check_vocabulary(bundled_path(), [*served, "one more"])
+
+
+async def test_where_no_guess_pays_a_step_still_guesses_now_and_then_less_and_less_often(
+) -> None:
+    """Estimates taken in a bad moment (a draft's first prefill, a busy machine) would turn
+    speculation off for good: a step at 16, 32, 64, ... still guesses and re-measures."""
+    est = Estimates(accepted=60, examined=100, t1=0.030, t_row=0.028)
+    assert est.best_k(16) == 0
+    spec = Speculator("lookup", est, None, 0)
+    history = [1, 2, 3, 4] * 8
+    probed = [step for step in range(1, 300) if await spec.guess(history, 64)]
+    assert probed == [16, 32, 64, 128, 256]

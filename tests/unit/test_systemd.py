@@ -81,6 +81,11 @@ def test_service_install_dry_run_shows_unit_and_steps(capsys: pytest.CaptureFixt
     assert f"ExecStart={Path(sys.prefix) / 'bin' / 'kvasird'} run" in out
     assert "\nProtectHome=read-only\n" in out and "\nUser=root\n" in out
     assert "useradd --system" in out and "systemctl enable kvasird --now --no-block" in out
+    assert "net.ipv4.tcp_slow_start_after_idle = 0\n" in out
+    assert "sysctl -q -p /etc/sysctl.d/60-kvasird.conf" in out
+    assert main(["service", "install", "--dry-run", "--user", "root",
+                 "--protect-home", "read-only", "--no-sysctl"]) == 0
+    assert "sysctl" not in capsys.readouterr().out
 
 
 def test_a_python_linked_into_a_home_is_refused_under_protect_home(tmp_path: Path) -> None:

@@ -36,7 +36,10 @@ t_row: each further row's compute at every hop), plus k * t_guess to guess them;
 chance a that each guess is accepted, it yields (1 - a^(k+1)) / (1 - a) tokens. k is the
 one that yields the most tokens a second, 0 where none pays: on loopback a ring's step is
 mostly compute, t_row is near t1, and speculation turns itself off. Every PROBE_EVERY-th
-step is a plain one (t1 stays measured); the first speculative ones guess PROBE_K.
+step is a plain one (t1 stays measured); the first speculative ones guess PROBE_K. Where k
+is 0, a step now and then (16, 32, 64, ... up to MAX_PROBE_EVERY steps apart) still guesses
+PROBE_K, so estimates taken in a bad moment do not turn speculation off for good. A draft
+model's t_guess leaves out its catching up with the prompt (once a generation).
 
 Sources: Lookup (prompt lookup: what followed the last few tokens where they occurred
 before in the context; no model, strong where answers quote their prompt: editing, code,
@@ -46,6 +49,7 @@ run on this node, checked against the served model's tokens at load).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +74,8 @@ PROBE_K = 4
 """Guesses per step until the cost of a further row has been measured."""
 PROBE_EVERY = 16
 """One decode step in this many is a plain one, so a plain step's time stays measured."""
+MAX_PROBE_EVERY = 256
+"""Where no guess pays, one step in at most this many still guesses PROBE_K tokens."""
 EWMA = 0.2
 NGRAM = (4, 3, 2)
 """Lengths of the context's tail that prompt lookup looks for, longest first."""
@@ -187,9 +193,11 @@ class DraftSession:
     held: list[int] = field(default_factory=list)
     session: Session | None = None
 
-    def guess(self, history: Sequence[int], k: int) -> list[int]:
-        """k tokens the draft model draws greedily after `history` (blocking: run it in a
-        worker thread)."""
+    def guess(self, history: Sequence[int], k: int) -> tuple[list[int], float]:
+        """k tokens the draft model draws greedily after `history`, and the seconds that
+        cost beyond catching up with a long stretch of new history (the prompt's prefill,
+        paid once a generation, is not a guess's cost). Blocking: run it in a worker
+        thread."""
         if self.session is None:
             self.session = self.stage.open_session()
         same = 0
@@ -199,14 +207,17 @@ class DraftSession:
             same += 1
         same = min(same, len(history) - 1)  # the last token is fed to get the first guess
         ids = np.asarray(history[same:], np.int32)
+        began = time.perf_counter()
         logits = self.stage.forward(self.session, ids, same)
+        if len(ids) > MAX_K + 1:
+            began = time.perf_counter()
         self.held = list(history)
         out: list[int] = []
         while True:
             token = int(np.argmax(logits[-1]))
             out.append(token)
             if len(out) == k:
-                return out
+                return out, time.perf_counter() - began
             logits = self.stage.forward(self.session, np.array([token], np.int32), len(self.held))
             self.held.append(token)
 
@@ -227,6 +238,9 @@ class Speculator:
         self.steps = 0
         self.guessed = 0
         self.accepted = 0
+        self.probe_every = PROBE_EVERY
+        """Steps between guesses while the estimates say none pays (doubling each time
+        they still say so): costs change (a route, a link, the draft's first prefill)."""
 
     async def guess(self, history: Sequence[int], room: int) -> tuple[int, ...]:
         """The guesses for the next step (none: a plain step), at most `room`."""
@@ -238,14 +252,15 @@ class Speculator:
             k = 0  # a plain step, timed
         else:
             k = est.best_k(room)
+            if k == 0 and self.steps % self.probe_every == 0:
+                k, self.probe_every = PROBE_K, min(2 * self.probe_every, MAX_PROBE_EVERY)
         k = min(k, room)
         if k <= 0:
             return ()
         if self.session is None:
             return tuple(lookup(history, k))
-        began = trio.current_time()
-        out = await trio.to_thread.run_sync(self.session.guess, list(history), k)
-        per = (trio.current_time() - began) / k
+        out, seconds = await trio.to_thread.run_sync(self.session.guess, list(history), k)
+        per = seconds / k
         est.t_guess = (1 - EWMA) * est.t_guess + EWMA * per if est.t_guess else per
         return tuple(out)
 

@@ -205,8 +205,6 @@ class Batcher:
         key = tuple(id(st) for st in s.chain)
         queue = self._queues.setdefault(key, _Queue())
         queue.arrive(s, self.clock())
-        if not queue.busy and queue.known() and not queue.pays(self.min_step_s):
-            return await self._alone(queue, s, x, start, solo)  # as it ran before batching
         me = _Waiter(s, x, start)
         queue.waiting.append(me)
         queue.joined.set()
