@@ -25,6 +25,7 @@ from kvasird.gateway.tools import (
     anthropic_tool_blocks,
     anthropic_tool_use,
     finish_with_calls,
+    thinking_in,
     tool_use_id,
 )
 from kvasird.inference.api import Sampling, SamplingParams
@@ -72,7 +73,7 @@ async def messages(gw: Gateway, request: Request) -> GenerationResponse:
         limit=limit,
         reasoning=reasoning,
     )
-    return GenerationResponse(gw, job, MessagesRenderer(job, use))
+    return GenerationResponse(gw, job, MessagesRenderer(job, thinking_in(use, tok, prompt)))
 
 
 async def count_tokens(gw: Gateway, request: Request) -> JSONResponse:

@@ -34,6 +34,7 @@ from kvasird.gateway.tools import (
     openai_calls,
     openai_tool_calls,
     openai_tool_use,
+    thinking_in,
 )
 from kvasird.inference.api import ModelInfo, Sampling, SamplingParams, TokenEvent
 from kvasird.model.names import slug
@@ -86,7 +87,7 @@ async def chat_completions(gw: Gateway, request: Request) -> GenerationResponse:
         limit=limit,
         reasoning=reasoning,
     )
-    return GenerationResponse(gw, job, ChatRenderer(job, use))
+    return GenerationResponse(gw, job, ChatRenderer(job, thinking_in(use, tok, prompt)))
 
 
 async def completions(gw: Gateway, request: Request) -> GenerationResponse:

@@ -44,7 +44,14 @@ from kvasird.gateway.generation import Choice, Done, Piece
 from kvasird.gateway.openai import content_text, response_format, top_p
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
-from kvasird.gateway.tools import ToolUse, asks_parallel, choose, parse_tool, tool_items
+from kvasird.gateway.tools import (
+    ToolUse,
+    asks_parallel,
+    choose,
+    parse_tool,
+    thinking_in,
+    tool_items,
+)
 from kvasird.inference.api import Sampling, SamplingParams
 from kvasird.text.chat import Message
 from kvasird.text.toolcalls.calls import ToolCall
@@ -156,7 +163,11 @@ async def create(gw: Gateway, request: Request) -> GenerationResponse:
         "metadata": f.obj("metadata").value,
     }
     renderer = ResponsesRenderer(
-        job, use, echo, conversation, store_of(gw) if f.boolean("store", True) else None
+        job,
+        thinking_in(use, tok, prompt),
+        echo,
+        conversation,
+        store_of(gw) if f.boolean("store", True) else None,
     )
     return GenerationResponse(gw, job, renderer)
 

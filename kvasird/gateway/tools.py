@@ -27,8 +27,10 @@ reply      the model's text parsed by its family's format (kvasird.text.toolcall
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +38,15 @@ from kvasird.gateway.body import Fields, objects
 from kvasird.gateway.errors import BadRequest
 from kvasird.text.chat import ChatTemplate, Message
 from kvasird.text.grammar import GrammarError, for_json_schema
+from kvasird.text.tokenizer import Tokenizer
 from kvasird.text.toolcalls.calls import MAX_TOOLS, Tool, ToolCall
 from kvasird.text.toolcalls.events import Reader, Reply
 from kvasird.text.toolcalls.hermes import Format
+from kvasird.text.toolcalls.think import opens_thinking
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+THINK_TAIL = 8
+"""Tokens at a prompt's end read for a think block it opens."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,8 @@ class ToolUse:
     """Forces the reply to be calls ("" = the model chooses)."""
     format: Format | None = None
     """How the model writes its replies and calls (None: as plain text)."""
+    opened: bool = False
+    """The prompt opened a think block: the reply begins with reasoning (``thinking_in``)."""
 
     @property
     def reads(self) -> bool:
@@ -66,12 +74,21 @@ class ToolUse:
         """The reply's text outside calls, its complete calls and its reasoning."""
         if self.format is None or not self.reads:
             return Reply(text)
-        return self.format.read(text, self.tools)
+        return self.format.read(text, self.tools, self.opened)
 
     def reader(self) -> Reader:
         """Reads one reply as it streams (kvasird.text.toolcalls.hermes.Format.stream)."""
         assert self.format is not None and self.reads
-        return self.format.reader(self.tools)
+        return self.format.reader(self.tools, self.opened)
+
+
+def thinking_in(use: ToolUse, tokenizer: Tokenizer, prompt: Sequence[int]) -> ToolUse:
+    """``use`` for a reply to ``prompt``: one that starts inside a think block where the
+    template opened it in the prompt (Qwen3-Thinking, DeepSeek-R1)."""
+    if use.format is None or not use.format.thinks:
+        return use
+    tail = tokenizer.decode(list(prompt[-THINK_TAIL:]))
+    return dataclasses.replace(use, opened=opens_thinking(tail))
 
 
 def finish_with_calls(reason: str, called: bool) -> bool:

@@ -103,3 +103,19 @@ async def test_anthropic_thinks_only_when_asked_and_shows_it_as_a_thinking_block
     deltas = [e["delta"] for e in streamed if e["type"] == "content_block_delta"]
     assert "".join(d.get("thinking", "") for d in deltas) == THOUGHT
     assert "".join(d.get("text", "") for d in deltas) == "It is noon."
+
+
+async def test_a_template_that_opens_the_block_gets_a_reply_read_from_inside_it(
+        tmp_path: Path) -> None:
+    """Qwen3-Thinking and DeepSeek-R1 templates end the prompt with <think>: the model
+    writes its reasoning, then </think>, then the answer."""
+    opening = TEMPLATE.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n")
+    path = template_model(tmp_path / "opens.gguf", "qwen3", opening, [])
+    async with scripted_gateway(path) as (client, generator):
+        tok = Tokenizer.from_gguf(path)
+        generator.script = tok.encode(f"{THOUGHT}\n</think>\n\nIt is noon.", special=True)
+        r = await client.post("/v1/chat/completions", json={
+            "model": generator.info.model_id, "messages": ASK})
+        message = r.json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (THOUGHT, "It is noon.")
+        assert tok.decode(list(generator.prompts[-1])).endswith("<think>\n")

@@ -8,7 +8,7 @@ import pytest
 from kvasird.text.toolcalls.calls import Tool
 from kvasird.text.toolcalls.events import CallClosed, Event, Said, Thought
 from kvasird.text.toolcalls.registry import FORMATS, format_of
-from kvasird.text.toolcalls.think import thinks
+from kvasird.text.toolcalls.think import opens_thinking, thinks
 
 QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -64,3 +64,15 @@ def test_a_call_after_the_block_is_read_by_the_family(by_letter: bool) -> None:
     whole = format_of(QWEN3_LIKE).read(reply, (WEATHER,))
     assert whole.reasoning == "I need the weather tool." and whole.text == ""
     assert [c.name for c in whole.calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("by_letter", [False, True], ids=["whole", "by letter"])
+def test_a_reply_to_a_prompt_that_opened_the_block_starts_with_reasoning(by_letter: bool) -> None:
+    """Qwen3-Thinking and DeepSeek-R1 templates end the prompt with <think>: the reply is
+    reasoning up to </think>."""
+    assert opens_thinking("<|im_start|>assistant\n<think>\n") and not opens_thinking("x\n")
+    reader = format_of(QWEN3_LIKE).reader((), opened=True)
+    text = "The user asks the time.\n</think>\n\nIt is noon."
+    pieces = list(text) if by_letter else [text]
+    events = [e for p in pieces for e in reader.feed(p)] + reader.end()
+    assert split(events) == ("The user asks the time.", "It is noon.", [])

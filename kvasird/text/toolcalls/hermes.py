@@ -135,11 +135,11 @@ class Format:
         """A reader of one reply's text and calls, fed as it is generated."""
         return CallStream(self, tools)
 
-    def reader(self, tools: Sequence[Tool]) -> Reader:
+    def reader(self, tools: Sequence[Tool], opened: bool = False) -> Reader:
         """A reader of one reply, fed as it is generated: ``stream``'s, behind a think-block
-        reader where the model thinks in tags."""
+        reader where the model thinks in tags (``opened``: the prompt opened the block)."""
         stream = self.stream(tools)
-        return ThinkStream(stream) if self.thinks else stream
+        return ThinkStream(stream, opened) if self.thinks else stream
 
     def parse(self, text: str, tools: Sequence[Tool]) -> tuple[str, list[ToolCall]]:
         """The text outside calls, and the complete calls of known tools (in order). A block
@@ -147,9 +147,9 @@ class Format:
         reply = self.read(text, tools)
         return reply.text, list(reply.calls)
 
-    def read(self, text: str, tools: Sequence[Tool]) -> Reply:
+    def read(self, text: str, tools: Sequence[Tool], opened: bool = False) -> Reply:
         """A whole reply: ``parse``'s text and calls, and its reasoning."""
-        reader = self.reader(tools)
+        reader = self.reader(tools, opened)
         events = [*reader.feed(text), *reader.end()]
         calls = tuple(e.call for e in events if isinstance(e, CallClosed))
         said = "".join(e.text for e in events if isinstance(e, Said | Broken))

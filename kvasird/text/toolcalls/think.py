@@ -8,8 +8,10 @@
 
 A chat template with such a mode holds both tags (``thinks``); Qwen3's switches it with the
 variable ``enable_thinking`` (false: the template writes an empty think block itself, so
-the reply is only the answer). ThinkStream reads a reply of any family: a think block at
-its start is Thought (never content), what follows goes to the family's own reader.
+the reply is only the answer). Some templates open the block themselves (Qwen3-Thinking,
+DeepSeek-R1: the prompt ends with ``<think>``), and the reply starts inside it
+(``opens_thinking``). ThinkStream reads a reply of any family: a think block at its start
+is Thought (never content), what follows goes to the family's own reader.
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ def thinks(template: str | None) -> bool:
     return bool(template) and OPEN in template and CLOSE in template  # type: ignore[operator]
 
 
+def opens_thinking(prompt_tail: str) -> bool:
+    """Whether a prompt ending with ``prompt_tail`` leaves its reply inside a think block."""
+    return prompt_tail.rstrip().endswith(OPEN)
+
+
 class ThinkStream:
     """A reply's think block as Thought (without the blank lines around it), the rest fed to
     ``inner``. Text is held back only while it may still be a tag."""
 
-    def __init__(self, inner: Reader) -> None:
+    def __init__(self, inner: Reader, opened: bool = False) -> None:
         self.inner = inner
-        self._state = "start"
+        self._state = "think" if opened else "start"
         """start (nothing but blanks yet) -> think -> after (blanks after the block) -> said"""
         self._held = ""
         self._fresh = True
