@@ -387,6 +387,19 @@ class Ring:
         )
         return self.wan.hosts[i].python(code, ADMIN + path, timeout=60)
 
+    def measured_at(self, delay_ms: float, timeout_s: float = 30.0) -> bool:
+        """Wait until the gateway's heartbeat round trips to every peer say the links are
+        `delay_ms` apart (its route choices, fast start among them, follow those); False
+        where they did not within `timeout_s` (a busy machine)."""
+        want = 2 * delay_ms
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            rtts = [p.get("rtt_ms") for p in self.admin(0, "/v0/peers")]
+            if rtts and all(r is not None and abs(r - want) <= max(5.0, want / 4) for r in rtts):
+                return True
+            time.sleep(0.5)
+        return False
+
     def wait_serving(self) -> None:
         """Until a generation through the gateway answers and every hop is on a lane."""
         deadline = time.monotonic() + START_S
@@ -671,6 +684,8 @@ def run_ring(wan: Wan, ring: Ring, args: argparse.Namespace) -> list[Row]:
     rows = []
     for delay, loss in CONDITIONS:
         wan.links(delay, loss, args.rate_mbit)
+        if not ring.measured_at(delay):
+            print(f"  (the gateway's round trips did not settle at {delay:g} ms)", flush=True)
         ring.client.measure("questions", [0], 4)  # the route re-measured at this delay
         for prompts in QUICK_SETS[ring.mode] if args.quick else PROMPT_SETS:
             before = wan.links(delay, loss, args.rate_mbit)["lost"]
@@ -747,6 +762,10 @@ def paired_ttft(wan: Wan, ring: Ring, pairs: int, delay_ms: float = 40.0) -> Pai
     for i in range(pairs):
         for delay, into in ((0.0, zero), (delay_ms, delayed)):
             wan.links(delay, 0.0)
+            # as before each row: the gateway's view of its route taken at this delay (a
+            # first token right after the change would open the way a near route does)
+            ring.measured_at(delay)
+            ring.client.measure("questions", [i + 1], 1)
             into.append(ring.client.measure("questions", [i], 1)["runs"][0]["stamps"][0])
     return Paired(delay_ms, zero, delayed)
 

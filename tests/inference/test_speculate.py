@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from kvasird.compute.kv.pool import KVSpec
 from kvasird.compute.sampling import SamplingParams
@@ -186,10 +187,57 @@ def test_a_draft_model_of_another_vocabulary_is_refused_with_what_to_do() -> Non
 async def test_where_no_guess_pays_a_step_still_guesses_now_and_then_less_and_less_often(
 ) -> None:
     """Estimates taken in a bad moment (a draft's first prefill, a busy machine) would turn
-    speculation off for good: a step at 16, 32, 64, ... still guesses and re-measures."""
+    speculation off for good: one step in 16, 32, 64, ... still guesses one token, and a new
+    generation goes on from the spacing the last one reached (on loopback, where guesses
+    never pay, that costs one row in 256 steps)."""
     est = Estimates(accepted=60, examined=100, t1=0.030, t_row=0.028)
     assert est.best_k(16) == 0
-    spec = Speculator("lookup", est, None, 0)
     history = [1, 2, 3, 4] * 8
-    probed = [step for step in range(1, 300) if await spec.guess(history, 64)]
-    assert probed == [16, 32, 64, 128, 256]
+
+    async def guesses(steps: int) -> list[tuple[int, int]]:
+        spec = Speculator("lookup", est, None, 0)
+        return [(step, len(g)) for step in range(1, steps + 1)
+                if (g := await spec.guess(history, 64))]
+
+    first = await guesses(600)
+    assert {n for _, n in first} == {1}
+    gaps = [b - a for (a, _), (b, _) in zip(first, first[1:], strict=False)]
+    assert first[0][0] >= 16 and gaps == sorted(gaps) and gaps[-1] >= 8 * gaps[0]
+    assert est.probe_every == 256
+    assert len(await guesses(200)) <= 1  # the next generation does not start over at 16
+
+
+def test_a_draft_caught_up_with_the_prompt_guesses_what_one_fed_at_its_first_guess_does(
+    model: Path,
+) -> None:
+    """The gateway feeds the prompt to its draft model while the ring computes it
+    (Speculator.prepare): the first guess then feeds one token, and guesses the same."""
+    draft = DraftModel(str(model), None, threads=1)
+    try:
+        fresh, ready = draft.open(), draft.open()
+        ready.catch_up(PROMPT)
+        history = [*PROMPT, 42]
+        guesses = fresh.guess(history, 4)[0]
+        assert ready.guess(history, 4)[0] == guesses
+        assert ready.held == fresh.held == [*history, *guesses[:3]]
+    finally:
+        draft.close()
+
+
+async def test_a_draft_that_cannot_read_the_prompt_fails_no_one(model: Path) -> None:
+    """The catch-up runs in the daemon's own nursery: its failure is logged, not raised."""
+    draft = DraftModel(str(model), None, threads=1)
+    spec = Speculator("draft", Estimates(), draft, 0)
+    try:
+        assert spec.session is not None
+
+        def broken(history: list[int]) -> None:
+            raise RuntimeError("the draft's KV is full")
+
+        spec.session.catch_up = broken  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            spec.prepare(nursery, PROMPT)
+        await spec.aclose()
+        assert spec.session is None
+    finally:
+        draft.close()

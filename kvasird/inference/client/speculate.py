@@ -37,9 +37,10 @@ chance a that each guess is accepted, it yields (1 - a^(k+1)) / (1 - a) tokens. 
 one that yields the most tokens a second, 0 where none pays: on loopback a ring's step is
 mostly compute, t_row is near t1, and speculation turns itself off. Every PROBE_EVERY-th
 step is a plain one (t1 stays measured); the first speculative ones guess PROBE_K. Where k
-is 0, a step now and then (16, 32, 64, ... up to MAX_PROBE_EVERY steps apart) still guesses
-PROBE_K, so estimates taken in a bad moment do not turn speculation off for good. A draft
-model's t_guess leaves out its catching up with the prompt (once a generation).
+is 0, one step now and then (16, 32, 64, ... up to MAX_PROBE_EVERY steps apart, across the
+node's generations) still guesses one token, so estimates taken in a bad moment do not turn
+speculation off for good. A draft model's t_guess leaves out its catching up with the
+prompt, which it does while the ring computes the prompt (Speculator.prepare).
 
 Sources: Lookup (prompt lookup: what followed the last few tokens where they occurred
 before in the context; no model, strong where answers quote their prompt: editing, code,
@@ -103,6 +104,12 @@ class Estimates:
     t_guess: float = 0.0
     """Seconds to guess one token here (EWMA)."""
     prior: float = 0.5
+    idle: int = 0
+    """Steps since the last guess, while no guess pays."""
+    probe_every: int = PROBE_EVERY
+    """Steps between single guesses while none pays (doubling each time it still does not,
+    up to MAX_PROBE_EVERY, across this node's generations): costs change (a route, a link,
+    a busy moment), so what made k 0 is measured again, at a cost of one row in so many."""
 
     def accept_rate(self) -> float:
         return (self.accepted + 2 * self.prior) / (self.examined + 2)
@@ -120,6 +127,14 @@ class Estimates:
             if r > rate * 1.02:  # a guess must pay a little more than noise
                 best, rate = k, r
         return best
+
+    def probe(self) -> int:
+        """Guesses for a step where best_k says none pays: 1 once in probe_every steps."""
+        self.idle += 1
+        if self.idle < self.probe_every:
+            return 0
+        self.idle, self.probe_every = 0, min(2 * self.probe_every, MAX_PROBE_EVERY)
+        return 1
 
     def learn(self, guessed: int, drawn: int, seconds: float) -> None:
         """A step with `guessed` guesses drew `drawn` tokens in `seconds`."""
@@ -198,17 +213,11 @@ class DraftSession:
         cost beyond catching up with a long stretch of new history (the prompt's prefill,
         paid once a generation, is not a guess's cost). Blocking: run it in a worker
         thread."""
-        if self.session is None:
-            self.session = self.stage.open_session()
-        same = 0
-        for a, b in zip(self.held, history, strict=False):
-            if a != b:
-                break
-            same += 1
+        session, same = self._kept(history)
         same = min(same, len(history) - 1)  # the last token is fed to get the first guess
         ids = np.asarray(history[same:], np.int32)
         began = time.perf_counter()
-        logits = self.stage.forward(self.session, ids, same)
+        logits = self.stage.forward(session, ids, same)
         if len(ids) > MAX_K + 1:
             began = time.perf_counter()
         self.held = list(history)
@@ -218,8 +227,27 @@ class DraftSession:
             out.append(token)
             if len(out) == k:
                 return out, time.perf_counter() - began
-            logits = self.stage.forward(self.session, np.array([token], np.int32), len(self.held))
+            logits = self.stage.forward(session, np.array([token], np.int32), len(self.held))
             self.held.append(token)
+
+    def catch_up(self, history: Sequence[int]) -> None:
+        """Feed `history` to the draft model (a prompt, while the ring computes it), so that
+        the first guess is not held up by it. Blocking: run it in a worker thread."""
+        session, same = self._kept(history)
+        if same < len(history):
+            self.stage.forward(session, np.asarray(history[same:], np.int32), same)
+        self.held = list(history)
+
+    def _kept(self, history: Sequence[int]) -> tuple[Session, int]:
+        """The draft's session (opened if none), and how much of `history` its KV holds."""
+        if self.session is None:
+            self.session = self.stage.open_session()
+        same = 0
+        for a, b in zip(self.held, history, strict=False):
+            if a != b:
+                break
+            same += 1
+        return self.session, same
 
     def close(self) -> None:
         if self.session is not None:
@@ -238,9 +266,8 @@ class Speculator:
         self.steps = 0
         self.guessed = 0
         self.accepted = 0
-        self.probe_every = PROBE_EVERY
-        """Steps between guesses while the estimates say none pays (doubling each time
-        they still say so): costs change (a route, a link, the draft's first prefill)."""
+        self._drafting = trio.Lock()
+        """Held while the draft model computes (its session is one thread's at a time)."""
 
     async def guess(self, history: Sequence[int], room: int) -> tuple[int, ...]:
         """The guesses for the next step (none: a plain step), at most `room`."""
@@ -251,24 +278,42 @@ class Speculator:
         elif est.t1 is None or self.steps % PROBE_EVERY == 1:
             k = 0  # a plain step, timed
         else:
-            k = est.best_k(room)
-            if k == 0 and self.steps % self.probe_every == 0:
-                k, self.probe_every = PROBE_K, min(2 * self.probe_every, MAX_PROBE_EVERY)
+            k = est.best_k(room) or est.probe()
         k = min(k, room)
         if k <= 0:
             return ()
         if self.session is None:
             return tuple(lookup(history, k))
-        out, seconds = await trio.to_thread.run_sync(self.session.guess, list(history), k)
+        async with self._drafting:
+            out, seconds = await trio.to_thread.run_sync(self.session.guess, list(history), k)
         per = seconds / k
         est.t_guess = (1 - EWMA) * est.t_guess + EWMA * per if est.t_guess else per
         return tuple(out)
+
+    def prepare(self, nursery: trio.Nursery | None, prompt: Sequence[int]) -> None:
+        """Start the draft model on the prompt while the ring computes it (in `nursery`;
+        without one, the first guess feeds it)."""
+        if self.session is not None and nursery is not None:
+            nursery.start_soon(self._catch_up, list(prompt))
+
+    async def _catch_up(self, prompt: list[int]) -> None:
+        """In the service's nursery: a failure is logged, never raised (the first guess
+        then feeds the prompt itself, and fails in its generation, if it must)."""
+        async with self._drafting:
+            if self.session is not None:
+                try:
+                    await trio.to_thread.run_sync(self.session.catch_up, prompt)
+                except Exception as exc:  # noqa: BLE001 - the daemon's nursery must not fail
+                    log.warning("the draft model could not read the prompt", error=repr(exc))
 
     def learn(self, guessed: int, drawn: int, seconds: float) -> None:
         self.guessed += guessed
         self.accepted += max(drawn - 1, 0) if guessed else 0
         self.estimates.learn(guessed, drawn, seconds)
 
-    def close(self) -> None:
-        if self.session is not None:
-            self.session.close()
+    async def aclose(self) -> None:
+        """Close the draft session once no thread computes on it."""
+        async with self._drafting:
+            if self.session is not None:
+                self.session.close()
+                self.session = None

@@ -429,6 +429,8 @@ class SwarmGenerator:
         )
         run = _Run(self, info.model_id, n_prompt + budget, params, s.logprobs, progress)
         run.spec = self._speculator()
+        if run.spec is not None:
+            run.spec.prepare(self.nursery, request.prompt)
         history, produced, reason = list(request.prompt), 0, "length"
         pending: _Pending | None = None
         try:
@@ -462,7 +464,7 @@ class SwarmGenerator:
                     with trio.move_on_after(2):
                         await pending.cancel()
                 if run.spec is not None:
-                    run.spec.close()
+                    await run.spec.aclose()
                 await run.close()
                 await run.check_decode()
                 if len(self._work) >= KEEP_WORK:  # never asked for: drop the oldest
