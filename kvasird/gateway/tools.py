@@ -77,7 +77,7 @@ class ToolUse:
         return self.format.read(text, self.tools, self.opened)
 
     def reader(self) -> Reader:
-        """Reads one reply as it streams (kvasird.text.toolcalls.hermes.Format.stream)."""
+        """Reads one reply as it streams (kvasird.text.toolcalls.hermes.Format.reader)."""
         assert self.format is not None and self.reads
         return self.format.reader(self.tools, self.opened)
 
