@@ -164,6 +164,7 @@ def parse_request(body: Fields, caps: GatewayConfig) -> GenerationRequest:
         temperature=body.number("temperature", 0.0, 0),
         top_p=top_p(body),
         top_k=body.integer("top_k", 0, 0),
+        min_p=body.number("min_p", 0.0, 0, 1),
         repetition_penalty=body.number("repetition_penalty", 1.0, 0.01),
         seed=body.integer("seed", None, 0, (1 << 64) - 1),
     )

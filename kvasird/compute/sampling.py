@@ -1,12 +1,15 @@
 """Turning the head's logits into the next token: greedy, or seeded random sampling.
 
 The stage holding the head samples, so only a token id travels back to the gateway.
-Order of the transforms: the grammar's mask (tokens it does not allow get -inf), the logit
-bias, the penalties (repetition, frequency, presence), then temperature, top-k, top-p,
-draw. Temperature 0 is greedy. Bias and penalties are llama.cpp's (src/llama-sampler.cpp,
-its chain as common/sampling.cpp builds it): the bias comes first, the penalties next, both
+Order of the transforms, llama.cpp's (src/llama-sampler.cpp, its chain as
+common/sampling.cpp builds it): the grammar's mask (tokens it does not allow get -inf), the
+logit bias, the penalties (repetition, frequency, presence), top-k, top-p, min-p, then
+temperature and the draw. Temperature 0 is greedy. The bias and the penalties are computed
 in float32 as llama.cpp computes them, so a greedy run equals llama.cpp's with the same
-settings. The penalties count the last ``penalty_last_n`` tokens of the history, prompt
+settings; top-p and min-p keep tokens by the probabilities before the temperature, as
+llama.cpp's do, so a temperature below 1 sharpens only what they kept.
+
+The penalties count the last ``penalty_last_n`` tokens of the history, prompt
 included: llama-server feeds the prompt to its penalty sampler before the first draw, and
 64 is its default window; a window also keeps a long conversation's common tokens (spaces,
 punctuation) from being penalised without end. A sampler with a seed draws the same
@@ -18,9 +21,9 @@ draw itself).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -71,6 +74,10 @@ class SamplingParams:
     """(token id, value) pairs, each id once, added to those tokens' logits before anything
     else (OpenAI's ``logit_bias``, values -100..100: -100 all but bans a token, 100 all but
     forces it). Ids past the logits' vocabulary are ignored, as llama.cpp ignores them."""
+    min_p: float = 0.0
+    """Keep only tokens at least min_p times as likely as the likeliest (llama.cpp's min-p,
+    0..1); 0 = no limit. It cuts the long tail that a small model at temperature 1 would
+    otherwise wander into, however flat the head of the distribution."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -79,6 +86,8 @@ class SamplingParams:
             raise InputError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise InputError(f"min_p must be in [0, 1], got {self.min_p}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise InputError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -110,6 +119,44 @@ class SamplingParams:
 
 
 MAX_GRAMMAR_CHARS = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Recommended:
+    """What a request that leaves them unset samples with: llama-server's defaults, or
+    those the model's GGUF recommends (``general.sampling.*``, as llama.cpp reads them).
+
+    A client of an open model's server gets these, not OpenAI's temperature 1 over the
+    whole vocabulary: at 1 with no cut, a 135M model wanders into the tail now and then
+    (a forced tool call's string argument once in 100 runs never closed)."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+
+    @classmethod
+    def of(cls, meta: Callable[[str], Any]) -> Recommended:
+        """From a GGUF's metadata (``meta(key)``: its value or None); a value missing, of
+        the wrong type or out of range leaves llama-server's."""
+        base = cls()
+
+        def number(key: str, lo: float, hi: float, default: float) -> float:
+            v = meta(f"general.sampling.{key}")
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            return float(v) if ok and math.isfinite(v) and lo <= v <= hi else default
+
+        top_k = number("top_k", 0, 1 << 20, base.top_k)
+        return cls(
+            temperature=number("temp", 0, 2, base.temperature),
+            top_k=int(top_k) if top_k == int(top_k) else base.top_k,
+            top_p=number("top_p", 1e-6, 1, base.top_p),
+            min_p=number("min_p", 0, 1, base.min_p),
+        )
+
+
+LLAMA_SERVER = Recommended()
+"""llama-server's defaults: what a model whose GGUF recommends nothing samples with."""
 
 
 def _check_logit_bias(pairs: tuple[tuple[int, float], ...]) -> None:
@@ -215,10 +262,15 @@ class Sampler:
         order = np.argsort(-z, kind="stable")
         if p.top_k:
             order = order[: p.top_k]
+        if p.top_p < 1 or p.min_p > 0:
+            probs = softmax(z[order].astype(np.float64))
+            keep = len(order)
+            if p.top_p < 1:
+                keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            if p.min_p > 0:  # sorted: the tokens kept are a prefix, the likeliest always
+                keep = min(keep, max(int((probs >= p.min_p * probs[0]).sum()), 1))
+            order = order[:keep]
         probs = softmax(z[order].astype(np.float64) / p.temperature)
-        if p.top_p < 1:
-            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
-            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
         return int(order[self._rng.choice(len(order), p=probs)])
 
     def _adjust(self, z: np.ndarray, history: Sequence[int]) -> None:

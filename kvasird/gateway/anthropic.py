@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from kvasird.gateway.body import Fields, objects, read_json
 from kvasird.gateway.errors import ApiError, BadRequest
 from kvasird.gateway.generation import Choice, Done, Piece
-from kvasird.gateway.openai import content_text, stops, top_p
+from kvasird.gateway.openai import content_text, stops, unset_as
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
 from kvasird.gateway.tools import (
@@ -55,12 +55,7 @@ async def messages(gw: Gateway, request: Request) -> GenerationResponse:
         gw.chat_prompt(template, tok, conversation(f), "messages", use.tools, reasoning),
         "messages",
     )
-    params = SamplingParams(
-        temperature=f.number("temperature", 1.0, 0, 1),
-        top_p=top_p(f),
-        top_k=f.integer("top_k", 0, 0, 1 << 20),
-        grammar=use.grammar,
-    )
+    params = SamplingParams(**unset_as(f, info.sampling, 1), grammar=use.grammar)
     limit = gw.output_limit(info, prompt, f.integer("max_tokens"), "max_tokens")
     job = gw.job(
         info,

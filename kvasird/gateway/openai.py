@@ -36,7 +36,14 @@ from kvasird.gateway.tools import (
     openai_tool_use,
     thinking_in,
 )
-from kvasird.inference.api import ModelInfo, Sampling, SamplingParams, TokenEvent
+from kvasird.inference.api import (
+    LLAMA_SERVER,
+    ModelInfo,
+    Recommended,
+    Sampling,
+    SamplingParams,
+    TokenEvent,
+)
 from kvasird.model.names import slug
 from kvasird.text.chat import Message
 from kvasird.text.grammar import JSON_OBJECT, GrammarError, check, for_json_schema
@@ -77,7 +84,7 @@ async def chat_completions(gw: Gateway, request: Request) -> GenerationResponse:
         tok,
         name,
         prompt,
-        sampling(f, limit.granted, top if logprobs else -1, use.grammar, tok),
+        sampling(f, limit.granted, top if logprobs else -1, use.grammar, tok, info.sampling),
         stops=stops(f),
         stream=f.boolean("stream", False),
         include_usage=f.obj("stream_options").boolean("include_usage", False),
@@ -117,7 +124,7 @@ async def completions(gw: Gateway, request: Request) -> GenerationResponse:
         tok,
         name,
         prompts[0],
-        sampling(f, limit.granted, top, tok=tok),
+        sampling(f, limit.granted, top, tok=tok, defaults=info.sampling),
         stops=stops(f),
         stream=f.boolean("stream", False),
         include_usage=f.obj("stream_options").boolean("include_usage", False),
@@ -303,19 +310,19 @@ def sampling(
     top_logprobs: int,
     tool_grammar: str = "",
     tok: Tokenizer | None = None,
+    defaults: Recommended = LLAMA_SERVER,
 ) -> Sampling:
     """The sampling settings of a request; ``tool_grammar`` forces tool calls (tools);
     ``logit_bias`` ids are checked against ``tok``'s vocabulary (None: no model at hand, as
     for the defaults /props shows, and no token may be biased). Besides OpenAI's settings,
-    llama-server's ``top_k``, ``repetition_penalty`` and ``repeat_last_n`` (how many of the
-    last tokens the penalties count)."""
+    llama-server's ``top_k``, ``min_p``, ``repetition_penalty`` and ``repeat_last_n`` (how
+    many of the last tokens the penalties count). What the request leaves unset of
+    temperature, top-k, top-p and min-p is the model's ``defaults``, as llama-server's."""
     if f.value.get("functions"):
         raise BadRequest("`functions` is not supported by this gateway: use `tools`", "functions")
     seed = f.integer("seed", None)
     params = SamplingParams(
-        temperature=f.number("temperature", 1.0, 0, 2),
-        top_p=top_p(f),
-        top_k=f.integer("top_k", 0, 0, 1 << 20),
+        **unset_as(f, defaults, 2),
         repetition_penalty=f.number("repetition_penalty", 1.0, 0.01, 10),
         frequency_penalty=f.number("frequency_penalty", 0.0, -2, 2),
         presence_penalty=f.number("presence_penalty", 0.0, -2, 2),
@@ -376,9 +383,20 @@ def response_format(f: Fields) -> str:
     return grammar
 
 
-def top_p(f: Fields) -> float:
-    """`top_p` in (0, 1], 1 when absent (both APIs)."""
-    value = float(f.number("top_p", 1.0, 0, 1))
+def unset_as(f: Fields, defaults: Recommended, hottest: float) -> dict[str, Any]:
+    """A request's temperature (0..`hottest`), top-k, top-p and min-p, each the model's
+    default where the request leaves it unset (every API)."""
+    return {
+        "temperature": f.number("temperature", defaults.temperature, 0, hottest),
+        "top_p": top_p(f, defaults.top_p),
+        "top_k": f.integer("top_k", defaults.top_k, 0, 1 << 20),
+        "min_p": f.number("min_p", defaults.min_p, 0, 1),
+    }
+
+
+def top_p(f: Fields, default: float = 1.0) -> float:
+    """`top_p` in (0, 1], `default` when absent (every API)."""
+    value = float(f.number("top_p", default, 0, 1))
     if value == 0:
         raise BadRequest("`top_p` must be greater than 0", "top_p")
     return value

@@ -90,7 +90,7 @@ async def props(gw: Gateway, request: Request) -> JSONResponse:
             "default_generation_settings": {
                 "n_ctx": info.context_length,
                 "is_processing": gw.stats.in_flight > 0,
-                "params": _defaults(gw),
+                "params": _defaults(gw, info),
             },
             "total_slots": gw.config.max_concurrent,
             "model_path": info.label,
@@ -114,10 +114,10 @@ def _served(gw: Gateway, name: str | None) -> tuple[ModelInfo, Tokenizer, ChatTe
     return gw.resolve(name)
 
 
-def _defaults(gw: Gateway) -> dict[str, Any]:
+def _defaults(gw: Gateway, info: ModelInfo) -> dict[str, Any]:
     """What a chat completion that sets nothing samples with, in llama-server's names."""
     cap = gw.config.max_tokens
-    params = asdict(openai.sampling(Fields({}), cap, -1).params)
+    params = asdict(openai.sampling(Fields({}), cap, -1, defaults=info.sampling).params)
     seed = params.pop("seed")
     params.pop("grammar")
     return {

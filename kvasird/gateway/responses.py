@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse
 from kvasird.gateway.body import Fields, objects, read_json, text
 from kvasird.gateway.errors import ApiError, BadRequest, NotFound
 from kvasird.gateway.generation import Choice, Done, Piece
-from kvasird.gateway.openai import content_text, response_format, top_p
+from kvasird.gateway.openai import content_text, response_format, unset_as
 from kvasird.gateway.response import GenerationResponse, sse
 from kvasird.gateway.service import Gateway, Job
 from kvasird.gateway.tools import (
@@ -135,9 +135,7 @@ async def create(gw: Gateway, request: Request) -> GenerationResponse:
             "hold the reply: drop one",
             "text.format",
         )
-    params = SamplingParams(
-        temperature=f.number("temperature", 1.0, 0, 2), top_p=top_p(f), grammar=grammar
-    )
+    params = SamplingParams(**unset_as(f, info.sampling, 2), grammar=grammar)
     limit = gw.output_limit(info, prompt, f.integer("max_output_tokens", None), "max_output_tokens")
     job = gw.job(
         info,

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvasird.compute.sampling import SamplingParams
+from kvasird.compute.sampling import LLAMA_SERVER, Recommended, SamplingParams
 from kvasird.errors import KvasirError
 from kvasird.model.names import named_by
 
@@ -120,6 +120,9 @@ class ModelInfo:
     node: what /v1/models lists as the model's ``id``."""
     context_length: int
     """Longest prompt + completion the route accepts."""
+    sampling: Recommended = LLAMA_SERVER
+    """What a request that leaves temperature, top-k, top-p or min-p unset samples with
+    (the GGUF's recommendation, else llama-server's defaults)."""
 
     def answers_to(self, name: str) -> bool:
         """Whether a request naming `name` means this model: its name, its id, an id prefix

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import trio
 
+from kvasird.compute.ggufview import GGUFFile
 from kvasird.compute.kv.keys import PAGE
 from kvasird.compute.kv.pool import KVSpec, Session
-from kvasird.compute.sampling import Sampler, log_softmax
+from kvasird.compute.sampling import Recommended, Sampler, log_softmax
 from kvasird.compute.stage import Stage
 from kvasird.inference.api import (
     Busy,
@@ -60,7 +61,8 @@ class LocalGenerator:
         """Load the whole GGUF at ``path`` (blocking: call it from a worker thread)."""
         stage = Stage.load(path, threads=threads, kv=KVSpec(n_slots=kv_tokens))
         context = min(stage.hp.n_ctx_train, stage.kv.max_session_tokens)
-        generator = cls(stage, ModelInfo(model_id, label, context))
+        meta = GGUFFile(path).get
+        generator = cls(stage, ModelInfo(model_id, label, context, Recommended.of(meta)))
         generator.path = Path(path)
         return generator
 

@@ -27,6 +27,7 @@ from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
 from kvasird.compute.hparams import DEFAULT_CONTEXT, HYBRID
 from kvasird.compute.runtime import compute_threads
+from kvasird.compute.sampling import LLAMA_SERVER, Recommended
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
 from kvasird.config import Config
 from kvasird.errors import KvasirError
@@ -190,16 +191,17 @@ class InferenceService:
         if self.market.model is None:
             return None
         served, kv = self.served, self.config.inference.kv_slots
+        manifest = self.market.manifest()
         if served is not None:
             trained = served.hp.n_ctx_train
         else:
-            manifest = self.market.manifest()
             trained = (
                 kv
                 if manifest is None
                 else int(manifest.meta(f"{manifest.arch}.context_length", DEFAULT_CONTEXT))
             )
-        return ModelInfo(self._model_id(), self.market.name, min(trained, kv))
+        recommended = LLAMA_SERVER if manifest is None else Recommended.of(manifest.meta)
+        return ModelInfo(self._model_id(), self.market.name, min(trained, kv), recommended)
 
     def _sources(self, units: list[Unit]) -> list[Path]:
         """The GGUF files holding `units`: the original, or verified slices from the store."""

@@ -198,7 +198,10 @@ def test_props_describe_the_model_its_template_and_the_chat_defaults(daemon: Dae
     model = httpx.get(daemon.url + "/v1/models", timeout=10).json()["data"][0]
     settings = props["default_generation_settings"]
     assert settings["n_ctx"] == model["context_length"]
-    assert settings["params"]["temperature"] == 1.0 and settings["params"]["top_p"] == 1.0
+    # the bundled GGUF recommends nothing: llama-server's defaults
+    params = settings["params"]
+    assert (params["temperature"], params["top_k"], params["top_p"], params["min_p"]) == (
+        0.8, 40, 0.95, 0.05)
     assert settings["params"]["n_predict"] == settings["params"]["max_tokens"] == 1024
     assert props["total_slots"] == 16
     assert props["model_path"] == model["id"] and props["model_id"] == daemon.model

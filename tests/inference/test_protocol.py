@@ -316,19 +316,21 @@ def test_the_messages_are_the_bytes_the_untyped_code_sent() -> None:
 
 
 def test_each_api_builds_the_one_sampling_type_with_its_own_defaults() -> None:
-    """OpenAI samples at temperature 1 unless told otherwise, the admin API greedily; the
-    settings reach the head as they were asked for."""
+    """OpenAI's APIs sample with the model's defaults (llama-server's, where its GGUF
+    recommends none) unless told otherwise, the admin API greedily; the settings reach the
+    head as they were asked for."""
     from kvasird.admin.generate import parse_request
     from kvasird.config import GatewayConfig
     from kvasird.gateway.body import Fields
     from kvasird.gateway.openai import sampling
 
-    assert sampling(Fields({}), 16, -1).params == SamplingParams(temperature=1.0)
+    assert sampling(Fields({}), 16, -1).params == SamplingParams(
+        temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
     admin = parse_request(Fields({"prompt": [1, 2]}), GatewayConfig()).sampling
     assert admin.params == SamplingParams(temperature=0.0) and admin.logprobs == 0
     asked = sampling(Fields({"temperature": 0.5, "top_p": 0.8, "top_k": 3, "seed": -1,
-                             "repetition_penalty": 1.3}), 16, 2)
-    assert asked.params == SamplingParams(0.5, 3, 0.8, 1.3, (1 << 64) - 1)
+                             "repetition_penalty": 1.3, "min_p": 0.2}), 16, 2)
+    assert asked.params == SamplingParams(0.5, 3, 0.8, 1.3, (1 << 64) - 1, min_p=0.2)
     assert asked.logprobs == 2 and asked.max_tokens == 16
     wire = Open("s", "m", 0, 1, True, True, 16, sampling=asked.params).to_wire()
     assert stage.sampling_from_wire(unpack(pack(wire))["sampling"], "s") == asked.params

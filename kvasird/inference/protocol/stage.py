@@ -12,7 +12,7 @@ docstring draws, so nodes of either side of this change interoperate.
 Sampling settings travel as one map, the wire form of compute's SamplingParams (the one
 sampling type from the gateway to the head's sampler):
 
-    {temperature, top_k, top_p, repetition_penalty, seed, frequency_penalty?,
+    {temperature, top_k, top_p, repetition_penalty, seed, min_p?, frequency_penalty?,
      presence_penalty?, penalty_last_n?, logit_bias?: [[token, value], ...], grammar?}
 
 (a key marked ? is sent only where it differs from the default).
@@ -635,6 +635,7 @@ def token_from_wire(d: dict[str, Any], what: str) -> TokenEvent:
 
 
 _OPTIONAL_SAMPLING = (
+    "min_p",
     "frequency_penalty",
     "presence_penalty",
     "penalty_last_n",
@@ -672,6 +673,7 @@ def sampling_from_wire(value: Any, what: str) -> SamplingParams:
             temperature=schema.number(d, "temperature", 0, 1e6, what),
             top_k=schema.integer(d, "top_k", 0, 1 << 24, what),
             top_p=schema.number(d, "top_p", 0, 1, what),
+            min_p=schema.number(d, "min_p", 0, 1, what) if "min_p" in d else 0.0,
             repetition_penalty=schema.number(d, "repetition_penalty", 1e-6, 1e6, what),
             frequency_penalty=_penalty(d, "frequency_penalty", what),
             presence_penalty=_penalty(d, "presence_penalty", what),
