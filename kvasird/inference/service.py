@@ -25,7 +25,7 @@ from libp2p.custom_types import TProtocol
 from kvasird import PROTOCOL_VERSION
 from kvasird.compute.experts import ExpertWorker
 from kvasird.compute.graph import Backend
-from kvasird.compute.hparams import DEFAULT_CONTEXT, HYBRID
+from kvasird.compute.hparams import DEFAULT_CONTEXT
 from kvasird.compute.runtime import compute_threads
 from kvasird.compute.sampling import LLAMA_SERVER, Recommended
 from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
@@ -425,8 +425,6 @@ class InferenceService:
         manifest = self.market.manifest()
         if manifest is None:
             return "the model's manifest is not here yet"
-        if manifest.arch in HYBRID:
-            return f"{manifest.arch} has recurrent states, which cannot go back past a guess"
         return ""
 
     async def _load_draft(self, path: str) -> None:
@@ -531,7 +529,7 @@ class InferenceService:
             "mode": c.speculate,
             "draft_model": str(gen.draft.path) if gen.draft is not None else None,
             "off_because": gen.speculable(),
-            **{k: gen.speculation[k] for k in ("steps", "guessed", "accepted")},
+            **{k: gen.speculation[k] for k in ("steps", "guessed", "accepted", "ahead")},
             "sources": {
                 name: {
                     "accept_rate": round(e.accept_rate(), 3),

@@ -247,3 +247,36 @@ def test_kept_states_and_marks_give_way_to_new_sessions(hybrid) -> None:
         for s in sessions:
             s.close()
     assert hybrid.kv.free_states == 4
+
+
+def test_a_recurrent_session_goes_back_to_a_copy_it_kept_and_only_there(hybrid) -> None:
+    """A speculative step computed one position at a time keeps the state after each
+    position (keep_rewind): the next step may start at any of them, as an attention
+    layer's KV could, with the logits of a session that never went past it; where no copy
+    was kept it cannot go back. A session that needs a slot takes the copies' slots."""
+    ids = tokens(40, seed=11)
+    with hybrid.open_session() as s:
+        hybrid.forward(s, ids[:30], 0)
+        for i in range(30, 34):  # 30 is the step's own token; 31-33 guesses
+            hybrid.forward(s, ids[i : i + 1], i)
+            if i < 33:
+                s.keep_rewind()
+        assert sorted(s.rewinds) == [31, 32, 33] and s.n_past == 34
+        got = hybrid.forward(s, ids[32:34], 32)  # the head kept one guess: on from 32
+        assert not s.rewinds  # the others freed
+        with pytest.raises(InputError, match="cannot go back to position 31"):
+            hybrid.forward(s, ids[31:32], 31)
+    np.testing.assert_array_equal(got, cold(hybrid, ids[:34], [30, 1, 1, 2]))
+    sessions = [hybrid.open_session() for _ in range(2)]
+    try:
+        hybrid.forward(sessions[0], ids[:3], 0)
+        for i in range(3):
+            hybrid.forward(sessions[0], ids[3 + i : 4 + i], 3 + i)
+            sessions[0].keep_rewind()
+        assert len(sessions[0].rewinds) == 3  # with its state, all four slots
+        hybrid.forward(sessions[1], ids[:5], 0)  # a new session takes a copy's slot
+        assert not sessions[0].rewinds and sessions[1].n_past == 5
+    finally:
+        for s in sessions:
+            s.close()
+    assert hybrid.kv.free_states == 4

@@ -162,7 +162,7 @@ class KVPool:
         """Recurrent-state slots a new session could take now: free ones, kept states' and
         live sessions' marks (0 where the pool has no delta-net layer)."""
         kept = len(self.prefix.states) if self.prefix is not None else 0
-        return len(self.states.free) + kept + len(self.states.marked)
+        return len(self.states.free) + kept + len(self.states.marked) + len(self.states.rewinds)
 
     def open(self) -> Session:
         return Session(self)
@@ -212,6 +212,8 @@ class KVPool:
             self.prefix.evict_state()
         if not self.states.free and self.states.marked:  # a live session's mark gives way
             next(iter(self.states.marked.values()))._drop_mark()
+        if not self.states.free and self.states.rewinds:  # then one's way back past a guess
+            next(iter(self.states.rewinds.values())).drop_rewinds()
         if not self.states.free:
             raise KVCacheFull(
                 f"all {self.spec.state_slots} recurrent-state slots are in use: "
@@ -245,6 +247,10 @@ class Session:
         """A state slot holding a copy of `state` at position `mark_at` (None: no copy)."""
         self.mark_at = 0
         """The page boundary the mark was copied at."""
+        self.rewinds: dict[int, int] = {}
+        """Position -> a state slot holding the state there: the copies a speculative step
+        computed one position at a time keeps, so that the next step may start after any
+        guess it checked (keep_rewind); dropped when the next step starts."""
 
     def reserve(self, start: int, n_tokens: int) -> None:
         """Make room for positions [start, start + n_tokens), dropping cached positions >= start."""
@@ -254,7 +260,7 @@ class Session:
                 f"position {start} is past the cached context ({self.n_past} tokens): "
                 "send the missing tokens first"
             )
-        if pool.recurrent and 0 < start < self.n_past:
+        if pool.recurrent and 0 < start < self.n_past and not self._rewind(start):
             raise InputError(
                 f"a recurrent state cannot go back to position {start} "
                 f"(it holds {self.n_past}): replay the history from position 0"
@@ -386,6 +392,48 @@ class Session:
         pool.states.copy(self.state, self.mark)
         self.mark_at = end
 
+    def keep_rewind(self) -> None:
+        """Copy the state, which holds positions [0, n_past), into a slot of its own, so that
+        a later step may start here though the session computes past it (a speculative
+        step's guess the head may reject). Best effort: a slot free, a kept state's or a
+        live session's mark; without one a step starting here is refused (the generation
+        replays its history)."""
+        pool = self._live()
+        if self.state is None or self.n_past in self.rewinds:
+            return
+        if not pool.states.free and pool.prefix is not None:
+            pool.prefix.evict_state()
+        if not pool.states.free and pool.states.marked:
+            next(iter(pool.states.marked.values()))._drop_mark()
+        if not pool.states.free:
+            return
+        slot = pool.states.free.pop()
+        pool.states.copy(self.state, slot)
+        pool.states.rewinds[slot] = self
+        self.rewinds[self.n_past] = slot
+
+    def _rewind(self, start: int) -> bool:
+        """Go back to position `start` from a copy keep_rewind kept there, if any."""
+        slot = self.rewinds.get(start)
+        if slot is None or self.state is None:
+            return False
+        self._live().states.copy(slot, self.state)
+        if self.mark is not None and self.mark_at > start:  # copied past it: stale
+            self._drop_mark()
+        self.drop_rewinds()  # the others: past `start` (stale) or before it (confirmed)
+        self.n_past = start
+        return True
+
+    def drop_rewinds(self, before: int | None = None) -> None:
+        """Free the copies keep_rewind kept (a step continuing where the last one ended),
+        or those of positions before `before` only."""
+        if self.rewinds:
+            pool = self._live()
+            for at, slot in list(self.rewinds.items()):
+                if before is None or at < before:
+                    del pool.states.rewinds[slot], self.rewinds[at]
+                    pool.states.free.append(slot)
+
     def _drop_mark(self) -> None:
         pool = self._live()
         if self.mark is not None:
@@ -397,7 +445,12 @@ class Session:
         """Forget positions >= n (a replay after failover, or a rejected draft)."""
         if not 0 <= n <= self.n_past:
             raise InputError(f"cannot truncate to {n}: the session holds {self.n_past} positions")
-        if self.pool is not None and self.pool.recurrent and 0 < n < self.n_past:
+        if (
+            self.pool is not None
+            and self.pool.recurrent
+            and 0 < n < self.n_past
+            and not self._rewind(n)
+        ):
             raise InputError(
                 f"a recurrent state cannot be truncated to {n} of {self.n_past} "
                 "positions: replay the history from position 0"
@@ -444,6 +497,7 @@ class Session:
                 self.ring = [page for page in self.ring if page not in window]
             if self.mark is not None:
                 self._drop_mark()
+            self.drop_rewinds()
             self.pool._give(self.pages, self.ring)
             self.pages, self.ring = [], []
             if self.state is not None:

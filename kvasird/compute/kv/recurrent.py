@@ -47,6 +47,9 @@ class StateSlots:
         """Slots nobody holds, the next one to take last."""
         self.marked: dict[int, Session] = {}
         """Slots holding a live session's mark, and that session."""
+        self.rewinds: dict[int, Session] = {}
+        """Slots holding a state a live session may go back to (Session.keep_rewind), and
+        that session."""
 
     def copy(self, src: int, dst: int) -> None:
         """Copy slot `src`'s convolution and delta-rule states into slot `dst`."""

@@ -27,8 +27,11 @@ Exact by construction, two ways:
   and spares what speculation is for: the circuit. ``[inference] speculate_exact = false``
   checks the rows as one batch instead: cheaper, equal to float rounding.
 Rows past the first rejection are forgotten by every hop when the next step starts before
-them (the KV pool's reserve drops positions >= start). Recurrent states (delta-net
-layers) cannot go back, so models with them are not speculated on.
+them (the KV pool's reserve drops positions >= start). A delta-net layer's state holds
+everything before its position and cannot go back, so a hop holding one computes a
+speculative step one position at a time, however ``speculate_exact`` is set, and copies
+its state after each position but the last (KV pool: Session.keep_rewind); the next step
+starts from the copy where the head rejected a guess.
 
 How many to guess (``draft_k`` = 0): from what this node measured on the route, per
 source. A step of 1 + k rows takes t1 + k * t_row (t1: a plain step's circuit and compute;
@@ -59,6 +62,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
+from kvasird.compute.errors import ComputeError
 from kvasird.errors import ModelError
 from kvasird.logs import get_logger
 from kvasird.text.tokenizer import Tokenizer
@@ -150,6 +154,12 @@ class Estimates:
             self.t_row = row if self.t_row is None else (1 - EWMA) * self.t_row + EWMA * row
 
 
+def _same_tail(assumed: Sequence[int], history: Sequence[int], n: int = 64) -> bool:
+    """Whether `history` is what a step drafted ahead for: the same length and end (the
+    start is the generation's own, the same by construction)."""
+    return len(assumed) == len(history) and list(assumed[-n:]) == list(history[-n:])
+
+
 def lookup(history: Sequence[int], k: int) -> list[int]:
     """Prompt lookup: the k tokens that followed the latest earlier occurrence of the
     context's last NGRAM tokens (the longest that occurs), or none."""
@@ -179,7 +189,9 @@ class DraftModel:
         self.path = Path(path).expanduser()
         if target_tokens is not None:
             check_vocabulary(self.path, target_tokens)
-        self.stage = Stage.load(self.path, threads=threads, kv=KVSpec(n_slots=8192, dtype="f16"))
+        # a delta-net draft keeps a copy of its state per guess, of two steps at a time
+        kv = KVSpec(n_slots=8192, dtype="f16", state_slots=2 * MAX_K + 4)
+        self.stage = Stage.load(self.path, threads=threads, kv=kv)
 
     def open(self) -> DraftSession:
         return DraftSession(self.stage)
@@ -208,13 +220,19 @@ class DraftSession:
     held: list[int] = field(default_factory=list)
     session: Session | None = None
 
-    def guess(self, history: Sequence[int], k: int) -> tuple[list[int], float]:
+    def guess(
+        self, history: Sequence[int], k: int, confirmed: int | None = None
+    ) -> tuple[list[int], float]:
         """k tokens the draft model draws greedily after `history`, and the seconds that
         cost beyond catching up with a long stretch of new history (the prompt's prefill,
-        paid once a generation, is not a guess's cost). Blocking: run it in a worker
-        thread."""
-        session, same = self._kept(history)
-        same = min(same, len(history) - 1)  # the last token is fed to get the first guess
+        paid once a generation, is not a guess's cost). `history` is the route's from
+        position `confirmed` on only as far as guessed (drafting ahead): the draft keeps
+        its way back to each of those positions. Blocking: run it in a worker thread."""
+        # the last token is fed to get the first guess
+        confirmed = len(history) if confirmed is None else confirmed
+        session, same = self._kept(history, len(history) - 1, confirmed - 1)
+        if session.n_past == same:
+            session.keep_rewind()  # the token fed now may be a guess the route rejects
         ids = np.asarray(history[same:], np.int32)
         began = time.perf_counter()
         logits = self.stage.forward(session, ids, same)
@@ -227,27 +245,36 @@ class DraftSession:
             out.append(token)
             if len(out) == k:
                 return out, time.perf_counter() - began
+            session.keep_rewind()  # a delta-net's way back to here (no-op for attention)
             logits = self.stage.forward(session, np.array([token], np.int32), len(self.held))
             self.held.append(token)
 
     def catch_up(self, history: Sequence[int]) -> None:
         """Feed `history` to the draft model (a prompt, while the ring computes it), so that
         the first guess is not held up by it. Blocking: run it in a worker thread."""
-        session, same = self._kept(history)
+        session, same = self._kept(history, len(history), len(history))
         if same < len(history):
             self.stage.forward(session, np.asarray(history[same:], np.int32), same)
         self.held = list(history)
 
-    def _kept(self, history: Sequence[int]) -> tuple[Session, int]:
-        """The draft's session (opened if none), and how much of `history` its KV holds."""
+    def _kept(self, history: Sequence[int], upto: int, settled: int) -> tuple[Session, int]:
+        """The draft's session (opened if none), and the position it goes on from: how
+        much of `history` its KV holds, at most `upto` (a delta-net's state goes back only
+        to a copy kept after a guess, else it starts over). Copies before `settled` are
+        dropped: the route will not go back there."""
         if self.session is None:
             self.session = self.stage.open_session()
-        same = 0
+        session, same = self.session, 0
         for a, b in zip(self.held, history, strict=False):
             if a != b:
                 break
             same += 1
-        return self.session, same
+        same = min(same, upto)
+        if session.n_past <= same:
+            session.drop_rewinds(before=settled)
+        elif self.stage.kv.recurrent and same not in session.rewinds:
+            same = 0  # a delta-net's state cannot go back without a copy: from the start
+        return session, same
 
     def close(self) -> None:
         if self.session is not None:
@@ -268,6 +295,11 @@ class Speculator:
         self.accepted = 0
         self._drafting = trio.Lock()
         """Held while the draft model computes (its session is one thread's at a time)."""
+        self._nursery: trio.Nursery | None = None
+        self._ahead: tuple[list[int], list[int]] | None = None
+        """(the history a step drafted ahead for, its guesses): see draft_ahead."""
+        self._hit = False
+        """Whether the last guesses were drafted while the route checked the step before."""
 
     async def guess(self, history: Sequence[int], room: int) -> tuple[int, ...]:
         """The guesses for the next step (none: a plain step), at most `room`."""
@@ -284,17 +316,70 @@ class Speculator:
             return ()
         if self.session is None:
             return tuple(lookup(history, k))
+        waited = time.perf_counter()
         async with self._drafting:
-            out, seconds = await trio.to_thread.run_sync(self.session.guess, list(history), k)
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and len(ahead[1]) >= k and _same_tail(ahead[0], history):
+                self._hit = True
+                seconds = time.perf_counter() - waited  # what the step waited for them
+                out = ahead[1][:k]
+            elif self.session is None:  # the draft failed ahead
+                return tuple(lookup(history, k))
+            else:
+                try:
+                    out, seconds = await trio.to_thread.run_sync(
+                        self.session.guess, list(history), k
+                    )
+                except ComputeError as exc:  # the generation goes on without its guesses
+                    self._failed(exc)
+                    return tuple(lookup(history, k))
         per = seconds / k
         est.t_guess = (1 - EWMA) * est.t_guess + EWMA * per if est.t_guess else per
         return tuple(out)
 
+    def take_ahead_hit(self) -> int:
+        """1 if the last guesses were drafted ahead (then forgotten), else 0."""
+        hit, self._hit = self._hit, False
+        return int(hit)
+
     def prepare(self, nursery: trio.Nursery | None, prompt: Sequence[int]) -> None:
         """Start the draft model on the prompt while the ring computes it (in `nursery`;
-        without one, the first guess feeds it)."""
+        without one, the first guess feeds it, and no step drafts ahead)."""
+        self._nursery = nursery
         if self.session is not None and nursery is not None:
             nursery.start_soon(self._catch_up, list(prompt))
+
+    def draft_ahead(self, history: Sequence[int], guesses: Sequence[int]) -> None:
+        """While the route checks `guesses` after `history`: draft the step after, were
+        they all kept. The draft model guesses the head's own token after them and k more
+        after that one; when the route's tokens are those, the next step's guesses are
+        ready (or computing) the moment the route answers, so a draft model's time
+        overlaps the circuit's instead of adding to it. In the service's nursery; a
+        failure is logged and the draft model is given up for the generation."""
+        if self.session is None or self._nursery is None or not guesses:
+            return
+        self._ahead = None
+        self._nursery.start_soon(self._run_ahead, [*history, *guesses], len(history))
+
+    async def _run_ahead(self, assumed: list[int], confirmed: int) -> None:
+        k = len(assumed) - confirmed
+        async with self._drafting:
+            if self.session is None:
+                return
+            try:
+                out, _ = await trio.to_thread.run_sync(
+                    self.session.guess, assumed, k + 1, confirmed
+                )
+            except Exception as exc:  # noqa: BLE001 - the daemon's nursery must not fail
+                self._failed(exc)
+                return
+            self._ahead = ([*assumed, out[0]], out[1:])
+
+    def _failed(self, exc: Exception) -> None:
+        log.warning("the draft model failed: guessing from the context", error=repr(exc))
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
     async def _catch_up(self, prompt: list[int]) -> None:
         """In the service's nursery: a failure is logged, never raised (the first guess

@@ -870,6 +870,7 @@ class _Run:
         spec, guesses = self.spec, tuple[int, ...]()
         if spec is not None:
             guesses = await spec.guess(history, self.max_tokens - len(history))
+            spec.draft_ahead(history, guesses)
         began = time.perf_counter()
         try:
             drawn = await self._forward(history, start, len(history), guesses=guesses)
@@ -881,6 +882,7 @@ class _Run:
             if guesses:
                 gen, p = self.gen, self.progress
                 gen.speculation.update(steps=1, guessed=len(guesses), accepted=len(drawn) - 1)
+                gen.speculation["ahead"] += spec.take_ahead_hit()
                 p.guessed, p.accepted = p.guessed + len(guesses), p.accepted + len(drawn) - 1
         return drawn
 

@@ -118,6 +118,11 @@ class ServedSession:
     logits the sampler draws from), "embd" (an embedding session: every row's final norm)."""
 
     @property
+    def recurrent(self) -> bool:
+        """Whether a stage of the chain holds delta-net states (which cannot go back)."""
+        return any(st.kv.recurrent for st in self.chain)
+
+    @property
     def layers(self) -> int:
         """Layers a position costs on this hop, as receipts count them (the head as one)."""
         return sum(st.window[1] - st.window[0] for st in self.chain) + any(
@@ -470,15 +475,15 @@ class StageServer:
             del s.history[m.start :]
             s.history += m.ids
         s.used, began = self.clock(), time.monotonic()
+        if m.start >= s.at:  # on from the last step: no guess of it to go back past
+            for kv in s.sessions:
+                kv.drop_rewinds()
         try:
             with collecting_waits() as waited:
                 if m.verify and s.sampler is not None:
                     return await self._verify(s, m)
-                if m.singly:  # as the decode steps they were, or would be
-                    outs = [
-                        await _run_chain(s, x[i : i + 1], m.start + i, self.company)
-                        for i in range(len(x))
-                    ]
+                if m.singly or m.verify and s.recurrent:  # as the decode steps they were
+                    outs = [await self._row(s, x, m.start, i) for i in range(len(x))]
                     out = outs[-1] if s.sampler is not None else np.concatenate(outs)
                 elif s.out == "last" and self.batcher.takes(s.chain, m.start, len(x)):
                     out = await self.batcher.step(s, x, m.start, self._solo)
@@ -505,7 +510,7 @@ class StageServer:
         row). The next step starts from the last token drawn."""
         assert m.ids is not None
         drawn: list[TokenEvent] = []
-        if not m.singly:
+        if not m.singly and not s.recurrent:
             s.out = "all"
             try:
                 logits = await _run_chain(s, m.x, m.start, self.company)
@@ -520,7 +525,7 @@ class StageServer:
                     break
             return tuple(drawn)
         for i in range(len(m.x)):
-            out = await _run_chain(s, m.x[i : i + 1], m.start + i, self.company)
+            out = await self._row(s, m.x, m.start, i)
             self._check_finite(s, m, out)
             self.tokens += 1
             s.at = m.start + i + 1
@@ -528,6 +533,17 @@ class StageServer:
             if i + 1 == len(m.x) or drawn[-1].token != m.ids[i + 1]:
                 return tuple(drawn)
         raise AssertionError("unreachable: the last position returns")
+
+    async def _row(self, s: ServedSession, x: np.ndarray, start: int, i: int) -> np.ndarray:
+        """Position start + i of a step computed one position at a time. A delta-net's
+        state cannot go back, so where the chain holds one, its state after each position
+        but the last is copied: the next step may start after any guess of this one (the
+        head rejected the guess after it), as it would at an attention layer's KV."""
+        out = await _run_chain(s, x[i : i + 1], start + i, self.company)
+        if s.recurrent and i + 1 < len(x):
+            for kv in s.sessions:
+                kv.keep_rewind()
+        return out
 
     async def _solo(self, s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
         return await _run_chain(s, x, start, self.company)
