@@ -67,7 +67,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -750,6 +750,23 @@ class Paired:
     """TTFT of each pair's first half, at 0 ms."""
     delayed_s: list[float]
     """TTFT of each pair's second half, at ``delay_ms``."""
+    chunks: dict[float, list[dict[str, Any]]] = field(default_factory=dict)
+    """Delay -> the gateway's trace of each first prompt chunk at it, where the route was
+    opened by the chunk (``/v0/inference`` first_chunk.last): where the time went."""
+
+    def chunk_text(self, delay: float) -> str:
+        """The traced first chunks' medians at `delay`: the whole, each hop, the wire."""
+        got = [c for c in self.chunks.get(delay, []) if c]
+        if not got:
+            return f"at {delay:g} ms: no first chunk traced (the route was opened before it)"
+        hops = [
+            statistics.median(c["hops_ms"][i] for c in got) for i in range(len(got[0]["hops_ms"]))
+        ]
+        return (
+            f"at {delay:g} ms: {statistics.median(c['total_ms'] for c in got):.1f} ms, hops "
+            + " + ".join(f"{h:.1f}" for h in hops)
+            + f", wire {statistics.median(c['wire_ms'] for c in got):.1f} ms ({len(got)} chunks)"
+        )
 
     def difference(self) -> float:
         """The median of the pairs' differences."""
@@ -759,6 +776,8 @@ class Paired:
 def paired_ttft(wan: Wan, ring: Ring, pairs: int, delay_ms: float = 40.0) -> Paired:
     zero: list[float] = []
     delayed: list[float] = []
+    chunks: dict[float, list[dict[str, Any]]] = {}
+    last: dict[str, Any] = {}
     for i in range(pairs):
         for delay, into in ((0.0, zero), (delay_ms, delayed)):
             wan.links(delay, 0.0)
@@ -767,7 +786,10 @@ def paired_ttft(wan: Wan, ring: Ring, pairs: int, delay_ms: float = 40.0) -> Pai
             ring.measured_at(delay)
             ring.client.measure("questions", [i + 1], 1)
             into.append(ring.client.measure("questions", [i], 1)["runs"][0]["stamps"][0])
-    return Paired(delay_ms, zero, delayed)
+            first = ring.admin(0, "/v0/inference").get("first_chunk", {}).get("last", {})
+            chunks.setdefault(delay, []).append(first if first != last else {})
+            last = first
+    return Paired(delay_ms, zero, delayed, chunks)
 
 
 # --- report -----------------------------------------------------------------------------
@@ -836,6 +858,10 @@ def report(
             f"(the bound: {HOPS} x {ttft.delay_ms:g} ms = {HOPS * ttft.delay_ms / 1000:.3f} s); "
             f"TTFT at 0 ms median {statistics.median(ttft.zero_s):.3f} s, at "
             f"{ttft.delay_ms:g} ms {statistics.median(ttft.delayed_s):.3f} s"
+        )
+        print(
+            "first prompt chunks as the gateway traced them, medians: "
+            + "; ".join(ttft.chunk_text(d) for d in (0.0, ttft.delay_ms))
         )
     if crowd:
         print(

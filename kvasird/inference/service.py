@@ -507,6 +507,7 @@ class InferenceService:
                 for rid, p in self.generator.active.items()
             },
             "breakdown": self.generator.traces.summary(),
+            "first_chunk": self.generator.first_traces.summary(),
             "speculation": self._speculation_status(),
             "prefix": self._prefix_status(),
             "dispatch": dict(self.dispatcher.stats),

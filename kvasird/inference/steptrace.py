@@ -132,7 +132,13 @@ class Traces:
             return round(statistics.median(values), 3)
 
         gaps = [t.gateway_ms for t in same if t.gateway_ms is not None]
+        last = self.kept[-1]
         return {
+            "last": {
+                "total_ms": round(last.total_ms, 3),
+                "wire_ms": round(last.wire_ms, 3),
+                "hops_ms": [round(sum(h[:3]), 3) for h in last.hops],
+            },
             "steps": len(same),
             "route": list(route),
             "total_ms": med([t.total_ms for t in same]),

@@ -299,6 +299,9 @@ class SwarmGenerator:
         self.active: dict[str, Progress] = {}
         self.traces = Traces()
         """Where the traced steps' time went (steptrace)."""
+        self.first_traces = Traces()
+        """Where the time of first prompt chunks that opened their route went (a route of
+        far peers: the opens travel with the chunk, which is traced)."""
         self._work: dict[str, tuple[HopWork, ...]] = {}
         self.accusations = Accusations(me)
         """Which hops accused which of sending them NaN, lately (failover.Accusations)."""
@@ -1416,7 +1419,7 @@ class _Run:
         assert self.route is not None
         hops, me, riding = self.route.hops, self.gen.me, self.riding
         ticket = secrets.token_hex(8)
-        traced = len(ids) == 1 and self.steps % TRACE_EVERY == 0
+        traced = bool(riding) or len(ids) == 1 and self.steps % TRACE_EVERY == 0
         msg = Step(
             f"{self.sid}.0",
             start,
@@ -1450,7 +1453,7 @@ class _Run:
             raise await self._blame(arrival.sender, result)
         if traced:
             stamps = [list(h) for h in result.trace] if result.trace is not None else None
-            self.gen.traces.add(
+            (self.gen.first_traces if riding else self.gen.traces).add(
                 StepTrace.parse(self.route.peers, sent, arrival.at, stamps, self.answered)
             )
         self.answered = arrival.at
