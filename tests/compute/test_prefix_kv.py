@@ -276,6 +276,9 @@ def test_a_recurrent_session_goes_back_to_a_copy_it_kept_and_only_there(hybrid) 
         assert len(sessions[0].rewinds) == 3  # with its state, all four slots
         hybrid.forward(sessions[1], ids[:5], 0)  # a new session takes a copy's slot
         assert not sessions[0].rewinds and sessions[1].n_past == 5
+        # going back now is a hop out of capacity (the gateway's "busy"), not a bad request
+        with pytest.raises(KVCacheFull, match="state_slots"):
+            hybrid.forward(sessions[0], ids[4:5], 4)
     finally:
         for s in sessions:
             s.close()

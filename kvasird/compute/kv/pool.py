@@ -213,7 +213,7 @@ class KVPool:
         if not self.states.free and self.states.marked:  # a live session's mark gives way
             next(iter(self.states.marked.values()))._drop_mark()
         if not self.states.free and self.states.rewinds:  # then one's way back past a guess
-            next(iter(self.states.rewinds.values())).drop_rewinds()
+            next(iter(self.states.rewinds.values())).drop_rewinds(lost=True)
         if not self.states.free:
             raise KVCacheFull(
                 f"all {self.spec.state_slots} recurrent-state slots are in use: "
@@ -251,6 +251,9 @@ class Session:
         """Position -> a state slot holding the state there: the copies a speculative step
         computed one position at a time keeps, so that the next step may start after any
         guess it checked (keep_rewind); dropped when the next step starts."""
+        self.rewind_lost = False
+        """A copy keep_rewind should have kept is missing: no slot was free, or another
+        session took it (a step that would go back there finds the hop out of capacity)."""
 
     def reserve(self, start: int, n_tokens: int) -> None:
         """Make room for positions [start, start + n_tokens), dropping cached positions >= start."""
@@ -261,10 +264,7 @@ class Session:
                 "send the missing tokens first"
             )
         if pool.recurrent and 0 < start < self.n_past and not self._rewind(start):
-            raise InputError(
-                f"a recurrent state cannot go back to position {start} "
-                f"(it holds {self.n_past}): replay the history from position 0"
-            )
+            self._cannot_go_back(start)
         self._check_window(start)
         end = start + n_tokens
         if end > pool.max_session_tokens:
@@ -406,6 +406,7 @@ class Session:
         if not pool.states.free and pool.states.marked:
             next(iter(pool.states.marked.values()))._drop_mark()
         if not pool.states.free:
+            self.rewind_lost = True
             return
         slot = pool.states.free.pop()
         pool.states.copy(self.state, slot)
@@ -424,9 +425,21 @@ class Session:
         self.n_past = start
         return True
 
-    def drop_rewinds(self, before: int | None = None) -> None:
+    def _cannot_go_back(self, start: int) -> None:
+        if self.rewind_lost:
+            raise KVCacheFull(
+                f"no recurrent-state slot was free to keep the state at position {start}: "
+                "retry shortly, or raise [inference] state_slots"
+            )
+        raise InputError(
+            f"a recurrent state cannot go back to position {start} "
+            f"(it holds {self.n_past}): replay the history from position 0"
+        )
+
+    def drop_rewinds(self, before: int | None = None, lost: bool = False) -> None:
         """Free the copies keep_rewind kept (a step continuing where the last one ended),
-        or those of positions before `before` only."""
+        or those of positions before `before` only; `lost`: taken by another session."""
+        self.rewind_lost = lost or (self.rewind_lost and before is not None)
         if self.rewinds:
             pool = self._live()
             for at, slot in list(self.rewinds.items()):
@@ -451,10 +464,7 @@ class Session:
             and 0 < n < self.n_past
             and not self._rewind(n)
         ):
-            raise InputError(
-                f"a recurrent state cannot be truncated to {n} of {self.n_past} "
-                "positions: replay the history from position 0"
-            )
+            self._cannot_go_back(n)
         self._check_window(n)
         self.n_past = n
 
