@@ -490,6 +490,7 @@ class InferenceService:
                 "experts": list(self.holdings.experts),
                 "sessions": len(self.stages.sessions),
                 "forwarded": self.stages.forwarded,
+                "replayed": self.stages.replayed,
                 "expert_rows": self.experts.rows,
                 "expert_calls": self.experts.calls,
                 "batches": dict(self.stages.batcher.stats),

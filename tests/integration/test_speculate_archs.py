@@ -27,6 +27,9 @@ pytestmark = pytest.mark.slow
 
 N_TOKENS = 24
 N_LAYER = 12
+MIDWAY = [20146, 24266, 38829, 29180, 25291, 21745, 22397, 37403, 11095, 32634, 26835, 111]
+"""A prompt whose answer the qwen35 draft guesses right for a while, then wrong, in steps of
+four guesses: 1, 1, 4, 4, 3, 2, 3 kept."""
 
 
 OTHER_DRAFT = frozenset({"qwen3", "mixtral", "gemma3"})
@@ -70,21 +73,40 @@ def window(arch: str, i: int) -> list[str]:
 @pytest.mark.parametrize("arch", list(SHAPES))
 def test_a_ring_speculating_answers_as_one_process_decoding_alone(
         arch: str, tmp_path: Path, localnet: Callable[..., LocalNet]) -> None:
+    speculating(arch, tmp_path, localnet)
+
+
+def test_a_delta_net_hop_short_of_state_slots_replays_into_the_guesses(
+        tmp_path: Path, localnet: Callable[..., LocalNet]) -> None:
+    """Two state slots a stage: a session's own and one copy, so a step going back past
+    the first guess finds no copy there; the hop goes back to the copy it kept and
+    recomputes the rows since, and the tokens are still those of one process."""
+    # the draft's guesses of this prompt's answer go wrong after one, two or three right
+    net = speculating("qwen35", tmp_path, localnet, MIDWAY, **{"inference.state_slots": 2})
+    replayed = [n.get("/v0/inference")["serving"]["replayed"] for n in net.nodes]
+    assert sum(replayed) > 0, replayed
+
+
+def speculating(arch: str, tmp_path: Path, localnet: Callable[..., LocalNet],
+                prompt: list[int] = PROMPT, **extra: object) -> LocalNet:
+    """The ring of `arch` drafting four guesses a step: its greedy tokens equal one
+    process's, some guesses were rejected (every stage went back past them)."""
     path = model(arch, tmp_path / f"{arch}.gguf", N_LAYER)
     draft = model(arch, tmp_path / f"{arch}-draft.gguf", N_LAYER // 2,
                   tied_output=arch not in OTHER_DRAFT)
     net = start(localnet, path, [["head", *window(arch, 0)], window(arch, 1), window(arch, 2)],
                 **{"inference.speculate": "draft", "inference.draft_model": str(draft),
-                   "inference.draft_k": 4})
+                   "inference.draft_k": 4, **extra})
     gateway = net.nodes[0]
     net.wait_until("the gateway loaded its draft model", lambda: gateway.get(
         "/v0/inference")["speculation"]["draft_model"] is not None, ROUTED_S)
     before = gateway.get("/v0/inference")["speculation"]
-    got = generate(gateway, PROMPT, N_TOKENS)
+    got = generate(gateway, prompt, N_TOKENS)
     spent = gateway.get("/v0/inference")["speculation"]
-    assert got == greedy(path, PROMPT, N_TOKENS)
+    assert got == greedy(path, prompt, N_TOKENS)
     guessed, accepted = (spent[k] - before[k] for k in ("guessed", "accepted"))
     print(f"{arch}: {spent['steps'] - before['steps']} steps, {accepted} of {guessed} "
           f"guesses kept")
     # some guesses checked and rejected: every stage went back past them
     assert spent["steps"] > before["steps"] and 0 <= accepted < guessed, spent
+    return net

@@ -116,6 +116,9 @@ class ServedSession:
     out: str = "last"
     """What the head stage answers a step with (Stage.forward's `logits`): "last" (the
     logits the sampler draws from), "embd" (an embedding session: every row's final norm)."""
+    guessed: tuple[int, np.ndarray] | None = None
+    """(start, rows) of the last step a chain holding delta-net states computed one
+    position at a time (a speculative step's): what a step going back into it replays."""
 
     @property
     def recurrent(self) -> bool:
@@ -218,6 +221,9 @@ class StageServer:
         """Token positions computed since the last load report."""
         self.forwarded = 0
         """Steps whose output this node forwarded to the next hop or returned to its owner."""
+        self.replayed = 0
+        """Positions recomputed to go back into a speculative step where no copy of a
+        delta-net state was kept there (_go_back)."""
         self._tickets: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         """The latest forwarded steps' (owner, session, ticket): a second copy is dropped."""
         self.twins = 0
@@ -479,6 +485,8 @@ class StageServer:
             for kv in s.sessions:
                 kv.drop_rewinds()
         try:
+            if m.start < s.at and s.recurrent:
+                await self._go_back(s, m.start)
             with collecting_waits() as waited:
                 if m.verify and s.sampler is not None:
                     return await self._verify(s, m)
@@ -541,9 +549,30 @@ class StageServer:
         head rejected the guess after it), as it would at an attention layer's KV."""
         out = await _run_chain(s, x[i : i + 1], start + i, self.company)
         if s.recurrent and i + 1 < len(x):
+            s.guessed = (start, x)
             for kv in s.sessions:
                 kv.keep_rewind()
         return out
+
+    async def _go_back(self, s: ServedSession, target: int) -> None:
+        """Where a stage kept no copy of its state at `target` (none was free), go back to
+        the nearest copy before it that every stage kept and replay the last speculative
+        step's rows from there, one at a time as they were computed: the same state, for
+        the compute of those rows. Without such a copy the step is refused (reserve)."""
+        states = [kv for kv, st in zip(s.sessions, s.chain, strict=True) if st.kv.recurrent]
+        if s.guessed is None or all(target in kv.rewinds for kv in states):
+            return
+        first, rows = s.guessed
+        kept = [
+            p
+            for p in range(min(target, first + len(rows) - 1), first, -1)
+            if all(p in kv.rewinds for kv in states)
+        ]
+        if not kept:
+            return
+        for i in range(kept[0] - first, target - first):
+            await _run_chain(s, rows[i : i + 1], first + i, self.company)
+        self.replayed += target - kept[0]
 
     async def _solo(self, s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
         return await _run_chain(s, x, start, self.company)
