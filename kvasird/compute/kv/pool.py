@@ -396,8 +396,8 @@ class Session:
         """Copy the state, which holds positions [0, n_past), into a slot of its own, so that
         a later step may start here though the session computes past it (a speculative
         step's guess the head may reject). Best effort: a slot free, a kept state's or a
-        live session's mark; without one a step starting here is refused (the generation
-        replays its history)."""
+        live session's mark; without one, a step starting here goes back to an earlier copy
+        and recomputes from it (StageServer._go_back), or is refused as out of capacity."""
         pool = self._live()
         if self.state is None or self.n_past in self.rewinds:
             return
