@@ -1,7 +1,8 @@
 """The Starlette app: routes bound to one Gateway, and errors in each API's own shape.
 
 Cross-origin reads (CORS) are off unless [gateway] cors_origins names the web pages
-that may make them; those get preflight answers (204) and Access-Control-Allow-* headers.
+that may make them; those get preflight answers (204), Access-Control-Allow-* headers, and
+may read the payment and x-kvasir-* response headers (EXPOSED).
 A preflight from any other page is refused (403) with the key to set, never left to the
 routes, which answer OPTIONS with 405. Every request is counted for /metrics
 (metrics.CountRequests).
@@ -33,6 +34,7 @@ from kvasird.gateway import (
     payment,
     responses,
     status,
+    x402,
 )
 from kvasird.gateway.body import read_json
 from kvasird.gateway.errors import ApiError, BadRequest, Forbidden, NotFound
@@ -58,6 +60,18 @@ PAID = frozenset(
 """The paths whose requests are paid for: one refused before it ran keeps its payment."""
 PREFLIGHT_MAX_AGE_S = 600
 """How long a browser may reuse a granted preflight."""
+EXPOSED = (
+    x402.REQUIRED.decode(),
+    x402.RESPONSE.decode(),
+    "x-kvasir-paid-by",
+    "x-kvasir-max-cost",
+    "x-kvasir-max-tokens",
+    "x-kvasir-reasoning",
+    "x-kvasir-pooling",
+)
+"""Response headers of ours a page of an allowed origin may read (a browser hides all but
+a few standard ones): an x402 client's payment requirements and receipt, and what a
+request was charged, granted and computed with."""
 
 
 def build_app(gw: Gateway) -> Starlette:
@@ -168,6 +182,7 @@ class Cors(CORSMiddleware):
             allow_origins=list(origins),
             allow_methods=methods,
             allow_headers=["*"],
+            expose_headers=list(EXPOSED),
             allow_private_network=True,
             max_age=PREFLIGHT_MAX_AGE_S,
         )

@@ -237,6 +237,19 @@ def test_a_preflight_from_a_configured_page_is_granted(daemon: Daemon) -> None:
     assert preflight(daemon, UI, "DELETE").status_code == 204
 
 
+def test_a_configured_page_may_read_the_payment_and_kvasir_headers(daemon: Daemon) -> None:
+    """An x402 client in a browser reads PAYMENT-REQUIRED and PAYMENT-RESPONSE, and an app
+    the x-kvasir-* headers: a browser hides response headers not exposed to it."""
+    r = httpx.post(daemon.url + "/v1/chat/completions", timeout=60, headers={"Origin": UI},
+                   json={"model": daemon.model, "max_tokens": 1, "reasoning_effort": "none",
+                         "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == UI
+    exposed = set(r.headers["access-control-expose-headers"].lower().split(", "))
+    assert {"payment-required", "payment-response", "x-kvasir-max-tokens",
+            "x-kvasir-reasoning"} <= exposed
+    assert "x-kvasir-reasoning" in r.headers
+
+
 def test_a_preflight_from_another_page_is_refused_naming_the_key(daemon: Daemon) -> None:
     other = "http://localhost:3000"
     r = preflight(daemon, other)
