@@ -176,6 +176,22 @@ def test_estimates_learn_acceptance_and_the_cost_of_a_row() -> None:
     )
 
 
+def test_a_stale_plain_step_estimate_gives_way_at_once() -> None:
+    """A warm-up's slow first step (150 ms) on a ring whose steps take 20 ms: the next
+    plain step brings the estimate down, and a step with guesses faster than it does too;
+    a slower plain step moves it only halfway."""
+    e = Estimates(prior=0.9)
+    e.learn(0, 1, 0.150)
+    e.learn(4, 5, 0.090)  # faster than a plain step was thought to be: that is stale
+    assert e.t1 == pytest.approx(0.090) and e.t_row is None
+    e.learn(0, 1, 0.020)
+    assert e.t1 == pytest.approx(0.020)
+    e.learn(4, 5, 0.100)  # four rows cost 80 ms: 20 ms each, as much as a plain step
+    assert e.t_row == pytest.approx(0.020) and e.best_k(16) == 0
+    e.learn(0, 1, 0.060)  # a link got slower
+    assert e.t1 == pytest.approx(0.040)
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused_with_what_to_do() -> None:
     served = list(Tokenizer.from_gguf(bundled_path()).tokens)
     check_vocabulary(bundled_path(), served)

@@ -141,16 +141,26 @@ class Estimates:
         return 1
 
     def learn(self, guessed: int, drawn: int, seconds: float) -> None:
-        """A step with `guessed` guesses drew `drawn` tokens in `seconds`."""
+        """A step with `guessed` guesses drew `drawn` tokens in `seconds`.
+
+        A plain step is timed once in PROBE_EVERY, so its estimate must not lag: it falls
+        to a faster plain step at once and rises halfway to a slower one (a first step
+        slowed by the machine, a warm-up, a route since replaced, kept k above 0 on a
+        loopback ring for a hundred steps and more, at half the plain speed). A step with
+        guesses that took less than the estimate proves it stale: it becomes the estimate,
+        and that step says nothing of a row's cost."""
         if guessed == 0:
-            self.t1 = seconds if self.t1 is None else (1 - EWMA) * self.t1 + EWMA * seconds
+            t1 = self.t1
+            self.t1 = seconds if t1 is None or seconds < t1 else (t1 + seconds) / 2
             return
         accepted = drawn - 1
         keep = 1 - EWMA / 4
         self.accepted = self.accepted * keep + accepted
         self.examined = self.examined * keep + accepted + (accepted < guessed)
-        if self.t1 is not None:
-            row = max(seconds - self.t1, 0.0) / guessed
+        if self.t1 is not None and seconds < self.t1:
+            self.t1 = seconds
+        elif self.t1 is not None:
+            row = (seconds - self.t1) / guessed
             self.t_row = row if self.t_row is None else (1 - EWMA) * self.t_row + EWMA * row
 
 
