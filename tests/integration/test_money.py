@@ -146,9 +146,10 @@ def claim_and_check(net: LocalNet, gateway: LocalNode, consumer: Consumer,
 
 def test_ring_peers_are_paid_on_chain_exactly_their_measured_share(
         localnet: Callable[..., LocalNet]) -> None:
+    # speculation off: a rejected guess is a row computed and paid beyond the positions
     net = paid_net(localnet, bundled_path(),
                    [["head", "layers:0-10"], ["layers:10-20"], ["layers:20-30"]],
-                   **{"inference.step_timeout_s": 3.0})
+                   **{"inference.step_timeout_s": 3.0, "inference.speculate": "off"})
     gateway = net.nodes[0]
     url, client = gateway_of(net, gateway)
     with pytest.raises(openai.APIStatusError) as unpaid:
@@ -191,10 +192,12 @@ def test_moe_ring_pays_the_expert_only_peers_for_their_rows(
     # A busy 2-core machine (the suite runs two multi-daemon tests at once) can hold an
     # expert call past the 5 s default twice in a row, and a worker that failed twice is not
     # asked again: this test is about who is paid, not how fast, so the stages wait longer.
+    # Speculation off: its rejected guesses are work paid too (a CI run's node 0 computed
+    # 246 units for 80 positions), and this test counts one computed row a position.
     net = paid_net(localnet, moe, [["head", "layers:0-2"], ["layers:2-4"], experts(0, 4),
                                    experts(4, 8)],
                    node_settings={3: {"settlement.claim_threshold": 1}},
-                   **{"inference.expert_timeout_s": 30.0})
+                   **{"inference.expert_timeout_s": 30.0, "inference.speculate": "off"})
     gateway = net.nodes[0]
     url, client = gateway_of(net, gateway)
     consumer = Consumer(net, url, client)

@@ -15,16 +15,13 @@ import trio.lowlevel
 from kvasird.config import AdminConfig, Config, GatewayConfig, InferenceConfig, P2PConfig
 from kvasird.errors import ConfigError
 from kvasird.identity import create_node_key
+from kvasird.localnet.launcher import free_port
 from kvasird.p2p.host import build_host
 from kvasird.ports import bind_exclusively, check_ports, configured_ports
 
 PATH = "/srv/kvasird/kvasird.toml"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(p2p: int = 0, lane: int = 0, admin: int = 0, gateway: int = 0) -> Config:
@@ -37,6 +34,9 @@ def config(p2p: int = 0, lane: int = 0, admin: int = 0, gateway: int = 0) -> Con
 
 @pytest.fixture
 def four_ports() -> dict[str, int]:
+    """Ports from below the kernel's ephemeral range (launcher.free_port): one the kernel
+    handed out (bind to port 0) went to another test's connection before this test bound it
+    again, once in a CI run."""
     return {"p2p": free_port(), "lane": free_port(), "admin": free_port(), "gateway": free_port()}
 
 
