@@ -86,9 +86,13 @@ async def tokens(gen: SwarmGenerator, n: int = 10) -> list[int]:
 async def test_a_far_route_opens_its_sessions_with_the_first_chunk(
         net: FakeNet, reference: list[int]) -> None:
     seen = opens_seen(net)
-    assert await tokens(generator(net, 2 * FAST_START_RTT_MS)) == reference
+    gen = generator(net, 2 * FAST_START_RTT_MS)
+    assert await tokens(gen) == reference
     assert sorted(seen) == [("b", "with a step"), ("c", "with a step")]
     assert all(s.sessions == {} for s in net.servers.values())
+    # the chunk that opened the route was traced at every hop, apart from decode steps
+    first = gen.first_traces.summary()
+    assert first["steps"] == 1 and len(first["last"]["hops_ms"]) == len(first["route"]) > 1
 
 
 async def test_a_near_route_opens_first_and_relays_its_first_chunk(
