@@ -20,7 +20,13 @@ pairs' ratios (this machine's speed drifts by 10-20 % from minute to minute).
                  sessions16)
     ring         three daemons holding a third of the dense model's layers each
     moe-ring     the MoE on four daemons: two stages with the dense paths (head on the
-                 first), two expert workers with half of every layer's experts each
+                 first) and their layers' experts as a fallback replica, two expert
+                 workers with half of every layer's experts each; each stage chooses per
+                 layer and step between its copy and the workers by measured round trip
+                 and compute ([inference] expert_choice = "auto"), and what it chose is
+                 printed per layer
+    moe-remote   the same without the stages' copies: every MoE layer's rows go to the
+                 workers and back (a stage whose memory holds only the dense path)
     sessions16   aggregate tok/s of 16 concurrent generations on the 1-node daemon (their
                  prompts included: they batch with each other and with the decode steps
                  as they arrive), over one generation's (ours alone: llama-cpp-python
@@ -37,7 +43,8 @@ traced decode step's time went on each route, hop by hop (bench_swarm's breakdow
 nodes after the first name the model by its id and download only what they hold from the
 others, as peers joining a network do. The last line sums it up:
 
-    scale: 1node D.DDx, ring D.DDx, moe-ring D.DDx, sessions16 D.DDx, prefix-ttft D.DDx
+    scale: 1node D.DDx, ring D.DDx, moe-ring D.DDx, moe-remote D.DDx, sessions16 D.DDx,
+           prefix-ttft D.DDx
 """
 
 from __future__ import annotations
@@ -243,6 +250,7 @@ def main() -> None:
                     "([compute] device, e.g. CUDA0; llama.cpp offloads its layers when "
                     "KVASIR_LLAMACPP_GPU_LAYERS=-1)")
     ap.add_argument("--only", nargs="*", default=[], help="rows to run (1node ring moe-ring "
+                    "moe-remote "
                     "prefill prefix-ttft beside); the 1node daemon also gives sessions16, "
                     "prefix-ttft and beside")
     args = ap.parse_args()
@@ -250,7 +258,7 @@ def main() -> None:
         args.tokens, args.rounds = min(args.tokens, 16), min(args.rounds, 3)
     configure("warning", json=False)
     use_device(args.device)
-    want = set(args.only or ["prefill", "1node", "ring", "moe-ring"])
+    want = set(args.only or ["prefill", "1node", "ring", "moe-ring", "moe-remote"])
     dense, moe = bench_model(CACHE, "dense"), bench_model(CACHE, "moe")
     nl, nm = SPECS["dense"].n_layer, SPECS["moe"].n_layer
     rows: list[tuple[str, str, str, str]] = []
@@ -258,6 +266,7 @@ def main() -> None:
     node_rows: list[tuple[str, float, float]] = []
     engine: tuple[float, float] | None = None
     breakdowns: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+    choices: dict[str, list[dict[str, dict[str, int]]]] = {}
 
     def row(name: str, ours: str, theirs: str, ratio: float | None) -> None:
         rows.append((name, ours, theirs, f"{ratio:.2f}x" if ratio is not None else "n/a"))
@@ -282,8 +291,11 @@ def main() -> None:
             ("1node", dense, [["head", f"layers:0-{nl}"]]),
             ("ring", dense, [["head", f"layers:0-{nl // 3}"],
                              [f"layers:{nl // 3}-{2 * nl // 3}"], [f"layers:{2 * nl // 3}-{nl}"]]),
-            ("moe-ring", moe, [["head", f"layers:0-{nm // 2}"], [f"layers:{nm // 2}-{nm}"],
+            ("moe-ring", moe, [["head", f"layers:0-{nm // 2}", *experts(nm // 2, 0, 128)],
+                               [f"layers:{nm // 2}-{nm}", *experts(nm, 0, 128)[nm // 2:]],
                                experts(nm, 0, 64), experts(nm, 64, 128)]),
+            ("moe-remote", moe, [["head", f"layers:0-{nm // 2}"], [f"layers:{nm // 2}-{nm}"],
+                                 experts(nm, 0, 64), experts(nm, 64, 128)]),
         ]
         refs: dict[Path, LlamaCppDecoder | None] = {}
         runs = {n for n, _, _ in layouts
@@ -312,6 +324,9 @@ def main() -> None:
                     summary[name] = ratio or 0.0
                     names = {n.peer_id: f"node{n.index}" for n in net.nodes}
                     breakdowns[name] = (net.nodes[0].get("/v0/inference")["breakdown"], names)
+                    if name.startswith("moe"):
+                        choices[name] = [n.get("/v0/inference")["expert_choice"]["layers"]
+                                         for n in net.nodes[:2]]
                 if name == "1node" and "1node" in want:
                     one = concurrent(net.nodes[0], 1, args.tokens)
                     b0 = net.nodes[0].get("/v0/inference")["serving"]["batches"]
@@ -369,9 +384,26 @@ def main() -> None:
         print(f"\none stage holding the dense model: load {engine[0]:.2f} s/GB, "
               f"KV {engine[1]:.0f} bytes/token (f16)")
     report_breakdowns(breakdowns)  # where a ring's step goes, hop by hop
+    report_choices(choices)
     print("\nscale: " + ", ".join(f"{k} {summary[k]:.2f}x" for k in
-                                  ("1node", "ring", "moe-ring", "sessions16", "prefix-ttft")
+                                  ("1node", "ring", "moe-ring", "moe-remote", "sessions16",
+                                   "prefix-ttft")
                                   if k in summary))
+
+
+def report_choices(choices: dict[str, list[dict[str, dict[str, int]]]]) -> None:
+    """Per MoE layer, how the stage holding it computed its steps' experts: its own copy
+    (fallback), the workers (remote) or its hot-expert cache."""
+    if not choices:
+        return
+    print("\n## Where each MoE layer's experts were computed (steps per choice, each stage)\n")
+    print("| layout | layer | fallback | remote | cache |")
+    print("|---|---|---|---|---|")
+    for name, stages in choices.items():
+        for layers in stages:
+            for layer, c in sorted(layers.items(), key=lambda kv: int(kv[0])):
+                print(f"| {name} | {layer} | {c.get('fallback', 0)} | {c.get('remote', 0)} "
+                      f"| {c.get('cache', 0)} |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ dispatched): the graph stops at the router, Python sends the routed rows to the 
 shards, adds the combined result to the residual, and the next segment continues from
 the following layer. With every expert local the window is a single graph.
 
+A layer whose experts are all held here may also be offered elsewhere (`offer`: a fallback
+replica beside the expert workers). Its graph then ends at the router only in the steps
+where `choose` (the caller's policy: measured round trips against `probe`d compute)
+picked the remote shards for it; a forward keeps the choice it started with
+(`remote_now`), and the graphs of each choice are cached apart.
+
 Every input is validated before any graph runs (token ids, shapes, positions, KV room);
 a session's KV lives in the stage's pool and advances only when a forward succeeds.
 
@@ -28,7 +34,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +122,15 @@ class Stage:
         self.shards = {
             int(k): check_shards(int(k), v, hp.n_expert) for k, v in (experts or {}).items()
         }
+        self.optional: dict[int, tuple[ExpertShard, ...]] = {}
+        """Layers whose experts are loaded here and may also go to other peers (`offer`)."""
+        self.choose: Callable[[Stage, tuple[int, ...], int], frozenset[int]] | None = None
+        """(this stage, its offered layers, the step's rows) -> those to dispatch this step."""
+        self.remote_now: frozenset[int] = frozenset()
+        """The offered layers the last choice dispatches (a forward keeps the one it began
+        with)."""
+        self._plans: dict[frozenset[int], tuple[Segment, ...]] = {}
+        self._prober: ExpertWorker | None = None
         self.segments = self._plan()
         self.kv = KVPool(backend, hp, range(a, b), kv, chunk=MAX_CHUNK)
         self.graphs = GraphCache(backend, graph_capacity)
@@ -208,6 +223,8 @@ class Stage:
         part.window = (first, end)
         part.embed, part.head = self.embed and first == a, self.head and end == b
         part.segments = part._plan()
+        part._plans = {}
+        part.remote_now = frozenset()
         part._owns_backend = False
         return part
 
@@ -224,16 +241,65 @@ class Stage:
         """Route `layer`'s experts through `shards` from now on (the remote wiring hook)."""
         with self._lock:
             self.shards[layer] = check_shards(layer, shards, self.hp.n_expert)
+            self._plans.clear()
             self.segments = self._plan()
             self.graphs.close()
+
+    def offer(self, layer: int, shards: Sequence[ExpertShard]) -> None:
+        """Let `layer`, whose experts are all loaded here, go to `shards` in the steps where
+        `choose` picks them."""
+        held = self.weights.experts.get(layer)
+        if held is None or held.count != self.hp.n_expert or layer in self.shards:
+            raise WeightsError(f"layer {layer}'s experts are not all loaded here: dispatch it")
+        with self._lock:
+            self.optional[layer] = check_shards(layer, shards, self.hp.n_expert)
+
+    def choose_experts(self, rows: int) -> bool:
+        """Ask `choose` which offered layers of this window the next step of `rows` rows
+        dispatches; whether that step dispatches any layer (then it may await remote
+        experts). Called where steps begin, on the event loop."""
+        a, b = self.window
+        offered = tuple(lay for lay in sorted(self.optional) if a <= lay < b)
+        if offered and self.choose is not None:
+            self.remote_now = self.choose(self, offered, rows)
+        return self.dispatches
+
+    def probe(self, layer: int, rows: int) -> float:
+        """Seconds this node's copy of `layer`'s experts takes for `rows` rows (each
+        selecting n_expert_used experts, the ids spread over the layer's): what computing
+        them here instead of on another peer costs."""
+        worker = self.prober()
+        k, n = self.hp.n_expert_used, self.hp.n_expert
+        # k distinct ids a row, as a router picks them; the rows' spread over the layer
+        ids = (np.arange(rows)[:, None] * 7919 + np.arange(k)[None, :]) % n
+        x = np.zeros((rows, self.hp.n_embd), np.float32)
+        began = time.perf_counter()
+        worker(layer, x, ids)
+        return time.perf_counter() - began
+
+    def prober(self) -> ExpertWorker:
+        """The worker `probe` times (over this stage's weights, sharing its backend)."""
+        if self._prober is None:
+            self._prober = self.local_worker()
+        return self._prober
 
     def open_session(self) -> Session:
         return self.kv.open()
 
     @property
     def dispatches(self) -> bool:
-        """Whether a forward sends rows to expert shards (which may be remote calls)."""
-        return any(seg.router is not None for seg in self.segments)
+        """Whether a forward beginning now sends rows to expert shards (which may be remote
+        calls)."""
+        return bool(self.shards) or bool(self.remote_now)
+
+    @property
+    def may_dispatch(self) -> bool:
+        """Whether any forward may send rows to expert shards (offered layers included)."""
+        return bool(self.shards) or bool(self.optional)
+
+    def shards_of(self, layer: int) -> tuple[ExpertShard, ...]:
+        """The shards a dispatched layer's rows go to."""
+        return self.shards[layer] if layer in self.shards else self.optional[layer]
 
     def forward(
         self, session: Session, inputs: np.ndarray, start: int | None = None, logits: str = "last"
@@ -303,7 +369,7 @@ class Stage:
         if need[0] == "run":
             return need[1].run(need[2])
         _, layer, cur, ids = need
-        return dispatch(layer, cur, ids, self.shards[layer])
+        return dispatch(layer, cur, ids, self.shards_of(layer))
 
     def forward_steps(
         self, session: Session, inputs: np.ndarray, start: int | None = None, logits: str = "last"
@@ -323,12 +389,12 @@ class Stage:
             )
         start = session.n_past if start is None else int(start)
         session.reserve(start, len(x))
-        outs, c = [], 0
+        outs, c, remote = [], 0, self.remote_now
         while c < len(x):
             end = min(len(x), (start + c) // PREFILL_PIECE * PREFILL_PIECE + PREFILL_PIECE - start)
             last = end == len(x)
             mode = logits if last or logits != "last" or not self.head else "skip"
-            out = yield from self._chunk([(session, start + c, end - c)], x[c:end], mode)
+            out = yield from self._chunk([(session, start + c, end - c)], x[c:end], mode, remote)
             session.advance(start + end)
             if mode != "skip":
                 outs.append(out)
@@ -386,7 +452,10 @@ class Stage:
         order = sorted(range(len(checked)), key=lambda i: len(checked[i][1]))
         grouped = [(checked[i][0], checked[i][2], len(checked[i][1])) for i in order]
         out = yield from self._chunk(
-            grouped, np.concatenate([checked[i][1] for i in order]), "lasts" if self.head else "all"
+            grouped,
+            np.concatenate([checked[i][1] for i in order]),
+            "lasts" if self.head else "all",
+            self.remote_now,
         )
         for session, start, rows in grouped:
             session.advance(start + rows)
@@ -409,13 +478,17 @@ class Stage:
         return not self.kv.recurrent
 
     def _chunk(
-        self, runs: Sequence[tuple[Session, int, int]], x: np.ndarray, mode: str
+        self,
+        runs: Sequence[tuple[Session, int, int]],
+        x: np.ndarray,
+        mode: str,
+        remote: frozenset[int] = frozenset(),
     ) -> Steps[np.ndarray]:
         """Rows x of runs (session, start, rows), one after the other, as one graph per
         segment (several sessions only where `batches`; runs of one length consecutive:
         each such group attends as one batched product). `mode` at the head: "last" (the
         last row's logits), "all", "lasts" (each run's last row's), "embd" (every row's
-        final norm, no logits) or "skip" (none)."""
+        final norm, no logits) or "skip" (none). `remote`: the offered layers dispatched."""
         T = len(x)
         groups = _groups([rows for _, _, rows in runs])
         n_kv_b = max(-(-(start + rows) // KV_BUCKET) for _, start, rows in runs) * KV_BUCKET
@@ -462,8 +535,9 @@ class Stage:
         if session.state is not None:
             shared["state_slot"] = np.array([session.state], np.int32)
             shared["state_row"] = np.array([session.state], np.int64)
-        for i, seg in enumerate(self.segments):
-            key = (self.window, i, n_kv_b, mode, groups)  # parts of a window share its cache
+        for i, seg in enumerate(self._segments(remote)):
+            # parts of a window share its cache
+            key = (self.window, remote, i, n_kv_b, mode, groups)
             build = functools.partial(self._build, seg, n_kv_b, mode, groups)
             with self.graphs.using(key, build) as graph:
                 feed = {name: shared[name] for name in graph.inputs if name in shared}
@@ -532,11 +606,19 @@ class Stage:
 
         return build
 
-    def _plan(self) -> tuple[Segment, ...]:
+    def _segments(self, remote: frozenset[int]) -> tuple[Segment, ...]:
+        if not remote:
+            return self.segments
+        plan = self._plans.get(remote)
+        if plan is None:
+            plan = self._plans[remote] = self._plan(remote)
+        return plan
+
+    def _plan(self, remote: frozenset[int] = frozenset()) -> tuple[Segment, ...]:
         a, b = self.window
         segs, first, embed = [], a, self.embed
         for layer in range(a, b):
-            if not self.arch.is_moe or not self._dispatched(layer):
+            if not self.arch.is_moe or (layer not in remote and not self._dispatched(layer)):
                 continue
             segs.append(Segment(first, layer, embed, router=layer, head=False))
             first, embed = layer + 1, False
@@ -576,6 +658,8 @@ class Stage:
         return np.ascontiguousarray(x, np.float32)
 
     def close(self) -> None:
+        if self._prober is not None:
+            self._prober.close()
         self.graphs.close()
         self.kv.close()
         self.weights.close()

@@ -230,6 +230,11 @@ class InferenceConfig:
     hot_after: int = field(default=64, metadata=_range(1, 1 << 30))
     """Rows dispatched per MoE layer between two plans of the hot-expert cache (the
     first plan after this many)."""
+    expert_choice: str = field(default="auto", metadata=_choice("auto", "fallback", "remote"))
+    """Where a window holding all of a MoE layer's experts (a fallback replica) computes
+    them while other peers serve them too: "auto" per step, by measured round trip and
+    compute time (the workers only where they are faster); "fallback" always here;
+    "remote" on the workers whenever a fit one holds them."""
     lanes: bool = True
     """Offer and use lanes: direct TCP connections (keyed over libp2p, ChaCha20-Poly1305)
     for stage and expert traffic, faster per hop than libp2p streams (bench/bench_link.py

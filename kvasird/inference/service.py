@@ -32,6 +32,7 @@ from kvasird.compute.weights import EXPERT_SUFFIXES, load_weights
 from kvasird.config import Config
 from kvasird.errors import KvasirError
 from kvasird.inference.api import ModelInfo
+from kvasird.inference.client.choice import ExpertChoice
 from kvasird.inference.client.dispatch import ExpertDispatcher
 from kvasird.inference.client.hotcache import HotExperts
 from kvasird.inference.client.routing import Fitness, Latency, PeerHoldings
@@ -129,6 +130,10 @@ class InferenceService:
             wire_dtype=c.wire_dtype,
             delegations=Verifier(p2p.network),
         )
+        self.choice = ExpertChoice(
+            p2p.peer_id, self.holders, self.latency, self.fitness, c.expert_choice
+        )
+        """Per MoE layer and step: a fallback replica's own copy or the workers."""
         self.dispatcher = ExpertDispatcher(
             self.issuer,
             self.holders,
@@ -144,6 +149,7 @@ class InferenceService:
             accuse=self.verdicts.accuse,
             window_s=c.batch_window_ms / 1000,
             spot=self.spot,
+            choice=self.choice,
         )
         self.generator = SwarmGenerator(
             p2p.peer_id,
@@ -335,6 +341,7 @@ class InferenceService:
                         state_slots=c.inference.state_slots,
                         window_sessions=c.inference.window_sessions,
                         remote=self.dispatcher.shard,
+                        choose=self.choice,
                     )
                 )
             )
@@ -512,6 +519,10 @@ class InferenceService:
             "speculation": self._speculation_status(),
             "prefix": self._prefix_status(),
             "dispatch": dict(self.dispatcher.stats),
+            "expert_choice": {
+                "mode": self.choice.mode,
+                "layers": {str(k): dict(v) for k, v in sorted(self.choice.counts.items())},
+            },
             "unfit": self.fitness.snapshot(),
             "spot_checks": self.spot.status(),
             "lanes": {

@@ -318,6 +318,31 @@ def test_hot_experts_are_cached_by_the_stage_and_the_output_is_unchanged(
     assert model["held_bytes"] < model["total_bytes"]  # its window and the cached experts
 
 
+def test_a_stage_with_its_own_copy_of_the_experts_sends_them_out_only_when_told_faster(
+        localnet: Callable[..., LocalNet], moe: Path, moe_reference: list[list[int]]) -> None:
+    """A stage holding its layers' experts (a fallback replica) beside two workers: on
+    loopback its own compute (microseconds at these widths) beats any round trip, so every
+    layer of every step stays here and the workers compute nothing; told to prefer the
+    workers ([inference] expert_choice = "remote"), the same stage sends every layer out,
+    with the same tokens."""
+    placement = [["head", "layers:0-4", *experts(0, MOE_EXPERTS)], experts(0, 4), experts(4, 8)]
+    for mode in ("auto", "remote"):
+        net = start(localnet, moe, placement, **{"inference.expert_choice": mode})
+        got = [generate(net.nodes[0], p) for p in MOE_PROMPTS]
+        assert got == moe_reference
+        choice = net.nodes[0].get("/v0/inference")["expert_choice"]
+        assert choice["mode"] == mode
+        assert sorted(choice["layers"]) == [str(layer) for layer in range(MOE_LAYERS)]
+        worked = [expert_rows(node) for node in net.nodes[1:]]
+        if mode == "auto":
+            assert all(set(c) == {"fallback"} for c in choice["layers"].values()), choice
+            assert worked == [0, 0]
+        else:
+            assert all(c.get("remote", 0) > 0 for c in choice["layers"].values()), choice
+            assert all(w > 0 for w in worked), worked
+        net.down()
+
+
 # --- one three-stage ring for the last tests (kept until the module ends) ------------
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@
     dispatch   ExpertDispatcher: a stage's remote experts on their workers (replicas,
                failover, spot checks, concurrent sessions' rows as one message)
     hotcache   HotExperts: experts a stage computes itself to spare round trips
+    choice     ExpertChoice: per MoE layer and step, a fallback replica's own copy or the
+               workers, by measured round trip and compute time
     speculate  speculative decoding: guesses (prompt lookup, a draft model) checked by the
                route in one pass, how many to guess from what was measured
 spotcheck  SpotChecks: a peer's output recomputed elsewhere and compared, the evidence kept

@@ -47,6 +47,7 @@ import trio
 
 from kvasird.compute.experts import ExpertShard, ExpertWorker, dispatch
 from kvasird.errors import WireError
+from kvasird.inference.client.choice import ExpertChoice
 from kvasird.inference.client.hotcache import HotExperts
 from kvasird.inference.client.routing import (
     AVOIDED_MS,
@@ -100,6 +101,7 @@ class ExpertDispatcher:
         accuse: Callable[[str, str], Awaitable[None]] | None = None,
         window_s: float = 0.0,
         spot: SpotChecks | None = None,
+        choice: ExpertChoice | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.issuer, self.me = issuer, issuer.peer_id
@@ -112,6 +114,8 @@ class ExpertDispatcher:
         self.spot = spot or SpotChecks(0.0, spot_check, tolerance)
         """Draws the calls checked (at its experts' rate); keeps the evidence of workers
         caught and the ranges nobody else holds."""
+        self.choice = choice
+        """Told each worker's round trip; counts per layer what answered (remote, cache)."""
         self.window_s = window_s
         """Longest the rows of one session wait for other interleaved sessions' (remote)."""
         self._outgoing: dict[tuple[str, int, int, int], _Outgoing] = {}
@@ -162,6 +166,9 @@ class ExpertDispatcher:
                     self.fitness.healthy(peer)
             for peer in {p[0] for p in pieces if not self.fitness.fit(p[0])}:
                 self.fitness.pardon(peer)  # avoided, asked as the last resort: it answered
+            if self.choice is not None:
+                whole = all(p[0] == self.me for p in pieces)
+                self.choice.count(layer, "cache" if whole else "remote")
             return _combine(layer, rows, gids, pieces, outs)
         raise NoWorkers(
             f"experts [{first}, {end}) of layer {layer} failed on {MAX_ATTEMPTS} workers"
@@ -495,7 +502,10 @@ class ExpertDispatcher:
             self._admitted.pop(peer, None)  # it may have restarted: small frames first again
             raise
         self._admitted[peer] = self.clock()
-        self.latency.observe(peer, (time.perf_counter() - began) * 1000)
+        ms = (time.perf_counter() - began) * 1000
+        self.latency.observe(peer, ms)
+        if self.choice is not None:
+            self.choice.observed(peer, len(rows), ms)
         self.stats["calls"] += 1
         self.stats["rows"] += len(rows)
         try:

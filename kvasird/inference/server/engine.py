@@ -7,7 +7,6 @@ runs a short computation in place when nothing else holds its engine objects.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,9 @@ T = TypeVar("T")
 
 RemoteHook = Callable[[int, int, int], ExpertShard]
 """(layer, first, end) -> a shard computing those experts on other peers."""
+Choose = Callable[[Stage, tuple[int, ...], int], frozenset[int]]
+"""(stage, its layers whose experts it holds and may send out, rows) -> those to send out
+(Stage.choose)."""
 
 
 @dataclass(frozen=True)
@@ -105,12 +107,15 @@ class Served:
         threads: int,
         kv_slots: int,
         remote: RemoteHook,
+        choose: Choose | None = None,
         kv_dtype: str = "f16",
         state_slots: int = 8,
         window_sessions: int = 8,
     ) -> Served:
         """Load everything `holdings` names from the model's GGUF, or the slices holding
-        those units (blocking)."""
+        those units (blocking). With `choose`, a window's layer whose experts are all held
+        here (a fallback replica) is also offered to the peers holding them, in the steps
+        `choose` picks."""
         hp = HParams.from_gguf(GGUFFile(sources[0]))
         served = cls(sources, holdings, Backend(compute_threads(threads)), hp)
         try:
@@ -122,13 +127,14 @@ class Served:
                     window_sessions=window_sessions,
                 ),
                 remote,
+                choose,
             )
         except BaseException:
             served.close()
             raise
         return served
 
-    def _load(self, kv: KVSpec, remote: RemoteHook) -> None:
+    def _load(self, kv: KVSpec, remote: RemoteHook, choose: Choose | None) -> None:
         hp, h, be = self.hp, self.holdings, self.backend
         positions = KVSpec(n_slots=1 << 20)  # embed/head stages hold no KV: positions only
         if h.head:
@@ -147,9 +153,11 @@ class Served:
         for a, b in h.windows:
             shards: dict[int, list[ExpertShard]] = {}
             ranges: dict[int, tuple[int, int]] = {}
+            whole: list[int] = []
             for layer in range(a, b) if hp.is_moe else ():
                 held = h.expert_ranges(layer)
                 if held == [(0, hp.n_expert)]:
+                    whole.append(layer)
                     continue
                 if held:  # the stage loads the largest, other workers the rest
                     ranges[layer] = max(held, key=lambda r: r[1] - r[0])
@@ -166,6 +174,10 @@ class Served:
                 expert_ranges=ranges,
             )
             self.windows[(a, b)] = stage
+            if choose is not None and whole:
+                for layer in whole:
+                    stage.offer(layer, [remote(layer, 0, hp.n_expert)])
+                stage.choose = choose
             local = stage.local_worker()
             for layer, r in stage.weights.experts.items():
                 self.runs.setdefault(layer, []).append(Run(r.first, r.end, local))
@@ -193,9 +205,9 @@ class Served:
         """The held range of ``layer``'s experts that holds ``expert``, if any."""
         return next((r for r in self.runs.get(layer, ()) if r.first <= expert < r.end), None)
 
-    @functools.cached_property
+    @property
     def dispatches(self) -> bool:
-        """Whether any stage here sends rows to expert shards (a step may then await)."""
+        """Whether any stage here sends rows to expert shards now (a step may then await)."""
         return any(st.dispatches for st in self.all_stages())
 
     def stages_for(self, first: int, end: int, embed: bool, head: bool) -> list[Stage]:

@@ -648,7 +648,7 @@ async def _run_chain(s: ServedSession, x: np.ndarray, start: int, company: Compa
     ExpertDispatcher.remote). While a prefill in a worker thread holds a stage, decode
     steps wait for it on the loop."""
     short = len(x) <= INLINE_TOKENS
-    if not any(st.dispatches for st in s.chain):
+    if not any([st.choose_experts(len(x)) for st in s.chain]):
         return await run_short(s.chain, short, _run_chain_now, s, x, start)
     tally = TALLY.set(s.tally)
     try:
@@ -718,7 +718,7 @@ async def _serve_async(stage: Stage, need: tuple[Any, ...]) -> Any:
         holders = [shard.call] if isinstance(shard.call, ExpertWorker) else []
         return await run_short(holders, True, shard.call, layer, rows, sel)
 
-    return await drive_async(dispatch_steps(layer, cur, ids, stage.shards[layer]), shard_outputs)
+    return await drive_async(dispatch_steps(layer, cur, ids, stage.shards_of(layer)), shard_outputs)
 
 
 def _draw(s: ServedSession, logits: np.ndarray, history: list[int]) -> TokenEvent:
