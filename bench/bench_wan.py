@@ -4,6 +4,7 @@ tokens, lossy links and concurrent sessions.
     sudo .venv/bin/python bench/bench_wan.py [--quick] [--json PATH] [--tokens 64]
                                              [--prompts 6] [--pairs 12] [--rate-mbit 0]
                                              [--modes off lookup draft draft-batch] [--kernel-tcp]
+                                             [--moe]
 
 Needs root (network namespaces). Three daemons, each in a network namespace of its own
 with its own home, joined by bootstrap address, hold a third of SmolLM2-135M's layers each
@@ -45,6 +46,22 @@ over one's. ``--modes ... draft-batch`` adds a ring whose hops check the draft's
 one batch (``speculate_exact = false``), printed beside spec20. --quick (about 5 minutes)
 runs 2 prompts a set, 24 tokens, 4 pairs, and each speculating ring only on the set the
 closing line compares it on.
+
+--moe runs the MoE ring instead: bench_scale's generated MoE (Qwen3-30B-A3B's shapes, 8
+layers, Q4_K_M) on four hosts, two stages with the dense paths (the head on the first)
+and two expert workers with half of every layer's experts each, at 0 / 5 / 20 ms a link,
+speculation off. Two layouts: ``remote``, the stages hold no experts (every MoE layer's
+rows cross to the workers and back); ``auto``, the stages also hold their layers' experts
+as a fallback replica and choose per layer and step between it and the workers by
+measured round trip and compute ([inference] expert_choice). Beside each row the bound:
+a token a circuit, 1 / (t0 + (2 + 2 x layers sent out per token) x delay), t0 the
+layout's own time a token at 0 ms; and what the stages chose (fallback, remote, cache),
+per layer at 20 ms. Its closing line:
+
+    wan-moe: auto20 D.DDx remote20, fallback20 D.DD
+
+(auto20: the auto layout's tok/s over the remote one's at 20 ms; fallback20: the share of
+its layer-steps at 20 ms computed on the stages' own copies.)
 
 Namespaces are named ``kvwan<pid>...`` and addressed in 10.78.0.0/24; nothing touches the
 host's own network. Every namespace, process and directory (``$TMPDIR/kvwan<pid>``, the
@@ -115,6 +132,27 @@ ADMIN = "http://127.0.0.1:5101"
 START_S = 240.0
 """Three daemons starting at once on a busy 2-core machine: a generous bound for serving."""
 ECHO_PORT = 7777
+MOE_DELAYS = (0.0, 5.0, 20.0)
+"""One-way delays per link of the MoE rows."""
+MOE_HOPS = 2
+"""Links a token crosses per circuit of the MoE ring (gateway -> stage 2 -> gateway)."""
+
+
+def _experts(layers: range, lo: int, hi: int) -> list[str]:
+    return [f"experts:{layer}:{lo}-{hi}" for layer in layers]
+
+
+def moe_layouts(n_layer: int, n_expert: int) -> dict[str, list[list[str]]]:
+    """The MoE ring's placements: stages without experts, and with a fallback replica."""
+    half, every, a, b = n_expert // 2, range(n_layer), range(n_layer // 2), range(n_layer // 2,
+                                                                                     n_layer)
+    workers = [_experts(every, 0, half), _experts(every, half, n_expert)]
+    return {
+        "remote": [["head", f"layers:0-{n_layer // 2}"], [f"layers:{n_layer // 2}-{n_layer}"],
+                   *workers],
+        "auto": [["head", f"layers:0-{n_layer // 2}", *_experts(a, 0, n_expert)],
+                 [f"layers:{n_layer // 2}-{n_layer}", *_experts(b, 0, n_expert)], *workers],
+    }
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -347,12 +385,24 @@ class Ring:
     """The measuring client on the gateway's host."""
 
     @classmethod
-    def start(cls, wan: Wan, root: Path, mode: str, model: Path) -> Ring:
+    def start(
+        cls,
+        wan: Wan,
+        root: Path,
+        mode: str,
+        model: Path,
+        placement: list[list[str]] = PLACEMENT,
+        name: str = "",
+        extra: dict[str, Any] | None = None,
+    ) -> Ring:
+        """Node i holds placement[i] on host i; `extra` settings on every node; `name`
+        the ring's directory (its mode's by default)."""
         bootstrap: list[str] = []
         procs, logs = [], []
+        name = name or mode
         client = Client.start(wan.hosts[0])  # its imports meanwhile
-        for i, (host, pins) in enumerate(zip(wan.hosts, PLACEMENT, strict=True)):
-            home = Home(root / mode / f"node{i}")
+        for i, (host, pins) in enumerate(zip(wan.hosts, placement, strict=False)):
+            home = Home(root / name / f"node{i}")
             drafts = mode in ("draft", BATCHED)
             speculation = {
                 "inference.speculate": ("draft" if drafts else mode) if i == 0 else "off",
@@ -369,10 +419,11 @@ class Ring:
                 "p2p.listen": [f"/ip4/{host.ip}/tcp/4001"],
                 "p2p.bootstrap": bootstrap,
                 "inference.prefix_cache": False,
+                **(extra or {}),
             }
             peer = init_home(home, values)
             bootstrap = [f"/ip4/{host.ip}/tcp/4001/p2p/{peer}"]
-            logs.append(root / mode / f"node{i}.log")
+            logs.append(root / name / f"node{i}.log")
             procs.append(
                 host.spawn(
                     sys.executable,
@@ -452,6 +503,16 @@ class Ring:
             self.admin(i, "/v0/inference")["serving"]["batches"]["batches"]
             for i in range(len(self.procs))
         ]
+
+    def choices(self, stages: int = 2) -> dict[int, dict[str, int]]:
+        """Per MoE layer, the steps the stages computed its experts each way so far."""
+        out: dict[int, dict[str, int]] = {}
+        for i in range(stages):
+            for layer, counts in self.admin(i, "/v0/inference")["expert_choice"]["layers"].items():
+                mine = out.setdefault(int(layer), {})
+                for how, n in counts.items():
+                    mine[how] = mine.get(how, 0) + n
+        return out
 
     def tail(self, i: int, lines: int = 30) -> str:
         try:
@@ -804,6 +865,93 @@ def paired_ttft(wan: Wan, ring: Ring, pairs: int, delay_ms: float = 40.0) -> Pai
     return Paired(delay_ms, zero, delayed, chunks)
 
 
+@dataclass(frozen=True)
+class MoeRow:
+    """One MoE layout at one link delay."""
+
+    layout: str
+    """``remote`` (stages without experts) or ``auto`` (with a fallback replica)."""
+    row: Row
+    """Its measurements (speculation off, the questions)."""
+    chose: dict[int, dict[str, int]]
+    """Per layer, the steps its experts were computed each way during the row."""
+
+    def remote_layers(self) -> float:
+        """MoE layers sent to the workers per token (each a round trip)."""
+        steps = sum(sum(c.values()) for c in self.chose.values()) / max(len(self.chose), 1)
+        sent = sum(c.get("remote", 0) for c in self.chose.values())
+        return sent / steps if steps else 0.0
+
+    def share(self, how: str) -> float:
+        total = sum(sum(c.values()) for c in self.chose.values())
+        return sum(c.get(how, 0) for c in self.chose.values()) / total if total else math.nan
+
+
+def run_moe(wan: Wan, root: Path, args: argparse.Namespace) -> list[MoeRow]:
+    """Both MoE layouts at every MOE_DELAYS delay."""
+    from kvasird_dev.benchmodels import SPECS, bench_model
+
+    spec = SPECS["moe"]
+    model = bench_model(Path(__file__).resolve().parents[1] / ".cache", "moe")
+    tokens, prompts = min(args.tokens, 32), min(args.prompts, 3)
+    out: list[MoeRow] = []
+    for layout, placement in moe_layouts(spec.n_layer, spec.n_expert).items():
+        print(f"MoE ring, {layout} ...", flush=True)
+        ring = Ring.start(wan, root, "off", model, placement, f"moe-{layout}",
+                          {"inference.expert_choice": "auto", "inference.step_timeout_s": 60.0})
+        try:
+            for delay in MOE_DELAYS:
+                wan.links(delay, 0.0, args.rate_mbit)
+                if not ring.measured_at(delay):
+                    print(f"  (the round trips did not settle at {delay:g} ms)", flush=True)
+                ring.client.measure("questions", [0], 4)
+                before = ring.choices()
+                measured = ring.client.measure("questions", list(range(prompts)), tokens)
+                after = ring.choices()
+                chose = {
+                    layer: {how: n - before.get(layer, {}).get(how, 0) for how, n in c.items()}
+                    for layer, c in after.items()
+                }
+                row = Row.of(f"moe-{layout}", "questions", delay, 0.0, measured, 0)
+                out.append(MoeRow(layout, row, chose))
+                print(f"  {_row_text(row)}; remote layers a token "
+                      f"{out[-1].remote_layers():.1f}", flush=True)
+        finally:
+            ring.stop()
+    return out
+
+
+def report_moe(rows: list[MoeRow]) -> dict[str, float]:
+    print("\n# The MoE ring across emulated WAN links (bench_scale's MoE: Qwen3-30B-A3B "
+          "shapes, 8 layers, Q4_K_M; 2 stages, 2 expert workers)\n")
+    print(f"bound: a token a circuit, 1 / (t0 + ({MOE_HOPS} + 2 x layers sent out a token) x "
+          "delay), t0 the layout's time a token at 0 ms\n")
+    print("| layout | delay ms | TTFT s | tok/s | bound tok/s | of bound | gaps p50 / p99 / max ms "
+          "| layers sent out a token | fallback / remote / cache |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m in rows:
+        zero = next(z for z in rows if z.layout == m.layout and z.row.delay_ms == 0.0)
+        t0, r = 1 / zero.row.tok_s, m.row
+        bound = 1 / (t0 + (MOE_HOPS + 2 * m.remote_layers()) * r.delay_ms / 1000)
+        shares = " / ".join(f"{m.share(h) * 100:.0f} %" for h in ("fallback", "remote", "cache"))
+        print(f"| {m.layout} | {r.delay_ms:g} | {r.ttft_s:.3f} | {r.tok_s:.1f} | {bound:.1f} | "
+              f"{r.tok_s / bound:.2f} | {r.gap_p50_ms:.1f} / {r.gap_p99_ms:.1f} / "
+              f"{r.gap_max_ms:.1f} | {m.remote_layers():.1f} | {shares} |")
+    at20 = {m.layout: m for m in rows if m.row.delay_ms == 20.0}
+    for m in at20.values():
+        print(f"\n{m.layout} at 20 ms, per layer (steps: fallback / remote / cache): "
+              + ", ".join(f"{layer}: {c.get('fallback', 0)} / {c.get('remote', 0)} / "
+                          f"{c.get('cache', 0)}" for layer, c in sorted(m.chose.items())))
+    summary = {
+        "auto20": at20["auto"].row.tok_s / at20["remote"].row.tok_s
+        if {"auto", "remote"} <= at20.keys() else math.nan,
+        "fallback20": at20["auto"].share("fallback") if "auto" in at20 else math.nan,
+    }
+    print(f"\nwan-moe: auto20 {summary['auto20']:.2f}x remote20, "
+          f"fallback20 {summary['fallback20']:.2f}")
+    return summary
+
+
 # --- report -----------------------------------------------------------------------------
 
 
@@ -939,6 +1087,12 @@ def main() -> int:
         help="keep the kernel's TCP slow start after idle (default: off, as kvasird's "
         "service install sets it)",
     )
+    ap.add_argument(
+        "--moe",
+        action="store_true",
+        help="the MoE ring instead (two stages, two expert workers; stages without experts "
+        "and with a fallback replica) at 0 / 5 / 20 ms",
+    )
     ap.add_argument("--json", type=Path, help="write the rows and the summary here")
     args = ap.parse_args()
     args.modes = ["off", *(m for m in args.modes if m != "off")]
@@ -958,11 +1112,21 @@ def main() -> int:
         stale = remove_stale()
         if stale:
             print(f"removed what a killed run left: {' '.join(stale)}", flush=True)
-        wan = Wan.create(len(PLACEMENT), args.kernel_tcp)
+        wan = Wan.create(4 if args.moe else len(PLACEMENT), args.kernel_tcp)
         rows: list[Row] = []
         crowd = ttft = None
         try:
             emulator = wan.itself()
+            if args.moe:
+                moe = run_moe(wan, root, args)
+                print(f"\nemulator: {EMULATOR}\n{emulator.text()}")
+                summary = report_moe(moe)
+                if args.json:
+                    args.json.write_text(json.dumps(
+                        {"emulator": EMULATOR, "itself": asdict(emulator),
+                         "moe": [asdict(m) for m in moe], "wan_moe": summary}, indent=1) + "\n")
+                print(f"({time.monotonic() - began:.0f} s)")
+                return 0
             for mode in args.modes:
                 print(f"ring with speculate = {mode} ...", flush=True)
                 ring = Ring.start(wan, root, mode, model)

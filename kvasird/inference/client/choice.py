@@ -18,8 +18,9 @@ was measured:
 The workers get the layer only when theirs < MARGIN x ours (a choice that flaps costs a
 graph per side). `mode` overrides: "fallback" never sends an offered layer out, "remote"
 always does while a fit cover exists (a benchmark's comparison, an operator's wish).
-What was chosen is counted per layer (`counts`: fallback, remote; the dispatcher adds
-cache, a call its cached experts answered whole).
+What was chosen is counted per layer and step run alone (`counts`: fallback, remote; the
+dispatcher adds cache, a call its cached experts answered whole); steps batched with other
+sessions' keep the last choice (a batch computes no dispatched layer) and are not counted.
 """
 
 from __future__ import annotations
