@@ -835,10 +835,16 @@ class Paired:
         hops = [
             statistics.median(c["hops_ms"][i] for c in got) for i in range(len(got[0]["hops_ms"]))
         ]
+        links = [
+            statistics.median(c["links_ms"][i] for c in got)
+            for i in range(min(len(c.get("links_ms", ())) for c in got))
+        ]
         return (
             f"at {delay:g} ms: {statistics.median(c['total_ms'] for c in got):.1f} ms, hops "
             + " + ".join(f"{h:.1f}" for h in hops)
-            + f", wire {statistics.median(c['wire_ms'] for c in got):.1f} ms ({len(got)} chunks)"
+            + f", wire {statistics.median(c['wire_ms'] for c in got):.1f} ms"
+            + (" (links " + " + ".join(f"{x:.1f}" for x in links) + ")" if links else "")
+            + f" ({len(got)} chunks)"
         )
 
     def difference(self) -> float:

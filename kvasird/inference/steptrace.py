@@ -81,6 +81,10 @@ class StepTrace:
     gateway_ms: float | None = None
     """The previous step's token arrived -> this step was sent: the gateway's own time
     between steps (handing the token to the client, starting the step)."""
+    links: tuple[float, ...] = ()
+    """Per link of the circuit, ms from one end handing the step on (the gateway sending
+    it) to the other reading it (the gateway its result): meaningful only where every hop
+    reads the same monotonic clock (hops on one machine, as a benchmark's namespaces)."""
 
     @property
     def wire_ms(self) -> float:
@@ -93,7 +97,7 @@ class StepTrace:
         """From the hops' stamps; None when they are not one well-formed stamp per hop."""
         if not isinstance(stamps, list) or len(stamps) != len(route):
             return None
-        hops = []
+        hops, edges = [], [sent]
         for s in stamps:
             if not isinstance(s, list) or len(s) != 5 or not all(isinstance(t, float) for t in s):
                 return None
@@ -107,8 +111,13 @@ class StepTrace:
             if min(hop) < 0 or hop[3] > hop[1]:
                 return None
             hops.append(hop)
+            edges += [received, handed_on]
         gap = (sent - previous) * 1000 if 0 < previous <= sent else None
-        return cls(route, (got - sent) * 1000, tuple(hops), gap)
+        edges.append(got)
+        links = tuple(
+            round((b - a) * 1000, 3) for a, b in zip(edges[::2], edges[1::2], strict=True)
+        )
+        return cls(route, (got - sent) * 1000, tuple(hops), gap, links)
 
 
 class Traces:
@@ -138,6 +147,7 @@ class Traces:
                 "total_ms": round(last.total_ms, 3),
                 "wire_ms": round(last.wire_ms, 3),
                 "hops_ms": [round(sum(h[:3]), 3) for h in last.hops],
+                "links_ms": list(last.links),
             },
             "steps": len(same),
             "route": list(route),

@@ -18,6 +18,14 @@ def test_a_trace_splits_each_hop_and_leaves_the_rest_to_the_wire() -> None:
         (0.0, 2.0, 0.1, 0.0), (0.3, 3.0, 0.1, 0.0), (0.1, 0.5, 0.2, 0.0)]
     assert t.total_ms == pytest.approx(8.0)
     assert t.wire_ms == pytest.approx(8.0 - 2.1 - 3.4 - 0.8)
+    # links read across clocks are meaningless here (b's is another); on one clock they
+    # split the wire: sent -> gw, gw -> b, b -> gw, gw -> result
+    assert t.links[0] == pytest.approx(0.5) and t.links[-1] == pytest.approx(0.7)
+    one = [STAMPS[0], [10.0025, 10.0028, 10.0058, 10.0059, 0.0], STAMPS[2]]
+    t = StepTrace.parse(ROUTE, 9.9995, 10.0075, one)
+    assert t is not None
+    assert [round(x, 3) for x in t.links] == [0.5, 0.4, 0.1, 0.7]
+    assert sum(t.links) == pytest.approx(t.wire_ms)
 
 
 def test_a_hops_wait_for_remote_experts_is_part_of_its_compute() -> None:
