@@ -4,7 +4,7 @@ tokens, lossy links and concurrent sessions.
     sudo .venv/bin/python bench/bench_wan.py [--quick] [--json PATH] [--tokens 64]
                                              [--prompts 6] [--pairs 12] [--rate-mbit 0]
                                              [--modes off lookup draft draft-batch] [--kernel-tcp]
-                                             [--moe]
+                                             [--moe] [--settle-s 11]
 
 Needs root (network namespaces). Three daemons, each in a network namespace of its own
 with its own home, joined by bootstrap address, hold a third of SmolLM2-135M's layers each
@@ -34,7 +34,8 @@ bound of 1 / (t0 + 3d) tok/s and a first token no sooner than TTFT(0) + 3d. Then
 ring without speculation: 8 sessions at once at 20 ms, their aggregate tok/s over one
 session's and the decode batches each hop ran meanwhile; and what 40 ms adds to the first
 token, from questions each asked at 0 ms and right after at 40 ms (the machine's drift
-cancels within a pair). Before all, what the emulator itself adds: UDP round trips through
+cancels within a pair; each setting held --settle-s, 11 s, before its question: SETTLE_S).
+Before all, what the emulator itself adds: UDP round trips through
 it at 0 ms against the same on a namespace's loopback. The closing line:
 
     wan: spec20 D.DDx, lookup20 D.DDx, ttft40 D.DDs, lossgap20 D.DDx, sessions8 D.DDx
@@ -132,6 +133,13 @@ ADMIN = "http://127.0.0.1:5101"
 START_S = 240.0
 """Three daemons starting at once on a busy 2-core machine: a generous bound for serving."""
 ECHO_PORT = 7777
+SETTLE_S = 11.0
+"""How long each TTFT pair's link setting holds before its question. A real link's round
+trip does not jump from 0.1 to 80 ms between two requests; here it does, and BBR (the
+kernel's congestion control here) sizes a connection's window by the least round trip of
+the last 10 s, so a prompt's rows sent right after the switch waited for more round trips
+on some links (first chunks' links at 40 ms: 41 + 84 + 76 ms right after the switch, 41 +
+57 + 41 ms held 11 s)."""
 MOE_DELAYS = (0.0, 5.0, 20.0)
 """One-way delays per link of the MoE rows."""
 MOE_HOPS = 2
@@ -214,6 +222,8 @@ class Wan:
     kernel_tcp: bool = False
     """Leave the kernel's TCP slow start after idle on in every namespace (else it is off,
     as ``kvasird service install``'s sysctl drop-in sets it)."""
+    cc: str = ""
+    """TCP congestion control in the namespaces (the kernel's default, as read)."""
 
     @classmethod
     def create(cls, n: int, kernel_tcp: bool = False) -> Wan:
@@ -240,6 +250,12 @@ class Wan:
             _run(*f"ip netns exec {ns} sysctl -q -w net.ipv6.conf.all.disable_ipv6=1".split())
             if not self.kernel_tcp:
                 _run(*f"ip netns exec {ns} sysctl -q -w {SLOW_START_OFF}".split())
+        self.cc = subprocess.run(
+            ["ip", "netns", "exec", sw, "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
         for i, host in enumerate(self.hosts):
             # Made in the host's namespace, its peer moved straight into the bridge's.
             _run(*f"ip -n {host.ns} link add eth0 type veth peer name p{i} netns {sw}".split())
@@ -852,7 +868,9 @@ class Paired:
         return statistics.median(d - z for z, d in zip(self.zero_s, self.delayed_s, strict=True))
 
 
-def paired_ttft(wan: Wan, ring: Ring, pairs: int, delay_ms: float = 40.0) -> Paired:
+def paired_ttft(
+    wan: Wan, ring: Ring, pairs: int, delay_ms: float = 40.0, settle_s: float = SETTLE_S
+) -> Paired:
     zero: list[float] = []
     delayed: list[float] = []
     chunks: dict[float, list[dict[str, Any]]] = {}
@@ -860,10 +878,12 @@ def paired_ttft(wan: Wan, ring: Ring, pairs: int, delay_ms: float = 40.0) -> Pai
     for i in range(pairs):
         for delay, into in ((0.0, zero), (delay_ms, delayed)):
             wan.links(delay, 0.0)
+            switched = time.monotonic()
             # as before each row: the gateway's view of its route taken at this delay (a
             # first token right after the change would open the way a near route does)
             ring.measured_at(delay)
             ring.client.measure("questions", [i + 1], 1)
+            time.sleep(max(0.0, settle_s - (time.monotonic() - switched)))
             into.append(ring.client.measure("questions", [i], 1)["runs"][0]["stamps"][0])
             first = ring.admin(0, "/v0/inference").get("first_chunk", {}).get("last", {})
             chunks.setdefault(delay, []).append(first if first != last else {})
@@ -975,6 +995,7 @@ def report(
         f"forwarded, {frames['lost']} lost (the loss rows), {frames['dropped']} dropped on "
         f"full queues, {frames['unsent']} refused by a port\nTCP slow start after idle: "
         f"{'the kernel default (on)' if args.kernel_tcp else 'off (' + SLOW_START_OFF + ')'}"
+        f"; congestion control {args.cc_used}"
     )
     print(
         f"greedy, {args.tokens} tokens a generation (ignore_eos), {args.prompts} prompts a "
@@ -1076,7 +1097,9 @@ def main() -> int:
     )
     ap.add_argument("--tokens", type=int, default=64, help="tokens a generation")
     ap.add_argument("--prompts", type=int, default=6, help="prompts of each set per row")
-    ap.add_argument("--pairs", type=int, default=12, help="TTFT pairs at 0 and 40 ms")
+    ap.add_argument(
+        "--pairs", type=int, default=None, help="TTFT pairs at 0 and 40 ms (12; 4 with --quick)"
+    )
     ap.add_argument(
         "--rate-mbit", type=float, default=0.0, help="pace every link to this rate (0 = unpaced)"
     )
@@ -1099,12 +1122,19 @@ def main() -> int:
         help="the MoE ring instead (two stages, two expert workers; stages without experts "
         "and with a fallback replica) at 0 / 5 / 20 ms",
     )
+    ap.add_argument(
+        "--settle-s",
+        type=float,
+        default=SETTLE_S,
+        help="hold each TTFT pair's link setting this long before its question",
+    )
     ap.add_argument("--json", type=Path, help="write the rows and the summary here")
     args = ap.parse_args()
     args.modes = ["off", *(m for m in args.modes if m != "off")]
     if args.quick:
         args.tokens, args.prompts = min(args.tokens, 24), min(args.prompts, 2)
-        args.pairs = min(args.pairs, 4)
+        args.pairs = 4 if args.pairs is None else args.pairs
+    args.pairs = 12 if args.pairs is None else args.pairs
     if os.geteuid() != 0:
         print(
             "bench_wan needs root (network namespaces): sudo .venv/bin/python bench/bench_wan.py",
@@ -1119,6 +1149,7 @@ def main() -> int:
         if stale:
             print(f"removed what a killed run left: {' '.join(stale)}", flush=True)
         wan = Wan.create(4 if args.moe else len(PLACEMENT), args.kernel_tcp)
+        args.cc_used = wan.cc
         rows: list[Row] = []
         crowd = ttft = None
         try:
@@ -1147,7 +1178,7 @@ def main() -> int:
                             f"{crowd.one_tok_s:.1f}; batches {crowd.batches}",
                             flush=True,
                         )
-                        ttft = paired_ttft(wan, ring, args.pairs)
+                        ttft = paired_ttft(wan, ring, args.pairs, settle_s=args.settle_s)
                 finally:
                     ring.stop()
             frames = wan.links(0.0, 0.0)
