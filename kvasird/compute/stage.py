@@ -290,12 +290,7 @@ class Stage:
     def dispatches(self) -> bool:
         """Whether a forward beginning now sends rows to expert shards (which may be remote
         calls)."""
-        return bool(self.shards) or bool(self.remote_now)
-
-    @property
-    def may_dispatch(self) -> bool:
-        """Whether any forward may send rows to expert shards (offered layers included)."""
-        return bool(self.shards) or bool(self.optional)
+        return any(seg.router is not None for seg in self.segments) or bool(self.remote_now)
 
     def shards_of(self, layer: int) -> tuple[ExpertShard, ...]:
         """The shards a dispatched layer's rows go to."""

@@ -522,6 +522,13 @@ class InferenceService:
             "expert_choice": {
                 "mode": self.choice.mode,
                 "layers": {str(k): dict(v) for k, v in sorted(self.choice.counts.items())},
+                "estimates": {
+                    str(k): {
+                        "ours_ms": round(ours, 3),
+                        "theirs_ms": None if theirs is None else round(theirs, 3),
+                    }
+                    for k, (ours, theirs) in sorted(self.choice.last.items())
+                },
             },
             "unfit": self.fitness.snapshot(),
             "spot_checks": self.spot.status(),

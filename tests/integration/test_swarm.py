@@ -328,6 +328,18 @@ def test_a_stage_with_its_own_copy_of_the_experts_sends_them_out_only_when_told_
     placement = [["head", "layers:0-4", *experts(0, MOE_EXPERTS)], experts(0, 4), experts(4, 8)]
     for mode in ("auto", "remote"):
         net = start(localnet, moe, placement, **{"inference.expert_choice": mode})
+
+        def weighed() -> bool:
+            """The stage knows who would take each layer (the workers' holdings count once
+            their proofs are checked): it weighed them against its own copy."""
+            assert generate(net.nodes[0], MOE_PROMPTS[0]) == moe_reference[0]
+            choice = net.nodes[0].get("/v0/inference")["expert_choice"]
+            if mode == "remote":
+                return all(c.get("remote", 0) > 0 for c in choice["layers"].values())
+            return len(choice["estimates"]) == MOE_LAYERS and all(
+                e["theirs_ms"] is not None for e in choice["estimates"].values())
+
+        net.wait_until("the stage weighs the workers", weighed, ROUTED_S)
         got = [generate(net.nodes[0], p) for p in MOE_PROMPTS]
         assert got == moe_reference
         choice = net.nodes[0].get("/v0/inference")["expert_choice"]

@@ -77,6 +77,8 @@ class ExpertChoice:
         self._theirs: dict[tuple[str, int], tuple[float, float]] = {}
         """(worker, row bucket) -> (EWMA of its answered round trips ms, when last seen)."""
         self._covers: dict[int, tuple[float, list[tuple[str, int, int, int, int]] | None]] = {}
+        self.last: dict[int, tuple[float, float | None]] = {}
+        """Layer -> the last choice's estimates: (our ms, the workers' ms or None)."""
 
     def count(self, layer: int, how: str) -> None:
         self.counts.setdefault(layer, Counter())[how] += 1
@@ -119,7 +121,7 @@ class ExpertChoice:
     def _send(self, stage: Stage, layer: int, rows: int) -> bool:
         if self.mode == "remote":
             return self._cover(layer, stage.hp.n_expert) is not None
-        ours, theirs = self.estimates(stage, layer, rows)
+        ours, theirs = self.last[layer] = self.estimates(stage, layer, rows)
         return theirs is not None and theirs < MARGIN * ours
 
     def _our_ms(self, stage: Stage, layer: int, b: int) -> float:
