@@ -137,9 +137,9 @@ SETTLE_S = 11.0
 """How long each TTFT pair's link setting holds before its question. A real link's round
 trip does not jump from 0.1 to 80 ms between two requests; here it does, and BBR (the
 kernel's congestion control here) sizes a connection's window by the least round trip of
-the last 10 s, so a prompt's rows sent right after the switch waited for more round trips
-on some links (first chunks' links at 40 ms: 41 + 84 + 76 ms right after the switch, 41 +
-57 + 41 ms held 11 s)."""
+the last 10 s. Asked right after the switch, the first chunks' links at 40 ms took 41 + 84
++ 76 ms; held 11 s, 41 + 57 + 41 ms in one run and 41 + 41 + 85 ms in the next: one link
+in three may still take one more delay (docs/wan.md)."""
 MOE_DELAYS = (0.0, 5.0, 20.0)
 """One-way delays per link of the MoE rows."""
 MOE_HOPS = 2
