@@ -10,10 +10,10 @@ shards, adds the combined result to the residual, and the next segment continues
 the following layer. With every expert local the window is a single graph.
 
 A layer whose experts are all held here may also be offered elsewhere (`offer`: a fallback
-replica beside the expert workers). Its graph then ends at the router only in the steps
-where `choose` (the caller's policy: measured round trips against `probe`d compute)
-picked the remote shards for it; a forward keeps the choice it started with
-(`remote_now`), and the graphs of each choice are cached apart.
+replica beside the expert workers). Its graph then ends at the router only in a forward
+told to send it out (`remote`, what `choose_experts` asked the caller's policy for:
+measured round trips against `probe`d compute); the graphs of each choice are cached
+apart.
 
 Every input is validated before any graph runs (token ids, shapes, positions, KV room);
 a session's KV lives in the stage's pool and advances only when a forward succeeds.
@@ -126,11 +126,8 @@ class Stage:
         """Layers whose experts are loaded here and may also go to other peers (`offer`)."""
         self.choose: Callable[[Stage, tuple[int, ...], int], frozenset[int]] | None = None
         """(this stage, its offered layers, the step's rows) -> those to dispatch this step."""
-        self.remote_now: frozenset[int] = frozenset()
-        """The offered layers the last choice dispatches (a forward keeps the one it began
-        with)."""
         self._plans: dict[frozenset[int], tuple[Segment, ...]] = {}
-        self._prober: ExpertWorker | None = None
+        self._worker: ExpertWorker | None = None
         self.segments = self._plan()
         self.kv = KVPool(backend, hp, range(a, b), kv, chunk=MAX_CHUNK)
         self.graphs = GraphCache(backend, graph_capacity)
@@ -224,7 +221,6 @@ class Stage:
         part.embed, part.head = self.embed and first == a, self.head and end == b
         part.segments = part._plan()
         part._plans = {}
-        part.remote_now = frozenset()
         part._owns_backend = False
         return part
 
@@ -234,8 +230,11 @@ class Stage:
         return self.weights.nbytes + self.kv.arena.nbytes
 
     def local_worker(self) -> ExpertWorker:
-        """An expert worker over the experts this stage loaded (sharing its backend and lock)."""
-        return ExpertWorker(self.weights, self.backend)
+        """The expert worker over the experts this stage loaded (sharing its backend), made
+        once: what a node's own expert calls and `probe` compute on."""
+        if self._worker is None:
+            self._worker = ExpertWorker(self.weights, self.backend)
+        return self._worker
 
     def set_experts(self, layer: int, shards: Sequence[ExpertShard]) -> None:
         """Route `layer`'s experts through `shards` from now on (the remote wiring hook)."""
@@ -254,21 +253,21 @@ class Stage:
         with self._lock:
             self.optional[layer] = check_shards(layer, shards, self.hp.n_expert)
 
-    def choose_experts(self, rows: int) -> bool:
-        """Ask `choose` which offered layers of this window the next step of `rows` rows
-        dispatches; whether that step dispatches any layer (then it may await remote
-        experts). Called where steps begin, on the event loop."""
+    def choose_experts(self, rows: int) -> frozenset[int]:
+        """The offered layers of this window that a step of `rows` rows sends out, as
+        `choose` says (pass them to its forward). Called where steps begin, on the event
+        loop."""
+        if not self.optional or self.choose is None:
+            return frozenset()
         a, b = self.window
         offered = tuple(lay for lay in sorted(self.optional) if a <= lay < b)
-        if offered and self.choose is not None:
-            self.remote_now = self.choose(self, offered, rows)
-        return self.dispatches
+        return self.choose(self, offered, rows) if offered else frozenset()
 
     def probe(self, layer: int, rows: int) -> float:
         """Seconds this node's copy of `layer`'s experts takes for `rows` rows (each
         selecting n_expert_used experts, the ids spread over the layer's): what computing
         them here instead of on another peer costs."""
-        worker = self.prober()
+        worker = self.local_worker()
         k, n = self.hp.n_expert_used, self.hp.n_expert
         # k distinct ids a row, as a router picks them; the rows' spread over the layer
         ids = (np.arange(rows)[:, None] * 7919 + np.arange(k)[None, :]) % n
@@ -277,27 +276,27 @@ class Stage:
         worker(layer, x, ids)
         return time.perf_counter() - began
 
-    def prober(self) -> ExpertWorker:
-        """The worker `probe` times (over this stage's weights, sharing its backend)."""
-        if self._prober is None:
-            self._prober = self.local_worker()
-        return self._prober
-
     def open_session(self) -> Session:
         return self.kv.open()
 
     @property
     def dispatches(self) -> bool:
-        """Whether a forward beginning now sends rows to expert shards (which may be remote
-        calls)."""
-        return any(seg.router is not None for seg in self.segments) or bool(self.remote_now)
+        """Whether every forward sends rows to expert shards (which may be remote calls): a
+        layer whose experts are not all here; offered layers only where a forward is told
+        to."""
+        return any(seg.router is not None for seg in self.segments)
 
     def shards_of(self, layer: int) -> tuple[ExpertShard, ...]:
         """The shards a dispatched layer's rows go to."""
         return self.shards[layer] if layer in self.shards else self.optional[layer]
 
     def forward(
-        self, session: Session, inputs: np.ndarray, start: int | None = None, logits: str = "last"
+        self,
+        session: Session,
+        inputs: np.ndarray,
+        start: int | None = None,
+        logits: str = "last",
+        remote: frozenset[int] = frozenset(),
     ) -> np.ndarray:
         """Run tokens (or hidden rows) at positions start.. through the window.
 
@@ -306,7 +305,7 @@ class Stage:
         norm [T, n_embd], what llama.cpp pools into embeddings), else hidden states
         [T, n_embd] float32.
         """
-        return self._locked(self.forward_steps(session, inputs, start, logits))
+        return self._locked(self.forward_steps(session, inputs, start, logits, remote))
 
     def _locked(self, steps: Steps[Any]) -> Any:
         """Run `steps` here and now, holding `own_lock` (counted in `queued` while waiting
@@ -367,13 +366,18 @@ class Stage:
         return dispatch(layer, cur, ids, self.shards_of(layer))
 
     def forward_steps(
-        self, session: Session, inputs: np.ndarray, start: int | None = None, logits: str = "last"
+        self,
+        session: Session,
+        inputs: np.ndarray,
+        start: int | None = None,
+        logits: str = "last",
+        remote: frozenset[int] = frozenset(),
     ) -> Steps[np.ndarray]:
         """forward as steps (compute.steps): yields ("run", graph, feed) -> outputs,
         ("experts", layer, rows, global ids) -> expert outputs [T, k, n_embd], and ("pause",)
         -> None between the pieces of a run longer than a piece (PREFILL_PIECE), where a
         caller may let other forwards in. The caller holds `own_lock` while it runs them
-        (`forward` does)."""
+        (`forward` does). `remote`: the offered layers this forward sends out."""
         if logits not in ("last", "all", "embd"):
             raise InputError(f"logits must be 'last', 'all' or 'embd', got {logits!r}")
         x = self._check_inputs(inputs)
@@ -384,7 +388,7 @@ class Stage:
             )
         start = session.n_past if start is None else int(start)
         session.reserve(start, len(x))
-        outs, c, remote = [], 0, self.remote_now
+        outs, c = [], 0
         while c < len(x):
             end = min(len(x), (start + c) // PREFILL_PIECE * PREFILL_PIECE + PREFILL_PIECE - start)
             last = end == len(x)
@@ -402,7 +406,8 @@ class Stage:
         """Several sessions' runs as one graph per segment: (session, inputs, start) -> per
         run, what `forward` returns for it (the projections and FFNs read the weights once
         for all of them; each session attends over its own KV). A run is a decode step (one
-        row) or a short prompt (up to PREFILL_PIECE rows): runs of any lengths mix."""
+        row) or a short prompt (up to PREFILL_PIECE rows): runs of any lengths mix. Offered
+        layers compute here."""
         return self._locked(self.forward_batch_steps(runs))
 
     def forward_batch_steps(
@@ -450,7 +455,6 @@ class Stage:
             grouped,
             np.concatenate([checked[i][1] for i in order]),
             "lasts" if self.head else "all",
-            self.remote_now,
         )
         for session, start, rows in grouped:
             session.advance(start + rows)
@@ -653,8 +657,8 @@ class Stage:
         return np.ascontiguousarray(x, np.float32)
 
     def close(self) -> None:
-        if self._prober is not None:
-            self._prober.close()
+        if self._worker is not None:
+            self._worker.close()
         self.graphs.close()
         self.kv.close()
         self.weights.close()

@@ -131,11 +131,11 @@ def test_layers_sent_out_compute_what_the_one_graph_does(stage: Stage) -> None:
     fused = stage.forward(stage.open_session(), tokens, logits="all")
     stage.choose = lambda st, layers, rows: frozenset(layers)
     try:
-        assert stage.choose_experts(len(tokens)) and stage.dispatches
-        split = stage.forward(stage.open_session(), tokens, logits="all")
+        chosen = stage.choose_experts(len(tokens))
+        assert chosen == frozenset(range(N_LAYER)) and not stage.dispatches
+        split = stage.forward(stage.open_session(), tokens, logits="all", remote=chosen)
     finally:
         stage.choose = None
-        stage.remote_now = frozenset()
         stage.optional.clear()
         worker.close()
     assert sorted(set(calls)) == list(range(N_LAYER))

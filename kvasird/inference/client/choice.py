@@ -20,7 +20,7 @@ graph per side). `mode` overrides: "fallback" never sends an offered layer out, 
 always does while a fit cover exists (a benchmark's comparison, an operator's wish).
 What was chosen is counted per layer and step run alone (`counts`: fallback, remote; the
 dispatcher adds cache, a call its cached experts answered whole); steps batched with other
-sessions' keep the last choice (a batch computes no dispatched layer) and are not counted.
+sessions' compute the offered layers on the stage's copy and are not counted.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class ExpertChoice:
         if known is not None and known[1] < PROBE_EVERY:
             self._ours[key] = (known[0], known[1] + 1)
             return known[0]
-        worker = stage.prober()
+        worker = stage.local_worker()
         with held_now([worker]) as free:  # busy with a prefill: keep what we had
             if not free:
                 return known[0] if known is not None else 0.0

@@ -197,7 +197,7 @@ class Batcher:
         within one prefill piece (a longer one runs alone, piece by piece)."""
         if rows > 1 and (start + rows - 1) // PREFILL_PIECE != start // PREFILL_PIECE:
             return False
-        # the last choice of an offered layer stands (a step run alone makes the next)
+        # a batch computes a stage's offered layers (its fallback replica's) on it
         return self.max_rows > 1 and all(st.batches and not st.dispatches for st in chain)
 
     async def step(self, s: ServedSession, x: np.ndarray, start: int, solo: Solo) -> np.ndarray:

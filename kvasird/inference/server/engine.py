@@ -7,6 +7,7 @@ runs a short computation in place when nothing else holds its engine objects.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,9 +206,10 @@ class Served:
         """The held range of ``layer``'s experts that holds ``expert``, if any."""
         return next((r for r in self.runs.get(layer, ()) if r.first <= expert < r.end), None)
 
-    @property
+    @functools.cached_property
     def dispatches(self) -> bool:
-        """Whether any stage here sends rows to expert shards now (a step may then await)."""
+        """Whether any stage here sends rows to expert shards (a step may then await); a
+        stage's offered layers only in the steps that send them out."""
         return any(st.dispatches for st in self.all_stages())
 
     def stages_for(self, first: int, end: int, embed: bool, head: bool) -> list[Stage]:

@@ -648,19 +648,20 @@ async def _run_chain(s: ServedSession, x: np.ndarray, start: int, company: Compa
     ExpertDispatcher.remote). While a prefill in a worker thread holds a stage, decode
     steps wait for it on the loop."""
     short = len(x) <= INLINE_TOKENS
-    if not any([st.choose_experts(len(x)) for st in s.chain]):
+    remote = [st.choose_experts(len(x)) for st in s.chain]  # offered layers sent out
+    if not any(st.dispatches or out for st, out in zip(s.chain, remote, strict=True)):
         return await run_short(s.chain, short, _run_chain_now, s, x, start)
     tally = TALLY.set(s.tally)
     try:
         if not short:  # the thread and its expert calls run in this context
-            return await trio.to_thread.run_sync(_run_chain_now, s, x, start)
-        return await _run_chain_steps(s, x, start, company)
+            return await trio.to_thread.run_sync(_run_chain_now, s, x, start, remote)
+        return await _run_chain_steps(s, x, start, company, remote)
     finally:
         TALLY.reset(tally)
 
 
 async def _run_chain_steps(
-    s: ServedSession, x: np.ndarray, start: int, company: Company
+    s: ServedSession, x: np.ndarray, start: int, company: Company, remote: list[frozenset[int]]
 ) -> np.ndarray:
     """A short step as steps on the event loop (see _run_chain)."""
     delay = STAGE_POLL_S[0]
@@ -672,9 +673,9 @@ async def _run_chain_steps(
                     company.now += 1
                     token = COMPANY.set(company)
                     try:
-                        for stage, session in zip(s.chain, s.sessions, strict=True):
+                        for stage, session, out in zip(s.chain, s.sessions, remote, strict=True):
                             x = await drive_async(
-                                stage.forward_steps(session, x, start, s.out),
+                                stage.forward_steps(session, x, start, s.out, out),
                                 functools.partial(_serve_async, stage),
                             )
                     finally:
@@ -694,9 +695,12 @@ async def _run_chain_steps(
             delay = min(2 * delay, STAGE_POLL_S[1])
 
 
-def _run_chain_now(s: ServedSession, x: np.ndarray, start: int) -> np.ndarray:
-    for stage, session in zip(s.chain, s.sessions, strict=True):
-        x = stage.forward(session, x, start, s.out)
+def _run_chain_now(
+    s: ServedSession, x: np.ndarray, start: int, remote: list[frozenset[int]] | None = None
+) -> np.ndarray:
+    """The chain's stages one after another; `remote`: each one's offered layers sent out."""
+    for i, (stage, session) in enumerate(zip(s.chain, s.sessions, strict=True)):
+        x = stage.forward(session, x, start, s.out, remote[i] if remote else frozenset())
     return x
 
 
