@@ -498,6 +498,7 @@ class InferenceService:
                 "sessions": len(self.stages.sessions),
                 "forwarded": self.stages.forwarded,
                 "replayed": self.stages.replayed,
+                "rows_apart": self.stages.rows_apart,
                 "expert_rows": self.experts.rows,
                 "expert_calls": self.experts.calls,
                 "batches": dict(self.stages.batcher.stats),

@@ -185,10 +185,10 @@ class LyingOnChunks(StageServer):
 
     rng = np.random.default_rng(5)
 
-    async def _step(self, s: Any, m: Any) -> Any:
+    async def _step(self, s: Any, m: Any, *rest: Any) -> Any:
         if m.forward is not None and m.dt != "i32" and len(m.x) > 1:
             m = dataclasses.replace(m, x=self.rng.permutation(m.x, axis=1))
-        return await super()._step(s, m)
+        return await super()._step(s, m, *rest)
 
 
 @pytest.fixture(scope="module")

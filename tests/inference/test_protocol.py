@@ -386,3 +386,26 @@ def test_expert_units_are_the_experts_rows_selected_whatever_the_grouping() -> N
     assert experts.selections(ids) == 1 + 2 + 1 + 2
     assert experts.selections(ids[:1]) + experts.selections(ids[1:]) == experts.selections(ids)
     assert experts.selections(np.array([[4]])) == 1
+
+
+def test_a_row_of_a_check_sent_on_alone_carries_its_place_and_every_id() -> None:
+    """Step.part: row j of n of a forwarded speculative step computed singly, with the n
+    ids the head draws against; anything else named part is refused, saying what it is."""
+    row = {**forwarded_wire(), "x": tensors.encode(np.ones((1, 4), np.float32), "f32"),
+           "singly": True, "verify": True, "part": [1, 2]}
+    step = stage.parse(row)
+    assert isinstance(step, Step) and step.part == (1, 2) and step.ids == (5, 6)
+    assert step.to_wire()["part"] == [1, 2]
+    assert stage.parse(step.to_wire()).part == (1, 2)
+    assert "part" not in stage.parse(forwarded_wire()).to_wire()
+    for bad in ([2, 2], [-1, 2], [0, 99], [0], "0/2", [0.0, 2]):
+        with pytest.raises(WireError, match=r"stage.part: expected \[row, rows\]"):
+            stage.parse({**row, "part": bad})
+    two_rows = tensors.encode(np.ones((2, 4), np.float32), "f32")
+    for bad_step in ({**row, "x": two_rows}, {**row, "singly": False},
+                     {k: v for k, v in row.items() if k != "verify"},
+                     {k: v for k, v in row.items() if k != "back"}):
+        with pytest.raises(WireError, match="a part is one row of a forwarded speculative"):
+            stage.parse(bad_step)
+    with pytest.raises(WireError, match="stage.ids: expected the 2 token ids"):
+        stage.parse({**row, "ids": [5]})

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 
@@ -25,6 +26,10 @@ from kvasird.inference.client.speculate import (
     lookup,
 )
 from kvasird.inference.client.swarm import SwarmGenerator
+from kvasird.inference.protocol import tensors
+from kvasird.inference.protocol.stage import STEP_DIGESTS
+from kvasird.inference.server.engine import Served
+from kvasird.inference.server.stage import StageServer
 from kvasird.model.bundled import bundled_path
 from kvasird.text.tokenizer import Tokenizer
 
@@ -87,6 +92,9 @@ async def test_greedy_tokens_with_lookup_guesses_are_those_without(
     assert spent["steps"] > 0 and spent["accepted"] > 0, spent
     assert spent["accepted"] < spent["guessed"]  # some guesses were wrong, and rolled back
     assert all(s.sessions == {} for s in net.servers.values())
+    # the hops after the first took each check's rows one at a time, as each was computed
+    apart = {peer: s.rows_apart for peer, s in net.servers.items()}
+    assert all(apart[h] >= spent["guessed"] for h in ("b", "c")), apart
 
 
 async def test_guesses_checked_as_one_batch_give_the_same_greedy_tokens_here(
@@ -259,3 +267,66 @@ async def test_a_draft_that_cannot_read_the_prompt_fails_no_one(model: Path) -> 
         assert spec.session is None
     finally:
         draft.close()
+
+
+def part_wire(sid: str, j: int, n: int, row: np.ndarray, ticket: str = "t") -> dict[str, Any]:
+    """Row j of n of a forwarded check, as the hop before sends it on alone."""
+    return {"op": "step", "sid": sid, "start": len(PROMPT), "x": tensors.encode(row, "f32"),
+            "singly": True, "verify": True, "part": [j, n], "owner": "gw",
+            "back": {"ticket": ticket}, "next": [["c", "s2"]]}
+
+
+async def test_a_hop_takes_a_checks_rows_in_order_and_its_close_waits_for_the_last(
+        served: dict[str, Served]) -> None:
+    """b, a middle hop: the rows of a check come one by one and out of order; b computes
+    them in order, sends each on as it is computed, and records the step once, whole; a
+    close that comes before the last row waits for it, so b's commitment holds the step.
+    The rows it sent are the bits of the same check coming to it whole."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(peer: str, msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    server = StageServer(lambda: "m", lambda: served["b"], max_sessions=4, idle_s=60,
+                         wire_dtype="f32", send=send)
+    n_embd = served["b"].hp.n_embd
+    rng = np.random.default_rng(3)
+    prompt, rows = rng.standard_normal((2, len(PROMPT), n_embd), dtype=np.float32)
+    for sid in ("s", "whole"):
+        await server.handle("gw", {**open_msg(sid), "prev": "a"})
+        await server.handle("gw", {"op": "step", "sid": sid, "start": 0,
+                                   "x": tensors.encode(prompt, "f32")})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.handle, "a", part_wire("s", 1, 3, rows[1:2]))
+        await trio.sleep(0.01)
+        assert sent == []  # row 1 waits for row 0
+        await server.handle("a", part_wire("s", 0, 3, rows[0:1]))
+    assert [m["part"] for m in sent] == [[0, 3], [1, 3]] and server.rows_apart == 2
+    closed: list[dict[str, Any]] = []
+
+    async def close() -> None:
+        closed.append(await server.handle("gw", {"op": "close", "sid": "s"}))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(close)
+        await trio.sleep(0.01)
+        assert closed == []  # the check's last row is still coming
+        await server.handle("a", part_wire("s", 2, 3, rows[2:3]))
+    assert len(closed[0]["steps"]) == 2 * STEP_DIGESTS  # the prompt, and the check whole
+    apart = np.concatenate([tensors.decode(m["x"], "x", ("f32",), (None, None)) for m in sent])
+    sent.clear()
+    whole = {**part_wire("whole", 0, 1, rows[:3]), "sid": "whole", "ticket": "w"}
+    del whole["part"]
+    await server.handle("a", whole)
+    assert [m["part"] for m in sent] == [[0, 3], [1, 3], [2, 3]]  # on a row at a time too
+    together = np.concatenate(
+        [tensors.decode(m["x"], "x", ("f32",), (None, None)) for m in sent])
+    assert np.array_equal(apart, together)
+
+
+def open_msg(sid: str) -> dict[str, Any]:
+    """A session on b's layers [1, 3), between two other hops."""
+    return {"op": "open", "sid": sid, "model": "m", "first": 1, "end": 3, "embed": False,
+            "head": False, "max_tokens": 64, "logprobs": 0, "draws": 0,
+            "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                         "repetition_penalty": 1.0, "seed": 1}}

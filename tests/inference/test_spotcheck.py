@@ -338,10 +338,10 @@ class LyingOnDecode(StageServer):
             LyingOnDecode.opened.append(self.me)
         return await super().answer(caller, m)
 
-    async def _step(self, s: Any, m: Any) -> Any:
+    async def _step(self, s: Any, m: Any, *rest: Any) -> Any:
         if m.forward is not None and m.dt != "i32" and len(m.x) == 1:
             m = dataclasses.replace(m, x=self.rng.permutation(m.x, axis=1))
-        return await super()._step(s, m)
+        return await super()._step(s, m, *rest)
 
 
 @pytest.fixture(scope="module")
@@ -471,3 +471,21 @@ def test_a_peer_that_keeps_failing_checks_fills_no_disk(tmp_path: Path) -> None:
     assert all(f.exists() and f.stat().st_size < spot.log_bytes + 1_000 for f in logs)
     newest = json.loads(logs[0].read_text().splitlines()[-1])
     assert (tmp_path / "spotchecks" / newest["arrays"]).exists()
+
+
+async def test_honest_speculating_sessions_checked_every_time_flag_nobody(
+        replicated: dict[str, Served]) -> None:
+    """Lookup checks of four guesses on a route of three hops, each check's rows sent on a
+    row at a time and the head answering at its first miss: every hop still commits to
+    every step as the gateway sent it, and the drawn steps recomputed pass."""
+    net, fitness = FakeNet(replicated), Fitness(DEFAULTS.unfit_s)
+    spot = SpotChecks(1.0, 0.0, DEFAULTS.spot_tolerance)
+    gen = generator(net, spot, fitness, InferenceConfig(
+        spot_check_stages=1.0, speculate="lookup", draft_k=4))
+    for i in range(12):
+        await generate(gen, f"r{i}", 40)
+    assert gen.speculation["accepted"] < gen.speculation["guessed"]
+    assert net.servers["c"].rows_apart > 0
+    assert spot.decode.checked > 0 and spot.decode.caught == 0
+    assert spot.decode.unshown == 0 and spot.decode.unresolved == 0
+    assert fitness.snapshot() == {}

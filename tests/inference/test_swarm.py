@@ -230,10 +230,10 @@ async def test_a_route_out_of_capacity_answers_busy_at_once(
     full = trio.Event()
     real = net.servers["c"]._step
 
-    async def refusing(session: Any, msg: dict[str, Any]) -> dict[str, Any]:
+    async def refusing(session: Any, msg: dict[str, Any], *rest: Any) -> dict[str, Any]:
         if full.is_set():
             raise Refusal("busy", "KV cache has 0 free slots")
-        return await real(session, msg)
+        return await real(session, msg, *rest)
 
     net.servers["c"]._step = refusing  # type: ignore[method-assign]
 

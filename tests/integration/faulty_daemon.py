@@ -80,8 +80,8 @@ class LyingStage(StageServer):
     """Answers steps with its hidden rows scaled and shifted off the true ones, relayed or
     forwarded alike (the head's tokens it leaves alone)."""
 
-    async def _step(self, s: Any, m: Any) -> Any:
-        out = await super()._step(s, m)
+    async def _step(self, s: Any, m: Any, *rest: Any) -> Any:
+        out = await super()._step(s, m, *rest)
         return out * 1.5 + 0.01 if isinstance(out, np.ndarray) else out
 
 
@@ -92,12 +92,12 @@ class LyingDecode(StageServer):
     ledger holds what it really received and sent: a commitment that contradicts its
     neighbours' would cost it its pay at once)."""
 
-    async def _step(self, s: Any, m: Any) -> Any:
+    async def _step(self, s: Any, m: Any, *rest: Any) -> Any:
         if m.forward is not None and m.dt != "i32" and len(m.x) == 1:
             # the row's own values shuffled: garbage of the right magnitude (noise scaled
             # to the largest value can overflow the next hop's f16 rows, which would blame it)
             m = dataclasses.replace(m, x=np.random.default_rng().permutation(m.x, axis=1))
-        return await super()._step(s, m)
+        return await super()._step(s, m, *rest)
 
 
 def _serving(wrap: Callable[[ShardStore], ShardSource]) -> Callable[..., ShardService]:

@@ -6,7 +6,8 @@ half of the served model's layers, so that some guesses are right and some wrong
 ring checks four guesses a step. Its greedy tokens are those of one process of ours
 decoding one token a step: a wrong guess rolls every stage back past it, attention's KV,
 sliding windows' rings and delta-net states alike, and the rows kept are the rows a decode
-step computes.
+step computes. Each hop hands each row of a check on as soon as it computed it (Step.part),
+so the hops after the first take a check's rows one at a time.
 """
 
 from __future__ import annotations
@@ -109,4 +110,7 @@ def speculating(arch: str, tmp_path: Path, localnet: Callable[..., LocalNet],
           f"guesses kept")
     # some guesses checked and rejected: every stage went back past them
     assert spent["steps"] > before["steps"] and 0 <= accepted < guessed, spent
+    # the hops after the first computed each check's rows as the hop before sent each one
+    apart = [n.get("/v0/inference")["serving"]["rows_apart"] for n in net.nodes]
+    assert apart[1] > 0 and apart[2] > 0, apart
     return net

@@ -20,7 +20,9 @@ defines for it and for its reply:
              delegation (the gateway's, to this hop)}  -> {}
     Step    {op: step, sid, start, x: i32 [T] | f32/f16 [T, n_embd], ids (head hop: the T
              tokens), singly? (true: compute the T positions one at a time, an exact
-             replay of decode steps)}  -> Hidden {x: [T, n_embd]}  or, at the head,
+             replay of decode steps), verify? (true: ids[1:] are guesses to check),
+             part? ([j, n]: row j of a forwarded check sent on alone)}
+             -> Hidden {x: [T, n_embd]}  or, at the head,
              TokenEvent {token, logprob?, top?: [[token, logprob], ...]}
     Close   {op: close, sid}    -> Closed {experts?: {worker peer: units}, steps?: per step
              the digests of its input and output (tensors.digest), 32 bytes a step}
@@ -47,7 +49,11 @@ peer that failed: itself, or the next hop it could not reach (code "gone", or
 "unreachable" when no stream to it could be opened; "broken" when its own output was not
 finite). A session takes forwarded steps only
 from its owner and from the peer the owner named as the hop before it (``prev`` at open).
-A traced step also carries ``trace``: each hop's stamps so far (steptrace).
+A traced step also carries ``trace``: each hop's stamps so far (steptrace). A speculative
+step computed singly (``verify: true, singly: true``) goes on from a hop a row at a time,
+as each row is computed: each row a step of its own with ``part: [j, n]`` (row j of n, at
+position start + j, the n ids with it), the same ticket; the next hop takes them in order
+and the head answers once, at its first draw that is not the next guess.
 """
 
 from kvasird.wire.protocols import EXPERT_PROTOCOL, STAGE_PROTOCOL

@@ -248,6 +248,12 @@ class Step:
     opens it first (the owner's delegation to this hop must come with it), so a route
     whose links are long spends no round trip on opening before its first prompt chunk.
     Optional on the wire."""
+    part: tuple[int, int] | None = None
+    """(j, n): this message carries row j (position start + j) of a forwarded speculative
+    step of n rows computed singly, sent on by the hop before as soon as it computed that
+    row, so the hops of a route compute a check's rows side by side instead of one hop
+    after another (server.stage: Parts). ``ids`` holds all n token ids. Optional on the
+    wire; sent only by a hop to the next."""
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -264,6 +270,8 @@ class Step:
             out["verify"] = True
         if self.open is not None:
             out["open"] = self.open.to_wire()
+        if self.part is not None:
+            out["part"] = list(self.part)
         if (f := self.forward) is not None:
             if f.owner is not None:
                 out["owner"] = f.owner
@@ -286,17 +294,37 @@ class Step:
         ids = d.get("ids")
         if "verify" in d and len(x) > MAX_DRAFT + 1:
             raise WireError(f"stage.x: a speculative step guesses at most {MAX_DRAFT} tokens")
+        part = _part(d, len(x)) if "part" in d else None
         return Step(
             schema.text(d, "sid", 64, "stage"),
             schema.integer(d, "start", 0, MAX_POSITIONS, "stage"),
             x,
             dt,
-            None if ids is None else _ids(ids, len(x)),
+            None if ids is None else _ids(ids, len(x) if part is None else part[1]),
             Forward.from_wire(d) if "back" in d else None,
             "singly" in d and _boolean(d, "singly", "stage"),
             "verify" in d and _boolean(d, "verify", "stage"),
             Open.from_wire(schema.mapping(d["open"], "stage.open")) if "open" in d else None,
+            part,
         )
+
+
+def _part(d: dict[str, Any], rows: int) -> tuple[int, int]:
+    """A part's (j, n): one row of a forwarded speculative step computed singly."""
+    v = d["part"]
+    if (
+        type(v) is not list
+        or len(v) != 2
+        or type(v[0]) is not int
+        or type(v[1]) is not int
+        or not 0 <= v[0] < v[1] <= MAX_DRAFT + 1
+    ):
+        raise WireError(f"stage.part: expected [row, rows] with 0 <= row < rows <= {MAX_DRAFT + 1}")
+    if rows != 1 or "back" not in d or d.get("verify") is not True or d.get("singly") is not True:
+        raise WireError(
+            "stage.part: a part is one row of a forwarded speculative step computed singly"
+        )
+    return v[0], v[1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,8 +27,8 @@ import contextlib
 import functools
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Hashable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Hashable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -76,9 +76,46 @@ log = get_logger("kvasird.inference.server")
 
 KEEP_TICKETS = 4096
 """Forwarded steps remembered, to drop the second copy of each (sent on two paths)."""
+PART_WAIT_S = 30.0
+"""Longest a row of a speculative step sent a row at a time (Step.part) waits for the rows
+before it, or a step for such a step's rows to end (a hop that died mid-step)."""
+CLOSE_WAIT_S = 5.0
+"""Longest a Close or Reveal waits for such a step's last rows, which it records."""
 STAGE_POLL_S = (0.0005, 0.008)
 """A decode step waiting for a stage a prefill holds looks again after the first delay,
 doubling up to the second (a long prefill must not cost its waiters' CPU in wake-ups)."""
+
+
+@dataclass
+class Parts:
+    """A speculative step coming to this hop a row at a time (Step.part), as far as it came.
+
+    The hop before sends each row on as soon as it computed it, so every hop of the route
+    computes a check's rows side by side with the others: a further row costs the route
+    the slowest hop's compute, not every hop's one after another (about a third, on a
+    3-hop ring). Rows are taken in order; a later one, or the next step, waits its turn.
+    The head draws after each row and answers at the first draw that is not the next
+    guess, takes the rows still coming without computing them, and records the step, as
+    every hop does, once all its rows came: the ledger holds the same step as when the
+    rows came together."""
+
+    ticket: str
+    start: int
+    n: int
+    received: list[np.ndarray] = field(default_factory=list)
+    """The rows as they travelled, in order (the ledger's record of what came)."""
+    rows: list[np.ndarray] = field(default_factory=list)
+    """The rows widened (what a delta-net's replay goes back through)."""
+    sent: list[np.ndarray] = field(default_factory=list)
+    """The rows sent on, in the wire's type."""
+    drawn: list[TokenEvent] = field(default_factory=list)
+    """At the head: the tokens drawn."""
+    answered: bool = False
+    """At the head: the result is sent; the rows still coming are only recorded."""
+    failed: bool = False
+    """A row failed here: those after it are dropped (the owner was told once)."""
+    complete: bool = False
+    """All its rows came (or one failed): the session's next step may begin."""
 
 
 @dataclass
@@ -119,6 +156,10 @@ class ServedSession:
     guessed: tuple[int, np.ndarray] | None = None
     """(start, rows) of the last step a chain holding delta-net states computed one
     position at a time (a speculative step's): what a step going back into it replays."""
+    parts: Parts | None = None
+    """The last speculative step that came a row at a time (Step.part)."""
+    moved: trio.Event = field(default_factory=trio.Event)
+    """Set (and replaced) whenever a row of `parts` is taken: what waiting rows wait on."""
 
     @property
     def recurrent(self) -> bool:
@@ -224,6 +265,8 @@ class StageServer:
         self.replayed = 0
         """Positions recomputed to go back into a speculative step where no copy of a
         delta-net state was kept there (_go_back)."""
+        self.rows_apart = 0
+        """Rows of speculative steps that came here a row at a time (Parts), since start."""
         self._tickets: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         """The latest forwarded steps' (owner, session, ticket): a second copy is dropped."""
         self.twins = 0
@@ -264,6 +307,9 @@ class StageServer:
             self.deliver(caller, m)
             return {}
         key = (caller, m.sid)
+        if isinstance(m, Close | Reveal) and (s := self.sessions.get(key)) is not None:
+            with contextlib.suppress(Refusal):  # a check's last rows still on their way
+                await self._quiet(s, CLOSE_WAIT_S)
         if isinstance(m, Close):
             s = self.sessions.get(key)
             steps = self.ledgers.close(key)
@@ -319,9 +365,12 @@ class StageServer:
     async def _forwarded(self, caller: str, m: Step, f: Forward) -> None:
         """A step of a forwarded chain: compute, then pass the output on (or back home)."""
         owner = f.owner if f.owner is not None else caller
-        if not self._first_copy(owner, m.sid, f.ticket):
+        ticket = f.ticket if m.part is None else f"{f.ticket}/{m.part[0]}"
+        if not self._first_copy(owner, m.sid, ticket):
             return  # the same step by the other path (channel.Channels.twin): computed once
-        culprit = self.me
+        blame = [self.me]
+        """The peer a failure is pinned on: this node, the next hop while sending to it, or
+        the hop before when it sent rows that are not finite."""
         try:
             if m.open is not None and (owner, m.sid) not in self.sessions:
                 await self._open_with_step(caller, owner, m)
@@ -332,44 +381,168 @@ class StageServer:
                 )
             received, m = m, m.widened()
             if m.dt != "i32" and not np.isfinite(m.x).all():
-                culprit = caller
+                blame[0] = caller
                 raise self._unusable_input(s, m, caller)
-            out = await self._step(s, m)
+            if m.part is not None:
+                await self._part(s, owner, received, m, f, blame)
+                return
+            streams = (
+                m.verify
+                and m.singly
+                and len(m.x) > 1
+                and s.sampler is None
+                and bool(f.next_hops)
+                and not f.opens
+            )
+            emit = self._emitter(s, owner, m, f, blame) if streams else None
+            out = await self._step(s, m, emit)
             sent = self._record((owner, m.sid), received, out)
             trace = _traced(f, s)
             if not isinstance(out, tuple):
                 if not f.next_hops:
                     raise Refusal("bad", "the route ends before the head")
-                culprit, sid = f.next_hops[0]
-                await self.send(
-                    culprit,
-                    Step(
-                        sid,
-                        m.start,
-                        sent,
-                        self.wire_dtype,
-                        m.ids,
-                        Forward(f.ticket, f.next_hops[1:], owner, trace, opens=f.opens[1:]),
-                        m.singly,
-                        m.verify,
-                        f.opens[0] if f.opens else None,
-                    ).to_wire(),
-                )
+                if emit is None:
+                    blame[0], sid = f.next_hops[0]
+                    await self.send(
+                        blame[0],
+                        Step(
+                            sid,
+                            m.start,
+                            sent,
+                            self.wire_dtype,
+                            m.ids,
+                            Forward(f.ticket, f.next_hops[1:], owner, trace, opens=f.opens[1:]),
+                            m.singly,
+                            m.verify,
+                            f.opens[0] if f.opens else None,
+                        ).to_wire(),
+                    )
             else:
                 if f.next_hops:
                     raise Refusal(
                         "bad", "the route goes on after the head: the head hop must be the last"
                     )
-                culprit = owner
+                blame[0] = owner
                 await self.send(owner, Result(f.ticket, out, trace).to_wire())
             self.forwarded += 1
         except KvasirError as exc:  # Refusal, HopFailed (forwarding), WireError
-            failure = Failure(f.ticket, *_why(exc), culprit)
-            if culprit == owner:
-                log.debug("result not delivered", owner=owner, reason=failure.error[:200])
-                return
-            with contextlib.suppress(HopFailed):
-                await self.send(owner, failure.to_wire())
+            await self._report(owner, f.ticket, exc, blame[0])
+
+    async def _report(self, owner: str, ticket: str, exc: KvasirError, culprit: str) -> None:
+        """Tell a forwarded step's owner that it failed, and whom to blame."""
+        failure = Failure(ticket, *_why(exc), culprit)
+        if culprit == owner:
+            log.debug("result not delivered", owner=owner, reason=failure.error[:200])
+            return
+        with contextlib.suppress(HopFailed):
+            await self.send(owner, failure.to_wire())
+
+    def _emitter(
+        self, s: ServedSession, owner: str, m: Step, f: Forward, blame: list[str]
+    ) -> Callable[[int, int, np.ndarray], Awaitable[np.ndarray]]:
+        """Sends each row of a speculative step computed singly to the next hop as soon as
+        it is computed (Step.part; returns the row as sent)."""
+        peer, sid = f.next_hops[0]
+        on = Forward(f.ticket, f.next_hops[1:], owner)
+
+        async def emit(j: int, n: int, row: np.ndarray) -> np.ndarray:
+            self._check_finite(s, replace(m, start=m.start + j, x=row), row)
+            sent = np.ascontiguousarray(row, DTYPES[self.wire_dtype])
+            blame[0] = peer
+            step = Step(sid, m.start, sent, self.wire_dtype, m.ids, on, True, True, part=(j, n))
+            await self.send(peer, step.to_wire())
+            blame[0] = self.me
+            return sent
+
+        return emit
+
+    async def _part(
+        self, s: ServedSession, owner: str, received: Step, m: Step, f: Forward, blame: list[str]
+    ) -> None:
+        """Row j of n of a speculative step that comes a row at a time (Parts): computed in
+        its turn and sent on at once, or at the head drawn after."""
+        assert m.part is not None
+        j, n = m.part
+        p = await self._turn(s, f.ticket, m.start, j, n)
+        if p is None:
+            return  # a row before it failed here, and the owner was told
+        head = s.sampler is not None
+        self.rows_apart += 1
+        try:
+            if j == 0:
+                await self._begin(s, m, n)
+            else:
+                await self.admit(s.tally.owner, s.layers)  # metered before it computes
+            if not p.answered:
+                row = await self._part_row(s, p, m, j)
+                if head:
+                    p.drawn.append(_draw(s, row[-1], s.history[: s.at]))
+                    if j + 1 == n or p.drawn[-1].token != (m.ids or ())[j + 1]:
+                        p.answered, blame[0] = True, owner
+                        tokens = tuple(p.drawn)
+                        await self.send(owner, Result(f.ticket, tokens).to_wire())
+                        blame[0] = self.me
+                else:
+                    if not f.next_hops:
+                        raise Refusal("bad", "the route ends before the head")
+                    p.sent.append(await self._emitter(s, owner, m, f, blame)(j, n, row))
+        except BaseException:
+            p.failed = True
+            raise
+        finally:
+            p.received.append(received.x)
+            p.complete = p.failed or len(p.received) == n
+            _moved(s)
+        if len(p.received) == n:
+            sent = (
+                np.array([t.token for t in p.drawn], np.int32) if head else np.concatenate(p.sent)
+            )
+            shown = Shown(
+                p.start,
+                np.concatenate(p.received),
+                received.dt,
+                sent,
+                "i32" if head else self.wire_dtype,
+                True,
+                True,
+            )
+            self.ledgers.record((owner, m.sid), shown)
+            self.forwarded += 1
+
+    async def _turn(
+        self, s: ServedSession, ticket: str, start: int, j: int, n: int
+    ) -> Parts | None:
+        """Wait for row j's turn: the rows before it taken, or (the first) the step before
+        it ended. None: a row before it failed here."""
+        with trio.move_on_after(PART_WAIT_S):
+            while True:
+                p = s.parts
+                if p is not None and p.ticket == ticket:
+                    if p.failed:
+                        return None
+                    if len(p.received) == j:
+                        return p
+                elif j == 0 and (p is None or p.complete):
+                    s.parts = Parts(ticket, start, n)
+                    return s.parts
+                await s.moved.wait()
+        raise Refusal(
+            "bad",
+            f"row {j} of a speculative step came, but not the rows before it, within "
+            f"{PART_WAIT_S:g} s",
+        )
+
+    async def _quiet(self, s: ServedSession, wait_s: float = PART_WAIT_S) -> None:
+        """Wait until the speculative step coming a row at a time (if any) has all come."""
+        with trio.move_on_after(wait_s):
+            while s.parts is not None and not s.parts.complete:
+                await s.moved.wait()
+            return
+        if s.parts is not None:  # its missing rows will not be waited for again
+            s.parts.failed = s.parts.complete = True
+        raise Refusal(
+            "bad", f"the step before it, sent a row at a time, did not end within {wait_s:g} s"
+        )
 
     def _first_copy(self, owner: str, sid: str, ticket: str) -> bool:
         """Whether this forwarded step is new here (a far peer sends small ones twice)."""
@@ -460,18 +633,76 @@ class StageServer:
         )
         return s.attach(m.prefix) if self.prefix and m.prefix else 0
 
-    async def _step(self, s: ServedSession, m: Step) -> np.ndarray | tuple[TokenEvent, ...]:
+    async def _step(
+        self,
+        s: ServedSession,
+        m: Step,
+        emit: Callable[[int, int, np.ndarray], Awaitable[np.ndarray]] | None = None,
+    ) -> np.ndarray | tuple[TokenEvent, ...]:
         """The hop's output rows, or at the head the tokens drawn (one; a speculative
-        step's accepted guesses and the head's own token after them)."""
+        step's accepted guesses and the head's own token after them). `emit`: a step
+        computed singly hands each row to it as soon as it is computed (_emitter)."""
+        await self._quiet(s)
+        await self._begin(s, m, len(m.x))
+        x = m.x
+        if emit is not None:  # its rows reach the next hops before it ends here
+            s.parts = Parts("", m.start, len(x))
+        try:
+            with self._computing(s):
+                if m.start < s.at and s.recurrent:
+                    await self._go_back(s, m.start)
+                if m.verify and s.sampler is not None:
+                    return await self._verify(s, m)
+                if m.singly or m.verify and s.recurrent:  # as the decode steps they were
+                    outs = []
+                    for i in range(len(x)):
+                        outs.append(await self._row(s, x, m.start, i))
+                        if emit is not None:
+                            await emit(i, len(x), outs[-1])
+                    out = outs[-1] if s.sampler is not None else np.concatenate(outs)
+                elif s.out == "last" and self.batcher.takes(s.chain, m.start, len(x)):
+                    out = await self.batcher.step(s, x, m.start, self._solo)
+                else:
+                    out = await _run_chain(s, x, m.start, self.company)
+        finally:
+            if emit is not None and s.parts is not None:
+                s.parts.complete = True
+                _moved(s)
+        self._check_finite(s, m, out)
+        self.tokens += len(x)
+        s.at = m.start + len(x)
+        if s.sampler is None:
+            return out
+        return (_draw(s, out[-1], s.history),)
+
+    @contextlib.contextmanager
+    def _computing(self, s: ServedSession) -> Iterator[None]:
+        """The block computes for `s`: the engine's errors become refusals, and the
+        session's last use and its compute's times (experts' waits too) are stamped."""
+        began = time.monotonic()
+        try:
+            with collecting_waits() as waited:
+                yield
+        except (KVCacheFull, NoWorkers) as exc:
+            raise Refusal("busy", str(exc)) from None
+        except ComputeError as exc:
+            raise Refusal("bad", str(exc)) from None
+        finally:
+            s.used = self.clock()
+            s.last_step = (began, time.monotonic(), waited[0])
+
+    async def _begin(self, s: ServedSession, m: Step, rows: int) -> None:
+        """Check a step of `rows` positions against the session, meter it, and take its
+        token ids into the head's history: what comes before its compute."""
         x, first = m.x, s.chain[0]
         if first.embed != (m.dt == "i32") or not first.embed and x.shape[1] != first.hp.n_embd:
             raise WireError(
                 "stage.x: expected "
                 + ("token ids (i32 [T])" if first.embed else f"hidden rows [T, {first.hp.n_embd}]")
             )
-        if m.start + len(x) > s.max_tokens:
+        if m.start + rows > s.max_tokens:
             raise Refusal(
-                "bad", f"positions up to {m.start + len(x)} exceed the session's {s.max_tokens}"
+                "bad", f"positions up to {m.start + rows} exceed the session's {s.max_tokens}"
             )
         if s.sampler is not None and m.ids is None:
             raise WireError("stage.ids: the head needs the token ids of the positions sent")
@@ -480,36 +711,23 @@ class StageServer:
             assert m.ids is not None
             del s.history[m.start :]
             s.history += m.ids
-        s.used, began = self.clock(), time.monotonic()
+        s.used = self.clock()
         if m.start >= s.at:  # on from the last step: no guess of it to go back past
             for kv in s.sessions:
                 kv.drop_rewinds()
-        try:
-            if m.start < s.at and s.recurrent:
+
+    async def _part_row(self, s: ServedSession, p: Parts, m: Step, j: int) -> np.ndarray:
+        """Row j of a step that comes a row at a time (Parts), computed as _row computes it
+        (a delta-net's state is kept after each row but the last)."""
+        with self._computing(s):
+            if j == 0 and m.start < s.at and s.recurrent:
                 await self._go_back(s, m.start)
-            with collecting_waits() as waited:
-                if m.verify and s.sampler is not None:
-                    return await self._verify(s, m)
-                if m.singly or m.verify and s.recurrent:  # as the decode steps they were
-                    outs = [await self._row(s, x, m.start, i) for i in range(len(x))]
-                    out = outs[-1] if s.sampler is not None else np.concatenate(outs)
-                elif s.out == "last" and self.batcher.takes(s.chain, m.start, len(x)):
-                    out = await self.batcher.step(s, x, m.start, self._solo)
-                else:
-                    out = await _run_chain(s, x, m.start, self.company)
-        except (KVCacheFull, NoWorkers) as exc:
-            raise Refusal("busy", str(exc)) from None
-        except ComputeError as exc:
-            raise Refusal("bad", str(exc)) from None
-        finally:
-            s.used = self.clock()
-            s.last_step = (began, time.monotonic(), waited[0])
-        self._check_finite(s, m, out)
-        self.tokens += len(x)
-        s.at = m.start + len(x)
-        if s.sampler is None:
-            return out
-        return (_draw(s, out[-1], s.history),)
+            p.rows.append(m.x)
+            out = await self._row(s, np.concatenate(p.rows), p.start, j, p.n)
+        self._check_finite(s, replace(m, start=p.start + j), out)
+        self.tokens += 1
+        s.at = p.start + j + 1
+        return out
 
     async def _verify(self, s: ServedSession, m: Step) -> tuple[TokenEvent, ...]:
         """A speculative step at the head (Step.verify): a token drawn after each position,
@@ -542,13 +760,16 @@ class StageServer:
                 return tuple(drawn)
         raise AssertionError("unreachable: the last position returns")
 
-    async def _row(self, s: ServedSession, x: np.ndarray, start: int, i: int) -> np.ndarray:
-        """Position start + i of a step computed one position at a time. A delta-net's
-        state cannot go back, so where the chain holds one, its state after each position
-        but the last is copied: the next step may start after any guess of this one (the
-        head rejected the guess after it), as it would at an attention layer's KV."""
+    async def _row(
+        self, s: ServedSession, x: np.ndarray, start: int, i: int, n: int = 0
+    ) -> np.ndarray:
+        """Position start + i of a step of `n` positions (all of `x`'s when 0) computed one
+        position at a time. A delta-net's state cannot go back, so where the chain holds
+        one, its state after each position but the last is copied: the next step may start
+        after any guess of this one (the head rejected the guess after it), as it would at
+        an attention layer's KV."""
         out = await _run_chain(s, x[i : i + 1], start + i, self.company)
-        if s.recurrent and i + 1 < len(x):
+        if s.recurrent and i + 1 < (n or len(x)):
             s.guessed = (start, x)
             for kv in s.sessions:
                 kv.keep_rewind()
@@ -735,6 +956,12 @@ def _draw(s: ServedSession, logits: np.ndarray, history: list[int]) -> TokenEven
     lp = log_softmax(logits)
     top = np.argsort(-lp, kind="stable")[: s.logprobs]
     return TokenEvent(token, float(lp[token]), tuple((int(i), float(lp[i])) for i in top))
+
+
+def _moved(s: ServedSession) -> None:
+    """Wake the rows and steps of `s` waiting for their turn (StageServer._turn, _quiet)."""
+    s.moved.set()
+    s.moved = trio.Event()
 
 
 def _where(s: ServedSession, m: Step) -> tuple[str, str]:
