@@ -4,7 +4,8 @@ tokens, lossy links and concurrent sessions.
     sudo .venv/bin/python bench/bench_wan.py [--quick] [--json PATH] [--tokens 64]
                                              [--prompts 6] [--pairs 12] [--rate-mbit 0]
                                              [--modes off lookup draft draft-batch] [--kernel-tcp]
-                                             [--moe] [--settle-s 11]
+                                             [--moe] [--settle-s 11] [--past-eos]
+                                             [--delays 0 5 20 40] [--skip sessions ttft]
 
 Needs root (network namespaces). Three daemons, each in a network namespace of its own
 with its own home, joined by bootstrap address, hold a third of SmolLM2-135M's layers each
@@ -14,8 +15,9 @@ them, holding each frame for the link's one-way delay and dropping it with the l
 probability (this kernel has no netem): a token crosses three links per circuit of the
 ring (gateway -> stage 2 -> stage 3 -> gateway). The measuring client runs in the
 gateway's namespace against its gateway on loopback, as an app on the gateway's machine
-would, with the official openai client: greedy chat completions (temperature 0,
-``ignore_eos``: every generation is --tokens long), streamed. The daemons pay nothing
+would, with the official openai client: greedy chat completions (temperature 0), streamed,
+--tokens long (``ignore_eos``) or, for the editing requests, up to the answer's end
+(ANSWER_ENDS; --past-eos: --tokens long too). The daemons pay nothing
 (settlement off, as on a node for its operator's own use) and keep no prompt prefixes
 (``prefix_cache`` off: every first token includes its whole prompt's prefill). TCP's slow
 start after idle is off in every namespace, as ``kvasird service install`` sets it
@@ -189,6 +191,12 @@ EDITS = [
     'big room on the second floor; please bring your notes and the reprot from last week."',
 ]
 PROMPT_SETS = {"questions": QUESTIONS, "edits": EDITS}
+ANSWER_ENDS = ("edits",)
+"""Prompt sets whose generations end with the answer (at the model's end of turn, or
+--tokens), as an editing request's does; the others run --tokens long (ignore_eos). Past
+its answer the bundled model writes another conversation turn, which quotes nothing (three
+of the six edits end after 35, 43 and 60 tokens): --past-eos measures the edits that way
+too."""
 QUICK_SETS = {
     "off": ("questions", "edits"),
     "lookup": ("edits",),
@@ -576,11 +584,16 @@ class Client:
         return cls(host, proc)
 
     def measure(
-        self, prompts: str, picks: list[int], tokens: int, together: bool = False
+        self,
+        prompts: str,
+        picks: list[int],
+        tokens: int,
+        together: bool = False,
+        past_eos: bool = False,
     ) -> dict[str, Any]:
         """``measure`` on the host; raises with the client's error."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps([prompts, picks, tokens, together]) + "\n")
+        self.proc.stdin.write(json.dumps([prompts, picks, tokens, together, past_eos]) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -615,11 +628,15 @@ def serve_client() -> None:
         print(json.dumps(out), flush=True)
 
 
-def measure(prompts: str, picks: list[int], tokens: int, together: bool) -> dict[str, Any]:
+def measure(
+    prompts: str, picks: list[int], tokens: int, together: bool, past_eos: bool = False
+) -> dict[str, Any]:
     """Greedy streamed chat completions through the gateway of the prompts ``picks`` of a
     set (their indices, taken modulo the set's size): one after another, or all at once
-    (``together``, a session each). Per generation the arrival times of its content chunks
-    after its request was sent, and its completion tokens; and the seconds from the first
+    (``together``, a session each); ``tokens`` long (ignore_eos), or up to the answer's end
+    for a set of ANSWER_ENDS unless ``past_eos``. Per generation the arrival times of its
+    content chunks and of its finish after its request was sent, and its completion
+    tokens; and the seconds from the first
     request to the last answer's end; and what the gateway's speculation guessed and the
     route accepted meanwhile (its admin API's counters)."""
     import httpx
@@ -632,7 +649,7 @@ def measure(prompts: str, picks: list[int], tokens: int, together: bool) -> dict
     def one(prompt: str) -> dict[str, Any]:
         began = time.perf_counter()
         stamps: list[float] = []
-        used = 0
+        used, end = 0, None
         stream = api.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": prompt}],
@@ -640,14 +657,16 @@ def measure(prompts: str, picks: list[int], tokens: int, together: bool) -> dict
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": past_eos or prompts not in ANSWER_ENDS},
         )
         for chunk in stream:
             if chunk.usage is not None:
                 used = chunk.usage.completion_tokens
             if chunk.choices and chunk.choices[0].delta.content:
                 stamps.append(time.perf_counter() - began)
-        return {"stamps": stamps, "tokens": used}
+            if chunk.choices and chunk.choices[0].finish_reason and end is None:
+                end = time.perf_counter() - began
+        return {"stamps": stamps, "tokens": used, "end": end}
 
     def speculation() -> dict[str, int]:
         view = httpx.get(ADMIN + "/v0/inference", timeout=10).json().get("speculation", {})
@@ -723,7 +742,7 @@ class Row:
         gaps = sorted(
             b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:], strict=False)
         )
-        rates = [(r["tokens"] - 1) / (r["stamps"][-1] - r["stamps"][0]) for r in runs]
+        rates = [(r["tokens"] - 1) / (_end(r) - r["stamps"][0]) for r in runs]
         return cls(
             mode,
             prompts,
@@ -772,17 +791,28 @@ def run_ring(wan: Wan, ring: Ring, args: argparse.Namespace) -> list[Row]:
     line compares this ring on)."""
     rows = []
     for delay, loss in CONDITIONS:
+        if args.delays is not None and delay not in args.delays:
+            continue
         wan.links(delay, loss, args.rate_mbit)
         if not ring.measured_at(delay):
             print(f"  (the gateway's round trips did not settle at {delay:g} ms)", flush=True)
         ring.client.measure("questions", [0], 4)  # the route re-measured at this delay
         for prompts in QUICK_SETS[ring.mode] if args.quick else PROMPT_SETS:
             before = wan.links(delay, loss, args.rate_mbit)["lost"]
-            measured = ring.client.measure(prompts, list(range(args.prompts)), args.tokens)
+            measured = ring.client.measure(
+                prompts, list(range(args.prompts)), args.tokens, past_eos=args.past_eos
+            )
             lost = wan.links(delay, loss, args.rate_mbit)["lost"] - before
             rows.append(Row.of(ring.mode, prompts, delay, loss, measured, lost))
             print(f"  {_row_text(rows[-1])}", flush=True)
     return rows
+
+
+def _end(run: dict[str, Any]) -> float:
+    """When a generation ended: its finish chunk (after its last token, the end of turn
+    included), else its last content chunk."""
+    end = run.get("end")
+    return float(end) if end is not None else float(run["stamps"][-1])
 
 
 def _row_text(r: Row) -> str:
@@ -998,9 +1028,11 @@ def report(
         f"; congestion control {args.cc_used}"
     )
     print(
-        f"greedy, {args.tokens} tokens a generation (ignore_eos), {args.prompts} prompts a "
-        "set, 1 compute thread a daemon; draft model: the bundled model itself (the model "
-        "drafting for itself: the upper bound of the mechanism, every guess right)"
+        f"greedy, {args.tokens} tokens a generation (ignore_eos"
+        + (")" if args.past_eos else f"; the {', '.join(ANSWER_ENDS)} up to the answer's end)")
+        + f", {args.prompts} prompts a set, 1 compute thread a daemon; draft model: the "
+        "bundled model itself (the model drafting for itself: the upper bound of the "
+        "mechanism, every guess right)"
     )
     if args.rate_mbit:
         print(f"every link paced to {args.rate_mbit:g} Mbit/s")
@@ -1128,9 +1160,31 @@ def main() -> int:
         default=SETTLE_S,
         help="hold each TTFT pair's link setting this long before its question",
     )
+    ap.add_argument(
+        "--delays",
+        nargs="+",
+        type=float,
+        default=None,
+        help="only the link conditions at these one-way delays, ms (0 always runs: the "
+        "bounds are drawn from it)",
+    )
+    ap.add_argument(
+        "--skip",
+        nargs="+",
+        choices=("sessions", "ttft"),
+        default=[],
+        help="leave out the concurrent sessions, or the TTFT pairs",
+    )
+    ap.add_argument(
+        "--past-eos",
+        action="store_true",
+        help="every generation --tokens long, the edits too (ignore_eos; see ANSWER_ENDS)",
+    )
     ap.add_argument("--json", type=Path, help="write the rows and the summary here")
     args = ap.parse_args()
     args.modes = ["off", *(m for m in args.modes if m != "off")]
+    if args.delays is not None:
+        args.delays = {0.0, *args.delays}
     if args.quick:
         args.tokens, args.prompts = min(args.tokens, 24), min(args.prompts, 2)
         args.pairs = 4 if args.pairs is None else args.pairs
@@ -1171,13 +1225,14 @@ def main() -> int:
                 try:
                     rows += run_ring(wan, ring, args)
                     print(f"  after its rows: {ring.speculation()}", flush=True)
-                    if mode == "off":
+                    if mode == "off" and "sessions" not in args.skip:
                         crowd = sessions(wan, ring, args)
                         print(
                             f"  {crowd.many} sessions: {crowd.many_tok_s:.1f} tok/s, one: "
                             f"{crowd.one_tok_s:.1f}; batches {crowd.batches}",
                             flush=True,
                         )
+                    if mode == "off" and "ttft" not in args.skip:
                         ttft = paired_ttft(wan, ring, args.pairs, settle_s=args.settle_s)
                 finally:
                     ring.stop()
@@ -1195,6 +1250,7 @@ def main() -> int:
                     "itself": asdict(emulator),
                     "frames": frames,
                     "tokens": args.tokens,
+                    "past_eos": args.past_eos,
                     "prompts": args.prompts,
                     "rows": [asdict(r) for r in rows],
                     "sessions": asdict(crowd) if crowd else None,
