@@ -36,7 +36,8 @@ bound of 1 / (t0 + 3d) tok/s and a first token no sooner than TTFT(0) + 3d. Then
 ring without speculation: 8 sessions at once at 20 ms, their aggregate tok/s over one
 session's and the decode batches each hop ran meanwhile; and what 40 ms adds to the first
 token, from questions each asked at 0 ms and right after at 40 ms (the machine's drift
-cancels within a pair; each setting held --settle-s, 11 s, before its question: SETTLE_S).
+cancels within a pair; each setting held --settle-s, 11 s, before its question; asked
+after the lossless rows and before the lossy ones: SETTLE_S).
 Before all, what the emulator itself adds: UDP round trips through
 it at 0 ms against the same on a namespace's loopback. The closing line:
 
@@ -140,8 +141,11 @@ SETTLE_S = 11.0
 trip does not jump from 0.1 to 80 ms between two requests; here it does, and BBR (the
 kernel's congestion control here) sizes a connection's window by the least round trip of
 the last 10 s. Asked right after the switch, the first chunks' links at 40 ms took 41 + 84
-+ 76 ms; held 11 s, 41 + 57 + 41 ms in one run and 41 + 41 + 85 ms in the next: one link
-in three may still take one more delay (docs/wan.md)."""
++ 76 ms; held 11 s, 41 + 57 + 41 ms in one run and 41 + 41 + 85 ms in the next, where
+the pairs came after the rows with 1 % loss. Asked right after those rows they took 41 +
+120 + 128 ms (ttft40 0.29 s): the lanes' windows, cut by the loss's retransmission
+timeouts, regrow only as fast as a token's two packets let them. So the pairs run before
+the lossy rows (41 + 41 + 41 ms, ttft40 0.11 s; docs/wan.md)."""
 MOE_DELAYS = (0.0, 5.0, 20.0)
 """One-way delays per link of the MoE rows."""
 MOE_HOPS = 2
@@ -786,12 +790,12 @@ def compare(a: Row | None, b: Row | None, field: str, ratio: bool = True) -> flo
     return float(x / y if ratio else x - y)
 
 
-def run_ring(wan: Wan, ring: Ring, args: argparse.Namespace) -> list[Row]:
-    """Every link condition on one ring: every prompt set (with --quick, those the closing
-    line compares this ring on)."""
+def run_ring(wan: Wan, ring: Ring, args: argparse.Namespace, lossy: bool) -> list[Row]:
+    """The link conditions without loss (or with, `lossy`) on one ring: every prompt set
+    (with --quick, those the closing line compares this ring on)."""
     rows = []
     for delay, loss in CONDITIONS:
-        if args.delays is not None and delay not in args.delays:
+        if args.delays is not None and delay not in args.delays or (loss > 0) != lossy:
             continue
         wan.links(delay, loss, args.rate_mbit)
         if not ring.measured_at(delay):
@@ -1223,7 +1227,11 @@ def main() -> int:
                 ring = Ring.start(wan, root, mode, model)
                 print(f"  the gateway's speculation: {ring.speculation()}", flush=True)
                 try:
-                    rows += run_ring(wan, ring, args)
+                    rows += run_ring(wan, ring, args, lossy=False)
+                    if mode == "off" and "ttft" not in args.skip:
+                        # before the lossy rows: the lanes' windows after a loss (below)
+                        ttft = paired_ttft(wan, ring, args.pairs, settle_s=args.settle_s)
+                    rows += run_ring(wan, ring, args, lossy=True)
                     print(f"  after its rows: {ring.speculation()}", flush=True)
                     if mode == "off" and "sessions" not in args.skip:
                         crowd = sessions(wan, ring, args)
@@ -1232,8 +1240,6 @@ def main() -> int:
                             f"{crowd.one_tok_s:.1f}; batches {crowd.batches}",
                             flush=True,
                         )
-                    if mode == "off" and "ttft" not in args.skip:
-                        ttft = paired_ttft(wan, ring, args.pairs, settle_s=args.settle_s)
                 finally:
                     ring.stop()
             frames = wan.links(0.0, 0.0)
