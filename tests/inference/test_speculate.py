@@ -330,3 +330,24 @@ def open_msg(sid: str) -> dict[str, Any]:
             "head": False, "max_tokens": 64, "logprobs": 0, "draws": 0,
             "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0,
                          "repetition_penalty": 1.0, "seed": 1}}
+
+
+async def test_a_row_that_is_not_its_checks_is_refused_to_its_owner(
+        served: dict[str, Served]) -> None:
+    """A second row claiming another start than the check's first: the owner hears why, and
+    the hop's next step does not wait on the check."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(peer: str, msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    server = StageServer(lambda: "m", lambda: served["b"], max_sessions=4, idle_s=60,
+                         wire_dtype="f32", send=send)
+    rows = np.random.default_rng(4).standard_normal((2, 1, served["b"].hp.n_embd),
+                                                    dtype=np.float32)
+    await server.handle("gw", {**open_msg("s"), "prev": "a"})
+    await server.handle("a", {**part_wire("s", 0, 2, rows[0]), "start": 0})
+    await server.handle("a", {**part_wire("s", 1, 2, rows[1]), "start": 1})
+    failures = [m for m in sent if m.get("op") == "result"]
+    assert len(failures) == 1 and "its check's" in failures[0]["error"]
+    assert server.sessions[("gw", "s")].parts.complete  # type: ignore[union-attr]

@@ -469,6 +469,10 @@ class StageServer:
         head = s.sampler is not None
         self.rows_apart += 1
         try:
+            if (m.start, n) != (p.start, p.n):
+                raise WireError("stage.part: a row's start and rows must be its check's")
+            if head and m.ids is None:
+                raise WireError("stage.ids: the head needs the token ids of the positions sent")
             if j == 0:
                 await self._begin(s, m, n)
             else:
@@ -476,8 +480,9 @@ class StageServer:
             if not p.answered:
                 row = await self._part_row(s, p, m, j)
                 if head:
+                    assert m.ids is not None
                     p.drawn.append(_draw(s, row[-1], s.history[: s.at]))
-                    if j + 1 == n or p.drawn[-1].token != (m.ids or ())[j + 1]:
+                    if j + 1 == n or p.drawn[-1].token != m.ids[j + 1]:
                         p.answered, blame[0] = True, owner
                         tokens = tuple(p.drawn)
                         await self.send(owner, Result(f.ticket, tokens).to_wire())
