@@ -13,8 +13,10 @@ if "PYTEST_XDIST_WORKER" in os.environ:
         os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 import contextlib  # noqa: E402
+import shutil  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -49,3 +51,24 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 def held_elsewhere() -> Callable[[Any], contextlib.AbstractContextManager[None]]:
     """`with held_elsewhere(lock):` runs its body while another thread holds `lock`."""
     return _held_by_another_thread
+
+
+@pytest.fixture(scope="module")
+def module_tmp(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[Callable[[str], Path]]:
+    """``module_tmp(name)``: a new folder for a module's shared network, removed when the
+    module ends with none of its tests failed, as pytest removes a passed test's own
+    ``tmp_path`` (``tmp_path_retention_policy``). Every node's home holds its own copy of
+    the model's pieces (~95 MB for the bundled one), and a run that kept them all took
+    23 GB; a failed module's folders stay for reading."""
+    made: list[Path] = []
+    failed = request.session.testsfailed
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    if request.session.testsfailed == failed:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)

@@ -11,6 +11,7 @@ each other (STACK.md), and one thread decodes the bundled model at ~80 tokens/s.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,10 +36,13 @@ class SharedDaemons:
     """The run's gateway daemons, one per settings, each started on first use.
 
     Each holds ~0.8 GB, so all are stopped as soon as the run leaves this folder (a test
-    here that comes later again starts its daemon anew)."""
+    here that comes later again starts its daemon anew), and their homes removed while no
+    test of the run has failed (as ``module_tmp``'s)."""
 
-    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, session: pytest.Session
+                 ) -> None:
         self._tmp = tmp_path_factory
+        self._session = session
         self._running: dict[str, tuple[LocalNet, Daemon]] = {}
 
     def daemon_for(self, settings: dict[str, Any]) -> Daemon:
@@ -56,6 +60,8 @@ class SharedDaemons:
         while self._running:
             net, _ = self._running.popitem()[1]
             net.down()
+            if not self._session.testsfailed:
+                shutil.rmtree(net.root, ignore_errors=True)
 
 
 SHARED = pytest.StashKey[SharedDaemons]()
@@ -65,7 +71,7 @@ SHARED = pytest.StashKey[SharedDaemons]()
 def gateway_daemons(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                     ) -> Iterator[Callable[[dict[str, Any]], Daemon]]:
     """``gateway_daemons(settings)``: the running daemon with these settings."""
-    shared = request.config.stash[SHARED] = SharedDaemons(tmp_path_factory)
+    shared = request.config.stash[SHARED] = SharedDaemons(tmp_path_factory, request.session)
     yield shared.daemon_for
     shared.stop_all()
 

@@ -8,7 +8,7 @@ and both /health and the page have to say so.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -32,8 +32,8 @@ READY_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNet, str]]:
-    net = LocalNet(tmp_path_factory.mktemp("dashboard"), len(PLACEMENT))
+def swarm(module_tmp: Callable[[str], Path]) -> Iterator[tuple[LocalNet, str]]:
+    net = LocalNet(module_tmp("dashboard"), len(PLACEMENT))
     try:
         previous = ""
         for node, pins in zip(net.nodes, PLACEMENT, strict=True):

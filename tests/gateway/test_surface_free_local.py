@@ -6,7 +6,7 @@ every address, where it answers to any name (real daemons on the local chain, bo
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -47,16 +47,16 @@ def paid_gateway(root: Path, **settings: Any) -> Iterator[tuple[LocalNode, str]]
 
 
 @pytest.fixture(scope="module")
-def free_local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNode, str]]:
+def free_local(module_tmp: Callable[[str], Path]) -> Iterator[tuple[LocalNode, str]]:
     """free_local set on by hand (a warned-of choice on a gateway listening on 0.0.0.0)."""
-    with paid_gateway(tmp_path_factory.mktemp("free"), **{"settlement.free_local": True}) as g:
+    with paid_gateway(module_tmp("free"), **{"settlement.free_local": True}) as g:
         yield g
 
 
 @pytest.fixture(scope="module")
-def public(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNode, str]]:
+def public(module_tmp: Callable[[str], Path]) -> Iterator[tuple[LocalNode, str]]:
     """free_local left unset ("auto") on a gateway listening on 0.0.0.0."""
-    with paid_gateway(tmp_path_factory.mktemp("public")) as g:
+    with paid_gateway(module_tmp("public")) as g:
         yield g
 
 

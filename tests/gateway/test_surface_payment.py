@@ -3,7 +3,8 @@ its quote (a real daemon on the local chain)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,9 +24,9 @@ READY_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def paid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalNet, str]]:
+def paid(module_tmp: Callable[[str], Path]) -> Iterator[tuple[LocalNet, str]]:
     """A one-node network on the local chain whose gateway charges even this machine."""
-    net = LocalNet(tmp_path_factory.mktemp("paid"), 1, chain=True, settings={
+    net = LocalNet(module_tmp("paid"), 1, chain=True, settings={
         "market.model": str(bundled_path()), "market.memory_budget_mb": 200,
         "market.target_replicas": 1, "market.heartbeat_s": 1.0, "market.enroll_delay_s": 0.0,
         "compute.threads": 1, "gateway.local": True, "settlement.free_local": False})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -42,8 +42,8 @@ print(json.dumps([llm.embed(t, normalize=True) for t in json.loads(sys.stdin.rea
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with LocalNet(tmp_path_factory.mktemp("net"), 3, chain=True) as net:
+def gateway(module_tmp: Callable[[str], Path]) -> Iterator[str]:
+    with LocalNet(module_tmp("net"), 3, chain=True) as net:
         serve_model(net, bundled_path())
         net.up()
         yield wait_served(net)

@@ -118,9 +118,9 @@ def wait_until(what: str, predicate: Callable[[], Any], timeout: float,
 
 
 @pytest.fixture(scope="module")
-def network(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Daemon]]:
+def network(module_tmp: Callable[[str], Path]) -> Iterator[list[Daemon]]:
     """A serving the bundled model, then B and C joining it one after the other."""
-    root = tmp_path_factory.mktemp("goodbye")
+    root = module_tmp("goodbye")
     a = Daemon(root, "a", "bundled:smollm2", 64)
     daemons = [a]
     try:

@@ -53,8 +53,8 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_killed_delta_net_stage_is_replaced_and_the_output_is_unchanged(
         localnet: Callable[..., LocalNet], hybrid: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    one = LocalNet(tmp_path_factory.mktemp("one"), 1)
+        module_tmp: Callable[[str], Path]) -> None:
+    one = LocalNet(module_tmp("one"), 1)
     with one:
         start(lambda n: one, hybrid, [["head", *units(0, N_LAYER)]])
         reference = run(one.nodes[0])

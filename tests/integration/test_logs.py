@@ -10,7 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,10 +93,10 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(module_tmp: Callable[[str], Path]) -> Iterator[Served]:
     """One daemon serving the bundled model: wait for health, serve a chat completion with an
     API key and a query string, ask the admin API, stop it."""
-    root = tmp_path_factory.mktemp("logs")
+    root = module_tmp("logs")
     settings = {"market.model": str(bundled_path()), "market.memory_budget_mb": 200,
                 "market.target_replicas": 1, "market.heartbeat_s": 1.0,
                 "market.enroll_delay_s": 0.0, "compute.threads": 1, "gateway.local": True}

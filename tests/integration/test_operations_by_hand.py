@@ -103,8 +103,8 @@ class Swarm:
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
-    root = tmp_path_factory.mktemp("by-hand")
+def swarm(module_tmp: Callable[[str], Path]) -> Iterator[Swarm]:
+    root = module_tmp("by-hand")
     base = {name: port_base() for name in "abc"}
     a_id = init(root / "a", "--port-base", str(base["a"]))
     a_join = f"/ip4/127.0.0.1/tcp/{base['a']}/p2p/{a_id}"
@@ -190,9 +190,9 @@ class Lone:
 
 
 @pytest.fixture(scope="module")
-def lone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lone]:
+def lone(module_tmp: Callable[[str], Path]) -> Iterator[Lone]:
     """One node made with `init --model FILE --budget 100M`, run on a terminal (a pty)."""
-    root = tmp_path_factory.mktemp("lone")
+    root = module_tmp("lone")
     model = make_model(root / "model.gguf", arch="qwen3", n_layer=2, dtype="q8_0")
     home = root / "home"
     init(home, "--port-base", str(port_base()), "--model", str(model), "--budget", "100M")

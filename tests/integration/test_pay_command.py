@@ -12,14 +12,14 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import trio
-
 from handbuilt import HandBuilt, hand_built, kvasird
+
 from kvasird.localnet.demo import SYSTEM
 from kvasird.localnet.placement import pinned
 from kvasird.model.bundled import bundled_path
@@ -44,8 +44,8 @@ def holding(pins: list[str], model: str) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HandBuilt]:
-    built = hand_built(tmp_path_factory.mktemp("handbuilt"))
+def net(module_tmp: Callable[[str], Path]) -> Iterator[HandBuilt]:
+    built = hand_built(module_tmp("handbuilt"))
     try:
         model_id = Manifest.from_gguf(bundled_path()).model_id
         a = built.add_node(stake_kvr=101_000, **{**holding(["head", "layers:0-28"],

@@ -7,6 +7,7 @@ start, not to the one it would otherwise take."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -43,8 +44,8 @@ def client_of(net: LocalNet, index: int) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def ring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNet]:
-    net = LocalNet(tmp_path_factory.mktemp("ring"), 3)
+def ring(module_tmp: Callable[[str], Path]) -> Iterator[LocalNet]:
+    net = LocalNet(module_tmp("ring"), 3)
     with net:
         yield start(lambda n: net, bundled_path(), [["head", "layers:0-10"], ["layers:10-20"],
                                                    ["layers:20-30"]])

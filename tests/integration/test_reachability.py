@@ -257,13 +257,13 @@ class Relayed:
 
 
 @pytest.fixture(scope="module")
-def relayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relayed]:
+def relayed(module_tmp: Callable[[str], Path]) -> Iterator[Relayed]:
     from test_swarm import settings
 
     from kvasird.model.bundled import bundled_path
 
     model = bundled_path()
-    net = LocalNet(tmp_path_factory.mktemp("relayed"), 3)
+    net = LocalNet(module_tmp("relayed"), 3)
     relay, a, c = net.nodes
     private = {"p2p.announce": [f"/ip4/127.0.0.1/tcp/{free_port()}"], "p2p.peer_exchange": False,
                "p2p.dht": False, "p2p.relay_reservations": 1, "inference.lanes": False}

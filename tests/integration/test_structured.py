@@ -7,7 +7,8 @@ function call round trip; n = 3; an OpenAI Agents SDK agent running a tool-using
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -52,9 +53,9 @@ def schemas() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def gateway(module_tmp: Callable[[str], Path]) -> Iterator[str]:
     """The gateway URL of a 3-node ring of the bundled model."""
-    net = LocalNet(tmp_path_factory.mktemp("ring"), len(PLACEMENT))
+    net = LocalNet(module_tmp("ring"), len(PLACEMENT))
     with net:
         start(lambda n: net, bundled_path(), PLACEMENT)
         yield net.nodes[0].status()["gateway"]

@@ -124,9 +124,9 @@ def bundled() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(bundled: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+def reference(bundled: Path, module_tmp: Callable[[str], Path]) -> list[list[int]]:
     """Greedy tokens of one daemon holding the whole bundled model."""
-    net = LocalNet(tmp_path_factory.mktemp("one"), 1)
+    net = LocalNet(module_tmp("one"), 1)
     with net:
         start(lambda n: net, bundled, [["head", "layers:0-30"]])
         return [generate(net.nodes[0], p) for p in PROMPTS]
@@ -224,8 +224,8 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def moe_reference(moe: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    net = LocalNet(tmp_path_factory.mktemp("moe-one"), 1)
+def moe_reference(moe: Path, module_tmp: Callable[[str], Path]) -> list[list[int]]:
+    net = LocalNet(module_tmp("moe-one"), 1)
     with net:
         start(lambda n: net, moe, [["head", f"layers:0-{MOE_LAYERS}", *experts(0, MOE_EXPERTS)]])
         return [generate(net.nodes[0], p) for p in MOE_PROMPTS]
@@ -358,13 +358,13 @@ def test_a_stage_with_its_own_copy_of_the_experts_sends_them_out_only_when_told_
 # --- one three-stage ring for the last tests (kept until the module ends) ------------
 
 @pytest.fixture(scope="module")
-def ring(bundled: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNet]:
+def ring(bundled: Path, module_tmp: Callable[[str], Path]) -> Iterator[LocalNet]:
     """Three stages of ten layers each, shared by the tests that leave every stage running.
     Their steps batch however short they compute ([inference] batch_min_ms 0: the
     bundled model's hops take ~2 ms, under the default), each hop every session stepping
     there (batch_pipelined false: with the default, a hop whose sessions are away for over
     five times its compute, as the gateway's first hop on a busy machine, batches none)."""
-    net = LocalNet(tmp_path_factory.mktemp("ring"), 3)
+    net = LocalNet(module_tmp("ring"), 3)
     with net:
         yield start(lambda n: net, bundled, [["head", "layers:0-10"], ["layers:10-20"],
                                              ["layers:20-30"]],

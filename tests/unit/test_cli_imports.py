@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -46,8 +46,8 @@ def test_version_loads_nothing_heavy(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNet]:
-    with LocalNet(tmp_path_factory.mktemp("net"), 1,
+def node(module_tmp: Callable[[str], Path]) -> Iterator[LocalNet]:
+    with LocalNet(module_tmp("net"), 1,
                   settings={"gateway.enabled": False}) as net:
         net.up()
         yield net
