@@ -233,6 +233,32 @@ async def test_where_no_guess_pays_a_step_still_guesses_now_and_then_less_and_le
     assert len(await guesses(200)) <= 1  # the next generation does not start over at 16
 
 
+async def test_a_draft_far_behind_reads_beside_the_steps_and_then_guesses(model: Path) -> None:
+    """After steps without guesses the draft model has a stretch of history to read: a
+    probe due then does not hold its step up while it reads (it went plain), the draft
+    reads it in the nursery, and the probe, still due, guesses once it has read."""
+    draft = DraftModel(str(model), None, threads=1)
+    est = Estimates(accepted=60, examined=100, t1=0.030, t_row=0.028, probe_every=1)
+    spec = Speculator("draft", est, draft, 0)
+    history = [*PROMPT, *range(40, 80)]  # 40 tokens past what it read, more than MAX_K + 1
+    try:
+        async with trio.open_nursery() as nursery:
+            spec.prepare(nursery, PROMPT)
+            spec.steps = 1  # past the first step, which goes plain (and timed) anyway
+            plain = 0
+            with trio.fail_after(60):  # the steps go on while the draft reads
+                while not (guesses := await spec.guess(history, 64)):
+                    plain += 1
+                    assert est.probe_every == 1  # the probe stays due
+                    await trio.sleep(0.01)
+            assert plain >= 1 and len(guesses) == 1
+            assert est.probe_every == 2 and spec.session is not None
+            assert spec.session.behind(history) == 0
+        await spec.aclose()
+    finally:
+        draft.close()
+
+
 def test_a_draft_caught_up_with_the_prompt_guesses_what_one_fed_at_its_first_guess_does(
     model: Path,
 ) -> None:
