@@ -16,6 +16,7 @@ from kvasird.compute.sampling import SamplingParams
 from kvasird.compute.stage import Stage, generate
 from kvasird.config import InferenceConfig
 from kvasird.inference.api import GenerationRequest, ModelInfo, Sampling, TokenEvent
+from kvasird.inference.client import speculate
 from kvasird.inference.client.routing import Fitness, Latency
 from kvasird.inference.client.speculate import (
     DraftModel,
@@ -255,6 +256,30 @@ async def test_a_draft_far_behind_reads_beside_the_steps_and_then_guesses(model:
             assert est.probe_every == 2 and spec.session is not None
             assert spec.session.behind(history) == 0
         await spec.aclose()
+    finally:
+        draft.close()
+
+
+def test_a_guess_costs_the_last_tokens_share_of_the_history_it_had_not_read(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokens of steps without guesses, read with a guess, are not the guess's cost
+    (counted whole, they turned the draft off on a 20 ms ring): a clock that a forward
+    moves 1 ms a token."""
+    draft = DraftModel(str(model), None, threads=1)
+    clock = [0.0]
+    forward = draft.stage.forward
+
+    def timed(session: Any, ids: np.ndarray, start: int) -> np.ndarray:
+        clock[0] += 0.001 * len(ids)
+        return forward(session, ids, start)
+
+    monkeypatch.setattr(draft.stage, "forward", timed)
+    monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
+    try:
+        session = draft.open()
+        session.catch_up(PROMPT)
+        assert session.guess([*PROMPT, *range(40, 56)], 1)[1] == pytest.approx(0.001)
+        assert session.guess([*PROMPT, *range(40, 57)], 3)[1] == pytest.approx(0.003)
     finally:
         draft.close()
 
